@@ -1,0 +1,175 @@
+"""Input validation for the public functions, and the normalized call every backend receives.
+
+All argument checking lives here, so that every backend (torch reference, Triton, CUDA) sees the
+same, already-validated description of a call and the error messages are the same whatever the
+backend. The visibility rule of ../SPEC.md is reduced to four numbers a kernel needs:
+
+    key j is visible to query i  iff  pos(i) - left <= j <= pos(i) + right,
+                                      pos(i) = i + offset,  offset = Lk - Lq   (bottom-right)
+
+with ``left`` / ``right`` = -1 meaning "unbounded" (``causal=True`` is ``right = 0``), intersected
+with the optional block layout and key padding mask.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+SOFTMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _fail(kind, msg):
+    raise kind(msg)
+
+
+def check_qkv(q, k, v, fn: str):
+    """Checks shapes/dtypes/devices shared by attention and linear_attention. Returns (B, H, Hkv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            _fail(ValueError, f"{fn}: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail(TypeError, f"{fn}: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if q.dtype not in SOFTMAX_DTYPES:
+        _fail(TypeError, f"{fn}: unsupported dtype {q.dtype} for q/k/v; expected float16, bfloat16 or "
+                         "float32 (float64 is served by the torch reference only)")
+    if not (q.device == k.device == v.device):
+        _fail(ValueError, f"{fn}: q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    B, H, Lq, D = q.shape
+    Bk, Hkv, Lk, Dk = k.shape
+    Bv, Hv, Lv, Dv = v.shape
+    if not (B == Bk == Bv):
+        _fail(ValueError, f"{fn}: batch size mismatch: q has {B}, k has {Bk}, v has {Bv}")
+    if Hkv != Hv:
+        _fail(ValueError, f"{fn}: k and v must have the same number of heads, got k={Hkv}, v={Hv}")
+    if Hkv == 0 or H % Hkv != 0:
+        _fail(ValueError, f"{fn}: number of query heads H={H} must be a multiple of the key/value heads "
+                          f"Hkv={Hkv} (grouped-query attention)")
+    if Lk != Lv:
+        _fail(ValueError, f"{fn}: k and v must have the same sequence length, got k={Lk}, v={Lv}")
+    if D != Dk:
+        _fail(ValueError, f"{fn}: q and k must have the same head dim, got q={D}, k={Dk}")
+    for name, d in (("D (q/k head dim)", D), ("Dv (v head dim)", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            _fail(ValueError, f"{fn}: head dim {name}={d} out of range 1..{MAX_HEAD_DIM}")
+    return B, H, Hkv
+
+
+def normalize_window(window, causal: bool) -> Tuple[int, int]:
+    """SPEC window convention -> (left, right) with -1 = unbounded, causal folded into right."""
+    left, right = -1, -1
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, tuple, list)):
+            _fail(TypeError, f"attention: window must be an int or a (left, right) pair of ints, got {window!r}")
+        if isinstance(window, int):
+            left, right = (window, 0) if causal else (window, window)
+        else:
+            if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+                _fail(TypeError, f"attention: window must be an int or a (left, right) pair of ints, got {window!r}")
+            left, right = int(window[0]), int(window[1])
+        if left < 0 or right < 0:
+            _fail(ValueError, f"attention: window sizes must be non-negative, got window={window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+@dataclass
+class AttnCall:
+    """A validated softmax-attention call. Tensors keep the caller's strides (no copies)."""
+    q: torch.Tensor                       # (B, H, Lq, D)
+    k: torch.Tensor                       # (B, Hkv, Lk, D)
+    v: torch.Tensor                       # (B, Hkv, Lk, Dv)
+    causal: bool
+    window_left: int                      # -1: unbounded
+    window_right: int                     # -1: unbounded (causal folds in as 0)
+    layout: Optional[object]              # effattn.layouts.BlockLayout or None
+    key_padding_mask: Optional[torch.Tensor]  # bool (B, Lk), True = ignore
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+
+    @property
+    def B(self): return self.q.shape[0]
+    @property
+    def H(self): return self.q.shape[1]
+    @property
+    def Hkv(self): return self.k.shape[1]
+    @property
+    def Lq(self): return self.q.shape[2]
+    @property
+    def Lk(self): return self.k.shape[2]
+    @property
+    def D(self): return self.q.shape[3]
+    @property
+    def Dv(self): return self.v.shape[3]
+    @property
+    def offset(self): return self.Lk - self.Lq
+    @property
+    def device(self): return self.q.device
+    @property
+    def dtype(self): return self.q.dtype
+
+    def features(self):
+        """Names of the features this call uses (read by backends' capability checks and explain)."""
+        f = set()
+        if self.causal: f.add("causal")
+        if self.window_left >= 0 or (self.window_right >= 0 and not self.causal): f.add("window")
+        if self.layout is not None: f.add("layout")
+        if self.key_padding_mask is not None: f.add("key_padding_mask")
+        if self.dropout_p > 0: f.add("dropout")
+        if self.H != self.Hkv: f.add("gqa")
+        if self.Lq != self.Lk: f.add("lq_ne_lk")
+        if self.D != self.Dv: f.add("dv_ne_d")
+        if self.return_lse: f.add("return_lse")
+        return f
+
+
+def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
+                   scale=None, dropout_p=0.0, return_lse=False) -> AttnCall:
+    B, H, Hkv = check_qkv(q, k, v, "attention")
+    Lq, Lk = q.shape[2], k.shape[2]
+    if not isinstance(causal, bool):
+        _fail(TypeError, f"attention: causal must be a bool, got {causal!r}")
+    left, right = normalize_window(window, causal)
+    if layout is not None:
+        from .layouts import BlockLayout
+        if not isinstance(layout, BlockLayout):
+            _fail(TypeError, f"attention: layout must be an effattn.layouts.BlockLayout, got {type(layout).__name__}")
+        bs = layout.block_size
+        want = (math.ceil(Lq / bs), math.ceil(Lk / bs))
+        lh, nqb, nkb = layout.mask.shape
+        if (nqb, nkb) != want or lh not in (1, H):
+            _fail(ValueError, f"attention: layout has shape {tuple(layout.mask.shape)} (block {bs}); expected "
+                              f"(1 or H={H}, ceil(Lq/{bs})={want[0]}, ceil(Lk/{bs})={want[1]})")
+        if layout.mask.device != q.device:
+            layout = layout.to(q.device)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            _fail(TypeError, "attention: key_padding_mask must be a bool tensor of shape (B, Lk)")
+        if key_padding_mask.dtype != torch.bool:
+            _fail(TypeError, f"attention: key_padding_mask must have dtype torch.bool (True = ignore), got "
+                             f"{key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (B, Lk):
+            _fail(ValueError, f"attention: key_padding_mask must have shape (B, Lk)=({B}, {Lk}), got "
+                              f"{tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            _fail(ValueError, f"attention: key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        _fail(TypeError, f"attention: scale must be a finite float, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    seed = None
+    if dropout_p > 0:
+        # drawn from torch's default generator so torch.manual_seed makes dropout reproducible
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
+    return AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
+                    bool(return_lse), seed)

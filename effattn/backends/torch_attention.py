@@ -1,0 +1,257 @@
+"""The torch reference backend for softmax attention: the readable definition of the math, the
+test oracle's companion and the CPU fallback.
+
+It is memory-bounded like a fused kernel, only slower: queries are processed in chunks, each chunk
+only looks at the key range some query in it may see (causal / window / layout bounds), and the
+backward pass recomputes the probabilities chunk by chunk from the saved log-sum-exp
+(FlashAttention-2, Dao 2023, Alg. 2), so extra memory is O(chunk x Lk), never O(Lq x Lk).
+
+Statistics and products accumulate in float32 (float64 for float64 inputs); outputs are cast back
+to the input dtype. GQA is served by grouping the G = H / Hkv query heads of a key/value head into
+one matmul against that head's keys: K and V are never expanded.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .base import Backend, Capabilities, register
+
+# Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
+SCORE_BUDGET = 1 << 23
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int) -> int:
+    rows = max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1)))
+    if layout_block > 0:  # whole layout blocks per chunk keep the key-range bounds tight
+        rows = max(layout_block, rows // layout_block * layout_block)
+    return min(rows, max(Lq, 1))
+
+
+def _layout_block_bounds(layout_mask: Tensor) -> Tuple[List[int], List[int]]:
+    """For each query block, the first and last key block any head may see (-1, -2 if none)."""
+    vis = layout_mask.any(0)                                    # (nqb, nkb)
+    nkb = vis.shape[1]
+    idx = torch.arange(nkb, device=vis.device)
+    first = torch.where(vis, idx, nkb).amin(1)
+    last = torch.where(vis, idx, -1).amax(1)
+    first = torch.where(first == nkb, -1, first)
+    last = torch.where(last == -1, -2, last)
+    return first.tolist(), last.tolist()
+
+
+class _Plan:
+    """The chunks of a call and, for each, the key range [k0, k1) its queries may see."""
+
+    def __init__(self, B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block):
+        self.rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0)
+        offset = Lk - Lq
+        if layout_mask is not None:
+            first, last = _layout_block_bounds(layout_mask)
+        self.chunks = []
+        for i0 in range(0, Lq, self.rows):
+            i1 = min(i0 + self.rows, Lq)
+            k0 = 0 if window_left < 0 else max(0, i0 + offset - window_left)
+            k1 = Lk if window_right < 0 else min(Lk, i1 - 1 + offset + window_right + 1)
+            if layout_mask is not None:
+                qb0, qb1 = i0 // layout_block, (i1 - 1) // layout_block
+                fs = [f for f in first[qb0:qb1 + 1] if f >= 0]
+                if not fs:
+                    k1 = k0
+                else:
+                    k0 = max(k0, min(fs) * layout_block)
+                    k1 = min(k1, (max(last[qb0:qb1 + 1]) + 1) * layout_block)
+            self.chunks.append((i0, i1, k0, max(k0, k1)))
+
+
+def _visible(i0, i1, k0, k1, offset, window_left, window_right, layout_mask, layout_block,
+             key_padding_mask, device) -> Optional[Tensor]:
+    """Boolean mask broadcastable to (B, H, i1-i0, k1-k0) of visible (query, key) pairs, or None
+    when every pair in the block is visible."""
+    pos = torch.arange(i0, i1, device=device)[:, None] + offset
+    key = torch.arange(k0, k1, device=device)[None, :]
+    mask = None
+    if window_left >= 0:
+        mask = key >= pos - window_left
+    if window_right >= 0:
+        m = key <= pos + window_right
+        mask = m if mask is None else mask & m
+    if layout_mask is not None:
+        qb = torch.arange(i0, i1, device=device) // layout_block
+        kb = torch.arange(k0, k1, device=device) // layout_block
+        m = layout_mask[:, qb][:, :, kb][None]                   # (1, Hl, rows, keys)
+        mask = m if mask is None else mask & m
+    if key_padding_mask is not None:
+        m = ~key_padding_mask[:, None, None, k0:k1]              # (B, 1, 1, keys)
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def _dropout_keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
+    """Keep-mask of one chunk, drawn from a generator seeded by (call seed, chunk start) so that
+    backward regenerates exactly the forward's mask."""
+    s0, s1 = (int(x) for x in seed.tolist())
+    g = torch.Generator(device=device)
+    g.manual_seed((s0 * 1_000_003 + s1 * 7919 + i0) % (2**63 - 1))
+    return torch.rand(shape, generator=g, device=device) >= p
+
+
+def _scores(q, k, i0, i1, k0, k1, scale, cdt, G):
+    """Scaled scores of query rows [i0, i1) against keys [k0, k1): (B, H, rows, keys)."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
+    kc = k[:, :, k0:k1].to(cdt)
+    s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)
+    return s.view(B, H, i1 - i0, k1 - k0), qc, kc
+
+
+def _grouped(x: Tensor, Hkv: int) -> Tensor:
+    """(B, H, rows, n) -> (B, Hkv, G*rows, n): the query heads of a kv head side by side."""
+    B, H, r, n = x.shape
+    return x.reshape(B, Hkv, (H // Hkv) * r, n)
+
+
+def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
+                      window_left, window_right) -> Tuple[Tensor, Tensor]:
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G, cdt = H // Hkv, _compute_dtype(q.dtype)
+    out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
+    plan = _Plan(B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block)
+    for i0, i1, k0, k1 in plan.chunks:
+        if k1 <= k0:
+            continue                                             # no visible key: 0 and -inf
+        s, _, _ = _scores(q, k, i0, i1, k0, k1, scale, cdt, G)
+        mask = _visible(i0, i1, k0, k1, Lk - Lq, window_left, window_right, layout_mask, layout_block,
+                        key_padding_mask, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: exp(-inf - 0) = 0
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)        # log(0) = -inf for empty rows
+        p = p / torch.where(l > 0, l, torch.ones_like(l))
+        if dropout_p > 0:
+            p = p * _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+        o = torch.matmul(_grouped(p, Hkv), v[:, :, k0:k1].to(cdt))
+        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
+    return out, lse.to(torch.float32) if cdt == torch.float32 else lse
+
+
+def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
+                       seed, scale, dropout_p, window_left, window_right) -> Tuple[Tensor, Tensor, Tensor]:
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G, cdt = H // Hkv, _compute_dtype(q.dtype)
+    dq = torch.zeros(B, H, Lq, D, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(B, Hkv, Lk, D, dtype=cdt, device=q.device)
+    dv = torch.zeros(B, Hkv, Lk, Dv, dtype=cdt, device=q.device)
+    # Delta_i = sum_j P_ij dP_ij = rowsum(dO * O); a gradient into lse enters as dS += dlse * P.
+    delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(cdt)
+    lse = lse.to(cdt)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    plan = _Plan(B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block)
+    for i0, i1, k0, k1 in plan.chunks:
+        if k1 <= k0:
+            continue
+        s, qc, kc = _scores(q, k, i0, i1, k0, k1, scale, cdt, G)
+        mask = _visible(i0, i1, k0, k1, Lk - Lq, window_left, window_right, layout_mask, layout_block,
+                        key_padding_mask, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        p = torch.exp(s - lse_safe[:, :, i0:i1, None])           # masked and empty rows give 0
+        vc = v[:, :, k0:k1].to(cdt)
+        do = grad_out[:, :, i0:i1].to(cdt)
+        dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
+        if dropout_p > 0:
+            keep = _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            pd, dp = p * keep, dp * keep
+        else:
+            pd = p
+        dv[:, :, k0:k1] += torch.matmul(_grouped(pd, Hkv).transpose(-1, -2), _grouped(do, Hkv))
+        ds = p * (dp - delta[:, :, i0:i1, None])
+        dsg = _grouped(ds, Hkv)
+        dq[:, :, i0:i1] = (torch.matmul(dsg, kc) * scale).view(B, H, i1 - i0, D).to(q.dtype)
+        dk[:, :, k0:k1] += torch.matmul(dsg.transpose(-1, -2), qc) * scale
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (the chunk plan reads layout data), with fake
+# (meta) implementations for tracing and an autograd formula that calls the backward op.
+
+@torch.library.custom_op("effattn::ref_attention_fwd", mutates_args=())
+def ref_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                      key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
+                      dropout_p: float, window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
+    return attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
+                             window_left, window_right)
+
+
+@ref_attention_fwd.register_fake
+def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left, window_right):
+    B, H, Lq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=lse_dtype)
+
+
+@torch.library.custom_op("effattn::ref_attention_bwd", mutates_args=())
+def ref_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                      out: Tensor, lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                      key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
+                      dropout_p: float, window_left: int, window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block,
+                              key_padding_mask, seed, scale, dropout_p, window_left, window_right)
+
+
+@ref_attention_bwd.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, wl, wr = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
+    ctx.static = (layout_block, scale, dropout_p, wl, wr)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
+    layout_block, scale, dropout_p, wl, wr = ctx.static
+    dq, dk, dv = ref_attention_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask,
+                                   layout_block, kpm, seed, scale, dropout_p, wl, wr)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run(call):
+    lm = call.layout.mask if call.layout is not None else None
+    lb = call.layout.block_size if call.layout is not None else 0
+    return ref_attention_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.seed, call.scale,
+                             call.dropout_p, call.window_left, call.window_right)
+
+
+BACKEND = register(Backend(
+    name="torch", op="attention", priority=100,
+    caps=Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        max_head_dim=256,
+        features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
+                            "dv_ne_d", "return_lse"})),
+    run=_run))

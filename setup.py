@@ -1,0 +1,73 @@
+"""effattn's build.
+
+Pure Python by default: the package runs on the torch reference backend and on Triton. The CUDA
+extension (`effattn._C`, sources in csrc/) is built only when the torch found at build time is a
+CUDA build and nvcc is present (so install torch first and pass --no-build-isolation), and the
+kernel sources exist. Set EFFATTN_BUILD_CUDA=0 to force a pure-Python install, =1 to make a missing
+toolchain an error instead of a silent pure-Python install.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cuda_build():
+    """(ext_modules, cmdclass) for the CUDA extension, or ([], {}) with the reason printed."""
+    want = os.environ.get("EFFATTN_BUILD_CUDA", "auto")
+    if want == "0":
+        return [], {}
+    kernels = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    bindings = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    why = None
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        why = "torch is not importable at build time (install torch first, use --no-build-isolation)"
+    else:
+        if torch.version.cuda is None:
+            why = "the installed torch is a CPU build"
+        elif CUDA_HOME is None:
+            why = "nvcc / CUDA_HOME not found"
+        elif not kernels:
+            why = "no CUDA kernel sources in csrc/"
+    if why:
+        if want == "1":
+            raise RuntimeError(f"EFFATTN_BUILD_CUDA=1 but the CUDA extension cannot be built: {why}")
+        print(f"effattn: building without the CUDA extension: {why}")
+        return [], {}
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    nvcc = ["-O3", "--use_fast_math", "-std=c++17", "--expt-relaxed-constexpr"]
+    if not arch:
+        nvcc += ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
+    ext = CUDAExtension("effattn._C", kernels + bindings, include_dirs=[os.path.join(HERE, "csrc")],
+                        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc})
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_build()
+
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="effattn",
+    version="0.1.0",
+    description="Fused efficient attention for PyTorch: dense, causal, sliding-window, block-sparse and "
+                "linear attention in Triton and CUDA, with drop-in nn.Module layers",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["effattn", "effattn.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "bench": ["matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-benchmark", "triton>=3.0", "numpy", "matplotlib", "tqdm"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

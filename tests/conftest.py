@@ -1,0 +1,61 @@
+"""Shared test setup.
+
+- Without CUDA, Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before
+  triton is first imported, so it is set here, at collection time.
+- Outputs are poisoned: torch.empty / empty_like / new_empty hand out NaN-filled float tensors, so an
+  element a kernel forgets to write fails the comparison instead of passing by luck.
+- `gpu`-marked tests run only where CUDA is present.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import effattn  # noqa: E402
+from effattn.backends import base  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def attention_backends(device=DEVICE):
+    """Names of the softmax backends usable on `device` in this installation (explicitly named)."""
+    names = []
+    for b in base.backends_for("attention"):
+        if device.type in b.caps.devices and b.available(device) is None:
+            names.append(b.name)
+    return names
+
+
+_real = {"empty": torch.empty, "empty_like": torch.empty_like}
+_real_new_empty = torch.Tensor.new_empty
+
+
+def _poison(t):
+    if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.device.type != "meta":
+        t.fill_(float("nan"))
+    return t
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real["empty"](*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real["empty_like"](*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: _poison(_real_new_empty(self, *a, **k)))
+    yield

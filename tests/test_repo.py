@@ -1,0 +1,30 @@
+"""The repository keeps its promises: CI runs exactly the README's test command, and every public
+name the README shows exists."""
+import pathlib
+import re
+
+import effattn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    return [line.strip() for b in blocks for line in b.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    test_cmd = ci[-1].strip()
+    assert "pytest" in test_cmd
+    assert test_cmd in _readme_commands(), f"README.md does not give CI's test command: {test_cmd}"
+    assert any(line.startswith("python3 -m pip install -q torch==2.13.0") for line in ci)
+
+
+def test_readme_names_exist():
+    text = (ROOT / "README.md").read_text()
+    for name in set(re.findall(r"effattn\.([A-Za-z_]\w*)\(", text)):
+        assert hasattr(effattn, name), f"README uses effattn.{name}, which does not exist"
+    for mod, name in set(re.findall(r"effattn\.(layouts|nn)\.([A-Za-z_]\w*)", text)):
+        assert hasattr(getattr(effattn, mod), name), f"README uses effattn.{mod}.{name}, which does not exist"
