@@ -100,8 +100,9 @@ def make_linear_call(q, k, v, *, causal=False, feature_map="elu", normalize=True
             if not t.is_floating_point():
                 raise TypeError(f"{FN}: initial_state {nm} must be a floating tensor, got {t.dtype}")
             if tuple(t.shape) != want:
-                raise ValueError(f"{FN}: initial_state {nm} must have shape {want} (B, H, F{', Dv' if nm == 'S0' else ''}) "
-                                 f"with F={Fdim} features, got {tuple(t.shape)}")
+                dims = "(B, H, F, Dv)" if nm == "S0" else "(B, H, F)"
+                raise ValueError(f"{FN}: initial_state {nm} must have shape {want} {dims} with F={Fdim} "
+                                 f"features, got {tuple(t.shape)}")
             if t.device != q.device:
                 raise ValueError(f"{FN}: initial_state {nm} is on {t.device}, q on {q.device}")
         initial_state = (S0, z0)

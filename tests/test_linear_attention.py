@@ -237,19 +237,16 @@ def test_initial_state_per_query_head_and_its_gradient(causal):
     # the same thing spelled as one dense call per query head over [previous keys; current keys]
     kk = torch.cat([kp, k.repeat_interleave(2, 1)], 2)
     vv = torch.cat([vp, v.repeat_interleave(2, 1)], 2)
-    if causal:  # previous keys visible to all: bottom-right alignment with Lk = Lp + L does exactly that
-        ref2 = oracle(q, kk, vv, phi, causal=True, normalize=True)
-    else:
-        ref2 = oracle(q, kk, vv, phi, causal=False, normalize=True)
+    # causal: bottom-right alignment with Lk = Lp + L makes the previous keys visible to every query
+    ref2 = oracle(q, kk, vv, phi, causal=causal, normalize=True)
     torch.testing.assert_close(out, ref2, rtol=1e-9, atol=1e-10)
     S_ref, z_ref = oracle_state(k, v, phi, H, S0, z0)
-    torch.testing.assert_close(S, S_ref), torch.testing.assert_close(z, z_ref)
+    torch.testing.assert_close(S, S_ref)
+    torch.testing.assert_close(z, z_ref)
 
-    dout = torch.randn_like(out)
-    dS, dz = torch.randn_like(S), torch.randn_like(z)
-    loss_args = ((out, S, z), (dout, dS, dz))
-    g = torch.autograd.grad(loss_args[0], (q, S0, z0), loss_args[1])
-    g_ref = torch.autograd.grad((ref, S_ref, z_ref), (q, S0, z0), loss_args[1])
+    douts = (torch.randn_like(out), torch.randn_like(S), torch.randn_like(z))
+    g = torch.autograd.grad((out, S, z), (q, S0, z0), douts)
+    g_ref = torch.autograd.grad((ref, S_ref, z_ref), (q, S0, z0), douts)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
