@@ -22,6 +22,11 @@ SOFTMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of every backend: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _fail(kind, msg):
     raise kind(msg)
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._call import compute_dtype as _compute_dtype
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 
 def elu_feature_map(x: Tensor) -> Tensor:

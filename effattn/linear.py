@@ -21,14 +21,13 @@ from torch import Tensor
 from ._call import check_qkv
 from .backends.base import Backend, Capabilities, register, select
 from .feature_maps import FavorFeatures, feature_map_name, resolve_feature_map, NAMED_FEATURE_MAPS
+from ._call import compute_dtype as _compute_dtype
 
 FN = "linear_attention"
 CHUNK = 64                       # positions per chunk in the causal reference
 LINEAR_FEATURES = frozenset({"causal", "gqa", "state", "no_normalize"})
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass

@@ -110,13 +110,13 @@ def naive_in(dtype, q, k, v, kwargs):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d).replace('torch.', '')}") for b in BACKENDS
+                  for d in dtypes_for(b)]
+
+
 @pytest.mark.parametrize("case_id", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
-                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES)
 def test_matches_oracle(backend, case_id, dtype):
-    if dtype not in dtypes_for(backend):
-        pytest.skip(f"{backend} does not serve {dtype}")
     skip_unsupported(backend, dtype)
     q, k, v, kwargs = make_inputs(CASES[case_id], dtype, transposed=case_id.startswith("gqa"))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -286,6 +286,10 @@ def test_explain_reports_every_backend():
     assert set(ex.reasons) >= {"torch", "triton", "cuda"} and not ex.can_serve("cuda")
     text = str(ex)
     assert "picks torch" in text and "cuda" in text
+    lin = effattn.explain(q, k, v, op="linear_attention", causal=True, feature_map="relu")
+    assert lin.op == "linear_attention" and lin.chosen == "torch" and "linear_attention" in str(lin)
+    with pytest.raises(ValueError, match="op must be"):
+        effattn.explain(q, k, v, op="softmax")
     ex64 = effattn.explain(q.double(), k.double(), v.double())
     if "triton" in BACKENDS:
         assert not ex64.can_serve("triton") and any("float64" in r for r in ex64.reasons["triton"])

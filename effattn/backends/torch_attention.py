@@ -19,13 +19,12 @@ import torch
 from torch import Tensor
 
 from .base import Backend, Capabilities, register
+from .._call import compute_dtype as _compute_dtype
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23
 
 
-def _compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int) -> int:
