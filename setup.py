@@ -66,7 +66,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-benchmark", "triton>=3.0", "numpy", "matplotlib", "tqdm"],
+        "hf": ["transformers>=4.56"],
+        "test": ["pytest", "pytest-benchmark", "triton>=3.0", "numpy", "matplotlib", "tqdm", "transformers>=4.56"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

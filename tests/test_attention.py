@@ -305,6 +305,12 @@ def test_opcheck_reference_ops():
     lm = torch.rand(4, 2, 2) < 0.7
     torch.library.opcheck(ref_attention_fwd, (q, k, v, lm, 16, kpm, None, 0.3, 0.0, 4, 0))
     torch.library.opcheck(ref_attention_fwd, (q, k, v, None, 0, None, torch.tensor([3, 4]), 0.3, 0.2, -1, -1))
+    # non-contiguous (B, L, H, D) views: fake and real outputs must agree on strides too
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(ref_attention_fwd, (qt, kt, vt, None, 0, None, None, 0.3, 0.0, -1, 0))
+    out, lse = ref_attention_fwd(qt, kt, vt, None, 0, None, None, 0.3, 0.0, -1, 0)
+    torch.library.opcheck(ref_attention_bwd, (torch.randn_like(out), None, qt.detach(), kt.detach(), vt.detach(),
+                                              out.detach(), lse.detach(), None, 0, None, None, 0.3, 0.0, -1, 0))
     out, lse = ref_attention_fwd(q, k, v, None, 0, None, None, 0.3, 0.0, -1, 0)
     args = (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
             None, 0, None, None, 0.3, 0.0, -1, 0)

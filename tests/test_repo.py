@@ -24,7 +24,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_names_exist():
     text = (ROOT / "README.md").read_text()
-    for name in set(re.findall(r"effattn\.([A-Za-z_]\w*)\(", text)):
+    for name in set(re.findall(r"(?<![\w.])effattn\.([A-Za-z_]\w*)\(", text)):
         assert hasattr(effattn, name), f"README uses effattn.{name}, which does not exist"
     for mod, name in set(re.findall(r"effattn\.(layouts|nn)\.([A-Za-z_]\w*)", text)):
         assert hasattr(getattr(effattn, mod), name), f"README uses effattn.{mod}.{name}, which does not exist"

@@ -217,7 +217,8 @@ def ref_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k
 
 @ref_attention_bwd.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous like the real op's gradients, whatever the inputs' strides
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,180 @@
+"""effattn as a Hugging Face transformers attention implementation: ``attn_implementation="effattn"``.
+
+    >>> import effattn.integrations.huggingface as hf_effattn
+    >>> hf_effattn.register()
+    >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="effattn")
+
+How a call is served. transformers hands the attention function ``query (B, H, L, D)``, ``key`` /
+``value (B, Hkv, S, D)`` (not repeated for grouped-query attention: effattn reads them as they are),
+an ``attention_mask`` and keyword arguments (``scaling``, ``dropout``, ``is_causal``,
+``sliding_window``, ``softcap``, ...). For ``attn_implementation="effattn"`` the mask is built by
+transformers' own SDPA mask function (registered under the same name with ``AttentionMaskInterface``
+where that exists): a 4-D bool mask, or ``None`` when a plain causal / bidirectional mask without
+padding suffices. Then:
+
+- ``None``: the fused kernel with ``causal`` (the module's ``is_causal`` unless the call overrides it)
+  and ``window`` from ``sliding_window`` (keys ``i - sliding_window + 1 .. i`` when causal, as
+  transformers' sliding masks; ``|i - j| <= sliding_window`` otherwise).
+- a mask: effattn reads it once. Keys that no query may see are taken as padding; if the mask
+  equals "causal/window structure AND NOT padding" exactly, the fused kernel runs with that key
+  padding mask. Anything else (packed sequences, image-token bidirectional blocks, a static cache's
+  prefill, non-binary float masks, ...) takes the **dense fallback**: a softmax over the materialized
+  ``(L, S)`` scores, the same math as the eager implementation, O(L^2) memory. ``softcap`` (Gemma 2)
+  always takes the dense fallback.
+
+Which path ran is counted in :data:`stats` (``"fused"``, ``"dense: <why>"``) and each fallback reason
+is logged once at DEBUG level on the ``effattn.integrations.huggingface`` logger. Reading the mask is
+a device sync and, under ``torch.compile``, a graph break.
+
+Differences from ``"eager"``: a query row that may see no key at all (a left-padding position in a
+causal model) outputs 0 where eager outputs the mean of all values; such rows are padding, and no
+real token reads them. Attention weights are never returned (``output_attentions`` gives ``None``,
+as with ``"sdpa"``). Attention sinks (``s_aux``, gpt-oss) are not supported and raise.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..functional import attention
+from ..nn.attention import dense_attention, structural_visibility
+
+logger = logging.getLogger(__name__)
+
+NAME = "effattn"
+#: how many calls took each path since import: ``"fused"`` or ``"dense: <why>"``
+stats: collections.Counter = collections.Counter()
+_logged = set()
+
+
+def _record(path: str) -> None:
+    if torch.compiler.is_compiling():
+        return
+    stats[path] += 1
+    if path != "fused" and path not in _logged:
+        _logged.add(path)
+        logger.debug("effattn (transformers): %s path, O(L^2) dense softmax", path)
+
+
+def _window(sliding_window: Optional[int], causal: bool):
+    if not sliding_window:
+        return None
+    return (int(sliding_window) - 1, 0) if causal else (int(sliding_window), int(sliding_window))
+
+
+def _read_mask(mask: Tensor, B: int, Lq: int, Lk: int, causal: bool, window):
+    """-> ("fused", key_padding_mask or None) when ``mask`` is exactly structure & ~padding, else
+    ("dense", visible, bias, why)."""
+    if mask.dtype == torch.bool:
+        keep, bias = mask, None
+    else:
+        blocked = mask <= torch.finfo(mask.dtype).min / 2        # transformers' min value, or -inf
+        if not bool(torch.all(blocked | (mask == 0))):
+            return "dense", None, mask, "float mask with values other than 0 / min"
+        keep, bias = ~blocked, None
+    if keep.dim() != 4:
+        return "dense", keep, bias, f"{keep.dim()}-D mask"
+    pad = ~keep.any(dim=2).any(dim=1)                           # (B or 1, Lk): keys no query sees
+    struct = structural_visibility(Lq, Lk, causal=causal, window=window, layout=None, device=keep.device)
+    expected = ~pad[:, None, None, :]
+    if struct is not None:
+        expected = expected & struct[None]
+    if not bool(torch.all(keep == expected)):
+        return "dense", keep, bias, "mask is not causal/sliding-window + padding"
+    kpm = pad.expand(B, Lk) if bool(pad.any()) else None
+    return "fused", kpm
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, *, backend: str = "auto",
+                      **kwargs) -> Tuple[Tensor, None]:
+    """The function registered with transformers' ``AttentionInterface``.
+
+    Args:
+        query: ``(B, H, L, D)``; key, value ``(B, Hkv, S, D)`` / ``(B, Hkv, S, Dv)``.
+        attention_mask: 4-D ``(B or 1, 1 or H, L, S)``, bool (True = attend) or float (added), or None.
+        dropout, scaling, is_causal, sliding_window, softcap: as transformers passes them.
+
+    Returns:
+        ``(out (B, L, H, Dv), None)``.
+    """
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError("effattn: attention sinks (s_aux) are not supported; use attn_implementation="
+                                  "'eager' or 'sdpa' for this model")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    if attention_mask is not None and not isinstance(attention_mask, Tensor):
+        raise TypeError(f"effattn: attention_mask must be a tensor or None, got {type(attention_mask).__name__} "
+                        "(a flex-attention BlockMask? use the 'effattn' mask function, see register())")
+    if attention_mask is not None and attention_mask.shape[-1] > Lk:
+        attention_mask = attention_mask[..., :Lk]
+    window = _window(sliding_window, causal)
+
+    if attention_mask is None and causal and 1 < Lq < Lk:
+        # transformers' convention without a mask (a static cache's empty prefill): queries are the
+        # first Lq positions and the keys after them are unused cache slots
+        key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq
+
+    plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
+    if softcap is not None:                             # no fused soft-capping: dense, same visibility
+        if plan[0] == "fused":
+            plan = ("dense", _structure_and_padding(Lq, Lk, causal, window, plan[1], query.device), None, "softcap")
+        else:
+            plan = ("dense", plan[1], plan[2], "softcap")
+
+    if plan[0] == "fused":
+        out = attention(query, key, value, causal=causal, window=window, key_padding_mask=plan[1], scale=scaling,
+                        dropout_p=float(dropout), backend=backend)
+        _record("fused")
+    else:
+        _, visible, bias, why = plan
+        out, _ = dense_attention(query, key, value, visible=visible, bias=bias, scale=scaling,
+                                 dropout_p=float(dropout), softcap=softcap)
+        _record("dense: " + why)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _structure_and_padding(Lq, Lk, causal, window, kpm, device) -> Optional[Tensor]:
+    """bool (B or 1, 1, Lq, Lk) visibility of causal/window AND NOT key padding, or None (all visible)."""
+    vis = structural_visibility(Lq, Lk, causal=causal, window=window, layout=None, device=device)
+    vis = vis[None] if vis is not None else None
+    if kpm is not None:
+        keep = ~kpm[:, None, None, :]
+        vis = keep if vis is None else vis & keep
+    return vis
+
+
+def register(name: str = NAME, *, backend: str = "auto") -> str:
+    """Registers effattn with transformers under ``name`` (default ``"effattn"``), so that
+    ``from_pretrained(..., attn_implementation=name)`` / ``from_config(...)`` use it.
+
+    Registers the attention function with ``transformers.AttentionInterface`` and, where the installed
+    transformers has ``AttentionMaskInterface`` (4.53+), transformers' SDPA mask builder under the same
+    name (without it transformers 5 would build no mask at all for an unknown name). ``backend`` is
+    passed to :func:`effattn.attention`. Returns ``name``.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("effattn.integrations.huggingface.register needs the transformers package "
+                          "(pip install transformers)") from e
+    if backend not in ("auto", "torch", "triton", "cuda"):
+        raise ValueError(f"register: backend must be 'auto', 'torch', 'triton' or 'cuda', got {backend!r}")
+
+    def effattn_attention(module, query, key, value, attention_mask, **kwargs):
+        return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    transformers.AttentionInterface.register(name, effattn_attention)
+    try:                                   # 4.53+; before, models build their own (float) masks
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return name
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

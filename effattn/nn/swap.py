@@ -1,0 +1,101 @@
+"""`swap_attention`: put effattn under an existing model, in place, weights kept."""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from .attention import VARIANT_KEYS, MultiheadAttention, check_variant
+
+
+def _describe(m: nn.Module) -> str:
+    kind = "effattn.nn.MultiheadAttention" if isinstance(m, MultiheadAttention) else "torch.nn.MultiheadAttention"
+    parts = [str(m.embed_dim), str(m.num_heads)]
+    if not m._qkv_same_embed_dim:
+        parts.append(f"kdim={m.kdim}, vdim={m.vdim}")
+    if m.batch_first:
+        parts.append("batch_first=True")
+    if isinstance(m, MultiheadAttention):
+        for key, val in m.variant().items():
+            parts.append(f"{key}={val!r}" if isinstance(val, (str, int, tuple)) else f"{key}={type(val).__name__}")
+    return f"{kind}({', '.join(parts)})"
+
+
+def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Module], bool]] = None,
+                   **variant) -> List[Tuple[str, str]]:
+    """Replaces every ``torch.nn.MultiheadAttention`` inside ``model`` by an
+    :class:`effattn.nn.MultiheadAttention` with the same configuration, weights, device, dtype and
+    train/eval mode, and the given variant.
+
+    Args:
+        model: any ``nn.Module``; modified in place. Its attention modules are found with
+            ``named_modules``: inside ``torch.nn.TransformerEncoderLayer`` / ``DecoderLayer``,
+            ``torch.nn.Transformer``, or any custom module. A module shared by several parents stays
+            shared. effattn modules already there are rebuilt with the new variant (so a second call
+            changes the variant); subclasses of torch's class are left alone, with a warning, since
+            their ``forward`` may differ.
+        select: optional ``(qualified_name, module) -> bool``; only modules it accepts are swapped,
+            e.g. ``select=lambda name, m: name.endswith("self_attn")`` to leave cross-attention as is.
+        **variant: ``window``, ``layout``, ``linear``, ``backend`` (see
+            :class:`effattn.nn.MultiheadAttention`). None given: plain softmax attention, and the
+            model's outputs are unchanged up to rounding.
+
+    Returns:
+        A list of ``(qualified_name, "old -> new")`` descriptions, one per swapped module.
+
+    Raises:
+        TypeError: an unknown variant key.
+        ValueError: an impossible variant (negative window, ``linear`` with ``window``, ``linear`` on a
+            module with ``add_bias_kv``, ...). Nothing is swapped then: all replacements are built
+            before any is installed.
+
+    torch's own fused inference paths stay correct: ``TransformerEncoderLayer``'s fast path (which
+    would read the weights and bypass the attention module) is disabled by the effattn module, and
+    ``TransformerEncoder``'s nested-tensor path hands the effattn module a nested tensor, which it
+    serves.
+
+    Examples::
+
+        >>> model = nn.TransformerEncoder(nn.TransformerEncoderLayer(512, 8, batch_first=True), 6)
+        >>> for name, change in effattn.swap_attention(model, window=128):
+        ...     print(name, change)
+        layers.0.self_attn torch.nn.MultiheadAttention(512, 8, batch_first=True) -> effattn.nn.MultiheadAttention(512, 8, batch_first=True, window=128)
+        ...
+    """
+    unknown = sorted(set(variant) - set(VARIANT_KEYS))
+    if unknown:
+        raise TypeError(f"swap_attention: unknown variant keys {unknown}; expected some of {', '.join(VARIANT_KEYS)}")
+    check_variant("swap_attention", **variant)
+    if isinstance(model, nn.MultiheadAttention) or isinstance(model, MultiheadAttention):
+        raise ValueError("swap_attention replaces the attention modules inside a model; for a bare attention module "
+                         "use effattn.nn.MultiheadAttention.from_torch(module, **variant)")
+
+    # every (parent, attribute) that points at an attention module, shared modules included
+    new_for: Dict[int, nn.Module] = {}
+    slots: List[Tuple[nn.Module, str, nn.Module, str]] = []
+    report: List[Tuple[str, str]] = []
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            is_torch = type(child) is nn.MultiheadAttention
+            is_ours = isinstance(child, MultiheadAttention)
+            if not (is_torch or is_ours):
+                if isinstance(child, nn.MultiheadAttention):
+                    warnings.warn(f"swap_attention: {name} is a {type(child).__name__}, a subclass of "
+                                  "torch.nn.MultiheadAttention; left unchanged", stacklevel=2)
+                continue
+            if select is not None and not select(name, child):
+                continue
+            if id(child) not in new_for:
+                try:
+                    new_for[id(child)] = MultiheadAttention.from_torch(child, **variant)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"swap_attention: cannot swap {name}: {e}") from None
+                report.append((name, f"{_describe(child)} -> {_describe(new_for[id(child)])}"))
+            slots.append((parent, child_name, child, name))
+    for parent, child_name, child, _ in slots:
+        setattr(parent, child_name, new_for[id(child)])
+    return report

@@ -1,0 +1,162 @@
+"""attn_implementation="effattn" in transformers: tiny randomly initialized models built from configs
+(offline), batches with padding, outputs equal to the "eager" implementation's at real tokens."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import effattn.integrations.huggingface as hf_effattn  # noqa: E402
+
+hf_effattn.register()
+
+TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
+
+
+def _config(name):
+    if name == "bert":
+        return transformers.BertModel, transformers.BertConfig(**TINY)
+    if name == "gpt2":
+        return transformers.GPT2Model, transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
+                                                               n_positions=64, bos_token_id=0, eos_token_id=0)
+    if name == "gpt2-lm":
+        return transformers.GPT2LMHeadModel, _config("gpt2")[1]
+    if name == "mistral-sliding":                    # every layer a sliding window of 4, GQA 4 -> 2 heads
+        return transformers.MistralForCausalLM, transformers.MistralConfig(
+            **TINY, num_key_value_heads=2, head_dim=8, sliding_window=4)
+    if name == "qwen2-alternating":                  # sliding and full layers alternate
+        if not hasattr(transformers, "Qwen2Config"):
+            pytest.skip("this transformers has no Qwen2")
+        cfg = transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2,
+                                       use_sliding_window=True, sliding_window=4, max_window_layers=0)
+        if getattr(cfg, "layer_types", None) is None:
+            pytest.skip("this transformers' Qwen2 has no per-layer attention types")
+        cfg.layer_types = ["sliding_attention", "full_attention"] * 2
+        return transformers.Qwen2ForCausalLM, cfg
+    if name == "gemma2-softcap":                     # attention logit soft-capping: the dense fallback
+        if not hasattr(transformers, "Gemma2Config"):
+            pytest.skip("this transformers has no Gemma2")
+        return transformers.Gemma2Model, transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=8,
+                                                                   sliding_window=4)
+    raise KeyError(name)
+
+
+def _pair(name):
+    """The same random weights under attn_implementation 'eager' and 'effattn' (eval mode)."""
+    cls, cfg = _config(name)
+    torch.manual_seed(0)
+    eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation="effattn").eval()
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == "effattn" and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def _batch(B=3, L=12, left=True):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    if left:
+        mask[1, :4] = 0
+        mask[2, :2] = 0
+    else:
+        mask[1, L - 4:] = 0
+        mask[2, L - 1:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "none"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "mistral-sliding", "qwen2-alternating", "gemma2-softcap"])
+def test_same_outputs_as_eager(name, padding):
+    eager, ours = _pair(name)
+    ids, mask = _batch(left=padding == "left")
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    hf_effattn.stats.clear()
+    with torch.no_grad():
+        a = eager(input_ids=ids, attention_mask=mask)[0]
+        b = ours(input_ids=ids, attention_mask=mask)[0]
+    real = mask.bool()                   # padding positions are not compared (see the module docstring)
+    assert not torch.isnan(b).any()
+    torch.testing.assert_close(b[real], a[real], atol=2e-5, rtol=2e-5)
+    n_layers = ours.config.num_hidden_layers
+    if name == "gemma2-softcap":
+        assert hf_effattn.stats == {"dense: softcap": n_layers}
+    else:
+        assert hf_effattn.stats == {"fused": n_layers}, dict(hf_effattn.stats)
+
+
+def test_fallback_for_masks_that_are_not_causal_plus_padding():
+    """A custom 4-D mask (here: random blocked pairs) is served by the dense fallback, exactly."""
+    eager, ours = _pair("mistral-sliding")
+    ids, _ = _batch()
+    g = torch.Generator().manual_seed(2)
+    keep = torch.rand(3, 1, 12, 12, generator=g) > 0.3
+    keep |= torch.eye(12, dtype=torch.bool)
+    module = ours.model.layers[0].self_attn
+    q = torch.randn(3, 4, 12, 8)
+    k, v = torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    hf_effattn.stats.clear()
+    out, w = hf_effattn.attention_forward(module, q, k, v, keep, scaling=0.3)
+    assert w is None and out.shape == (3, 12, 4, 8)
+    assert hf_effattn.stats == {"dense: mask is not causal/sliding-window + padding": 1}
+    ref = transformers.models.mistral.modeling_mistral.eager_attention_forward
+    neg = torch.finfo(torch.float32).min
+    expected, _ = ref(module, q, k, v, torch.where(keep, 0.0, neg), scaling=0.3, dropout=0.0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_incremental_decoding_with_cache():
+    """Prefill then one token at a time through transformers' KV cache: the same logits as eager and
+    as one full forward (bottom-right alignment with a sliding window)."""
+    eager, ours = _pair("mistral-sliding")
+    ids, mask = _batch()
+    logits = []
+    hf_effattn.stats.clear()
+    with torch.no_grad():
+        for model in (eager, ours):
+            out = model(input_ids=ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
+            steps = [out.logits]
+            for t in range(7, ids.shape[1]):
+                out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                            past_key_values=out.past_key_values, use_cache=True)
+                steps.append(out.logits)
+            logits.append(torch.cat(steps, 1))
+        full = ours(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[1][real], logits[0][real], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(logits[1][real], full[real], atol=2e-5, rtol=2e-5)
+    assert set(hf_effattn.stats) == {"fused"}
+
+
+def test_generate_matches_eager():
+    eager, ours = _pair("gpt2-lm")
+    ids, mask = _batch()
+    with torch.no_grad():
+        a = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        b = ours.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+def test_training_step_gradients_match_eager():
+    eager, ours = _pair("bert")
+    ids, mask = _batch(left=False)
+    for model in (eager, ours):
+        model.train()
+        for m in model.modules():                    # dropout off: compare deterministic gradients
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        model.config.attention_probs_dropout_prob = 0.0
+        out = model(input_ids=ids, attention_mask=mask)[0]
+        (out[mask.bool()] ** 2).sum().backward()
+    for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_register_is_idempotent_and_names_backend():
+    assert hf_effattn.register() == "effattn"
+    assert "effattn" in transformers.AttentionInterface._global_mapping
+    with pytest.raises(ValueError, match="backend"):
+        hf_effattn.register(backend="flash")
