@@ -107,7 +107,7 @@ class BlockLayout:
         torch.Size([1, 100, 100])
     """
 
-    __slots__ = ("_mask", "_block_size", "__weakref__")
+    __slots__ = ("_mask", "_block_size", "_copies", "__weakref__")
 
     def __init__(self, mask: torch.Tensor, block_size: int):
         if not isinstance(mask, torch.Tensor):
@@ -126,6 +126,7 @@ class BlockLayout:
         # a private copy: the caller may keep mutating its tensor, and cached per-layout data must not go stale
         self._mask = mask.detach().clone(memory_format=torch.contiguous_format)
         self._block_size = block_size
+        self._copies = {}                      # device -> this layout there (see `to`)
 
     @classmethod
     def _wrap(cls, mask: torch.Tensor, block_size: int) -> "BlockLayout":
@@ -133,6 +134,7 @@ class BlockLayout:
         self = cls.__new__(cls)
         self._mask = mask
         self._block_size = block_size
+        self._copies = {}
         return self
 
     # --- read-only description --------------------------------------------------------------
@@ -223,7 +225,13 @@ class BlockLayout:
         here = self._mask.device
         if device.type == here.type and (device.index is None or device.index == here.index):
             return self
-        return BlockLayout._wrap(self._mask.to(device), self._block_size)
+        # the copy is kept: a CPU layout used with CUDA tensors is moved once, not on every call,
+        # so the backends' per-layout caches (keyed on the layout's mask) stay warm
+        key = str(device if device.index is not None or device.type == "cpu" else torch.device(device.type, 0))
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._copies[key] = BlockLayout._wrap(self._mask.to(device), self._block_size)
+        return copy
 
     def expand_heads(self, num_heads: int) -> "BlockLayout":
         """A layout with one mask per head, ``(num_heads, nqb, nkb)``: a shared ``Hl == 1`` layout is

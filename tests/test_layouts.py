@@ -510,3 +510,11 @@ def test_build_speed(name, build):
     dt = time.perf_counter() - t0
     assert lay.mask.shape[1:] in {(1024, 1024), (64, 64)}
     assert dt < 1.0, f"{name} took {dt:.3f} s"
+
+
+def test_to_other_device_is_memoized():
+    lay = local(64, 16, 2)
+    meta = lay.to("meta")
+    assert meta.mask.device.type == "meta" and meta is not lay
+    assert lay.to("meta") is meta, "moving twice must give the same object (backend caches key on it)"
+    assert lay.to("cpu") is lay
