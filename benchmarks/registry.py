@@ -1,0 +1,322 @@
+"""What the benchmark runs: one table of variants (what is computed) and one of implementations
+(who computes it). The runner (run.py) sweeps variant x implementation x length x mode; an
+implementation serves the variants of its op ("attention" or "linear_attention").
+
+Adding a variant is one `Variant(...)` line in VARIANTS; adding a baseline is one `Impl(...)` line in
+IMPLS with a `build(case)` that returns a `Bench` (or raises `Unsupported(reason)`).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import effattn
+from effattn import layouts
+
+from .masks import dense_mask, flex_mask_mod
+
+LAYOUT_BLOCK = 128     # block size of the block-sparse variants (ANCHORS.md's 'fixed' pattern)
+
+
+class Unsupported(Exception):
+    """An implementation cannot serve this configuration; the message says why."""
+
+
+# ------------------------------------------------------------------------------------ variants
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    family: str                     # "mask" | "layout" | "linear": --quick runs one variant of each
+    description: str
+    op: str = "attention"           # "attention" | "linear_attention"
+    causal: bool = False
+    window: bool = False            # sliding window of --window keys to the left (with causal)
+    layout: Optional[Callable[[int], layouts.BlockLayout]] = None   # L -> layout
+    feature_map: Optional[str] = None                                 # linear: "identity" | "elu" | "favor"
+    normalize: bool = True
+    quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
+    cpu_default: bool = True
+
+
+VARIANTS: Tuple[Variant, ...] = (
+    Variant("dense", "mask", "full attention, no mask"),
+    Variant("causal", "mask", "causal mask", causal=True),
+    Variant("window", "mask", "causal sliding window, --window keys to the left", causal=True, window=True,
+            quadratic=False),
+    Variant("fixed", "layout", "causal sliding_and_summary(block 128, local_blocks=4, every=16): "
+            "ANCHORS.md's 'fixed'-style pattern, 94% sparse at 16k", causal=True,
+            layout=lambda L: layouts.sliding_and_summary(L, LAYOUT_BLOCK, local_blocks=4, every=16),
+            quadratic=False),
+    Variant("bigbird", "layout", "bigbird(block 128, 3 window, 2 global, 3 random blocks), non-causal",
+            layout=lambda L: layouts.bigbird(L, LAYOUT_BLOCK, 3, 2, 3, seed=0), quadratic=False,
+            cpu_default=False),
+    Variant("longformer", "layout", "longformer(block 128, window_blocks=2, global block 0), non-causal",
+            layout=lambda L: layouts.longformer(L, LAYOUT_BLOCK, window_blocks=2, global_blocks=(0,)),
+            quadratic=False, cpu_default=False),
+    Variant("strided", "layout", "Sparse Transformer strided(block 128, stride 8 blocks), causal", causal=True,
+            layout=lambda L: layouts.strided(L, LAYOUT_BLOCK, stride=8), cpu_default=False),
+    Variant("linear-elu", "linear", "causal linear attention, phi = elu + 1, normalized",
+            op="linear_attention", causal=True, feature_map="elu", quadratic=False),
+    Variant("linear-favor", "linear", "causal linear attention, FAVOR+ features (F = D ln D), normalized",
+            op="linear_attention", causal=True, feature_map="favor", quadratic=False),
+    Variant("linear-identity", "linear", "causal linear attention, phi = identity, unnormalized",
+            op="linear_attention", causal=True, feature_map="identity", normalize=False, quadratic=False,
+            cpu_default=False),
+)
+
+
+# ------------------------------------------------------------------------------------ one config
+
+@dataclass
+class Case:
+    """One (variant, shape) point of the sweep: inputs and the per-shape objects built once for it."""
+    variant: Variant
+    B: int
+    H: int
+    L: int
+    D: int
+    dtype: torch.dtype
+    device: torch.device
+    window: int                                   # the window variant's left reach
+    q: torch.Tensor = None                        # (B, H, L, D), leaves with requires_grad
+    k: torch.Tensor = None
+    v: torch.Tensor = None
+    dout: torch.Tensor = None                     # (B, H, L, D) output gradient for fwd+bwd
+    layout: Optional[layouts.BlockLayout] = None
+    favor: Optional[torch.nn.Module] = None
+    _cache: Dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, variant: Variant, B: int, H: int, L: int, D: int, dtype, device, window: int, seed: int = 0):
+        case = cls(variant, B, H, L, D, dtype, torch.device(device), window)
+        gen = torch.Generator(device=case.device).manual_seed(seed)
+        case.q, case.k, case.v = (torch.randn(B, H, L, D, generator=gen, device=case.device, dtype=dtype)
+                                  .requires_grad_() for _ in range(3))
+        case.dout = torch.randn(B, H, L, D, generator=gen, device=case.device, dtype=dtype)
+        if variant.layout is not None:
+            case.layout = variant.layout(L).to(case.device)
+        if variant.feature_map == "favor":
+            case.favor = effattn.FavorFeatures(D, seed=0).to(case.device)
+        return case
+
+    # --- what the variant means, in each API's terms ---
+    @property
+    def window_arg(self):
+        return self.window if self.variant.window else None
+
+    def attention_kwargs(self) -> dict:
+        return dict(causal=self.variant.causal, window=self.window_arg, layout=self.layout)
+
+    def linear_kwargs(self) -> dict:
+        fm = self.favor if self.variant.feature_map == "favor" else self.variant.feature_map
+        return dict(causal=self.variant.causal, feature_map=fm, normalize=self.variant.normalize)
+
+    def phi(self):
+        """The feature map as a torch function (float32 out), or None for identity."""
+        return {"identity": None, "elu": lambda x: F.elu(x.float()) + 1.0, "favor": self.favor}[self.variant.feature_map]
+
+    @property
+    def num_features(self) -> int:
+        return self.favor.num_features if self.favor is not None else self.D
+
+    def mask(self) -> Optional[torch.Tensor]:
+        """Token-level visibility ``(Hl, L, L)`` bool (True = visible), built once; None when dense."""
+        if "mask" not in self._cache:
+            self._cache["mask"] = dense_mask(self.L, self.L, device=self.device, **self.attention_kwargs())
+        return self._cache["mask"]
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+
+@dataclass
+class Bench:
+    """What the runner times: ``fn()`` returns the output ``(B, H, L, Dv)``; ``leaves`` are the tensors
+    whose gradients fwd+bwd computes (reset between runs)."""
+    fn: Callable[[], torch.Tensor]
+    leaves: Sequence[torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------ implementations
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    kind: str                                      # "effattn" | "baseline"
+    op: str                                        # "attention" | "linear_attention"
+    build: Callable[[Case], Bench]
+    installed: Callable[[], Optional[str]] = lambda: None          # None, or why it is missing
+    score_bytes: Optional[Callable[[Case, str], int]] = None       # memory of an L x L materializing impl
+    compiled: bool = False                         # first call compiles: warm up before measuring
+    cpu_default: bool = True
+
+
+def _effattn(backend: str, op: str) -> Callable[[Case], Bench]:
+    def build(case: Case) -> Bench:
+        kw = case.attention_kwargs() if op == "attention" else case.linear_kwargs()
+        ex = effattn.explain(case.q, case.k, case.v, op=op, **kw)
+        why = ex.reasons.get(backend, ["unknown backend"])
+        if why:
+            raise Unsupported("; ".join(why))
+        if backend in ex.notes:                    # Triton on CPU: its interpreter, far too slow to time
+            raise Unsupported(f"{ex.notes[backend]} (interpreter; not benchmarked)")
+        fn = effattn.attention if op == "attention" else effattn.linear_attention
+        q, k, v = case.q, case.k, case.v
+        return Bench(lambda: fn(q, k, v, backend=backend, **kw), (q, k, v))
+    return build
+
+
+def naive_attention(q, k, v, mask: Optional[torch.Tensor]):
+    """Textbook attention: the (B, H, L, L) scores in memory, masked, softmax in float32."""
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def naive_linear_attention(q, k, v, phi, causal: bool, normalize: bool, eps: float = 1e-6):
+    """Linear attention in its quadratic form: ``(phi(q) phi(k)^T, masked) v``, (B, H, L, L) in memory."""
+    fq, fk = (phi(q), phi(k)) if phi is not None else (q.float(), k.float())
+    a = fq @ fk.transpose(-1, -2)
+    if causal:
+        L = a.shape[-1]
+        a = a.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=a.device).tril(), 0.0)
+    out = a @ v.float()
+    if normalize:
+        out = out / (a.sum(-1, keepdim=True) + eps)
+    return out.to(q.dtype)
+
+
+def _naive(case: Case) -> Bench:
+    q, k, v = case.q, case.k, case.v
+    if case.variant.op == "attention":
+        mask = case.mask()
+        return Bench(lambda: naive_attention(q, k, v, mask), (q, k, v))
+    phi, causal, normalize = case.phi(), case.variant.causal, case.variant.normalize
+    return Bench(lambda: naive_linear_attention(q, k, v, phi, causal, normalize), (q, k, v))
+
+
+def _naive_bytes(case: Case, mode: str) -> int:
+    """Scores, float32 probabilities and their cast (x2 with the tensors autograd keeps and the
+    gradients of the same size), plus the mask."""
+    n = case.B * case.H * case.L * case.L
+    fwd = n * (2 * case.elem_bytes + 4) + case.L * case.L
+    return fwd * (2 if mode == "fwdbwd" else 1)
+
+
+def _sdpa(backend: str) -> Callable[[Case], Bench]:
+    def build(case: Case) -> Bench:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if case.device.type != "cuda" and backend not in ("MATH", "FLASH_ATTENTION"):
+            raise Unsupported(f"SDPA {backend.lower()} backend needs CUDA")
+        which = getattr(SDPBackend, backend)
+        v = case.variant
+        kw = {}
+        if v.causal and not v.window and v.layout is None:
+            kw["is_causal"] = True                 # no mask tensor: every SDPA backend can serve it
+        elif case.mask() is not None:
+            kw["attn_mask"] = case.mask()[None]   # (1, Hl, L, L) bool, True = take part
+        q, k, vv = case.q, case.k, case.v
+
+        def fn():
+            with sdpa_kernel([which]):
+                return F.scaled_dot_product_attention(q, k, vv, **kw)
+        return Bench(fn, (q, k, vv))
+    return build
+
+
+_flex_compiled = None
+
+
+def _flex_installed() -> Optional[str]:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError as e:
+        return f"torch.nn.attention.flex_attention missing ({e})"
+    return None
+
+
+def _flex(case: Case) -> Bench:
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _flex_compiled is None:
+        import torch._dynamo
+        for name in ("recompile_limit", "cache_size_limit"):   # one compile per shape: allow many
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    mod = flex_mask_mod(case.L, case.L, device=case.device, **case.attention_kwargs())
+    block_mask = None
+    if mod is not None:
+        heads = case.H if case.layout is not None and case.layout.num_heads > 1 else None
+        # _compile: evaluate the mask tile by tile instead of as one L x L tensor (64k: 4 GiB+)
+        kw = {"_compile": True} if case.device.type == "cuda" and "_compile" in \
+            inspect.signature(create_block_mask).parameters else {}
+        block_mask = create_block_mask(mod, None, heads, case.L, case.L, device=case.device,
+                                       BLOCK_SIZE=LAYOUT_BLOCK, **kw)
+    q, k, v, flex = case.q, case.k, case.v, _flex_compiled
+    return Bench(lambda: flex(q, k, v, block_mask=block_mask), (q, k, v))
+
+
+def _fla_installed(fn_name: str) -> Callable[[], Optional[str]]:
+    def installed():
+        try:
+            mod = importlib.import_module("fla.ops.linear_attn")
+        except Exception as e:                     # ImportError, or a broken install
+            return f"fla not installed ({type(e).__name__})"
+        return None if hasattr(mod, fn_name) else f"fla.ops.linear_attn has no {fn_name}"
+    return installed
+
+
+def _fla(fn_name: str) -> Callable[[Case], Bench]:
+    """flash-linear-attention's kernels on (B, T, H, D) inputs (their native layout), the feature
+    map applied in torch first (fla's kernels take phi(q), phi(k)); ``scale=1``."""
+    def build(case: Case) -> Bench:
+        if case.device.type != "cuda":
+            raise Unsupported("fla kernels run on CUDA only")
+        kernel = getattr(importlib.import_module("fla.ops.linear_attn"), fn_name)
+        extra = {"head_first": False} if "head_first" in inspect.signature(kernel).parameters else {}
+        q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (case.q, case.k, case.v))
+        phi, dt, normalize = case.phi(), case.dtype, case.variant.normalize
+
+        def fn():
+            fq, fk = (q, k) if phi is None else (phi(q).to(dt), phi(k).to(dt))
+            o, _ = kernel(fq, fk, v, scale=1.0, normalize=normalize, **extra)
+            return o.transpose(1, 2)               # (B, H, T, Dv) view, like the others
+        return Bench(fn, (q, k, v))
+    return build
+
+
+IMPLS: Tuple[Impl, ...] = tuple(
+    Impl(f"effattn-{b}", "effattn", op, _effattn(b, op))
+    for b in ("torch", "triton", "cuda") for op in ("attention", "linear_attention")
+) + (
+    Impl("naive", "baseline", "attention", _naive, score_bytes=_naive_bytes),
+    Impl("naive", "baseline", "linear_attention", _naive, score_bytes=_naive_bytes),
+    Impl("sdpa-math", "baseline", "attention", _sdpa("MATH"), score_bytes=_naive_bytes),
+    Impl("sdpa-flash", "baseline", "attention", _sdpa("FLASH_ATTENTION")),
+    Impl("sdpa-efficient", "baseline", "attention", _sdpa("EFFICIENT_ATTENTION"), cpu_default=False),
+    Impl("sdpa-cudnn", "baseline", "attention", _sdpa("CUDNN_ATTENTION"), cpu_default=False),
+    Impl("flex", "baseline", "attention", _flex, installed=_flex_installed, compiled=True, cpu_default=False),
+    Impl("fla-chunk", "baseline", "linear_attention", _fla("chunk_linear_attn"),
+         installed=_fla_installed("chunk_linear_attn"), cpu_default=False),
+    Impl("fla-fused-chunk", "baseline", "linear_attention", _fla("fused_chunk_linear_attn"),
+         installed=_fla_installed("fused_chunk_linear_attn"), cpu_default=False),
+)
+
+EFFATTN_BACKENDS = ("torch", "triton", "cuda")
+BASELINES = tuple(dict.fromkeys(i.name for i in IMPLS if i.kind == "baseline"))
+
+
+def variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise KeyError(f"unknown variant {name!r}; known: {', '.join(v.name for v in VARIANTS)}")

@@ -1,0 +1,185 @@
+"""The benchmark suite (benchmarks/): the FLOP helper's exact counts, a --quick sweep end to end,
+failing configurations recorded without stopping the sweep, and the kernel micro-benchmarks (run
+once each here, under --benchmark-disable)."""
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import registry, report, run  # noqa: E402
+from benchmarks.flops import attention_flops, linear_attention_flops, tflops  # noqa: E402
+from benchmarks.masks import dense_mask, visible_pairs  # noqa: E402
+from benchmarks.progress import SimpleBar  # noqa: E402
+from effattn import layouts  # noqa: E402
+from effattn.layouts import BlockLayout  # noqa: E402
+
+try:  # the micro-benchmarks live in benchmarks/; imported here so CI runs them as plain tests
+    from benchmarks.test_micro import (test_micro_attention_fwd, test_micro_attention_layout_fwd,  # noqa: F401,E402
+                                       test_micro_attention_window_fwd, test_micro_linear_attention_fwd)
+except pytest.skip.Exception:  # pytest-benchmark not installed
+    pass
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+
+def test_visible_pairs_hand_counted():
+    assert visible_pairs(100, 100) == 100 * 100
+    assert visible_pairs(100, 100, causal=True) == 100 * 101 // 2
+    assert visible_pairs(3, 5, causal=True) == 3 + 4 + 5            # bottom-right: row 0 sees keys 0..2
+    assert visible_pairs(5, 3, causal=True) == 0 + 0 + 1 + 2 + 3    # first Lq - Lk rows see nothing
+    assert visible_pairs(10, 10, causal=True, window=2) == 1 + 2 + 3 * 8
+    assert visible_pairs(10, 10, window=2) == 3 + 4 + 5 * 6 + 4 + 3  # int window, non-causal: (2, 2)
+    assert visible_pairs(10, 10, window=(0, 1)) == 2 * 9 + 1
+    assert visible_pairs(10, 10, causal=True, heads=3) == 3 * 55
+
+
+def test_visible_pairs_layout_hand_counted():
+    lay = BlockLayout(torch.tensor([[True, False], [True, True]]), block_size=4)
+    # L=6: query block 0 (rows 0-3) sees key block 0 (4 keys); block 1 (rows 4-5, partial) sees all 6
+    assert visible_pairs(6, 6, layout=lay) == 4 * 4 + 2 * 6
+    assert visible_pairs(6, 6, causal=True, layout=lay) == (1 + 2 + 3 + 4) + (5 + 6)
+    # ANCHORS.md's 'fixed'-style pattern at L=1024 (8 blocks, no summary block yet): a causal band of
+    # 4 blocks, each diagonal block a triangle of 128*129/2 pairs, each earlier block 128*128
+    fixed = layouts.sliding_and_summary(1024, 128, local_blocks=4, every=16)
+    assert visible_pairs(1024, 1024, causal=True, layout=fixed) == 8 * (128 * 129 // 2) + (0 + 1 + 2 + 3 * 5) * 128 * 128
+    per_head = BlockLayout(torch.tensor([[[True]], [[False]]]), block_size=8)   # 2 heads, 1 block
+    assert visible_pairs(8, 8, layout=per_head, heads=2) == 64
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_visible_pairs_matches_dense_mask(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        Lq, Lk, bs = (int(x) for x in torch.randint(1, 50, (3,), generator=g))
+        causal = bool(torch.randint(0, 2, (1,), generator=g))
+        window = [None, 3, (2, 5)][int(torch.randint(0, 3, (1,), generator=g))]
+        lay = BlockLayout(torch.rand(2, -(-Lq // bs), -(-Lk // bs), generator=g) < 0.5, bs)
+        for layout in (None, lay):
+            m = dense_mask(Lq, Lk, causal=causal, window=window, layout=layout)
+            want = 2 * Lq * Lk if m is None else int(m.expand(2, Lq, Lk).sum())
+            assert visible_pairs(Lq, Lk, causal=causal, window=window, layout=layout, heads=2) == want
+
+
+def test_attention_flops_exact():
+    assert attention_flops(2, 3, 64, 100, 100) == 4 * 2 * 3 * 64 * 100 * 100 == 15_360_000
+    assert attention_flops(2, 3, 64, 100, 100, mode="fwdbwd") == 53_760_000        # x3.5
+    assert attention_flops(2, 3, 64, 100, 100, causal=True) == 4 * 2 * 3 * 64 * 5050
+    assert attention_flops(1, 1, 8, 10, 10, causal=True, window=2) == 4 * 8 * 27
+    lay = BlockLayout(torch.tensor([[True, False], [True, True]]), block_size=4)
+    assert attention_flops(1, 2, 16, 6, 6, layout=lay) == 4 * 2 * 16 * 28
+    assert attention_flops(1, 1, 16, 4, 4, value_dim=32) == 2 * (16 + 32) * 16
+    with pytest.raises(ValueError, match="mode"):
+        attention_flops(1, 1, 8, 4, 4, mode="bwd")
+
+
+def test_linear_attention_flops_exact():
+    assert linear_attention_flops(1, 2, 4, 10) == 4 * 2 * 10 * 4 * (4 + 1) == 1600
+    assert linear_attention_flops(1, 2, 4, 10, mode="fwdbwd") == 4800             # x3
+    assert linear_attention_flops(1, 2, 4, 10, normalize=False) == 4 * 2 * 10 * 4 * 4
+    assert linear_attention_flops(1, 2, 4, 10, num_features=8, favor=True) == 3200 + 4 * 2 * 10 * 4 * 8
+    assert tflops(10**12, 1000.0) == 1.0
+
+
+# ------------------------------------------------------------------------------------ the runner
+
+def test_quick_run_writes_results(tmp_path):
+    out = tmp_path / "quick"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eff/base" in proc.stdout
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert rows and all(r["status"] for r in rows)
+    variants = {r["variant"] for r in rows}
+    assert variants == set(run.QUICK_VARIANTS)
+    for v in variants:   # every variant has effattn and a baseline timed
+        ok = [r for r in rows if r["variant"] == v and r["status"] == "ok"]
+        assert {r["kind"] for r in ok} == {"effattn", "baseline"}, v
+        assert all(float(r["time_ms"]) > 0 and float(r["tflops"]) > 0 for r in ok)
+    data = json.loads((out / "results.json").read_text())
+    for key in ("device", "torch", "triton", "date", "args", "memory_method"):
+        assert key in data["meta"]
+    assert len(data["rows"]) == len(rows)
+    assert (out / "results.md").read_text().startswith("# effattn benchmarks")
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == sorted(f"{v}-{m}.png" for v in variants for m in ("fwd", "fwdbwd"))
+
+
+def _raiser(exc):
+    def build(case):
+        raise exc
+    return build
+
+
+def test_failing_configs_are_recorded_and_the_sweep_goes_on():
+    s = run.Settings(device=torch.device("cpu"), dtype=torch.float32, head_dim=16, lengths=[32, 64],
+                     batch=1, heads=2, window=8, time_budget_s=0.0, min_runs=1)
+    naive = next(i for i in registry.IMPLS if i.name == "naive" and i.op == "attention")
+    impls = [
+        registry.Impl("fake-cuda-oom", "baseline", "attention",
+                      _raiser(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))),
+        registry.Impl("fake-cpu-oom", "baseline", "attention", _raiser(MemoryError())),
+        registry.Impl("fake-alloc", "baseline", "attention",
+                      _raiser(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))),
+        registry.Impl("fake-broken", "baseline", "attention", _raiser(RuntimeError("No available kernel"))),
+        registry.Impl("fake-effattn", "effattn", "attention", _raiser(ValueError("kernel bug"))),
+        naive,
+        registry.Impl("naive-over-budget", "baseline", "attention", naive.build, score_bytes=lambda c, m: 5 * 2**30),
+    ]
+    rows = run.sweep([registry.variant("causal")], impls, s)
+    assert len(rows) == 2 * len(impls) * 2                       # 2 lengths x 2 modes each
+    status = {(r["impl"], r["L"], r["mode"]): r["status"] for r in rows}
+    for L in (32, 64):
+        for mode in ("fwd", "fwdbwd"):
+            assert status[("fake-cuda-oom", L, mode)] == "oom"
+            assert status[("fake-cpu-oom", L, mode)] == "oom"
+            assert status[("fake-alloc", L, mode)] == "oom"
+            assert status[("fake-broken", L, mode)] == "unsupported: RuntimeError: No available kernel"
+            assert status[("fake-effattn", L, mode)] == "error: ValueError: kernel bug"
+            assert status[("naive", L, mode)] == "ok"
+            assert status[("naive-over-budget", L, mode)] == "skipped: would need 5.0 GiB (budget 4 GiB)"
+    text = report.summary_text(rows, {"device": "cpu", "torch": torch.__version__, "triton": None})
+    for short in ("OOM", "n/s", "ERR", "skip"):
+        assert short in text
+
+
+def test_unsupported_effattn_backend_is_recorded():
+    s = run.Settings(device=torch.device("cpu"), dtype=torch.float32, head_dim=16, lengths=[32],
+                     batch=1, heads=2, time_budget_s=0.0, min_runs=1, modes=["fwd"])
+    impls = [i for i in registry.IMPLS if i.kind == "effattn" and i.op == "attention"]
+    rows = {r["impl"]: r["status"] for r in run.sweep([registry.variant("dense")], impls, s)}
+    assert rows["effattn-torch"] == "ok"
+    assert rows["effattn-cuda"].startswith("unsupported: ")      # not built, or no GPU
+    assert rows["effattn-triton"].startswith("unsupported: ")    # CPU: interpreter only
+
+
+def test_simple_progress_bar_without_tqdm():
+    buf = io.StringIO()
+    bar = SimpleBar(20, "bench", file=buf)
+    for i in range(20):
+        bar.set_postfix_str(f"cfg {i}")
+        bar.update()
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert 2 <= len(lines) <= 12 and lines[-1].startswith("bench [" + "#" * 30 + "] 20/20")
+
+
+def test_cpu_peak_memory_measures_an_allocation():
+    code = ("import torch; from benchmarks import measure; assert measure.enable_cpu_peak_rss(); "
+            "print(measure.peak_memory_mib(lambda: torch.ones(16 * 2**20 // 4).sum(), torch.device('cpu')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "AssertionError" in proc.stderr:
+        pytest.skip("peak RSS not measurable here (needs Linux + glibc)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert 15.5 <= float(proc.stdout.split()[-1]) <= 24, proc.stdout
