@@ -348,3 +348,52 @@ def test_reference_backend_memory_is_bounded_at_16k():
     assert res.returncode == 0, res.stderr[-2000:]
     extra = int(res.stdout.strip().splitlines()[-1])
     assert extra < 1 << 30, f"extra peak memory {extra / 2**20:.0f} MiB >= 1 GiB"
+
+
+# ------------------------------------------------------------------------------ degenerate shapes
+
+EDGE = {
+    "Lk=0": (1, 2, 2, 5, 0, {}),
+    "Lk=0-causal": (1, 2, 2, 5, 0, dict(causal=True)),
+    "Lk=0-layout": (1, 2, 2, 5, 0, dict(layout=True)),
+    "Lq=0": (1, 2, 2, 0, 5, {}),
+    "Lq=0-layout": (1, 2, 2, 0, 5, dict(layout=True)),
+    "B=0": (0, 2, 2, 5, 5, dict(causal=True)),
+    "window-wider-than-L": (1, 2, 2, 7, 7, dict(window=100)),
+    "causal-window-0-diagonal-only": (1, 2, 2, 7, 7, dict(causal=True, window=0)),
+    "decode-Lq=1": (2, 4, 2, 1, 45, dict(causal=True, window=(8, 0))),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(EDGE))
+def test_degenerate_shapes(backend, name):
+    """Empty sequences and batches give empty or all-zero outputs (lse -inf) and zero gradients."""
+    B, H, Hkv, Lq, Lk, kw = EDGE[name]
+    D = 8
+    q = torch.randn(B, H, Lq, D, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=DEVICE, requires_grad=True) for _ in range(2))
+    if kw.get("layout"):
+        kw = dict(kw, layout=BlockLayout(torch.ones(1, math.ceil(Lq / 16), math.ceil(Lk / 16), dtype=torch.bool), 16))
+    out, lse = effattn.attention(q, k, v, return_lse=True, backend=backend, **kw)
+    assert out.shape == (B, H, Lq, D) and lse.shape == (B, H, Lq)
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kw)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(ref_lse).cpu())
+    if out.numel():
+        out.sum().backward()
+        for t in (q, k, v):
+            assert t.grad is None or torch.isfinite(t.grad).all()
+        if Lk == 0:
+            assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expanded_kv_with_stride_zero(backend):
+    """k/v broadcast with stride 0 along heads (expand) are read as they are."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q = torch.randn(1, 4, 12, 8, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(1, 1, 12, 8, dtype=dtype, device=DEVICE).expand(1, 2, 12, 8) for _ in range(2))
+    out = effattn.attention(q, k, v, causal=True, backend=backend)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .base import Backend, Capabilities, register
 from .._call import compute_dtype as _compute_dtype
@@ -34,16 +35,27 @@ def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int) -> int:
     return min(rows, max(Lq, 1))
 
 
+_BOUNDS = WeakTensorKeyDictionary()   # layout mask -> its block bounds, computed once per layout
+
+
 def _layout_block_bounds(layout_mask: Tensor) -> Tuple[List[int], List[int]]:
     """For each query block, the first and last key block any head may see (-1, -2 if none)."""
+    cached = _BOUNDS.get(layout_mask)
+    if cached is not None:
+        return cached
     vis = layout_mask.any(0)                                    # (nqb, nkb)
-    nkb = vis.shape[1]
-    idx = torch.arange(nkb, device=vis.device)
-    first = torch.where(vis, idx, nkb).amin(1)
-    last = torch.where(vis, idx, -1).amax(1)
-    first = torch.where(first == nkb, -1, first)
-    last = torch.where(last == -1, -2, last)
-    return first.tolist(), last.tolist()
+    nqb, nkb = vis.shape
+    if nkb == 0:                                                # Lk == 0: nothing to see
+        bounds = ([-1] * nqb, [-2] * nqb)
+    else:
+        idx = torch.arange(nkb, device=vis.device)
+        first = torch.where(vis, idx, nkb).amin(1)
+        last = torch.where(vis, idx, -1).amax(1)
+        first = torch.where(first == nkb, -1, first)
+        last = torch.where(last == -1, -2, last)
+        bounds = (first.tolist(), last.tolist())
+    _BOUNDS[layout_mask] = bounds
+    return bounds
 
 
 class _Plan:
