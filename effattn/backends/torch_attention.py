@@ -13,7 +13,7 @@ one matmul against that head's keys: K and V are never expanded.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -28,79 +28,84 @@ SCORE_BUDGET = 1 << 23
 
 
 
-def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int) -> int:
+def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int, window_left: int, window_right: int) -> int:
     rows = max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1)))
+    if window_left >= 0 and window_right >= 0:
+        # a chunk of r rows computes r x (r + left + right) scores: keep r near the window's span
+        rows = min(rows, max(64, window_left + window_right + 1))
     if layout_block > 0:  # whole layout blocks per chunk keep the key-range bounds tight
         rows = max(layout_block, rows // layout_block * layout_block)
     return min(rows, max(Lq, 1))
 
 
-_BOUNDS = WeakTensorKeyDictionary()   # layout mask -> its block bounds, computed once per layout
+_VISIBLE_BLOCKS = WeakTensorKeyDictionary()   # layout mask -> (nqb, nkb) any-head visibility
 
 
-def _layout_block_bounds(layout_mask: Tensor) -> Tuple[List[int], List[int]]:
-    """For each query block, the first and last key block any head may see (-1, -2 if none)."""
-    cached = _BOUNDS.get(layout_mask)
-    if cached is not None:
-        return cached
-    vis = layout_mask.any(0)                                    # (nqb, nkb)
-    nqb, nkb = vis.shape
-    if nkb == 0:                                                # Lk == 0: nothing to see
-        bounds = ([-1] * nqb, [-2] * nqb)
-    else:
-        idx = torch.arange(nkb, device=vis.device)
-        first = torch.where(vis, idx, nkb).amin(1)
-        last = torch.where(vis, idx, -1).amax(1)
-        first = torch.where(first == nkb, -1, first)
-        last = torch.where(last == -1, -2, last)
-        bounds = (first.tolist(), last.tolist())
-    _BOUNDS[layout_mask] = bounds
-    return bounds
+def _visible_blocks(layout_mask: Tensor) -> Tensor:
+    vis = _VISIBLE_BLOCKS.get(layout_mask)
+    if vis is None:
+        vis = _VISIBLE_BLOCKS[layout_mask] = layout_mask.any(0)
+    return vis
 
 
-class _Plan:
-    """The chunks of a call and, for each, the key range [k0, k1) its queries may see."""
-
-    def __init__(self, B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block):
-        self.rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0)
-        offset = Lk - Lq
-        if layout_mask is not None:
-            first, last = _layout_block_bounds(layout_mask)
-        self.chunks = []
-        for i0 in range(0, Lq, self.rows):
-            i1 = min(i0 + self.rows, Lq)
-            k0 = 0 if window_left < 0 else max(0, i0 + offset - window_left)
-            k1 = Lk if window_right < 0 else min(Lk, i1 - 1 + offset + window_right + 1)
-            if layout_mask is not None:
-                qb0, qb1 = i0 // layout_block, (i1 - 1) // layout_block
-                fs = [f for f in first[qb0:qb1 + 1] if f >= 0]
-                if not fs:
-                    k1 = k0
-                else:
-                    k0 = max(k0, min(fs) * layout_block)
-                    k1 = min(k1, (max(last[qb0:qb1 + 1]) + 1) * layout_block)
-            self.chunks.append((i0, i1, k0, max(k0, k1)))
+class _Chunk(NamedTuple):
+    i0: int                      # query rows [i0, i1)
+    i1: int
+    keys: Union[slice, Tensor]   # the keys the chunk computes: a range, or the sorted positions of
+                                 # the layout blocks some row of the chunk may see
+    pos: Tensor                  # (n,) those keys' positions
 
 
-def _visible(i0, i1, k0, k1, offset, window_left, window_right, layout_mask, layout_block,
-             key_padding_mask, device) -> Optional[Tensor]:
-    """Boolean mask broadcastable to (B, H, i1-i0, k1-k0) of visible (query, key) pairs, or None
-    when every pair in the block is visible."""
-    pos = torch.arange(i0, i1, device=device)[:, None] + offset
-    key = torch.arange(k0, k1, device=device)[None, :]
+def _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, device) -> List[_Chunk]:
+    """The query chunks of a call with the keys each must compute. Causal and window bounds give
+    a key range per chunk; a layout then keeps only the key blocks some row of the chunk may see,
+    so the work of a block-sparse call scales with its density."""
+    offset = Lk - Lq
+    vis = _visible_blocks(layout_mask) if layout_mask is not None else None
+    chunks = []
+    for i0 in range(0, Lq, rows):
+        i1 = min(i0 + rows, Lq)
+        k0 = 0 if window_left < 0 else max(0, i0 + offset - window_left)
+        k1 = Lk if window_right < 0 else min(Lk, i1 - 1 + offset + window_right + 1)
+        if k1 <= k0:
+            continue                                               # no visible key: 0 and -inf
+        if vis is None:
+            chunks.append(_Chunk(i0, i1, slice(k0, k1), torch.arange(k0, k1, device=device)))
+            continue
+        bs = layout_block
+        kb0, kb1 = k0 // bs, (k1 - 1) // bs + 1
+        blocks = vis[i0 // bs:(i1 - 1) // bs + 1, kb0:kb1].any(0).nonzero().flatten() + kb0
+        if blocks.numel() == 0:
+            continue
+        first, last = int(blocks[0]), int(blocks[-1])
+        if last - first + 1 == blocks.numel():                     # contiguous: a range, no gather
+            a, b = max(k0, first * bs), min(k1, (last + 1) * bs)
+            chunks.append(_Chunk(i0, i1, slice(a, b), torch.arange(a, b, device=device)))
+        else:
+            pos = (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()
+            pos = pos[(pos >= k0) & (pos < k1)]
+            chunks.append(_Chunk(i0, i1, pos, pos))
+    return chunks
+
+
+def _visible(i0, i1, kpos, offset, window_left, window_right, layout_mask, layout_block,
+             key_padding_mask) -> Optional[Tensor]:
+    """Boolean mask broadcastable to (B, H, i1-i0, len(kpos)) of visible (query, key) pairs, or None
+    when every pair is visible."""
+    qpos = torch.arange(i0, i1, device=kpos.device)[:, None] + offset
+    key = kpos[None, :]
     mask = None
     if window_left >= 0:
-        mask = key >= pos - window_left
+        mask = key >= qpos - window_left
     if window_right >= 0:
-        m = key <= pos + window_right
+        m = key <= qpos + window_right
         mask = m if mask is None else mask & m
     if layout_mask is not None:
-        qb = torch.arange(i0, i1, device=device) // layout_block
-        kb = torch.arange(k0, k1, device=device) // layout_block
-        m = layout_mask[:, qb][:, :, kb][None]                   # (1, Hl, rows, keys)
+        qb = torch.arange(i0, i1, device=kpos.device) // layout_block
+        m = layout_mask[:, qb][:, :, kpos // layout_block][None]   # (1, Hl, rows, keys)
         mask = m if mask is None else mask & m
     if key_padding_mask is not None:
-        m = ~key_padding_mask[:, None, None, k0:k1]              # (B, 1, 1, keys)
+        m = ~key_padding_mask[:, kpos][:, None, None, :]            # (B, 1, 1, keys)
         mask = m if mask is None else mask & m
     return mask
 
@@ -114,14 +119,14 @@ def _dropout_keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
     return torch.rand(shape, generator=g, device=device) >= p
 
 
-def _scores(q, k, i0, i1, k0, k1, scale, cdt, G):
-    """Scaled scores of query rows [i0, i1) against keys [k0, k1): (B, H, rows, keys)."""
+def _scores(q, k, c: _Chunk, scale, cdt, G):
+    """Scaled scores of the chunk's query rows against its keys: (B, H, rows, keys)."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
-    qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
-    kc = k[:, :, k0:k1].to(cdt)
+    qc = q[:, :, c.i0:c.i1].to(cdt).reshape(B, Hkv, G * (c.i1 - c.i0), D)
+    kc = k[:, :, c.keys].to(cdt)
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)
-    return s.view(B, H, i1 - i0, k1 - k0), qc, kc
+    return s.view(B, H, c.i1 - c.i0, kc.shape[2]), qc, kc
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -137,13 +142,12 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
     G, cdt = H // Hkv, _compute_dtype(q.dtype)
     out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
-    plan = _Plan(B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block)
-    for i0, i1, k0, k1 in plan.chunks:
-        if k1 <= k0:
-            continue                                             # no visible key: 0 and -inf
-        s, _, _ = _scores(q, k, i0, i1, k0, k1, scale, cdt, G)
-        mask = _visible(i0, i1, k0, k1, Lk - Lq, window_left, window_right, layout_mask, layout_block,
-                        key_padding_mask, q.device)
+    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
+    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+        i0, i1 = c.i0, c.i1
+        s, _, _ = _scores(q, k, c, scale, cdt, G)
+        mask = _visible(i0, i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
+                        key_padding_mask)
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
         m = s.amax(-1, keepdim=True)
@@ -154,9 +158,18 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
             p = p * _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
-        o = torch.matmul(_grouped(p, Hkv), v[:, :, k0:k1].to(cdt))
+        o = torch.matmul(_grouped(p, Hkv), v[:, :, c.keys].to(cdt))
         out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
     return out, lse.to(torch.float32) if cdt == torch.float32 else lse
+
+
+def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
+    """acc[:, :, keys] += x. Gathered key positions are distinct, so each element receives exactly
+    one addition per chunk: deterministic on every device."""
+    if isinstance(keys, slice):
+        acc[:, :, keys] += x
+    else:
+        acc.index_add_(2, keys, x)
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
@@ -173,17 +186,16 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
         delta = delta - grad_lse.to(cdt)
     lse = lse.to(cdt)
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    plan = _Plan(B, H, Lq, Lk, window_left, window_right, layout_mask, layout_block)
-    for i0, i1, k0, k1 in plan.chunks:
-        if k1 <= k0:
-            continue
-        s, qc, kc = _scores(q, k, i0, i1, k0, k1, scale, cdt, G)
-        mask = _visible(i0, i1, k0, k1, Lk - Lq, window_left, window_right, layout_mask, layout_block,
-                        key_padding_mask, q.device)
+    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
+    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+        i0, i1 = c.i0, c.i1
+        s, qc, kc = _scores(q, k, c, scale, cdt, G)
+        mask = _visible(i0, i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
+                        key_padding_mask)
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])           # masked and empty rows give 0
-        vc = v[:, :, k0:k1].to(cdt)
+        vc = v[:, :, c.keys].to(cdt)
         do = grad_out[:, :, i0:i1].to(cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
@@ -191,11 +203,11 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
             pd, dp = p * keep, dp * keep
         else:
             pd = p
-        dv[:, :, k0:k1] += torch.matmul(_grouped(pd, Hkv).transpose(-1, -2), _grouped(do, Hkv))
+        _accumulate(dv, c.keys, torch.matmul(_grouped(pd, Hkv).transpose(-1, -2), _grouped(do, Hkv)))
         ds = p * (dp - delta[:, :, i0:i1, None])
         dsg = _grouped(ds, Hkv)
         dq[:, :, i0:i1] = (torch.matmul(dsg, kc) * scale).view(B, H, i1 - i0, D).to(q.dtype)
-        dk[:, :, k0:k1] += torch.matmul(dsg.transpose(-1, -2), qc) * scale
+        _accumulate(dk, c.keys, torch.matmul(dsg.transpose(-1, -2), qc) * scale)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
