@@ -40,9 +40,9 @@ def test_readme_api_examples_run():
     """The README's softmax and linear attention examples run as written (shorter sequences)."""
     code = "\n".join(_python_blocks("Softmax attention") + _python_blocks("Linear attention"))
     assert "effattn.attention(" in code and "effattn.linear_attention(" in code
-    code = code.replace("4096", "256").replace("2048", "128").replace("3000", "200")
+    code = code.replace("4096", "1024").replace("2048", "512").replace("3000", "800")
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
-    assert namespace["out"].shape == (2, 8, 256, 64)
-    assert namespace["out2"].shape == (2, 8, 128, 64)         # the second segment of the state example
+    assert namespace["out"].shape == (2, 8, 1024, 64)
+    assert namespace["out2"].shape == (2, 8, 512, 64)         # the second segment of the state example
     assert namespace["layout"].density() < 1.0
