@@ -35,6 +35,22 @@ def _config(name):
             pytest.skip("this transformers' Qwen2 has no per-layer attention types")
         cfg.layer_types = ["sliding_attention", "full_attention"] * 2
         return transformers.Qwen2ForCausalLM, cfg
+    if name == "modernbert-sliding":              # bidirectional: local layers see |i - j| <= local_attention / 2
+        if not hasattr(transformers, "ModernBertConfig"):
+            pytest.skip("this transformers has no ModernBERT")
+        return transformers.ModernBertModel, transformers.ModernBertConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=3, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    if name == "gemma3-bidirectional":            # EmbeddingGemma-style: sliding layers see |i - j| < sliding_window
+        if not hasattr(transformers, "Gemma3TextConfig"):
+            pytest.skip("this transformers has no Gemma3")
+        cfg = transformers.Gemma3TextConfig(**TINY, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                            layer_types=["sliding_attention", "full_attention"])
+        if not hasattr(cfg, "use_bidirectional_attention"):
+            pytest.skip("this transformers' Gemma3 has no bidirectional attention")
+        cfg.use_bidirectional_attention = True
+        return transformers.Gemma3TextModel, cfg
     if name == "gemma2-softcap":                     # attention logit soft-capping: the dense fallback
         if not hasattr(transformers, "Gemma2Config"):
             pytest.skip("this transformers has no Gemma2")
@@ -68,7 +84,8 @@ def _batch(B=3, L=12, left=True):
 
 
 @pytest.mark.parametrize("padding", ["left", "right", "none"])
-@pytest.mark.parametrize("name", ["bert", "gpt2", "mistral-sliding", "qwen2-alternating", "gemma2-softcap"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "mistral-sliding", "qwen2-alternating", "modernbert-sliding",
+                                  "gemma3-bidirectional", "gemma2-softcap"])
 def test_same_outputs_as_eager(name, padding):
     eager, ours = _pair(name)
     ids, mask = _batch(left=padding == "left")
@@ -129,6 +146,42 @@ def test_incremental_decoding_with_cache():
     torch.testing.assert_close(logits[1][real], logits[0][real], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(logits[1][real], full[real], atol=2e-5, rtol=2e-5)
     assert set(hf_effattn.stats) == {"fused"}
+
+
+@pytest.mark.parametrize("name", ["qwen2-alternating", "mistral-sliding"])
+def test_static_cache_generate_is_fused(name):
+    """A static cache hands attention all its slots, the unused ones masked for every query; they are
+    cut off, so prefill and decoding stay on the fused kernel (and decoding reads only used slots)."""
+    eager, ours = _pair(name)
+    ids, mask = _batch()
+    hf_effattn.stats.clear()
+    with torch.no_grad():
+        a = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                           cache_implementation="static")
+        b = ours.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                          cache_implementation="static")
+    assert torch.equal(a, b)
+    assert set(hf_effattn.stats) == {"fused"}, dict(hf_effattn.stats)
+
+
+def test_unused_trailing_keys_are_cut(monkeypatch):
+    """Keys at the end of a 4-D mask that no query may see (a static cache's unused slots) do not
+    reach the kernel, and the rest stays exact."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    B, H, Lq, Lk, D = 2, 4, 3, 10, 8
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, 2, Lk, D), torch.randn(B, 2, Lk, D)
+    pos = torch.arange(Lq)[:, None] + 2                              # queries at positions 2, 3, 4
+    keep = (torch.arange(Lk)[None, :] <= pos).expand(B, 1, Lq, Lk).clone()
+    keep[1, ..., 0] = False                                          # and a padded key
+    seen = []
+    real = hf_effattn.attention
+    monkeypatch.setattr(hf_effattn, "attention", lambda q, k, v, **kw: seen.append(k.shape[2]) or real(q, k, v, **kw))
+    hf_effattn.stats.clear()
+    out, _ = hf_effattn.attention_forward(module, q, k, v, keep)
+    assert seen == [5] and hf_effattn.stats == {"fused": 1}
+    expected, _ = hf_effattn.dense_attention(q, k, v, visible=keep)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-6)
 
 
 def test_generate_matches_eager():

@@ -12,7 +12,7 @@ from torch import nn
 
 import effattn
 from effattn import layouts
-from effattn.nn import (MultiheadAttention, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+from effattn.nn import (KVCache, MultiheadAttention, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                         TransformerEncoderLayer)
 from oracle import visibility
 
@@ -56,6 +56,28 @@ def test_same_parameters_and_init_as_torch(kw):
     for attr in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
                  "_qkv_same_embed_dim", "add_zero_attn"):
         assert getattr(ours, attr) == getattr(ref, attr), attr
+
+
+def test_pickle_round_trip_and_older_pickles():
+    """torch.save(model) / torch.load keep the module working (fast-path hook included); a pickle from
+    before an attribute was added (here: the bookkeeping ones) still loads and runs."""
+    import io
+    torch.manual_seed(15)
+    mha = MultiheadAttention(E, H, batch_first=True, window=2).eval()
+    x = torch.randn(2, 6, E)
+    buf = io.BytesIO()
+    torch.save(mha, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    close(mha(x, x, x, need_weights=False)[0], again(x, x, x, need_weights=False)[0], 0)
+    assert len(again._forward_pre_hooks) == 1
+    state = dict(mha.__dict__)
+    for name in ("_explaining", "_logged", "last_path"):
+        state.pop(name)
+    old = MultiheadAttention.__new__(MultiheadAttention)
+    old.__setstate__(state)
+    close(mha(x, x, x, need_weights=False)[0], old(x, x, x, need_weights=False)[0], 0)
+    assert old.last_path == "fused"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +290,29 @@ def test_linear_variant(fmap, causal):
     close(_linear_reference(mha, x, causal, phi).float(), out, 1e-4)
 
 
+def test_favor_module_loads_a_torch_state_dict():
+    """A torch.nn.MultiheadAttention state dict has no FAVOR+ projection: it loads strictly into a
+    linear="favor" module (also inside a model), which keeps its own projection."""
+    torch.manual_seed(16)
+    ref = nn.MultiheadAttention(E, H)
+    mha = MultiheadAttention(E, H, linear="favor")
+    proj = mha.feature_map.projection.clone()
+    mha.load_state_dict(ref.state_dict())
+    assert torch.equal(mha.in_proj_weight, ref.in_proj_weight) and torch.equal(mha.feature_map.projection, proj)
+    layer = TransformerEncoderLayer(E, H, 48, linear="favor")
+    layer.load_state_dict(nn.TransformerEncoderLayer(E, H, 48).state_dict())
+    other = MultiheadAttention(E, H, linear="favor")                # and its own projection when there is one
+    other.load_state_dict(mha.state_dict())
+    assert torch.equal(other.feature_map.projection, proj)
+
+
+def test_favor_projection_follows_device():
+    """linear="favor" builds its FavorFeatures where the module's parameters are (device=)."""
+    mha = MultiheadAttention(E, H, linear="favor", device="meta")
+    assert mha.in_proj_weight.device.type == "meta"
+    assert mha.feature_map.projection.device.type == "meta"
+
+
 def test_linear_variant_key_padding():
     """Padded keys add nothing: a padded batch entry equals the same sequence without the padding."""
     torch.manual_seed(8)
@@ -350,6 +395,47 @@ def test_reference_path_is_recorded_and_logged_once(caplog):
     assert sum("float attn_mask" in r.getMessage() for r in caplog.records) == 1
     mha(x, x, x, need_weights=False)
     assert mha.last_path == "fused"
+
+
+def test_explain_says_which_path_and_backend_without_running():
+    mha = MultiheadAttention(E, H, batch_first=True, window=3).eval()
+    x = torch.randn(2, 10, E)
+    mha(x, x, x, need_weights=False)
+    ex = mha.explain(x, x, x)                                     # need_weights defaults to True, as in torch
+    assert ex.path == "reference: need_weights=True" and ex.report is None and ex.shape == (10, 10)
+    assert "need_weights=False" in str(ex)
+    ex = mha.explain(x, x, x, attn_mask=torch.zeros(10, 10, dtype=torch.bool), need_weights=False)
+    assert ex.path == "reference: bool attn_mask" and "is_causal" in str(ex)
+    ex = mha.explain(x, x, x, is_causal=True, need_weights=False)
+    assert ex.path == "fused" and ex.op == "attention"
+    assert ex.report.chosen is not None and ex.report.can_serve("torch")
+    assert "effattn.attention: backend='auto' picks" in str(ex)
+    assert mha.last_path == "fused"                              # explain records nothing
+    # the call with a cache: the cache is not touched, Lk counts the cached keys
+    cache = KVCache()
+    with torch.no_grad():
+        mha(x[:, :6], x[:, :6], x[:, :6], is_causal=True, need_weights=False, cache=cache)
+    keys, seen = cache.keys, cache.seen
+    ex = mha.explain(x[:, 6:7], x[:, 6:7], x[:, 6:7], is_causal=True, need_weights=False, cache=cache)
+    assert ex.path == "fused" and ex.shape == (1, 4)
+    assert cache.keys is keys and cache.seen == seen
+    lin = MultiheadAttention(E, H, linear="elu", backend="torch")
+    ex = lin.explain(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1), need_weights=False)
+    assert ex.path == "linear" and ex.op == "linear_attention" and "backend='torch'" in str(ex)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_input_keeps_its_layout(layout):
+    """Ragged self-attention input comes back nested in the same layout, each sequence attended alone."""
+    torch.manual_seed(14)
+    mha = MultiheadAttention(E, H, batch_first=True).eval()
+    seqs = [torch.randn(5, E), torch.randn(3, E)]
+    nt = torch.nested.nested_tensor(seqs, layout=layout)
+    with torch.no_grad():
+        out, _ = mha(nt, nt, nt, need_weights=False, is_causal=True)
+        assert out.is_nested and out.layout == layout
+        for got, x in zip(out.unbind(), seqs):
+            close(mha(x, x, x, need_weights=False, is_causal=True)[0], got, 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

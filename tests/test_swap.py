@@ -190,3 +190,38 @@ def test_linear_swap_and_call_time_errors():
     swap_attention(cross, layout=layouts.local(10, 5, 1))
     with pytest.raises(ValueError, match="does not fit this call"):
         cross.attn(x, torch.randn(2, 30, 16), torch.randn(2, 30, 16), need_weights=False)
+
+
+def test_parameters_are_carried_not_copied():
+    """The swapped module holds the very Parameter objects of the old one: frozen weights stay frozen,
+    an optimizer made before the swap still trains the model, and no weight is copied."""
+    torch.manual_seed(5)
+    model = encoder(layers=1)
+    attn = model.layers[0].self_attn
+    attn.in_proj_weight.requires_grad_(False)                       # e.g. a partly frozen fine-tune
+    params = {name: p for name, p in attn.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    swap_attention(model, window=2)
+    new = model.layers[0].self_attn
+    assert isinstance(new, MultiheadAttention)
+    for name, p in new.named_parameters():
+        assert p is params[name], name
+    assert not new.in_proj_weight.requires_grad and new.in_proj_bias.requires_grad
+    before = new.out_proj.weight.detach().clone()
+    model(torch.randn(2, 6, E), is_causal=True).square().sum().backward()
+    opt.step()
+    assert not torch.equal(before, new.out_proj.weight)
+
+
+def test_from_torch_copies_and_keeps_requires_grad():
+    mha = nn.MultiheadAttention(E, H, kdim=16, vdim=16)
+    mha.k_proj_weight.requires_grad_(False)
+    new = MultiheadAttention.from_torch(mha, window=3)
+    assert new.q_proj_weight is not mha.q_proj_weight and torch.equal(new.q_proj_weight, mha.q_proj_weight)
+    assert [p.requires_grad for p in new.parameters()] == [p.requires_grad for p in mha.parameters()]
+
+
+def test_nothing_to_swap_warns():
+    """A model without torch.nn.MultiheadAttention (a Hugging Face model, say) is not silently 'swapped'."""
+    with pytest.warns(UserWarning, match="no torch.nn.MultiheadAttention"):
+        assert swap_attention(nn.Sequential(nn.Linear(E, E))) == []

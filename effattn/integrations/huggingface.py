@@ -13,14 +13,17 @@ where that exists): a 4-D bool mask, or ``None`` when a plain causal / bidirecti
 padding suffices. Then:
 
 - ``None``: the fused kernel with ``causal`` (the module's ``is_causal`` unless the call overrides it)
-  and ``window`` from ``sliding_window`` (keys ``i - sliding_window + 1 .. i`` when causal, as
-  transformers' sliding masks; ``|i - j| <= sliding_window`` otherwise).
-- a mask: effattn reads it once. Keys that no query may see are taken as padding; if the mask
-  equals "causal/window structure AND NOT padding" exactly, the fused kernel runs with that key
-  padding mask. Anything else (packed sequences, image-token bidirectional blocks, a static cache's
-  prefill, non-binary float masks, ...) takes the **dense fallback**: a softmax over the materialized
-  ``(L, S)`` scores, the same math as the eager implementation, O(L^2) memory. ``softcap`` (Gemma 2)
-  always takes the dense fallback.
+  and ``window`` from ``sliding_window``, read as transformers reads that keyword for FlashAttention
+  (``window_size = (sliding_window - 1, sliding_window - 1)``): keys ``i - sliding_window + 1 .. i``
+  when causal (as transformers' sliding masks), ``|i - j| <= sliding_window - 1`` otherwise (ModernBERT,
+  bidirectional Gemma 3).
+- a mask: effattn reads it once. Trailing keys that no query may see (a static cache's unused slots)
+  are cut off; of the rest, keys that no query may see are taken as padding. If the mask then equals
+  "causal/window structure AND NOT padding" exactly (bottom-right aligned), the fused kernel runs with
+  that key padding mask. Anything else (packed sequences, image-token bidirectional blocks,
+  non-binary float masks such as T5's position bias, ...) takes the **dense fallback**: a softmax over
+  the materialized ``(L, S)`` scores, the same math as the eager implementation, O(L^2) memory.
+  ``softcap`` (Gemma 2) always takes the dense fallback.
 
 Which path ran is counted in :data:`stats` (``"fused"``, ``"dense: <why>"``) and each fallback reason
 is logged once at DEBUG level on the ``effattn.integrations.huggingface`` logger. Reading the mask is
@@ -61,9 +64,17 @@ def _record(path: str) -> None:
 
 
 def _window(sliding_window: Optional[int], causal: bool):
+    """transformers' ``sliding_window`` keyword -> effattn ``(left, right)``, inclusive.
+
+    transformers' convention for the keyword is FlashAttention's ``window_size = (sw - 1, sw - 1)``
+    (``modeling_flash_attention_utils``), causal folding the right side to 0: a causal query sees
+    itself and ``sw - 1`` keys before it (``kv > q - sw``, ``sliding_window_overlay``), a bidirectional
+    one ``|q - kv| <= sw - 1`` (ModernBERT passes ``local_attention // 2 + 1``, bidirectional Gemma 3
+    masks ``|q - kv| < sw``)."""
     if not sliding_window:
         return None
-    return (int(sliding_window) - 1, 0) if causal else (int(sliding_window), int(sliding_window))
+    w = int(sliding_window) - 1
+    return (w, 0) if causal else (w, w)
 
 
 def _read_mask(mask: Tensor, B: int, Lq: int, Lk: int, causal: bool, window):
@@ -122,6 +133,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # first Lq positions and the keys after them are unused cache slots
         key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq
 
+    if attention_mask is not None and attention_mask.dim() == 4:
+        used = _used_keys(attention_mask, Lq)
+        if used < Lk:
+            # a static cache's unused slots: masked for every query, and in the way of the bottom-right
+            # alignment the fused kernel's causal / window rule uses; cutting them changes nothing
+            key, value, attention_mask, Lk = key[:, :, :used], value[:, :, :used], attention_mask[..., :used], used
+
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
     if softcap is not None:                             # no fused soft-capping: dense, same visibility
         if plan[0] == "fused":
@@ -139,6 +157,17 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                  dropout_p=float(dropout), softcap=softcap)
         _record("dense: " + why)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _used_keys(mask: Tensor, Lq: int) -> int:
+    """1 + the last key index some query may see under the 4-D ``mask`` (bool keep or float additive),
+    but at least ``min(Lq, Lk)``, so that a causal call keeps its queries' own keys."""
+    Lk = mask.shape[-1]
+    seen = mask.any(dim=2) if mask.dtype == torch.bool else (mask > torch.finfo(mask.dtype).min / 2).any(dim=2)
+    seen = seen.flatten(0, -2).any(dim=0)                      # (Lk,)
+    idx = torch.nonzero(seen)
+    last = int(idx[-1]) + 1 if idx.numel() else 0
+    return max(last, min(Lq, Lk))
 
 
 def _structure_and_padding(Lq, Lk, causal, window, kpm, device) -> Optional[Tensor]:

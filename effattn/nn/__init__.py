@@ -1,9 +1,9 @@
 """Drop-in ``torch.nn`` modules on effattn: attention, transformer layers, decoding caches, and
 `swap_attention` to put them under an existing model."""
-from .attention import MultiheadAttention, dense_attention
+from .attention import ForwardExplanation, MultiheadAttention, dense_attention
 from .cache import KVCache
 from .swap import swap_attention
 from .transformer import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
-__all__ = ["MultiheadAttention", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
+__all__ = ["MultiheadAttention", "ForwardExplanation", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention"]

@@ -15,9 +15,13 @@ Every call takes one of three paths, recorded in ``module.last_path``:
   ``key_padding_mask``, ``need_weights=True`` (the weights *are* the dense matrix), and
   ``add_bias_kv`` / ``add_zero_attn``. Each distinct reason is logged once per module at DEBUG level
   on the ``effattn.nn`` logger, so nothing is silently slow.
+
+``module.explain(query, key, value, **forward_kwargs)`` says which path a call would take, what to
+change to leave a reference path, and which backend would serve a fused one (:func:`effattn.explain`).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Optional, Tuple
@@ -30,7 +34,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .._call import normalize_window
 from ..feature_maps import FavorFeatures, NAMED_FEATURE_MAPS, resolve_feature_map
-from ..functional import attention
+from ..functional import Explanation, attention, explain as explain_call
 from ..layouts import BlockLayout
 from ..linear import linear_attention
 from .cache import KVCache
@@ -158,6 +162,58 @@ def _as_bool_padding(kpm: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
+# MultiheadAttention.explain
+
+#: what a caller can change to leave each reference path (keyed by the reason in ``last_path``)
+REFERENCE_HINTS = {
+    "need_weights=True": "pass need_weights=False (the weights are the dense matrix)",
+    "add_bias_kv/add_zero_attn": "the module was built with add_bias_kv / add_zero_attn",
+    "float key_padding_mask": "pass a bool key_padding_mask (True = padding) or one of only 0 / -inf",
+    "bool attn_mask": "express the mask as is_causal=True / window= / layout= / key_padding_mask",
+    "float attn_mask": "express the mask as is_causal=True / window= / layout= / key_padding_mask",
+}
+
+
+class ForwardExplanation:
+    """What :meth:`MultiheadAttention.explain` found for one call.
+
+    Attributes:
+        path: the ``last_path`` the call would record: ``"fused"``, ``"linear"`` or ``"reference: <why>"``.
+        op: ``"attention"`` / ``"linear_attention"``: the effattn function the call would make; None on a
+            reference path (the module computes a dense softmax itself).
+        report: :func:`effattn.explain`'s :class:`~effattn.functional.Explanation` for that call (which
+            backend ``"auto"`` picks, why each other one cannot serve); None on a reference path.
+        backend: the module's ``backend`` (a name other than ``"auto"`` is used as is).
+        shape: ``(Lq, Lk)`` of the attention (``Lk`` includes cached keys and memory).
+    """
+
+    def __init__(self, path: str, op: Optional[str], report: Optional[Explanation], backend: str,
+                 shape: Tuple[int, int]):
+        self.path, self.op, self.report, self.backend, self.shape = path, op, report, backend, shape
+
+    def __str__(self) -> str:
+        Lq, Lk = self.shape
+        if self.report is None:
+            why = self.path.split(": ", 1)[-1]
+            return (f"MultiheadAttention: {self.path} path: a dense softmax over the ({Lq}, {Lk}) score matrix in "
+                    f"torch, O(Lq*Lk) memory; to get the fused kernels, {REFERENCE_HINTS.get(why, why)}")
+        head = f"MultiheadAttention: {self.path} path, effattn.{self.op} on ({Lq}, {Lk})"
+        if self.backend != "auto":
+            head += f" with backend={self.backend!r}"
+        return head + "\n" + str(self.report)
+
+    __repr__ = __str__
+
+
+class _Explained(Exception):
+    """Carries a ForwardExplanation out of ``forward`` (MultiheadAttention.explain stops the call there)."""
+
+    def __init__(self, explanation: ForwardExplanation):
+        super().__init__(explanation.path)
+        self.explanation = explanation
+
+
+# ----------------------------------------------------------------------------------------------
 
 class MultiheadAttention(nn.Module):
     r"""Drop-in ``torch.nn.MultiheadAttention`` on effattn's fused kernels, with variants.
@@ -175,7 +231,9 @@ class MultiheadAttention(nn.Module):
             ``(Lq, Lk) -> BlockLayout`` for inputs of varying length.
         linear: a feature map for linear attention instead of softmax: ``"elu"``, ``"relu"``,
             ``"identity"``, ``"favor"`` (creates an :class:`effattn.FavorFeatures` submodule
-            ``feature_map``, whose ``projection`` buffer then is an extra state-dict entry), an
+            ``feature_map``, whose ``projection`` buffer then is an extra state-dict entry: torch's
+            state dicts still load, the module keeping its own projection; the other way needs
+            ``strict=False``), an
             ``effattn.FavorFeatures`` or any callable ``(..., D) -> (..., F)``. Linear attention forms
             no probability matrix: ``dropout`` does not apply to it, ``attn_mask`` and
             ``need_weights=True`` are errors.
@@ -191,7 +249,8 @@ class MultiheadAttention(nn.Module):
     read and the fused causal kernel runs.
 
     ``last_path`` says which path the last call took (see the module docstring); ``"reference"``
-    paths are O(L^2). ``need_weights`` defaults to True as in torch: pass ``need_weights=False`` to
+    paths are O(L^2). :meth:`explain` says which path a call would take and which backend would serve
+    it, without running it. ``need_weights`` defaults to True as in torch: pass ``need_weights=False`` to
     get the fused kernels.
 
     Extra ``forward`` keywords:
@@ -271,7 +330,8 @@ class MultiheadAttention(nn.Module):
         # a feature map with state (FavorFeatures' projection) is the submodule `feature_map`
         self._linear_spec = None if isinstance(linear, nn.Module) else linear
         if linear == "favor":
-            self.feature_map = FavorFeatures(self.head_dim)
+            # its projection buffer is float32 whatever dtype=, as FavorFeatures keeps it
+            self.feature_map = FavorFeatures(self.head_dim).to(device=device)
         elif isinstance(linear, nn.Module):
             self.feature_map = linear
         if linear is not None and dropout > 0:
@@ -279,7 +339,23 @@ class MultiheadAttention(nn.Module):
                          "probabilities are formed)", dropout)
         self.last_path: Optional[str] = None
         self._logged = set()
+        self._explaining = False           # set by explain(): forward stops before attending
         self.register_forward_pre_hook(_blocks_torch_fast_path)
+
+    def __setstate__(self, state):
+        # modules pickled (torch.save(model)) by an earlier effattn lack the attributes added since
+        state.setdefault("last_path", None)
+        state.setdefault("_logged", set())
+        state.setdefault("_explaining", False)
+        super().__setstate__(state)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a torch.nn.MultiheadAttention state dict has no FAVOR+ projection: the module keeps its own, so
+        # that torch's state dicts load strictly (load_state_dict hands each module a copy of the dict)
+        key = prefix + "feature_map.projection"
+        if isinstance(self._modules.get("feature_map"), FavorFeatures) and key not in state_dict:
+            state_dict[key] = self._modules["feature_map"].projection
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _reset_parameters(self):
         if self._qkv_same_embed_dim:
@@ -306,9 +382,17 @@ class MultiheadAttention(nn.Module):
     # ---- construction from torch ------------------------------------------------------------
 
     @classmethod
-    def from_torch(cls, mha: nn.Module, **variant) -> "MultiheadAttention":
-        """A copy of ``mha`` (a ``torch.nn.MultiheadAttention`` or this class) with the given variant:
-        same configuration, device, dtype, weights and train/eval mode."""
+    def from_torch(cls, mha: nn.Module, *, share_parameters: bool = False, **variant) -> "MultiheadAttention":
+        """An effattn module with the configuration, device, dtype, weights and train/eval mode of ``mha``
+        (a ``torch.nn.MultiheadAttention`` or this class), and the given variant.
+
+        Args:
+            share_parameters: False (default): the weights are copied (``requires_grad`` too). True: the
+                new module holds ``mha``'s own ``Parameter`` objects, so that an optimizer, a frozen
+                (``requires_grad=False``) weight or a weight tied elsewhere stays as it is and nothing is
+                copied; what :func:`effattn.swap_attention` does.
+            **variant: ``window``, ``layout``, ``linear``, ``backend``.
+        """
         unknown = sorted(set(variant) - set(VARIANT_KEYS))
         if unknown:
             raise TypeError(f"MultiheadAttention.from_torch: unknown variant keys {unknown}; expected "
@@ -317,13 +401,30 @@ class MultiheadAttention(nn.Module):
         new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
                   add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
                   vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype, **variant)
-        # a FAVOR+ projection is carried when both have one; otherwise only the torch parameters must match
-        missing, unexpected = new.load_state_dict(mha.state_dict(), strict=False)
-        missing = [m for m in missing if not m.startswith("feature_map.")]
+        state = mha.state_dict()
+        # the attention's own parameters; a feature map's (FAVOR+ projection, a learned map) belongs to the
+        # variant and is carried only when both modules have it
+        own = [(name, p) for name, p in mha.named_parameters() if not name.startswith("feature_map.")]
+        if share_parameters:
+            for name, p in own:
+                owner_name, _, attr = name.rpartition(".")
+                owner = new.get_submodule(owner_name)
+                if attr not in owner._parameters or owner._parameters[attr].shape != p.shape:
+                    raise RuntimeError(f"MultiheadAttention.from_torch: no parameter {name} of shape "
+                                       f"{tuple(p.shape)} in the new module")
+                owner._parameters[attr] = p
+                state.pop(name, None)
+        missing, unexpected = new.load_state_dict(state, strict=False)
+        shared = {name for name, _ in own} if share_parameters else set()
+        missing = [m for m in missing if not m.startswith("feature_map.") and m not in shared]
         unexpected = [u for u in unexpected if not u.startswith("feature_map.")]
         if missing or unexpected:
             raise RuntimeError(f"MultiheadAttention.from_torch: state dict mismatch, missing {missing}, "
                                f"unexpected {unexpected}")
+        if not share_parameters:
+            new_params = dict(new.named_parameters())
+            for name, p in own:
+                new_params[name].requires_grad_(p.requires_grad)
         new.train(mha.training)
         return new
 
@@ -448,10 +549,15 @@ class MultiheadAttention(nn.Module):
             why = self._why_reference(attn_mask, kpm, need_weights, causal, Lq, Lk)
             layout = self._layout_for(Lq, Lk)
             if why is None:
-                out = attention(q, k, v, causal=causal, window=self.window, layout=layout, key_padding_mask=kpm,
-                                dropout_p=dropout_p, backend=self.backend)
+                call = dict(causal=causal, window=self.window, layout=layout, key_padding_mask=kpm,
+                            dropout_p=dropout_p)
+                if self._explaining:
+                    self._stop("fused", "attention", q, k, v, call)
+                out = attention(q, k, v, **call, backend=self.backend)
                 path = "fused"
             else:
+                if self._explaining:
+                    self._stop("reference: " + why, None, q, k, v, None)
                 out, weights = self._reference_path(q, k, v, attn_mask, kpm, causal, layout, dropout_p)
                 path = "reference: " + why
             if cache is not None:
@@ -476,6 +582,43 @@ class MultiheadAttention(nn.Module):
         if not batched:
             out = out.squeeze(0)
         return out, (weights if need_weights else None)
+
+    def explain(self, query: Tensor, key: Tensor, value: Tensor, **forward_kwargs) -> ForwardExplanation:
+        """Which path ``self(query, key, value, **forward_kwargs)`` would take and, for a fused or linear
+        path, :func:`effattn.explain`'s report on the effattn call it would make (which backend
+        ``"auto"`` picks and why the others cannot serve).
+
+        Runs the input checks and projections (under ``no_grad``) but not the attention; a ``cache=``
+        is left as it was and ``last_path`` is not changed.
+
+        Examples::
+
+            >>> print(mha.explain(x, x, x, attn_mask=mask))         # need_weights defaults to True
+            MultiheadAttention: reference: need_weights=True path: a dense softmax over the (1024, 1024) score
+            matrix in torch, O(Lq*Lk) memory; to get the fused kernels, pass need_weights=False (...)
+            >>> print(mha.explain(x, x, x, is_causal=True, need_weights=False))
+            MultiheadAttention: fused path, effattn.attention on (1024, 1024)
+            effattn.attention: backend='auto' picks triton
+            ...
+        """
+        cache = forward_kwargs.get("cache")
+        if cache is not None:
+            # a step rebinds the cache's tensors (torch.cat, slicing), never writes into them: a shallow copy
+            # takes the step and the caller's cache stays as it was
+            forward_kwargs["cache"] = copy.copy(cache)
+        self._explaining = True
+        try:
+            with torch.no_grad():
+                self.forward(query, key, value, **forward_kwargs)
+        except _Explained as stop:
+            return stop.explanation
+        finally:
+            self._explaining = False
+        raise RuntimeError("MultiheadAttention.explain: forward returned without reaching attention")
+
+    def _stop(self, path: str, op: Optional[str], q: Tensor, k: Tensor, v: Tensor, call: Optional[dict]):
+        report = explain_call(q, k, v, op=op, **call) if op is not None else None
+        raise _Explained(ForwardExplanation(path, op, report, self.backend, (q.shape[2], k.shape[2])))
 
     # ---- pieces of forward ------------------------------------------------------------------
 
@@ -599,6 +742,8 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"{fn}: key_padding_mask with linear attention needs at most {MAX_FEATURES} "
                                  f"features, this feature map gives {fq.shape[-1]}")
             q, k, v, phi = fq, fk.to(fq.dtype), v.to(fq.dtype), "identity"
+        if self._explaining:
+            self._stop("linear", "linear_attention", q, k, v, dict(causal=causal, feature_map=phi, initial_state=state))
         res = linear_attention(q, k, v, causal=causal, feature_map=phi, initial_state=state,
                                return_state=cache is not None, backend=self.backend)
         if cache is not None:
@@ -616,11 +761,11 @@ class MultiheadAttention(nn.Module):
         if not self.batch_first:
             raise ValueError("MultiheadAttention: nested tensor input needs batch_first=True")
         lengths = [t.shape[0] for t in query.unbind()]
-        x = query.to_padded_tensor(0.0)
+        x = torch.nested.to_padded_tensor(query, 0.0)
         kpm = torch.arange(x.shape[1], device=x.device)[None, :] >= torch.tensor(lengths, device=x.device)[:, None]
         out, weights = self.forward(x, x, x, key_padding_mask=kpm, need_weights=need_weights,
                                     average_attn_weights=average_attn_weights, is_causal=is_causal)
-        out = torch.nested.as_nested_tensor([out[i, :n] for i, n in enumerate(lengths)])
+        out = torch.nested.as_nested_tensor([out[i, :n] for i, n in enumerate(lengths)], layout=query.layout)
         return out, weights
 
     def _record(self, path: str) -> None:

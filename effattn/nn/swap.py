@@ -26,7 +26,9 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
                    **variant) -> List[Tuple[str, str]]:
     """Replaces every ``torch.nn.MultiheadAttention`` inside ``model`` by an
     :class:`effattn.nn.MultiheadAttention` with the same configuration, weights, device, dtype and
-    train/eval mode, and the given variant.
+    train/eval mode, and the given variant. The weights are not copied: the new modules hold the old
+    ones' ``Parameter`` objects, so an optimizer built before the swap, frozen weights and tied weights
+    are unaffected. Hooks registered on the old modules are not carried over.
 
     Args:
         model: any ``nn.Module``; modified in place. Its attention modules are found with
@@ -42,7 +44,9 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
             model's outputs are unchanged up to rounding.
 
     Returns:
-        A list of ``(qualified_name, "old -> new")`` descriptions, one per swapped module.
+        A list of ``(qualified_name, "old -> new")`` descriptions, one per swapped module. When it is
+        empty a warning says so (e.g. a Hugging Face model, whose attention is not
+        ``torch.nn.MultiheadAttention``: use :func:`effattn.integrations.huggingface.register`).
 
     Raises:
         TypeError: an unknown variant key.
@@ -91,11 +95,17 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
                 continue
             if id(child) not in new_for:
                 try:
-                    new_for[id(child)] = MultiheadAttention.from_torch(child, **variant)
+                    new_for[id(child)] = MultiheadAttention.from_torch(child, share_parameters=True, **variant)
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"swap_attention: cannot swap {name}: {e}") from None
                 report.append((name, f"{_describe(child)} -> {_describe(new_for[id(child)])}"))
             slots.append((parent, child_name, child, name))
     for parent, child_name, child, _ in slots:
         setattr(parent, child_name, new_for[id(child)])
+    if not report:
+        warnings.warn("swap_attention: found no torch.nn.MultiheadAttention to swap in this model" +
+                      (" that select accepts" if select is not None else "") + ". Models that compute attention "
+                      "in their own modules (Hugging Face transformers, ...) are not changed by swap_attention; "
+                      "for transformers use effattn.integrations.huggingface.register() and "
+                      "attn_implementation='effattn'", stacklevel=2)
     return report
