@@ -1,7 +1,7 @@
 """Shared test setup.
 
 - Without CUDA, Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before
-  triton is first imported, so it is set here, at collection time.
+  triton is first imported, so it is set here, at collection time. Triton configs are pinned.
 - Outputs are poisoned: torch.empty / empty_like / new_empty hand out NaN-filled float tensors, so an
   element a kernel forgets to write fails the comparison instead of passing by luck.
 - `gpu`-marked tests run only where CUDA is present.
@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests pin the Triton configs (no per-kind autotuning compiles): a GPU test run stays within one
+# device call; benchmarks/triton_gpu_check.py exercises the autotuned configs.
+os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

@@ -33,17 +33,45 @@ multiple of the tile. Work therefore scales with the number of visible tiles.
 Numerics
 --------
 Scores and softmax statistics are fp32; products run on tensor cores in the input dtype. float32
-inputs use IEEE fp32 dots unless ``torch.backends.cuda.matmul.allow_tf32`` is True, in which case
-they use TF32 (10-bit mantissa) like torch's own fp32 matmuls. Dropout draws a Philox number per
-(b, h, i, j) from the call's seed, so backward regenerates exactly the forward's mask, whatever
-the tile sizes. Gradients are bitwise reproducible for a fixed config (tile sizes are autotuned
-once per process and key; set ``EFFATTN_TRITON_AUTOTUNE=0`` to pin the default configs, which makes
-them reproducible across processes too).
+inputs use IEEE fp32 dots unless torch's cuBLAS setting allows TF32
+(``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), in which
+case they use TF32 (10-bit mantissa) like torch's own fp32 matmuls. The setting is read once per
+call, at the forward, and the backward of that call uses the same. Dropout draws a Philox number
+per (b, h, i, j) from the call's seed, so backward regenerates exactly the forward's mask, whatever
+the tile sizes. No kernel uses atomics: every gradient element is written by one program.
+
+Configs and reproducibility
+---------------------------
+Tile sizes are autotuned on the GPU: the first call of each kind (head dim, dtype, mask mode,
+length bucket) times a handful of configs with ``triton.testing.do_bench`` (which synchronizes and
+briefly allocates a 256 MB L2-flush buffer) and keeps the fastest for the process. Gradients are
+bitwise reproducible for a fixed config. ``EFFATTN_TRITON_AUTOTUNE=0`` skips the timing and pins the
+first config that fits, which makes results reproducible across processes too. Warm up outside
+CUDA-graph capture (``torch.compile(mode="reduce-overhead")`` does so in its warm-up runs); a call
+that meets an untuned kind while a stream is capturing takes the first config that fits, untimed,
+and does not cache it.
+
+Syncs and per-call work
+-----------------------
+No call waits for the GPU except: autotuning (first call per kind), and building a layout's tile
+lists (first call per layout, lengths, tiles and window: ``torch.unique`` and two ``.max()`` read
+sizes back, so that first call cannot happen during CUDA-graph capture); the lists are cached on
+the device, keyed weakly on the layout's mask. The dropout seed is a CPU tensor (no sync).
+Everything else per call is shape arithmetic in Python (about 25 us with the op dispatch, measured
+without the launches) and the launches: one for the forward, three for the backward (Delta,
+dK/dV, dQ).
+
+Index arithmetic
+----------------
+Per-(batch, head) bases and per-tile row offsets are int64. Offsets inside a tile (row x stride +
+column x stride) are int32 unless some tensor's span over its (length, head-dim) axes reaches 2**31
+elements (e.g. a ``(L, B, H, D)`` tensor viewed as ``(B, H, L, D)`` with L*B*H*D > 2**31), in which
+case the kernels are compiled with int64 offsets throughout (``IDX64``).
 """
 from __future__ import annotations
 
 import contextlib
-import math
+import logging
 import os
 from typing import Dict, Optional, Tuple
 
@@ -63,6 +91,28 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 # Triton decides at import time whether @triton.jit functions run in its interpreter.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
+_I32_MAX = 2**31 - 1
+_log = logging.getLogger(__name__)
+
+
+def _tf32_enabled() -> bool:
+    """Whether torch lets fp32 matmuls use TF32 on CUDA. torch >= 2.9 has ``fp32_precision`` (which
+    resolves inheritance from ``torch.backends.fp32_precision``); reading the legacy ``allow_tf32``
+    there raises once the new API was used, so it is only the fallback for older torch. Under
+    torch.compile it is read once, when the graph is traced (Dynamo cannot trace the getter)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return matmul.fp32_precision == "tf32"
+    except AttributeError:
+        return bool(matmul.allow_tf32)
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    _tf32_enabled = torch.compiler.assume_constant_result(_tf32_enabled)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _available(device: torch.device) -> Optional[str]:
@@ -217,6 +267,13 @@ if triton is not None:
         return c
 
     @triton.jit
+    def _i64(x, IDX64: tl.constexpr):
+        """`x` as int64 when the kernel was compiled for int64 offsets (see "Index arithmetic")."""
+        if IDX64:
+            x = x.to(tl.int64)
+        return x
+
+    @triton.jit
     def _load(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
         """A 2-D tile, zero outside ``rows < n_rows`` / ``cols < n_cols`` where asked to check."""
         if MASK_ROWS:
@@ -233,7 +290,7 @@ if triton is not None:
 
     @triton.jit
     def _visible(qi, kj, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr):
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, IDX64: tl.constexpr):
         """Elementwise visibility for a partial tile. ``qi`` / ``kj``: query / key indices shaped to
         broadcast against each other ((M, 1) and (1, N), or transposed)."""
         ok = (qi < Lq) & (kj < Lk)
@@ -243,7 +300,7 @@ if triton is not None:
         if HAS_RIGHT:
             ok = ok & (kj <= pos + right)
         if HAS_LAYOUT:
-            blk = tl.load(lay_ptr + (qi // lay_bs) * lay_nkb + kj // lay_bs, mask=ok, other=0)
+            blk = tl.load(lay_ptr + _i64(qi // lay_bs, IDX64) * lay_nkb + kj // lay_bs, mask=ok, other=0)
             ok = ok & (blk != 0)
         return ok
 
@@ -322,9 +379,9 @@ if triton is not None:
                   BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
                   DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10)."""
-        rel_n = tl.arange(0, BLOCK_N)
+        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = start_n + rel_n
         k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
         v_tile = v_base + start_n.to(tl.int64) * svn
@@ -332,7 +389,7 @@ if triton is not None:
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale            # S = Q K^T, in log2 units
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
             s = tl.where(ok, s, float("-inf"))
         if HAS_KPM:
             pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
@@ -359,30 +416,34 @@ if triton is not None:
                     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
                     COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-        """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h)."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
+        """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
+        1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
+        are limited to 65535, B * H is not)."""
+        n_mt = tl.cdiv(Lq, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m = pid % n_mt
+        bh = pid // n_mt
         b = bh // H
         h = bh % H
         hk = h // G                                               # GQA: the kv head of this q head
         m0 = pid_m * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        rel_m = tl.arange(0, BLOCK_M)
+        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
+        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
         q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd)
         q = _load(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
         k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         kpm_base = KPM + b.to(tl.int64) * skpb
-        lay_ptr = LAY + h * lay_h
+        lay_ptr = LAY + h.to(tl.int64) * lay_h
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         if HAS_LAYOUT:
-            row = LISTS + h * list_h + pid_m * list_t
+            row = LISTS + h.to(tl.int64) * list_h + pid_m.to(tl.int64) * list_t
             n_full = tl.load(row)
             n_part = tl.load(row + 1)
             t0 = 0
@@ -398,13 +459,13 @@ if triton is not None:
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                       lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         for i in range(0, n_part):
             start_n = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                       lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -415,28 +476,32 @@ if triton is not None:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
         tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
         if COUNT:
-            tl.store(COUNTS + bh * tl.num_programs(0) + pid_m, n_full + n_part)
+            tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
 
     # --- backward -----------------------------------------------------------------------------
 
     @triton.jit
     def _bwd_delta_kernel(O, DO, DLSE, DELTA, sdob, sdoh, sdom, sdod, sdlb, sdlh, sdlm, H, Lq, Dv,
-                          BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+                          IDX64: tl.constexpr):
         """Delta_i = rowsum(dO_i * O_i) - dlse_i (FA-2 Alg. 2 line 4; a gradient into lse enters as
-        dS += dlse * P, i.e. as -dlse in Delta)."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        dS += dlse * P, i.e. as -dlse in Delta). O is contiguous. 1-D grid, like the forward's."""
+        n_mt = tl.cdiv(Lq, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m = pid % n_mt
+        bh = pid // n_mt
         b = bh // H
         h = bh % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
+        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
         ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
         o = tl.load(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], mask=ok, other=0.0)
         do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + (pid_m * BLOCK_M).to(tl.int64) * sdom
-                     + tl.arange(0, BLOCK_M)[:, None] * sdom + offs_dv[None, :] * sdod, mask=ok, other=0.0)
+                     + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, mask=ok, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         if HAS_DLSE:
-            dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + offs_m * sdlm,
+            dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + _i64(offs_m, IDX64) * sdlm,
                            mask=offs_m < Lq, other=0.0)
             delta -= dlse.to(tl.float32)
         tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
@@ -448,9 +513,9 @@ if triton is not None:
                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
                    DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows)."""
-        rel_m = tl.arange(0, BLOCK_M)
+        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
         offs_m = start_m + rel_m
         q_tile = q_base + start_m.to(tl.int64) * sqm
         do_tile = do_base + start_m.to(tl.int64) * sdom
@@ -463,7 +528,7 @@ if triton is not None:
         st = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
         if MASK:
             ok = _visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
             st = tl.where(ok, st, float("-inf"))
         if HAS_KPM:
             st = tl.where(keep_k[:, None], st, float("-inf"))
@@ -490,18 +555,21 @@ if triton is not None:
                          BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
                          COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
-        their visible query tiles, accumulating in registers (no atomics: deterministic)."""
-        pid_n = tl.program_id(0)
-        bhk = tl.program_id(1)
+        their visible query tiles, accumulating in registers (no atomics: deterministic). 1-D grid
+        of cdiv(Lk, BLOCK_N) * B * Hkv programs, key tiles fastest."""
+        n_nt = tl.cdiv(Lk, BLOCK_N)
+        pid = tl.program_id(0)
+        pid_n = pid % n_nt
+        bhk = pid // n_nt
         b = bhk // Hkv
         hk = bhk % Hkv
         n0 = pid_n * BLOCK_N
-        rel_n = tl.arange(0, BLOCK_N)
+        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = n0 + rel_n
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
         n0_64 = n0.to(tl.int64)
         k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
                   + offs_d[None, :] * skd)
@@ -527,9 +595,9 @@ if triton is not None:
             do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
             lse_base = LSE + bh.to(tl.int64) * Lq
             delta_base = DELTA + bh.to(tl.int64) * Lq
-            lay_ptr = LAY + h * lay_h
+            lay_ptr = LAY + h.to(tl.int64) * lay_h
             if HAS_LAYOUT:
-                row = LISTS + h * list_h + pid_n * list_t
+                row = LISTS + h.to(tl.int64) * list_h + pid_n.to(tl.int64) * list_t
                 n_full = tl.load(row)
                 n_part = tl.load(row + 1)
             for i in range(0, n_full):
@@ -537,13 +605,13 @@ if triton is not None:
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
-                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
             for i in range(0, n_part):
                 start_m = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_M
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
-                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
             visits += n_full + n_part
         dk = dk * scale                                                          # dK = scale dS^T Q
         ok_k = offs_n[:, None] < Lk
@@ -554,7 +622,7 @@ if triton is not None:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=ok_k & (offs_d[None, :] < D))
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok_k & (offs_dv[None, :] < Dv))
         if COUNT:
-            tl.store(COUNTS + bhk * tl.num_programs(0) + pid_n, visits)
+            tl.store(COUNTS + bhk * n_nt + pid_n, visits)
 
     @triton.jit
     def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
@@ -563,9 +631,9 @@ if triton is not None:
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
                  DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K)."""
-        rel_n = tl.arange(0, BLOCK_N)
+        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = start_n + rel_n
         k_tile = k_base + start_n.to(tl.int64) * skn
         v_tile = v_base + start_n.to(tl.int64) * svn
@@ -574,7 +642,7 @@ if triton is not None:
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
             s = tl.where(ok, s, float("-inf"))
         if HAS_KPM:
             pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
@@ -597,18 +665,22 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-                       PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-        """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+                       PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                       IDX64: tl.constexpr):
+        """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
+        (and on the same 1-D grid)."""
+        n_mt = tl.cdiv(Lq, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m = pid % n_mt
+        bh = pid // n_mt
         b = bh // H
         h = bh % H
         hk = h // G
         m0 = pid_m * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        rel_m = tl.arange(0, BLOCK_M)
+        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
+        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
         m0_64 = m0.to(tl.int64)
         q = _load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
@@ -620,10 +692,10 @@ if triton is not None:
         k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         kpm_base = KPM + b.to(tl.int64) * skpb
-        lay_ptr = LAY + h * lay_h
+        lay_ptr = LAY + h.to(tl.int64) * lay_h
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         if HAS_LAYOUT:
-            row = LISTS + h * list_h + pid_m * list_t
+            row = LISTS + h.to(tl.int64) * list_h + pid_m.to(tl.int64) * list_t
             n_full = tl.load(row)
             n_part = tl.load(row + 1)
             t0 = 0
@@ -639,13 +711,13 @@ if triton is not None:
             dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                           skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         for i in range(0, n_part):
             start_n = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                           skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST)
+                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         dq = dq * scale
         dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
                    + offs_d[None, :] * sdqd)
@@ -654,100 +726,162 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key
-# tile, in every kernel. A handful per head-dim class; autotuned once per key on the GPU.
+# tile, in every kernel. A handful per head-dim class (the larger of D and Dv, padded to a power of
+# two) and element size; autotuned once per key on the GPU. The first of each list is the untimed
+# default (EFFATTN_TRITON_AUTOTUNE=0, CUDA-graph capture). Chosen from offline compiles for sm_90 and
+# sm_80 (triton 3.9, every feature on, the loads pipelined): 2-byte lists fit sm_90's 227 KiB of
+# shared memory and their first configs sm_80's 164 KiB, and they are the ones that spill no
+# registers in the plain causal case on sm_90 (4 warps on a 128 x 128 fp32 accumulator do, e.g.);
+# 4-byte (fp32) inputs double the tiles' shared memory, so they get smaller tiles and fewer stages.
+# tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
 
 _GPU_CONFIGS = {
-    "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
-            128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-            256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)]},
-    "dkdv": {64: [(32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
-             128: [(32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
-             256: [(32, 64, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2)]},
-    "dq": {64: [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
-           128: [(128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
-           256: [(64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2)]},
+    2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+                128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+                256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
+        "dkdv": {64: [(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3)],
+                 128: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+                 256: [(32, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]},
+        "dq": {64: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+               128: [(128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+               256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 1)]}},
+    4: {"fwd": {64: [(64, 64, 4, 2), (64, 32, 4, 2)],
+                128: [(64, 32, 4, 2), (64, 64, 4, 2)],
+                256: [(32, 32, 4, 2), (64, 32, 4, 1)]},
+        "dkdv": {64: [(64, 64, 4, 2), (64, 128, 8, 2)],
+                 128: [(32, 64, 4, 2), (32, 128, 8, 2)],
+                 256: [(16, 32, 4, 1), (32, 32, 4, 2)]},
+        "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)],
+               128: [(64, 32, 4, 2), (128, 32, 8, 2)],
+               256: [(32, 32, 4, 2), (32, 32, 4, 1)]}},
 }
 # One config under the interpreter; tiles differ between passes so that the transposed tile
 # plans are exercised with other sizes than the forward's.
 _INTERPRET_CONFIGS = {"fwd": (32, 32, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 _TUNED: Dict[tuple, tuple] = {}
 
+try:  # the compiler's "does not fit" (shared memory, registers); anything else is unexpected
+    from triton.runtime.errors import OutOfResources as _OutOfResources
+except ImportError:  # pragma: no cover
+    _OutOfResources = ()
+
 
 def _head_class(block_d: int) -> int:
     return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
 
 
-def _config(kind: str, key: tuple, block_d: int, launch) -> tuple:
-    """The config for `kind` and `key`, chosen once per process: the interpreter's; else the fastest
-    candidate (``EFFATTN_TRITON_AUTOTUNE=0``: the first one that runs). Candidates the compiler or
-    the GPU reject (e.g. out of shared memory for fp32 at head dim 256) are skipped."""
-    if _INTERPRET:
-        return _INTERPRET_CONFIGS[kind]
-    cfg = _TUNED.get((kind,) + key)
+def _candidates(kind: str, head_class: int, element_size: int):
+    """The GPU configs tried for `kind` ("fwd", "dkdv", "dq"), best guess first."""
+    return _GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_tuned(kind: str, p: "_Problem", launch, device) -> None:
+    """Launches `kind` with its config for this call's key, chosen once per process: the
+    interpreter's; else the fastest candidate by ``do_bench``; with ``EFFATTN_TRITON_AUTOTUNE=0`` or
+    while the stream is being captured into a CUDA graph, the first candidate that runs, untimed
+    (not cached when capturing). Candidates the compiler or the GPU reject (e.g. out of shared
+    memory for fp32 at head dim 256) are skipped and logged."""
+    key = (kind,) + p.tune_key
+    cfg = _TUNED.get(key)
+    if cfg is None and _INTERPRET:
+        cfg = _INTERPRET_CONFIGS[kind]
     if cfg is not None:
-        return cfg
-    tune = os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") != "0"
-    best, error = math.inf, None
-    for c in _GPU_CONFIGS[kind][_head_class(block_d)]:
+        launch(cfg)
+        return
+    capturing = _capturing(device)
+    tune = not capturing and os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") != "0"
+    timed, error = [], None
+    for c in _candidates(kind, _head_class(max(p.block_d, p.block_dv)), p.element_size):
         try:
             if tune:
-                t = do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
-            else:
-                launch(c)
-                t = 0.0
+                timed.append((do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"), c))
+                continue
+            launch(c)
         except Exception as e:  # noqa: BLE001 - a config that does not fit this GPU is skipped
             error = e
+            (_log.info if isinstance(e, _OutOfResources) else _log.warning)(
+                "effattn triton: %s config %s skipped for %s: %s: %s", kind, c, p.tune_key, type(e).__name__,
+                str(e)[:300])
             continue
-        if t < best:
-            best, cfg = t, c
-        if not tune:
-            break
-    if cfg is None:
-        raise RuntimeError(f"effattn triton backend: no {kind} config runs for {key}") from error
-    _TUNED[(kind,) + key] = cfg
-    return cfg
+        if not capturing:
+            _TUNED[key] = c
+        return
+    if not timed:
+        raise RuntimeError(f"effattn triton backend: no {kind} config runs for {p.tune_key}") from error
+    cfg = min(timed, key=lambda tc: tc[0])[1]
+    _TUNED[key] = cfg
+    launch(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
+def _span(t: Optional[Tensor], dims) -> int:
+    """Largest element offset within one (batch, head) slice of `t` along `dims`: the kernels'
+    int32 in-tile offsets (row x stride + column x stride) stay at or below it."""
+    if t is None:
+        return 0
+    return sum((t.shape[d] - 1) * abs(t.stride(d)) for d in dims if t.shape[d] > 0)
+
+
 class _Problem:
     """Sizes and flags of a call, shared by the launchers (cheap to build: no device work)."""
 
-    def __init__(self, q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right):
+    def __init__(self, q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False):
         self.B, self.H, self.Lq, self.D = q.shape
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.H // self.Hkv
         self.off = self.Lk - self.Lq
+        # a window wider than the sequences is no constraint: -1 keeps the kernels' int32 bound
+        # arithmetic (pos + right + 1, ...) from overflowing for huge windows, and skips masking
+        if left >= max(self.Lk - 1, 0):
+            left = -1
+        if right >= max(self.Lq - 1, 0):
+            right = -1
         self.left, self.right = left, right
-        self.block_d = max(16, triton.next_power_of_2(self.D))
-        self.block_dv = max(16, triton.next_power_of_2(self.Dv))
+        self.block_d = max(16, _next_pow2(self.D))
+        self.block_dv = max(16, _next_pow2(self.Dv))
         self.scale = scale
         self.qk_scale = scale * _LOG2E
         self.dropout_p = dropout_p
         if dropout_p > 0:
-            s0, s1 = (int(x) for x in seed.tolist())
-            self.seed = (s0 << 31) ^ s1                               # < 2**62: one 64-bit Philox key
+            s0, s1 = (int(x) for x in seed.tolist())                 # a CPU tensor: no GPU sync
+            # one 64-bit Philox key; bit 62 set so that Triton always passes it as int64 (a value
+            # below 2**31 would be specialized as int32 and compile a second kernel)
+            self.seed = ((s0 << 31) ^ s1) | (1 << 62)
             self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1)
             self.inv_keep = 1.0 / (1.0 - dropout_p)
         else:
             self.seed, self.drop_thresh, self.inv_keep = 0, 0, 1.0
         self.layout_mask, self.layout_block = layout_mask, layout_block
         self.kpm = kpm.view(torch.uint8) if kpm is not None else None
-        self.dot_prec = "tf32" if (q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-                                   and not _INTERPRET) else "ieee"
+        self.dot_prec = "tf32" if (tf32 and q.dtype == torch.float32 and not _INTERPRET) else "ieee"
         self.upcast = _INTERPRET and q.dtype == torch.bfloat16
+        self.element_size = q.element_size()
+        lay_per_head = 0
         if layout_mask is not None:
             plan = _layout_plan(layout_mask)
             self.lay = plan.mask_u8
             self.lay_h = plan.mask_u8.stride(0) if plan.mask_u8.shape[0] > 1 else 0
             self.lay_nkb = plan.mask_u8.shape[2]
+            lay_per_head = plan.mask_u8.shape[1] * plan.mask_u8.shape[2]
         else:
             self.lay, self.lay_h, self.lay_nkb = None, 0, 1
+        self.idx64 = max(_span(q, (2, 3)), _span(k, (2, 3)), _span(v, (2, 3)), _span(self.kpm, (1,)),
+                         lay_per_head) > _I32_MAX
         mode = "layout" if layout_mask is not None else ("window" if left >= 0 else
                                                          ("causal" if right == 0 else "dense"))
-        self.tune_key = (self.block_d, self.block_dv, q.dtype, mode, dropout_p > 0, kpm is not None,
-                         min(triton.next_power_of_2(max(self.Lq, self.Lk)), 8192))
+        # lengths bucketed separately: a decode call (Lq = 1) is not tuned like a prefill of its Lk
+        self.tune_key = (self.block_d, self.block_dv, q.dtype, self.dot_prec, mode, dropout_p > 0,
+                         kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192))
+
+    def widen(self, *tensors) -> None:
+        """Switches to int64 in-tile offsets if one of the backward's extra tensors needs them."""
+        self.idx64 = self.idx64 or max(_span(t, range(2, t.dim())) for t in tensors if t is not None) > _I32_MAX
 
     def lists(self, block_m, block_n, by_key):
         """(packed lists, list_h, list_t, list_wf) for the layout path; dummies without a layout."""
@@ -763,83 +897,97 @@ class _Problem:
                     HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0,
                     HAS_LAYOUT=self.layout_mask is not None, HAS_KPM=self.kpm is not None,
                     DROPOUT=self.dropout_p > 0, PAD_D=self.block_d != self.D, PAD_DV=self.block_dv != self.Dv,
-                    DOT_PREC=self.dot_prec, UPCAST=self.upcast, num_warps=warps, num_stages=stages)
+                    DOT_PREC=self.dot_prec, UPCAST=self.upcast, IDX64=self.idx64,
+                    num_warps=warps, num_stages=stages)
 
 
 def _kpm_strides(p: _Problem):
     return (p.kpm.stride(0), p.kpm.stride(1)) if p.kpm is not None else (0, 0)
 
 
-def _fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
+def _fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
          config=None, counts=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
-    (B*H, n_query_tiles) tensor of the key tiles each program visited."""
-    p = _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right)
+    (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
+    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf."""
+    p = _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     visits = [None]
 
     def launch(cfg):
         lists, list_h, list_t, list_wf = p.lists(cfg[0], cfg[1], by_key=False)
-        grid = (triton.cdiv(p.Lq, cfg[0]), p.B * p.H)
-        cnt = torch.zeros(grid[1], grid[0], dtype=torch.int32, device=q.device) if counts else None
-        _fwd_kernel[grid](q, k, v, out, lse, _or(p.kpm, q), _or(p.lay, q), _or(lists, q), _or(cnt, q),
-                          *q.stride(), *k.stride(), *v.stride(), *_kpm_strides(p),
-                          p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
-                          max(p.layout_block, 1), list_h, list_t, list_wf, p.qk_scale, p.seed, p.drop_thresh,
-                          p.inv_keep, COUNT=counts, **p.flags(cfg))
+        n_mt = _cdiv(p.Lq, cfg[0])
+        cnt = torch.zeros(p.B * p.H, n_mt, dtype=torch.int32, device=q.device) if counts else None
+        _fwd_kernel[(n_mt * p.B * p.H,)](
+            q, k, v, out, lse, _or(p.kpm, q), _or(p.lay, q), _or(lists, q), _or(cnt, q),
+            *q.stride(), *k.stride(), *v.stride(), *_kpm_strides(p),
+            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+            max(p.layout_block, 1), list_h, list_t, list_wf, p.qk_scale, p.seed, p.drop_thresh,
+            p.inv_keep, COUNT=counts, **p.flags(cfg))
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
         with _on(q.device):
-            cfg = config or _config("fwd", p.tune_key, p.block_d, launch)
-            launch(cfg)
+            if config is not None:
+                launch(config)
+            else:
+                _launch_tuned("fwd", p, launch, q.device)
     return (out, lse, visits[0]) if counts else (out, lse)
 
 
 def _bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-         config_dkdv=None, config_dq=None, counts=False):
+         tf32=False, config_dkdv=None, config_dq=None, counts=False):
     """dq, dk, dv (same shapes and dtypes as q, k, v). With ``counts``, also the int32
-    (B*Hkv, n_key_tiles) numbers of query tiles each dK/dV program visited (all G heads)."""
-    p = _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right)
+    (B*Hkv, n_key_tiles) numbers of query tiles each dK/dV program visited (all G heads).
+    `tf32` must be the forward's (the op's autograd passes it on)."""
+    p = _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     visits = [None]
-    if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:
+    if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
         for t in (dq, dk, dv):
             t.zero_()
         return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
+    out, lse = out.contiguous(), lse.contiguous()       # the kernels index them as the forward wrote them
+    p.widen(dout, dq, dk, dv, dlse)
     delta = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
     kps = _kpm_strides(p)
 
     def launch_dkdv(cfg):
         lists, list_h, list_t, list_wf = p.lists(cfg[0], cfg[1], by_key=True)
-        grid = (triton.cdiv(p.Lk, cfg[1]), p.B * p.Hkv)
-        cnt = torch.zeros(grid[1], grid[0], dtype=torch.int32, device=q.device) if counts else None
-        _bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, _or(p.kpm, q), _or(p.lay, q), _or(lists, q),
-                               _or(cnt, q), *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(),
-                               *dv.stride(), *kps, p.H, p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left,
-                               p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1), list_h, list_t, list_wf,
-                               p.scale, p.qk_scale, p.seed, p.drop_thresh, p.inv_keep, COUNT=counts,
-                               **p.flags(cfg))
+        n_nt = _cdiv(p.Lk, cfg[1])
+        cnt = torch.zeros(p.B * p.Hkv, n_nt, dtype=torch.int32, device=q.device) if counts else None
+        _bwd_dkdv_kernel[(n_nt * p.B * p.Hkv,)](
+            q, k, v, dout, lse, delta, dk, dv, _or(p.kpm, q), _or(p.lay, q), _or(lists, q), _or(cnt, q),
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *kps,
+            p.H, p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+            max(p.layout_block, 1), list_h, list_t, list_wf, p.scale, p.qk_scale, p.seed, p.drop_thresh,
+            p.inv_keep, COUNT=counts, **p.flags(cfg))
         visits[0] = cnt
 
     def launch_dq(cfg):
         lists, list_h, list_t, list_wf = p.lists(cfg[0], cfg[1], by_key=False)
-        grid = (triton.cdiv(p.Lq, cfg[0]), p.B * p.H)
-        _bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, _or(p.kpm, q), _or(p.lay, q), _or(lists, q),
-                             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *kps,
-                             p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
-                             max(p.layout_block, 1), list_h, list_t, list_wf, p.scale, p.qk_scale, p.seed,
-                             p.drop_thresh, p.inv_keep, **p.flags(cfg))
+        _bwd_dq_kernel[(_cdiv(p.Lq, cfg[0]) * p.B * p.H,)](
+            q, k, v, dout, lse, delta, dq, _or(p.kpm, q), _or(p.lay, q), _or(lists, q),
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *kps,
+            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+            max(p.layout_block, 1), list_h, list_t, list_wf, p.scale, p.qk_scale, p.seed,
+            p.drop_thresh, p.inv_keep, **p.flags(cfg))
 
     with _on(q.device):
-        block = 32 if _INTERPRET else 64
-        _bwd_delta_kernel[(triton.cdiv(p.Lq, block), p.B * p.H)](
+        block = 32 if _INTERPRET or p.block_dv > 128 else 64          # a (block, Dv) tile of O and dO each
+        _bwd_delta_kernel[(_cdiv(p.Lq, block) * p.B * p.H,)](
             out, dout, _or(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
-            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None)
-        launch_dkdv(config_dkdv or _config("dkdv", p.tune_key, p.block_d, launch_dkdv))
-        launch_dq(config_dq or _config("dq", p.tune_key, p.block_d, launch_dq))
+            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64)
+        if config_dkdv is not None:
+            launch_dkdv(config_dkdv)
+        else:
+            _launch_tuned("dkdv", p, launch_dkdv, q.device)
+        if config_dq is not None:
+            launch_dq(config_dq)
+        else:
+            _launch_tuned("dq", p, launch_dq, q.device)
     return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
 
 
@@ -863,13 +1011,14 @@ if triton is not None:
     @torch.library.custom_op("effattn::triton_attention_fwd", mutates_args=())
     def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
-                             dropout_p: float, window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
+                             dropout_p: float, window_left: int, window_right: int,
+                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
         return _fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                    window_left, window_right)
+                    window_left, window_right, allow_tf32)
 
     @triton_attention_fwd.register_fake
     def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left,
-          window_right):
+          window_right, allow_tf32=False):
         B, H, Lq, _ = q.shape
         return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
 
@@ -877,37 +1026,39 @@ if triton is not None:
     def triton_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                              out: Tensor, lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
-                             dropout_p: float, window_left: int,
-                             window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+                             dropout_p: float, window_left: int, window_right: int,
+                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
         return _bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask, seed,
-                    scale, dropout_p, window_left, window_right)
+                    scale, dropout_p, window_left, window_right, allow_tf32)
 
     @triton_attention_bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right = inputs
+        q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32 = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
-        ctx.static = (layout_block, scale, dropout_p, left, right)
+        ctx.static = (layout_block, scale, dropout_p, left, right, tf32)   # tf32: the forward's, not re-read
 
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-        layout_block, scale, dropout_p, left, right = ctx.static
+        layout_block, scale, dropout_p, left, right, tf32 = ctx.static
         dq, dk, dv = triton_attention_bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm,
-                                          seed, scale, dropout_p, left, right)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                          seed, scale, dropout_p, left, right, tf32)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
     triton_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _run(call):
-    """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32."""
+    """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
+    read here, once per call; the backward reuses it."""
     lay = call.layout
+    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
     return triton_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
                                 lay.block_size if lay is not None else 0, call.key_padding_mask, call.seed,
-                                call.scale, call.dropout_p, call.window_left, call.window_right)
+                                call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
 
 
 BACKEND = register(Backend(
