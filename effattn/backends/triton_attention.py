@@ -345,6 +345,34 @@ if triton is not None:
         return t0, t1, t2, t3
 
     @triton.jit
+    def _key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq, Lk, off, left, right, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                           HAS_LAYOUT: tl.constexpr):
+        """The key tiles query tile pid_m of head h visits, as `_tile_index` reads them: from the
+        layout's cached lists (row, counts), or analytically from the causal/window bounds (runs
+        partial [t0, t1), full [t1, t2), partial [t2, t3)). Shared by the forward and dQ kernels."""
+        if HAS_LAYOUT:
+            row = LISTS + h.to(tl.int64) * list_h + pid_m.to(tl.int64) * list_t
+            n_full = tl.load(row)
+            n_part = tl.load(row + 1)
+            t0 = n_full * 0                                      # unused with a layout
+            t1 = t0
+            t2 = t0
+        else:
+            row = LISTS
+            t0, t1, t2, t3 = _key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            n_full = t2 - t1
+            n_part = (t1 - t0) + (t3 - t2)
+        return row, n_full, n_part, t0, t1, t2
+
+    @triton.jit
+    def _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h):
+        """Base pointers of batch b's kv head hk (GQA: shared by its query heads), its padding row and
+        query head h's layout."""
+        return (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh,
+                KPM + b.to(tl.int64) * skpb, LAY + h.to(tl.int64) * lay_h)
+
+    @triton.jit
     def _query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
         """Query tiles that see keys [n0, n0 + BLOCK_N): partial [t0, t1), full [t1, t2), partial [t2, t3).
@@ -435,25 +463,12 @@ if triton is not None:
         q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd)
         q = _load(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
-        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-        kpm_base = KPM + b.to(tl.int64) * skpb
-        lay_ptr = LAY + h.to(tl.int64) * lay_h
+        k_base, v_base, kpm_base, lay_ptr = _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-        if HAS_LAYOUT:
-            row = LISTS + h.to(tl.int64) * list_h + pid_m.to(tl.int64) * list_t
-            n_full = tl.load(row)
-            n_part = tl.load(row + 1)
-            t0 = 0
-            t1 = 0
-            t2 = 0
-        else:
-            row = LISTS
-            t0, t1, t2, t3 = _key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            n_full = t2 - t1
-            n_part = (t1 - t0) + (t3 - t2)
+        row, n_full, n_part, t0, t1, t2 = _key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq, Lk, off, left,
+                                                             right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
         for i in range(0, n_full):
             start_n = _tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
@@ -689,23 +704,10 @@ if triton is not None:
         lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-        kpm_base = KPM + b.to(tl.int64) * skpb
-        lay_ptr = LAY + h.to(tl.int64) * lay_h
+        k_base, v_base, kpm_base, lay_ptr = _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        if HAS_LAYOUT:
-            row = LISTS + h.to(tl.int64) * list_h + pid_m.to(tl.int64) * list_t
-            n_full = tl.load(row)
-            n_part = tl.load(row + 1)
-            t0 = 0
-            t1 = 0
-            t2 = 0
-        else:
-            row = LISTS
-            t0, t1, t2, t3 = _key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            n_full = t2 - t1
-            n_part = (t1 - t0) + (t3 - t2)
+        row, n_full, n_part, t0, t1, t2 = _key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq, Lk, off, left,
+                                                             right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
         for i in range(0, n_full):
             start_n = _tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
