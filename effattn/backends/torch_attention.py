@@ -38,14 +38,16 @@ def _chunk_rows(B: int, H: int, Lq: int, Lk: int, layout_block: int, window_left
     return min(rows, max(Lq, 1))
 
 
-_VISIBLE_BLOCKS = WeakTensorKeyDictionary()   # layout mask -> (nqb, nkb) any-head visibility
+# layout mask -> (its (nqb, nkb) any-head visibility, {plan key: chunks}): built once per layout,
+# not in every forward and backward (a layout's plan reads the mask with a sync per chunk)
+_LAYOUT_CACHE = WeakTensorKeyDictionary()
 
 
-def _visible_blocks(layout_mask: Tensor) -> Tensor:
-    vis = _VISIBLE_BLOCKS.get(layout_mask)
-    if vis is None:
-        vis = _VISIBLE_BLOCKS[layout_mask] = layout_mask.any(0)
-    return vis
+def _layout_entry(layout_mask: Tensor):
+    entry = _LAYOUT_CACHE.get(layout_mask)
+    if entry is None:
+        entry = _LAYOUT_CACHE[layout_mask] = (layout_mask.any(0), {})
+    return entry
 
 
 class _Chunk(NamedTuple):
@@ -61,7 +63,10 @@ def _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, de
     a key range per chunk; a layout then keeps only the key blocks some row of the chunk may see,
     so the work of a block-sparse call scales with its density."""
     offset = Lk - Lq
-    vis = _visible_blocks(layout_mask) if layout_mask is not None else None
+    vis, plans = _layout_entry(layout_mask) if layout_mask is not None else (None, None)
+    key = (Lq, Lk, rows, window_left, window_right, layout_block)
+    if plans is not None and key in plans:
+        return plans[key]
     chunks = []
     for i0 in range(0, Lq, rows):
         i1 = min(i0 + rows, Lq)
@@ -85,6 +90,8 @@ def _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, de
             pos = (blocks[:, None] * bs + torch.arange(bs, device=device)).flatten()
             pos = pos[(pos >= k0) & (pos < k1)]
             chunks.append(_Chunk(i0, i1, pos, pos))
+    if plans is not None:
+        plans[key] = chunks
     return chunks
 
 
@@ -129,6 +136,22 @@ def _scores(q, k, c: _Chunk, scale, cdt, G):
     return s.view(B, H, c.i1 - c.i0, kc.shape[2]), qc, kc
 
 
+def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right):
+    """For each chunk of the call's plan: (chunk, scaled scores with invisible pairs at -inf
+    (B, H, rows, keys), the chunk's grouped queries, its keys), in the compute dtype. Forward and
+    backward both walk this, so they see the same chunks, keys and masks."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
+    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+        s, qc, kc = _scores(q, k, c, scale, _compute_dtype(q.dtype), H // Hkv)
+        mask = _visible(c.i0, c.i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
+                        key_padding_mask)
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        yield c, s, qc, kc
+
+
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
     """(B, H, rows, n) -> (B, Hkv, G*rows, n): the query heads of a kv head side by side."""
     B, H, r, n = x.shape
@@ -138,18 +161,13 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
                       window_left, window_right) -> Tuple[Tensor, Tensor]:
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G, cdt = H // Hkv, _compute_dtype(q.dtype)
+    Hkv, Dv = k.shape[1], v.shape[3]
+    cdt = _compute_dtype(q.dtype)
     out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
-    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
-    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+    for c, s, _, _ in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
+                                     window_right):
         i0, i1 = c.i0, c.i1
-        s, _, _ = _scores(q, k, c, scale, cdt, G)
-        mask = _visible(i0, i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
-                        key_padding_mask)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: exp(-inf - 0) = 0
         p = torch.exp(s - m)
@@ -176,7 +194,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
                        seed, scale, dropout_p, window_left, window_right) -> Tuple[Tensor, Tensor, Tensor]:
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G, cdt = H // Hkv, _compute_dtype(q.dtype)
+    cdt = _compute_dtype(q.dtype)
     dq = torch.zeros(B, H, Lq, D, dtype=q.dtype, device=q.device)
     dk = torch.zeros(B, Hkv, Lk, D, dtype=cdt, device=q.device)
     dv = torch.zeros(B, Hkv, Lk, Dv, dtype=cdt, device=q.device)
@@ -186,14 +204,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
         delta = delta - grad_lse.to(cdt)
     lse = lse.to(cdt)
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
-    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+    for c, s, qc, kc in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
+                                       window_right):
         i0, i1 = c.i0, c.i1
-        s, qc, kc = _scores(q, k, c, scale, cdt, G)
-        mask = _visible(i0, i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
-                        key_padding_mask)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])           # masked and empty rows give 0
         vc = v[:, :, c.keys].to(cdt)
         do = grad_out[:, :, i0:i1].to(cdt)

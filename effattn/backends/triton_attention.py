@@ -522,6 +522,14 @@ if triton is not None:
         tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
 
     @triton.jit
+    def _row_stats(lse_row, delta_row, offs_m, Lq):
+        """A query tile's saved lse (in log2 units) and Delta for the backward passes. Rows past Lq or
+        that saw no key get lse = +inf, so that P = exp2(S - lse) = 0 there."""
+        lse = tl.load(lse_row + offs_m, mask=offs_m < Lq, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        return lse, tl.load(delta_row + offs_m, mask=offs_m < Lq, other=0.0)
+
+    @triton.jit
     def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
                    offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                    qk_scale, seed, bh, drop_thresh, inv_keep,
@@ -536,10 +544,7 @@ if triton is not None:
         do_tile = do_base + start_m.to(tl.int64) * sdom
         q = _load(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
         do = _load(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
-        # rows past Lq or that saw no key get lse = +inf, so that P = exp(S - lse) = 0 there
-        lse = tl.load(lse_base + offs_m, mask=offs_m < Lq, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m, mask=offs_m < Lq, other=0.0)
+        lse, delta = _row_stats(lse_base, delta_base, offs_m, Lq)
         st = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
         if MASK:
             ok = _visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
@@ -701,9 +706,7 @@ if triton is not None:
                   + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
         do = _load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
                    + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
-        lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+        lse, delta = _row_stats(LSE + bh.to(tl.int64) * Lq, DELTA + bh.to(tl.int64) * Lq, offs_m, Lq)
         k_base, v_base, kpm_base, lay_ptr = _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         row, n_full, n_part, t0, t1, t2 = _key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq, Lk, off, left,
