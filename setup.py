@@ -64,10 +64,10 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "triton": ["triton>=3.0"],
+        "triton": ["triton>=3.6"],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.56"],
-        "test": ["pytest", "pytest-benchmark", "triton>=3.0", "numpy", "matplotlib", "tqdm", "transformers>=4.56"],
+        "test": ["pytest", "pytest-benchmark", "triton>=3.7", "numpy", "matplotlib", "tqdm", "transformers>=4.56"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

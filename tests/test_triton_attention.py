@@ -53,6 +53,9 @@ VISIT_CASES = {
     "layout-bs16-t32-causal": (80, 80, 32, 32, -1, 0, (16, 0.5)),
     "layout-bs48-t16x32-window": (70, 75, 16, 32, 30, 10, (48, 0.6)),
     "layout-bs24-t16-dense": (72, 72, 16, 16, -1, -1, (24, 0.4)),
+    # tiles nest in the layout's blocks: partial tiles (window, Lq != Lk, ragged Lk) skip the lookup
+    "layout-bs32-t16x32-window-nested": (75, 90, 16, 32, 25, 3, (32, 0.5)),
+    "layout-bs64-t32-causal-nested": (96, 96, 32, 32, -1, 0, (64, 0.6)),
 }
 
 
@@ -78,6 +81,19 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id):
                             config_dkdv=(bm, bn, 4, 1), config_dq=(bm, bn, 4, 1), counts=True)
     want_kv = visible.sum(-2).to(torch.int32).expand(H, -1).reshape(B * H, -1)
     assert torch.equal(kv_visits, want_kv)
+
+
+def test_layout_lookup_only_where_tiles_straddle_blocks():
+    """Partial tiles read the layout per element only when the kernel tiles do not nest in the
+    layout's blocks (the block size is not a multiple of both tile sizes)."""
+    layout = rand_layout(1, 64, 64, 32, 0.5, seed=3)
+    q = torch.randn(1, 1, 64, 16, device=DEVICE)
+    p = ta._Problem(q, q, q, layout.mask, 32, None, None, 0.25, 0.0, -1, 0)
+    assert not p.flags((16, 32, 4, 1))["LAYOUT_MASK"] and not p.flags((32, 32, 4, 1))["LAYOUT_MASK"]
+    assert p.flags((64, 32, 4, 1))["LAYOUT_MASK"] and p.flags((16, 64, 4, 1))["LAYOUT_MASK"]
+    p48 = ta._Problem(q, q, q, rand_layout(1, 64, 64, 48, 0.5, seed=3).mask, 48, None, None, 0.25, 0.0, -1, 0)
+    assert p48.flags((32, 16, 4, 1))["LAYOUT_MASK"] and not p48.flags((16, 16, 4, 1))["LAYOUT_MASK"]
+    assert not ta._Problem(q, q, q, None, 0, None, None, 0.25, 0.0, -1, 0).flags((16, 16, 4, 1))["LAYOUT_MASK"]
 
 
 def test_visits_equal_closed_form_counts():
@@ -211,6 +227,25 @@ def test_bfloat16_within_the_naive_error_rule():
         err = (got.double() - ref).abs().max().item()
         nerr = (low.double() - ref).abs().max().item()
         assert err <= mult * nerr + 8e-3, (err, nerr)
+
+
+def test_bf16_casts_round_to_nearest_even():
+    """The kernels' fp32 -> bf16 casts (P before P V, dS, the stored outputs) round to nearest even
+    as on the GPU; Triton's interpreter alone truncates, a bias that made the rule above fail about
+    one run in 60 (dV two bf16 ulps off)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(X, Y, N: tl.constexpr, UPCAST: tl.constexpr):
+        x = tl.load(X + tl.arange(0, N))
+        tl.store(Y + tl.arange(0, N), ta._cast(x, Y.dtype.element_ty, UPCAST))
+
+    x = torch.tensor([1 + 2**-8 + 2**-10, 1 + 2**-9, 1 + 3 * 2**-9, -4.64, 3.0e38, -3.1e-5, float("inf"),
+                      -float("inf")], device=DEVICE)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    cast_kernel[(1,)](x, y, x.numel(), UPCAST=ta._INTERPRET)
+    assert torch.equal(y.float(), x.bfloat16().float()), (y.tolist(), x.bfloat16().tolist())
 
 
 # ----------------------------------------------------------------------------------- determinism
@@ -502,114 +537,84 @@ def test_grids_are_one_dimensional(monkeypatch):
     assert len(rec.grids) == 4 and all(len(g) == 1 for g in rec.grids), rec.grids
 
 
-COMPILE_SCRIPT = r"""
-import inspect, json, sys
-import triton
-try:
-    from triton.compiler import ASTSource
-    from triton.backends.compiler import GPUTarget
-    assert list(inspect.signature(ASTSource).parameters) == ["fn", "signature", "constexprs", "attrs"]
-except Exception as e:                                    # this triton's offline API differs
-    print("SKIP", type(e).__name__, e)
-    sys.exit(0)
-from effattn.backends import triton_attention as ta
-
-# jobs: [arch, kind, head class, dtype ("bf16", "fp32" with TF32 dots, "fp32ieee"), config index or "all", IDX64]
-jobs = json.loads(sys.argv[1])
-KERNELS = {"fwd": ta._fwd_kernel, "dkdv": ta._bwd_dkdv_kernel, "dq": ta._bwd_dq_kernel, "delta": ta._bwd_delta_kernel}
-FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
-DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-# what Triton's launcher specializes on a GPU for contiguous (B, H, L, D) inputs with D, L multiples
-# of 16: unit strides become the constant 1, the other strides and lengths get divisibility 16
-# (without it the loads cannot be pipelined and shared memory would be underestimated)
-UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm"}
-DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
-         "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
-         "lay_h", "list_h", "list_t"}
-for arch, kind, hd, dt, which, idx64 in jobs:
-    fn = KERNELS[kind]
-    ptr = "fp32" if dt.startswith("fp32") else dt
-    cfgs = ta._candidates(kind, hd, 4 if ptr == "fp32" else 2) if kind != "delta" else [(64, 0, 4, 1)]
-    cfgs = list(enumerate(cfgs)) if which == "all" else [(which, cfgs[which])]
-    for i, (bm, bn, warps, stages) in cfgs:
-        pointers = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
-                    "DLSE": "*fp32"}
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=hd, BLOCK_DV=hd, HAS_LEFT=True, HAS_RIGHT=True,
-                      HAS_LAYOUT=True, HAS_KPM=True, DROPOUT=True, COUNT=False, PAD_D=False, PAD_DV=False,
-                      DOT_PREC="tf32" if dt == "fp32" else "ieee", UPCAST=False, IDX64=idx64, HAS_DLSE=True)
-        consts = {n: v for n, v in consts.items() if n in fn.arg_names}
-        consts.update({n: 1 for n in fn.arg_names if n in UNIT})
-        sig, attrs = {}, {}
-        for j, n in enumerate(fn.arg_names):
-            sig[n] = ("constexpr" if n in consts else pointers.get(n) or (("*" + ptr) if n in DATA else
-                      "fp32" if n in FLOATS else "i64" if n == "seed" else "i32"))
-            if sig[n].startswith("*") or (sig[n] == "i32" and n in DIV16):
-                attrs[(j,)] = [["tt.divisibility", 16]]
-        try:
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                               options=dict(num_warps=warps, num_stages=stages))
-            print(json.dumps([arch, kind, hd, dt, i, idx64, k.metadata.shared]), flush=True)
-        except Exception as e:
-            print(json.dumps([arch, kind, hd, dt, i, idx64, f"{type(e).__name__}: {str(e)[-700:]}"]), flush=True)
-"""
-
-SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
-
-
-def compile_offline(tmp_path, jobs_per_process):
-    """Compiles kernels for GPU targets in fresh processes without the interpreter (in parallel).
-    Returns {(arch, kind, head class, dtype, config index, idx64): shared bytes or error string}."""
+def kernel_resources(*arg_sets):
+    """Runs benchmarks/kernel_resources.py (offline compiles for GPU targets, no interpreter) once per
+    argument list, the processes in parallel. Returns its JSON rows."""
     import json
     import os
     import subprocess
     import sys
 
-    script = tmp_path / "compile_offline.py"                # Triton reads kernels' source from files
-    script.write_text(COMPILE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(effattn.__file__)),
-                                         env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(jobs)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for jobs in jobs_per_process]
-    results = {}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.kernel_resources", "--json", "--processes", "1",
+                               *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for args in arg_sets]
+    rows = []
     for proc in procs:
-        out, err = proc.communicate(timeout=900)
+        out, err = proc.communicate(timeout=1200)
         assert proc.returncode == 0, err[-3000:]
         if out.startswith("SKIP"):
             pytest.skip(f"offline compilation not available with this triton: {out.strip()}")
-        for line in out.strip().splitlines():
-            *key, value = json.loads(line)
-            results[tuple(key)] = value
-    return results
+        rows += [json.loads(line) for line in out.strip().splitlines()]
+    return rows
 
 
-def test_kernels_compile_for_sm90_and_sm80_offline(tmp_path):
+def test_kernels_compile_for_sm90_and_sm80_offline():
     """The interpreter skips Triton's compiler: compile the kernels for H100/H200 (sm_90) and A100
-    (sm_80) targets, every feature on, so a GPU-only compile error fails CI, and check that the
-    default config of each kernel (the first candidate: taken untimed under CUDA-graph capture or
-    EFFATTN_TRITON_AUTOTUNE=0) fits the target's shared memory with the loads pipelined. sm_90: head
-    dim 128 with int64 offsets (IDX64), and fp32 with IEEE dots (torch's default); sm_80 (the smaller
-    shared memory): the first config of every head-dim class, bf16 and fp32 (TF32). The whole matrix (every config, class, dtype, both targets) runs
-    with EFFATTN_COMPILE_ALL=1 (a few minutes)."""
+    (sm_80) targets, so a GPU-only compile error fails CI, and check the default config of each
+    kernel (the first candidate: taken untimed under CUDA-graph capture or
+    EFFATTN_TRITON_AUTOTUNE=0):
+    - it fits the target's shared memory with its loads pipelined: sm_90 with every feature on at
+      head dim 128 with int64 offsets (IDX64) and fp32 with IEEE dots; sm_80 (the smaller shared
+      memory) for every head-dim class, bf16 and fp32 (TF32);
+    - on sm_90, bf16, causal (the benchmarks' hot path), head dims 64 and 128: it uses wgmma (HGMMA)
+      and spills no register inside its tile loops.
+    The whole candidate matrix (both targets, every class and dtype) runs with EFFATTN_COMPILE_ALL=1
+    (several minutes); `python -m benchmarks.kernel_resources` prints the tables."""
     import os
     if os.environ.get("EFFATTN_COMPILE_ALL") == "1":
-        jobs = [[[arch, kind, hd, dt, "all", False] for kind in ("fwd", "dkdv", "dq") for hd in (64, 128, 256)
-                 for dt in ("bf16", "fp32", "fp32ieee")] for arch in (90, 80)]
+        sets = [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "fwd,dkdv,dq",
+                 "--head-dims", "64,128,256", "--dtypes", dts] for arch in (90, 80) for dts in ("bf16", "fp32,fp32ieee")]
     else:
-        firsts = [[80, kind, hd, dt, 0, False] for dt in ("bf16", "fp32") for kind in ("fwd", "dkdv", "dq")
-                  for hd in (64, 128, 256)]
-        jobs = [[[90, kind, 128, "bf16", 0, True] for kind in ("fwd", "dkdv", "dq", "delta")] + firsts[:9],
-                firsts[9:] + [[90, "fwd", 128, "fp32ieee", 0, False]]]   # IEEE fp32: FMA dots, slow to build
-    results = compile_offline(tmp_path, jobs)
-    assert len(results) >= sum(len(j) for j in jobs), results
-    errors = {k: v for k, v in results.items() if isinstance(v, str)}
-    too_big = {k: v for k, v in results.items() if not isinstance(v, str) and v > SMEM_LIMIT[k[0]]}
-    firsts = {k: v for k, v in results.items() if k[4] == 0}
-    assert not errors and not {k: v for k, v in too_big.items() if k in firsts}, (errors, too_big)
+        sets = [["--arch", "90", "--configs", "first", "--features", "all", "--idx64", "--kinds", "fwd,dkdv,dq,delta",
+                 "--head-dims", "128", "--dtypes", "bf16"],
+                ["--arch", "80", "--configs", "first", "--features", "all", "--kinds", "fwd,dkdv,dq",
+                 "--head-dims", "64,128,256", "--dtypes", "bf16,fp32"],
+                ["--arch", "90", "--configs", "first", "--features", "all", "--kinds", "fwd", "--head-dims", "128",
+                 "--dtypes", "fp32ieee"]]                                      # IEEE fp32: FMA dots, slow to build
+    sets.append(["--arch", "90", "--configs", "first", "--features", "causal", "--kinds", "fwd,dkdv,dq",
+                 "--head-dims", "64,128", "--dtypes", "bf16"])
+    rows = kernel_resources(*sets)
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    firsts = [r for r in rows if r["index"] == 0]
+    assert len(firsts) >= 4 + 18 + 1 + 6, len(firsts)
+    assert all(r["fits"] for r in firsts), [r for r in firsts if not r["fits"]]
+    hot = [r for r in firsts if r["arch"] == 90 and r["features"] == "causal"]
+    assert len(hot) == 6 and all("loop_spills" in r for r in hot), "cuobjdump (shipped with triton) not found"
+    assert all(r["hgmma"] > 0 and r["hmma"] == 0 for r in hot), hot
+    assert all(r["loop_spills"] == 0 for r in hot), [(r["kind"], r["head_dim"], r["config"], r["loop_spills"])
+                                                     for r in hot if r["loop_spills"]]
     # with EFFATTN_COMPILE_ALL: every (target, kernel, class, dtype) has a config that fits
-    for key in {k[:4] for k in results}:
-        assert any(v <= SMEM_LIMIT[k[0]] for k, v in results.items() if k[:4] == key and not isinstance(v, str)), key
+    for key in {(r["arch"], r["kind"], r["head_dim"], r["dtype"]) for r in rows}:
+        assert any(r["fits"] for r in rows if (r["arch"], r["kind"], r["head_dim"], r["dtype"]) == key), key
 
+
+def test_sass_loop_spill_counting():
+    """The SASS reader behind the spill check: a spill between a backward branch and its target is
+    inside a loop, one before or after is not."""
+    from benchmarks.kernel_resources import sass_stats
+    sass = """
+        /*0000*/                   STL [R1], R2 ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/                   LDL R3, [R1+0x4] ;
+        /*0030*/               @P0 BRA 0x10 ;
+        /*0040*/                   LDL.LU R2, [R1] ;
+        /*0050*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+    """
+    assert sass_stats(sass) == dict(spills=3, loop_spills=1, hgmma=1, hmma=1)
 
 def test_gpu_check_script_plans_and_runs_at_toy_sizes(tmp_path):
     """benchmarks/triton_gpu_check.py is run once, on a borrowed GPU, with no second chance: its
@@ -642,6 +647,15 @@ def test_unavailable_reasons(monkeypatch):
     assert "TRITON_INTERPRET=1" in ta._available(torch.device("cpu"))
     monkeypatch.setattr(ta, "triton", None)
     assert ta._available(torch.device("cpu")) == "triton is not installed"
+
+
+def test_interpreter_version_problem_is_named():
+    """triton 3.6's interpreter (the H200's triton) fails on every kernel's computed loop bounds
+    under numpy >= 2.4; the backend says so instead of failing inside the kernel."""
+    msg = ta._interpreter_problem("3.6.0", "2.4.1")
+    assert msg is not None and "triton 3.6.0" in msg and "numpy 2.4.1" in msg
+    assert ta._interpreter_problem("3.6.0", "2.3.5") is None
+    assert ta._interpreter_problem("3.7.0+git1234", "2.4.1") is None
 
 
 # ============================================================================================ GPU

@@ -115,11 +115,31 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _version(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in text.split("+")[0].split(".")[:2] if x.isdigit())
+
+
+def _interpreter_problem(triton_version: str, numpy_version: str) -> Optional[str]:
+    """Triton's interpreter before 3.7 turns a loop bound computed in the kernel into a 1-element
+    array, which numpy >= 2.4 refuses to convert to an int: every kernel here has such loops."""
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        return (f"Triton's interpreter in triton {triton_version} cannot run kernels with computed loop "
+                f"bounds under numpy {numpy_version}: use triton >= 3.7 or numpy < 2.4")
+    return None
+
+
+if triton is not None:
+    import numpy
+    _INTERPRETER_PROBLEM = _interpreter_problem(triton.__version__, numpy.__version__)
+
+
 def _available(device: torch.device) -> Optional[str]:
     if triton is None:
         return "triton is not installed"
-    if device.type == "cpu" and not (_INTERPRET and os.environ.get("TRITON_INTERPRET") == "1"):
-        return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter), set before triton is imported"
+    if device.type == "cpu":
+        if not (_INTERPRET and os.environ.get("TRITON_INTERPRET") == "1"):
+            return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter), set before triton is imported"
+        return _INTERPRETER_PROBLEM
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
@@ -267,6 +287,17 @@ if triton is not None:
         return c
 
     @triton.jit
+    def _cast(x, dtype, UPCAST: tl.constexpr):
+        """``x.to(dtype)`` rounding to nearest even. UPCAST (bf16 under the interpreter): Triton's
+        interpreter truncates fp32 -> bf16 (a biased error, unlike the GPU), so round the fp32 bits
+        to the nearest bf16 first; the truncation is then exact."""
+        if UPCAST:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
     def _i64(x, IDX64: tl.constexpr):
         """`x` as int64 when the kernel was compiled for int64 offsets (see "Index arithmetic")."""
         if IDX64:
@@ -405,7 +436,7 @@ if triton is not None:
                   skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                   qk_scale, seed, bh, drop_thresh,
                   BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                   DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10)."""
@@ -417,7 +448,7 @@ if triton is not None:
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale            # S = Q K^T, in log2 units
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
             s = tl.where(ok, s, float("-inf"))
         if HAS_KPM:
             pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
@@ -432,7 +463,7 @@ if triton is not None:
         if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
             p = tl.where(_dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
         v = _load(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, MASK, PAD_DV)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)   # O = alpha O + P~ V
+        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, UPCAST), v, DOT_PREC, UPCAST)   # O = alpha O + P~ V
         return acc, m_new, l_i
 
     @triton.jit(do_not_specialize=["seed"])
@@ -442,7 +473,7 @@ if triton is not None:
                     qk_scale, seed, drop_thresh, out_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                    HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
                     COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
@@ -474,13 +505,13 @@ if triton is not None:
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                       lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         for i in range(0, n_part):
             start_n = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                       lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                      HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -488,7 +519,7 @@ if triton is not None:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
         row_ok = offs_m < Lq
         o_ptrs = O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+        tl.store(o_ptrs, _cast(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
         tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
         if COUNT:
             tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
@@ -534,7 +565,7 @@ if triton is not None:
                    offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                    qk_scale, seed, bh, drop_thresh, inv_keep,
                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                    DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows)."""
@@ -548,7 +579,7 @@ if triton is not None:
         st = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
         if MASK:
             ok = _visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
             st = tl.where(ok, st, float("-inf"))
         if HAS_KPM:
             st = tl.where(keep_k[:, None], st, float("-inf"))
@@ -560,9 +591,9 @@ if triton is not None:
             dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
             pdt = pt
-        dv += _dot(pdt.to(do.dtype), do, DOT_PREC, UPCAST)                       # dV += P_drop^T dO
+        dv += _dot(_cast(pdt, do.dtype, UPCAST), do, DOT_PREC, UPCAST)                       # dV += P_drop^T dO
         dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
-        dk += _dot(dst.to(q.dtype), q, DOT_PREC, UPCAST)                         # dK += dS^T Q (scale later)
+        dk += _dot(_cast(dst, q.dtype, UPCAST), q, DOT_PREC, UPCAST)                         # dK += dS^T Q (scale later)
         return dk, dv
 
     @triton.jit(do_not_specialize=["seed"])
@@ -573,7 +604,7 @@ if triton is not None:
                          list_h, list_t, list_wf, scale, qk_scale, seed, drop_thresh, inv_keep,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                         HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                         HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
                          COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
@@ -625,13 +656,13 @@ if triton is not None:
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
-                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
             for i in range(0, n_part):
                 start_m = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_M
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
-                                    HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
             visits += n_full + n_part
         dk = dk * scale                                                          # dK = scale dS^T Q
         ok_k = offs_n[:, None] < Lk
@@ -639,8 +670,8 @@ if triton is not None:
                    + offs_d[None, :] * sdkd)
         dv_ptrs = (DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn + rel_n[:, None] * sdvn
                    + offs_dv[None, :] * sdvd)
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=ok_k & (offs_d[None, :] < D))
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok_k & (offs_dv[None, :] < Dv))
+        tl.store(dk_ptrs, _cast(dk, DK.dtype.element_ty, UPCAST), mask=ok_k & (offs_d[None, :] < D))
+        tl.store(dv_ptrs, _cast(dv, DV.dtype.element_ty, UPCAST), mask=ok_k & (offs_dv[None, :] < Dv))
         if COUNT:
             tl.store(COUNTS + bhk * n_nt + pid_n, visits)
 
@@ -649,7 +680,7 @@ if triton is not None:
                  skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                  qk_scale, seed, bh, drop_thresh, inv_keep,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                  DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K)."""
@@ -662,7 +693,7 @@ if triton is not None:
         s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
+                          lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
             s = tl.where(ok, s, float("-inf"))
         if HAS_KPM:
             pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
@@ -673,7 +704,7 @@ if triton is not None:
             keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), tl.trans(kt), DOT_PREC, UPCAST)
+        dq += _dot(_cast(ds, kt.dtype, UPCAST), tl.trans(kt), DOT_PREC, UPCAST)
         return dq
 
     @triton.jit(do_not_specialize=["seed"])
@@ -684,7 +715,7 @@ if triton is not None:
                        scale, qk_scale, seed, drop_thresh, inv_keep,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                       HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
                        PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                        IDX64: tl.constexpr):
         """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
@@ -716,36 +747,38 @@ if triton is not None:
             dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                           skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                          LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         for i in range(0, n_part):
             start_n = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                           skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_LAYOUT, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                          LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
         dq = dq * scale
         dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
                    + offs_d[None, :] * sdqd)
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        tl.store(dq_ptrs, _cast(dq, DQ.dtype.element_ty, UPCAST), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 # ---------------------------------------------------------------------------------------------
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key
 # tile, in every kernel. A handful per head-dim class (the larger of D and Dv, padded to a power of
 # two) and element size; autotuned once per key on the GPU. The first of each list is the untimed
-# default (EFFATTN_TRITON_AUTOTUNE=0, CUDA-graph capture). Chosen from offline compiles for sm_90 and
-# sm_80 (triton 3.9, every feature on, the loads pipelined): 2-byte lists fit sm_90's 227 KiB of
-# shared memory and their first configs sm_80's 164 KiB, and they are the ones that spill no
-# registers in the plain causal case on sm_90 (4 warps on a 128 x 128 fp32 accumulator do, e.g.);
-# 4-byte (fp32) inputs double the tiles' shared memory, so they get smaller tiles and fewer stages.
+# default (EFFATTN_TRITON_AUTOTUNE=0, CUDA-graph capture). Chosen from offline compiles
+# (`python -m benchmarks.kernel_resources`, tables in benchmarks/results/offline-sm90/) for sm_90
+# and sm_80 with triton 3.6 (the H200's) and 3.9: the 2-byte lists fit sm_90's 227 KiB of shared
+# memory, their first configs sm_80's 164 KiB; every candidate uses wgmma on sm_90 and none spills
+# registers inside its tile loop in the causal case (the dK/dV pass holds two fp32 accumulators of
+# BLOCK_N x D beside the transposed score tiles: 64 x 128 query x key tiles on 8 warps spill about
+# 80 instructions per iteration at D = 128, so its query tile stays at 32 there). 4-byte (fp32)
+# inputs double the tiles' shared memory, so they get smaller tiles and fewer stages.
 # tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
-
 _GPU_CONFIGS = {
     2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
                 128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
                 256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
-        "dkdv": {64: [(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3)],
-                 128: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+        "dkdv": {64: [(32, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 1)],
+                 128: [(32, 128, 8, 2), (32, 128, 8, 1), (16, 128, 8, 2), (32, 64, 8, 2)],
                  256: [(32, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]},
         "dq": {64: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
                128: [(128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
@@ -878,8 +911,9 @@ class _Problem:
             self.lay, self.lay_h, self.lay_nkb = None, 0, 1
         self.idx64 = max(_span(q, (2, 3)), _span(k, (2, 3)), _span(v, (2, 3)), _span(self.kpm, (1,)),
                          lay_per_head) > _I32_MAX
-        mode = "layout" if layout_mask is not None else ("window" if left >= 0 else
-                                                         ("causal" if right == 0 else "dense"))
+        # a layout's block size decides which tiles nest in its blocks (no per-element lookup)
+        mode = f"layout{layout_block}" if layout_mask is not None else ("window" if left >= 0 else
+                                                                        ("causal" if right == 0 else "dense"))
         # lengths bucketed separately: a decode call (Lq = 1) is not tuned like a prefill of its Lk
         self.tune_key = (self.block_d, self.block_dv, q.dtype, self.dot_prec, mode, dropout_p > 0,
                          kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192))
@@ -896,11 +930,19 @@ class _Problem:
                                    self.left, self.right, by_key)
         return packed, (packed.stride(0) if packed.shape[0] > 1 else 0), packed.stride(1), wf
 
+    def layout_mask_needed(self, block_m: int, block_n: int) -> bool:
+        """Whether partial tiles must read the layout per element. Not when the kernel tiles nest in
+        the layout's blocks (the block size a multiple of both): a listed tile then lies in one
+        block that is on, and it is partial only through the window, causal or length bounds."""
+        bs = self.layout_block
+        return self.layout_mask is not None and (bs % block_m != 0 or bs % block_n != 0)
+
     def flags(self, cfg):
         block_m, block_n, warps, stages = cfg
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                     HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0,
-                    HAS_LAYOUT=self.layout_mask is not None, HAS_KPM=self.kpm is not None,
+                    HAS_LAYOUT=self.layout_mask is not None, LAYOUT_MASK=self.layout_mask_needed(block_m, block_n),
+                    HAS_KPM=self.kpm is not None,
                     DROPOUT=self.dropout_p > 0, PAD_D=self.block_d != self.D, PAD_DV=self.block_dv != self.Dv,
                     DOT_PREC=self.dot_prec, UPCAST=self.upcast, IDX64=self.idx64,
                     num_warps=warps, num_stages=stages)

@@ -1,0 +1,267 @@
+"""What the Triton kernels cost on a GPU target, read without a GPU.
+
+Triton compiles for any NVIDIA target offline (``triton.compile`` with a ``GPUTarget``); ptxas and
+cuobjdump ship inside Triton's wheel. This script compiles ``effattn``'s kernels for a target and
+reports, per kernel, head dim, dtype and config:
+
+- shared memory per block (against the target's opt-in limit: 227 KiB on sm_90, 163 KiB on sm_80),
+- registers per thread and the stack frame (local memory: spilled registers),
+- spill instructions (LDL/STL) in total and inside loops (backward branches in the SASS): a spill
+  in the prologue or epilogue costs a few instructions per program, one inside the key/query-tile
+  loop costs them every tile,
+- the matrix instructions in the SASS: ``HGMMA`` (Hopper wgmma, the fast path on sm_90) or
+  ``HMMA`` (Ampere mma.sync).
+
+It cannot say how fast a kernel runs; it says which configs cannot be fast (spilling in the loop,
+no wgmma) and which do not fit, so that autotuning on the GPU picks among sound candidates. The
+test suite runs it for the default configs on every CI run.
+
+    python -m benchmarks.kernel_resources                         # sm_90, bf16, causal, every candidate
+    python -m benchmarks.kernel_resources --arch 80 --configs first --features all
+    python -m benchmarks.kernel_resources --configs sweep --kinds dkdv --head-dims 128 --out DIR
+
+Run it without ``TRITON_INTERPRET=1`` (Triton decides at import whether kernels are interpreted).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import datetime
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
+KINDS = ("fwd", "dkdv", "dq", "delta")
+DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee: IEEE fp32 dots
+# Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
+# multiples of 16: unit strides become the constant 1, the other strides and lengths get
+# divisibility 16 (without it loads are not vectorized or pipelined and shared memory is
+# underestimated).
+_UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm"}
+_DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
+          "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
+          "lay_h", "list_h", "list_t"}
+_FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
+_DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
+             "DLSE": "*fp32"}
+# which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
+# block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
+# lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
+# per element); "all" turns on every feature (window on both sides, a layout read per element in
+# partial tiles, padding mask, dropout, lse gradient)
+_OFF = dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_LAYOUT=False, LAYOUT_MASK=False, HAS_KPM=False, DROPOUT=False,
+            HAS_DLSE=False)
+FEATURES = {
+    "dense": _OFF,
+    "causal": dict(_OFF, HAS_RIGHT=True),
+    "window": dict(_OFF, HAS_LEFT=True, HAS_RIGHT=True),
+    "layout": dict(_OFF, HAS_RIGHT=True, HAS_LAYOUT=True),
+    "layout-gather": dict(_OFF, HAS_RIGHT=True, HAS_LAYOUT=True, LAYOUT_MASK=True),
+    "all": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_LAYOUT=True, LAYOUT_MASK=True, HAS_KPM=True, DROPOUT=True,
+                HAS_DLSE=True),
+}
+_DELTA_CONFIG = (64, 0, 4, 1)
+
+
+def sweep_configs() -> List[tuple]:
+    """A grid around the candidates: (BLOCK_M, BLOCK_N, warps, stages) with 2k..16k tile elements."""
+    return [c for c in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3))
+            if 32 * 64 <= c[0] * c[1] <= 128 * 128]
+
+
+def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]:
+    """(index, config) pairs: the backend's candidate list ("all"), its first ("first": the untimed
+    default), or the sweep grid ("sweep", index -1)."""
+    from effattn.backends import triton_attention as ta
+    if kind == "delta":
+        return [(0, _DELTA_CONFIG)]
+    if which == "sweep":
+        return [(-1, c) for c in sweep_configs()]
+    cands = list(enumerate(ta._candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
+    return cands[:1] if which == "first" else cands
+
+
+def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tuple, features: str = "causal",
+                   idx64: bool = False):
+    """Compiles one kernel for ``sm_<arch>`` as the launcher would specialize it for contiguous
+    inputs (head dim a power of two: no padding masks). Returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from effattn.backends import triton_attention as ta
+    fn = {"fwd": ta._fwd_kernel, "dkdv": ta._bwd_dkdv_kernel, "dq": ta._bwd_dq_kernel,
+          "delta": ta._bwd_delta_kernel}[kind]
+    bm, bn, warps, stages = config
+    elem = "fp32" if dtype.startswith("fp32") else dtype
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
+                  PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", UPCAST=False, IDX64=idx64,
+                  **FEATURES[features])
+    consts = {n: v for n, v in consts.items() if n in fn.arg_names}
+    consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
+    sig, attrs = {}, {}
+    for j, n in enumerate(fn.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in _POINTERS or n in _DATA:
+            sig[n] = _POINTERS.get(n) or "*" + elem
+        else:
+            sig[n] = "fp32" if n in _FLOATS else "i64" if n == "seed" else "i32"
+        if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16):
+            attrs[(j,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def cuobjdump() -> Optional[str]:
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
+
+
+def sass_stats(sass: str) -> Dict[str, int]:
+    """Counts in a SASS listing: spill instructions, those inside loops (between a backward branch
+    and its target), and matrix instructions."""
+    instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
+    loops = []
+    for addr, text in instrs:
+        m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    spills = [a for a, t in instrs if _SPILL.match(t)]
+    return dict(spills=len(spills), loop_spills=sum(any(lo <= a <= hi for lo, hi in loops) for a in spills),
+                hgmma=sum(t.startswith("HGMMA") or " HGMMA" in t for _, t in instrs),
+                hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs))
+
+
+def resources(kernel) -> Dict[str, object]:
+    """Shared memory from Triton's metadata; registers, stack and SASS counts from cuobjdump."""
+    out: Dict[str, object] = dict(shared=kernel.metadata.shared)
+    tool = cuobjdump()
+    if tool is None:
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    if m:
+        out.update(regs=int(m.group(1)), stack=int(m.group(2)))
+    out.update(sass_stats(sass))
+    return out
+
+
+def measure(job: tuple) -> Dict[str, object]:
+    arch, kind, head_dim, dtype, index, config, features, idx64 = job
+    row = dict(arch=arch, kind=kind, head_dim=head_dim, dtype=dtype, features=features, idx64=idx64,
+               index=index, config="x".join(map(str, config)))
+    try:
+        row.update(resources(compile_kernel(arch, kind, head_dim, dtype, config, features, idx64)))
+        row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
+    except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a result, not a crash
+        row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
+    return row
+
+
+COLUMNS = ["arch", "kind", "head_dim", "dtype", "features", "idx64", "index", "config", "shared", "fits", "regs",
+           "stack", "spills", "loop_spills", "hgmma", "hmma", "error"]
+
+
+def to_markdown(rows: List[dict], meta: dict) -> str:
+    lines = [f"# effattn Triton kernels: offline resources ({meta['target']})", "",
+             f"triton {meta['triton']}, {meta['date']}; `{meta['command']}`. Shared memory in KiB (limit "
+             f"{SMEM_LIMIT.get(meta['arch'], 0) // 1024}); regs per thread; stack bytes; spill = LDL/STL "
+             "instructions (in loops / in all); HGMMA = wgmma instructions. Index = position in the "
+             "backend's candidate list (0 = the untimed default, -1 = sweep only).", "",
+             "| kernel | D | dtype | features | config (M, N, warps, stages) | index | smem | regs | stack | "
+             "spills loop/all | HGMMA | HMMA |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
+                         f"{r['index']} | error: {r['error'][:80]} |||||")
+            continue
+        smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
+        lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
+                     f"{r['index']} | {smem} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
+                     f"{r.get('loop_spills', '?')}/{r.get('spills', '?')} | {r.get('hgmma', '?')} | "
+                     f"{r.get('hmma', '?')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 80: A100)")
+    ap.add_argument("--kinds", default="fwd,dkdv,dq", help=f"comma list of {','.join(KINDS)}")
+    ap.add_argument("--head-dims", default="64,128", help="comma list of 64, 128, 256")
+    ap.add_argument("--dtypes", default="bf16", help=f"comma list of {','.join(DTYPES)}")
+    ap.add_argument("--features", default="causal", help=f"comma list of {','.join(FEATURES)}")
+    ap.add_argument("--configs", default="all", choices=("first", "all", "sweep"))
+    ap.add_argument("--idx64", action="store_true", help="compile with int64 offsets throughout")
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
+    ap.add_argument("--out", help="write resources.csv / .md / .json here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter does not compile kernels")
+    try:
+        import inspect
+
+        from triton.compiler import ASTSource
+        params = list(inspect.signature(ASTSource).parameters)
+    except ImportError as e:
+        print(f"SKIP triton's offline compile API is unavailable: {e}")
+        return 0
+    if params[:4] != ["fn", "signature", "constexprs", "attrs"]:
+        print(f"SKIP triton's ASTSource takes {params}")
+        return 0
+    kinds = [k for k in args.kinds.split(",") if k]
+    features = args.features.split(",")
+    for name, values, allowed in (("--kinds", kinds, KINDS), ("--dtypes", args.dtypes.split(","), DTYPES),
+                                  ("--features", features, FEATURES)):
+        if not set(values) <= set(allowed):
+            ap.error(f"{name} takes {', '.join(allowed)}")
+    jobs = [(args.arch, kind, int(hd), dt, i, cfg, feat, args.idx64)
+            for feat in features for kind in kinds for hd in args.head_dims.split(",")
+            for dt in args.dtypes.split(",") for i, cfg in configs_for(kind, int(hd), dt, args.configs)]
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.processes, len(jobs)))) as pool:
+        for row in pool.map(measure, jobs):
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    import triton
+    meta = dict(target=f"sm_{args.arch}", arch=args.arch, triton=triton.__version__,
+                date=datetime.date.today().isoformat(),
+                command="python -m benchmarks.kernel_resources " + " ".join(argv if argv is not None else sys.argv[1:]))
+    md = to_markdown(rows, meta)
+    if not args.json:
+        print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "resources.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        with open(os.path.join(args.out, "resources.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "resources.md"), "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
