@@ -767,11 +767,13 @@ if triton is not None:
 # default (EFFATTN_TRITON_AUTOTUNE=0, CUDA-graph capture). Chosen from offline compiles
 # (`python -m benchmarks.kernel_resources`, tables in benchmarks/results/offline-sm90/) for sm_90
 # and sm_80 with triton 3.6 (the H200's) and 3.9: the 2-byte lists fit sm_90's 227 KiB of shared
-# memory, their first configs sm_80's 164 KiB; every candidate uses wgmma on sm_90 and none spills
-# registers inside its tile loop in the causal case (the dK/dV pass holds two fp32 accumulators of
-# BLOCK_N x D beside the transposed score tiles: 64 x 128 query x key tiles on 8 warps spill about
-# 80 instructions per iteration at D = 128, so its query tile stays at 32 there). 4-byte (fp32)
-# inputs double the tiles' shared memory, so they get smaller tiles and fewer stages.
+# memory, their first configs sm_80's 164 KiB. At D <= 128 every candidate uses wgmma on sm_90 and
+# spills at most a stray register inside its tile loop in the causal case (the dK/dV pass holds two
+# fp32 accumulators of BLOCK_N x D beside the transposed score tiles: 64 x 128 query x key tiles on
+# 8 warps spill about 80 instructions per iteration at D = 128, so its query tile stays at 32
+# there). At D = 256 the dK/dV pass runs on mma.sync (32-key tiles): every wgmma shape tried
+# (64-key tiles) spills 48 to 600 instructions per iteration. 4-byte (fp32) inputs double the
+# tiles' shared memory, so they get smaller tiles and fewer stages.
 # tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
 _GPU_CONFIGS = {
     2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
