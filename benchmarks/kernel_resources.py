@@ -68,7 +68,6 @@ FEATURES = {
     "all": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_LAYOUT=True, LAYOUT_MASK=True, HAS_KPM=True, DROPOUT=True,
                 HAS_DLSE=True),
 }
-_DELTA_CONFIG = (64, 0, 4, 1)
 
 
 def sweep_configs() -> List[tuple]:
@@ -81,8 +80,8 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
     """(index, config) pairs: the backend's candidate list ("all"), its first ("first": the untimed
     default), or the sweep grid ("sweep", index -1)."""
     from effattn.backends import triton_attention as ta
-    if kind == "delta":
-        return [(0, _DELTA_CONFIG)]
+    if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
+        return [(0, (ta._delta_block(head_dim), 0, 4, 3))]
     if which == "sweep":
         return [(-1, c) for c in sweep_configs()]
     cands = list(enumerate(ta._candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))

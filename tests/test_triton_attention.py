@@ -576,7 +576,8 @@ def test_kernels_compile_for_sm90_and_sm80_offline():
     import os
     if os.environ.get("EFFATTN_COMPILE_ALL") == "1":
         sets = [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "fwd,dkdv,dq",
-                 "--head-dims", "64,128,256", "--dtypes", dts] for arch in (90, 80) for dts in ("bf16", "fp32,fp32ieee")]
+                 "--head-dims", "64,128,256", "--dtypes", dts]
+                for arch in (90, 80) for dts in ("bf16", "fp32,fp32ieee")]
     else:
         sets = [["--arch", "90", "--configs", "first", "--features", "all", "--idx64", "--kinds", "fwd,dkdv,dq,delta",
                  "--head-dims", "128", "--dtypes", "bf16"],

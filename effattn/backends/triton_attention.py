@@ -463,7 +463,7 @@ if triton is not None:
         if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
             p = tl.where(_dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
         v = _load(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, MASK, PAD_DV)
-        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, UPCAST), v, DOT_PREC, UPCAST)   # O = alpha O + P~ V
+        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, UPCAST), v, DOT_PREC, UPCAST)  # O = alpha O + P~ V
         return acc, m_new, l_i
 
     @triton.jit(do_not_specialize=["seed"])
@@ -473,8 +473,8 @@ if triton is not None:
                     qk_scale, seed, drop_thresh, out_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-                    COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                    HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                    DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
         1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
@@ -591,9 +591,9 @@ if triton is not None:
             dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
             pdt = pt
-        dv += _dot(_cast(pdt, do.dtype, UPCAST), do, DOT_PREC, UPCAST)                       # dV += P_drop^T dO
+        dv += _dot(_cast(pdt, do.dtype, UPCAST), do, DOT_PREC, UPCAST)         # dV += P_drop^T dO
         dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
-        dk += _dot(_cast(dst, q.dtype, UPCAST), q, DOT_PREC, UPCAST)                         # dK += dS^T Q (scale later)
+        dk += _dot(_cast(dst, q.dtype, UPCAST), q, DOT_PREC, UPCAST)           # dK += dS^T Q (scale later)
         return dk, dv
 
     @triton.jit(do_not_specialize=["seed"])
@@ -604,8 +604,8 @@ if triton is not None:
                          list_h, list_t, list_wf, scale, qk_scale, seed, drop_thresh, inv_keep,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                         HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-                         COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                         HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                         DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
         their visible query tiles, accumulating in registers (no atomics: deterministic). 1-D grid
@@ -656,13 +656,15 @@ if triton is not None:
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
-                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST,
+                                    IDX64)
             for i in range(0, n_part):
                 start_m = _tile_index(row, 2 + list_wf, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_M
                 dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                     offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                     lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
-                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST, IDX64)
+                                    HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, UPCAST,
+                                    IDX64)
             visits += n_full + n_part
         dk = dk * scale                                                          # dK = scale dS^T Q
         ok_k = offs_n[:, None] < Lk
@@ -715,9 +717,9 @@ if triton is not None:
                        scale, qk_scale, seed, drop_thresh, inv_keep,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-                       PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                       IDX64: tl.constexpr):
+                       HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                       DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+                       UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
         (and on the same 1-D grid)."""
         n_mt = tl.cdiv(Lq, BLOCK_M)
@@ -757,7 +759,8 @@ if triton is not None:
         dq = dq * scale
         dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
                    + offs_d[None, :] * sdqd)
-        tl.store(dq_ptrs, _cast(dq, DQ.dtype.element_ty, UPCAST), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        tl.store(dq_ptrs, _cast(dq, DQ.dtype.element_ty, UPCAST),
+                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,6 +816,12 @@ def _head_class(block_d: int) -> int:
 def _candidates(kind: str, head_class: int, element_size: int):
     """The GPU configs tried for `kind` ("fwd", "dkdv", "dq"), best guess first."""
     return _GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
+
+
+def _delta_block(block_dv: int) -> int:
+    """Rows per program of the Delta kernel: a (block, Dv) tile of O and of dO each; launched with
+    Triton's default warps (4) and stages (3)."""
+    return 32 if _INTERPRET or block_dv > 128 else 64
 
 
 def _capturing(device) -> bool:
@@ -1025,7 +1034,7 @@ def _bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sc
             p.drop_thresh, p.inv_keep, **p.flags(cfg))
 
     with _on(q.device):
-        block = 32 if _INTERPRET or p.block_dv > 128 else 64          # a (block, Dv) tile of O and dO each
+        block = _delta_block(p.block_dv)
         _bwd_delta_kernel[(_cdiv(p.Lq, block) * p.B * p.H,)](
             out, dout, _or(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
             BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64)
