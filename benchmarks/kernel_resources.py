@@ -79,7 +79,7 @@ def sweep_configs() -> List[tuple]:
 def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]:
     """(index, config) pairs: the backend's candidate list ("all"), its first ("first": the untimed
     default), or the sweep grid ("sweep", index -1)."""
-    from effattn.backends import triton_attention as ta
+    from effattn.backends.triton import attention as ta
     if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
         return [(0, (ta._delta_block(head_dim), 0, 4, 3))]
     if which == "sweep":
@@ -96,7 +96,7 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from effattn.backends import triton_attention as ta
+    from effattn.backends.triton import attention as ta
     fn = {"fwd": ta._fwd_kernel, "dkdv": ta._bwd_dkdv_kernel, "dq": ta._bwd_dq_kernel,
           "delta": ta._bwd_delta_kernel}[kind]
     bm, bn, warps, stages = config

@@ -465,7 +465,7 @@ def check_idx64(rec, env):
     k, v = kv[:, :, 0].permute(1, 2, 0, 3), kv[:, :, 1].permute(1, 2, 0, 3)   # (B, Hkv, Lk, D) views
     q = rand((B, H, Lq, D), torch.bfloat16, dev, g)
     go = rand((B, H, Lq, D), torch.bfloat16, dev, g)
-    from effattn.backends import triton_attention as ta
+    from effattn.backends.triton import attention as ta
     span = (Lk - 1) * k.stride(2) + (D - 1) * k.stride(3)
     wide = ta._Problem(q, k, v, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
     results = []
@@ -601,7 +601,7 @@ def section_check(rec, env):
             os.environ.pop("EFFATTN_TRITON_AUTOTUNE", None)
         else:
             os.environ["EFFATTN_TRITON_AUTOTUNE"] = prev
-        from effattn.backends import triton_attention as ta
+        from effattn.backends.triton import attention as ta
         ta._TUNED.clear()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -178,3 +178,89 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
     return AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
                     bool(return_lse), seed)
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+LINEAR = "linear_attention"
+
+
+@dataclass
+class LinearCall:
+    """A validated linear-attention call. torch.Tensors keep the caller's strides (no copies)."""
+    q: torch.Tensor                                  # (B, H, Lq, D)
+    k: torch.Tensor                                  # (B, Hkv, Lk, D)
+    v: torch.Tensor                                  # (B, Hkv, Lk, Dv)
+    causal: bool
+    phi: Callable[[torch.Tensor], torch.Tensor]            # (..., D) -> (..., F)
+    normalize: bool
+    eps: float
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]]   # (S0 (B, H, F, Dv), z0 (B, H, F)) or None
+    return_state: bool
+    num_features: int                          # F
+    feature_map_name: str = "callable"         # "elu" | "relu" | "identity" | "favor" | "callable"
+
+    def features(self):
+        """Names of the features this call uses (read by backends' capability checks): the feature
+        map is one of them, so a backend declares which maps it fuses."""
+        f = {f"feature_map={self.feature_map_name}"}
+        if self.causal: f.add("causal")
+        if self.q.shape[1] != self.k.shape[1]: f.add("gqa")
+        if self.initial_state is not None or self.return_state: f.add("state")
+        if not self.normalize: f.add("no_normalize")
+        return f
+
+
+def _feature_dim(phi, name: str, q: torch.Tensor) -> int:
+    from .feature_maps import FavorFeatures, NAMED_FEATURE_MAPS
+    D = q.shape[-1]
+    if isinstance(phi, FavorFeatures):
+        if phi.head_dim != D:
+            raise ValueError(f"{LINEAR}: feature_map is FavorFeatures(head_dim={phi.head_dim}) but q/k have "
+                             f"head dim D={D}")
+        return phi.num_features
+    if name in NAMED_FEATURE_MAPS:
+        return D
+    # a user callable: one probe row tells its output width
+    with torch.no_grad():
+        out = phi(torch.zeros(1, D, dtype=compute_dtype(q.dtype), device=q.device))
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 1 or out.shape[1] < 1:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{LINEAR}: feature_map must map (..., D) -> (..., F) with F >= 1; on a (1, {D}) "
+                         f"input it returned {got}")
+    return out.shape[1]
+
+
+def make_linear_call(q, k, v, *, causal=False, feature_map="elu", normalize=True, eps=1e-6,
+                     initial_state=None, return_state=False) -> LinearCall:
+    B, H, Hkv = check_qkv(q, k, v, LINEAR)
+    for name, flag in (("causal", causal), ("normalize", normalize), ("return_state", return_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{LINEAR}: {name} must be a bool, got {flag!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{LINEAR}: eps must be a float, got {eps!r}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{LINEAR}: eps must be a finite float >= 0, got {eps!r}")
+    from .feature_maps import feature_map_name, resolve_feature_map
+    phi = resolve_feature_map(feature_map)
+    name = feature_map_name(feature_map)
+    Fdim = _feature_dim(phi, name, q)
+    Dv = v.shape[-1]
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise TypeError(f"{LINEAR}: initial_state must be a pair (S0, z0) of tensors, got "
+                            f"{type(initial_state).__name__}")
+        S0, z0 = initial_state
+        for nm, t, want in (("S0", S0, (B, H, Fdim, Dv)), ("z0", z0, (B, H, Fdim))):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{LINEAR}: initial_state {nm} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{LINEAR}: initial_state {nm} must be a floating tensor, got {t.dtype}")
+            if tuple(t.shape) != want:
+                dims = "(B, H, F, Dv)" if nm == "S0" else "(B, H, F)"
+                raise ValueError(f"{LINEAR}: initial_state {nm} must have shape {want} {dims} with F={Fdim} "
+                                 f"features, got {tuple(t.shape)}")
+            if t.device != q.device:
+                raise ValueError(f"{LINEAR}: initial_state {nm} is on {t.device}, q on {q.device}")
+        initial_state = (S0, z0)
+    return LinearCall(q, k, v, causal, phi, normalize, float(eps), initial_state, return_state, Fdim, name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from ._call import make_attn_call
+from ._call import make_attn_call, make_linear_call
 from .backends import base
 
 
@@ -91,7 +91,6 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     if op == "attention":
         call = make_attn_call(q, k, v, **kwargs)
     elif op == "linear_attention":
-        from .linear import make_linear_call
         call = make_linear_call(q, k, v, **kwargs)
     else:
         raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
@@ -105,6 +104,5 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
             chosen = b.name
     for name in base.BACKEND_NAMES:
         if name not in reasons:
-            reasons[name] = ["not available in this installation" + (
-                " (CUDA extension not built)" if name == "cuda" else "")]
+            reasons[name] = [base.missing_reason(op, name)]
     return Explanation(op, chosen, reasons, notes)

@@ -285,7 +285,9 @@ def test_call_record_features_and_explicit_torch_backend():
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     call = make_linear_call(q, k, v, causal=True, normalize=False, return_state=True)
     assert isinstance(call, LinearCall)
-    assert call.features() == {"causal", "gqa", "state", "no_normalize"}
+    assert call.features() == {"causal", "gqa", "state", "no_normalize", "feature_map=elu"}
+    assert "feature_map=relu" in make_linear_call(q, k, v, feature_map="relu").features()
+    assert "feature_map=callable" in make_linear_call(q, k, v, feature_map=LAMBDA).features()
     assert call.num_features == 8 and call.feature_map_name == "elu"
     assert make_linear_call(q, k, v, feature_map=LAMBDA).num_features == 16
     torch.testing.assert_close(linear_attention(q, k, v, backend="torch"), linear_attention(q, k, v))
@@ -359,7 +361,10 @@ def test_bad_qkv(mutate, exc, match):
         linear_attention(*mutate(*_qkv()))
 
 
-def test_backend_that_cannot_serve_says_so():
+def test_backend_without_a_kernel_says_so(monkeypatch):
+    """A backend that exists but registers no linear-attention kernel says exactly that."""
+    from effattn.backends import base
     q, k, v = _qkv()
-    with pytest.raises(RuntimeError, match=r"triton.*torch"):
-        linear_attention(q, k, v, backend="triton")
+    monkeypatch.delitem(base._REGISTRY["linear_attention"], "torch")
+    with pytest.raises(RuntimeError, match=r"backend 'torch' has no linear_attention kernel"):
+        linear_attention(q, k, v, backend="torch")

@@ -18,7 +18,7 @@ from conftest import DEVICE
 from effattn.layouts import BlockLayout, sliding_and_summary
 from oracle import naive_attention, visibility
 
-ta = pytest.importorskip("effattn.backends.triton_attention")
+ta = pytest.importorskip("effattn.backends.triton.attention")
 if ta.triton is None or ta._available(DEVICE) is not None:
     pytest.skip(f"triton backend unavailable: {ta._available(DEVICE)}", allow_module_level=True)
 

@@ -12,13 +12,37 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 import torch
 
 
+# The one list of backends: name -> the module that registers it. Every backend name anywhere else
+# (dispatch, errors, explain, tests, benchmarks) is derived from it. Adding a backend is one folder
+# under effattn/backends/ plus one line here.
+BACKENDS: Dict[str, str] = {
+    "torch": "effattn.backends.torch",
+    "triton": "effattn.backends.triton",
+    "cuda": "effattn.backends.cuda",
+}
+BACKEND_NAMES = tuple(BACKENDS)
+
+# Why a listed backend could not be imported (its "not available: <reason>" in explain and errors).
+UNAVAILABLE: Dict[str, str] = {}
+
+# The feature names a call can declare, per op (AttnCall.features() / LinearCall.features()): a
+# backend's declaration is checked against this vocabulary at registration, so a typo fails at import.
+FEATURES: Dict[str, FrozenSet[str]] = {
+    "attention": frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
+                            "dv_ne_d", "return_lse"}),
+    "linear_attention": frozenset({"causal", "gqa", "state", "no_normalize", "feature_map=elu",
+                                   "feature_map=relu", "feature_map=identity", "feature_map=favor",
+                                   "feature_map=callable"}),
+}
+
+
 @dataclass(frozen=True)
 class Capabilities:
     devices: FrozenSet[str]                 # torch device types, e.g. {"cuda"}
     dtypes: FrozenSet[torch.dtype]
     max_head_dim: int = 256
-    features: FrozenSet[str] = frozenset()  # AttnCall.features() names this backend serves
-    needs_grad_support: bool = True
+    features: FrozenSet[str] = frozenset()  # call.features() names this backend serves
+    min_compute_capability: Tuple[int, int] = (0, 0)  # on CUDA devices
 
 
 @dataclass
@@ -44,6 +68,11 @@ class Backend:
             na = self.available(device)
             if na:
                 why.append(na)
+            elif device.type == "cuda" and self.caps.min_compute_capability > (0, 0):
+                cc = torch.cuda.get_device_capability(device)
+                if tuple(cc) < self.caps.min_compute_capability:
+                    need = ".".join(map(str, self.caps.min_compute_capability))
+                    why.append(f"needs a GPU of compute capability >= {need}, got {cc[0]}.{cc[1]}")
         if call.q.dtype not in self.caps.dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in sorted(self.caps.dtypes, key=str))
             why.append(f"dtype {str(call.q.dtype).replace('torch.', '')} not served (serves {names})")
@@ -61,6 +90,12 @@ _REGISTRY: Dict[str, Dict[str, Backend]] = {"attention": {}, "linear_attention":
 
 
 def register(backend: Backend) -> Backend:
+    if backend.name not in BACKENDS:
+        raise ValueError(f"backend {backend.name!r} is not in effattn.backends.base.BACKENDS")
+    unknown = sorted(backend.caps.features - FEATURES[backend.op])
+    if unknown:
+        raise ValueError(f"backend {backend.name!r} ({backend.op}) declares unknown features {unknown}; "
+                         f"known: {sorted(FEATURES[backend.op])}")
     _REGISTRY[backend.op][backend.name] = backend
     return backend
 
@@ -69,14 +104,13 @@ def backends_for(op: str) -> List[Backend]:
     return sorted(_REGISTRY[op].values(), key=lambda b: b.priority)
 
 
-BACKEND_NAMES = ("torch", "triton", "cuda")
-
 
 def select(op: str, call, backend: str) -> Backend:
     """Picks the backend for a call: the named one (or an error saying why it can't), or for
     "auto" the fastest that can serve."""
     if backend not in ("auto",) + BACKEND_NAMES:
-        raise ValueError(f"{op}: backend must be one of 'auto', 'torch', 'triton', 'cuda'; got {backend!r}")
+        names = ", ".join(repr(n) for n in ("auto",) + BACKEND_NAMES)
+        raise ValueError(f"{op}: backend must be one of {names}; got {backend!r}")
     table = {b.name: (b, b.reasons(call)) for b in backends_for(op)}
     if backend == "auto":
         for b, why in table.values():
@@ -84,14 +118,20 @@ def select(op: str, call, backend: str) -> Backend:
                 return b
         raise ValueError(f"{op}: no backend can serve this call: " + _describe(table))
     if backend not in table:
-        raise RuntimeError(f"{op}: backend {backend!r} is not available in this installation. "
-                           + _describe(table))
+        raise RuntimeError(f"{op}: backend {backend!r} {missing_reason(op, backend)}. " + _describe(table))
     b, why = table[backend]
     if why:
         ok = [n for n, (_, w) in table.items() if not w]
         raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(why)}. "
                            f"Backends that can: {', '.join(ok) if ok else 'none'}")
     return b
+
+
+def missing_reason(op: str, name: str) -> str:
+    """Why backend `name` has no `op` registered: its import failed, or it has no kernel for op."""
+    if name in UNAVAILABLE:
+        return f"is not available: {UNAVAILABLE[name]}"
+    return f"has no {op} kernel in this version"
 
 
 def _describe(table) -> str:

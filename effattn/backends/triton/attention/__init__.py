@@ -79,7 +79,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .base import Backend, Capabilities, register
+from ...base import FEATURES, Backend, Capabilities, register
 
 try:
     import triton
@@ -140,10 +140,6 @@ def _available(device: torch.device) -> Optional[str]:
         if not (_INTERPRET and os.environ.get("TRITON_INTERPRET") == "1"):
             return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter), set before triton is imported"
         return _INTERPRETER_PROBLEM
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"needs a GPU of compute capability >= 8.0 (Ampere or newer), got {major}.{minor}"
     return None
 
 
@@ -1125,8 +1121,8 @@ BACKEND = register(Backend(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_dim=256,
-        features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
-                            "dv_ne_d", "return_lse"})),
+        features=FEATURES["attention"],
+        min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
     # the interpreter is correct but far slower than the torch reference: CPU only when named
     explicit_only_devices=frozenset({"cpu"})))

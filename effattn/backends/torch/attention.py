@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .base import Backend, Capabilities, register
-from .._call import compute_dtype as _compute_dtype
+from ..base import FEATURES, Backend, Capabilities, register
+from ..._call import compute_dtype as _compute_dtype
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23
@@ -289,6 +289,5 @@ BACKEND = register(Backend(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         max_head_dim=256,
-        features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
-                            "dv_ne_d", "return_lse"})),
+        features=FEATURES["attention"]),
     run=_run))
