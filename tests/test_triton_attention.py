@@ -19,8 +19,10 @@ from effattn.layouts import BlockLayout, sliding_and_summary
 from oracle import naive_attention, visibility
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
-if ta.triton is None or ta._available(DEVICE) is not None:
-    pytest.skip(f"triton backend unavailable: {ta._available(DEVICE)}", allow_module_level=True)
+rt = pytest.importorskip("effattn.backends.triton.runtime")
+if rt.triton is None or rt._available(DEVICE) is not None:
+    pytest.skip(f"triton backend unavailable: {rt._available(DEVICE)}", allow_module_level=True)
+from effattn.backends.triton import jit  # noqa: E402
 
 
 def rand_layout(H, Lq, Lk, bs, density, seed):
@@ -239,12 +241,12 @@ def test_bf16_casts_round_to_nearest_even():
     @triton.jit
     def cast_kernel(X, Y, N: tl.constexpr, UPCAST: tl.constexpr):
         x = tl.load(X + tl.arange(0, N))
-        tl.store(Y + tl.arange(0, N), ta._cast(x, Y.dtype.element_ty, UPCAST))
+        tl.store(Y + tl.arange(0, N), jit.cast(x, Y.dtype.element_ty, UPCAST))
 
     x = torch.tensor([1 + 2**-8 + 2**-10, 1 + 2**-9, 1 + 3 * 2**-9, -4.64, 3.0e38, -3.1e-5, float("inf"),
                       -float("inf")], device=DEVICE)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
-    cast_kernel[(1,)](x, y, x.numel(), UPCAST=ta._INTERPRET)
+    cast_kernel[(1,)](x, y, x.numel(), UPCAST=rt._INTERPRET)
     assert torch.equal(y.float(), x.bfloat16().float()), (y.tolist(), x.bfloat16().tolist())
 
 
@@ -646,19 +648,19 @@ def test_gpu_check_script_plans_and_runs_at_toy_sizes(tmp_path):
 
 
 def test_unavailable_reasons(monkeypatch):
-    monkeypatch.setattr(ta, "_INTERPRET", False)
-    assert "TRITON_INTERPRET=1" in ta._available(torch.device("cpu"))
-    monkeypatch.setattr(ta, "triton", None)
-    assert ta._available(torch.device("cpu")) == "triton is not installed"
+    monkeypatch.setattr(rt, "_INTERPRET", False)
+    assert "TRITON_INTERPRET=1" in rt._available(torch.device("cpu"))
+    monkeypatch.setattr(rt, "triton", None)
+    assert rt._available(torch.device("cpu")) == "triton is not installed"
 
 
 def test_interpreter_version_problem_is_named():
     """triton 3.6's interpreter (the H200's triton) fails on every kernel's computed loop bounds
     under numpy >= 2.4; the backend says so instead of failing inside the kernel."""
-    msg = ta._interpreter_problem("3.6.0", "2.4.1")
+    msg = rt._interpreter_problem("3.6.0", "2.4.1")
     assert msg is not None and "triton 3.6.0" in msg and "numpy 2.4.1" in msg
-    assert ta._interpreter_problem("3.6.0", "2.3.5") is None
-    assert ta._interpreter_problem("3.7.0+git1234", "2.4.1") is None
+    assert rt._interpreter_problem("3.6.0", "2.3.5") is None
+    assert rt._interpreter_problem("3.7.0+git1234", "2.4.1") is None
 
 
 # ============================================================================================ GPU

@@ -6,7 +6,7 @@ reasons it cannot serve a call. Dispatch, `effattn.explain` and error messages a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch

@@ -71,7 +71,6 @@ case the kernels are compiled with int64 offsets throughout (``IDX64``).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Dict, Optional, Tuple
 
@@ -80,68 +79,13 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...base import FEATURES, Backend, Capabilities, register
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.testing import do_bench
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-
-# Triton decides at import time whether @triton.jit functions run in its interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = 1.4426950408889634
-_I32_MAX = 2**31 - 1
-_log = logging.getLogger(__name__)
-
-
-def _tf32_enabled() -> bool:
-    """Whether torch lets fp32 matmuls use TF32 on CUDA. torch >= 2.9 has ``fp32_precision`` (which
-    resolves inheritance from ``torch.backends.fp32_precision``); reading the legacy ``allow_tf32``
-    there raises once the new API was used, so it is only the fallback for older torch. Under
-    torch.compile it is read once, when the graph is traced (Dynamo cannot trace the getter)."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        return matmul.fp32_precision == "tf32"
-    except AttributeError:
-        return bool(matmul.allow_tf32)
-
-
-if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
-    _tf32_enabled = torch.compiler.assume_constant_result(_tf32_enabled)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _version(text: str) -> Tuple[int, ...]:
-    return tuple(int(x) for x in text.split("+")[0].split(".")[:2] if x.isdigit())
-
-
-def _interpreter_problem(triton_version: str, numpy_version: str) -> Optional[str]:
-    """Triton's interpreter before 3.7 turns a loop bound computed in the kernel into a 1-element
-    array, which numpy >= 2.4 refuses to convert to an int: every kernel here has such loops."""
-    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
-        return (f"Triton's interpreter in triton {triton_version} cannot run kernels with computed loop "
-                f"bounds under numpy {numpy_version}: use triton >= 3.7 or numpy < 2.4")
-    return None
-
+from ..runtime import _I32_MAX, _INTERPRET, _LOG2E, _available, _log, _next_pow2, _tf32_enabled, triton
 
 if triton is not None:
-    import numpy
-    _INTERPRETER_PROBLEM = _interpreter_problem(triton.__version__, numpy.__version__)
+    import triton.language as tl
+    from triton.testing import do_bench
 
-
-def _available(device: torch.device) -> Optional[str]:
-    if triton is None:
-        return "triton is not installed"
-    if device.type == "cpu":
-        if not (_INTERPRET and os.environ.get("TRITON_INTERPRET") == "1"):
-            return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter), set before triton is imported"
-        return _INTERPRETER_PROBLEM
-    return None
-
+    from ..jit import cast, dot, i64, load_tile
 
 # ---------------------------------------------------------------------------------------------
 # Tile plan (Python, on the device): which (query tile, key tile) pairs are visible, which full.
@@ -274,48 +218,6 @@ def visited_tiles(Lq: int, Lk: int, block_m: int, block_n: int, left: int = -1, 
 if triton is not None:
 
     @triton.jit
-    def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-        # UPCAST: Triton's interpreter computes bf16 dots wrongly; fp32 operands are exact there
-        if UPCAST:
-            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
-        else:
-            c = tl.dot(a, b, input_precision=DOT_PREC)
-        return c
-
-    @triton.jit
-    def _cast(x, dtype, UPCAST: tl.constexpr):
-        """``x.to(dtype)`` rounding to nearest even. UPCAST (bf16 under the interpreter): Triton's
-        interpreter truncates fp32 -> bf16 (a biased error, unlike the GPU), so round the fp32 bits
-        to the nearest bf16 first; the truncation is then exact."""
-        if UPCAST:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(dtype)
-
-    @triton.jit
-    def _i64(x, IDX64: tl.constexpr):
-        """`x` as int64 when the kernel was compiled for int64 offsets (see "Index arithmetic")."""
-        if IDX64:
-            x = x.to(tl.int64)
-        return x
-
-    @triton.jit
-    def _load(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
-        """A 2-D tile, zero outside ``rows < n_rows`` / ``cols < n_cols`` where asked to check."""
-        if MASK_ROWS:
-            if MASK_COLS:
-                x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
-            else:
-                x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            if MASK_COLS:
-                x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
-            else:
-                x = tl.load(ptrs)
-        return x
-
-    @triton.jit
     def _visible(qi, kj, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, IDX64: tl.constexpr):
         """Elementwise visibility for a partial tile. ``qi`` / ``kj``: query / key indices shaped to
@@ -327,7 +229,7 @@ if triton is not None:
         if HAS_RIGHT:
             ok = ok & (kj <= pos + right)
         if HAS_LAYOUT:
-            blk = tl.load(lay_ptr + _i64(qi // lay_bs, IDX64) * lay_nkb + kj // lay_bs, mask=ok, other=0)
+            blk = tl.load(lay_ptr + i64(qi // lay_bs, IDX64) * lay_nkb + kj // lay_bs, mask=ok, other=0)
             ok = ok & (blk != 0)
         return ok
 
@@ -436,12 +338,12 @@ if triton is not None:
                   DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10)."""
-        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
+        rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = start_n + rel_n
         k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
         v_tile = v_base + start_n.to(tl.int64) * svn
-        kt = _load(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, MASK)
-        s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale            # S = Q K^T, in log2 units
+        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, MASK)
+        s = dot(q, kt, DOT_PREC, UPCAST) * qk_scale            # S = Q K^T, in log2 units
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                           lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
@@ -458,8 +360,8 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)                          # l = alpha l + rowsum(P~)
         if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
             p = tl.where(_dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
-        v = _load(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, MASK, PAD_DV)
-        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, UPCAST), v, DOT_PREC, UPCAST)  # O = alpha O + P~ V
+        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, MASK, PAD_DV)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype, UPCAST), v, DOT_PREC, UPCAST)  # O = alpha O + P~ V
         return acc, m_new, l_i
 
     @triton.jit(do_not_specialize=["seed"])
@@ -484,12 +386,12 @@ if triton is not None:
         hk = h // G                                               # GQA: the kv head of this q head
         m0 = pid_m * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
-        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
-        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
+        offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+        rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
         q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd)
-        q = _load(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
+        q = load_tile(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
         k_base, v_base, kpm_base, lay_ptr = _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -515,7 +417,7 @@ if triton is not None:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
         row_ok = offs_m < Lq
         o_ptrs = O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :]
-        tl.store(o_ptrs, _cast(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+        tl.store(o_ptrs, cast(out, O.dtype.element_ty, UPCAST), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
         tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
         if COUNT:
             tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
@@ -535,15 +437,15 @@ if triton is not None:
         b = bh // H
         h = bh % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
-        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
+        rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
+        offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
         ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
         o = tl.load(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], mask=ok, other=0.0)
         do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + (pid_m * BLOCK_M).to(tl.int64) * sdom
                      + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, mask=ok, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         if HAS_DLSE:
-            dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + _i64(offs_m, IDX64) * sdlm,
+            dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + i64(offs_m, IDX64) * sdlm,
                            mask=offs_m < Lq, other=0.0)
             delta -= dlse.to(tl.float32)
         tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
@@ -565,14 +467,14 @@ if triton is not None:
                    DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows)."""
-        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
+        rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
         offs_m = start_m + rel_m
         q_tile = q_base + start_m.to(tl.int64) * sqm
         do_tile = do_base + start_m.to(tl.int64) * sdom
-        q = _load(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
-        do = _load(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+        q = load_tile(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
+        do = load_tile(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
         lse, delta = _row_stats(lse_base, delta_base, offs_m, Lq)
-        st = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
+        st = dot(k, tl.trans(q), DOT_PREC, UPCAST) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
         if MASK:
             ok = _visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                           lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
@@ -580,16 +482,16 @@ if triton is not None:
         if HAS_KPM:
             st = tl.where(keep_k[:, None], st, float("-inf"))
         pt = tl.exp2(st - lse[None, :])                                          # P^T = exp(S - L)
-        dpt = _dot(v, tl.trans(do), DOT_PREC, UPCAST)                            # dP^T = V dO^T
+        dpt = dot(v, tl.trans(do), DOT_PREC, UPCAST)                            # dP^T = V dO^T
         if DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
             pdt = tl.where(keep, pt * inv_keep, 0.0)
             dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
             pdt = pt
-        dv += _dot(_cast(pdt, do.dtype, UPCAST), do, DOT_PREC, UPCAST)         # dV += P_drop^T dO
+        dv += dot(cast(pdt, do.dtype, UPCAST), do, DOT_PREC, UPCAST)         # dV += P_drop^T dO
         dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
-        dk += _dot(_cast(dst, q.dtype, UPCAST), q, DOT_PREC, UPCAST)           # dK += dS^T Q (scale later)
+        dk += dot(cast(dst, q.dtype, UPCAST), q, DOT_PREC, UPCAST)           # dK += dS^T Q (scale later)
         return dk, dv
 
     @triton.jit(do_not_specialize=["seed"])
@@ -613,17 +515,17 @@ if triton is not None:
         b = bhk // Hkv
         hk = bhk % Hkv
         n0 = pid_n * BLOCK_N
-        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
+        rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = n0 + rel_n
-        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
-        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
+        offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
         n0_64 = n0.to(tl.int64)
         k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
                   + offs_d[None, :] * skd)
         v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
                   + offs_dv[None, :] * svd)
-        k = _load(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
-        v = _load(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
+        k = load_tile(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
+        v = load_tile(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
         keep_k = offs_n < Lk
         if HAS_KPM:
             pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
@@ -668,8 +570,8 @@ if triton is not None:
                    + offs_d[None, :] * sdkd)
         dv_ptrs = (DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn + rel_n[:, None] * sdvn
                    + offs_dv[None, :] * sdvd)
-        tl.store(dk_ptrs, _cast(dk, DK.dtype.element_ty, UPCAST), mask=ok_k & (offs_d[None, :] < D))
-        tl.store(dv_ptrs, _cast(dv, DV.dtype.element_ty, UPCAST), mask=ok_k & (offs_dv[None, :] < Dv))
+        tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, UPCAST), mask=ok_k & (offs_d[None, :] < D))
+        tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, UPCAST), mask=ok_k & (offs_dv[None, :] < Dv))
         if COUNT:
             tl.store(COUNTS + bhk * n_nt + pid_n, visits)
 
@@ -682,13 +584,13 @@ if triton is not None:
                  DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, IDX64: tl.constexpr):
         """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K)."""
-        rel_n = _i64(tl.arange(0, BLOCK_N), IDX64)
+        rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
         offs_n = start_n + rel_n
         k_tile = k_base + start_n.to(tl.int64) * skn
         v_tile = v_base + start_n.to(tl.int64) * svn
-        kt = _load(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, MASK)
-        vt = _load(v_tile + offs_dv[:, None] * svd + rel_n[None, :] * svn, offs_dv, Dv, offs_n, Lk, PAD_DV, MASK)
-        s = _dot(q, kt, DOT_PREC, UPCAST) * qk_scale
+        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, MASK)
+        vt = load_tile(v_tile + offs_dv[:, None] * svd + rel_n[None, :] * svn, offs_dv, Dv, offs_n, Lk, PAD_DV, MASK)
+        s = dot(q, kt, DOT_PREC, UPCAST) * qk_scale
         if MASK:
             ok = _visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                           lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
@@ -697,12 +599,12 @@ if triton is not None:
             pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
             s = tl.where(pad[None, :] == 0, s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
-        dp = _dot(do, vt, DOT_PREC, UPCAST)
+        dp = dot(do, vt, DOT_PREC, UPCAST)
         if DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _dot(_cast(ds, kt.dtype, UPCAST), tl.trans(kt), DOT_PREC, UPCAST)
+        dq += dot(cast(ds, kt.dtype, UPCAST), tl.trans(kt), DOT_PREC, UPCAST)
         return dq
 
     @triton.jit(do_not_specialize=["seed"])
@@ -727,13 +629,13 @@ if triton is not None:
         hk = h // G
         m0 = pid_m * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = _i64(tl.arange(0, BLOCK_D), IDX64)
-        offs_dv = _i64(tl.arange(0, BLOCK_DV), IDX64)
-        rel_m = _i64(tl.arange(0, BLOCK_M), IDX64)
+        offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+        offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+        rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
         m0_64 = m0.to(tl.int64)
-        q = _load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
+        q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
-        do = _load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
+        do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
                    + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
         lse, delta = _row_stats(LSE + bh.to(tl.int64) * Lq, DELTA + bh.to(tl.int64) * Lq, offs_m, Lq)
         k_base, v_base, kpm_base, lay_ptr = _kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
@@ -755,7 +657,7 @@ if triton is not None:
         dq = dq * scale
         dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
                    + offs_d[None, :] * sdqd)
-        tl.store(dq_ptrs, _cast(dq, DQ.dtype.element_ty, UPCAST),
+        tl.store(dq_ptrs, cast(dq, DQ.dtype.element_ty, UPCAST),
                  mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 

@@ -1,0 +1,50 @@
+"""Jit helpers shared by the Triton kernels (softmax attention, linear attention).
+
+``UPCAST`` is set under Triton's interpreter with bf16 inputs, where the interpreter's bf16 dot and
+fp32 -> bf16 cast differ from the GPU's; it is a constexpr, compiled away on the GPU.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: Triton's interpreter computes bf16 dots wrongly; fp32 operands are exact there
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
+    else:
+        c = tl.dot(a, b, input_precision=DOT_PREC)
+    return c
+
+@triton.jit
+def cast(x, dtype, UPCAST: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even. UPCAST (bf16 under the interpreter): Triton's
+    interpreter truncates fp32 -> bf16 (a biased error, unlike the GPU), so round the fp32 bits
+    to the nearest bf16 first; the truncation is then exact."""
+    if UPCAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+@triton.jit
+def i64(x, IDX64: tl.constexpr):
+    """`x` as int64 when the kernel was compiled for int64 offsets (see "Index arithmetic")."""
+    if IDX64:
+        x = x.to(tl.int64)
+    return x
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A 2-D tile, zero outside ``rows < n_rows`` / ``cols < n_cols`` where asked to check."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
