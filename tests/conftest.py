@@ -37,13 +37,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def attention_backends(device=DEVICE):
-    """Names of the softmax backends usable on `device` in this installation (explicitly named)."""
+def op_backends(op, device=DEVICE):
+    """Names of the backends of `op` usable on `device` in this installation (explicitly named), read
+    from their declarations: a new backend is tested by registering it, nothing else."""
     names = []
-    for b in base.backends_for("attention"):
+    for b in base.backends_for(op):
         if device.type in b.caps.devices and b.available(device) is None:
             names.append(b.name)
     return names
+
+
+def attention_backends(device=DEVICE):
+    return op_backends("attention", device)
+
+
+def declared_dtypes(op, backend):
+    """The dtypes backend `backend` declares for `op`, float64 first when served (the oracle's)."""
+    dtypes = base._REGISTRY[op][backend].caps.dtypes
+    order = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+    return [d for d in order if d in dtypes]
 
 
 _real = {"empty": torch.empty, "empty_like": torch.empty_like}

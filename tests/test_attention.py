@@ -16,7 +16,7 @@ import torch
 
 import effattn
 from effattn.layouts import BlockLayout
-from conftest import DEVICE, attention_backends
+from conftest import DEVICE, attention_backends, declared_dtypes
 from oracle import naive_attention
 
 BACKENDS = attention_backends()
@@ -25,10 +25,7 @@ FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.b
 
 
 def dtypes_for(backend):
-    out = [torch.float32, torch.float16, torch.bfloat16]
-    if backend == "torch":
-        out.insert(0, torch.float64)
-    return out
+    return declared_dtypes("attention", backend)
 
 
 def rand_layout(H, Lq, Lk, bs, per_head, seed):
