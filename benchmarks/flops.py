@@ -26,12 +26,19 @@ Causal and non-causal linear attention are counted alike; the chunked algorithms
 """
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
-from .masks import visible_pairs
+from effattn.visibility import Rule
 
 FWD_BWD_FACTOR = Fraction(7, 2)      # softmax attention: forward + backward = 3.5 x forward
 LINEAR_FWD_BWD_FACTOR = Fraction(3)  # linear attention
+
+
+@functools.lru_cache(maxsize=64)     # the runner asks once per row; a 64k layout takes ~30 ms
+def visible_pairs(Lq: int, Lk: int, *, causal: bool = False, window=None, layout=None, heads: int = 1) -> int:
+    """Exact number of visible (query, key) pairs over ``heads`` heads (effattn.visibility's rule)."""
+    return Rule.of(Lq, Lk, causal=causal, window=window, layout=layout).visible_pairs(heads)
 
 
 def attention_flops(batch: int, heads: int, head_dim: int, Lq: int, Lk: int, *, causal: bool = False,

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import effattn
 from effattn import layouts
+from effattn.visibility import Rule
 
-from .masks import dense_mask, flex_mask_mod
 
 LAYOUT_BLOCK = 128     # block size of the block-sparse variants (ANCHORS.md's 'fixed' pattern)
 
@@ -128,7 +128,8 @@ class Case:
     def mask(self) -> Optional[torch.Tensor]:
         """Token-level visibility ``(Hl, L, L)`` bool (True = visible), built once; None when dense."""
         if "mask" not in self._cache:
-            self._cache["mask"] = dense_mask(self.L, self.L, device=self.device, **self.attention_kwargs())
+            m = Rule.of(self.L, self.L, **self.attention_kwargs()).materialize(device=self.device)
+            self._cache["mask"] = None if m is None else m[0]
         return self._cache["mask"]
 
     @property
@@ -252,7 +253,7 @@ def _flex(case: Case) -> Bench:
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    mod = flex_mask_mod(case.L, case.L, device=case.device, **case.attention_kwargs())
+    mod = Rule.of(case.L, case.L, **case.attention_kwargs()).mask_mod(case.device)
     block_mask = None
     if mod is not None:
         heads = case.H if case.layout is not None and case.layout.num_heads > 1 else None

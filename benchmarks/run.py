@@ -22,8 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import measure, registry
-from .flops import attention_flops, linear_attention_flops, tflops
-from .masks import visible_pairs
+from .flops import attention_flops, linear_attention_flops, tflops, visible_pairs
 from .progress import progress_bar
 from .registry import Case, Impl, Unsupported, Variant
 

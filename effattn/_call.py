@@ -18,6 +18,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .visibility import normalize_window
+
 SOFTMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
@@ -63,25 +65,6 @@ def check_qkv(q, k, v, fn: str):
         if not 1 <= d <= MAX_HEAD_DIM:
             _fail(ValueError, f"{fn}: head dim {name}={d} out of range 1..{MAX_HEAD_DIM}")
     return B, H, Hkv
-
-
-def normalize_window(window, causal: bool) -> Tuple[int, int]:
-    """SPEC window convention -> (left, right) with -1 = unbounded, causal folded into right."""
-    left, right = -1, -1
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, (int, tuple, list)):
-            _fail(TypeError, f"attention: window must be an int or a (left, right) pair of ints, got {window!r}")
-        if isinstance(window, int):
-            left, right = (window, 0) if causal else (window, window)
-        else:
-            if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
-                _fail(TypeError, f"attention: window must be an int or a (left, right) pair of ints, got {window!r}")
-            left, right = int(window[0]), int(window[1])
-        if left < 0 or right < 0:
-            _fail(ValueError, f"attention: window sizes must be non-negative, got window={window!r}")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
 
 
 @dataclass

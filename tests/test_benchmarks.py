@@ -17,11 +17,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import registry, report, run  # noqa: E402
-from benchmarks.flops import attention_flops, linear_attention_flops, tflops  # noqa: E402
-from benchmarks.masks import dense_mask, visible_pairs  # noqa: E402
+from benchmarks.flops import attention_flops, linear_attention_flops, tflops, visible_pairs  # noqa: E402
 from benchmarks.progress import SimpleBar  # noqa: E402
 from effattn import layouts  # noqa: E402
 from effattn.layouts import BlockLayout  # noqa: E402
+from effattn.visibility import Rule  # noqa: E402
+from oracle import visibility as oracle_visibility  # noqa: E402
 
 try:  # the micro-benchmarks live in benchmarks/; imported here so CI runs them as plain tests
     from benchmarks.test_micro import (test_micro_attention_fwd, test_micro_attention_layout_fwd,  # noqa: F401,E402
@@ -57,17 +58,25 @@ def test_visible_pairs_layout_hand_counted():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_visible_pairs_matches_dense_mask(seed):
+def test_visible_pairs_and_masks_match_the_oracle(seed):
+    """The benchmarks' pair count, token masks and FlexAttention mask_mod (all effattn.visibility)
+    against the test oracle's independent mask."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(25):
         Lq, Lk, bs = (int(x) for x in torch.randint(1, 50, (3,), generator=g))
         causal = bool(torch.randint(0, 2, (1,), generator=g))
-        window = [None, 3, (2, 5)][int(torch.randint(0, 3, (1,), generator=g))]
+        window = [None, 3, (2, 5), (0, 1)][int(torch.randint(0, 4, (1,), generator=g))]
         lay = BlockLayout(torch.rand(2, -(-Lq // bs), -(-Lk // bs), generator=g) < 0.5, bs)
         for layout in (None, lay):
-            m = dense_mask(Lq, Lk, causal=causal, window=window, layout=layout)
-            want = 2 * Lq * Lk if m is None else int(m.expand(2, Lq, Lk).sum())
-            assert visible_pairs(Lq, Lk, causal=causal, window=window, layout=layout, heads=2) == want
+            want = oracle_visibility(Lq, Lk, causal=causal, window=window, layout=layout, H=2)[0]  # (2, Lq, Lk)
+            assert visible_pairs(Lq, Lk, causal=causal, window=window, layout=layout, heads=2) == int(want.sum())
+            rule = Rule.of(Lq, Lk, causal=causal, window=window, layout=layout)
+            m = rule.materialize()
+            assert torch.equal(want, torch.ones_like(want) if m is None else m[0].expand_as(want))
+            mod = rule.mask_mod()
+            if mod is not None:
+                h, i, j = torch.meshgrid(torch.arange(2), torch.arange(Lq), torch.arange(Lk), indexing="ij")
+                assert torch.equal(want, mod(0, h, i, j))
 
 
 def test_attention_flops_exact():

@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
-from ..nn.attention import dense_attention, structural_visibility
+from ..nn.attention import dense_attention
+from ..visibility import Rule
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +91,10 @@ def _read_mask(mask: Tensor, B: int, Lq: int, Lk: int, causal: bool, window):
     if keep.dim() != 4:
         return "dense", keep, bias, f"{keep.dim()}-D mask"
     pad = ~keep.any(dim=2).any(dim=1)                           # (B or 1, Lk): keys no query sees
-    struct = structural_visibility(Lq, Lk, causal=causal, window=window, layout=None, device=keep.device)
+    struct = Rule.of(Lq, Lk, causal=causal, window=window).materialize(device=keep.device)
     expected = ~pad[:, None, None, :]
     if struct is not None:
-        expected = expected & struct[None]
+        expected = expected & struct
     if not bool(torch.all(keep == expected)):
         return "dense", keep, bias, "mask is not causal/sliding-window + padding"
     kpm = pad.expand(B, Lk) if bool(pad.any()) else None
@@ -172,12 +173,7 @@ def _used_keys(mask: Tensor, Lq: int) -> int:
 
 def _structure_and_padding(Lq, Lk, causal, window, kpm, device) -> Optional[Tensor]:
     """bool (B or 1, 1, Lq, Lk) visibility of causal/window AND NOT key padding, or None (all visible)."""
-    vis = structural_visibility(Lq, Lk, causal=causal, window=window, layout=None, device=device)
-    vis = vis[None] if vis is not None else None
-    if kpm is not None:
-        keep = ~kpm[:, None, None, :]
-        vis = keep if vis is None else vis & keep
-    return vis
+    return Rule.of(Lq, Lk, causal=causal, window=window).materialize(key_padding_mask=kpm, device=device)
 
 
 def register(name: str = NAME, *, backend: str = "auto") -> str:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .._call import normalize_window
+from ..visibility import Rule, normalize_window
 from ..feature_maps import FavorFeatures, NAMED_FEATURE_MAPS, resolve_feature_map
 from ..functional import Explanation, attention, explain as explain_call
 from ..layouts import BlockLayout
@@ -83,27 +83,6 @@ def _blocks_torch_fast_path(module, args):
 
 # ----------------------------------------------------------------------------------------------
 # the dense reference path
-
-def structural_visibility(Lq: int, Lk: int, *, causal: bool, window, layout: Optional[BlockLayout],
-                          device) -> Optional[Tensor]:
-    """bool ``(Hl, Lq, Lk)`` (``Hl`` = 1 or the layout's heads), True where query i may see key j under
-    ``causal`` / ``window`` / ``layout`` with bottom-right alignment; None when all pairs are visible."""
-    left, right = normalize_window(window, causal)
-    vis = None
-    if left >= 0 or right >= 0:
-        pos = torch.arange(Lq, device=device)[:, None] + (Lk - Lq)
-        j = torch.arange(Lk, device=device)[None, :]
-        vis = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
-        if left >= 0:
-            vis = vis & (j >= pos - left)
-        if right >= 0:
-            vis = vis & (j <= pos + right)
-        vis = vis[None]
-    if layout is not None:
-        lay = layout.to(device).to_dense(Lq, Lk)
-        vis = lay if vis is None else vis & lay
-    return vis
-
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, visible: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, scale: Optional[float] = None, dropout_p: float = 0.0,
@@ -673,9 +652,8 @@ class MultiheadAttention(nn.Module):
         Lk = k.shape[2]
         fn = "MultiheadAttention"
         structural_causal = causal and attn_mask is None   # with a mask, the mask itself is used
-        visible = structural_visibility(Lq, Lk, causal=structural_causal, window=self.window, layout=layout,
-                                        device=q.device)
-        visible = visible[None] if visible is not None else None            # (1, Hl, Lq, Lk)
+        visible = Rule.of(Lq, Lk, causal=structural_causal, window=self.window,
+                          layout=layout).materialize(device=q.device)         # (1, Hl, Lq, Lk)
         bias = None
         if attn_mask is not None:
             if attn_mask.dim() == 2:

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..base import FEATURES, Backend, Capabilities, register
 from ..._call import compute_dtype as _compute_dtype
+from ...visibility import Rule
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23
@@ -58,26 +59,25 @@ class _Chunk(NamedTuple):
     pos: Tensor                  # (n,) those keys' positions
 
 
-def _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, device) -> List[_Chunk]:
+def _plan(rule: Rule, rows: int, device) -> List[_Chunk]:
     """The query chunks of a call with the keys each must compute. Causal and window bounds give
     a key range per chunk; a layout then keeps only the key blocks some row of the chunk may see,
     so the work of a block-sparse call scales with its density."""
-    offset = Lk - Lq
-    vis, plans = _layout_entry(layout_mask) if layout_mask is not None else (None, None)
-    key = (Lq, Lk, rows, window_left, window_right, layout_block)
+    Lq, Lk = rule.Lq, rule.Lk
+    vis, plans = _layout_entry(rule.layout_mask) if rule.layout_mask is not None else (None, None)
+    key = (Lq, Lk, rows, rule.left, rule.right, rule.layout_block)
     if plans is not None and key in plans:
         return plans[key]
     chunks = []
     for i0 in range(0, Lq, rows):
         i1 = min(i0 + rows, Lq)
-        k0 = 0 if window_left < 0 else max(0, i0 + offset - window_left)
-        k1 = Lk if window_right < 0 else min(Lk, i1 - 1 + offset + window_right + 1)
+        k0, k1 = rule.key_range(i0, i1)
         if k1 <= k0:
             continue                                               # no visible key: 0 and -inf
         if vis is None:
             chunks.append(_Chunk(i0, i1, slice(k0, k1), torch.arange(k0, k1, device=device)))
             continue
-        bs = layout_block
+        bs = rule.layout_block
         kb0, kb1 = k0 // bs, (k1 - 1) // bs + 1
         blocks = vis[i0 // bs:(i1 - 1) // bs + 1, kb0:kb1].any(0).nonzero().flatten() + kb0
         if blocks.numel() == 0:
@@ -93,28 +93,6 @@ def _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, de
     if plans is not None:
         plans[key] = chunks
     return chunks
-
-
-def _visible(i0, i1, kpos, offset, window_left, window_right, layout_mask, layout_block,
-             key_padding_mask) -> Optional[Tensor]:
-    """Boolean mask broadcastable to (B, H, i1-i0, len(kpos)) of visible (query, key) pairs, or None
-    when every pair is visible."""
-    qpos = torch.arange(i0, i1, device=kpos.device)[:, None] + offset
-    key = kpos[None, :]
-    mask = None
-    if window_left >= 0:
-        mask = key >= qpos - window_left
-    if window_right >= 0:
-        m = key <= qpos + window_right
-        mask = m if mask is None else mask & m
-    if layout_mask is not None:
-        qb = torch.arange(i0, i1, device=kpos.device) // layout_block
-        m = layout_mask[:, qb][:, :, kpos // layout_block][None]   # (1, Hl, rows, keys)
-        mask = m if mask is None else mask & m
-    if key_padding_mask is not None:
-        m = ~key_padding_mask[:, kpos][:, None, None, :]            # (B, 1, 1, keys)
-        mask = m if mask is None else mask & m
-    return mask
 
 
 def _dropout_keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
@@ -142,11 +120,11 @@ def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, win
     backward both walk this, so they see the same chunks, keys and masks."""
     B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    rule = Rule(Lq, Lk, window_left, window_right, layout_mask, layout_block)
     rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
-    for c in _plan(Lq, Lk, rows, window_left, window_right, layout_mask, layout_block, q.device):
+    for c in _plan(rule, rows, q.device):
         s, qc, kc = _scores(q, k, c, scale, _compute_dtype(q.dtype), H // Hkv)
-        mask = _visible(c.i0, c.i1, c.pos, Lk - Lq, window_left, window_right, layout_mask, layout_block,
-                        key_padding_mask)
+        mask = rule.materialize((c.i0, c.i1), c.pos, key_padding_mask=key_padding_mask)
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
         yield c, s, qc, kc
