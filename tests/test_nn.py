@@ -72,7 +72,7 @@ def test_pickle_round_trip_and_older_pickles():
     close(mha(x, x, x, need_weights=False)[0], again(x, x, x, need_weights=False)[0], 0)
     assert len(again._forward_pre_hooks) == 1
     state = dict(mha.__dict__)
-    for name in ("_explaining", "_logged", "last_path"):
+    for name in ("_logged", "last_path"):
         state.pop(name)
     old = MultiheadAttention.__new__(MultiheadAttention)
     old.__setstate__(state)
@@ -403,7 +403,11 @@ def test_explain_says_which_path_and_backend_without_running():
     mha(x, x, x, need_weights=False)
     ex = mha.explain(x, x, x)                                     # need_weights defaults to True, as in torch
     assert ex.path == "reference: need_weights=True" and ex.report is None and ex.shape == (10, 10)
-    assert "need_weights=False" in str(ex)
+    assert ex.reasons == ["need_weights=True"] and "need_weights=False" in str(ex)
+    # every reason is listed, each with what to change
+    ex = mha.explain(x, x, x, attn_mask=torch.randn(10, 10), key_padding_mask=torch.rand(2, 10))
+    assert ex.reasons == ["need_weights=True", "float key_padding_mask", "float attn_mask"], ex.reasons
+    assert all(hint in str(ex) for hint in ("need_weights=False", "bool key_padding_mask", "is_causal=True"))
     ex = mha.explain(x, x, x, attn_mask=torch.zeros(10, 10, dtype=torch.bool), need_weights=False)
     assert ex.path == "reference: bool attn_mask" and "is_causal" in str(ex)
     ex = mha.explain(x, x, x, is_causal=True, need_weights=False)

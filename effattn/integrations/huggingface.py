@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
-from ..nn.attention import dense_attention
+from ..backends.torch.dense import dense_attention
 from ..visibility import Rule
 
 logger = logging.getLogger(__name__)

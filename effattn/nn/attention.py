@@ -22,9 +22,10 @@ change to leave a reference path, and which backend would serve a fused one (:fu
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
-import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..visibility import Rule, normalize_window
+from ..backends.torch.dense import dense_attention
 from ..feature_maps import FavorFeatures, NAMED_FEATURE_MAPS, resolve_feature_map
 from ..functional import Explanation, attention, explain as explain_call
 from ..layouts import BlockLayout
@@ -81,52 +83,6 @@ def _blocks_torch_fast_path(module, args):
     return None
 
 
-# ----------------------------------------------------------------------------------------------
-# the dense reference path
-
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, visible: Optional[Tensor] = None,
-                    bias: Optional[Tensor] = None, scale: Optional[float] = None, dropout_p: float = 0.0,
-                    softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """Softmax attention over the materialized ``(Lq, Lk)`` scores: the slow, general path.
-
-    Args:
-        q: ``(B, H, Lq, D)``; k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``, ``H % Hkv == 0``.
-        visible: bool, broadcastable to ``(B, H, Lq, Lk)``, True = may attend.
-        bias: float, broadcastable to ``(B, H, Lq, Lk)``, added to the scores (``-inf`` = masked).
-        scale: default ``1/sqrt(D)``.
-        softcap: ``tanh(s / softcap) * softcap`` on the scaled scores before bias (Gemma 2).
-
-    Computes in float32 (float64 for float64 inputs). A row with no visible key gives output 0 and
-    weights 0 (torch's MultiheadAttention gives NaN there).
-
-    Returns:
-        ``out (B, H, Lq, Dv)`` in q's dtype, ``weights (B, H, Lq, Lk)`` in the compute dtype (after
-        dropout, as torch returns them).
-    """
-    B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = H // Hkv
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qg = q.to(cdt).reshape(B, Hkv, G * Lq, D)                # query heads of one kv head side by side
-    s = torch.matmul(qg, k.to(cdt).transpose(-1, -2)).view(B, H, Lq, Lk) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    if bias is not None:
-        s = s + bias.to(cdt)
-    if visible is not None:
-        s = s.masked_fill(~visible, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # rows of -inf only: exp(-inf) = 0
-    p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
-    p = p / torch.where(total > 0, total, torch.ones_like(total))
-    if dropout_p > 0:
-        p = F.dropout(p, p=dropout_p, training=True)
-    out = torch.matmul(p.reshape(B, Hkv, G * Lq, Lk), v.to(cdt)).view(B, H, Lq, Dv)
-    return out.to(q.dtype), p
-
-
 def _as_bool_padding(kpm: Tensor) -> Tensor:
     """A float key padding mask of only 0 and -inf as bool (True = padding), else unchanged.
 
@@ -160,6 +116,7 @@ class ForwardExplanation:
         path: the ``last_path`` the call would record: ``"fused"``, ``"linear"`` or ``"reference: <why>"``.
         op: ``"attention"`` / ``"linear_attention"``: the effattn function the call would make; None on a
             reference path (the module computes a dense softmax itself).
+        reasons: every reason the call leaves the fused path (empty on a fused or linear path).
         report: :func:`effattn.explain`'s :class:`~effattn.functional.Explanation` for that call (which
             backend ``"auto"`` picks, why each other one cannot serve); None on a reference path.
         backend: the module's ``backend`` (a name other than ``"auto"`` is used as is).
@@ -167,15 +124,17 @@ class ForwardExplanation:
     """
 
     def __init__(self, path: str, op: Optional[str], report: Optional[Explanation], backend: str,
-                 shape: Tuple[int, int]):
+                 shape: Tuple[int, int], reasons: Sequence[str] = ()):
         self.path, self.op, self.report, self.backend, self.shape = path, op, report, backend, shape
+        self.reasons = list(reasons)
 
     def __str__(self) -> str:
         Lq, Lk = self.shape
         if self.report is None:
-            why = self.path.split(": ", 1)[-1]
+            hints = "; ".join(REFERENCE_HINTS.get(why, why) for why in self.reasons)
             return (f"MultiheadAttention: {self.path} path: a dense softmax over the ({Lq}, {Lk}) score matrix in "
-                    f"torch, O(Lq*Lk) memory; to get the fused kernels, {REFERENCE_HINTS.get(why, why)}")
+                    f"torch, O(Lq*Lk) memory. It leaves the fused kernels because of: {', '.join(self.reasons)}. "
+                    f"To get the fused kernels: {hints}")
         head = f"MultiheadAttention: {self.path} path, effattn.{self.op} on ({Lq}, {Lk})"
         if self.backend != "auto":
             head += f" with backend={self.backend!r}"
@@ -184,12 +143,28 @@ class ForwardExplanation:
     __repr__ = __str__
 
 
-class _Explained(Exception):
-    """Carries a ForwardExplanation out of ``forward`` (MultiheadAttention.explain stops the call there)."""
+@dataclass
+class _Step:
+    """One call's inputs after `_canonicalize`: batch-first ``(B, L, E)``, memory prepended to key and
+    value, a 0/-inf float key padding mask turned bool (``kpm`` covers memory + keys)."""
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    kpm: Optional[Tensor]
+    attn_mask: Optional[Tensor]
+    causal: bool
+    batched: bool
+    same_input: bool          # query is key is value: one packed in-projection
 
-    def __init__(self, explanation: ForwardExplanation):
-        super().__init__(explanation.path)
-        self.explanation = explanation
+
+@dataclass
+class _Plan:
+    """The path a call takes (see the module docstring) and, for the reference path, every reason."""
+    path: str                 # "fused" | "linear" | "reference: <first reason>"
+    op: Optional[str]         # the effattn function called, None on the reference path
+    reasons: List[str]
+    Lq: int
+    Lk: int                   # cached keys and memory included
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,14 +293,13 @@ class MultiheadAttention(nn.Module):
                          "probabilities are formed)", dropout)
         self.last_path: Optional[str] = None
         self._logged = set()
-        self._explaining = False           # set by explain(): forward stops before attending
         self.register_forward_pre_hook(_blocks_torch_fast_path)
 
     def __setstate__(self, state):
         # modules pickled (torch.save(model)) by an earlier effattn lack the attributes added since
         state.setdefault("last_path", None)
         state.setdefault("_logged", set())
-        state.setdefault("_explaining", False)
+        state.pop("_explaining", None)         # effattn < 0.2 stopped forward with it to explain a call
         super().__setstate__(state)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -440,6 +414,60 @@ class MultiheadAttention(nn.Module):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal, cache, memory)
+        step = self._canonicalize(query, key, value, key_padding_mask, attn_mask, is_causal, cache, memory)
+        q, k, v = self._project(step)                                  # (B, H, L, D) views
+        plan = self._plan(step, need_weights, cache)
+        out, weights = self._attend(plan, step, q, k, v, cache)
+        self._record(plan.path)
+        return self._assemble(step, out, weights, need_weights, average_attn_weights)
+
+    def explain(self, query: Tensor, key: Tensor, value: Tensor, **forward_kwargs) -> ForwardExplanation:
+        """Which path ``self(query, key, value, **forward_kwargs)`` would take, every reason it leaves
+        the fused kernels, and for a fused or linear path :func:`effattn.explain`'s report on the
+        effattn call it would make (which backend ``"auto"`` picks and why the others cannot serve).
+
+        Runs the input checks and projections (under ``no_grad``) but not the attention; a ``cache=``
+        is left as it was and ``last_path`` is not changed.
+
+        Examples::
+
+            >>> print(mha.explain(x, x, x, attn_mask=mask))         # need_weights defaults to True
+            MultiheadAttention: reference: need_weights=True path: a dense softmax over the (1024, 1024) score
+            matrix in torch, O(Lq*Lk) memory; to get the fused kernels, pass need_weights=False (...)
+            >>> print(mha.explain(x, x, x, is_causal=True, need_weights=False))
+            MultiheadAttention: fused path, effattn.attention on (1024, 1024)
+            effattn.attention: backend='auto' picks triton
+            ...
+        """
+        sig = inspect.signature(self.forward).bind(query, key, value, **forward_kwargs)
+        sig.apply_defaults()
+        a = sig.arguments
+        if a["query"].is_nested:
+            raise ValueError("MultiheadAttention.explain: nested tensor input is not supported; explain the "
+                             "padded call")
+        # a step rebinds the cache's tensors (torch.cat, slicing), never writes into them: a shallow copy
+        # takes the step and the caller's cache stays as it was
+        cache = copy.copy(a["cache"]) if a["cache"] is not None else None
+        with torch.no_grad():
+            step = self._canonicalize(query, key, value, a["key_padding_mask"], a["attn_mask"], a["is_causal"],
+                                      cache, a["memory"])
+            q, k, v = self._project(step)
+            plan = self._plan(step, a["need_weights"], cache)
+            report = None
+            if plan.op == "attention":
+                k, v, kpm = cache.append(k, v, step.kpm) if cache is not None else (k, v, step.kpm)
+                report = explain_call(q, k, v, op="attention", **self._fused_kwargs(plan, step, kpm))
+            elif plan.op == "linear_attention":
+                q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
+                report = explain_call(q, k, v, op="linear_attention", causal=step.causal, feature_map=phi,
+                                      initial_state=state)
+        return ForwardExplanation(plan.path, plan.op, report, self.backend, (plan.Lq, plan.Lk), plan.reasons)
+
+    # ---- pieces of forward ------------------------------------------------------------------
+
+    def _canonicalize(self, query, key, value, kpm, attn_mask, is_causal, cache, memory) -> _Step:
+        """Checks the inputs and brings them to batch-first ``(B, L, E)``; memory is prepended to key
+        and value, and a float key padding mask of 0 / -inf becomes bool."""
         fn = "MultiheadAttention"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"{fn}: query, key, value must all be 2-D (unbatched) or 3-D, got "
@@ -449,15 +477,14 @@ class MultiheadAttention(nn.Module):
         if memory is not None and memory.dim() != query.dim():
             raise ValueError(f"{fn}: memory must have the same layout as key ({query.dim()}-D), got "
                              f"{memory.dim()}-D")
-        # everything below works on (B, L, E)
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             memory = memory.unsqueeze(0) if memory is not None else None
-            if key_padding_mask is not None:
-                if key_padding_mask.dim() != 1:
+            if kpm is not None:
+                if kpm.dim() != 1:
                     raise ValueError(f"{fn}: for unbatched inputs key_padding_mask must be 1-D (S,), got shape "
-                                     f"{tuple(key_padding_mask.shape)}")
-                key_padding_mask = key_padding_mask.unsqueeze(0)
+                                     f"{tuple(kpm.shape)}")
+                kpm = kpm.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
             memory = memory.transpose(0, 1) if memory is not None else None
@@ -470,16 +497,15 @@ class MultiheadAttention(nn.Module):
         if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
             raise ValueError(f"{fn}: key/value embedding dims must be kdim={self.kdim}, vdim={self.vdim}; got "
                              f"{key.shape[2]}, {value.shape[2]}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"{fn}: cache must be an effattn.nn.KVCache, got {type(cache).__name__}")
         if cache is not None and memory is not None:
             raise ValueError(f"{fn}: pass cache= (decoding) or memory= (segment memory), not both")
-        causal = bool(is_causal)
-        kpm = key_padding_mask
         if kpm is not None and kpm.dtype != torch.bool:
             if not torch.is_floating_point(kpm):
                 raise TypeError(f"{fn}: key_padding_mask must be bool (True = ignore) or float (additive), got "
                                 f"{kpm.dtype}")
             kpm = _as_bool_padding(kpm)
-
         n_mem = 0
         if memory is not None:
             if self.kdim != self.vdim:
@@ -499,56 +525,104 @@ class MultiheadAttention(nn.Module):
                                  f"{tuple(kpm.shape)}")
             if kpm.shape[1] != S:                     # memory positions are never padding
                 kpm = F.pad(kpm, (n_mem, 0), value=False if kpm.dtype == torch.bool else 0.0)
+        return _Step(query, key, value, kpm, attn_mask, bool(is_causal), batched, same_input)
 
-        q, k, v = self._project(query, key, value, same_input)
-        H, D = self.num_heads, self.head_dim
-        q = q.view(B, Lq, H, D).transpose(1, 2)                    # (B, H, Lq, D) views, no copy
-        k = k.view(B, S, H, D).transpose(1, 2)
-        v = v.view(B, S, H, D).transpose(1, 2)
-
-        weights = None
-        if self.linear is not None:
-            out = self._linear_path(q, k, v, causal, kpm, attn_mask, need_weights, cache)
-            path = "linear"
+    def _project(self, step: _Step) -> Tuple[Tensor, Tensor, Tensor]:
+        """In-projections of the ``(B, L, E)`` inputs, split into heads: q, k, v ``(B, H, L, D)`` views."""
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+        if self._qkv_same_embed_dim and step.same_input:
+            q, k, v = F.linear(step.query, self.in_proj_weight, b).chunk(3, dim=-1)
         else:
-            if cache is not None:
-                if attn_mask is not None:
-                    raise ValueError(f"{fn}: attn_mask cannot be combined with cache= (its columns would have to "
-                                     "follow the cache); use is_causal / window")
-                if self.layout is not None:
-                    raise ValueError(f"{fn}: a layout indexes the blocks of one call's queries and keys and does "
-                                     "not follow positions across cached steps; it cannot be used with cache=")
-                if self.bias_k is not None or self.add_zero_attn:
-                    raise ValueError(f"{fn}: add_bias_kv / add_zero_attn cannot be used with cache=")
-                if kpm is not None and kpm.dtype != torch.bool:
-                    raise TypeError(f"{fn}: with cache= key_padding_mask must be bool")
-                k, v, kpm = cache.append(k, v, kpm)
-            Lk = k.shape[2]
-            dropout_p = self.dropout if self.training else 0.0
-            why = self._why_reference(attn_mask, kpm, need_weights, causal, Lq, Lk)
-            layout = self._layout_for(Lq, Lk)
-            if why is None:
-                call = dict(causal=causal, window=self.window, layout=layout, key_padding_mask=kpm,
-                            dropout_p=dropout_p)
-                if self._explaining:
-                    self._stop("fused", "attention", q, k, v, call)
-                out = attention(q, k, v, **call, backend=self.backend)
-                path = "fused"
+            if self._qkv_same_embed_dim:
+                w = self.in_proj_weight
+                wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
             else:
-                if self._explaining:
-                    self._stop("reference: " + why, None, q, k, v, None)
-                out, weights = self._reference_path(q, k, v, attn_mask, kpm, causal, layout, dropout_p)
-                path = "reference: " + why
-            if cache is not None:
-                cache.seen += Lq
-                left, _ = normalize_window(self.window, causal)
-                if left >= 0:
-                    cache.keep_last(left)
-        if cache is not None and self.linear is not None:
-            cache.seen += Lq
-        self._record(path)
+                wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            q, k, v = F.linear(step.query, wq, bq), F.linear(step.key, wk, bk), F.linear(step.value, wv, bv)
+        B, Lq, S = step.query.shape[0], step.query.shape[1], step.key.shape[1]
+        return (q.view(B, Lq, H, D).transpose(1, 2), k.view(B, S, H, D).transpose(1, 2),
+                v.view(B, S, H, D).transpose(1, 2))
 
-        if batched and not self.batch_first:   # (L, N, E) comes out contiguous, as torch's does
+    def _plan(self, step: _Step, need_weights: bool, cache: Optional[KVCache]) -> _Plan:
+        """Chooses the path: linear, fused, or the dense reference with every reason it is needed.
+        Raises for combinations no path can serve (the same errors whether called or explained)."""
+        fn = "MultiheadAttention"
+        Lq, S = step.query.shape[1], step.key.shape[1]
+        if self.linear is not None:
+            if step.attn_mask is not None:
+                raise ValueError(f"{fn}: linear attention cannot apply an arbitrary attn_mask (it never forms the "
+                                 "score matrix); use is_causal=True for causal masking")
+            if need_weights:
+                raise ValueError(f"{fn}: linear attention has no attention weights; call with need_weights=False")
+            if step.kpm is not None and step.kpm.dtype != torch.bool:
+                raise TypeError(f"{fn}: linear attention needs a bool key_padding_mask (True = padding), got "
+                                f"{step.kpm.dtype}")
+            if cache is not None and cache.keys is not None:
+                raise ValueError(f"{fn}: this KVCache holds softmax keys/values; use one cache per module")
+            return _Plan("linear", "linear_attention", [], Lq, S)
+        if cache is not None:
+            if step.attn_mask is not None:
+                raise ValueError(f"{fn}: attn_mask cannot be combined with cache= (its columns would have to "
+                                 "follow the cache); use is_causal / window")
+            if self.layout is not None:
+                raise ValueError(f"{fn}: a layout indexes the blocks of one call's queries and keys and does "
+                                 "not follow positions across cached steps; it cannot be used with cache=")
+            if self.bias_k is not None or self.add_zero_attn:
+                raise ValueError(f"{fn}: add_bias_kv / add_zero_attn cannot be used with cache=")
+            if step.kpm is not None and step.kpm.dtype != torch.bool:
+                raise TypeError(f"{fn}: with cache= key_padding_mask must be bool")
+        Lk = S + (len(cache) if cache is not None else 0)
+        reasons = []
+        if need_weights:
+            reasons.append("need_weights=True")
+        if self.bias_k is not None or self.add_zero_attn:
+            reasons.append("add_bias_kv/add_zero_attn")
+        if step.kpm is not None and step.kpm.dtype != torch.bool:
+            reasons.append("float key_padding_mask")
+        if step.attn_mask is not None and not (step.causal and Lq == Lk):
+            reasons.append(("float" if torch.is_floating_point(step.attn_mask) else "bool") + " attn_mask")
+        if reasons:
+            return _Plan("reference: " + reasons[0], None, reasons, Lq, Lk)
+        return _Plan("fused", "attention", [], Lq, Lk)
+
+    def _fused_kwargs(self, plan: _Plan, step: _Step, kpm: Optional[Tensor]) -> dict:
+        return dict(causal=step.causal, window=self.window, layout=self._layout_for(plan.Lq, plan.Lk),
+                    key_padding_mask=kpm, dropout_p=self.dropout if self.training else 0.0)
+
+    def _attend(self, plan: _Plan, step: _Step, q, k, v, cache) -> Tuple[Tensor, Optional[Tensor]]:
+        """Runs the planned path: ``(out (B, H, Lq, D), weights (B, H, Lq, Lk) or None)``."""
+        if plan.op == "linear_attention":
+            q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
+            res = linear_attention(q, k, v, causal=step.causal, feature_map=phi, initial_state=state,
+                                   return_state=cache is not None, backend=self.backend)
+            if cache is not None:
+                res, cache.state = res
+                cache.seen += plan.Lq
+            return res.to(step.query.dtype), None
+        kpm = step.kpm
+        if cache is not None:
+            k, v, kpm = cache.append(k, v, kpm)
+        if plan.op == "attention":
+            out, weights = attention(q, k, v, **self._fused_kwargs(plan, step, kpm), backend=self.backend), None
+        else:
+            out, weights = self._reference_path(q, k, v, step.attn_mask, kpm, step.causal,
+                                                self._layout_for(plan.Lq, plan.Lk),
+                                                self.dropout if self.training else 0.0)
+        if cache is not None:
+            cache.seen += plan.Lq
+            left, _ = normalize_window(self.window, step.causal)
+            if left >= 0:
+                cache.keep_last(left)
+        return out, weights
+
+    def _assemble(self, step: _Step, out: Tensor, weights: Optional[Tensor], need_weights: bool,
+                  average_attn_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """Heads back together, out-projection, and torch's output layout."""
+        B, H, Lq, _ = out.shape
+        E = self.embed_dim
+        if step.batched and not self.batch_first:   # (L, N, E) comes out contiguous, as torch's does
             out = self.out_proj(out.permute(2, 0, 1, 3).reshape(Lq, B, E))
         else:
             out = self.out_proj(out.transpose(1, 2).reshape(B, Lq, E))
@@ -556,76 +630,11 @@ class MultiheadAttention(nn.Module):
             weights = weights.to(out.dtype)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
-            if not batched:
+            if not step.batched:
                 weights = weights.squeeze(0)
-        if not batched:
+        if not step.batched:
             out = out.squeeze(0)
         return out, (weights if need_weights else None)
-
-    def explain(self, query: Tensor, key: Tensor, value: Tensor, **forward_kwargs) -> ForwardExplanation:
-        """Which path ``self(query, key, value, **forward_kwargs)`` would take and, for a fused or linear
-        path, :func:`effattn.explain`'s report on the effattn call it would make (which backend
-        ``"auto"`` picks and why the others cannot serve).
-
-        Runs the input checks and projections (under ``no_grad``) but not the attention; a ``cache=``
-        is left as it was and ``last_path`` is not changed.
-
-        Examples::
-
-            >>> print(mha.explain(x, x, x, attn_mask=mask))         # need_weights defaults to True
-            MultiheadAttention: reference: need_weights=True path: a dense softmax over the (1024, 1024) score
-            matrix in torch, O(Lq*Lk) memory; to get the fused kernels, pass need_weights=False (...)
-            >>> print(mha.explain(x, x, x, is_causal=True, need_weights=False))
-            MultiheadAttention: fused path, effattn.attention on (1024, 1024)
-            effattn.attention: backend='auto' picks triton
-            ...
-        """
-        cache = forward_kwargs.get("cache")
-        if cache is not None:
-            # a step rebinds the cache's tensors (torch.cat, slicing), never writes into them: a shallow copy
-            # takes the step and the caller's cache stays as it was
-            forward_kwargs["cache"] = copy.copy(cache)
-        self._explaining = True
-        try:
-            with torch.no_grad():
-                self.forward(query, key, value, **forward_kwargs)
-        except _Explained as stop:
-            return stop.explanation
-        finally:
-            self._explaining = False
-        raise RuntimeError("MultiheadAttention.explain: forward returned without reaching attention")
-
-    def _stop(self, path: str, op: Optional[str], q: Tensor, k: Tensor, v: Tensor, call: Optional[dict]):
-        report = explain_call(q, k, v, op=op, **call) if op is not None else None
-        raise _Explained(ForwardExplanation(path, op, report, self.backend, (q.shape[2], k.shape[2])))
-
-    # ---- pieces of forward ------------------------------------------------------------------
-
-    def _project(self, query, key, value, same_input: bool):
-        """In-projections: (B, L, E) inputs -> q, k, v (B, L, E)."""
-        E = self.embed_dim
-        b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            if same_input:
-                return F.linear(query, w, b).chunk(3, dim=-1)
-            wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
-        else:
-            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
-
-    def _why_reference(self, attn_mask, kpm, need_weights, causal, Lq, Lk) -> Optional[str]:
-        """None when the fused kernel serves the call, else why it cannot (for last_path)."""
-        if need_weights:
-            return "need_weights=True"
-        if self.bias_k is not None or self.add_zero_attn:
-            return "add_bias_kv/add_zero_attn"
-        if kpm is not None and kpm.dtype != torch.bool:
-            return "float key_padding_mask"
-        if attn_mask is not None and not (causal and Lq == Lk):
-            return ("float" if torch.is_floating_point(attn_mask) else "bool") + " attn_mask"
-        return None
 
     def _layout_for(self, Lq: int, Lk: int) -> Optional[BlockLayout]:
         lay = self.layout
@@ -697,36 +706,20 @@ class MultiheadAttention(nn.Module):
                 bias = F.pad(bias, (0, extra), value=0.0)
         return dense_attention(q, k, v, visible=visible, bias=bias, dropout_p=dropout_p)
 
-    def _linear_path(self, q, k, v, causal, kpm, attn_mask, need_weights, cache):
-        fn = "MultiheadAttention"
-        if attn_mask is not None:
-            raise ValueError(f"{fn}: linear attention cannot apply an arbitrary attn_mask (it never forms the score "
-                             "matrix); use is_causal=True for causal masking")
-        if need_weights:
-            raise ValueError(f"{fn}: linear attention has no attention weights; call with need_weights=False")
-        if kpm is not None and kpm.dtype != torch.bool:
-            raise TypeError(f"{fn}: linear attention needs a bool key_padding_mask (True = padding), got {kpm.dtype}")
+    def _linear_inputs(self, step: _Step, q, k, v, cache):
+        """``(q, k, v, feature_map, initial_state)`` of the linear call. With a key padding mask the
+        features are computed here and those of padded keys zeroed (they must add nothing to S and z),
+        and linear_attention gets the features with the identity map."""
         phi = self._modules["feature_map"] if "feature_map" in self._modules else self._linear_spec
-        if cache is not None and cache.keys is not None:
-            raise ValueError(f"{fn}: this KVCache holds softmax keys/values; use one cache per module")
         state = cache.state if cache is not None else None
-        out_dtype = q.dtype
-        if kpm is not None:
-            # padded keys must add nothing to the sums S and z: compute the features here, zero those of
-            # padded keys, and hand linear_attention the features with the identity map
-            fmap = resolve_feature_map(phi)
-            fq, fk = fmap(q), fmap(k) * (~kpm)[:, None, :, None]
-            if fq.shape[-1] > MAX_FEATURES:
-                raise ValueError(f"{fn}: key_padding_mask with linear attention needs at most {MAX_FEATURES} "
-                                 f"features, this feature map gives {fq.shape[-1]}")
-            q, k, v, phi = fq, fk.to(fq.dtype), v.to(fq.dtype), "identity"
-        if self._explaining:
-            self._stop("linear", "linear_attention", q, k, v, dict(causal=causal, feature_map=phi, initial_state=state))
-        res = linear_attention(q, k, v, causal=causal, feature_map=phi, initial_state=state,
-                               return_state=cache is not None, backend=self.backend)
-        if cache is not None:
-            res, cache.state = res
-        return res.to(out_dtype)
+        if step.kpm is None:
+            return q, k, v, phi, state
+        fmap = resolve_feature_map(phi)
+        fq, fk = fmap(q), fmap(k) * (~step.kpm)[:, None, :, None]
+        if fq.shape[-1] > MAX_FEATURES:
+            raise ValueError(f"MultiheadAttention: key_padding_mask with linear attention needs at most {MAX_FEATURES} "
+                             f"features, this feature map gives {fq.shape[-1]}")
+        return fq, fk.to(fq.dtype), v.to(fq.dtype), "identity", state
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal, cache, memory):
