@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import effattn
 from effattn import layouts
+from effattn.backends.base import BACKENDS
 from effattn.visibility import Rule
 
 
@@ -297,7 +298,7 @@ def _fla(fn_name: str) -> Callable[[Case], Bench]:
 
 IMPLS: Tuple[Impl, ...] = tuple(
     Impl(f"effattn-{b}", "effattn", op, _effattn(b, op))
-    for b in ("torch", "triton", "cuda") for op in ("attention", "linear_attention")
+    for b in BACKENDS for op in ("attention", "linear_attention")
 ) + (
     Impl("naive", "baseline", "attention", _naive, score_bytes=_naive_bytes),
     Impl("naive", "baseline", "linear_attention", _naive, score_bytes=_naive_bytes),
@@ -312,7 +313,7 @@ IMPLS: Tuple[Impl, ...] = tuple(
          installed=_fla_installed("fused_chunk_linear_attn"), cpu_default=False),
 )
 
-EFFATTN_BACKENDS = ("torch", "triton", "cuda")
+EFFATTN_BACKENDS = tuple(BACKENDS)
 BASELINES = tuple(dict.fromkeys(i.name for i in IMPLS if i.kind == "baseline"))
 
 

@@ -2,13 +2,9 @@
 
 All argument checking lives here, so that every backend (torch reference, Triton, CUDA) sees the
 same, already-validated description of a call and the error messages are the same whatever the
-backend. The visibility rule of ../SPEC.md is reduced to four numbers a kernel needs:
-
-    key j is visible to query i  iff  pos(i) - left <= j <= pos(i) + right,
-                                      pos(i) = i + offset,  offset = Lk - Lq   (bottom-right)
-
-with ``left`` / ``right`` = -1 meaning "unbounded" (``causal=True`` is ``right = 0``), intersected
-with the optional block layout and key padding mask.
+backend. The visibility rule (window, causal, layout, padding; bottom-right alignment) is defined in
+``effattn.visibility``; a call carries its numbers: ``window_left`` / ``window_right`` (-1 =
+unbounded, causal folded in as ``right = 0``), the layout and the key padding mask.
 """
 from __future__ import annotations
 
@@ -97,12 +93,6 @@ class AttnCall:
     def D(self): return self.q.shape[3]
     @property
     def Dv(self): return self.v.shape[3]
-    @property
-    def offset(self): return self.Lk - self.Lq
-    @property
-    def device(self): return self.q.device
-    @property
-    def dtype(self): return self.q.dtype
 
     def features(self):
         """Names of the features this call uses (read by backends' capability checks and explain)."""

@@ -102,7 +102,7 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
             notes[b.name] = f"on {call.q.device.type} only when asked for by name"
         elif not why and chosen is None:
             chosen = b.name
-    for name in base.BACKEND_NAMES:
+    for name in base.BACKENDS:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]
     return Explanation(op, chosen, reasons, notes)

@@ -97,12 +97,21 @@ class Rule:
         """True when no constraint removes any pair (plain dense attention)."""
         return not self.has_window and self.layout_mask is None
 
+    def first_key(self, i):
+        """Smallest key query row(s) ``i`` may see under the window (``pos(i) - left``; may be
+        negative), or None when unbounded on the left. ``i`` an int or an int tensor."""
+        return None if self.left < 0 else i + self.offset - self.left
+
+    def last_key(self, i):
+        """Largest key query row(s) ``i`` may see under the window / causal bound (``pos(i) + right``;
+        may pass ``Lk - 1``), or None when unbounded on the right."""
+        return None if self.right < 0 else i + self.offset + self.right
+
     def key_range(self, i0: int, i1: int) -> Tuple[int, int]:
         """Keys ``[k0, k1)`` that some query in rows ``[i0, i1)`` may see under the window / causal
         bounds (the layout is not consulted); ``k1 <= k0`` when none."""
-        k0 = 0 if self.left < 0 else max(0, i0 + self.offset - self.left)
-        k1 = self.Lk if self.right < 0 else min(self.Lk, i1 - 1 + self.offset + self.right + 1)
-        return k0, k1
+        lo, hi = self.first_key(i0), self.last_key(i1 - 1)
+        return (0 if lo is None else max(0, lo)), (self.Lk if hi is None else min(self.Lk, hi + 1))
 
     def materialize(self, rows: Optional[Tuple[int, int]] = None, keys: Optional[Tensor] = None, *,
                     key_padding_mask: Optional[Tensor] = None, device=None) -> Optional[Tensor]:
@@ -123,11 +132,12 @@ class Rule:
         key = torch.arange(self.Lk, device=device) if keys is None else keys
         mask = None
         if self.has_window:
-            pos = torch.arange(i0, i1, device=device)[:, None] + self.offset
-            if self.left >= 0:
-                mask = key[None, :] >= pos - self.left
-            if self.right >= 0:
-                m = key[None, :] <= pos + self.right
+            rows_i = torch.arange(i0, i1, device=device)[:, None]
+            lo, hi = self.first_key(rows_i), self.last_key(rows_i)
+            if lo is not None:
+                mask = key[None, :] >= lo
+            if hi is not None:
+                m = key[None, :] <= hi
                 mask = m if mask is None else mask & m
             mask = mask[None, None]
         if self.layout_mask is not None:
@@ -145,9 +155,10 @@ class Rule:
         """Exact number of visible (query, key) pairs over ``heads`` heads, in O(Lq) work per layout
         head (no ``Lq x Lk`` mask): each row's window interval, then with a layout the allowed keys of
         that interval counted from per-block-row prefix sums. A per-head layout sums its own heads."""
-        pos = torch.arange(self.Lq, dtype=torch.int64) + self.offset
-        lo = torch.zeros_like(pos) if self.left < 0 else (pos - self.left).clamp(min=0)
-        hi = torch.full_like(pos, self.Lk - 1) if self.right < 0 else (pos + self.right).clamp(max=self.Lk - 1)
+        i = torch.arange(self.Lq, dtype=torch.int64)
+        first, last = self.first_key(i), self.last_key(i)
+        lo = torch.zeros_like(i) if first is None else first.clamp(min=0)
+        hi = torch.full_like(i, self.Lk - 1) if last is None else last.clamp(max=self.Lk - 1)
         hi = torch.maximum(hi, lo - 1)                                          # empty row: hi = lo - 1
         if self.layout_mask is None:
             return int((hi - lo + 1).sum()) * heads
@@ -170,17 +181,17 @@ class Rule:
         pair is visible. Key padding is per batch and left to the caller."""
         if self.everything_visible:
             return None
-        offset, left, right, bs = self.offset, self.left, self.right, max(self.layout_block, 1)
+        bs = max(self.layout_block, 1)
         lay = self.layout_mask.to(device) if self.layout_mask is not None else None
         per_head = lay is not None and lay.shape[0] > 1
 
         def mask_mod(b, h, q_idx, kv_idx):
-            pos = q_idx + offset
+            lo, hi = self.first_key(q_idx), self.last_key(q_idx)
             ok = kv_idx >= 0
-            if left >= 0:
-                ok = ok & (kv_idx >= pos - left)
-            if right >= 0:
-                ok = ok & (kv_idx <= pos + right)
+            if lo is not None:
+                ok = ok & (kv_idx >= lo)
+            if hi is not None:
+                ok = ok & (kv_idx <= hi)
             if lay is not None:
                 ok = ok & lay[h if per_head else 0, q_idx // bs, kv_idx // bs]
             return ok

@@ -1,20 +1,29 @@
 """The backends. `base.BACKENDS` lists them; each is a folder here whose import registers its ops.
 
-A backend whose import fails (triton not installed, CUDA extension not built) is recorded with the
-reason in `base.UNAVAILABLE`, which `effattn.explain` and dispatch errors show: it never silently
-disappears. An import error inside effattn's own code is not swallowed: only a missing optional
-dependency (a ModuleNotFoundError for a module outside the backend's package) is.
+A backend whose import fails for want of an optional dependency (triton not installed, CUDA
+extension not built) is recorded with the reason in `base.UNAVAILABLE`, which `effattn.explain`
+and dispatch errors show: it never silently disappears. An import error inside effattn's own code
+is not swallowed.
 """
 import importlib
 
 from . import base
 
-for _name, _module in base.BACKENDS.items():
+
+def load(name: str) -> None:
+    """Imports backend `name` (its module registers its ops), or records why it is unavailable."""
+    module = base.BACKENDS[name]
     try:
-        importlib.import_module(_module)
+        importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and (exc.name == _module or not exc.name.startswith("effattn")):
-            base.UNAVAILABLE[_name] = (f"no module {exc.name!r} (this installation does not have it)"
-                                       if exc.name != _module else "not included in this installation")
+        missing = exc.name or ""
+        if missing == module:
+            base.UNAVAILABLE[name] = "not included in this installation"
+        elif missing.startswith("effattn"):
+            raise                                  # effattn's own code is broken: say so
         else:
-            raise
+            base.UNAVAILABLE[name] = f"needs the module {missing!r}, which is not installed"
+
+
+for _name in base.BACKENDS:
+    load(_name)

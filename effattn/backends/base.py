@@ -20,7 +20,6 @@ BACKENDS: Dict[str, str] = {
     "triton": "effattn.backends.triton",
     "cuda": "effattn.backends.cuda",
 }
-BACKEND_NAMES = tuple(BACKENDS)
 
 # Why a listed backend could not be imported (its "not available: <reason>" in explain and errors).
 UNAVAILABLE: Dict[str, str] = {}
@@ -108,8 +107,8 @@ def backends_for(op: str) -> List[Backend]:
 def select(op: str, call, backend: str) -> Backend:
     """Picks the backend for a call: the named one (or an error saying why it can't), or for
     "auto" the fastest that can serve."""
-    if backend not in ("auto",) + BACKEND_NAMES:
-        names = ", ".join(repr(n) for n in ("auto",) + BACKEND_NAMES)
+    if backend not in ("auto",) + tuple(BACKENDS):
+        names = ", ".join(repr(n) for n in ("auto",) + tuple(BACKENDS))
         raise ValueError(f"{op}: backend must be one of {names}; got {backend!r}")
     table = {b.name: (b, b.reasons(call)) for b in backends_for(op)}
     if backend == "auto":

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
+from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
 from ..visibility import Rule
 
@@ -190,8 +191,9 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
     except ImportError as e:
         raise ImportError("effattn.integrations.huggingface.register needs the transformers package "
                           "(pip install transformers)") from e
-    if backend not in ("auto", "torch", "triton", "cuda"):
-        raise ValueError(f"register: backend must be 'auto', 'torch', 'triton' or 'cuda', got {backend!r}")
+    names = ("auto",) + tuple(backend_registry.BACKENDS)
+    if backend not in names:
+        raise ValueError(f"register: backend must be one of {', '.join(map(repr, names))}, got {backend!r}")
 
     def effattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)

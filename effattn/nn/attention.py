@@ -34,6 +34,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..visibility import Rule, normalize_window
+from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
 from ..feature_maps import FavorFeatures, NAMED_FEATURE_MAPS, resolve_feature_map
 from ..functional import Explanation, attention, explain as explain_call
@@ -44,7 +45,6 @@ from .cache import KVCache
 logger = logging.getLogger("effattn.nn")
 
 VARIANT_KEYS = ("window", "layout", "linear", "backend")
-BACKENDS = ("auto", "torch", "triton", "cuda")
 MAX_FEATURES = 256    # linear attention's head-dim limit, met by precomputed features (padding path)
 
 
@@ -72,8 +72,9 @@ def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="au
         if window is not None or layout is not None:
             raise ValueError(f"{fn}: linear attention has no window or layout (it never forms the score "
                              "matrix a mask would cut); choose linear= or window=/layout=, not both")
-    if backend not in BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+    names = ("auto",) + tuple(backend_registry.BACKENDS)
+    if backend not in names:
+        raise ValueError(f"{fn}: backend must be one of {', '.join(repr(b) for b in names)}; got {backend!r}")
 
 
 def _blocks_torch_fast_path(module, args):

@@ -1,0 +1,111 @@
+"""The backend registry: one list of names, capability declarations checked at registration, import
+failures shown as reasons, and a new backend added by one folder plus one line in that list."""
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import effattn
+from effattn import backends
+from effattn.backends import base
+
+# A fourth backend, as a contributor would write it in effattn/backends/dummy/__init__.py: it serves
+# softmax attention on CPU by calling the torch reference, so that the test can run it.
+DUMMY = '''
+import torch
+from effattn.backends.base import FEATURES, Backend, Capabilities, register
+from effattn.backends.torch import attention as reference
+
+CALLS = []
+
+def _run(call):
+    CALLS.append(call.features())
+    return reference._run(call)
+
+register(Backend(name="dummy", op="attention", priority=50,
+                 caps=Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                   features=FEATURES["attention"] - {"dropout"}),
+                 run=_run))
+'''
+
+
+@pytest.fixture
+def registry_snapshot(monkeypatch):
+    """Restores the registry, the BACKENDS list and the unavailable reasons after the test."""
+    monkeypatch.setattr(base, "BACKENDS", dict(base.BACKENDS))
+    monkeypatch.setattr(base, "UNAVAILABLE", dict(base.UNAVAILABLE))
+    monkeypatch.setattr(base, "_REGISTRY", {op: dict(t) for op, t in base._REGISTRY.items()})
+    yield
+
+
+def _write_package(tmp_path, monkeypatch, name, source):
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_a_fourth_backend_is_one_folder_and_one_line(tmp_path, monkeypatch, registry_snapshot):
+    _write_package(tmp_path, monkeypatch, "effattn_test_dummy", DUMMY)
+    base.BACKENDS["dummy"] = "effattn_test_dummy"          # the one line in effattn/backends/base.py
+    backends.load("dummy")
+    dummy = sys.modules["effattn_test_dummy"]
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    # dispatch: "auto" picks it (priority 50 < torch's 100), by name too, and it computes the reference
+    torch.testing.assert_close(effattn.attention(q, k, v, causal=True),
+                               effattn.attention(q, k, v, causal=True, backend="torch"), rtol=0, atol=0)
+    assert dummy.CALLS == [{"causal"}]
+    effattn.attention(q, k, v, window=2, backend="dummy")
+    assert len(dummy.CALLS) == 2
+    # explain lists it with its reasons, read from the declaration
+    ex = effattn.explain(q.double(), k.double(), v.double(), dropout_p=0.1)
+    assert not ex.can_serve("dummy")
+    assert any("float64" in r for r in ex.reasons["dummy"]) and any("dropout" in r for r in ex.reasons["dummy"])
+    # its name is valid for the nn layers too
+    effattn.nn.MultiheadAttention(16, 2, backend="dummy")
+    with pytest.raises(ValueError, match=r"'auto', 'torch', 'triton', 'cuda', 'dummy'"):
+        effattn.attention(q, k, v, backend="dumy")
+
+
+def test_a_typo_in_a_declaration_fails_at_registration(registry_snapshot):
+    with pytest.raises(ValueError, match=r"unknown features \['casual'\]"):
+        base.register(base.Backend(name="torch", op="attention", priority=1,
+                                   caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(),
+                                                          features=frozenset({"casual"})),
+                                   run=lambda call: None))
+    with pytest.raises(ValueError, match="not in effattn.backends.base.BACKENDS"):
+        base.register(base.Backend(name="nameless", op="attention", priority=1,
+                                   caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset()),
+                                   run=lambda call: None))
+
+
+def test_a_missing_dependency_is_a_reason_not_a_disappearance(tmp_path, monkeypatch, registry_snapshot):
+    _write_package(tmp_path, monkeypatch, "effattn_test_needs_dep", "import a_module_nobody_installed\n")
+    base.BACKENDS["needsdep"] = "effattn_test_needs_dep"
+    backends.load("needsdep")
+    q = torch.randn(1, 1, 4, 8)
+    ex = effattn.explain(q, q, q)
+    assert ex.reasons["needsdep"] == ["is not available: needs the module 'a_module_nobody_installed', "
+                                      "which is not installed"]
+    with pytest.raises(RuntimeError, match=r"backend 'needsdep' is not available: needs the module"):
+        effattn.attention(q, q, q, backend="needsdep")
+
+
+def test_a_bug_inside_effattn_is_not_swallowed(tmp_path, monkeypatch, registry_snapshot):
+    _write_package(tmp_path, monkeypatch, "effattn_test_broken", "from effattn.no_such_module import x\n")
+    base.BACKENDS["broken"] = "effattn_test_broken"
+    with pytest.raises(ModuleNotFoundError, match="effattn.no_such_module"):
+        backends.load("broken")
+
+
+def test_a_backend_without_a_kernel_for_an_op_says_so():
+    """Every listed backend either has a kernel for each op, or explain says it has none / why not."""
+    q = torch.randn(1, 1, 4, 8)
+    for op in ("attention", "linear_attention"):
+        ex = effattn.explain(q, q, q, op=op)
+        assert set(ex.reasons) == set(base.BACKENDS)
+        for name in base.BACKENDS:
+            if name not in base._REGISTRY[op]:
+                assert ex.reasons[name] == [base.missing_reason(op, name)]
