@@ -47,7 +47,7 @@ DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee:
 _UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm"}
 _DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
           "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
-          "lay_h", "list_h", "list_t"}
+          "lay_h", "lists_head_stride", "lists_row_stride"}
 _FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
@@ -79,12 +79,12 @@ def sweep_configs() -> List[tuple]:
 def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]:
     """(index, config) pairs: the backend's candidate list ("all"), its first ("first": the untimed
     default), or the sweep grid ("sweep", index -1)."""
-    from effattn.backends.triton import attention as ta
+    from effattn.backends.triton.attention import configs
     if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
-        return [(0, (ta._delta_block(head_dim), 0, 4, 3))]
+        return [(0, (configs.delta_block(head_dim), 0, 4, 3))]
     if which == "sweep":
         return [(-1, c) for c in sweep_configs()]
-    cands = list(enumerate(ta._candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
+    cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
     return cands[:1] if which == "first" else cands
 
 
@@ -97,12 +97,11 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from triton.compiler import ASTSource
 
     from effattn.backends.triton import attention as ta
-    fn = {"fwd": ta._fwd_kernel, "dkdv": ta._bwd_dkdv_kernel, "dq": ta._bwd_dq_kernel,
-          "delta": ta._bwd_delta_kernel}[kind]
+    fn = {"fwd": ta.fwd_kernel, "dkdv": ta.dkdv_kernel, "dq": ta.dq_kernel, "delta": ta.delta_kernel}[kind]
     bm, bn, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
-                  PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", UPCAST=False, IDX64=idx64,
+                  PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False, IDX64=idx64,
                   **FEATURES[features])
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
     consts.update({n: 1 for n in fn.arg_names if n in _UNIT})

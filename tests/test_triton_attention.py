@@ -7,7 +7,6 @@ interpreter tests stay small: L <= 80 (one decode row against 300 keys), D <= 32
 head-dim cases (130, 256), B*H <= 8. GPU-only properties the interpreter cannot show (compilation,
 shared memory, int64 offsets at 2**31 elements) are checked offline or on meta tensors.
 """
-import gc
 import math
 
 import pytest
@@ -15,8 +14,9 @@ import torch
 
 import effattn
 from conftest import DEVICE
+from effattn import tiles
 from effattn.layouts import BlockLayout, sliding_and_summary
-from oracle import naive_attention, visibility
+from oracle import naive_attention
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")
@@ -70,16 +70,16 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id):
     layout = rand_layout(H, Lq, Lk, lay[0], lay[1], seed=Lq) if lay else None
     lm, lb = (layout.mask, layout.block_size) if layout else (None, 0)
     q, k, v = (torch.randn(B, H, L, D, device=DEVICE) for L in (Lq, Lk, Lk))
-    out, lse, visits = ta._fwd(q, k, v, lm, lb, None, None, 0.25, 0.0, left, right,
+    out, lse, visits = ta.fwd(q, k, v, lm, lb, None, None, 0.25, 0.0, left, right,
                                config=(bm, bn, 4, 1), counts=True)
-    visible, full = ta._tile_pairs(Lq, Lk, bm, bn, left, right, lm, lb, DEVICE)
+    visible, full = tiles.tile_pairs(Lq, Lk, bm, bn, left, right, lm, lb, DEVICE)
     want = visible.sum(-1).to(torch.int32).expand(H, -1).reshape(B * H, -1)
     assert torch.equal(visits, want)
     ref, _ = naive_attention(q, k, v, layout=layout, scale=0.25, **window_kwargs(left, right))
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
     # dK/dV: per key tile, the query tiles of all heads of the group (here G = 1)
     go = torch.randn_like(out)
-    *_, kv_visits = ta._bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
+    *_, kv_visits = ta.bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
                             config_dkdv=(bm, bn, 4, 1), config_dq=(bm, bn, 4, 1), counts=True)
     want_kv = visible.sum(-2).to(torch.int32).expand(H, -1).reshape(B * H, -1)
     assert torch.equal(kv_visits, want_kv)
@@ -90,25 +90,12 @@ def test_layout_lookup_only_where_tiles_straddle_blocks():
     layout's blocks (the block size is not a multiple of both tile sizes)."""
     layout = rand_layout(1, 64, 64, 32, 0.5, seed=3)
     q = torch.randn(1, 1, 64, 16, device=DEVICE)
-    p = ta._Problem(q, q, q, layout.mask, 32, None, None, 0.25, 0.0, -1, 0)
+    p = ta.LaunchPlan(q, q, q, layout.mask, 32, None, None, 0.25, 0.0, -1, 0)
     assert not p.flags((16, 32, 4, 1))["LAYOUT_MASK"] and not p.flags((32, 32, 4, 1))["LAYOUT_MASK"]
     assert p.flags((64, 32, 4, 1))["LAYOUT_MASK"] and p.flags((16, 64, 4, 1))["LAYOUT_MASK"]
-    p48 = ta._Problem(q, q, q, rand_layout(1, 64, 64, 48, 0.5, seed=3).mask, 48, None, None, 0.25, 0.0, -1, 0)
+    p48 = ta.LaunchPlan(q, q, q, rand_layout(1, 64, 64, 48, 0.5, seed=3).mask, 48, None, None, 0.25, 0.0, -1, 0)
     assert p48.flags((32, 16, 4, 1))["LAYOUT_MASK"] and not p48.flags((16, 16, 4, 1))["LAYOUT_MASK"]
-    assert not ta._Problem(q, q, q, None, 0, None, None, 0.25, 0.0, -1, 0).flags((16, 16, 4, 1))["LAYOUT_MASK"]
-
-
-def test_visits_equal_closed_form_counts():
-    """The plan counts what a closed form says: causal n(n+1)/2 tiles (n of them diagonal, masked),
-    a causal window w = 2 tiles: min(t, 2) + 1 tiles for query tile t, dense all, partial last column."""
-    T, n = 16, 7
-    full, part = ta.visited_tiles(n * T, n * T, T, T, -1, 0)
-    assert (full, part) == (n * (n - 1) // 2, n)
-    full, part = ta.visited_tiles(n * T, n * T, T, T, 2 * T, 0)
-    assert full + part == sum(min(t, 2) + 1 for t in range(n))
-    assert part == n + (n - 2)             # the diagonal tile and the window's first tile are cut
-    full, part = ta.visited_tiles(5 * T, 5 * T + 3, T, T)   # Lk not a multiple: last key tile masked
-    assert (full, part) == (5 * 5, 5)
+    assert not ta.LaunchPlan(q, q, q, None, 0, None, None, 0.25, 0.0, -1, 0).flags((16, 16, 4, 1))["LAYOUT_MASK"]
 
 
 @pytest.mark.parametrize("density", [0.1, 0.3, 0.6, 1.0])
@@ -117,55 +104,9 @@ def test_visits_scale_with_layout_density(density):
     L, T, H = 80, 16, 2
     layout = rand_layout(H, L, L, T, density, seed=int(density * 100))
     q, k, v = (torch.randn(1, H, L, 16, device=DEVICE) for _ in range(3))
-    *_, visits = ta._fwd(q, k, v, layout.mask, T, None, None, 0.25, 0.0, -1, -1, config=(T, T, 4, 1), counts=True)
+    *_, visits = ta.fwd(q, k, v, layout.mask, T, None, None, 0.25, 0.0, -1, -1, config=(T, T, 4, 1), counts=True)
     assert int(visits.sum()) == int(layout.mask.sum())
-    assert ta.visited_tiles(L, L, T, T, layout_mask=layout.mask, layout_block=T) == (int(layout.mask.sum()), 0)
-
-
-# ----------------------------------------------------------------------------------- layout lists
-
-def unpack(packed, wf, row):
-    nf, npart = int(packed[row][0]), int(packed[row][1])
-    return packed[row][2:2 + nf].tolist(), packed[row][2 + wf:2 + wf + npart].tolist()
-
-
-@pytest.mark.parametrize("Lq,Lk,bs,bm,bn,left,right,per_head", [
-    (64, 64, 16, 32, 32, -1, -1, False),
-    (70, 50, 16, 16, 32, -1, 0, True),
-    (90, 90, 48, 32, 16, 20, 0, True),
-    (45, 100, 24, 16, 64, 30, 5, False),
-    (128, 128, 128, 32, 16, -1, -1, True),
-], ids=lambda x: str(x))
-def test_layout_lists_match_brute_force(Lq, Lk, bs, bm, bn, left, right, per_head):
-    layout = rand_layout(3 if per_head else 1, Lq, Lk, bs, 0.45, seed=Lq + Lk)
-    tok = visibility(Lq, Lk, layout=layout, H=layout.num_heads, **window_kwargs(left, right))[0]  # (Hl, Lq, Lk)
-    for by_key in (False, True):
-        packed, wf = ta._layout_lists(layout.mask, bs, Lq, Lk, bm, bn, left, right, by_key)
-        again = ta._layout_lists(layout.mask, bs, Lq, Lk, bm, bn, left, right, by_key)
-        assert again[0] is packed, "lists must be cached per layout"
-        packed = packed.cpu()
-        for h in range(tok.shape[0]):
-            for a in range(math.ceil((Lk if by_key else Lq) / (bn if by_key else bm))):
-                want_full, want_part = [], []
-                for b in range(math.ceil((Lq if by_key else Lk) / (bm if by_key else bn))):
-                    mt, nt = (b, a) if by_key else (a, b)
-                    blk = tok[h, mt * bm:(mt + 1) * bm, nt * bn:(nt + 1) * bn]
-                    if not blk.any():
-                        continue
-                    if blk.all() and (nt + 1) * bn <= Lk:
-                        want_full.append(b)
-                    else:
-                        want_part.append(b)
-                assert unpack(packed, wf, (h, a)) == (want_full, want_part), (h, a, by_key)
-
-
-def test_layout_plan_cache_is_weak():
-    layout = rand_layout(1, 64, 64, 16, 0.5, seed=1)
-    ta._layout_lists(layout.mask, 16, 64, 64, 32, 32, -1, -1, False)
-    before = len(ta._LAYOUT_PLANS)
-    del layout
-    gc.collect()
-    assert len(ta._LAYOUT_PLANS) == before - 1
+    assert tiles.visited_tiles(L, L, T, T, layout_mask=layout.mask, layout_block=T) == (int(layout.mask.sum()), 0)
 
 
 # ------------------------------------------------------------------------------ extra correctness
@@ -239,14 +180,14 @@ def test_bf16_casts_round_to_nearest_even():
     import triton.language as tl
 
     @triton.jit
-    def cast_kernel(X, Y, N: tl.constexpr, UPCAST: tl.constexpr):
+    def cast_kernel(X, Y, N: tl.constexpr, INTERP_BF16: tl.constexpr):
         x = tl.load(X + tl.arange(0, N))
-        tl.store(Y + tl.arange(0, N), jit.cast(x, Y.dtype.element_ty, UPCAST))
+        tl.store(Y + tl.arange(0, N), jit.cast(x, Y.dtype.element_ty, INTERP_BF16))
 
     x = torch.tensor([1 + 2**-8 + 2**-10, 1 + 2**-9, 1 + 3 * 2**-9, -4.64, 3.0e38, -3.1e-5, float("inf"),
                       -float("inf")], device=DEVICE)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
-    cast_kernel[(1,)](x, y, x.numel(), UPCAST=rt._INTERPRET)
+    cast_kernel[(1,)](x, y, x.numel(), INTERP_BF16=rt._INTERPRET)
     assert torch.equal(y.float(), x.bfloat16().float()), (y.tolist(), x.bfloat16().tolist())
 
 
@@ -341,8 +282,8 @@ class GridRecorder:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        for name in ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-            monkeypatch.setattr(ta, name, self._wrap(getattr(ta, name)))
+        for name in ("fwd_kernel", "delta_kernel", "dkdv_kernel", "dq_kernel"):
+            monkeypatch.setattr(ta.launch, name, self._wrap(getattr(ta.launch, name)))
 
     def _wrap(self, kernel):
         rec = self
@@ -449,11 +390,11 @@ def test_int64_offsets_path_matches(monkeypatch):
     """Forces the int64 in-tile offsets (IDX64, used when a tensor spans >= 2**31 elements along
     its length / head-dim axes, which cannot be allocated here) and checks the result: every
     kernel, with a layout, padding mask, GQA, lse gradient and dropout's determinism."""
-    monkeypatch.setattr(ta, "_I32_MAX", 0)
+    monkeypatch.setattr(ta.launch, "_I32_MAX", 0)
     B, H, Hkv, Lq, Lk, D = 1, 4, 2, 40, 45, 24
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(B, h, L, D, generator=g).to(DEVICE) for h, L in ((H, Lq), (Hkv, Lk), (Hkv, Lk)))
-    assert ta._Problem(q, k, v, None, 0, None, None, 1.0, 0.0, -1, -1).idx64
+    assert ta.LaunchPlan(q, k, v, None, 0, None, None, 1.0, 0.0, -1, -1).idx64
     kpm = (torch.rand(B, Lk, generator=g) < 0.2).to(DEVICE)
     check_against_float64(q, k, v, dict(layout=rand_layout(H, Lq, Lk, 16, 0.7, 1), window=(20, 5)), key_padding_mask=kpm)
     outs = []
@@ -470,14 +411,14 @@ def test_int64_offsets_are_chosen_by_the_span_of_one_slice():
     does a transposed padding mask or a backward-only tensor (dout) of that span."""
     meta = dict(device="meta", dtype=torch.bfloat16)
     big_bh = torch.empty(4096, 32, 128, 128, **meta)                       # 2**31 elements, small slices
-    assert not ta._Problem(big_bh, big_bh, big_bh, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert not ta.LaunchPlan(big_bh, big_bh, big_bh, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
     lbhd = torch.empty(32768, 64, 16, 128, **meta).permute(1, 2, 0, 3)     # L-stride 64*16*128
-    assert ta._Problem(lbhd, lbhd, lbhd, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert ta.LaunchPlan(lbhd, lbhd, lbhd, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
     small = torch.empty(64, 16, 32768, 128, **meta)
-    assert not ta._Problem(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert not ta.LaunchPlan(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
     kpm_t = torch.empty(32768, 70000, device="meta", dtype=torch.bool).t()[:64]      # L-stride 70000
-    assert ta._Problem(small, small, small, None, 0, kpm_t, None, 1.0, 0.0, -1, 0).idx64
-    p = ta._Problem(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0)
+    assert ta.LaunchPlan(small, small, small, None, 0, kpm_t, None, 1.0, 0.0, -1, 0).idx64
+    p = ta.LaunchPlan(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0)
     p.widen(lbhd, None)
     assert p.idx64
 
@@ -485,11 +426,11 @@ def test_int64_offsets_are_chosen_by_the_span_of_one_slice():
 def test_window_wider_than_sequences_is_normalized():
     q = torch.empty(1, 1, 30, 16, device="meta")
     k = torch.empty(1, 1, 50, 16, device="meta")
-    p = ta._Problem(q, k, k, None, 0, None, None, 1.0, 0.0, 2**31 - 1, 2**31 - 1)
+    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 2**31 - 1, 2**31 - 1)
     assert (p.left, p.right) == (-1, -1)
-    p = ta._Problem(q, k, k, None, 0, None, None, 1.0, 0.0, 48, 28)       # pos(0) = 20: sees 0..48
+    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 48, 28)       # pos(0) = 20: sees 0..48
     assert (p.left, p.right) == (48, 28)
-    p = ta._Problem(q, k, k, None, 0, None, None, 1.0, 0.0, 49, 29)
+    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 49, 29)
     assert (p.left, p.right) == (-1, -1)
 
 
@@ -498,7 +439,7 @@ def test_dropout_seed_is_always_int64():
     bit 62 set so that one compiled kernel serves every seed."""
     q = torch.empty(1, 1, 8, 16, device="meta")
     for s in ([0, 0], [0, 5], [2**31 - 2, 2**31 - 2]):
-        seed = ta._Problem(q, q, q, None, 0, None, torch.tensor(s), 1.0, 0.1, -1, -1).seed
+        seed = ta.LaunchPlan(q, q, q, None, 0, None, torch.tensor(s), 1.0, 0.1, -1, -1).seed
         assert 2**62 <= seed < 2**63
 
 
@@ -512,19 +453,19 @@ def test_tf32_setting_is_read_once_per_call_and_survives_the_new_torch_api(monke
         prev = matmul.fp32_precision
         try:
             matmul.fp32_precision = "tf32"
-            assert ta._tf32_enabled() is True
+            assert rt._tf32_enabled() is True
             q = torch.randn(1, 1, 8, 16, device=DEVICE)
             effattn.attention(q, q, q, backend="triton")                          # fp32: reads the setting
         finally:
             matmul.fp32_precision = prev
     seen = []
-    real_fwd, real_bwd = ta._fwd, ta._bwd
-    monkeypatch.setattr(ta, "_fwd", lambda *a, **kw: (seen.append(("fwd", a[11])), real_fwd(*a, **kw))[1])
-    monkeypatch.setattr(ta, "_bwd", lambda *a, **kw: (seen.append(("bwd", a[15])), real_bwd(*a, **kw))[1])
+    real_fwd, real_bwd = ta.launch.fwd, ta.launch.bwd
+    monkeypatch.setattr(ta.launch, "fwd", lambda *a, **kw: (seen.append(("fwd", a[11])), real_fwd(*a, **kw))[1])
+    monkeypatch.setattr(ta.launch, "bwd", lambda *a, **kw: (seen.append(("bwd", a[15])), real_bwd(*a, **kw))[1])
     leaves = [torch.randn(1, 2, 12, 16, device=DEVICE).requires_grad_() for _ in range(3)]
-    monkeypatch.setattr(ta, "_tf32_enabled", lambda: True)
+    monkeypatch.setattr(ta.op, "_tf32_enabled", lambda: True)
     out = effattn.attention(*leaves, causal=True, backend="triton")
-    monkeypatch.setattr(ta, "_tf32_enabled", lambda: False)
+    monkeypatch.setattr(ta.op, "_tf32_enabled", lambda: False)
     torch.autograd.grad(out.sum(), leaves)
     assert seen == [("fwd", True), ("bwd", True)]
 
@@ -672,7 +613,7 @@ def test_interpreter_version_problem_is_named():
 @pytest.fixture
 def pinned_configs(monkeypatch):
     monkeypatch.setenv("EFFATTN_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(ta, "_TUNED", {})
+    monkeypatch.setattr(ta.launch, "_TUNED", {})
 
 def chunked_attention(q, k, v, go, vis_fn, scale, dtype, chunk=512):
     """Dense attention and its gradients computed naively in `dtype`, `chunk` query rows at a time

@@ -1,27 +1,28 @@
 """Jit helpers shared by the Triton kernels (softmax attention, linear attention).
 
-``UPCAST`` is set under Triton's interpreter with bf16 inputs, where the interpreter's bf16 dot and
-fp32 -> bf16 cast differ from the GPU's; it is a constexpr, compiled away on the GPU.
+``INTERP_BF16`` is set under Triton's interpreter with bf16 inputs, where the interpreter's bf16 dot
+and fp32 -> bf16 cast differ from the GPU's: `dot` and `cast` then work around them. It is a
+constexpr, off (compiled away) on the GPU.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    # UPCAST: Triton's interpreter computes bf16 dots wrongly; fp32 operands are exact there
-    if UPCAST:
+def dot(a, b, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    # INTERP_BF16: Triton's interpreter computes bf16 dots wrongly; fp32 operands are exact there
+    if INTERP_BF16:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
     else:
         c = tl.dot(a, b, input_precision=DOT_PREC)
     return c
 
 @triton.jit
-def cast(x, dtype, UPCAST: tl.constexpr):
-    """``x.to(dtype)`` rounding to nearest even. UPCAST (bf16 under the interpreter): Triton's
+def cast(x, dtype, INTERP_BF16: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even. INTERP_BF16 (bf16 under the interpreter): Triton's
     interpreter truncates fp32 -> bf16 (a biased error, unlike the GPU), so round the fp32 bits
     to the nearest bf16 first; the truncation is then exact."""
-    if UPCAST:
+    if INTERP_BF16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)

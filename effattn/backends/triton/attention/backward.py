@@ -1,0 +1,259 @@
+"""Backward kernels (FlashAttention-2, Alg. 2, split in two passes so that no program accumulates
+into memory another one writes: deterministic, no atomics):
+
+- `delta_kernel`: Delta = rowsum(dO * O) - dlse (Alg. 2 line 4);
+- `dkdv_kernel`: per key tile, dK and dV over the visible query tiles of every query head of its
+  kv head (the transposed tile lists);
+- `dq_kernel`: per query tile, dQ over the visible key tiles (the forward's tile lists).
+"""
+import triton
+import triton.language as tl
+
+from ..jit import cast, dot, i64, load_tile
+from .schedule import dropout_keep, key_tile_schedule, kv_bases, query_tile_range, tile_index, visible
+
+
+@triton.jit
+def delta_kernel(O, DO, DLSE, DELTA, sdob, sdoh, sdom, sdod, sdlb, sdlh, sdlm, H, Lq, Dv,
+                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+                 IDX64: tl.constexpr):
+    """Delta_i = rowsum(dO_i * O_i) - dlse_i (FA-2 Alg. 2 line 4; a gradient into lse enters as
+    dS += dlse * P, i.e. as -dlse in Delta). O is contiguous. 1-D grid, like the forward's."""
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % n_mt
+    bh = pid // n_mt
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
+    o = tl.load(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + (pid_m * BLOCK_M).to(tl.int64) * sdom
+                 + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + i64(offs_m, IDX64) * sdlm,
+                       mask=offs_m < Lq, other=0.0)
+        delta -= dlse.to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _row_stats(lse_row, delta_row, offs_m, Lq):
+    """A query tile's saved lse (in log2 units) and Delta for the backward passes. Rows past Lq or
+    that saw no key get lse = +inf, so that P = exp2(S - lse) = 0 there."""
+    lse = tl.load(lse_row + offs_m, mask=offs_m < Lq, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return lse, tl.load(delta_row + offs_m, mask=offs_m < Lq, other=0.0)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
+               offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+               qk_scale, seed, bh, drop_thresh, inv_keep,
+               BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows).
+    ``PARTIAL``: a partial tile, masked elementwise."""
+    rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
+    offs_m = start_m + rel_m
+    q_tile = q_base + start_m.to(tl.int64) * sqm
+    do_tile = do_base + start_m.to(tl.int64) * sdom
+    q = load_tile(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
+    do = load_tile(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+    lse, delta = _row_stats(lse_base, delta_base, offs_m, Lq)
+    st = dot(k, tl.trans(q), DOT_PREC, INTERP_BF16) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
+    if PARTIAL:
+        ok = visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
+                      lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
+        st = tl.where(ok, st, float("-inf"))
+    if HAS_KPM:
+        st = tl.where(keep_k[:, None], st, float("-inf"))
+    pt = tl.exp2(st - lse[None, :])                                          # P^T = exp(S - L)
+    dpt = dot(v, tl.trans(do), DOT_PREC, INTERP_BF16)                            # dP^T = V dO^T
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
+        pdt = tl.where(keep, pt * inv_keep, 0.0)
+        dpt = tl.where(keep, dpt * inv_keep, 0.0)
+    else:
+        pdt = pt
+    dv += dot(cast(pdt, do.dtype, INTERP_BF16), do, DOT_PREC, INTERP_BF16)         # dV += P_drop^T dO
+    dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
+    dk += dot(cast(dst, q.dtype, INTERP_BF16), q, DOT_PREC, INTERP_BF16)           # dK += dS^T Q (scale later)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed"])
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
+                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+                H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_thresh, inv_keep,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
+    their visible query tiles, accumulating in registers (no atomics: deterministic). 1-D grid
+    of cdiv(Lk, BLOCK_N) * B * Hkv programs, key tiles fastest."""
+    n_nt = tl.cdiv(Lk, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_n = pid % n_nt
+    bhk = pid // n_nt
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    n0 = pid_n * BLOCK_N
+    rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
+    offs_n = n0 + rel_n
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    n0_64 = n0.to(tl.int64)
+    k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
+              + offs_d[None, :] * skd)
+    v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
+              + offs_dv[None, :] * svd)
+    k = load_tile(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
+    v = load_tile(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
+    keep_k = offs_n < Lk
+    if HAS_KPM:
+        pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
+        keep_k = pad == 0
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    visits = tl.program_id(0) * 0                            # int32 counter (COUNT only)
+    t0, t1, t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n_full = t2 - t1
+    n_part = (t1 - t0) + (t3 - t2)
+    row = LISTS
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * H + h
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+        lse_base = LSE + bh.to(tl.int64) * Lq
+        delta_base = DELTA + bh.to(tl.int64) * Lq
+        lay_ptr = LAY + h.to(tl.int64) * lay_h
+        if HAS_LAYOUT:
+            row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
+            n_full = tl.load(row)
+            n_part = tl.load(row + 1)
+        for i in range(0, n_full):
+            start_m = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
+                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
+                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                INTERP_BF16, IDX64)
+        for i in range(0, n_part):
+            start_m = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
+                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
+                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                INTERP_BF16, IDX64)
+        visits += n_full + n_part
+    dk = dk * scale                                                          # dK = scale dS^T Q
+    ok_k = offs_n[:, None] < Lk
+    dk_ptrs = (DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + n0_64 * sdkn + rel_n[:, None] * sdkn
+               + offs_d[None, :] * sdkd)
+    dv_ptrs = (DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn + rel_n[:, None] * sdvn
+               + offs_dv[None, :] * sdvd)
+    tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_d[None, :] < D))
+    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_dv[None, :] < Dv))
+    if COUNT:
+        tl.store(COUNTS + bhk * n_nt + pid_n, visits)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+             skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+             qk_scale, seed, bh, drop_thresh, inv_keep,
+             BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+             DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+             DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K). ``PARTIAL``: a
+    partial tile, masked elementwise."""
+    rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
+    offs_n = start_n + rel_n
+    k_tile = k_base + start_n.to(tl.int64) * skn
+    v_tile = v_base + start_n.to(tl.int64) * svn
+    kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
+    vt = load_tile(v_tile + offs_dv[:, None] * svd + rel_n[None, :] * svn, offs_dv, Dv, offs_n, Lk, PAD_DV, PARTIAL)
+    s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale
+    if PARTIAL:
+        ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
+                      lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
+        s = tl.where(ok, s, float("-inf"))
+    if HAS_KPM:
+        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        s = tl.where(pad[None, :] == 0, s, float("-inf"))
+    p = tl.exp2(s - lse[:, None])
+    dp = dot(do, vt, DOT_PREC, INTERP_BF16)
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed"])
+def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
+              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+              sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+              H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+              lists_head_stride, lists_row_stride, full_slots,
+              scale, qk_scale, seed, drop_thresh, inv_keep,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+              INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
+    (and on the same 1-D grid)."""
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % n_mt
+    bh = pid // n_mt
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
+    m0_64 = m0.to(tl.int64)
+    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
+              + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
+    do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
+               + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+    lse, delta = _row_stats(LSE + bh.to(tl.int64) * Lq, DELTA + bh.to(tl.int64) * Lq, offs_m, Lq)
+    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
+                                                        Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                        HAS_LAYOUT)
+    for i in range(0, n_full):
+        start_n = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+                      skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                      qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+    for i in range(0, n_part):
+        start_n = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+                      skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                      qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+    dq = dq * scale
+    dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
+               + offs_d[None, :] * sdqd)
+    tl.store(dq_ptrs, cast(dq, DQ.dtype.element_ty, INTERP_BF16),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))

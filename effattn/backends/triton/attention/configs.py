@@ -1,0 +1,52 @@
+"""Kernel configs: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, BLOCK_M the query tile and BLOCK_N
+the key tile in every kernel.
+
+A few candidates per kernel, head-dim class (the larger of D and Dv, padded to a power of two) and
+element size, autotuned once per kind of call on the GPU (`launch`). The first of each list is the
+untimed default (``EFFATTN_TRITON_AUTOTUNE=0``, CUDA-graph capture): it must fit sm_80's shared
+memory, and on sm_90 use wgmma without spilling in its tile loops. Why each list is what it is (the
+offline compiles behind it) is written beside the resource tables, in
+benchmarks/results/offline-sm90/README.md; `python -m benchmarks.kernel_resources` regenerates them
+and tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
+"""
+from ..runtime import _INTERPRET
+
+# element size (2: fp16/bf16, 4: fp32) -> kernel -> head-dim class -> candidates, best guess first
+GPU_CONFIGS = {
+    2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+                128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+                256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
+        "dkdv": {64: [(32, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 1)],
+                 128: [(32, 128, 8, 2), (32, 128, 8, 1), (16, 128, 8, 2), (32, 64, 8, 2)],
+                 256: [(32, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]},
+        "dq": {64: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+               128: [(128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+               256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 1)]}},
+    4: {"fwd": {64: [(64, 64, 4, 2), (64, 32, 4, 2)],
+                128: [(64, 32, 4, 2), (64, 64, 4, 2)],
+                256: [(32, 32, 4, 2), (64, 32, 4, 1)]},
+        "dkdv": {64: [(64, 64, 4, 2), (64, 128, 8, 2)],
+                 128: [(32, 64, 4, 2), (32, 128, 8, 2)],
+                 256: [(16, 32, 4, 1), (32, 32, 4, 2)]},
+        "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)],
+               128: [(64, 32, 4, 2), (128, 32, 8, 2)],
+               256: [(32, 32, 4, 2), (32, 32, 4, 1)]}},
+}
+# One config under the interpreter; tiles differ between passes so that the transposed tile
+# plans are exercised with other sizes than the forward's.
+INTERPRET_CONFIGS = {"fwd": (32, 32, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+
+
+def head_class(block_d: int) -> int:
+    return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
+
+
+def candidates(kind: str, head_class: int, element_size: int):
+    """The GPU configs tried for `kind` ("fwd", "dkdv", "dq"), best guess first."""
+    return GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
+
+
+def delta_block(block_dv: int) -> int:
+    """Rows per program of the Delta kernel: a (block, Dv) tile of O and of dO each; launched with
+    Triton's default warps (4) and stages (3)."""
+    return 32 if _INTERPRET or block_dv > 128 else 64

@@ -1,0 +1,105 @@
+"""Forward kernel: FlashAttention-2's online softmax (Dao 2023, Alg. 1) over the visible key tiles of
+one query tile, full tiles first (no masking code), then partial ones."""
+import triton
+import triton.language as tl
+
+from ..jit import cast, dot, i64, load_tile
+from .schedule import dropout_keep, key_tile_schedule, kv_bases, tile_index, visible
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+              skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+              qk_scale, seed, bh, drop_thresh,
+              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+              DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10). ``PARTIAL``: a partial tile
+    (`effattn.tiles`), masked elementwise; a full one runs without masking code."""
+    rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
+    offs_n = start_n + rel_n
+    k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
+    v_tile = v_base + start_n.to(tl.int64) * svn
+    kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
+    s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale            # S = Q K^T, in log2 units
+    if PARTIAL:
+        ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
+                      lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
+        s = tl.where(ok, s, float("-inf"))
+    if HAS_KPM:
+        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        s = tl.where(pad[None, :] == 0, s, float("-inf"))
+    # m_new = max(m_old, rowmax(S)); a row that has seen nothing yet keeps m = -inf, and the
+    # shift m_ref = 0 keeps exp2(-inf - m_ref) = 0 instead of NaN
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])                           # P~ = exp(S - m_new)
+    alpha = tl.exp2(m_i - m_ref)                              # exp(m_old - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)                          # l = alpha l + rowsum(P~)
+    if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
+        p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
+    v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
+    acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["seed"])
+def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
+               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
+               H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+               lists_head_stride, lists_row_stride, full_slots,
+               qk_scale, seed, drop_thresh, out_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+               DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
+    1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
+    are limited to 65535, B * H is not)."""
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % n_mt
+    bh = pid // n_mt
+    b = bh // H
+    h = bh % H
+    hk = h // G                                               # GQA: the kv head of this q head
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
+    q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm + rel_m[:, None] * sqm
+              + offs_d[None, :] * sqd)
+    q = load_tile(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
+    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
+                                                        Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                        HAS_LAYOUT)
+    for i in range(0, n_full):
+        start_n = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+                                  skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
+                                  lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+    for i in range(0, n_part):
+        start_n = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+                                  skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
+                                  lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+    # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (out_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    row_ok = offs_m < Lq
+    o_ptrs = O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :]
+    tl.store(o_ptrs, cast(out, O.dtype.element_ty, INTERP_BF16), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+    if COUNT:
+        tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)

@@ -1,0 +1,268 @@
+"""Launchers: from a call's tensors to kernel launches.
+
+`LaunchPlan` turns a call into the kernels' sizes, strides and flags (no device work); `fwd` and `bwd`
+allocate the outputs, read the tile plan (`effattn.tiles`) for block layouts, pick a config
+(`configs`, autotuned once per kind of call) and launch.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+from triton.testing import do_bench
+
+from ....tiles import cdiv, layout_plan, layout_tile_lists
+from ..runtime import _I32_MAX, _INTERPRET, _LOG2E, _log, _next_pow2
+from .backward import delta_kernel, dkdv_kernel, dq_kernel
+from .configs import INTERPRET_CONFIGS, candidates, delta_block, head_class
+from .forward import fwd_kernel
+
+_TUNED: Dict[tuple, tuple] = {}      # (kernel,) + LaunchPlan.tune_key -> config, for the process
+
+try:  # the compiler's "does not fit" (shared memory, registers); anything else is unexpected
+    from triton.runtime.errors import OutOfResources as _OutOfResources
+except ImportError:  # pragma: no cover
+    _OutOfResources = ()
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_tuned(kind: str, p: "LaunchPlan", launch, device) -> None:
+    """Launches `kind` with its config for this call's key, chosen once per process: the
+    interpreter's; else the fastest candidate by ``do_bench``; with ``EFFATTN_TRITON_AUTOTUNE=0`` or
+    while the stream is being captured into a CUDA graph, the first candidate that runs, untimed
+    (not cached when capturing). Candidates the compiler or the GPU reject (e.g. out of shared
+    memory for fp32 at head dim 256) are skipped and logged."""
+    key = (kind,) + p.tune_key
+    cfg = _TUNED.get(key)
+    if cfg is None and _INTERPRET:
+        cfg = INTERPRET_CONFIGS[kind]
+    if cfg is not None:
+        launch(cfg)
+        return
+    capturing = _capturing(device)
+    tune = not capturing and os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") != "0"
+    timed, error = [], None
+    for c in candidates(kind, head_class(max(p.block_d, p.block_dv)), p.element_size):
+        try:
+            if tune:
+                timed.append((do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"), c))
+                continue
+            launch(c)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit this GPU is skipped
+            error = e
+            (_log.info if isinstance(e, _OutOfResources) else _log.warning)(
+                "effattn triton: %s config %s skipped for %s: %s: %s", kind, c, p.tune_key, type(e).__name__,
+                str(e)[:300])
+            continue
+        if not capturing:
+            _TUNED[key] = c
+        return
+    if not timed:
+        raise RuntimeError(f"effattn triton backend: no {kind} config runs for {p.tune_key}") from error
+    cfg = min(timed, key=lambda tc: tc[0])[1]
+    _TUNED[key] = cfg
+    launch(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+def _span(t: Optional[Tensor], dims) -> int:
+    """Largest element offset within one (batch, head) slice of `t` along `dims`: the kernels'
+    int32 in-tile offsets (row x stride + column x stride) stay at or below it."""
+    if t is None:
+        return 0
+    return sum((t.shape[d] - 1) * abs(t.stride(d)) for d in dims if t.shape[d] > 0)
+
+
+class LaunchPlan:
+    """Sizes and flags of a call, shared by the launchers (cheap to build: no device work)."""
+
+    def __init__(self, q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False):
+        self.B, self.H, self.Lq, self.D = q.shape
+        self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+        self.G = self.H // self.Hkv
+        self.off = self.Lk - self.Lq
+        # a window wider than the sequences is no constraint: -1 keeps the kernels' int32 bound
+        # arithmetic (pos + right + 1, ...) from overflowing for huge windows, and skips masking
+        if left >= max(self.Lk - 1, 0):
+            left = -1
+        if right >= max(self.Lq - 1, 0):
+            right = -1
+        self.left, self.right = left, right
+        self.block_d = max(16, _next_pow2(self.D))
+        self.block_dv = max(16, _next_pow2(self.Dv))
+        self.scale = scale
+        self.qk_scale = scale * _LOG2E
+        self.dropout_p = dropout_p
+        if dropout_p > 0:
+            s0, s1 = (int(x) for x in seed.tolist())                 # a CPU tensor: no GPU sync
+            # one 64-bit Philox key; bit 62 set so that Triton always passes it as int64 (a value
+            # below 2**31 would be specialized as int32 and compile a second kernel)
+            self.seed = ((s0 << 31) ^ s1) | (1 << 62)
+            self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1)
+            self.inv_keep = 1.0 / (1.0 - dropout_p)
+        else:
+            self.seed, self.drop_thresh, self.inv_keep = 0, 0, 1.0
+        self.layout_mask, self.layout_block = layout_mask, layout_block
+        self.kpm = kpm.view(torch.uint8) if kpm is not None else None
+        self.dot_prec = "tf32" if (tf32 and q.dtype == torch.float32 and not _INTERPRET) else "ieee"
+        self.interp_bf16 = _INTERPRET and q.dtype == torch.bfloat16
+        self.element_size = q.element_size()
+        lay_per_head = 0
+        if layout_mask is not None:
+            plan = layout_plan(layout_mask)
+            self.lay = plan.mask_u8
+            self.lay_h = plan.mask_u8.stride(0) if plan.mask_u8.shape[0] > 1 else 0
+            self.lay_nkb = plan.mask_u8.shape[2]
+            lay_per_head = plan.mask_u8.shape[1] * plan.mask_u8.shape[2]
+        else:
+            self.lay, self.lay_h, self.lay_nkb = None, 0, 1
+        self.idx64 = max(_span(q, (2, 3)), _span(k, (2, 3)), _span(v, (2, 3)), _span(self.kpm, (1,)),
+                         lay_per_head) > _I32_MAX
+        # a layout's block size decides which tiles nest in its blocks (no per-element lookup)
+        mode = f"layout{layout_block}" if layout_mask is not None else ("window" if left >= 0 else
+                                                                        ("causal" if right == 0 else "dense"))
+        # lengths bucketed separately: a decode call (Lq = 1) is not tuned like a prefill of its Lk
+        self.tune_key = (self.block_d, self.block_dv, q.dtype, self.dot_prec, mode, dropout_p > 0,
+                         kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192))
+
+    def widen(self, *tensors) -> None:
+        """Switches to int64 in-tile offsets if one of the backward's extra tensors needs them."""
+        self.idx64 = self.idx64 or max(_span(t, range(2, t.dim())) for t in tensors if t is not None) > _I32_MAX
+
+    def lists(self, block_m, block_n, by_key):
+        """The layout's packed tile lists (`effattn.tiles.TileLists`) for these tiles as kernel
+        arguments: (tensor, stride per layout head, stride per row, full slots); without a layout
+        (None, 0, 0, 0)."""
+        if self.layout_mask is None:
+            return None, 0, 0, 0
+        packed, full_slots = layout_tile_lists(self.layout_mask, self.layout_block, self.Lq, self.Lk, block_m,
+                                               block_n, self.left, self.right, by_key)
+        return packed, (packed.stride(0) if packed.shape[0] > 1 else 0), packed.stride(1), full_slots
+
+    def layout_mask_needed(self, block_m: int, block_n: int) -> bool:
+        """Whether partial tiles must read the layout per element. Not when the kernel tiles nest in
+        the layout's blocks (the block size a multiple of both): a listed tile then lies in one
+        block that is on, and it is partial only through the window, causal or length bounds."""
+        bs = self.layout_block
+        return self.layout_mask is not None and (bs % block_m != 0 or bs % block_n != 0)
+
+    def flags(self, cfg):
+        block_m, block_n, warps, stages = cfg
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
+                    HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0,
+                    HAS_LAYOUT=self.layout_mask is not None, LAYOUT_MASK=self.layout_mask_needed(block_m, block_n),
+                    HAS_KPM=self.kpm is not None,
+                    DROPOUT=self.dropout_p > 0, PAD_D=self.block_d != self.D, PAD_DV=self.block_dv != self.Dv,
+                    DOT_PREC=self.dot_prec, INTERP_BF16=self.interp_bf16, IDX64=self.idx64,
+                    num_warps=warps, num_stages=stages)
+
+
+def _kpm_strides(p: LaunchPlan):
+    return (p.kpm.stride(0), p.kpm.stride(1)) if p.kpm is not None else (0, 0)
+
+
+def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
+         config=None, counts=False):
+    """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
+    (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
+    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf."""
+    p = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    visits = [None]
+
+    def launch(cfg):
+        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=False)
+        n_mt = cdiv(p.Lq, cfg[0])
+        cnt = torch.zeros(p.B * p.H, n_mt, dtype=torch.int32, device=q.device) if counts else None
+        fwd_kernel[(n_mt * p.B * p.H,)](
+            q, k, v, out, lse, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
+            *q.stride(), *k.stride(), *v.stride(), *_kpm_strides(p),
+            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1),
+            lists_head_stride, lists_row_stride, full_slots, p.qk_scale, p.seed, p.drop_thresh, p.inv_keep,
+            COUNT=counts, **p.flags(cfg))
+        visits[0] = cnt
+
+    if p.Lq > 0 and p.B * p.H > 0:
+        with _on_device(q.device):
+            if config is not None:
+                launch(config)
+            else:
+                _launch_tuned("fwd", p, launch, q.device)
+    return (out, lse, visits[0]) if counts else (out, lse)
+
+
+def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
+         tf32=False, config_dkdv=None, config_dq=None, counts=False):
+    """dq, dk, dv (same shapes and dtypes as q, k, v). With ``counts``, also the int32
+    (B*Hkv, n_key_tiles) numbers of query tiles each dK/dV program visited (all G heads).
+    `tf32` must be the forward's (the op's autograd passes it on)."""
+    p = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    visits = [None]
+    if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
+        for t in (dq, dk, dv):
+            t.zero_()
+        return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
+    out, lse = out.contiguous(), lse.contiguous()       # the kernels index them as the forward wrote them
+    p.widen(dout, dq, dk, dv, dlse)
+    delta = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
+    kps = _kpm_strides(p)
+
+    def launch_dkdv(cfg):
+        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=True)
+        n_nt = cdiv(p.Lk, cfg[1])
+        cnt = torch.zeros(p.B * p.Hkv, n_nt, dtype=torch.int32, device=q.device) if counts else None
+        dkdv_kernel[(n_nt * p.B * p.Hkv,)](
+            q, k, v, dout, lse, delta, dk, dv, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q),
+            _or_dummy(cnt, q), *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            *kps, p.H, p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+            max(p.layout_block, 1), lists_head_stride, lists_row_stride, full_slots, p.scale, p.qk_scale, p.seed,
+            p.drop_thresh, p.inv_keep, COUNT=counts, **p.flags(cfg))
+        visits[0] = cnt
+
+    def launch_dq(cfg):
+        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=False)
+        dq_kernel[(cdiv(p.Lq, cfg[0]) * p.B * p.H,)](
+            q, k, v, dout, lse, delta, dq, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q),
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *kps,
+            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1),
+            lists_head_stride, lists_row_stride, full_slots, p.scale, p.qk_scale, p.seed, p.drop_thresh,
+            p.inv_keep, **p.flags(cfg))
+
+    with _on_device(q.device):
+        block = delta_block(p.block_dv)
+        delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
+            out, dout, _or_dummy(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
+            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64)
+        if config_dkdv is not None:
+            launch_dkdv(config_dkdv)
+        else:
+            _launch_tuned("dkdv", p, launch_dkdv, q.device)
+        if config_dq is not None:
+            launch_dq(config_dq)
+        else:
+            _launch_tuned("dq", p, launch_dq, q.device)
+    return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
+
+
+def _or_dummy(t, dummy):
+    """A pointer argument the kernel does not read (its feature flag is off)."""
+    return t if t is not None else dummy
+
+
+def _on_device(device):
+    """Launch on the tensors' GPU (Triton launches on the current device)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+

@@ -1,0 +1,127 @@
+"""In-kernel tile schedule and elementwise visibility, shared by the forward and backward kernels.
+
+Which tiles a program visits follows `effattn.tiles` (full tiles, then partial ones): read from the
+layout's packed `TileLists` with a block layout, else computed here from the window bounds as a run
+of partial tiles, a run of full tiles and a run of partial tiles.
+"""
+import triton
+import triton.language as tl
+
+from ..jit import i64
+
+
+@triton.jit
+def visible(qi, kj, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, IDX64: tl.constexpr):
+    """Elementwise visibility for a partial tile. ``qi`` / ``kj``: query / key indices shaped to
+    broadcast against each other ((M, 1) and (1, N), or transposed)."""
+    ok = (qi < Lq) & (kj < Lk)
+    pos = qi + off
+    if HAS_LEFT:
+        ok = ok & (kj >= pos - left)
+    if HAS_RIGHT:
+        ok = ok & (kj <= pos + right)
+    if HAS_LAYOUT:
+        blk = tl.load(lay_ptr + i64(qi // lay_bs, IDX64) * lay_nkb + kj // lay_bs, mask=ok, other=0)
+        ok = ok & (blk != 0)
+    return ok
+
+
+@triton.jit
+def dropout_keep(seed, bh, qi, kj, drop_thresh):
+    """Keep-mask from Philox(seed; counter = (i, j, b*H + h, 0)); keep with probability 1 - p."""
+    c0 = (qi + kj * 0).to(tl.uint32)
+    c1 = (kj + qi * 0).to(tl.uint32)
+    c2 = c0 * 0 + bh.to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, c0 * 0)
+    return (r >> 8).to(tl.int32) >= drop_thresh
+
+
+@triton.jit
+def tile_index(row, base, i, lo, n_lo, hi, HAS_LAYOUT: tl.constexpr):
+    """The i-th tile of a run: read from a packed list (`row`, entries from `base`) with a
+    layout, else from the analytic ranges [lo, lo + n_lo) followed by [hi, ...)."""
+    if HAS_LAYOUT:
+        t = tl.load(row + base + i)
+    else:
+        t = tl.where(i < n_lo, lo + i, hi + i - n_lo)
+    return t
+
+
+@triton.jit
+def key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles of query rows [m0, m0 + BLOCK_M): partial [t0, t1), full [t1, t2), partial [t2, t3)."""
+    r1 = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo = 0          # union of the rows' key intervals: [lo, hi)
+    hi = Lk
+    flo = 0         # keys every row sees: [flo, fhi)
+    fhi = Lk
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + off - left, 0)
+        flo = tl.maximum(r1 + off - left, 0)
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(r1 + off + right + 1, Lk), 0)
+        fhi = tl.maximum(tl.minimum(m0 + off + right + 1, Lk), 0)
+    t0 = tl.minimum(lo, Lk) // BLOCK_N
+    t3 = tl.where(hi > lo, (hi + BLOCK_N - 1) // BLOCK_N, t0)
+    t1 = tl.minimum(tl.maximum((tl.minimum(flo, Lk) + BLOCK_N - 1) // BLOCK_N, t0), t3)
+    t2 = tl.minimum(tl.maximum(fhi // BLOCK_N, t1), t3)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq, Lk, off, left, right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                      HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr):
+    """The key tiles query tile pid_m of head h visits, as `tile_index` reads them: from the
+    layout's cached lists (row, counts), or analytically from the causal/window bounds (runs
+    partial [t0, t1), full [t1, t2), partial [t2, t3)). Shared by the forward and dQ kernels."""
+    if HAS_LAYOUT:
+        row = LISTS + h.to(tl.int64) * lists_head_stride + pid_m.to(tl.int64) * lists_row_stride
+        n_full = tl.load(row)
+        n_part = tl.load(row + 1)
+        t0 = n_full * 0                                      # unused with a layout
+        t1 = t0
+        t2 = t0
+    else:
+        row = LISTS
+        t0, t1, t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        n_full = t2 - t1
+        n_part = (t1 - t0) + (t3 - t2)
+    return row, n_full, n_part, t0, t1, t2
+
+
+@triton.jit
+def kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h):
+    """Base pointers of batch b's kv head hk (GQA: shared by its query heads), its padding row and
+    query head h's layout."""
+    return (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh,
+            KPM + b.to(tl.int64) * skpb, LAY + h.to(tl.int64) * lay_h)
+
+
+@triton.jit
+def query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that see keys [n0, n0 + BLOCK_N): partial [t0, t1), full [t1, t2), partial [t2, t3).
+    A query tile is full when every row < Lq sees every key of the tile (and the tile ends before Lk)."""
+    n1 = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    lo = 0
+    hi = Lq
+    flo = 0
+    fhi = Lq
+    # i sees j iff j - off - right <= i <= j - off + left
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - off - right, 0)
+        flo = tl.maximum(n1 - off - right, 0)
+    if HAS_LEFT:
+        hi = tl.maximum(tl.minimum(n1 - off + left + 1, Lq), 0)
+        fhi = tl.maximum(tl.minimum(n0 - off + left + 1, Lq), 0)
+    fhi = tl.where(n0 + BLOCK_N <= Lk, fhi, 0)
+    t0 = tl.minimum(lo, Lq) // BLOCK_M
+    t3 = tl.where(hi > lo, (hi + BLOCK_M - 1) // BLOCK_M, t0)
+    t1 = tl.minimum(tl.maximum((tl.minimum(flo, Lq) + BLOCK_M - 1) // BLOCK_M, t0), t3)
+    # the last query tile may end past Lq: it is full when its rows below Lq are
+    t2 = tl.where(fhi == Lq, (fhi + BLOCK_M - 1) // BLOCK_M, fhi // BLOCK_M)
+    t2 = tl.minimum(tl.maximum(t2, t1), t3)
+    return t0, t1, t2, t3
