@@ -2,7 +2,7 @@
 
 All argument checking lives here, so that every backend (torch reference, Triton, CUDA) sees the
 same, already-validated description of a call and the error messages are the same whatever the
-backend. The visibility rule of ../SPEC.md is reduced to four numbers a kernel needs:
+backend. The visibility rule (docs/conventions.md) is reduced to four numbers a kernel needs:
 
     key j is visible to query i  iff  pos(i) - left <= j <= pos(i) + right,
                                       pos(i) = i + offset,  offset = Lk - Lq   (bottom-right)

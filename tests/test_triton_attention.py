@@ -32,7 +32,7 @@ def rand_layout(H, Lq, Lk, bs, density, seed):
 
 
 def window_kwargs(left, right):
-    """SPEC-level attention kwargs for a (left, right) pair in AttnCall's encoding."""
+    """Public attention kwargs for a (left, right) pair in AttnCall's encoding."""
     if left < 0 and right < 0:
         return {}
     if right == 0 and left < 0:
@@ -334,7 +334,7 @@ def test_opcheck_and_compile():
         assert torch.equal(a, b)
 
 
-# ------------------------------------------------------------------------------ edge cases (SPEC)
+# ------------------------------------------------------------------------------ edge cases (conventions)
 
 class GridRecorder:
     """Wraps the module's kernels to record every launch grid (and still launch)."""
@@ -372,7 +372,7 @@ EMPTY_CASES = {
 
 @pytest.mark.parametrize("case_id", list(EMPTY_CASES))
 def test_empty_sequences_and_batches(case_id, monkeypatch):
-    """SPEC: Lq = 0 gives (B, H, 0, Dv); Lk = 0 makes every row see nothing: out 0, lse -inf, zero
+    """The conventions: Lq = 0 gives (B, H, 0, Dv); Lk = 0 makes every row see nothing: out 0, lse -inf, zero
     grads. No kernel is launched on a grid with a zero dimension."""
     B, H, Hkv, Lq, Lk, D, Dv, kw = EMPTY_CASES[case_id]
     kw = dict(kw)
