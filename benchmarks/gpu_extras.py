@@ -3,8 +3,9 @@
 The sections of benchmarks/suites.py run through run.sweep with the registry's variants and
 implementations; this module adds:
 
-- per-section time budgets (``--budget name=seconds``): a section stops starting new lengths when its
-  budget is spent; what it did not start is recorded as ``skipped: section budget``;
+- per-section time budgets (``--budget name=seconds``; ``--time-limit`` minutes for the whole suite):
+  a section stops starting new lengths when its budget is spent; what it did not start is recorded
+  as ``skipped: section budget``;
 - the ``max_diff`` column: the largest difference of each baseline's output and gradients from
   effattn's on the same inputs (relative to the baseline's largest value; ``out,dq,dk,dv``), a check
   of effattn's autotuned configs, which the tests (pinned configs) do not run; ``MISMATCH`` past
@@ -35,6 +36,7 @@ from .registry import Case, Variant
 MISMATCH_OUT, MISMATCH_GRAD = 0.03, 0.08          # bf16 rounds ~0.4% per operation
 EST_TFLOPS = 300.0                                # rough throughput for the time estimate
 EST_FIRST_CALL_S = {"effattn": 20.0, "flex": 25.0}  # autotune / compile per (impl, section, variant, mode)
+CHECKS_BUDGET_S = 60.0                            # the capture / compile checks after the sections (CUDA)
 
 
 # ------------------------------------------------------------------------------ checks (tests use them too)
@@ -193,7 +195,8 @@ def print_plan(name: str, entries: List[dict], budgets: Dict[str, float]):
             gf = "" if e["flops"] is None else f" fwd {e['flops'] / 1e9:10.1f} GFLOP"
             print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{gf}{vis}"
                   f"  ~{e['est_s']:.0f} s  {', '.join(e['impls'])}")
-    total = sum(budgets[s] for s in dict.fromkeys(e["section"] for e in entries))
+    total = sum(budgets[s] for s in dict.fromkeys(e["section"] for e in entries)) + budgets["checks"]
+    print(f"[checks] budget {budgets['checks']:.0f} s: CUDA-graph replay and torch.compile vs eager (CUDA only)")
     print(f"\n{len(entries)} cases; budgets sum to {total:.0f} s (+ the case running when one runs out)")
 
 
@@ -201,6 +204,7 @@ def print_plan(name: str, entries: List[dict], budgets: Dict[str, float]):
 
 def _budgets(a, sections) -> Dict[str, float]:
     budgets = {s.name: s.budget_s for s in sections}
+    budgets["checks"] = CHECKS_BUDGET_S
     for item in run._csv_list(a.budget or ""):
         key, _, val = item.partition("=")
         if key not in budgets:
@@ -277,13 +281,14 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
                 sections={s.name: s.__dict__ for s in (suites.smoke(x) if a.smoke else x for x in sections)})
     rows: List[dict] = []
     t0 = time.monotonic()
+    end = t0 + 60 * a.time_limit if a.time_limit else float("inf")     # --time-limit: the whole suite
 
     def save(more=()):
         report.write_all(rows + list(more), meta, out)
 
     for sec in sections:
         sec = suites.smoke(sec) if a.smoke else sec
-        deadline = time.monotonic() + budgets[sec.name]
+        deadline = min(time.monotonic() + budgets[sec.name], end)
         print(f"\n== {sec.name} (budget {budgets[sec.name]:.0f} s, {time.monotonic() - t0:.0f} s so far)",
               file=sys.stderr)
         if sec.variants == ("decode",):
@@ -299,7 +304,7 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
         rows += new
         save()
     if device.type == "cuda":
-        rows += check_rows(backends, device)
+        rows += check_rows(backends, device, min(time.monotonic() + budgets["checks"], end))
     meta["total_s"] = round(time.monotonic() - t0, 1)
     save()
     print(report.summary_text(rows, meta))
@@ -364,8 +369,9 @@ def decode_rows(sec: suites.Section, backends, device, deadline: float) -> List[
     return rows
 
 
-def check_rows(backends, device) -> List[dict]:
-    """CUDA-graph replay and torch.compile against eager, with the configs the suite tuned."""
+def check_rows(backends, device, deadline: float) -> List[dict]:
+    """CUDA-graph replay and torch.compile against eager, with the configs the suite tuned (a
+    check not started by ``deadline`` is recorded as skipped)."""
     import effattn
     rows = []
     for b in backends:
@@ -383,6 +389,9 @@ def check_rows(backends, device) -> List[dict]:
                             ("torch.compile == eager", lambda: compile_matches_eager(f, leaves))):
             row = dict(section="checks", variant=name, op="attention", impl=f"effattn-{b}", kind="effattn",
                        mode="fwdbwd", dtype="bfloat16", B=1, H=16, L=4096, D=128)
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "skipped: section budget"})
+                continue
             try:
                 same, diff = check()
                 ok = all(same) if name.startswith("graph") else diff < 1e-2
