@@ -22,11 +22,12 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
     good = ok_rows(rows)
     paths = []
     for key, by_L in groups.items():
-        variant, mode = key
+        variant, mode, section = key
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
         for i, name in enumerate(order[key]):
             pts = sorted((r["L"], r["time_ms"], r["peak_mem_mib"], r["kind"]) for r in good
-                         if r["variant"] == variant and r["mode"] == mode and r["impl"] == name)
+                         if r["variant"] == variant and r["mode"] == mode and r["impl"] == name
+                         and r.get("section") == section)
             if not pts:
                 continue
             style = dict(label=name, marker="o", markersize=4, color=f"C{i % 10}",
@@ -52,7 +53,7 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
         about = meta.get("variants", {}).get(variant, "")
         fig.suptitle(f"{meta['device']}\n{_title(key, by_L)}" + (f"\n{about}" if about else ""), fontsize=9)
         fig.tight_layout()
-        path = Path(out) / f"{variant}-{mode}.png"
+        path = Path(out) / f"{section + '-' if section else ''}{variant}-{mode}.png"
         fig.savefig(path, dpi=dpi)
         plt.close(fig)
         paths.append(path)

@@ -21,7 +21,7 @@ from effattn.backends.base import BACKENDS
 from effattn.visibility import Rule
 
 
-LAYOUT_BLOCK = 128     # block size of the block-sparse variants (ANCHORS.md's 'fixed' pattern)
+LAYOUT_BLOCK = 128     # block size of the block-sparse variants (the 'fixed' pattern of docs/benchmarks.md)
 
 
 class Unsupported(Exception):
@@ -51,7 +51,7 @@ VARIANTS: Tuple[Variant, ...] = (
     Variant("window", "mask", "causal sliding window, --window keys to the left", causal=True, window=True,
             quadratic=False),
     Variant("fixed", "layout", "causal sliding_and_summary(block 128, local_blocks=4, every=16): "
-            "ANCHORS.md's 'fixed'-style pattern, 94% sparse at 16k", causal=True,
+            "the 'fixed'-style pattern of docs/benchmarks.md, 94% sparse at 16k", causal=True,
             layout=lambda L: layouts.sliding_and_summary(L, LAYOUT_BLOCK, local_blocks=4, every=16),
             quadratic=False),
     Variant("bigbird", "layout", "bigbird(block 128, 3 window, 2 global, 3 random blocks), non-causal",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 COLUMNS = ("variant", "op", "impl", "kind", "mode", "dtype", "B", "H", "L", "D", "status", "time_ms",
-           "tflops", "peak_mem_mib", "flops", "visible_frac")
+           "tflops", "peak_mem_mib", "flops", "visible_frac", "section", "max_diff")
 
 
 def write_all(rows: List[dict], meta: dict, out: Path) -> List[Path]:
@@ -65,11 +65,12 @@ def fmt_mib(mib: Optional[float]) -> str:
 
 
 def _groups(rows: List[dict]):
-    """{(variant, mode): {L: {impl: row}}} and the implementation order, both as first seen."""
+    """{(variant, mode, section): {L: {impl: row}}} and the implementation order, both as first seen
+    (section: a suite's section, or None)."""
     groups: Dict[tuple, Dict[int, Dict[str, dict]]] = {}
     order: Dict[tuple, List[str]] = {}
     for r in rows:
-        key = (r["variant"], r["mode"])
+        key = (r["variant"], r["mode"], r.get("section"))
         groups.setdefault(key, {}).setdefault(r["L"], {})[r["impl"]] = r
         names = order.setdefault(key, [])
         if r["impl"] not in names:
@@ -110,12 +111,12 @@ def _table(key, by_L, names, cell, with_ratio=True):
 
 
 def _title(key, by_L) -> str:
-    variant, mode = key
+    variant, mode, section = key
     any_row = next(iter(next(iter(by_L.values())).values()))
     Bs = sorted({r["B"] for rows in by_L.values() for r in rows.values()})
     B = f"B={Bs[0]}" if len(Bs) == 1 else f"B={Bs[-1]}..{Bs[0]} (B*L const)"
     return (f"{variant} | {'forward' if mode == 'fwd' else 'forward+backward'} | {any_row['dtype']} "
-            f"{B} H={any_row['H']} D={any_row['D']}")
+            f"{B} H={any_row['H']} D={any_row['D']}" + (f" | {section}" if section else ""))
 
 
 def summary_text(rows: List[dict], meta: dict) -> str:

@@ -44,7 +44,7 @@ class Settings:
     head_dim: int
     lengths: Sequence[int]
     modes: Sequence[str] = MODES
-    batch: Optional[int] = None          # None: 1 on CPU; 16k tokens / L on CUDA (ANCHORS.md)
+    batch: Optional[int] = None          # None: 1 on CPU; 16k tokens / L on CUDA (docs/benchmarks.md)
     heads: Optional[int] = None          # None: 4 on CPU; 2048 / D on CUDA
     window: int = 256
     dense_max_len: Optional[int] = None  # quadratic variants stop here (None: no cap)
@@ -159,10 +159,12 @@ def make_case(variant: Variant, L: int, s: Settings) -> Case:
 
 
 def sweep(variants: Sequence[Variant], impls: Sequence[Impl], s: Settings, bar=None,
-          on_rows: Optional[Callable[[List[dict]], None]] = None, deadline: Optional[float] = None) -> List[dict]:
+          on_rows: Optional[Callable[[List[dict]], None]] = None, deadline: Optional[float] = None,
+          on_case: Optional[Callable[[Case, List[Impl]], Dict[str, dict]]] = None) -> List[dict]:
     """Runs every (variant, L, impl serving the variant's op, mode); returns one row each.
     ``on_rows(rows)`` is called after each (variant, L) (to save partial results); the sweep stops
-    early on Ctrl-C or once ``time.monotonic()`` passes ``deadline`` (the rows so far are returned)."""
+    early on Ctrl-C or once ``time.monotonic()`` passes ``deadline`` (the rows so far are returned).
+    ``on_case(case, impls)`` -> {impl name: extra columns} runs once per (variant, L) before timing."""
     plan = [(v, L, [i for i in impls if i.op == v.op]) for v in variants for L in s.lengths_for(v)]
     rows: List[dict] = []
     try:
@@ -182,10 +184,11 @@ def sweep(variants: Sequence[Variant], impls: Sequence[Impl], s: Settings, bar=N
                         bar and bar.update()
                 measure.free_memory(s.device)
                 continue
+            extra = on_case(case, serving) if on_case is not None else {}
             for impl in serving:
                 for mode in s.modes:
                     bar and bar.set_postfix_str(f"{v.name} L={L} {impl.name} {mode}")
-                    rows.append(run_config(case, impl, mode, s))
+                    rows.append({**run_config(case, impl, mode, s), **extra.get(impl.name, {})})
                     bar and bar.update()
             case = None
             measure.free_memory(s.device)
@@ -278,6 +281,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "L, dtype and D are replaced): split a long sweep over several commands")
     p.add_argument("--time-limit", type=float, default=None,
                    help="minutes: start no new (variant, L) after this; the results so far are written")
+    p.add_argument("--suite", default=None, help="run a named suite of fixed shapes with per-section time "
+                   "budgets instead of the sweep (benchmarks/suites.py: gpu, anchors)")
+    p.add_argument("--sections", default=None, help="--suite: comma list of its sections to run (default all)")
+    p.add_argument("--budget", default=None, help="--suite: per-section seconds, e.g. 'anchors-d128=200,linear=0'")
+    p.add_argument("--dry-run", action="store_true", help="--suite: print the plan (shapes, FLOPs, estimated "
+                   "time) and exit; needs no GPU")
+    p.add_argument("--smoke", action="store_true", help="--suite: toy sizes on this machine (checks the suite)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -383,6 +393,9 @@ def metadata(a: argparse.Namespace, s: Settings, notes: dict) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.suite or a.dry_run:
+        from . import gpu_extras                # a named suite: fixed shapes, section budgets
+        return gpu_extras.main(a)
     s, variants, impls, notes = settings_from_args(a)
     if s.device.type == "cpu":
         measure.enable_cpu_peak_rss()          # before the sweep allocates anything big

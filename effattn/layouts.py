@@ -21,7 +21,7 @@ Conventions shared by the builders:
 
 - ``seq_len`` is an int ``L`` (square, ``Lq = Lk = L``) or a pair ``(Lq, Lk)``. Lengths need not be
   multiples of ``block_size``; the last block is then partial.
-- Non-square layouts are aligned bottom-right, like the attention call (query i sits at
+- Non-square layouts are aligned bottom-right, like the attention call (docs/conventions.md: query i sits at
   position ``pos(i) = i + Lk - Lq``): query block ``qb`` is placed at the key block holding the
   position of its last query, ``qp = pos(min((qb + 1) * bs, Lq) - 1) // bs``, and every rule below
   is written with ``qp`` in place of ``qb`` (``qp == qb`` when ``Lq == Lk``). The causal cut

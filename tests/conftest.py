@@ -4,7 +4,8 @@
   triton is first imported, so it is set here, at collection time. Triton configs are pinned.
 - Outputs are poisoned: torch.empty / empty_like / new_empty hand out NaN-filled float tensors, so an
   element a kernel forgets to write fails the comparison instead of passing by luck.
-- `gpu`-marked tests run only where CUDA is present.
+- `gpu`-marked tests run only where CUDA is present; with ``EFFATTN_GPU_SMOKE=1`` the ones also
+  marked `toy` (tests/test_gpu.py) run on the CPU at toy sizes, to check them before a GPU session.
 """
 import os
 
@@ -13,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests pin the Triton configs (no per-kind autotuning compiles): a GPU test run stays within one
-# device call; benchmarks/triton_gpu_check.py exercises the autotuned configs.
+# device call; the benchmark suite (python -m benchmarks.run --suite gpu) exercises the autotuned configs.
 os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
@@ -22,10 +23,12 @@ import effattn  # noqa: E402
 from effattn.backends import base  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GPU_SMOKE = os.environ.get("EFFATTN_GPU_SMOKE") == "1"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere)")
+    config.addinivalue_line("markers", "toy: a gpu test that EFFATTN_GPU_SMOKE=1 runs on the CPU at toy sizes")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not (GPU_SMOKE and "toy" in item.keywords):
             item.add_marker(skip)
 
 
@@ -45,6 +48,12 @@ def op_backends(op, device=DEVICE):
         if device.type in b.caps.devices and b.available(device) is None:
             names.append(b.name)
     return names
+
+
+def kernel_backends(op, device=DEVICE):
+    """`op_backends` less the float64 reference (the backend that declares float64, as the test
+    oracle computes): the kernels that the GPU tests judge against the oracle."""
+    return [n for n in op_backends(op, device) if torch.float64 not in base._REGISTRY[op][n].caps.dtypes]
 
 
 def attention_backends(device=DEVICE):

@@ -326,7 +326,7 @@ def test_torch_compile_fullgraph():
 # ----------------------------------------------------------------------------------- memory bound
 
 def test_reference_backend_memory_is_bounded_at_16k():
-    """SPEC/issue: B=1, H=8, L=16384, D=64 fp32 causal, forward + backward on CPU with < 1 GiB extra
+    """The memory promise: B=1, H=8, L=16384, D=64 fp32 causal, forward + backward on CPU with < 1 GiB extra
     peak. A full score matrix would be 8.6 GB. Run in a fresh process; ru_maxrss is its high-water mark."""
     script = textwrap.dedent("""
         import resource, torch, effattn

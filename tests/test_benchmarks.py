@@ -49,7 +49,7 @@ def test_visible_pairs_layout_hand_counted():
     # L=6: query block 0 (rows 0-3) sees key block 0 (4 keys); block 1 (rows 4-5, partial) sees all 6
     assert visible_pairs(6, 6, layout=lay) == 4 * 4 + 2 * 6
     assert visible_pairs(6, 6, causal=True, layout=lay) == (1 + 2 + 3 + 4) + (5 + 6)
-    # ANCHORS.md's 'fixed'-style pattern at L=1024 (8 blocks, no summary block yet): a causal band of
+    # the benchmarks' 'fixed'-style pattern at L=1024 (8 blocks, no summary block yet): a causal band of
     # 4 blocks, each diagonal block a triangle of 128*129/2 pairs, each earlier block 128*128
     fixed = layouts.sliding_and_summary(1024, 128, local_blocks=4, every=16)
     assert visible_pairs(1024, 1024, causal=True, layout=fixed) == 8 * (128 * 129 // 2) + (0 + 1 + 2 + 3 * 5) * 128 * 128

@@ -1,4 +1,4 @@
-"""Random combinations of every SPEC constraint, for every backend, against the float64 oracle.
+"""Random combinations of every visibility constraint, for every backend, against the float64 oracle.
 
 The hand-picked cases of test_attention.py cover each feature; this draws configurations where
 they interact (GQA x window x layout x padding x Lq != Lk x odd head dims) from a seeded generator,

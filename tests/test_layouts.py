@@ -279,7 +279,7 @@ def test_longformer():
                                       (129, 64, 64), (1, 300, 32)],
                          ids=lambda v: str(v))
 def test_causal_cut_is_cover_of_bottom_right_causal(Lq, Lk, bs):
-    # SPEC: query i sees key j <= i + (Lk - Lq). The causal block cut must be that mask's block cover.
+    # The convention: query i sees key j <= i + (Lk - Lq). The causal block cut must be that mask's block cover.
     i = torch.arange(Lq)[:, None]
     j = torch.arange(Lk)[None, :]
     token_causal = j <= i + (Lk - Lq)
