@@ -70,8 +70,9 @@ inline int head_dim_bucket(int d) {
 int attention_fwd(const AttnParams& p, bool bf16, prim::stream_t stream);
 int attention_bwd(const AttnParams& p, bool bf16, prim::stream_t stream);
 
-// Tile sizes (the host's tile plan uses the same): query tiles of 64 rows everywhere; key tiles of
-// 64 (32 for head dim 256) in the forward and dQ passes, of 64 in the dK/dV pass.
+// Tile sizes (the host's tile plan uses the same): forward and dQ: query tiles of 64 rows, key
+// tiles of 64 (32 for head dim 256); dK/dV: key tiles of 64, query tiles of 64 (32 from head dim
+// 128 on).
 constexpr int kBlockM = 64;
 
 }  // namespace effattn

@@ -4,7 +4,8 @@
 // 1. attn_delta_kernel: Delta_i = rowsum(dO_i * O_i) - dlse_i (Alg. 2 line 4; a gradient into lse
 //    enters dS as dlse * P, i.e. as -dlse in Delta).
 // 2. attn_dkdv_kernel: one block per (key tile of 64, b, kv head[, column half]); warp w owns keys
-//    [16w, 16w + 16). Loops over the G query heads of the group and their visible query tiles:
+//    [16w, 16w + 16). Loops over the G query heads of the group and their visible query tiles (of
+//    64 rows, 32 from head dim 128 on, which keeps S^T and dP^T within the register budget):
 //    S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (lines 11-16, with
 //    keys as rows).
 // 3. attn_dq_kernel: one block per (query tile of 64, b, h[, column half]), visiting the key tiles
@@ -19,12 +20,13 @@ namespace effattn {
 
 template <int HD>
 struct BwdConfig {
-  static constexpr int BM = 64;                         // query rows per tile
+  static constexpr int BM = 64;                         // query rows per tile (dQ)
+  static constexpr int BM_KV = HD >= 128 ? 32 : 64;     // query rows per step of the dK/dV loop
   static constexpr int BN = 64;                         // keys per dK/dV block
   static constexpr int BN_DQ = HD >= 256 ? 32 : 64;     // keys per dQ step
   static constexpr int ACC = HD >= 256 ? HD / 2 : HD;   // gradient columns one block accumulates
   static constexpr int kSplit = HD / ACC;
-  static constexpr int kDkdvSmem = (2 * BN + 2 * BM) * HD * 2 + 2 * BM * 4;
+  static constexpr int kDkdvSmem = (2 * BN + 2 * BM_KV) * HD * 2 + 2 * BM_KV * 4;
   static constexpr int kDqSmem = (2 * BM + 2 * BN_DQ) * HD * 2;
 };
 
@@ -53,10 +55,10 @@ EFFATTN_KERNEL attn_delta_kernel(const AttnParams p) {
   }
 }
 
-// The saved lse of query rows [m0, m0 + 64) in log2 units, +inf for rows past Lq or that saw no
+// The saved lse of query rows [m0, m0 + rows) in log2 units, +inf for rows past Lq or that saw no
 // key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory.
-EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int bh, int m0) {
-  for (int r = prim::thread_x(); r < 64; r += 128) {
+EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int bh, int m0, int rows) {
+  for (int r = prim::thread_x(); r < rows; r += 128) {
     const int i = m0 + r;
     float l = INFINITY, d = 0.f;
     if (i < p.Lq) {
@@ -72,7 +74,7 @@ EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_d
 template <int HD, bool BF16>
 EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
   using Cfg = BwdConfig<HD>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, ACC = Cfg::ACC;
+  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = Cfg::ACC;
   constexpr int NS = BM / 8;         // 8-wide query subtiles of S^T
   constexpr int NA = ACC / 8;        // 8-wide column subtiles of dK / dV
   EFFATTN_SMEM(smem);
@@ -117,7 +119,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
       load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
       load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
       prim::cp_async_commit();
-      load_row_stats(p, s_lse, s_delta, bh, m0);
+      load_row_stats(p, s_lse, s_delta, bh, m0, BM);
       prim::cp_async_wait<0>();
       prim::sync_block();
 

@@ -22,6 +22,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dir
                      "csrc")
 _lock = threading.Lock()
 _emu_error: Optional[str] = None
+_emu_ready = False       # set once loaded: the check below is then a flag read (torch.compile traces it)
 
 
 def emu_requested() -> bool:
@@ -40,13 +41,16 @@ def _emu_loaded() -> bool:
 
 def emu_problem() -> Optional[str]:
     """None if the emulated extension is usable (building it on first call), else why not."""
-    global _emu_error
+    global _emu_error, _emu_ready
     if not emu_requested():
         return "CPU tensors need EFFATTN_CUDA_EMU=1 (the CUDA kernels' host emulation, for tests)"
+    if _emu_ready:
+        return None
     if _emu_error is not None:
         return _emu_error
     with _lock:
         if _emu_loaded():
+            _emu_ready = True
             return None
         if not os.path.isdir(_CSRC):
             _emu_error = f"the kernel sources ({_CSRC}) are not installed"
@@ -55,6 +59,7 @@ def emu_problem() -> Optional[str]:
         else:
             try:
                 build_emu()
+                _emu_ready = True
             except Exception as e:  # noqa: BLE001 - reported through explain / the error message
                 _emu_error = f"building the emulated CUDA kernels failed: {str(e)[-2000:]}"
     return _emu_error
@@ -77,13 +82,18 @@ def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
                        extra_cflags=["-O2", "-std=c++17", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
 
 
+_cuda_problem = ["unchecked"]
+
+
 def cuda_problem() -> Optional[str]:
-    """None if the real extension (effattn._C) is importable, else why not."""
-    try:
-        from effattn import _C  # noqa: F401
-    except ImportError:
-        return "not available in this installation (CUDA extension not built)"
-    return None
+    """None if the real extension (effattn._C) is importable, else why not (checked once)."""
+    if _cuda_problem[0] == "unchecked":
+        try:
+            from effattn import _C  # noqa: F401
+            _cuda_problem[0] = None
+        except ImportError:
+            _cuda_problem[0] = "not available in this installation (CUDA extension not built)"
+    return _cuda_problem[0]
 
 
 def ops(device: torch.device):

@@ -29,9 +29,13 @@ def bucket(D: int, Dv: int) -> int:
     return next(b for b in BUCKETS if d <= b)
 
 
-def block_n(D: int, Dv: int) -> int:
-    """Key tile of the forward and dQ passes (csrc/attn_fwd.cuh FwdConfig::BN); dK/dV uses 64."""
-    return 32 if bucket(D, Dv) >= 256 else 64
+def tiles(D: int, Dv: int, by_key: bool) -> Tuple[int, int]:
+    """(query tile, key tile) of the forward and dQ passes, or with `by_key` of the dK/dV pass
+    (csrc/attention.h; FwdConfig / BwdConfig)."""
+    hd = bucket(D, Dv)
+    if by_key:
+        return (32 if hd >= 128 else 64), 64
+    return BLOCK_M, (32 if hd >= 256 else 64)
 
 
 def _norm_window(left: int, right: int, Lq: int, Lk: int) -> Tuple[int, int]:
@@ -45,9 +49,9 @@ def _plan(q, k, v, layout_mask, layout_block, left, right, by_key):
         return None, 0, 0
     Lq, Lk = q.shape[2], k.shape[2]
     left, right = _norm_window(left, right, Lq, Lk)
-    bn = 64 if by_key else block_n(q.shape[3], v.shape[3])
-    lists, wf = _layout_lists(layout_mask, layout_block, Lq, Lk, BLOCK_M, bn, left, right, by_key)
-    # partial tiles read the layout per element unless the tiles nest in its blocks (64 | block)
+    bm, bn = tiles(q.shape[3], v.shape[3], by_key)
+    lists, wf = _layout_lists(layout_mask, layout_block, Lq, Lk, bm, bn, left, right, by_key)
+    # partial tiles read the layout per element unless every pass's tiles nest in its blocks
     return lists, wf, int(layout_block % BLOCK_M != 0)
 
 
