@@ -22,12 +22,14 @@ int dispatch(const AttnParams& p, prim::stream_t stream, bool backward) {
 
 }  // namespace
 
-int attention_fwd(const AttnParams& p, bool bf16, prim::stream_t stream) {
+int attention_fwd(const AttnParams& p, bool bf16, void* stream_ptr) {
+  const auto stream = static_cast<prim::stream_t>(stream_ptr);
   if (p.Lq == 0 || p.B * p.H == 0) return 0;
   return bf16 ? dispatch<true>(p, stream, false) : dispatch<false>(p, stream, false);
 }
 
-int attention_bwd(const AttnParams& p, bool bf16, prim::stream_t stream) {
+int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {
+  const auto stream = static_cast<prim::stream_t>(stream_ptr);
   if (p.Lq == 0 || p.B * p.H == 0) return 0;
   return bf16 ? dispatch<true>(p, stream, true) : dispatch<false>(p, stream, true);
 }

@@ -9,8 +9,6 @@
 
 #include <cstdint>
 
-#include "prims.cuh"
-
 namespace effattn {
 
 struct AttnParams {
@@ -66,9 +64,10 @@ inline int head_dim_bucket(int d) {
   return -1;
 }
 
-// Launchers (attention.cu). `bf16`: the element type (else fp16). Return 0, or an error code.
-int attention_fwd(const AttnParams& p, bool bf16, prim::stream_t stream);
-int attention_bwd(const AttnParams& p, bool bf16, prim::stream_t stream);
+// Launchers (attention.cu). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
+// under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
+int attention_fwd(const AttnParams& p, bool bf16, void* stream);
+int attention_bwd(const AttnParams& p, bool bf16, void* stream);
 
 // Tile sizes (the host's tile plan uses the same): forward and dQ: query tiles of 64 rows, key
 // tiles of 64 (32 for head dim 256); dK/dV: key tiles of 64, query tiles of 64 (32 from head dim

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention.h"
+#include "prims.cuh"
 
 namespace effattn {
 

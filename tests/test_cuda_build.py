@@ -109,3 +109,18 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+
+def test_header_the_binding_includes_is_host_cpp(tmp_path):
+    """setup.py compiles csrc/binding/*.cpp with the host compiler (only .cu files go to nvcc): the
+    kernel header it includes must not pull in device code without EFFATTN_CUDA_EMU."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("needs g++")
+    src = tmp_path / "uses_header.cpp"
+    src.write_text('#include "attention.h"\nint main() { effattn::AttnParams p{}; '
+                   'return effattn::head_dim_bucket(p.D + 1); }\n')
+    res = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", CSRC, str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
