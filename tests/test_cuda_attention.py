@@ -97,6 +97,7 @@ SHAPES = {
     "D96-Dv72-bucket128-window": (1, 2, 2, 50, 66, 96, 72, dict(window=(20, 5))),
     "D130-Dv8-bucket256-layout": (1, 2, 2, 45, 45, 130, 8, dict(layout=(16, True))),
     "D256-Dv256-decode-gqa": (1, 4, 1, 3, 70, 256, 256, dict(causal=True)),
+    "window-int32-max": (1, 2, 2, 30, 40, 16, 16, dict(window=(2**31 - 1, 2**31 - 1))),
     "Lk-not-multiple-Lq-gt-Lk-layout-bs48": (2, 2, 2, 100, 61, 16, 16, dict(layout=(48, False), causal=True)),
 }
 
@@ -238,15 +239,16 @@ VISITS = {
     "layout-bs32-causal": (192, 192, 32, -1, 0, (32, 0.5)),
     "layout-bs64-window": (256, 200, 32, 60, 10, (64, 0.6)),
     "layout-bs128-D256": (128, 256, 256, -1, -1, (128, 0.5)),
+    "causal-D128-q100-k160": (100, 160, 128, -1, 0, None),
 }
 
 
 @pytest.mark.parametrize("case_id", list(VISITS))
-def test_forward_visits_exactly_the_planned_tiles(case_id, emulation):
+def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation):
     """The emulation counts warp mma: each visited (query tile, key tile) pair costs every warp a
-    fixed number (Q K^T over D, P V over Dv), so the count gives the tiles the kernel visited; they
-    must be the ones of the Triton backend's plan (`visited_tiles`, the same code that builds the
-    layout lists) for tiles of 64 x 64 (64 x 32 at head dim 256)."""
+    fixed number of them (forward: Q K^T over D, P V over Dv; dK/dV: S^T, dP^T, dV, dK; dQ: S, dP,
+    dQ), so the counts give the tiles each pass visited. They must be the pairs of the Triton
+    backend's plan (`visited_tiles`, the code that builds the layout lists) for each pass's tiles."""
     from effattn.backends.cuda.ops import tiles
     from effattn.backends.triton_attention import visited_tiles
     Lq, Lk, D, left, right, lay = VISITS[case_id]
@@ -256,22 +258,34 @@ def test_forward_visits_exactly_the_planned_tiles(case_id, emulation):
     if lay:
         bs, dens = lay
         layout = BlockLayout(torch.rand(H, math.ceil(Lq / bs), math.ceil(Lk / bs), generator=g) < dens, bs)
-    q = torch.randn(1, H, Lq, D, generator=g).half()
-    k, v = (torch.randn(1, H, Lk, D, generator=g).half() for _ in range(2))
+    q = torch.randn(1, H, Lq, D, generator=g).half().requires_grad_()
+    k, v = (torch.randn(1, H, Lk, D, generator=g).half().requires_grad_() for _ in range(2))
     kw = {}
     if right == 0:
         kw = dict(causal=True, window=(left, 0)) if left >= 0 else dict(causal=True)
     elif left >= 0 or right >= 0:
         kw = dict(window=(left, right))
+
+    def pairs(by_key):
+        bm, bn = tiles(D, D, by_key)
+        full, part = visited_tiles(Lq, Lk, bm, bn, left, right, layout.mask if layout else None,
+                                   layout.block_size if layout else 0)
+        return (full + part) * (1 if layout is not None else H), bm, bn
+
+    steps = math.ceil(D / 16)                                 # 16-wide steps over D (= Dv here)
+    split = 2 if D > 128 else 1                               # head dim 256: two column halves
     emulation.emu_stats()
-    effattn.attention(q, k, v, layout=layout, backend="cuda", **kw)
-    mma = int(emulation.emu_stats()[1])
-    bm, bn = tiles(D, D, by_key=False)
-    full, part = visited_tiles(Lq, Lk, bm, bn, left, right, layout.mask if layout else None,
-                               layout.block_size if layout else 0)
-    pairs = (full + part) * (1 if layout is not None and layout.mask.shape[0] == H else H)
-    per_pair = 4 * 2 * (bn // 16) * (2 * math.ceil(D / 16))    # 4 warps; Q K^T and P V
-    assert mma == pairs * per_pair, (mma / per_pair, pairs)
+    out = effattn.attention(q, k, v, layout=layout, backend="cuda", **kw)
+    fwd = int(emulation.emu_stats()[1])
+    n, _, bn = pairs(False)
+    assert fwd == n * 4 * 2 * (bn // 16) * 2 * steps, (fwd, n)
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    bwd = int(emulation.emu_stats()[1])
+    nk, bm_kv, _ = pairs(True)
+    # per block half: S^T and dP^T over all of D, dV and dK over its half of the columns
+    dkdv = nk * 4 * 2 * (bm_kv // 16) * (2 * steps * split + 2 * steps)
+    dq = n * 4 * 2 * (bn // 16) * (2 * steps * split + steps)
+    assert bwd == dkdv + dq, (bwd, dkdv, dq)
 
 
 def test_ldmatrix_one_wavefront_per_phase_in_every_kernel(emulation):

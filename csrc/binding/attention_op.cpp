@@ -250,3 +250,13 @@ EFFATTN_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
   m.impl("attention_fwd", attention_fwd);
   m.impl("attention_bwd", attention_bwd);
 }
+
+#if !defined(EFFATTN_CUDA_EMU)
+// `import effattn._C` loads this library (which registers the ops above); Python needs the module
+// entry point. The emulated build is loaded as a plain library and needs none.
+#include <Python.h>
+
+static PyModuleDef effattn_c_module = {PyModuleDef_HEAD_INIT, "_C", "effattn's CUDA kernels (ops in torch.ops.effattn_cuda)", -1,
+                                       nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&effattn_c_module); }
+#endif
