@@ -337,6 +337,14 @@ def test_dispatch_on_cpu_only_when_named_and_reasons():
         effattn.attention(q.float(), q.float(), q.float(), backend="cuda")
 
 
+def test_explain_names_the_alignment_copies():
+    q = torch.randn(1, 2, 8, 5).half()
+    ex = effattn.explain(q, q, q, backend="cuda")
+    assert ex.can_serve("cuda") and "copied into zero-padded 16-byte rows" in ex.notes["cuda"]
+    assert "only when asked for by name" in ex.notes["cuda"]
+    assert "copied" not in effattn.explain(*(torch.randn(1, 2, 8, 16).half() for _ in range(3))).notes.get("cuda", "")
+
+
 def test_unavailable_without_the_switch(monkeypatch):
     from effattn.backends.cuda import _available
     monkeypatch.delenv("EFFATTN_CUDA_EMU")

@@ -64,6 +64,6 @@ BACKEND = register(Backend(
         max_head_dim=256,
         features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
                             "dv_ne_d", "return_lse"})),
-    run=_run, available=_available,
+    run=_run, available=_available, notes=notes,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
