@@ -20,7 +20,7 @@ def cuda_build():
     if want == "0":
         return [], {}
     kernels = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    bindings = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    bindings = sorted(glob.glob(os.path.join("csrc", "binding", "*.cpp")))   # the only torch-including sources
     why = None
     try:
         import torch
@@ -67,7 +67,9 @@ setup(
         "triton": ["triton>=3.6"],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.56"],
-        "test": ["pytest", "pytest-benchmark", "triton>=3.7", "numpy", "matplotlib", "tqdm", "transformers>=4.56"],
+        "test": ["pytest", "pytest-benchmark", "triton>=3.7", "numpy", "matplotlib", "tqdm", "transformers>=4.56",
+                 # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
+                 "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -102,6 +102,9 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
             notes[b.name] = f"on {call.q.device.type} only when asked for by name"
         elif not why and chosen is None:
             chosen = b.name
+        extra = b.notes(call) if not why else []
+        if extra:
+            notes[b.name] = "; ".join(([notes[b.name]] if b.name in notes else []) + extra)
     for name in base.BACKENDS:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]

@@ -57,6 +57,8 @@ class Backend:
     # devices where the backend runs only when asked for by name, never picked by "auto"
     # (Triton's interpreter on CPU: correct, but far slower than the torch reference)
     explicit_only_devices: FrozenSet[str] = frozenset()
+    # what serving a call involves besides the kernels (e.g. copies of inputs), for explain
+    notes: Callable = lambda call: []
 
     def reasons(self, call) -> List[str]:
         why = []

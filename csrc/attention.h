@@ -1,0 +1,77 @@
+// The plain parameter block of effattn's CUDA softmax-attention kernels, and their launchers.
+// No torch here: pointers, int64 element strides, sizes. The binding (csrc/binding/) fills it.
+//
+// Visibility (the same rule as every effattn backend): query i sits at pos(i) = i + off,
+// off = Lk - Lq (bottom-right), and sees key j iff
+//   pos(i) - left <= j <= pos(i) + right   (left / right = -1: unbounded; causal is right = 0)
+// and the layout block (i / lay_bs, j / lay_bs) is on and key j is not padded.
+#pragma once
+
+#include <cstdint>
+
+namespace effattn {
+
+struct AttnParams {
+  // inputs, element type bf16 or fp16 (raw 16-bit); the last dimension is contiguous, rows start
+  // 16-byte aligned, D and Dv are multiples of 8 (the binding pads a copy where they are not)
+  const void* q;                 // (B, H, Lq, D)
+  const void* k;                 // (B, Hkv, Lk, D)
+  const void* v;                 // (B, Hkv, Lk, Dv)
+  int64_t q_b, q_h, q_l, k_b, k_h, k_l, v_b, v_h, v_l;
+  void* o;                       // (B, H, Lq, Dv_out): forward output
+  int64_t o_b, o_h, o_l;
+  float* lse;                    // (B, H, Lq) fp32, contiguous, natural log; -inf for a row that sees nothing
+  // mask data (null = absent)
+  const uint8_t* kpm;            // (B, Lk), nonzero = padded (ignored)
+  int64_t kpm_b, kpm_l;
+  const uint8_t* layout;         // (Hl, ceil(Lq/bs), ceil(Lk/bs)) uint8 contiguous
+  int64_t lay_h;                 // 0 when the layout is shared by all heads
+  int lay_nkb, lay_bs;
+  int lay_check;                 // partial tiles read the layout per element (tiles straddle blocks)
+  const int32_t* lists;          // packed tile lists [n_full, n_partial, full..., partial...] per row
+  int64_t list_h, list_t;
+  int list_wf;
+  const int32_t* lists_by_key;   // the transposed lists (query tiles per key tile) for the dK/dV pass
+  int64_t listk_h, listk_t;
+  int listk_wf;
+  // sizes
+  int B, H, G, Lq, Lk, D, Dv, Dv_out;   // G = H / Hkv (grouped-query attention)
+  int off, left, right;
+  float scale, qk_scale;         // qk_scale = scale * log2(e)
+  // dropout: keep (i, j) iff (Philox(seed; i, j, b*H + h, 0)[0] >> 8) >= drop_thresh
+  int dropout;
+  uint32_t seed_lo, seed_hi;
+  int drop_thresh;
+  float inv_keep;                // 1 / (1 - p)
+  // backward
+  const void* dout;              // (B, H, Lq, Dv), same layout rules as q
+  int64_t do_b, do_h, do_l;
+  const float* delta;            // (B, H, Lq) fp32: rowsum(dO * O) - dlse
+  const float* dlse;             // (B, H, Lq) fp32 or null
+  int64_t dl_b, dl_h, dl_l;
+  void* dq;                      // (B, H, Lq, D), contiguous
+  void* dk;                      // (B, Hkv, Lk, D), contiguous
+  void* dv;                      // (B, Hkv, Lk, Dv), contiguous
+  float* delta_out;              // written by the Delta kernel
+};
+
+// Head-dim buckets: the kernels are compiled for max(D, Dv) rounded up to one of these.
+constexpr int kHeadDimBuckets[] = {32, 64, 128, 256};
+
+inline int head_dim_bucket(int d) {
+  for (int b : kHeadDimBuckets)
+    if (d <= b) return b;
+  return -1;
+}
+
+// Launchers (attention.cu). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
+// under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
+int attention_fwd(const AttnParams& p, bool bf16, void* stream);
+int attention_bwd(const AttnParams& p, bool bf16, void* stream);
+
+// Tile sizes (the host's tile plan uses the same): forward and dQ: query tiles of 64 rows, key
+// tiles of 64 (32 for head dim 256); dK/dV: key tiles of 64, query tiles of 64 (32 from head dim
+// 128 on).
+constexpr int kBlockM = 64;
+
+}  // namespace effattn

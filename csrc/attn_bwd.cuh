@@ -1,0 +1,294 @@
+// Backward kernels: FlashAttention-2 (Dao 2023, Alg. 2) split in passes so that every gradient
+// element is written by exactly one block (no atomics: deterministic).
+//
+// 1. attn_delta_kernel: Delta_i = rowsum(dO_i * O_i) - dlse_i (Alg. 2 line 4; a gradient into lse
+//    enters dS as dlse * P, i.e. as -dlse in Delta).
+// 2. attn_dkdv_kernel: one block per (key tile of 64, b, kv head[, column half]); warp w owns keys
+//    [16w, 16w + 16). Loops over the G query heads of the group and their visible query tiles (of
+//    64 rows, 32 from head dim 128 on, which keeps S^T and dP^T within the register budget):
+//    S^T = K Q^T, P^T = exp(S^T - L), dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (lines 11-16, with
+//    keys as rows).
+// 3. attn_dq_kernel: one block per (query tile of 64, b, h[, column half]), visiting the key tiles
+//    of the forward's schedule: dQ += dS K.
+// Head dim 256: a block accumulates half the columns of dK/dV (dQ), blockIdx.z picks the half, so
+// the accumulators fit in registers; S and dP are computed by both halves.
+#pragma once
+
+#include "attn_common.cuh"
+
+namespace effattn {
+
+template <int HD>
+struct BwdConfig {
+  static constexpr int BM = 64;                         // query rows per tile (dQ)
+  static constexpr int BM_KV = HD >= 128 ? 32 : 64;     // query rows per step of the dK/dV loop
+  static constexpr int BN = 64;                         // keys per dK/dV block
+  static constexpr int BN_DQ = HD >= 256 ? 32 : 64;     // keys per dQ step
+  static constexpr int ACC = HD >= 256 ? HD / 2 : HD;   // gradient columns one block accumulates
+  static constexpr int kSplit = HD / ACC;
+  static constexpr int kDkdvSmem = (2 * BN + 2 * BM_KV) * HD * 2 + 2 * BM_KV * 4;
+  static constexpr int kDqSmem = (2 * BM + 2 * BN_DQ) * HD * 2;
+};
+
+// Delta, one warp per row. Grid: ceil(Lq / 16) * B * H blocks of 4 warps, 4 rows per warp.
+template <bool BF16>
+EFFATTN_KERNEL attn_delta_kernel(const AttnParams p) {
+  const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
+  const int n_rt = (p.Lq + 15) / 16;
+  const int rt = int(prim::block_x() % unsigned(n_rt));
+  const int bh = int(prim::block_x() / unsigned(n_rt));
+  const int b = bh / p.H, h = bh % p.H;
+  const uint16_t* o = static_cast<const uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
+  const uint16_t* dout = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h;
+  for (int r = 0; r < 4; ++r) {
+    const int i = rt * 16 + warp * 4 + r;
+    if (i >= p.Lq) break;                                // warp-uniform
+    float acc = 0.f;
+    for (int c = lane; c < p.Dv_out; c += 32)
+      acc += prim::to_float<BF16>(o[int64_t(i) * p.o_l + c]) * prim::to_float<BF16>(dout[int64_t(i) * p.do_l + c]);
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) acc += prim::shfl_xor_f(acc, m);
+    if (lane == 0) {
+      if (p.dlse) acc -= p.dlse[b * p.dl_b + h * p.dl_h + int64_t(i) * p.dl_l];
+      p.delta_out[int64_t(bh) * p.Lq + i] = acc;
+    }
+  }
+}
+
+// The saved lse of query rows [m0, m0 + rows) in log2 units, +inf for rows past Lq or that saw no
+// key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory.
+EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int bh, int m0, int rows) {
+  for (int r = prim::thread_x(); r < rows; r += 128) {
+    const int i = m0 + r;
+    float l = INFINITY, d = 0.f;
+    if (i < p.Lq) {
+      l = p.lse[int64_t(bh) * p.Lq + i];
+      l = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+      d = p.delta[int64_t(bh) * p.Lq + i];
+    }
+    s_lse[r] = l;
+    s_delta[r] = d;
+  }
+}
+
+template <int HD, bool BF16>
+EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
+  using Cfg = BwdConfig<HD>;
+  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = Cfg::ACC;
+  constexpr int NS = BM / 8;         // 8-wide query subtiles of S^T
+  constexpr int NA = ACC / 8;        // 8-wide column subtiles of dK / dV
+  EFFATTN_SMEM(smem);
+  uint16_t* sK = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sV = sK + BN * HD;
+  uint16_t* sQ = sV + BN * HD;
+  uint16_t* sdO = sQ + BM * HD;
+  float* s_lse = reinterpret_cast<float*>(sdO + BM * HD);
+  float* s_delta = s_lse + BM;
+
+  const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n_nt = (p.Lk + BN - 1) / BN;
+  const int nt = int(prim::block_x() % unsigned(n_nt));
+  const int bhk = int(prim::block_x() / unsigned(n_nt));
+  const int Hkv = p.H / p.G;
+  const int b = bhk / Hkv, hk = bhk % Hkv;
+  const int n0 = nt * BN;
+  const int c0 = int(prim::block_z()) * ACC;            // first gradient column of this block
+  const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
+  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+
+  load_tile<HD, BN>(sK, static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h, p.k_l, n0, p.Lk, p.D);
+  load_tile<HD, BN>(sV, static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h, p.v_l, n0, p.Lk, p.Dv);
+  prim::cp_async_commit();
+
+  float dk[NA][4], dv[NA][4];
+#pragma unroll
+  for (int j = 0; j < NA; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+  const int key0 = n0 + warp * 16 + g;                  // this thread's keys: key0, key0 + 8
+
+  for (int h = hk * p.G; h < (hk + 1) * p.G; ++h) {
+    const int bh = b * p.H + h;
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h;
+    const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h;
+    const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+    const Schedule sched = query_schedule(p, p.lists, h, nt, BM, BN);
+    for (int it = 0; it < sched.count(); ++it) {
+      const int m0 = sched.tile(it) * BM;
+      load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
+      load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
+      prim::cp_async_commit();
+      load_row_stats(p, s_lse, s_delta, bh, m0, BM);
+      prim::cp_async_wait<0>();
+      prim::sync_block();
+
+      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the 64 queries
+      float st[NS][4], dpt[NS][4];
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+      mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, sQ, kd);
+      mma_rows_rows<HD, BM, BF16>(dpt, sV, warp * 16, sdO, kdv);
+
+      // P^T, dS^T; st becomes P^T with dropout applied (for dV), dpt becomes dS^T (for dK)
+      const bool masked = sched.masked(it);
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kj = key0 + 8 * (e >> 1);
+          const int qr = 8 * j + 2 * t4 + (e & 1);      // query row within the tile
+          const int i = m0 + qr;
+          bool ok = !masked || visible(p, lay, i, kj);
+          if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
+          const float pt = ok ? prim::exp2(st[j][e] * p.qk_scale - s_lse[qr]) : 0.f;
+          float dp = dpt[j][e];
+          float pd = pt;
+          if (p.dropout) {
+            const bool keep = dropout_keep(p, bh, i, kj);
+            pd = keep ? pt * p.inv_keep : 0.f;
+            dp = keep ? dp * p.inv_keep : 0.f;
+          }
+          st[j][e] = pd;
+          dpt[j][e] = pt * (dp - s_delta[qr]);
+        }
+
+      // dV += P^T dO and dK += dS^T Q over this block's columns [c0, c0 + ACC)
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t ap[4], as[4];
+        acc_to_a<BF16>(ap, st, kk);
+        acc_to_a<BF16>(as, dpt, kk);
+        mma_a_rows<HD, NA, BF16>(dv, ap, sdO, kk, c0 / 8, p.Dv);
+        mma_a_rows<HD, NA, BF16>(dk, as, sQ, kk, c0 / 8, p.D);
+      }
+      prim::sync_block();                                // every warp is done with sQ, sdO, stats
+    }
+  }
+  prim::cp_async_wait<0>();                              // K, V when no query tile was visited
+
+  uint16_t* dkb = static_cast<uint16_t*>(p.dk) + (int64_t(bhk) * p.Lk) * p.D;
+  uint16_t* dvb = static_cast<uint16_t*>(p.dv) + (int64_t(bhk) * p.Lk) * p.Dv;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kj = key0 + 8 * r;
+    if (kj >= p.Lk) continue;
+#pragma unroll
+    for (int j = 0; j < NA; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = c0 + 8 * j + 2 * t4 + e;
+        if (c < p.D) dkb[int64_t(kj) * p.D + c] = prim::from_float<BF16>(dk[j][2 * r + e] * p.scale);
+        if (c < p.Dv) dvb[int64_t(kj) * p.Dv + c] = prim::from_float<BF16>(dv[j][2 * r + e]);
+      }
+  }
+}
+
+template <int HD, bool BF16>
+EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
+  using Cfg = BwdConfig<HD>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN_DQ, ACC = Cfg::ACC;
+  constexpr int NS = BN / 8;
+  constexpr int NA = ACC / 8;
+  EFFATTN_SMEM(smem);
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sdO = sQ + BM * HD;
+  uint16_t* sK = sdO + BM * HD;
+  uint16_t* sV = sK + BN * HD;
+
+  const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n_mt = (p.Lq + BM - 1) / BM;
+  const int mt = int(prim::block_x() % unsigned(n_mt));
+  const int bh = int(prim::block_x() / unsigned(n_mt));
+  const int b = bh / p.H, h = bh % p.H, hk = h / p.G;
+  const int m0 = mt * BM;
+  const int c0 = int(prim::block_z()) * ACC;
+  const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h;
+  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+  const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+
+  load_tile<HD, BM>(sQ, static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h, p.q_l, m0, p.Lq, p.D);
+  load_tile<HD, BM>(sdO, static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h, p.do_l, m0, p.Lq, p.Dv);
+  prim::cp_async_commit();
+
+  const int row0 = m0 + warp * 16 + g;
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    lse2[r] = INFINITY;
+    dlt[r] = 0.f;
+    if (i < p.Lq) {
+      const float l = p.lse[int64_t(bh) * p.Lq + i];
+      lse2[r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+      dlt[r] = p.delta[int64_t(bh) * p.Lq + i];
+    }
+  }
+  float dq[NA][4];
+#pragma unroll
+  for (int j = 0; j < NA; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+
+  const Schedule sched = key_schedule(p, h, mt, BM, BN);
+  for (int it = 0; it < sched.count(); ++it) {
+    const int n0 = sched.tile(it) * BN;
+    load_tile<HD, BN>(sK, kb, p.k_l, n0, p.Lk, p.D);
+    load_tile<HD, BN>(sV, vb, p.v_l, n0, p.Lk, p.Dv);
+    prim::cp_async_commit();
+    prim::cp_async_wait<0>();
+    prim::sync_block();
+
+    float s[NS][4], dp[NS][4];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+    mma_rows_rows<HD, BN, BF16>(s, sQ, warp * 16, sK, kd);
+    mma_rows_rows<HD, BN, BF16>(dp, sdO, warp * 16, sV, kdv);
+
+    const bool masked = sched.masked(it);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
+        bool ok = !masked || visible(p, lay, i, kj);
+        if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
+        const float pr = ok ? prim::exp2(s[j][e] * p.qk_scale - lse2[r]) : 0.f;
+        float d = dp[j][e];
+        if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
+        s[j][e] = pr * (d - dlt[r]);                     // dS
+      }
+
+    // dQ += dS K over columns [c0, c0 + ACC)
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<BF16>(a, s, kk);
+      mma_a_rows<HD, NA, BF16>(dq, a, sK, kk, c0 / 8, p.D);
+    }
+    prim::sync_block();                                  // every warp is done with sK, sV
+  }
+  prim::cp_async_wait<0>();
+
+  uint16_t* dqb = static_cast<uint16_t*>(p.dq) + (int64_t(bh) * p.Lq) * p.D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    if (i >= p.Lq) continue;
+#pragma unroll
+    for (int j = 0; j < NA; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = c0 + 8 * j + 2 * t4 + e;
+        if (c < p.D) dqb[int64_t(i) * p.D + c] = prim::from_float<BF16>(dq[j][2 * r + e] * p.scale);
+      }
+  }
+}
+
+}  // namespace effattn

@@ -1,0 +1,157 @@
+// Forward kernel: FlashAttention-2 (Dao 2023, Alg. 1) on mma.sync m16n8k16, ldmatrix and cp.async.
+//
+// One block of 4 warps per (query tile of 64 rows, b, h), 1-D grid; warp w owns rows [16w, 16w + 16). Per key
+// tile (BN keys): S = Q K^T (Q and K from swizzled shared memory through ldmatrix), the online
+// softmax in registers, O += P V (P straight from the S accumulators, V through ldmatrix.trans).
+// cp.async pipeline, one buffer per operand: V(t) is in flight while S(t) is computed, K(t+1)
+// while the softmax and P V(t) run.
+#pragma once
+
+#include "attn_common.cuh"
+
+namespace effattn {
+
+template <int HD>
+struct FwdConfig {
+  static constexpr int BM = kBlockM;
+  static constexpr int BN = HD >= 256 ? 32 : 64;
+  static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
+};
+
+template <int HD, bool BF16>
+EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
+  using Cfg = FwdConfig<HD>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  constexpr int NS = BN / 8;        // 8-wide key subtiles of S
+  constexpr int ND = HD / 8;        // 8-wide column subtiles of O
+  EFFATTN_SMEM(smem);
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sK = sQ + BM * HD;
+  uint16_t* sV = sK + BN * HD;
+
+  const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  // 1-D grid, query tiles fastest (a grid's y size is limited to 65535, B * H is not)
+  const int n_mt = (p.Lq + BM - 1) / BM;
+  const int mt = int(prim::block_x() % unsigned(n_mt));
+  const int bh = int(prim::block_x() / unsigned(n_mt));
+  const int b = bh / p.H, h = bh % p.H, hk = h / p.G;
+  const int m0 = mt * BM;
+
+  const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h;
+  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+  const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+  const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
+
+  const Schedule sched = key_schedule(p, h, mt, BM, BN);
+  const int n_tiles = sched.count();
+
+  load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
+  if (n_tiles > 0) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
+  prim::cp_async_commit();
+
+  float acc[ND][4];
+#pragma unroll
+  for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+  const int row0 = m0 + warp * 16 + g;                  // this thread's rows: row0, row0 + 8
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = sched.tile(it) * BN;
+    load_tile<HD, BN>(sV, vb, p.v_l, n0, p.Lk, p.Dv);
+    prim::cp_async_commit();
+    prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
+    prim::sync_block();                                  // ... and every thread's
+
+    // S = Q K^T for this warp's 16 rows and the BN keys
+    float s[NS][4];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    mma_rows_rows<HD, BN, BF16>(s, sQ, warp * 16, sK, kd);
+    prim::sync_block();                                  // every warp is done reading K(t)
+    if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
+    prim::cp_async_commit();                             // (an empty group on the last tile)
+
+    // mask, then the online softmax (Alg. 1 lines 8-10) on rows row0 (r = 0) and row0 + 8 (r = 1)
+    const bool masked = sched.masked(it);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
+        float x = s[j][e] * p.qk_scale;                  // log2 units
+        if (masked && !visible(p, lay, i, kj)) x = -INFINITY;
+        if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
+        s[j][e] = x;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      mx = fmaxf(mx, prim::shfl_xor_f(mx, 1));
+      mx = fmaxf(mx, prim::shfl_xor_f(mx, 2));
+      const float m_new = fmaxf(m_i[r], mx);
+      // a row that has seen nothing keeps m = -inf; the shift 0 keeps exp2(-inf - 0) = 0, not NaN
+      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = prim::exp2(m_i[r] - m_ref);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float pv = prim::exp2(s[j][2 * r + e] - m_ref);
+          sum += pv;
+          // the normalizer sums undropped probabilities; dropout acts on P V only
+          if (p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
+          s[j][2 * r + e] = pv;
+        }
+      l_i[r] = l_i[r] * alpha + sum;                     // per-thread partial row sums
+      m_i[r] = m_new;
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        acc[j][2 * r] *= alpha;
+        acc[j][2 * r + 1] *= alpha;
+      }
+    }
+
+    prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
+    prim::sync_block();
+    // O += P V: P's accumulator layout is the A-operand layout of the next mma
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<BF16>(a, s, kk);
+      mma_a_rows<HD, ND, BF16>(acc, a, sV, kk, 0, p.Dv);
+    }
+    prim::sync_block();                                  // every warp is done reading V(t)
+  }
+  prim::cp_async_wait<0>();
+
+  // Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
+  uint16_t* ob = static_cast<uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_i[r];
+    l += prim::shfl_xor_f(l, 1);
+    l += prim::shfl_xor_f(l, 2);
+    const bool empty = l == 0.f;
+    const float f = empty ? 0.f : (p.dropout ? p.inv_keep : 1.f) / l;
+    const int i = row0 + 8 * r;
+    if (i < p.Lq) {
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * j + 2 * t4 + e;
+          if (c < p.Dv_out) ob[int64_t(i) * p.o_l + c] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
+        }
+      if (t4 == 0)
+        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m_i[r] + log2f(l)) * 0.6931471805599453f;
+    }
+  }
+}
+
+}  // namespace effattn

@@ -1,0 +1,59 @@
+// Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype): grid,
+// shared memory, launch. attention.cu dispatches to them; the host self-test instantiates a few
+// directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
+#pragma once
+
+#include "attention.h"
+#include "attn_bwd.cuh"
+#include "attn_fwd.cuh"
+
+namespace effattn {
+namespace detail {
+
+#if defined(EFFATTN_CUDA_EMU)
+template <class Kernel>
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const AttnParams& p) {
+  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{128, 1, 1}, size_t(smem), [&] { kernel(p); });
+  return 0;
+}
+#else
+template <class Kernel>
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const AttnParams& p) {
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return int(e);
+  }
+  kernel<<<dim3(grid, 1, split), dim3(128, 1, 1), smem, stream>>>(p);
+  return int(cudaGetLastError());
+}
+#endif
+
+inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+
+template <int HD, bool BF16>
+int fwd(const AttnParams& p, prim::stream_t stream) {
+  using Cfg = FwdConfig<HD>;
+  return launch(attn_fwd_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, p);
+}
+
+template <int HD, bool BF16>
+int bwd(const AttnParams& p, prim::stream_t stream) {
+  using Cfg = BwdConfig<HD>;
+  int err = launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
+  if (err) return err;
+  AttnParams pk = p;                                    // the dK/dV pass reads the by-key lists
+  pk.lists = p.lists_by_key;
+  pk.list_h = p.listk_h;
+  pk.list_t = p.listk_t;
+  pk.list_wf = p.listk_wf;
+  if (p.Lk > 0) {
+    err = launch(attn_dkdv_kernel<HD, BF16>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), Cfg::kSplit,
+                 Cfg::kDkdvSmem, stream, pk);
+    if (err) return err;
+  }
+  return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
+                stream, p);
+}
+
+}  // namespace detail
+}  // namespace effattn

@@ -1,0 +1,262 @@
+// The torch glue of the CUDA softmax-attention kernels: argument preparation, allocation and the
+// TORCH_LIBRARY registration. The only file of csrc/ that includes torch.
+//
+// Two builds of this one file:
+// - the real extension (setup.py, a CUDA torch and nvcc): ops `effattn_cuda::*` on CUDA tensors;
+// - with EFFATTN_CUDA_EMU (a host compiler against any torch, built on first use by
+//   effattn/backends/cuda/): ops `effattn_cuda_emu::*` on CPU tensors, running the same kernel
+//   source through the emulation of csrc/emu/, compiled into this translation unit.
+// The Python side (effattn/backends/cuda/) adds the fake (meta) kernels and the autograd formula.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "attention.h"
+
+#if defined(EFFATTN_CUDA_EMU)
+#include "attention.cu"
+#define EFFATTN_OPS effattn_cuda_emu
+#define EFFATTN_KEY CPU
+#else
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#define EFFATTN_OPS effattn_cuda
+#define EFFATTN_KEY CUDA
+#endif
+
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+// A tensor the kernels can read with 16-byte cp.async rows: last dim contiguous and a multiple of
+// 8, row/head/batch strides multiples of 8 elements, 16-byte aligned base. Otherwise a zero-padded
+// contiguous copy (explain() names it).
+Tensor aligned(const Tensor& t) {
+  bool ok = t.stride(3) == 1 && t.size(3) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3 && ok; ++d) ok = t.stride(d) % 8 == 0 || t.size(d) <= 1;
+  if (ok) return t;
+  int64_t pad = (8 - t.size(3) % 8) % 8;
+  return at::constant_pad_nd(t, {0, pad}).contiguous();
+}
+
+int64_t stride_or_0(const Tensor& t, int d) { return t.size(d) > 1 ? t.stride(d) : 0; }
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "effattn cuda backend: ", what); }
+
+struct Prepared {
+  Tensor q, k, v, kpm, layout, lists, lists_by_key;
+  effattn::AttnParams p{};
+  bool bf16 = false;
+};
+
+// Fills everything but the output / gradient pointers.
+Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const optional<Tensor>& kpm,
+                 const optional<Tensor>& layout, int64_t layout_block, int64_t lay_check,
+                 const optional<Tensor>& lists, int64_t list_wf, const optional<Tensor>& lists_by_key,
+                 int64_t listk_wf, const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
+                 int64_t right) {
+  check(q0.dim() == 4 && k0.dim() == 4 && v0.dim() == 4, "q, k, v must be 4-D (B, H, L, D)");
+  check(q0.scalar_type() == k0.scalar_type() && q0.scalar_type() == v0.scalar_type(), "q, k, v must share a dtype");
+  check(q0.scalar_type() == at::kBFloat16 || q0.scalar_type() == at::kHalf, "dtype must be bfloat16 or float16");
+  Prepared r;
+  r.bf16 = q0.scalar_type() == at::kBFloat16;
+  r.q = aligned(q0);
+  r.k = aligned(k0);
+  r.v = aligned(v0);
+  effattn::AttnParams& p = r.p;
+  p.B = int(q0.size(0));
+  p.H = int(q0.size(1));
+  const int Hkv = int(k0.size(1));
+  check(Hkv > 0 && p.H % Hkv == 0, "H must be a multiple of Hkv");
+  p.G = p.H / Hkv;
+  p.Lq = int(q0.size(2));
+  p.Lk = int(k0.size(2));
+  p.D = int(r.q.size(3));
+  p.Dv = int(r.v.size(3));
+  p.Dv_out = int(v0.size(3));
+  check(effattn::head_dim_bucket(std::max(p.D, p.Dv)) > 0, "head dims must be at most 256");
+  p.q = r.q.data_ptr();
+  p.k = r.k.data_ptr();
+  p.v = r.v.data_ptr();
+  p.q_b = stride_or_0(r.q, 0), p.q_h = stride_or_0(r.q, 1), p.q_l = r.q.stride(2);
+  p.k_b = stride_or_0(r.k, 0), p.k_h = stride_or_0(r.k, 1), p.k_l = r.k.stride(2);
+  p.v_b = stride_or_0(r.v, 0), p.v_h = stride_or_0(r.v, 1), p.v_l = r.v.stride(2);
+  p.off = p.Lk - p.Lq;
+  // a window wider than the sequences is no constraint (and -1 keeps the bound arithmetic in int32)
+  p.left = left >= std::max(p.Lk - 1, 0) ? -1 : int(left);
+  p.right = right >= std::max(p.Lq - 1, 0) ? -1 : int(right);
+  p.scale = float(scale);
+  p.qk_scale = float(scale * 1.4426950408889634);
+  if (kpm.has_value()) {
+    check(kpm->scalar_type() == at::kBool && kpm->dim() == 2, "key_padding_mask must be bool (B, Lk)");
+    r.kpm = kpm->view(at::kByte);
+    p.kpm = r.kpm.data_ptr<uint8_t>();
+    p.kpm_b = r.kpm.stride(0);
+    p.kpm_l = r.kpm.stride(1);
+  }
+  if (layout.has_value()) {
+    r.layout = layout->to(at::kByte).contiguous();
+    p.layout = r.layout.data_ptr<uint8_t>();
+    p.lay_h = r.layout.size(0) > 1 ? r.layout.stride(0) : 0;
+    p.lay_nkb = int(r.layout.size(2));
+    p.lay_bs = int(layout_block);
+    p.lay_check = int(lay_check);
+    check(lists.has_value(), "a layout needs its tile lists");
+  }
+  if (lists.has_value()) {
+    r.lists = lists->contiguous();
+    p.lists = r.lists.data_ptr<int32_t>();
+    p.list_h = r.lists.size(0) > 1 ? r.lists.stride(0) : 0;
+    p.list_t = r.lists.stride(1);
+    p.list_wf = int(list_wf);
+  }
+  if (lists_by_key.has_value()) {
+    r.lists_by_key = lists_by_key->contiguous();
+    p.lists_by_key = r.lists_by_key.data_ptr<int32_t>();
+    p.listk_h = r.lists_by_key.size(0) > 1 ? r.lists_by_key.stride(0) : 0;
+    p.listk_t = r.lists_by_key.stride(1);
+    p.listk_wf = int(listk_wf);
+  }
+  if (dropout_p > 0) {
+    check(seed.has_value() && seed->numel() == 2, "dropout needs a seed tensor of 2 int64");
+    Tensor s = seed->to(at::kCPU).to(at::kLong);
+    const uint64_t s0 = uint64_t(s[0].item<int64_t>()), s1 = uint64_t(s[1].item<int64_t>());
+    // one 64-bit Philox key, the same as the Triton backend's for the same seed tensor
+    const uint64_t key = ((s0 << 31) ^ s1) | (uint64_t(1) << 62);
+    p.dropout = 1;
+    p.seed_lo = uint32_t(key & 0xffffffffu);
+    p.seed_hi = uint32_t(key >> 32);
+    p.drop_thresh = int(std::min<double>(std::nearbyint(dropout_p * (1 << 24)), (1 << 24) - 1));
+    p.inv_keep = float(1.0 / (1.0 - dropout_p));
+  }
+  return r;
+}
+
+void run_checked(int err, const char* what) {
+  TORCH_CHECK(err == 0, "effattn cuda backend: ", what, " launch failed (error ", err, ")");
+}
+
+#if defined(EFFATTN_CUDA_EMU)
+using Guard = int;
+#define EFFATTN_GUARD(t) Guard guard_ = 0; (void)guard_
+#define EFFATTN_STREAM nullptr
+// unwritten outputs must show up as NaN, as with the test suite's poisoned torch.empty
+void poison(Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
+#else
+#define EFFATTN_GUARD(t) c10::cuda::CUDAGuard guard_(t.device())
+#define EFFATTN_STREAM at::cuda::getCurrentCUDAStream().stream()
+void poison(Tensor&) {}
+#endif
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                         double dropout_p, int64_t left, int64_t right) {
+  EFFATTN_GUARD(q);
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
+                       dropout_p, left, right);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  poison(out);
+  poison(lse);
+  effattn::AttnParams& p = r.p;
+  p.o = out.data_ptr();
+  p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  run_checked(effattn::attention_fwd(p, r.bf16, EFFATTN_STREAM), "forward");
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(
+    const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
+    int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+    const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
+    double dropout_p, int64_t left, int64_t right) {
+  EFFATTN_GUARD(q);
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
+                       scale, dropout_p, left, right);
+  effattn::AttnParams& p = r.p;
+  Tensor dout = aligned(dout0.to(q.scalar_type()));
+  Tensor out = out0.contiguous();
+  Tensor lse = lse0.contiguous();
+  Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
+  Tensor dk = at::empty({p.B, p.H / p.G, p.Lk, p.D}, q.options());
+  Tensor dv = at::empty({p.B, p.H / p.G, p.Lk, p.Dv}, q.options());
+  Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  if (p.Lq == 0 || p.B * p.H == 0) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+  } else {
+    poison(dq), poison(dk), poison(dv), poison(delta);
+    Tensor dl;
+    if (dlse.has_value()) {
+      dl = dlse->to(at::kFloat);
+      p.dlse = dl.data_ptr<float>();
+      p.dl_b = dl.stride(0), p.dl_h = dl.stride(1), p.dl_l = dl.stride(2);
+    }
+    p.dout = dout.data_ptr();
+    p.do_b = stride_or_0(dout, 0), p.do_h = stride_or_0(dout, 1), p.do_l = dout.stride(2);
+    p.o = out.data_ptr();
+    p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
+    p.lse = lse.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    p.delta_out = delta.data_ptr<float>();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
+  }
+  auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
+  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3))};
+}
+
+#if defined(EFFATTN_CUDA_EMU)
+// Emulation controls for tests: the schedule, and the counters (blocks, mma, ldmatrix phases and
+// wavefronts, worst wavefronts of one phase), reset on read.
+void emu_set_schedule(int64_t s) { effattn::emu::schedule() = effattn::emu::Schedule(int(s)); }
+
+Tensor emu_stats() {
+  effattn::emu::Stats& s = effattn::emu::stats();
+  Tensor t = at::tensor({int64_t(s.blocks), int64_t(s.mma), int64_t(s.ldmatrix_phases),
+                         int64_t(s.ldmatrix_wavefronts), int64_t(s.max_wavefronts)},
+                        at::TensorOptions().dtype(at::kLong));
+  s = effattn::emu::Stats();
+  return t;
+}
+#endif
+
+}  // namespace
+
+#define EFFATTN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define EFFATTN_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+EFFATTN_LIBRARY(EFFATTN_OPS, m) {
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
+        "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
+        "int window_right) -> (Tensor, Tensor)");
+  m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
+        "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
+        "int window_right) -> (Tensor, Tensor, Tensor)");
+#if defined(EFFATTN_CUDA_EMU)
+  m.def("emu_set_schedule(int schedule) -> ()", emu_set_schedule);
+  m.def("emu_stats() -> Tensor", emu_stats);
+#endif
+}
+
+EFFATTN_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
+  m.impl("attention_fwd", attention_fwd);
+  m.impl("attention_bwd", attention_bwd);
+}
+
+#if !defined(EFFATTN_CUDA_EMU)
+// `import effattn._C` loads this library (which registers the ops above); Python needs the module
+// entry point. The emulated build is loaded as a plain library and needs none.
+#include <Python.h>
+
+static PyModuleDef effattn_c_module = {PyModuleDef_HEAD_INIT, "_C", "effattn's CUDA kernels (ops in torch.ops.effattn_cuda)", -1,
+                                       nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&effattn_c_module); }
+#endif

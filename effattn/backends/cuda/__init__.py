@@ -1,0 +1,69 @@
+"""The CUDA C++ backend for softmax attention (kernels in csrc/, FlashAttention-2 class on
+mma.sync / ldmatrix / cp.async, sm_80 and newer), forward and backward, every mask kind.
+
+Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_bwd.cuh) -> launchers (csrc/attention.cu) ->
+the C++ ops (csrc/binding/attention_op.cpp) -> the autograd ops (``ops.py``) -> this registration.
+
+CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only with
+``EFFATTN_CUDA_EMU=1``, and only when the backend is named (``backend="cuda"``): the same kernel
+source runs through a host emulation of the GPU primitives, built on first use with the host
+compiler. That is a test vehicle (thousands of emulated warp mma per second), not a CPU backend.
+
+Inputs whose last dimension is not contiguous, whose head dims are not multiples of 8, or whose
+rows are not 16-byte aligned are copied (zero-padded) once per call: the kernels load 16-byte rows
+with cp.async.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..base import Backend, Capabilities, register
+from . import _ext
+
+
+def _available(device: torch.device) -> Optional[str]:
+    if device.type == "cpu":
+        return _ext.emu_problem()
+    if device.type == "cuda":
+        why = _ext.cuda_problem()
+        if why:
+            return why
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"needs a GPU of compute capability >= 8.0 (Ampere or newer), got {major}.{minor}"
+    return None
+
+
+def notes(call) -> List[str]:
+    """What this backend does besides launching the kernels for a call: copies that align inputs."""
+    out = []
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        if t.numel() and (t.stride(-1) != 1 or t.shape[-1] % 8 or any(s % 8 for s in t.stride()[:3])):
+            out.append(f"{name} is copied into zero-padded 16-byte rows (head dim {t.shape[-1]}, strides "
+                       f"{tuple(t.stride())})")
+    return out
+
+
+def _run(call):
+    from .ops import cuda_attention_fwd, kernels
+    kernels(call.q.device)
+    lay = call.layout
+    return cuda_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
+                              lay.block_size if lay is not None else 0, call.key_padding_mask, call.seed,
+                              call.scale, call.dropout_p, call.window_left, call.window_right)
+
+
+BACKEND = register(Backend(
+    # after Triton for "auto" until the GPU acceptance run has measured these kernels
+    name="cuda", op="attention", priority=20,
+    caps=Capabilities(
+        devices=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        max_head_dim=256,
+        features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
+                            "dv_ne_d", "return_lse"})),
+    run=_run, available=_available, notes=notes,
+    # on CPU this is the emulation: a test vehicle, only when named
+    explicit_only_devices=frozenset({"cpu"})))
