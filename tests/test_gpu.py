@@ -81,11 +81,11 @@ BS = 16 if SMOKE else 128                       # layout block in the toy run: s
 CASES = {
     "dense-B2-H8-L2k-D128": Case(2, 8, 8, 2048, 2048, 128),
     "dense-B2-H8-L4k-D64": Case(2, 8, 8, 4096, 4096, 64),
-    "causal-gqa-H8/2-L16k-D128": Case(1, 8, 2, 16384, 16384, 128, causal=True),
-    "causal-gqa-H8/2-L4k-D128": Case(1, 8, 2, 4096, 4096, 128, causal=True),
+    "causal-gqa-H8-Hkv2-L16k-D128": Case(1, 8, 2, 16384, 16384, 128, causal=True),
+    "causal-gqa-H8-Hkv2-L4k-D128": Case(1, 8, 2, 4096, 4096, 128, causal=True),
     "window512-causal-L4k-D128": Case(1, 8, 8, 4096, 4096, 128, causal=True, window=(512, 0)),
     "window1024-causal-L16k-D128": Case(1, 8, 8, 16384, 16384, 128, causal=True, window=(1024, 0)),
-    "window300/50-two-sided-L4k-D64": Case(1, 4, 4, 4096, 4096, 64, window=(300, 50)),
+    "window300-50-two-sided-L4k-D64": Case(1, 4, 4, 4096, 4096, 64, window=(300, 50)),
     "fixed4+8th-causal-L4k-D128": Case(1, 8, 8, 4096, 4096, 128, causal=True,
                                        layout=lambda Lq, Lk: sliding_and_summary(Lq, BS, 4, 8)),
     "fixed4+16th-causal-L8k-D128": Case(1, 8, 8, 8192, 8192, 128, causal=True,
@@ -96,7 +96,7 @@ CASES = {
     "dense-D256-H4-L2k": Case(1, 4, 4, 2048, 2048, 256),
     "causal-Lq1000-Lk3000-D96-Dv64-gqa": Case(1, 4, 2, 1000, 3000, 96, 64, causal=True),
     "causal-L3000-D96-Dv64-gqa": Case(1, 4, 2, 3000, 3000, 96, 64, causal=True),
-    "decode-Lq1-Lk16k-B4-H32/8-D128": Case(4, 32, 8, 1, 16384, 128, causal=True),
+    "decode-Lq1-Lk16k-B4-H32-Hkv8-D128": Case(4, 32, 8, 1, 16384, 128, causal=True),
     # more rows than keys: the first Lq - Lk rows see nothing (output 0, no gradient)
     "causal-Lq2k-Lk1500-empty-rows": Case(1, 4, 4, 2048, 1500, 64, causal=True),
 }
@@ -159,7 +159,7 @@ def test_against_float64_at_real_sizes(backend, dtype, tf32, case_id):
 
 # id -> (B, H, Hkv, Lq, Lk, D, feature map, causal, normalize, input scale)
 LINEAR_CASES = {
-    "elu-causal-gqa-H8/2-L16k-D128": (1, 8, 2, 16384, 16384, 128, "elu", True, True, 1.0),
+    "elu-causal-gqa-H8-Hkv2-L16k-D128": (1, 8, 2, 16384, 16384, 128, "elu", True, True, 1.0),
     "elu-noncausal-B2-L4k-D64": (2, 8, 8, 4096, 4096, 64, "elu", False, True, 1.0),
     "elu-causal-Lq1000-Lk3000-D64": (1, 4, 4, 1000, 3000, 64, "elu", True, True, 1.0),
     "identity-causal-unnormalized-L4k-D64": (1, 8, 8, 4096, 4096, 64, "identity", True, False, 0.3),
