@@ -222,7 +222,8 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
             s = suites.settings(sec, device, a.smoke)
             variants = [registry.variant(n) for n in sec.variants]
             impls = _impls(sec, backends, a.smoke, notes)
-            new = run.sweep(variants, impls, s, on_rows=save, deadline=deadline, on_case=output_diffs)
+            new = run.sweep(variants, impls, s, deadline=deadline, on_case=output_diffs,
+                            on_rows=lambda part, name=sec.name: save([{**r, "section": name} for r in part]))
             new += _not_started(variants, impls, s, new)
         for r in new:
             r["section"] = sec.name
