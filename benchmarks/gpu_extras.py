@@ -12,8 +12,8 @@ implementations; this module adds:
   bf16 rounding;
 - the ``decode`` section (one query row against a KV cache, timed beside the memory-bound time) and
   the ``checks`` rows: CUDA-graph replay and torch.compile equal eager with tuned configs;
-- ``--dry-run``: the plan (shapes, visible pairs, FLOPs, estimated time per section), on any machine;
-  ``--smoke``: every section at toy sizes on this machine.
+- ``--dry-run`` prints the plan (suites.plan: shapes, visible pairs, FLOPs, estimated time per
+  section) on any machine; ``--smoke`` runs every section at toy sizes on this machine.
 
 Results go to ``--out``, else ``$OUT``, else ``benchmarks/results/<device>-suite-<name>/``
 (results.csv / .json / .md, rewritten after every case), and a short table is printed last. The
@@ -34,8 +34,6 @@ from .flops import attention_flops, tflops
 from .registry import Case, Variant
 
 MISMATCH_OUT, MISMATCH_GRAD = 0.03, 0.08          # bf16 rounds ~0.4% per operation
-EST_TFLOPS = 300.0                                # rough throughput for the time estimate
-EST_FIRST_CALL_S = {"effattn": 20.0, "flex": 25.0}  # autotune / compile per (impl, section, variant, mode)
 CHECKS_BUDGET_S = 60.0                            # the capture / compile checks after the sections (CUDA)
 
 
@@ -127,79 +125,6 @@ def output_diffs(case: Case, impls: Sequence[registry.Impl]) -> Dict[str, dict]:
     return res
 
 
-# ------------------------------------------------------------------------------ the plan
-
-def settings(sec: suites.Section, device: torch.device, smoke: bool) -> run.Settings:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return run.Settings(device=device, dtype=dtype, head_dim=sec.head_dim, lengths=list(sec.lengths),
-                        modes=sec.modes, batch=sec.batch, heads=sec.heads, window=sec.window,
-                        dense_max_len=sec.dense_max_len, mem_budget_gib=4.0 if smoke else 1e9,
-                        time_budget_s=0.01 if smoke else 1.0, min_runs=1 if smoke else 3)
-
-
-def plan(name: str, sections: Sequence[suites.Section], backends: Sequence[str], smoke: bool = False) -> List[dict]:
-    """One entry per (section, variant, L): shapes, implementations, visible pairs, forward FLOPs
-    and the estimated seconds; no tensors are made (layouts and FAVOR+ features only)."""
-    out = []
-    for sec in sections:
-        sec = suites.smoke(sec) if smoke else sec
-        if sec.variants == ("decode",):
-            for B in (1, 4):
-                out.append(dict(section=sec.name, variant="decode", L=sec.lengths[0], B=B, H=sec.heads,
-                                D=sec.head_dim, impls=[f"effattn-{b}" for b in backends], pairs=None, flops=None,
-                                est_s=2.0 + 2.0 * len(backends)))
-            continue
-        s = settings(sec, torch.device("cpu"), smoke)
-        for vname in sec.variants:
-            v = registry.variant(vname)
-            for L in s.lengths_for(v):
-                B, H = sec.shape(L)
-                case = Case(v, B, H, L, sec.head_dim, s.dtype, torch.device("cpu"), sec.window)
-                if v.layout is not None:
-                    case.layout = v.layout(L)
-                if v.feature_map == "favor":
-                    import effattn
-                    case.favor = effattn.FavorFeatures(sec.head_dim, seed=0)
-                impls = [f"effattn-{b}" for b in backends] + [n for n in sec.baselines
-                                                              if any(i.name == n and i.op == v.op
-                                                                     for i in registry.IMPLS)]
-                pairs = run.visible_fraction(case)
-                flops = run.config_flops(case, "fwd")
-                est = sum(_estimate_s(impl, flops, sec.modes) for impl in impls)
-                out.append(dict(section=sec.name, variant=vname, op=v.op, L=L, B=B, H=H, D=sec.head_dim,
-                                window=case.window_arg, layout=case.layout, impls=impls,
-                                pairs=None if pairs is None else round(pairs * L * L) * H,
-                                flops=flops, flops_fwdbwd=run.config_flops(case, "fwdbwd"), est_s=est))
-    return out
-
-
-def _estimate_s(impl: str, flops: int, modes) -> float:
-    """Rough seconds of one implementation at one shape: per mode a first call (autotune or
-    compile), do_bench's ~0.15 s or ~8 calls, the peak-memory call; and the max_diff fwd+bwd."""
-    first = EST_FIRST_CALL_S.get(impl.split("-")[0], 0.5)
-    t_fwd = flops / (EST_TFLOPS * 1e12)
-    per_mode = {"fwd": t_fwd, "fwdbwd": 3.5 * t_fwd}
-    return sum(first + max(0.15, 8 * per_mode[m]) + per_mode[m] for m in modes) + 4.5 * t_fwd
-
-
-def print_plan(name: str, entries: List[dict], budgets: Dict[str, float]):
-    print(f"suite {name}: plan (no GPU needed; FLOPs count visible pairs exactly; times are rough "
-          f"estimates: {EST_TFLOPS:g} TFLOP/s, first calls {EST_FIRST_CALL_S} s)\n")
-    for sec in dict.fromkeys(e["section"] for e in entries):
-        rows = [e for e in entries if e["section"] == sec]
-        est = sum(e["est_s"] for e in rows)
-        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {est:.0f} s"
-              + ("  (over budget: later rows will be skipped)" if est > budgets[sec] else ""))
-        for e in rows:
-            vis = "" if e["pairs"] is None else f" visible {e['pairs'] / (e['H'] * e['L'] ** 2):.4f}"
-            gf = "" if e["flops"] is None else f" fwd {e['flops'] / 1e9:10.1f} GFLOP"
-            print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{gf}{vis}"
-                  f"  ~{e['est_s']:.0f} s  {', '.join(e['impls'])}")
-    total = sum(budgets[s] for s in dict.fromkeys(e["section"] for e in entries)) + budgets["checks"]
-    print(f"[checks] budget {budgets['checks']:.0f} s: CUDA-graph replay and torch.compile vs eager (CUDA only)")
-    print(f"\n{len(entries)} cases; budgets sum to {total:.0f} s (+ the case running when one runs out)")
-
-
 # ------------------------------------------------------------------------------ running a suite
 
 def _budgets(a, sections) -> Dict[str, float]:
@@ -242,7 +167,7 @@ def main(a) -> int:
     backends = (["torch"] + kernel_backends() if a.smoke else kernel_backends()) if default_backends \
         else run._csv_list(a.backends)
     if a.dry_run:
-        print_plan(a.suite, plan(a.suite, sections, backends, smoke=a.smoke), budgets)
+        suites.print_plan(a.suite, suites.plan(sections, backends, smoke=a.smoke), budgets)
         return 0
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not a.smoke:
@@ -275,10 +200,10 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     out = Path(a.out or os.environ.get("OUT") or run.RESULTS_DIR / f"{slug}-suite-{a.suite}{'-smoke' if a.smoke else ''}")
     out.mkdir(parents=True, exist_ok=True)
     notes: dict = {}
-    s0 = settings(suites.smoke(sections[0]) if a.smoke else sections[0], device, a.smoke)
+    s0 = suites.settings(suites.smoke_section(sections[0]) if a.smoke else sections[0], device, a.smoke)
     meta = run.metadata(a, s0, notes)
-    meta.update(suite=a.suite, budgets=budgets, backends=backends,
-                sections={s.name: s.__dict__ for s in (suites.smoke(x) if a.smoke else x for x in sections)})
+    meta.update(suite=a.suite, budgets=budgets, backends=backends, driver=_driver(device),
+                sections={s.name: s.__dict__ for s in (suites.smoke_section(x) if a.smoke else x for x in sections)})
     rows: List[dict] = []
     t0 = time.monotonic()
     end = t0 + 60 * a.time_limit if a.time_limit else float("inf")     # --time-limit: the whole suite
@@ -287,17 +212,18 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
         report.write_all(rows + list(more), meta, out)
 
     for sec in sections:
-        sec = suites.smoke(sec) if a.smoke else sec
+        sec = suites.smoke_section(sec) if a.smoke else sec
         deadline = min(time.monotonic() + budgets[sec.name], end)
         print(f"\n== {sec.name} (budget {budgets[sec.name]:.0f} s, {time.monotonic() - t0:.0f} s so far)",
               file=sys.stderr)
         if sec.variants == ("decode",):
             new = decode_rows(sec, backends, device, deadline)
         else:
-            s = settings(sec, device, a.smoke)
+            s = suites.settings(sec, device, a.smoke)
             variants = [registry.variant(n) for n in sec.variants]
             impls = _impls(sec, backends, a.smoke, notes)
-            new = run.sweep(variants, impls, s, on_rows=save, deadline=deadline, on_case=output_diffs)
+            new = run.sweep(variants, impls, s, deadline=deadline, on_case=output_diffs,
+                            on_rows=lambda part, name=sec.name: save([{**r, "section": name} for r in part]))
             new += _not_started(variants, impls, s, new)
         for r in new:
             r["section"] = sec.name
@@ -318,6 +244,19 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     print(f"\nresults in {out}; {meta['total_s']:.0f} s")
     bad = [r for r in rows if r["status"].startswith(("error", "FAIL")) or "MISMATCH" in str(r.get("max_diff"))]
     return 1 if bad else 0
+
+
+def _driver(device) -> str:
+    """The NVIDIA driver version (nvidia-smi), for the results' header."""
+    if device.type != "cuda":
+        return "-"
+    import subprocess
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return res.stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError) as e:
+        return f"unknown ({type(e).__name__})"
 
 
 def _not_started(variants: Sequence[Variant], impls, s: run.Settings, done: List[dict]) -> List[dict]:

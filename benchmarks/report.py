@@ -151,7 +151,7 @@ def summary_markdown(rows: List[dict], meta: dict) -> str:
         and not (k == "backends" and v == "torch,triton,cuda") and not (k == "modes" and v == "fwd,fwdbwd"))
     out = [f"# effattn benchmarks: {meta['device']}", "",
            f"`{cmd}` on {meta['date']}: torch {meta['torch']}, triton {meta['triton']}, "
-           f"CUDA {meta['cuda']}, CPU threads: {meta['cpu_threads']}, dtype {meta['dtype']}, "
+           f"CUDA {meta['cuda']}{', driver ' + meta['driver'] if meta.get('driver') else ''}, CPU threads: {meta['cpu_threads']}, dtype {meta['dtype']}, "
            f"D={meta['head_dim']}, B={meta['batch']}, H={meta['heads']}, window={meta['window']}.", "",
            f"- time: {meta['timing']}", f"- FLOPs: {meta['flops']}",
            f"- memory: {meta['memory_method']}, beyond the inputs",

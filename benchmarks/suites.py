@@ -18,12 +18,22 @@ docs/benchmarks.md:
   chunk_linear_attn, and causal softmax (SDPA flash) at the same shapes up to 16k.
 - ``decode`` (gpu_extras): one query row, H=32, Hkv=8, D=128, Lk=16k, B in {1, 4}, against the
   memory-bound time (K and V bytes over the measured copy bandwidth).
+
+`plan` lists what a suite will run, with its visible pairs, FLOPs and a rough time estimate, from
+shapes alone (``--dry-run``); tests/test_gpu_suite.py checks its counts against the test oracle.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from . import registry, run
+from .registry import Case
+
+EST_TFLOPS = 300.0                                  # rough throughput for the time estimate
+EST_FIRST_CALL_S = {"effattn": 20.0, "flex": 25.0}  # autotune / compile per (impl, section, variant, mode)
 TOKENS = 16384          # B * L of the anchor shapes
 WIDTH = 2048            # H * D of the anchor shapes
 
@@ -66,7 +76,7 @@ SUITES["anchors"] = tuple(s for s in SUITES["gpu"] if s.name in ("anchors-d128",
                                                                  "anchors-d64"))
 
 
-def smoke(section: Section) -> Section:
+def smoke_section(section: Section) -> Section:
     """The same section at toy sizes for a CPU run (--smoke): L / 64 (at least 128: one layout
     block), B = 1, H = 2, D = 32, window 64."""
     lengths = tuple(dict.fromkeys(max(128, L // 64) for L in section.lengths))
@@ -74,3 +84,76 @@ def smoke(section: Section) -> Section:
                    section.baselines, section.budget_s, batch=1, heads=2, window=64,
                    dense_max_len=None if section.dense_max_len is None else max(128, section.dense_max_len // 64),
                    modes=section.modes)
+
+
+# ------------------------------------------------------------------------------ the plan (--dry-run)
+
+def settings(sec: Section, device: torch.device, smoke: bool) -> run.Settings:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return run.Settings(device=device, dtype=dtype, head_dim=sec.head_dim, lengths=list(sec.lengths),
+                        modes=sec.modes, batch=sec.batch, heads=sec.heads, window=sec.window,
+                        dense_max_len=sec.dense_max_len, mem_budget_gib=4.0 if smoke else 1e9,
+                        time_budget_s=0.01 if smoke else 1.0, min_runs=1 if smoke else 3)
+
+
+def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = False) -> List[dict]:
+    """One entry per (section, variant, L): shapes, implementations, visible pairs, forward FLOPs
+    and the estimated seconds; no tensors are made (layouts and FAVOR+ features only)."""
+    out = []
+    for sec in sections:
+        sec = smoke_section(sec) if smoke else sec
+        if sec.variants == ("decode",):
+            for B in (1, 4):
+                out.append(dict(section=sec.name, variant="decode", L=sec.lengths[0], B=B, H=sec.heads,
+                                D=sec.head_dim, impls=[f"effattn-{b}" for b in backends], pairs=None, flops=None,
+                                est_s=2.0 + 2.0 * len(backends)))
+            continue
+        s = settings(sec, torch.device("cpu"), smoke)
+        for vname in sec.variants:
+            v = registry.variant(vname)
+            for L in s.lengths_for(v):
+                B, H = sec.shape(L)
+                case = Case(v, B, H, L, sec.head_dim, s.dtype, torch.device("cpu"), sec.window)
+                if v.layout is not None:
+                    case.layout = v.layout(L)
+                if v.feature_map == "favor":
+                    import effattn
+                    case.favor = effattn.FavorFeatures(sec.head_dim, seed=0)
+                impls = [f"effattn-{b}" for b in backends] + [n for n in sec.baselines
+                                                              if any(i.name == n and i.op == v.op
+                                                                     for i in registry.IMPLS)]
+                pairs = run.visible_fraction(case)
+                flops = run.config_flops(case, "fwd")
+                est = sum(_estimate_s(impl, flops, sec.modes) for impl in impls)
+                out.append(dict(section=sec.name, variant=vname, op=v.op, L=L, B=B, H=H, D=sec.head_dim,
+                                window=case.window_arg, layout=case.layout, impls=impls,
+                                pairs=None if pairs is None else round(pairs * L * L) * H,
+                                flops=flops, flops_fwdbwd=run.config_flops(case, "fwdbwd"), est_s=est))
+    return out
+
+
+def _estimate_s(impl: str, flops: int, modes) -> float:
+    """Rough seconds of one implementation at one shape: per mode a first call (autotune or
+    compile), do_bench's ~0.15 s or ~8 calls, the peak-memory call; and the max_diff fwd+bwd."""
+    first = EST_FIRST_CALL_S.get(impl.split("-")[0], 0.5)
+    t_fwd = flops / (EST_TFLOPS * 1e12)
+    per_mode = {"fwd": t_fwd, "fwdbwd": 3.5 * t_fwd}
+    return sum(first + max(0.15, 8 * per_mode[m]) + per_mode[m] for m in modes) + 4.5 * t_fwd
+
+
+def print_plan(name: str, entries: List[dict], budgets: Dict[str, float]):
+    print(f"suite {name}: plan (no GPU needed; FLOPs count visible pairs exactly; times are rough "
+          f"estimates: {EST_TFLOPS:g} TFLOP/s, first calls {EST_FIRST_CALL_S} s)\n")
+    for sec in dict.fromkeys(e["section"] for e in entries):
+        rows = [e for e in entries if e["section"] == sec]
+        est = sum(e["est_s"] for e in rows)
+        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {est:.0f} s"
+              + ("  (over budget: later rows will be skipped)" if est > budgets[sec] else ""))
+        for e in rows:
+            vis = "" if e["pairs"] is None else f" visible {e['pairs'] / (e['H'] * e['L'] ** 2):.4f}"
+            gf = "" if e["flops"] is None else f" fwd {e['flops'] / 1e9:10.1f} GFLOP"
+            print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{gf}{vis}"
+                  f"  ~{e['est_s']:.0f} s  {', '.join(e['impls'])}")
+    total = sum(budgets[s] for s in dict.fromkeys(e["section"] for e in entries)) + budgets["checks"]
+    print(f"[checks] budget {budgets['checks']:.0f} s: CUDA-graph replay and torch.compile vs eager (CUDA only)")
+    print(f"\n{len(entries)} cases; budgets sum to {total:.0f} s (+ the case running when one runs out)")

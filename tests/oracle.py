@@ -68,6 +68,28 @@ def naive_attention(q, k, v, *, causal=False, window=None, layout=None, key_padd
     return torch.matmul(p, v), lse
 
 
+def _by_row_chunks(q, k, v, dout, dtype, chunk, rows):
+    """The chunked oracles' loop: ``rows(qc, ke, ve, i0, i1)`` -> output rows [i0, i1) in `dtype` from
+    queries qc (B, H, rows, D) and keys / values expanded to H heads; gradients through autograd.
+    Returns out, dq in `dtype` and dk, dv accumulated in float32 (float64 for float64)."""
+    G = q.shape[1] // k.shape[1]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    kl, vl = k.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
+    outs, dqs = [], []
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for i0 in range(0, q.shape[2], chunk):
+        i1 = min(i0 + chunk, q.shape[2])
+        qc = q[:, :, i0:i1].detach().to(dtype).requires_grad_()
+        o = rows(qc, kl.repeat_interleave(G, 1), vl.repeat_interleave(G, 1), i0, i1)
+        gq, gk, gv = torch.autograd.grad(o, (qc, kl, vl), dout[:, :, i0:i1].to(dtype))
+        outs.append(o.detach())
+        dqs.append(gq)
+        dk += gk.to(acc)
+        dv += gv.to(acc)
+    return torch.cat(outs, 2), torch.cat(dqs, 2), dk, dv
+
+
 def chunked_attention(q, k, v, dout, *, causal=False, window=None, layout=None, key_padding_mask=None,
                       scale=None, dtype=torch.float64, chunk=512):
     """Attention and its gradients computed naively in `dtype`, `chunk` query rows at a time, on the
@@ -77,29 +99,53 @@ def chunked_attention(q, k, v, dout, *, causal=False, window=None, layout=None, 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), dout (B, H, Lq, Dv), H a multiple of
     Hkv. Returns out, dq in `dtype` and dk, dv accumulated in float32 (float64 for float64). Rows
     that see no key give 0 and contribute no gradient."""
-    B, H, Lq, D = q.shape
-    G = H // k.shape[1]
-    Lk = k.shape[2]
+    Lq, D, Lk = q.shape[2], q.shape[3], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    kl, vl = k.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
-    outs, dqs = [], []
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for i0 in range(0, Lq, chunk):
-        i1 = min(i0 + chunk, Lq)
-        qc = q[:, :, i0:i1].detach().to(dtype).requires_grad_()
-        ke, ve = kl.repeat_interleave(G, 1), vl.repeat_interleave(G, 1)
+
+    def rows(qc, ke, ve, i0, i1):
         s = torch.matmul(qc, ke.transpose(-1, -2)) * scale
         vis = visible_rows(Lq, Lk, i0, i1, causal=causal, window=window, layout=layout,
                            key_padding_mask=key_padding_mask, device=q.device)
         s = s.masked_fill(~vis, -math.inf)
         p = torch.softmax(s.float() if dtype in (torch.float16, torch.bfloat16) else s, -1).to(dtype)
         p = torch.where(vis.any(-1, keepdim=True), p, torch.zeros_like(p))      # empty rows: 0, not NaN
-        o = torch.matmul(p, ve)
-        gq, gk, gv = torch.autograd.grad(o, (qc, kl, vl), dout[:, :, i0:i1].to(dtype))
-        outs.append(o.detach())
-        dqs.append(gq)
-        dk += gk.to(acc)
-        dv += gv.to(acc)
-    return torch.cat(outs, 2), torch.cat(dqs, 2), dk, dv
+        return torch.matmul(p, ve)
+
+    return _by_row_chunks(q, k, v, dout, dtype, chunk, rows)
+
+
+def feature_map(name, favor=None, fn=None):
+    """Linear attention's feature maps: elu + 1, relu, identity (in the input's dtype), FAVOR+ from
+    a FavorFeatures module's projection W (F, D) and scale s, in float64:
+    exp(sqrt(s) x W^T - s |x|^2 / 2) / sqrt(F); any other name: `fn`."""
+    if name == "elu":
+        return lambda x: torch.where(x > 0, x + 1, torch.exp(x))
+    if name == "relu":
+        return lambda x: x.clamp_min(0)
+    if name == "identity":
+        return lambda x: x
+    if name == "favor":
+        def phi(x):
+            x = x.to(torch.float64)
+            w = favor.projection.to(x.device, torch.float64)
+            s = favor.scale
+            return torch.exp(math.sqrt(s) * x @ w.T - 0.5 * s * (x * x).sum(-1, keepdim=True)) / math.sqrt(w.shape[0])
+        return phi
+    return fn
+
+
+def chunked_linear_attention(q, k, v, dout, phi, *, causal=False, normalize=True, eps=1e-6, dtype=torch.float64,
+                             chunk=512):
+    """Linear attention in its quadratic form, A = phi(q) phi(k)^T masked by the visibility rule
+    (causal, bottom-right), out = A v / (A.sum(-1) + eps) (or A v), computed naively in `dtype`
+    `chunk` query rows at a time, with its gradients. Shapes and returns as `chunked_attention`."""
+    Lq, Lk = q.shape[2], k.shape[2]
+
+    def rows(qc, ke, ve, i0, i1):
+        a = phi(qc).to(dtype) @ phi(ke).to(dtype).transpose(-1, -2)
+        if causal:
+            a = a * visible_rows(Lq, Lk, i0, i1, causal=True, device=q.device)
+        o = a @ ve
+        return o / (a.sum(-1, keepdim=True) + eps) if normalize else o
+
+    return _by_row_chunks(q, k, v, dout, dtype, chunk, rows)

@@ -11,9 +11,14 @@ Kernels run with their first config (``EFFATTN_TRITON_AUTOTUNE=0``, set by conft
 compiles ~10 candidates per kind, too slow here. The tuned configs are compared with the baselines'
 outputs by the benchmark suite (``python -m benchmarks.run --suite gpu``, its ``max_diff`` column).
 
+Linear attention's kernel backends are judged the same way against `oracle.chunked_linear_attention`
+(the quadratic form in float64).
+
 ``EFFATTN_GPU_SMOKE=1`` runs these tests on a CPU at toy sizes (Triton's interpreter): a check of
 the tests themselves before a GPU session, not of the kernels at real sizes.
+``EFFATTN_GPU_BACKENDS=triton,...`` names the backends to test instead (the torch reference too).
 """
+import os
 import sys
 from pathlib import Path
 
@@ -21,9 +26,9 @@ import pytest
 import torch
 
 import effattn
-from conftest import GPU_SMOKE, declared_dtypes, kernel_backends
+from conftest import GPU_SMOKE, declared_dtypes, kernel_backends, op_backends
 from effattn.layouts import BlockLayout, sliding_and_summary
-from oracle import chunked_attention
+from oracle import chunked_attention, chunked_linear_attention, feature_map
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -33,7 +38,11 @@ from benchmarks import gpu_extras  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.toy]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type == "cpu"                      # only reached with EFFATTN_GPU_SMOKE=1 (else skipped)
-BACKENDS = kernel_backends("attention", DEV) if (DEV.type == "cuda" or GPU_SMOKE) else []
+RUNS = DEV.type == "cuda" or GPU_SMOKE
+ONLY = [b for b in os.environ.get("EFFATTN_GPU_BACKENDS", "").split(",") if b]   # e.g. "triton"; "torch" too
+BACKENDS = (ONLY or kernel_backends("attention", DEV)) if RUNS else []
+LINEAR_BACKENDS = [b for b in (ONLY or kernel_backends("linear_attention", DEV)) if b in op_backends(
+    "linear_attention", DEV)] if RUNS else []
 
 
 def L_(n):
@@ -72,11 +81,11 @@ BS = 16 if SMOKE else 128                       # layout block in the toy run: s
 CASES = {
     "dense-B2-H8-L2k-D128": Case(2, 8, 8, 2048, 2048, 128),
     "dense-B2-H8-L4k-D64": Case(2, 8, 8, 4096, 4096, 64),
-    "causal-gqa-H8/2-L16k-D128": Case(1, 8, 2, 16384, 16384, 128, causal=True),
-    "causal-gqa-H8/2-L4k-D128": Case(1, 8, 2, 4096, 4096, 128, causal=True),
+    "causal-gqa-H8-Hkv2-L16k-D128": Case(1, 8, 2, 16384, 16384, 128, causal=True),
+    "causal-gqa-H8-Hkv2-L4k-D128": Case(1, 8, 2, 4096, 4096, 128, causal=True),
     "window512-causal-L4k-D128": Case(1, 8, 8, 4096, 4096, 128, causal=True, window=(512, 0)),
     "window1024-causal-L16k-D128": Case(1, 8, 8, 16384, 16384, 128, causal=True, window=(1024, 0)),
-    "window300/50-two-sided-L4k-D64": Case(1, 4, 4, 4096, 4096, 64, window=(300, 50)),
+    "window300-50-two-sided-L4k-D64": Case(1, 4, 4, 4096, 4096, 64, window=(300, 50)),
     "fixed4+8th-causal-L4k-D128": Case(1, 8, 8, 4096, 4096, 128, causal=True,
                                        layout=lambda Lq, Lk: sliding_and_summary(Lq, BS, 4, 8)),
     "fixed4+16th-causal-L8k-D128": Case(1, 8, 8, 8192, 8192, 128, causal=True,
@@ -87,7 +96,7 @@ CASES = {
     "dense-D256-H4-L2k": Case(1, 4, 4, 2048, 2048, 256),
     "causal-Lq1000-Lk3000-D96-Dv64-gqa": Case(1, 4, 2, 1000, 3000, 96, 64, causal=True),
     "causal-L3000-D96-Dv64-gqa": Case(1, 4, 2, 3000, 3000, 96, 64, causal=True),
-    "decode-Lq1-Lk16k-B4-H32/8-D128": Case(4, 32, 8, 1, 16384, 128, causal=True),
+    "decode-Lq1-Lk16k-B4-H32-Hkv8-D128": Case(4, 32, 8, 1, 16384, 128, causal=True),
     # more rows than keys: the first Lq - Lk rows see nothing (output 0, no gradient)
     "causal-Lq2k-Lk1500-empty-rows": Case(1, 4, 4, 2048, 1500, 64, causal=True),
 }
@@ -146,6 +155,41 @@ def test_against_float64_at_real_sizes(backend, dtype, tf32, case_id):
     judge(got, ref, low, dtype)
     if c.Lq > c.Lk and kw.get("causal"):                    # rows with no key: exactly 0
         assert torch.equal(out[:, :, :c.Lq - c.Lk], torch.zeros_like(out[:, :, :c.Lq - c.Lk]))
+
+
+# id -> (B, H, Hkv, Lq, Lk, D, feature map, causal, normalize, input scale)
+LINEAR_CASES = {
+    "elu-causal-gqa-H8-Hkv2-L16k-D128": (1, 8, 2, 16384, 16384, 128, "elu", True, True, 1.0),
+    "elu-noncausal-B2-L4k-D64": (2, 8, 8, 4096, 4096, 64, "elu", False, True, 1.0),
+    "elu-causal-Lq1000-Lk3000-D64": (1, 4, 4, 1000, 3000, 64, "elu", True, True, 1.0),
+    "identity-causal-unnormalized-L4k-D64": (1, 8, 8, 4096, 4096, 64, "identity", True, False, 0.3),
+    "favor256-causal-L4k-D64": (1, 8, 8, 4096, 4096, 64, "favor", True, True, 0.5),
+}
+
+
+def _linear_params():
+    return [pytest.param(b, dt, c, id=f"{b}-{name}-{c}") for b in LINEAR_BACKENDS
+            for dt, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"))
+            if dt in declared_dtypes("linear_attention", b) for c in LINEAR_CASES]
+
+
+@pytest.mark.parametrize("backend,dtype,case_id", _linear_params())
+def test_linear_attention_against_float64(backend, dtype, case_id):
+    B, H, Hkv, Lq, Lk, D, fmap, causal, normalize, scale = LINEAR_CASES[case_id]
+    Lq, Lk, D = L_(Lq), L_(Lk), D_(D)
+    if SMOKE:
+        B, H, Hkv = min(B, 2), min(H, 4), min(Hkv, 2)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    q, go = randn(B, H, Lq, D, dtype=dtype, gen=g) * scale, randn(B, H, Lq, D, dtype=dtype, gen=g)
+    k, v = randn(B, Hkv, Lk, D, dtype=dtype, gen=g) * scale, randn(B, Hkv, Lk, D, dtype=dtype, gen=g)
+    fm = effattn.FavorFeatures(D, 256, seed=0).to(DEV) if fmap == "favor" else fmap
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = effattn.linear_attention(*leaves, causal=causal, feature_map=fm, normalize=normalize, backend=backend)
+    got = (out,) + torch.autograd.grad(out, leaves, go)
+    phi = feature_map(fmap, fm)
+    kw = dict(causal=causal, normalize=normalize)
+    judge(got, chunked_linear_attention(q, k, v, go.double(), phi, **kw),
+          chunked_linear_attention(q, k, v, go, phi, dtype=dtype, **kw), dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

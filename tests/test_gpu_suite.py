@@ -2,10 +2,12 @@
 visible-pair counts and FLOPs against the independent oracle's masks (toy shapes) and against closed
 forms worked out by hand (the real shapes), the --dry-run plan, and a --smoke run end to end."""
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -35,7 +37,7 @@ def _check_flops(e):
 def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     """The suite's own plan (its variants, windows and layouts) at toy sizes: every pair count is
     the number of True entries of the oracle's mask, written independently of effattn."""
-    entries = gpu_extras.plan("gpu", SECTIONS, ["torch"], smoke=True)
+    entries = suites.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed"}
     for e in entries:
@@ -58,7 +60,7 @@ def _fixed_pairs(L, bs=128, local=4, every=16):
 
 
 def test_plan_counts_match_closed_forms_at_real_shapes():
-    entries = gpu_extras.plan("gpu", SECTIONS, ["triton"])
+    entries = suites.plan(SECTIONS, ["triton"])
     seen = set()
     for e in entries:
         if e["variant"] == "decode":
@@ -81,6 +83,23 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
     # the layout's sparsity as stated for it: about 94% at 16k, 96% at 64k
     assert abs(_fixed_pairs(16384) / (16384 * 16384) - 0.053) < 0.002
     assert abs(_fixed_pairs(65536) / (65536 * 65536) - 0.0367) < 0.001
+
+
+def test_max_diff_flags_a_baseline_that_disagrees():
+    """The max_diff column: out, dq, dk, dv of each baseline against effattn on the same inputs; a
+    baseline 10% off is a MISMATCH, the naive one agrees."""
+    case = registry.Case.make(registry.variant("causal"), 1, 2, 64, 16, torch.float32, "cpu", window=16)
+    naive, eff = (next(i for i in registry.IMPLS if i.name == n and i.op == "attention")
+                  for n in ("naive", "effattn-torch"))
+
+    def build_wrong(case):
+        b = naive.build(case)
+        return registry.Bench(lambda: b.fn() * 1.1, b.leaves)
+
+    res = gpu_extras.output_diffs(case, [eff, naive, dataclasses.replace(naive, name="wrong", build=build_wrong)])
+    assert max(float(x) for x in res["naive"]["max_diff"].split(",")) < 1e-5
+    diffs, flag = res["wrong"]["max_diff"].split()
+    assert flag == "MISMATCH" and all(abs(float(d) - 0.1 / 1.1) < 1e-3 for d in diffs.split(","))
 
 
 def test_dry_run_prints_every_section_with_budget_and_estimate(capsys):

@@ -5,7 +5,6 @@ causal), and computes A v / (A.sum(-1) + eps): nothing of the chunked/state form
 implementation. Low precision is judged against the error of the same naive computation done in that
 dtype (2x for outputs, 3x for gradients).
 """
-import math
 import zlib
 
 import pytest
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from effattn.feature_maps import FavorFeatures
 from effattn.linear import LinearCall, linear_attention
+from oracle import feature_map
 
 torch.set_num_threads(2)
 F64 = torch.float64
@@ -22,22 +22,8 @@ F64 = torch.float64
 # ------------------------------------------------------------------------------------------ oracle
 
 def oracle_phi(name, favor=None, fn=None):
-    """Feature maps written independently of effattn.feature_maps."""
-    if name == "elu":
-        return lambda x: torch.where(x > 0, x + 1, torch.exp(x))
-    if name == "relu":
-        return lambda x: x.clamp_min(0)
-    if name == "identity":
-        return lambda x: x
-    if name == "favor":
-        w = favor.projection.to(F64)
-        s = favor.scale
-
-        def phi(x):
-            x = x.to(F64)
-            return torch.exp(math.sqrt(s) * x @ w.T - 0.5 * s * (x * x).sum(-1, keepdim=True)) / math.sqrt(w.shape[0])
-        return phi
-    return fn
+    """Feature maps written independently of effattn.feature_maps (tests/oracle.py)."""
+    return feature_map(name, favor, fn)
 
 
 def oracle(q, k, v, phi, *, causal, normalize, eps=1e-6, S0=None, z0=None, dtype=F64):
