@@ -165,7 +165,8 @@ def _effattn(backend: str, op: str) -> Callable[[Case], Bench]:
         why = ex.reasons.get(backend, ["unknown backend"])
         if why:
             raise Unsupported("; ".join(why))
-        if backend in ex.notes:                    # Triton on CPU: its interpreter, far too slow to time
+        from effattn.backends import base
+        if case.device.type in base._REGISTRY[op][backend].explicit_only_devices:   # Triton's interpreter
             raise Unsupported(f"{ex.notes[backend]} (interpreter; not benchmarked)")
         fn = effattn.attention if op == "attention" else effattn.linear_attention
         q, k, v = case.q, case.k, case.v

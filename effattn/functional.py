@@ -98,10 +98,13 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     for b in base.backends_for(op):
         why = b.reasons(call)
         reasons[b.name] = why
+        remarks = [b.note(call)] if not why else []
         if not why and call.q.device.type in b.explicit_only_devices:
-            notes[b.name] = f"on {call.q.device.type} only when asked for by name"
+            remarks.insert(0, f"on {call.q.device.type} only when asked for by name")
         elif not why and chosen is None:
             chosen = b.name
+        if any(remarks):
+            notes[b.name] = "; ".join(r for r in remarks if r)
     for name in base.BACKEND_NAMES:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]

@@ -58,6 +58,9 @@ class Backend:
     # devices where the backend runs only when asked for by name, never picked by "auto"
     # (Triton's interpreter on CPU: correct, but far slower than the torch reference)
     explicit_only_devices: FrozenSet[str] = frozenset()
+    # a remark `effattn.explain` adds for a call this backend serves (None: nothing to say), e.g.
+    # which part of the call runs in torch rather than in the backend's kernels
+    note: Callable = lambda call: None
 
     def reasons(self, call) -> List[str]:
         why = []
