@@ -350,6 +350,33 @@ def test_state_dtype_and_low_precision_state_passing(backend):
     assert (full.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_100_tokens_one_at_a_time(backend):
+    """100 one-token calls passing the state (Triton: its step kernel, under no_grad) equal one causal
+    call, and so do calls on segments of odd lengths; the final states agree too."""
+    torch.manual_seed(3)
+    dtype = first_dtype(backend)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == F64 else dict(rtol=1e-4, atol=1e-5)
+    B, H, Hkv, L, D, Dv = 1, 2, 1, 100, 8, 6
+    q, k, v = make_qkv((B, H, Hkv, L, L, D, Dv, False), dtype=dtype)
+    full, (S_full, z_full) = linear_attention(q, k, v, causal=True, return_state=True, backend=backend)
+    close_to(full, oracle(q.double(), k.double(), v.double(), oracle_phi("elu"), causal=True, normalize=True),
+             dtype, "one call")
+    for sizes in ([1] * L, [1, 7, 33, 2, 57]):
+        state, outs, start = None, [], 0
+        with torch.no_grad():
+            for n in sizes:
+                sl = slice(start, start + n)
+                o, state = linear_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True, initial_state=state,
+                                            return_state=True, backend=backend)
+                outs.append(o)
+                start += n
+        assert start == L
+        torch.testing.assert_close(torch.cat(outs, 2), full, **tol)
+        torch.testing.assert_close(state[0], S_full, **tol)
+        torch.testing.assert_close(state[1], z_full, **tol)
+
+
 # --------------------------------------------------------------------------------- edge behaviour
 
 @pytest.mark.parametrize("backend", BACKENDS)
