@@ -39,6 +39,7 @@ class Variant:
     window: bool = False            # sliding window of --window keys to the left (with causal)
     layout: Optional[Callable[[int], layouts.BlockLayout]] = None   # L -> layout
     feature_map: Optional[str] = None                                 # linear: "identity" | "elu" | "favor"
+    num_features: Optional[int] = None                                # FAVOR+ F; None: D ln D
     normalize: bool = True
     quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
     cpu_default: bool = True
@@ -68,9 +69,16 @@ VARIANTS: Tuple[Variant, ...] = (
     Variant("linear-identity", "linear", "causal linear attention, phi = identity, unnormalized",
             op="linear_attention", causal=True, feature_map="identity", normalize=False, quadratic=False,
             cpu_default=False),
+    Variant("linear-favor256", "linear", "causal linear attention, FAVOR+ with F = 256 features, normalized",
+            op="linear_attention", causal=True, feature_map="favor", num_features=256, quadratic=False,
+            cpu_default=False),
+    Variant("linear-elu-full", "linear", "non-causal linear attention, phi = elu + 1, normalized (against the "
+            "'dense' variant's softmax rows)", op="linear_attention", feature_map="elu", quadratic=False,
+            cpu_default=False),
 )
 
 
+# The Triton linear-attention acceptance rows (fla, SDPA flash beside): commands in benchmarks/README.md.
 # ------------------------------------------------------------------------------------ one config
 
 @dataclass
@@ -102,7 +110,7 @@ class Case:
         if variant.layout is not None:
             case.layout = variant.layout(L).to(case.device)
         if variant.feature_map == "favor":
-            case.favor = effattn.FavorFeatures(D, seed=0).to(case.device)
+            case.favor = effattn.FavorFeatures(D, variant.num_features, seed=0).to(case.device)
         return case
 
     # --- what the variant means, in each API's terms ---

@@ -52,6 +52,8 @@ def _run(call):
     fmap = MAPS.get(call.feature_map_name)
     if fmap is None:                                   # FAVOR+ / a callable: features in torch
         q, k = linear_features(call, compute_dtype(call.q.dtype))
+        if call.q.dtype == torch.bfloat16:             # the kernels round them to bf16 anyway; fp16 keeps
+            q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)  # fp32 (features can exceed its range)
         fmap = 0
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]

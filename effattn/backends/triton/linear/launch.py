@@ -32,8 +32,11 @@ MAPS = {"identity": 0, "elu": 1, "relu": 2}        # feature maps the kernels ap
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
 # benchmarks/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
-STATE_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)]
-OUT_CONFIGS = [(64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 128, 4, 3)]
+# fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
+CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
+                     4: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
+           "out": {2: [(64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 128, 4, 3)],
+                   4: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)]}}
 INTERPRET_CONFIG = (32, 32, 4, 1)
 _TUNED: Dict[tuple, tuple] = {}
 
@@ -88,7 +91,12 @@ def _fit(cfg, fa: int, fc: int):
     return min(bk, max(16, _next_pow2(fa))), min(bv, max(16, _next_pow2(fc))), w, s
 
 
-def _launch(kind: str, key: tuple, launch, fa: int, fc: int) -> None:
+def candidates(kind: str, elem_bytes: int):
+    """The GPU configs of `kind` ("state" or "out") for inputs of `elem_bytes`, the default first."""
+    return CONFIGS[kind][4 if elem_bytes >= 4 else 2]
+
+
+def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
     """Runs `launch(cfg)` with this kind's config: the interpreter's, the cached one, the first
     candidate (EFFATTN_TRITON_AUTOTUNE=0 or CUDA-graph capture), or the fastest by do_bench."""
     if _INTERPRET:
@@ -99,7 +107,7 @@ def _launch(kind: str, key: tuple, launch, fa: int, fc: int) -> None:
     if cfg is not None:
         launch(cfg)
         return
-    cands = [_fit(c, fa, fc) for c in (STATE_CONFIGS if kind.startswith("state") else OUT_CONFIGS)]
+    cands = [_fit(c, fa, fc) for c in candidates(kind, elem)]
     cands = list(dict.fromkeys(cands))
     capturing = torch.cuda.is_current_stream_capturing()
     if capturing or os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") == "0":
@@ -162,7 +170,7 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         res["finz"] = None if finz is None else (finz[0] if ns == 1 else finz.sum(0))
 
     key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
-    _launch("state", key, launch, FB, FC)
+    _launch("state", key, launch, FB, FC, num.dtype.itemsize)
     return st, stz, res["fin"], res["finz"]
 
 
@@ -212,7 +220,7 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
 
     if B * Ha * La * FC > 0:
         key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb)
-        _launch("out", key, launch, FA, FC)
+        _launch("out", key, launch, FA, FC, num.dtype.itemsize)
     return out, den
 
 
