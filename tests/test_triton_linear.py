@@ -165,3 +165,26 @@ def test_gpu_step_kernel_and_determinism(monkeypatch):
         runs.append(torch.autograd.grad(out, leaves, go))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter skips Triton's compiler: compile every role of the two linear kernels (and the
+    step kernel) for sm_90 in the default bf16 config at F = Dv = 128, so a GPU-only compile error
+    fails CI, and check they fit, use wgmma and spill nothing inside their loops
+    (`python -m benchmarks.linear_kernel_resources` prints the table)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.linear_kernel_resources", "--json", "--processes", "2",
+                           "--dtypes", "bf16"], cwd=root, capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    from benchmarks.linear_kernel_resources import ROLES
+    assert len(rows) == len(ROLES) and not [r for r in rows if "error" in r], rows
+    assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
+    assert all(r["hgmma"] > 0 for r in rows if r["role"] != "step"), rows

@@ -116,7 +116,7 @@ def _chunk_out_kernel(
     """One chunk x one Fc tile of one a-head. b/c heads: ``(ha // GA) * NB + j`` for ``j < NB`` (their
     contributions summed: GQA's query heads into a key head's gradient); the state is the b/c head's.
     Z_MODE 1: ``z`` runs over Fb and makes the denominator; 2: over Fc, weighted by ``ax``."""
-    pid_c, pid_bh, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_bh, pid_c, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, ha = pid_bh // Ha, pid_bh % Ha
     t = pid_c * CH + tl.arange(0, CH)
     ra = t + shift_a

@@ -33,7 +33,7 @@ CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
 # benchmarks/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
 # fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
-CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
+CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
                      4: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
            "out": {2: [(64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 128, 4, 3)],
                    4: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)]}}
@@ -206,7 +206,8 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
 
     def launch(cfg):
         bk, bv, warps, stages = cfg
-        _chunk_out_kernel[(nc, B * Ha, cdiv(FC, bv))](
+        # heads on the first grid axis (no 65535 limit there): B * H can be large, chunks rarely are
+        _chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
             a.x, *a.strides, a.L, a.shift, FA, Ha, ga,
             b.x, *b.strides, c.x, *c.strides, b.L, b.shift, FC, Hb,
             ax if ax is not None else dummy, bx if bx is not None else dummy,
