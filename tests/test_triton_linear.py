@@ -76,6 +76,17 @@ def test_backward_is_bitwise_deterministic(causal):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("Lq,Lk,causal", [(0, 5, True), (5, 0, True), (5, 0, False), (0, 0, False)])
+def test_empty_lengths_match_torch(Lq, Lk, causal):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, h, n, d, device=DEVICE) for h, n, d in ((2, Lq, 4), (1, Lk, 4), (1, Lk, 3)))
+    got = effattn.linear_attention(q, k, v, causal=causal, return_state=True, backend="triton")
+    want = effattn.linear_attention(q, k, v, causal=causal, return_state=True, backend="torch")
+    for a, b in zip((got[0],) + got[1], (want[0],) + want[1]):
+        assert a.shape == b.shape and not a.isnan().any()
+        torch.testing.assert_close(a, b)
+
+
 def test_explain_names_fused_maps_and_torch_features():
     q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
     fused = effattn.explain(q, k, v, op="linear_attention", feature_map="relu", causal=True)

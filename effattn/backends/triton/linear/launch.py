@@ -130,7 +130,7 @@ def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
 def _n_split(programs: int, n_chunks: int, device) -> int:
     """Sequence splits of a non-causal reduction: enough programs for two waves of the GPU."""
     if _INTERPRET:
-        return min(n_chunks, 3)
+        return max(1, min(n_chunks, 3))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(n_chunks, cdiv(2 * sms, programs)))
 

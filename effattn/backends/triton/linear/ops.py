@@ -56,12 +56,15 @@ def _vec(x: Optional[Tensor], per_chunk=False):
 
 
 def _out_grads(dout, out, den, normalize):
-    """g (B, H, L, Dv) and e (B*H, L) fp32 (see the module docstring); e None without normalize."""
+    """g (B, H, L, Dv) and e (B*H, L) fp32 (see the module docstring; g bf16 for bf16 calls); e None
+    without normalize."""
     if not normalize:
         return dout, None
     d = den.view(out.shape[:3])[..., None]
     g = torch.where(d == 0, 0.0, dout.float() / torch.where(d == 0, 1.0, d))
-    return g, -(g * out.float()).sum(-1).reshape(-1, out.shape[2]).contiguous()
+    e = -(g * out.float()).sum(-1).reshape(-1, out.shape[2]).contiguous()
+    # bf16 calls round g to bf16 in every product that reads it: store it so (half the traffic)
+    return (g.to(torch.bfloat16) if dout.dtype == torch.bfloat16 else g), e
 
 
 def _per_base_heads(x: Tensor, B: int, Hbase: int):
