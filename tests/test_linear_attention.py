@@ -212,7 +212,8 @@ FLOORS = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 LOW_SHAPE = (2, 4, 2, 130, 130, 16, 24, True)
 
 
-LOW_COMBOS = [(c, n, f) for f in ("elu", "favor") for c, n in ((False, True), (True, False), (True, True), (False, False))]
+LOW_COMBOS = [(c, n, f) for f in ("elu", "favor")
+              for c, n in ((False, True), (True, False), (True, True), (False, False))]
 # the interpreter: a smaller shape
 INTERP_LOW_SHAPE = (1, 4, 2, 100, 100, 16, 24, True)
 

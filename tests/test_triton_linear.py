@@ -61,7 +61,7 @@ def test_backward_is_bitwise_deterministic(causal):
     key-side passes sum a group's heads in a fixed order; the non-causal reduction is split over the
     sequence and its partial sums added in a fixed order)."""
     torch.manual_seed(4)
-    B, H, Hkv, L, D = 1, 4, 2, 90, 16
+    B, H, Hkv, L, D = 1, 4, 2, 70, 16
     q = torch.randn(B, H, L, D, device=DEVICE)
     k, v = (torch.randn(B, Hkv, L, D, device=DEVICE) for _ in range(2))
     S0, z0 = torch.rand(B, H, D, D, device=DEVICE), torch.rand(B, H, D, device=DEVICE)
@@ -110,6 +110,20 @@ def test_ops_trace_with_fake_tensors():
         assert out.shape == (2, 4, 9, 5) and den.shape == (8, 9) and S.shape == (2, 2, 8, 5) and z.shape == (2, 2, 8)
         out, den = triton_linear_apply(q, S, z, None, None, 0, False, 0.0, torch.float16, False)
         assert out.shape == (2, 4, 9, 5) and out.dtype == torch.float16 and den.numel() == 0
+
+
+def test_opcheck():
+    """torch.library.opcheck: schemas, fake impls, autograd registration of the ops."""
+    from effattn.backends.triton.linear import ops
+    q = torch.randn(1, 2, 9, 8, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 1, 9, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    S0, z0 = torch.rand(1, 2, 8, 8, device=DEVICE), torch.rand(1, 2, 8, device=DEVICE)
+    torch.library.opcheck(ops.triton_linear_causal_fwd, (q, k, v, S0, z0, -2, 1, True, 1e-6, False))
+    S, z = ops.triton_linear_kv_state(k, v, 2, False)
+    torch.library.opcheck(ops.triton_linear_apply, (q, S.detach(), z.detach(), None, None, 2, False, 0.0,
+                                                     torch.float32, False))
+    with torch.no_grad():
+        torch.library.opcheck(ops.triton_linear_step, (q[:, :, :1], k[:, :, :1], v[:, :, :1], S0, z0, 1, True, 1e-6))
 
 
 # ------------------------------------------------------------------------------------------- GPU

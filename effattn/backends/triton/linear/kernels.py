@@ -111,8 +111,9 @@ def _chunk_out_kernel(
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, CAUSAL: tl.constexpr,
         REVERSE: tl.constexpr, MAP_A: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr,
         MAP_X: tl.constexpr, A_X: tl.constexpr, B_X: tl.constexpr, HAS_STATE: tl.constexpr,
-        STATE_Z: tl.constexpr, Z_MODE: tl.constexpr, HAS_BASE: tl.constexpr, BASE_Z: tl.constexpr, WITH_DEN: tl.constexpr,
-        NORMALIZE: tl.constexpr, DT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        STATE_Z: tl.constexpr, Z_MODE: tl.constexpr, HAS_BASE: tl.constexpr, BASE_Z: tl.constexpr,
+        WITH_DEN: tl.constexpr, NORMALIZE: tl.constexpr, DT: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr):
     """One chunk x one Fc tile of one a-head. b/c heads: ``(ha // GA) * NB + j`` for ``j < NB`` (their
     contributions summed: GQA's query heads into a key head's gradient); the state is the b/c head's.
     Z_MODE 1: ``z`` runs over Fb and makes the denominator; 2: over Fc, weighted by ``ax``."""

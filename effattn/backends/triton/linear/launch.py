@@ -107,7 +107,7 @@ def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
     if cfg is not None:
         launch(cfg)
         return
-    cands = [_fit(c, fa, fc) for c in candidates(kind, elem)]
+    cands = [_fit(c, fa, fc) for c in candidates(kind.split(":")[0], elem)]
     cands = list(dict.fromkeys(cands))
     capturing = torch.cuda.is_current_stream_capturing()
     if capturing or os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") == "0":
@@ -136,12 +136,13 @@ def _n_split(programs: int, n_chunks: int, device) -> int:
 
 
 def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=True, cx: Optional[Tensor] = None,
-               cx_ones=False, split=False) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Optional[Tensor]]:
+               cx_ones=False, split=False, role="fwd"):
     """The chunk-state pass over ``b``, ``c`` (one head each, ``(B, Hs, L, Fb)`` / ``(B, Hs, L, Fc)``) on a
     timeline of ``T`` positions. Returns per-chunk states ``(B*Hs, NC, Fb, Fc)`` and ``z``
     ``(B*Hs, NC, Fb)`` (with ``store``; ``z`` with ``cx`` (B*Hs, L) fp32 or ``cx_ones``) and the final
     sums ``(B*Hs, Fb, Fc)``, ``(B*Hs, Fb)`` (fp32). ``split`` (non-causal, no ``store``): the chunks are
-    split over several programs per head and their partial sums added in a fixed order."""
+    split over several programs per head and their partial sums added in a fixed order. ``role``
+    names the use, for the tuned-config cache."""
     B, Hs, _, FB = b.x.shape
     FC = c.F
     dev = b.x.device
@@ -170,7 +171,7 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         res["finz"] = None if finz is None else (finz[0] if ns == 1 else finz.sum(0))
 
     key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
-    _launch("state", key, launch, FB, FC, num.dtype.itemsize)
+    _launch("state:" + role, key, launch, FB, FC, num.dtype.itemsize)
     return st, stz, res["fin"], res["finz"]
 
 
@@ -178,7 +179,7 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
              reverse=False, hb: int = 0, fc: int = 0,
              nb=1, ga=1, ax: Optional[Tensor] = None, ax_ones=False, bx: Optional[Tensor] = None,
              bx_ones=False, state=None, state_z=None, z_mode=0, base=None, base_z=None, grad_x: Optional[Rows] = None,
-             with_den=False, normalize=False, eps=0.0) -> Tuple[Tensor, Optional[Tensor]]:
+             with_den=False, normalize=False, eps=0.0, role="fwd") -> Tuple[Tensor, Optional[Tensor]]:
     """The output pass (see kernels.py): ``out (B, Ha, La, Fc)`` in ``out_dtype`` and, with ``with_den``,
     ``den (B*Ha, La)`` fp32. ``state``: per-chunk states ``(B*Hb, NC, FA, Fc)`` as a tensor and its 4
     strides ``(bh, chunk, fa, fc)`` (a transposed read swaps the last two; a chunk stride of 0 gives every
@@ -221,7 +222,7 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
 
     if B * Ha * La * FC > 0:
         key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb)
-        _launch("out", key, launch, FA, FC, num.dtype.itemsize)
+        _launch("out:" + role, key, launch, FA, FC, num.dtype.itemsize)
     return out, den
 
 

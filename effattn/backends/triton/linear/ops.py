@@ -30,14 +30,15 @@ _EMPTY = (0,)
 
 
 def _t(x: Tensor):
-    """(tensor viewed as (B*H, F, Dv), strides with a chunk stride of 0, last two swapped): the
-    transposed read of a state that every chunk shares."""
-    x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    """(state as a contiguous (B*H, F, Dv), strides with a chunk stride of 0, last two swapped): the
+    transposed read of a state that every chunk shares. States are small: copying one (incoming
+    gradients can be expanded views) costs nothing next to a pass over the sequence."""
+    x = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
     return x, (x.stride(0), 0, x.stride(2), x.stride(1))
 
 
 def _n(x: Tensor):
-    x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    x = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
     return x, (x.stride(0), 0, x.stride(1), x.stride(2))
 
 
@@ -51,7 +52,7 @@ def _base(x: Optional[Tensor], transpose=False):
 def _vec(x: Optional[Tensor], per_chunk=False):
     if x is None:
         return None
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(-1, x.shape[-1]).contiguous()         # the kernels read it with unit stride
     return (x, (x.stride(0), 0)) if per_chunk else (x, (x.stride(0),))
 
 
@@ -99,18 +100,18 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
     kb, vb = Rows(k, shift, fmap), Rows(v, shift)
     mapped = fmap != 0
     st, stz, _, _ = state_pass(kb, vb, Lq, num, cx_ones=normalize)               # the forward's states
-    dh, dhz, dS0, dz0 = state_pass(fq, gb, Lq, num, reverse=True, cx=e)          # per query head
+    dh, dhz, dS0, dz0 = state_pass(fq, gb, Lq, num, reverse=True, cx=e, role="dh")   # per query head
     dq, _ = out_pass(gb, vb, kb, Lq, num, out_dtype=q.dtype, ga=G, ax=e, bx_ones=normalize,
                      state=(st, st.stride()[:2] + (st.stride(3), st.stride(2))),
                      state_z=(stz, stz.stride()[:2]) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
-                     grad_x=Rows(q, 0, fmap) if mapped else None)
+                     grad_x=Rows(q, 0, fmap) if mapped else None, role="dq")
     dk, _ = out_pass(Rows(v, shift), gb, fq, Lq, num, out_dtype=k.dtype, reverse=True, nb=G, ax_ones=True, bx=e,
                      state=(dh, dh.stride()[:2] + (dh.stride(3), dh.stride(2))),
                      state_z=(dhz, dhz.stride()[:2]) if normalize else None, z_mode=2,
-                     base=_base(dS, transpose=True), base_z=_vec(dz), grad_x=kb if mapped else None)
+                     base=_base(dS, transpose=True), base_z=_vec(dz), grad_x=kb if mapped else None, role="dk")
     dv, _ = out_pass(kb, fq, gb, Lq, num, out_dtype=v.dtype, reverse=True, nb=G, state=(dh, dh.stride()),
-                     base=_base(dS))
+                     base=_base(dS), role="dv")
     dbs = _per_base_heads(dS0, B, base_s.shape[1]) if base_s is not None else q.new_empty(_EMPTY)
     dbz = q.new_empty(_EMPTY)
     if base_z is not None:
@@ -134,8 +135,8 @@ def kv_state_bwd(dS, dz, k, v, fmap, tf32):
     kb = Rows(k, 0, fmap)
     dk, _ = out_pass(Rows(v), None, None, Lk, num, out_dtype=k.dtype, causal=False, fc=F, ax_ones=True,
                      state=_t(dS), state_z=_vec(dz, per_chunk=True), z_mode=2,
-                     grad_x=kb if fmap != 0 else None)
-    dv, _ = out_pass(kb, None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS))
+                     grad_x=kb if fmap != 0 else None, role="dk")
+    dv, _ = out_pass(kb, None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
     return dk, dv
 
 
@@ -160,8 +161,8 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
     dq, _ = out_pass(Rows(g), None, None, Lq, num, out_dtype=q.dtype, causal=False, hb=Hkv, fc=F, ga=H // Hkv,
                      ax=e, state=_t(S), state_z=_vec(z, per_chunk=True) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
-                     grad_x=fq if fmap != 0 else None)
-    _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True)   # (B*H, F, Dv)
+                     grad_x=fq if fmap != 0 else None, role="dq")
+    _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
     dS = _per_base_heads(dSq, B, Hkv)
     dz = _per_base_heads(dzq, B, Hkv) if normalize else torch.zeros_like(z)
     dbs = dSq.view(B, H, F, Dv) if base_s is not None else q.new_empty(_EMPTY)
