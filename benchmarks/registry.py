@@ -40,6 +40,7 @@ class Variant:
     window: bool = False            # sliding window of --window keys to the left (with causal)
     layout: Optional[Callable[[int], layouts.BlockLayout]] = None   # L -> layout
     feature_map: Optional[str] = None                                 # linear: "identity" | "elu" | "favor"
+    num_features: Optional[int] = None                                # FAVOR+ F; None: D ln D
     normalize: bool = True
     quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
     cpu_default: bool = True
@@ -69,9 +70,16 @@ VARIANTS: Tuple[Variant, ...] = (
     Variant("linear-identity", "linear", "causal linear attention, phi = identity, unnormalized",
             op="linear_attention", causal=True, feature_map="identity", normalize=False, quadratic=False,
             cpu_default=False),
+    Variant("linear-favor256", "linear", "causal linear attention, FAVOR+ with F = 256 features, normalized",
+            op="linear_attention", causal=True, feature_map="favor", num_features=256, quadratic=False,
+            cpu_default=False),
+    Variant("linear-elu-full", "linear", "non-causal linear attention, phi = elu + 1, normalized (against the "
+            "'dense' variant's softmax rows)", op="linear_attention", feature_map="elu", quadratic=False,
+            cpu_default=False),
 )
 
 
+# The Triton linear-attention acceptance rows (fla, SDPA flash beside): commands in benchmarks/README.md.
 # ------------------------------------------------------------------------------------ one config
 
 @dataclass
@@ -103,7 +111,7 @@ class Case:
         if variant.layout is not None:
             case.layout = variant.layout(L).to(case.device)
         if variant.feature_map == "favor":
-            case.favor = effattn.FavorFeatures(D, seed=0).to(case.device)
+            case.favor = effattn.FavorFeatures(D, variant.num_features, seed=0).to(case.device)
         return case
 
     # --- what the variant means, in each API's terms ---
@@ -167,7 +175,8 @@ def _effattn(backend: str, op: str) -> Callable[[Case], Bench]:
         why = ex.reasons.get(backend, ["unknown backend"])
         if why:
             raise Unsupported("; ".join(why))
-        if backend in ex.notes:                    # Triton on CPU: its interpreter, far too slow to time
+        from effattn.backends import base
+        if case.device.type in base._REGISTRY[op][backend].explicit_only_devices:   # Triton's interpreter
             raise Unsupported(f"{ex.notes[backend]} (interpreter; not benchmarked)")
         fn = effattn.attention if op == "attention" else effattn.linear_attention
         q, k, v = case.q, case.k, case.v

@@ -237,3 +237,17 @@ def make_linear_call(q, k, v, *, causal=False, feature_map="elu", normalize=True
                 raise ValueError(f"{LINEAR}: initial_state {nm} is on {t.device}, q on {q.device}")
         initial_state = (S0, z0)
     return LinearCall(q, k, v, causal, phi, normalize, float(eps), initial_state, return_state, Fdim, name)
+
+
+def linear_features(call: LinearCall, dtype: torch.dtype):
+    """``phi(q)``, ``phi(k)`` of a call computed in torch in ``dtype`` (for feature maps a backend does
+    not fuse), checked to be ``(B, H, Lq, F)`` / ``(B, Hkv, Lk, F)``."""
+    B, H, Lq, _ = call.q.shape
+    Hkv, Lk = call.k.shape[1], call.k.shape[2]
+    fq, fk = call.phi(call.q.to(dtype)), call.phi(call.k.to(dtype))
+    for nm, t, want in (("q", fq, (B, H, Lq, call.num_features)), ("k", fk, (B, Hkv, Lk, call.num_features))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{LINEAR}: feature_map must map (..., D) -> (..., F) consistently; on {nm} it "
+                             f"returned {got}, expected {want}")
+    return fq.to(dtype), fk.to(dtype)

@@ -98,13 +98,13 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     for b in base.backends_for(op):
         why = b.reasons(call)
         reasons[b.name] = why
+        remarks = list(b.notes(call)) if not why else []
         if not why and call.q.device.type in b.explicit_only_devices:
-            notes[b.name] = f"on {call.q.device.type} only when asked for by name"
+            remarks.insert(0, f"on {call.q.device.type} only when asked for by name")
         elif not why and chosen is None:
             chosen = b.name
-        extra = b.notes(call) if not why else []
-        if extra:
-            notes[b.name] = "; ".join(([notes[b.name]] if b.name in notes else []) + extra)
+        if remarks:
+            notes[b.name] = "; ".join(remarks)
     for name in base.BACKENDS:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]

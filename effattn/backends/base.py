@@ -57,7 +57,8 @@ class Backend:
     # devices where the backend runs only when asked for by name, never picked by "auto"
     # (Triton's interpreter on CPU: correct, but far slower than the torch reference)
     explicit_only_devices: FrozenSet[str] = frozenset()
-    # what serving a call involves besides the kernels (e.g. copies of inputs), for explain
+    # remarks `effattn.explain` adds for a call this backend serves: what serving it involves besides the
+    # kernels (copies of inputs, parts computed in torch), e.g. ["feature map computed in torch"]
     notes: Callable = lambda call: []
 
     def reasons(self, call) -> List[str]:

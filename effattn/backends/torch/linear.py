@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._call import LINEAR as FN, LinearCall, compute_dtype as _compute_dtype
+from ..._call import LINEAR as FN, LinearCall, compute_dtype as _compute_dtype, linear_features
 from ..base import FEATURES, Backend, Capabilities, register
 
 CHUNK = 64                       # positions per chunk in the causal reference
@@ -91,17 +91,8 @@ def linear_attention_reference(fq: Tensor, fk: Tensor, v: Tensor, *, causal: boo
 
 def _torch_run(call: LinearCall):
     dt = _compute_dtype(call.q.dtype)
-    B, H, Lq, _ = call.q.shape
-    Hkv, Lk = call.k.shape[1], call.k.shape[2]
-    fq = call.phi(call.q.to(dt))
-    fk = call.phi(call.k.to(dt))
-    Fd = call.num_features
-    for nm, t, want in (("q", fq, (B, H, Lq, Fd)), ("k", fk, (B, Hkv, Lk, Fd))):
-        if not isinstance(t, Tensor) or tuple(t.shape) != want:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{FN}: feature_map must map (..., D) -> (..., F) consistently; on {nm} it "
-                             f"returned {got}, expected {want}")
-    out, S, z = linear_attention_reference(fq.to(dt), fk.to(dt), call.v.to(dt), causal=call.causal,
+    fq, fk = linear_features(call, dt)
+    out, S, z = linear_attention_reference(fq, fk, call.v.to(dt), causal=call.causal,
                                            normalize=call.normalize, eps=call.eps,
                                            initial_state=call.initial_state)
     return out.to(call.q.dtype), ((S, z) if call.return_state else None)

@@ -1,0 +1,171 @@
+"""Offline GPU-target compiles of the linear-attention Triton kernels (no GPU needed).
+
+The companion of ``benchmarks/kernel_resources.py`` (whose measuring helpers it reuses) for
+``effattn/backends/triton/linear``: each of the two kernels is compiled once per role it plays in a
+call (forward state and output passes, the backward's reverse state pass and its dq / dk / dv output
+passes, the non-causal reduction and output, the decoding step) in its default config, for
+contiguous inputs, and reported with shared memory, registers, stack, spills (in loops / all) and
+the matrix instructions (HGMMA = Hopper wgmma).
+
+    python -m benchmarks.linear_kernel_resources                      # sm_90, F = Dv = 128, bf16 + fp16
+    python -m benchmarks.linear_kernel_resources --arch 80 --feature-dims 64,128 --out DIR
+
+Run it without ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import sys
+from typing import Dict, List
+
+from .kernel_resources import SMEM_LIMIT, resources
+
+# role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
+_STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
+_OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_A=1, MAP_B=1, MAP_C=0, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
+            STATE_Z=False, Z_MODE=0, HAS_BASE=False, BASE_Z=False, WITH_DEN=False, NORMALIZE=False)
+ROLES = {
+    "state-fwd": ("state", dict(_STATE)),
+    "state-bwd-reverse": ("state", dict(_STATE, REVERSE=True, MAP_C=0, C_X=2)),
+    "state-noncausal-split": ("state", dict(_STATE, STORE=False)),
+    "out-fwd-normalized": ("out", dict(_OUT, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
+    "out-fwd-plain": ("out", dict(_OUT, MAP_A=0, MAP_B=0)),
+    "out-dq": ("out", dict(_OUT, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=2, B_X=1, STATE_Z=True, Z_MODE=2)),
+    "out-dk": ("out", dict(_OUT, REVERSE=True, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=1, B_X=2, STATE_Z=True,
+                           Z_MODE=2)),
+    "out-dv": ("out", dict(_OUT, REVERSE=True)),
+    "out-noncausal": ("out", dict(_OUT, CAUSAL=False, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
+    "step": ("step", dict(MAP=1, NORMALIZE=True)),
+}
+_BF16_DATA = {"Ap", "Bp", "Cp", "Xp", "Op", "Q", "K", "V", "O"}
+_POINTERS = {"Ap", "Bp", "Cp", "Xp", "Op", "Q", "K", "V", "O", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
+             "BASEZ", "DEN", "S", "Z", "S_OUT", "Z_OUT"}
+_UNIT = {"sa_f", "sb_f", "sc_f", "sx_f", "so_f", "st_f", "sbase_f"}   # contiguous (B, H, L, F) operands
+
+
+def compile_role(arch: int, role: str, feat: int, dtype: str):
+    """Compiles `role` for sm_<arch> with F = Dv = `feat` in its default config. Returns (kernel,
+    config string)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from effattn.backends.triton.linear import kernels, launch
+    kind, flags = ROLES[role]
+    fn = {"state": kernels._chunk_state_kernel, "out": kernels._chunk_out_kernel, "step": kernels._step_kernel}[kind]
+    elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
+    consts = dict(flags)
+    if kind == "step":
+        bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
+        consts.update(BF=bf, BV=bv, UPCAST=False)
+        cfg = f"BF{bf}xBV{bv}x{warps}"
+    else:
+        bk, bv, warps, stages = launch._fit(launch.candidates(kind, 4 if dtype == "fp32" else 2)[0], feat, feat)
+        consts.update(CH=64, BK=bk, BV=bv, DT=tl.bfloat16 if dtype == "bf16" else tl.float32,
+                      DOT_PREC="tf32" if dtype != "bf16" else "ieee", UPCAST=False)
+        if kind == "state":
+            consts["NV"] = -(-feat // bv)
+        cfg = f"CH64xBK{bk}xBV{bv}x{warps}x{stages}"
+    consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
+    state_elem = "bf16" if dtype == "bf16" else "fp32"
+    sig, attrs = {}, {}
+    for j, n in enumerate(fn.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in _BF16_DATA:
+            sig[n] = "*" + elem
+        elif n == "ST":
+            sig[n] = "*" + state_elem
+        elif n in _POINTERS:
+            sig[n] = "*fp32"
+        else:
+            sig[n] = "fp32" if n == "eps" else "i32"
+        if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("shift_a", "shift_b", "GA", "Ha", "Hb", "Hs",
+                                                                      "H", "G", "GBASE", "n_chunks",
+                                                                      "chunks_per_prog")):
+            attrs[(j,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    return k, cfg
+
+
+def measure(job) -> Dict[str, object]:
+    arch, role, feat, dtype = job
+    row = dict(arch=arch, role=role, feat=feat, dtype=dtype)
+    try:
+        k, cfg = compile_role(arch, role, feat, dtype)
+        row["config"] = cfg
+        row.update(resources(k))
+        row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
+    except Exception as e:  # noqa: BLE001 - a compile error is a result
+        row["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+    return row
+
+
+def to_markdown(rows: List[dict], meta: dict) -> str:
+    lines = [f"# effattn linear-attention Triton kernels: offline resources ({meta['target']})", "",
+             f"triton {meta['triton']}, {meta['date']}; `{meta['command']}`. Default configs (chunk 64 "
+             "positions; BK = contracted feature tile, BV = output feature tile, warps, stages). Shared "
+             f"memory in KiB (limit {SMEM_LIMIT.get(meta['arch'], 0) // 1024}); regs per thread; stack "
+             "bytes; spills = LDL/STL instructions in loops / in all; HGMMA = wgmma instructions. fp16 "
+             "calls run their dots on fp32 operands (TF32), hence no HGMMA on bf16 operands there.", "",
+             "| role | F = Dv | dtype | config | smem | regs | stack | spills loop/all | HGMMA | HMMA |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | error: {r['error'][:100]} ||||||")
+            continue
+        smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
+        lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['config']} | {smem} | {r.get('regs', '?')} | "
+                     f"{r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
+                     f"{r.get('hgmma', '?')} | {r.get('hmma', '?')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--feature-dims", default="128", help="comma list of F = Dv (64, 128, 256)")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--roles", default=",".join(ROLES))
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
+    ap.add_argument("--out", help="write linear_resources.md / .json here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter does not compile kernels")
+    roles = args.roles.split(",")
+    if not set(roles) <= set(ROLES):
+        ap.error(f"--roles takes {', '.join(ROLES)}")
+    jobs = [(args.arch, role, int(f), dt) for f in args.feature_dims.split(",") for dt in args.dtypes.split(",")
+            for role in roles]
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.processes, len(jobs)))) as pool:
+        for row in pool.map(measure, jobs):
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    import triton
+    meta = dict(target=f"sm_{args.arch}", arch=args.arch, triton=triton.__version__,
+                date=datetime.date.today().isoformat(),
+                command="python -m benchmarks.linear_kernel_resources " + " ".join(
+                    argv if argv is not None else sys.argv[1:]))
+    md = to_markdown(rows, meta)
+    if not args.json:
+        print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "linear_resources.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "linear_resources.md"), "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The Triton backend for linear attention: chunked causal and non-causal kernels, forward and
+backward, with the named feature maps fused and a one-token decoding step.
+
+Layers: ``kernels.py`` (two jit kernels, the chunk-state pass and the output pass, plus the step
+kernel), ``launch.py`` (operands, configs, allocation), ``ops.py`` (``torch.library`` ops, fake impls,
+the backward as five launches of the same two kernels), and here the composition of a call and its
+registration as backend ``"triton"``.
+
+A call is composed as follows (``off = Lk - Lq``, bottom-right alignment):
+
+- causal: keys ``[0, off)`` (when ``off > 0``) are seen by every query: their sums are one
+  non-causal reduction added to ``initial_state`` as the base state; the rest is the chunked form
+  (intra-chunk masked product + inter-chunk state) with keys shifted by ``min(off, 0)`` on the
+  query timeline. Memory: the per-chunk states, ``(L / 64) x F x Dv`` per key head (as fla's
+  ``chunk_h``), never an ``(L, F, Dv)`` tensor; the backward recomputes them.
+- non-causal: one reduction for ``(S, z)`` per key head, split over the sequence when the heads
+  alone would not fill the GPU (partial sums added in a fixed order), then one output pass.
+- ``Lq = Lk = 1`` without gradients (decoding with ``KVCache``): the step kernel, O(F x Dv) per head.
+
+Feature maps: ``elu`` (elu + 1), ``relu`` and ``identity`` are applied inside the kernels on each
+loaded tile (and their derivative in the backward's epilogue). FAVOR+ and any other callable are
+applied in torch (fp32, through autograd, so a trainable projection gets its gradient) and the
+kernels take the features: FAVOR+ is a (D x F) matmul plus exp per row, which cuBLAS already does at
+full speed; fusing it into the passes would redo it in every pass that reads the features (the
+forward reads phi(k) twice, the backward phi(q) and phi(k) three times each). ``explain`` says so.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...._call import LINEAR, compute_dtype, linear_features
+from ...base import FEATURES, Backend, Capabilities, register
+from ..runtime import _available, _tf32_enabled, triton
+
+if triton is not None:
+    from .launch import MAPS
+    from .ops import triton_linear_apply, triton_linear_causal_fwd, triton_linear_kv_state, triton_linear_step
+
+
+def _expand(x, H):
+    """Per-key-head state ``(B, Hkv, ...)`` -> per query head ``(B, H, ...)``."""
+    B, Hkv = x.shape[:2]
+    return x[:, :, None].expand(B, Hkv, H // Hkv, *x.shape[2:]).reshape(B, H, *x.shape[2:])
+
+
+def _needs_grad(*ts):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _run(call):
+    q, k, v = call.q, call.k, call.v
+    fmap = MAPS.get(call.feature_map_name)
+    if fmap is None:                                   # FAVOR+ / a callable: features in torch
+        q, k = linear_features(call, compute_dtype(call.q.dtype))
+        if call.q.dtype == torch.bfloat16:             # the kernels round them to bf16 anyway; fp16 keeps
+            q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)  # fp32 (features can exceed its range)
+        fmap = 0
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    S0 = z0 = None
+    if call.initial_state is not None:
+        S0, z0 = (t.to(torch.float32) for t in call.initial_state)
+    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()
+    if Lq == 1 and Lk == 1 and not _needs_grad(q, k, v, S0, z0):
+        if S0 is None:
+            S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
+            z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
+        out, S, z = triton_linear_step(q, k, v, S0, z0, fmap, call.normalize, call.eps)
+        return out.to(call.q.dtype), ((S, z) if call.return_state else None)
+    if not call.causal:
+        S_kv, z_kv = triton_linear_kv_state(k, v, fmap, tf32)
+        out, _ = triton_linear_apply(q, S_kv, z_kv, S0, z0, fmap, call.normalize, call.eps, call.v.dtype, tf32)
+        base_s, base_z, S_c, z_c = S0, z0, S_kv, z_kv
+    else:
+        off = Lk - Lq
+        base_s, base_z = S0, z0
+        if off > 0:                                    # keys every query sees: a base state
+            S_pre, z_pre = triton_linear_kv_state(k[:, :, :off], v[:, :, :off], fmap, tf32)
+            if base_s is None:
+                base_s, base_z = S_pre, z_pre
+            else:
+                base_s, base_z = base_s + _expand(S_pre, H), base_z + _expand(z_pre, H)
+            k, v = k[:, :, off:], v[:, :, off:]
+        out, _, S_c, z_c = triton_linear_causal_fwd(q, k, v, base_s, base_z, min(off, 0), fmap, call.normalize,
+                                                    call.eps, tf32)
+    if not call.return_state:
+        return out.to(call.q.dtype), None
+    S, z = _expand(S_c, H), _expand(z_c, H)
+    if base_s is not None:
+        S, z = S + _expand(base_s, H), z + _expand(base_z, H)
+    return out.to(call.q.dtype), (S, z)
+
+
+def _note(call) -> str:
+    name = call.feature_map_name
+    if name in ("elu", "relu", "identity"):
+        how = f"feature map {name!r} fused into the kernels"
+    else:
+        what = "FAVOR+ features" if name == "favor" else "the callable feature map"
+        how = (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
+               "'elu', 'relu' and 'identity'")
+    if call.q.shape[2] == 1 and call.k.shape[2] == 1:
+        how += "; one token: the recurrent step kernel when no gradient is needed"
+    return how
+
+
+BACKEND = register(Backend(
+    name="triton", op=LINEAR, priority=10,
+    caps=Capabilities(devices=frozenset({"cuda", "cpu"}),
+                      dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                      max_head_dim=256, features=FEATURES[LINEAR], min_compute_capability=(8, 0)),
+    run=_run, available=_available, notes=lambda call: [_note(call)],
+    explicit_only_devices=frozenset({"cpu"})))

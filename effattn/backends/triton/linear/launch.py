@@ -1,0 +1,244 @@
+"""Launchers of the linear-attention kernels: operand descriptions, tile configs, allocation.
+
+Numerics: dots run in bf16 on tensor cores for bf16 calls; fp16 and fp32 calls run them on fp32
+operands (TF32 on the GPU for fp16, whose 10-bit mantissa TF32 keeps, and for fp32 when torch allows
+TF32; IEEE fp32 otherwise), because a state summed over many keys can exceed fp16's range. States
+are accumulated in fp32; the per-chunk states the output pass reads are stored in bf16 for bf16
+calls (the dot rounds them to bf16 anyway) and fp32 otherwise. Final states are fp32.
+
+Configs: a chunk of ``CHUNK`` timeline positions, feature tiles ``BK`` (the contracted features)
+and ``BV`` (the output features). On the GPU the first candidate is the default
+(``EFFATTN_TRITON_AUTOTUNE=0``); otherwise the candidates are timed once per kind and kept for the
+process. The interpreter uses small tiles so that small test shapes cross chunk and tile edges.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..runtime import _INTERPRET, _log, _next_pow2, triton
+
+if triton is not None:
+    import triton.language as tl
+    from triton.testing import do_bench
+
+    from .kernels import _chunk_out_kernel, _chunk_state_kernel, _step_kernel
+
+MAPS = {"identity": 0, "elu": 1, "relu": 2}        # feature maps the kernels apply themselves
+CHUNK = 32 if _INTERPRET else 64
+# (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
+# benchmarks/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
+# fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
+CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
+                     4: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
+           "out": {2: [(64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 128, 4, 3)],
+                   4: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)]}}
+INTERPRET_CONFIG = (32, 32, 4, 1)
+_TUNED: Dict[tuple, tuple] = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Rows:
+    """A row operand: ``x (B, H, L, F)`` read at row ``t + shift`` of the timeline, through the
+    feature map ``fmap`` (MAPS code; 0: as is)."""
+    x: Tensor
+    shift: int = 0
+    fmap: int = 0
+
+    @property
+    def strides(self):
+        return tuple(self.x.stride())
+
+    @property
+    def L(self):
+        return self.x.shape[2]
+
+    @property
+    def F(self):
+        return self.x.shape[3]
+
+
+class Numerics:
+    """Dot dtype / precision of a call (see the module docstring)."""
+
+    def __init__(self, dtype: torch.dtype, tf32: bool):
+        self.dtype = dtype
+        self.dt = tl.bfloat16 if dtype == torch.bfloat16 else tl.float32
+        if _INTERPRET:
+            self.prec = "ieee"
+        elif dtype == torch.float16 or (dtype == torch.float32 and tf32):
+            self.prec = "tf32"
+        else:
+            self.prec = "ieee"
+        self.upcast = _INTERPRET and dtype == torch.bfloat16
+        self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+    def flags(self):
+        return dict(DT=self.dt, DOT_PREC=self.prec, UPCAST=self.upcast)
+
+
+def _fit(cfg, fa: int, fc: int):
+    """A config with its feature tiles no larger than the (power-of-2 padded) feature dims."""
+    bk, bv, w, s = cfg
+    return min(bk, max(16, _next_pow2(fa))), min(bv, max(16, _next_pow2(fc))), w, s
+
+
+def candidates(kind: str, elem_bytes: int):
+    """The GPU configs of `kind` ("state" or "out") for inputs of `elem_bytes`, the default first."""
+    return CONFIGS[kind][4 if elem_bytes >= 4 else 2]
+
+
+def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
+    """Runs `launch(cfg)` with this kind's config: the interpreter's, the cached one, the first
+    candidate (EFFATTN_TRITON_AUTOTUNE=0 or CUDA-graph capture), or the fastest by do_bench."""
+    if _INTERPRET:
+        launch(_fit(INTERPRET_CONFIG, fa, fc))
+        return
+    key = (kind,) + key
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        launch(cfg)
+        return
+    cands = [_fit(c, fa, fc) for c in candidates(kind.split(":")[0], elem)]
+    cands = list(dict.fromkeys(cands))
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing or os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") == "0":
+        launch(cands[0])
+        if not capturing:
+            _TUNED[key] = cands[0]
+        return
+    timed = []
+    for c in cands:
+        try:
+            timed.append((do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"), c))
+        except Exception as e:  # noqa: BLE001 - a config that does not fit this GPU is skipped
+            _log.info("effattn triton linear: %s config %s skipped: %s", kind, c, str(e)[:200])
+    if not timed:
+        raise RuntimeError(f"effattn triton linear attention: no {kind} config runs for {key}")
+    _TUNED[key] = min(timed, key=lambda tc: tc[0])[1]
+    launch(_TUNED[key])
+
+
+def _n_split(programs: int, n_chunks: int, device) -> int:
+    """Sequence splits of a non-causal reduction: enough programs for two waves of the GPU."""
+    if _INTERPRET:
+        return max(1, min(n_chunks, 3))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_chunks, cdiv(2 * sms, programs)))
+
+
+def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=True, cx: Optional[Tensor] = None,
+               cx_ones=False, split=False, role="fwd"):
+    """The chunk-state pass over ``b``, ``c`` (one head each, ``(B, Hs, L, Fb)`` / ``(B, Hs, L, Fc)``) on a
+    timeline of ``T`` positions. Returns per-chunk states ``(B*Hs, NC, Fb, Fc)`` and ``z``
+    ``(B*Hs, NC, Fb)`` (with ``store``; ``z`` with ``cx`` (B*Hs, L) fp32 or ``cx_ones``) and the final
+    sums ``(B*Hs, Fb, Fc)``, ``(B*Hs, Fb)`` (fp32). ``split`` (non-causal, no ``store``): the chunks are
+    split over several programs per head and their partial sums added in a fixed order. ``role``
+    names the use, for the tuned-config cache."""
+    B, Hs, _, FB = b.x.shape
+    FC = c.F
+    dev = b.x.device
+    nc = cdiv(T, CHUNK)
+    cx_mode = 2 if cx is not None else (1 if cx_ones else 0)
+    f32 = torch.float32
+    st = torch.empty(B * Hs, nc, FB, FC, dtype=num.state_dtype, device=dev) if store else None
+    stz = torch.empty(B * Hs, nc, FB, dtype=f32, device=dev) if store and cx_mode else None
+    res = {}
+
+    def launch(cfg):
+        bk, bv, warps, stages = cfg
+        nv = cdiv(FC, bv)
+        programs = B * Hs * cdiv(FB, bk) * nv
+        ns = _n_split(programs, nc, dev) if split else 1
+        fin = torch.empty(ns, B * Hs, FB, FC, dtype=f32, device=dev)
+        finz = torch.empty(ns, B * Hs, FB, dtype=f32, device=dev) if cx_mode else None
+        _chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
+            b.x, *b.strides, c.x, *c.strides, b.L, b.shift, FB, FC, cx if cx is not None else fin,
+            st if store else fin, *(st.stride()[:2] + st.stride()[2:] if store else (0, 0, 0, 0)),
+            stz if stz is not None else fin, *(stz.stride()[:2] if stz is not None else (0, 0)),
+            fin, finz if finz is not None else fin, nc, cdiv(nc, ns), Hs,
+            CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, MAP_B=b.fmap, MAP_C=c.fmap, C_X=cx_mode,
+            num_warps=warps, num_stages=stages, **num.flags())
+        res["fin"] = fin[0] if ns == 1 else fin.sum(0)        # a fixed order: deterministic
+        res["finz"] = None if finz is None else (finz[0] if ns == 1 else finz.sum(0))
+
+    key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
+    _launch("state:" + role, key, launch, FB, FC, num.dtype.itemsize)
+    return st, stz, res["fin"], res["finz"]
+
+
+def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numerics, *, out_dtype, causal=True,
+             reverse=False, hb: int = 0, fc: int = 0,
+             nb=1, ga=1, ax: Optional[Tensor] = None, ax_ones=False, bx: Optional[Tensor] = None,
+             bx_ones=False, state=None, state_z=None, z_mode=0, base=None, base_z=None, grad_x: Optional[Rows] = None,
+             with_den=False, normalize=False, eps=0.0, role="fwd") -> Tuple[Tensor, Optional[Tensor]]:
+    """The output pass (see kernels.py): ``out (B, Ha, La, Fc)`` in ``out_dtype`` and, with ``with_den``,
+    ``den (B*Ha, La)`` fp32. ``state``: per-chunk states ``(B*Hb, NC, FA, Fc)`` as a tensor and its 4
+    strides ``(bh, chunk, fa, fc)`` (a transposed read swaps the last two; a chunk stride of 0 gives every
+    chunk one state); ``state_z`` likewise with 2 strides. ``base``: ``(B*Hbase, FA, Fc)`` tensor with 3
+    strides, ``base_z`` with 1; ``grad_x``: multiply the output by ``phi'(x)`` of these rows."""
+    B, Ha, La, FA = a.x.shape
+    b = b if b is not None else a                     # not read without the intra-chunk term
+    Hb = hb or b.x.shape[1]
+    FC = fc or c.F
+    c = c if c is not None else a
+    dev = a.x.device
+    nc = cdiv(T, CHUNK)
+    out = torch.empty(B, Ha, La, FC, dtype=out_dtype, device=dev)
+    den = torch.empty(B * Ha, La, dtype=torch.float32, device=dev) if with_den else None
+    dummy = out
+    a_x = 2 if ax is not None else (1 if ax_ones else 0)
+    b_x = 2 if bx is not None else (1 if bx_ones else 0)
+    st, st_strides = state if state is not None else (dummy, (0, 0, 0, 0))
+    stz, stz_strides = state_z if state_z is not None else (dummy, (0, 0))
+    bs, bs_strides = base if base is not None else (dummy, (0, 0, 0))
+    bz, bz_strides = base_z if base_z is not None else (dummy, (0,))
+    gbase = (B * Ha) // (bs.shape[0] if base is not None else 1)
+    gx = grad_x if grad_x is not None else a
+    o_strides = tuple(out.stride())
+
+    def launch(cfg):
+        bk, bv, warps, stages = cfg
+        # heads on the first grid axis (no 65535 limit there): B * H can be large, chunks rarely are
+        _chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
+            a.x, *a.strides, a.L, a.shift, FA, Ha, ga,
+            b.x, *b.strides, c.x, *c.strides, b.L, b.shift, FC, Hb,
+            ax if ax is not None else dummy, bx if bx is not None else dummy,
+            st, *st_strides, stz, *stz_strides, bs, *bs_strides, bz, *bz_strides, max(gbase, 1),
+            gx.x, *gx.strides, out, *o_strides, den if den is not None else dummy, eps,
+            CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse, MAP_A=a.fmap, MAP_B=b.fmap,
+            MAP_C=c.fmap, MAP_X=grad_x.fmap if grad_x is not None else 0, A_X=a_x, B_X=b_x,
+            HAS_STATE=state is not None, STATE_Z=state_z is not None, Z_MODE=z_mode, HAS_BASE=base is not None,
+            BASE_Z=base_z is not None, WITH_DEN=with_den, NORMALIZE=normalize,
+            num_warps=warps, num_stages=stages, **num.flags())
+
+    if B * Ha * La * FC > 0:
+        key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb)
+        _launch("out:" + role, key, launch, FA, FC, num.dtype.itemsize)
+    return out, den
+
+
+def step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fmap: int, normalize: bool, eps: float):
+    """One decoding step: q ``(B, H, 1, F)``, k ``(B, Hkv, 1, F)``, v ``(B, Hkv, 1, Dv)``, state fp32
+    ``S (B, H, F, Dv)``, ``z (B, H, F)`` -> ``out (B, H, 1, Dv)``, new ``S``, ``z``."""
+    B, H, _, F = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    S, z = S.contiguous(), z.contiguous()
+    q2, k2, v2 = (t.reshape(t.shape[0] * t.shape[1], t.shape[3]).contiguous() for t in (q, k, v))  # one row a head
+    S_new, z_new = torch.empty_like(S), torch.empty_like(z)
+    out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=q.device)
+    bv = min(128, max(16, _next_pow2(Dv)))
+    bf = min(64, max(16, _next_pow2(F)))
+    _step_kernel[(B * H, cdiv(Dv, bv))](
+        q2, k2, v2, S, z, S_new, z_new, out, q2.stride(0), k2.stride(0), v2.stride(0), Dv, H, H // Hkv, F, Dv,
+        eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, UPCAST=_INTERPRET and v.dtype == torch.bfloat16,
+        num_warps=4)
+    return out, S_new, z_new
