@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {"sizes": [64, 32, 32], "min_length": 8, "max_length": 40}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread (the runs are tiny, and the CI machine is shared), restored afterwards: the
+    trainer's ``threads=`` setting is process-wide."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("lra-cache")
@@ -33,7 +43,7 @@ def tiny(cache):
 
 def small_cfg(tmp_path, cache, **kw):
     base = dict(task="listops", out=str(tmp_path / "run"), steps=10, batch_size=8, warmup=3, eval_every=4, lr=3e-3,
-                log_every=1000, cache_dir=str(cache), overrides=TINY)
+                log_every=1000, cache_dir=str(cache), overrides=TINY, threads=1)
     base.update(kw)
     return TrainConfig(**base)
 

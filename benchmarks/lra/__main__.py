@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks.lra {train,demo,speed,report,generate} ...``.
+"""Command line: ``python -m benchmarks.lra {train,demo,speed,report,generate,variants} ...``.
 
     python -m benchmarks.lra train --task listops --variant bigbird          # one task x variant
     torchrun --nproc_per_node 2 -m benchmarks.lra train --task image ...     # data parallel
@@ -6,6 +6,7 @@
     python -m benchmarks.lra speed --lengths 1024 2048 3072 4096             # Table 2 rows
     python -m benchmarks.lra report --runs lra-runs --out lra-report         # Tables 1 and 2
     python -m benchmarks.lra generate --task pathfinder --workers 16         # fill the data cache
+    python -m benchmarks.lra variants                                        # variants x backends
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "weight_decay", "clip"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-length", type=int, help="truncate sequences (default: the task's)")
     p.add_argument("--max-minutes", type=float, help="stop training in time to evaluate and test within this")
     p.add_argument("--dropout", type=float, help="override the model config's dropout")
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="lra-runs/demo")
     demo.add_argument("--minutes", type=float, default=4.0, help="time budget per variant")
     demo.add_argument("--cache-dir")
+    demo.add_argument("--threads", type=int, default=1,
+                      help="torch CPU threads (default 1: on a shared 2-core machine two threads lose badly "
+                           "whenever another process competes)")
     sp = sub.add_parser("speed", help="Table 2: training steps/s and memory per variant and length")
     sp.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     sp.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 3072, 4096])
@@ -80,6 +85,8 @@ def main(argv=None) -> int:
     rp = sub.add_parser("report", help="Tables 1 and 2 from every results.json under --runs")
     rp.add_argument("--runs", default="lra-runs")
     rp.add_argument("--out", default="lra-report")
+    vp = sub.add_parser("variants", help="the attention variants and the backends that can serve them here")
+    vp.add_argument("--device", default="auto")
     gp = sub.add_parser("generate", help="generate (and cache) a task's data")
     gp.add_argument("--task", choices=("listops", "pathfinder", "text", "retrieval"), required=True)
     gp.add_argument("--preset", choices=("full", "short"), default="full")
@@ -94,7 +101,7 @@ def main(argv=None) -> int:
         return 0 if row is not None else 1
     if a.cmd == "demo":
         from .demo import run_demo
-        run_demo(Path(a.out), minutes=a.minutes, cache_dir=a.cache_dir)
+        run_demo(Path(a.out), minutes=a.minutes, cache_dir=a.cache_dir, threads=a.threads)
         return 0
     if a.cmd == "speed":
         from .report import write_rows, table2
@@ -113,6 +120,11 @@ def main(argv=None) -> int:
         for p in full_report(rows, Path(a.out)):
             print(p)
         print((Path(a.out) / "results.md").read_text())
+        return 0
+    if a.cmd == "variants":
+        import torch
+        from .variants import variants_markdown
+        print(variants_markdown(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")))
         return 0
     if a.cmd == "generate":
         import time

@@ -23,12 +23,13 @@ SETTINGS = dict(task="listops", preset="short", steps=400, batch_size=32, warmup
                 eval_every=100, log_every=50, overrides=DATA)
 
 
-def run_demo(out: Path, minutes: float = 4.0, cache_dir: Optional[str] = None) -> List[Dict]:
+def run_demo(out: Path, minutes: float = 4.0, cache_dir: Optional[str] = None, threads: Optional[int] = 1) -> List[Dict]:
     t0 = time.perf_counter()
     data = load_task("listops", preset="short", cache_dir=cache_dir, workers=2, overrides=DATA)
     rows = []
     for variant in VARIANTS:
         cfg = TrainConfig(variant=variant, out=str(Path(out) / variant), max_minutes=minutes, cache_dir=cache_dir,
+                          threads=threads,
                           **SETTINGS)
         rows.append(train(cfg, data=data))
     total = (time.perf_counter() - t0) / 60

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -198,6 +198,3 @@ def load_task(name: str, data_dir: Optional[str] = None, *, preset: str = "full"
     return TaskData(name, splits["train"], splits["dev"], splits["test"], VOCAB[name], NUM_CLASSES[name],
                     standin, source)
 
-
-def batches_lengths(split: Split) -> Sequence[int]:
-    return [len(s) for s in split.x]

@@ -56,7 +56,8 @@ class TrainConfig:
     device: str = "auto"
     amp: str = "auto"                     # "auto" (bf16 on CUDA), "bf16", "off"
     dropout: Optional[float] = None       # overrides the model config's
-    workers: int = 1
+    workers: int = 1                      # processes generating data
+    threads: Optional[int] = None         # torch CPU threads (default: torch's)
     resume: bool = False
     log_every: int = 50
     cache_dir: Optional[str] = None
@@ -142,6 +143,8 @@ class Progress:
 class Trainer:
     def __init__(self, cfg: TrainConfig, data: Optional[TaskData] = None, quiet: bool = False):
         self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         setup_distributed(dev)
         self.rank, self.world = world()

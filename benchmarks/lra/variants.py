@@ -90,3 +90,28 @@ def layer_kwargs(variant: str, block_size: int = 64, window: int = 128, max_leng
     if variant == "favor":
         return _favor(block_size, window, max_length, head_dim)
     return VARIANTS[variant][1](block_size, window, max_length)
+
+
+def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_dim: int = 32) -> Dict[str, str]:
+    """Which effattn backends can serve the variant's attention on ``device`` (``effattn.explain``
+    on a probe of ``length`` tokens): ``{backend: "" if it can, else why not}``."""
+    import torch
+    import effattn
+    kw = layer_kwargs(variant, 64, 128, length, head_dim)
+    q = torch.zeros(1, 2, length, head_dim, device=device)
+    pad = torch.zeros(1, length, dtype=torch.bool, device=device)
+    if "linear" in kw:
+        rep = effattn.explain(q, q, q, op="linear_attention", feature_map=kw["linear"])
+    else:
+        if "layout" in kw:
+            kw = {"layout": kw["layout"](length, length)}
+        rep = effattn.explain(q, q, q, key_padding_mask=pad, **kw)
+    return {name: "; ".join(why) for name, why in rep.reasons.items()}
+
+
+def variants_markdown(device: str = "cpu") -> str:
+    lines = ["| variant | what it is | backends that can serve it here |", "|---|---|---|"]
+    for name, (about, _) in VARIANTS.items():
+        can = [b for b, why in backends_serving(name, device).items() if not why]
+        lines.append(f"| {name} | {about} | {', '.join(can) or 'none'} |")
+    return "\n".join(lines) + "\n"
