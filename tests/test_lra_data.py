@@ -181,10 +181,10 @@ def test_generated_sets_are_cached_under_their_fingerprint(tmp_path):
     tasks.load_task("listops", cache_dir=tmp_path, overrides=dict(over, max_length=41))
     assert len(list(tmp_path.glob("listops-*.npz"))) == 2
     assert fingerprint("x", 1, {"a": 1}) != fingerprint("x", 2, {"a": 1})
-    assert not a.standin and a.label == "listops"
+    assert not a.standin and a.label == "listops (10-40 tokens)"
     t = tasks.load_task("retrieval", cache_dir=tmp_path, overrides={"sizes": [6, 2, 2], "min_bytes": 50,
                                                                      "max_bytes": 80})
-    assert t.standin and t.label == "retrieval*" and t.pair and len(t.train.x2) == 6
+    assert t.standin and t.label == "retrieval* (small set)" and t.pair and len(t.train.x2) == 6
 
 
 # ----------------------------------------------------------------------------------- official layouts

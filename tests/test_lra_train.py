@@ -132,9 +132,9 @@ def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
         assert torch.equal(v, snapshots[8][k]), k
     assert any(not torch.equal(v, snapshots[12][k]) for k, v in tr.tested_state.items())
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert saved[0]["task"] == "listops" and saved[0]["variant"] == "softmax"
+    assert saved[0]["task"] == "listops (8-40 tokens)" and saved[0]["variant"] == "softmax"
     assert 0 <= saved[0]["test_accuracy"] <= 1 and saved[0]["steps_per_s"] > 0 and saved[0]["peak_mib"] > 0
-    assert (tmp_path / "run" / "results.csv").exists() and "| listops | softmax |" in \
+    assert (tmp_path / "run" / "results.csv").exists() and "| listops (8-40 tokens) | softmax |" in \
         (tmp_path / "run" / "results.md").read_text()
 
 

@@ -66,7 +66,8 @@ def runs_markdown(rows: List[Dict]) -> str:
 
 
 def _task_order(label: str) -> int:
-    return TASKS.index(label.rstrip("*")) if label.rstrip("*") in TASKS else len(TASKS)
+    name = label.split(" ")[0].rstrip("*")
+    return TASKS.index(name) if name in TASKS else len(TASKS)
 
 
 def table1(rows: List[Dict]) -> str:

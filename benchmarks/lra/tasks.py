@@ -63,10 +63,12 @@ class TaskData:
     num_classes: int
     standin: bool           # True: "Text*", "Retrieval*", "Image*" (not LRA's data)
     source: str             # where the data came from, for reports
+    note: str = ""          # how a generated set differs from the full-size one, e.g. "16-128 tokens"
 
     @property
     def label(self) -> str:
-        return self.name + ("*" if self.standin else "")
+        """The name in tables: ``*`` for a stand-in, the note in parentheses for a reduced set."""
+        return self.name + ("*" if self.standin else "") + (f" ({self.note})" if self.note else "")
 
     @property
     def pair(self) -> bool:
@@ -195,6 +197,13 @@ def load_task(name: str, data_dir: Optional[str] = None, *, preset: str = "full"
                 return out
             splits, standin = _cached(name, gen, cache_dir, make), True
             source = f"stand-in, {gen}"
+    note = ""
+    if data_dir is None and name != "image" and (preset != "full" or overrides):
+        full = PRESETS[name]["full"]
+        if name == "listops" and (params["min_length"], params["max_length"]) != (full["min_length"], full["max_length"]):
+            note = f"{params['min_length']}-{params['max_length']} tokens"
+        else:
+            note = "small set"
     return TaskData(name, splits["train"], splits["dev"], splits["test"], VOCAB[name], NUM_CLASSES[name],
-                    standin, source)
+                    standin, source, note)
 

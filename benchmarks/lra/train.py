@@ -240,6 +240,16 @@ class Trainer:
         return acc
 
     # ---- training
+    def out_of_time(self, projected: float, budget: float) -> bool:
+        """Whether training must stop now to finish within ``budget`` seconds; under torchrun every
+        process takes the decision of the slowest, or they would wait for each other forever."""
+        if budget == math.inf:
+            return False
+        late = torch.tensor([1.0 if projected > budget else 0.0])
+        if self.world > 1:
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        return bool(late.item())
+
     def train_step(self, x, x2, y) -> float:
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.state["step"], self.cfg)
@@ -279,7 +289,8 @@ class Trainer:
                 if stop_after_steps is not None and this_call >= stop_after_steps:
                     stopped = "stop_after_steps"
                     break
-                if time.perf_counter() - t_start + eval_cost * (1 + len(self.data.test) / max(len(self.data.dev), 1)) > budget:
+                if self.out_of_time(time.perf_counter() - t_start + eval_cost * (1 + len(self.data.test)
+                                                                                  / max(len(self.data.dev), 1)), budget):
                     stopped = "max_minutes"
                     break
                 if s["pos"] >= per_epoch:
@@ -369,4 +380,8 @@ def result_row(tr: Trainer, test_acc: float, best_step: int, peak: float, peak_k
 def train(cfg: TrainConfig, data: Optional[TaskData] = None, stop_after_steps: Optional[int] = None,
           quiet: bool = False) -> Dict:
     tr = Trainer(cfg, data, quiet=quiet)
-    return tr.run(stop_after_steps)
+    try:
+        return tr.run(stop_after_steps)
+    finally:
+        if tr.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
