@@ -1,7 +1,6 @@
 """Long Range Arena data: the ListOps and Pathfinder generators, the stand-ins, the cache and the
 loaders of the official file layouts (on tiny fixtures written in those formats)."""
 import gzip
-import os
 import pickle
 import random
 from collections import Counter

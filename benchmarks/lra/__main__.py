@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     sp.add_argument("--steps", type=int, default=5)
     sp.add_argument("--backend", default="auto")
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     sp.add_argument("--out", default="lra-runs/speed")
     rp = sub.add_parser("report", help="Tables 1 and 2 from every results.json under --runs")
     rp.add_argument("--runs", default="lra-runs")
@@ -106,6 +107,9 @@ def main(argv=None) -> int:
     if a.cmd == "speed":
         from .report import write_rows, table2
         from .speed import sweep
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)
         rows = sweep(a.variants, a.lengths, a.batch_size, config=a.config, steps=a.steps, backend=a.backend,
                      device=a.device)
         write_rows(rows, Path(a.out), table2(rows))

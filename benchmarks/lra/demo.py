@@ -4,7 +4,8 @@ published small model, dense softmax and linear elu+1 attention, a few minutes e
     python -m benchmarks.lra demo --out benchmarks/results/cpu/lra-demo
 
 Each variant trains at most ``minutes`` (evaluation and test included) on 20K trees, is scored on
-1K dev trees every 100 steps, and tested on 2K test trees with its best dev checkpoint. The majority
+1K dev trees every 100 steps, and tested on 2K test trees with its best dev checkpoint; the
+checkpoints are deleted afterwards, the results kept. The majority
 class of ListOps scores about 17%; a model that learned nothing ends there.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .report import environment_line, plots, runs_markdown, write_rows
+from .report import plots, runs_markdown, write_rows
 from .tasks import load_task
 from .train import TrainConfig, train
 
@@ -23,7 +24,8 @@ SETTINGS = dict(task="listops", preset="short", steps=400, batch_size=32, warmup
                 eval_every=100, log_every=50, overrides=DATA)
 
 
-def run_demo(out: Path, minutes: float = 4.0, cache_dir: Optional[str] = None, threads: Optional[int] = 1) -> List[Dict]:
+def run_demo(out: Path, minutes: float = 4.0, cache_dir: Optional[str] = None,
+             threads: Optional[int] = 1) -> List[Dict]:
     t0 = time.perf_counter()
     data = load_task("listops", preset="short", cache_dir=cache_dir, workers=2, overrides=DATA)
     rows = []
@@ -43,5 +45,8 @@ def run_demo(out: Path, minutes: float = 4.0, cache_dir: Optional[str] = None, t
           runs_markdown(rows), f"Whole demo, data generation included: {total:.1f} minutes.", ""]
     write_rows(rows, Path(out), "\n".join(md))
     plots(rows, Path(out))
+    for variant in VARIANTS:            # the checkpoints are of no use once the demo is scored
+        for ck in (Path(out) / variant).glob("*.pt"):
+            ck.unlink()
     print("\n".join(md))
     return rows

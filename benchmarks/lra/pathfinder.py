@@ -29,7 +29,7 @@ import functools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -59,7 +59,8 @@ class Params:
 class Sample:
     image: np.ndarray                     # (size, size) uint8
     label: int
-    snakes: List[List[Tuple[float, float, float, float]]] = field(default_factory=list)  # target paddles (x0, y0, x1, y1)
+    # the two targets' paddles, each (x0, y0, x1, y1)
+    snakes: List[List[Tuple[float, float, float, float]]] = field(default_factory=list)
     ends: List[Tuple[float, float]] = field(default_factory=list)          # target (start tip, end tip)
     marker_snakes: Tuple[int, int] = (0, 0)
 

@@ -1,8 +1,9 @@
 """Table 2: training speed and memory of each variant at 1K-4K tokens (LRA measured byte-level
 Text). Random byte documents of exactly ``L`` tokens; a few warm-up steps, then the mean over
 ``steps`` timed training steps (forward, backward, AdamW). Peak memory: on CUDA the allocator's
-peak during the timed steps; on the CPU the process's resident-set peak above its level before the
-model was built (sampled every 2 ms).
+peak during the timed steps; on the CPU the resident-set peak above the level before the model was
+built, each measurement in a fresh process (freed memory stays with a process, so a second
+measurement in the same one would read too low).
 """
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ def measure(variant: str, length: int, batch: int, config: str = "small", steps:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
-        row.update(steps_per_s=steps / elapsed, status="ok",
-                   peak_mib=(torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else rss.peak - rss.base),
+        if dev.type == "cpu":
+            import resource
+            rss.peak = max(rss.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else rss.peak - rss.base
+        row.update(steps_per_s=steps / elapsed, status="ok", peak_mib=peak,
                    memory="peak CUDA memory allocated" if dev.type == "cuda" else "peak RSS above the pre-model level")
     except torch.cuda.OutOfMemoryError:
         row.update(steps_per_s=None, peak_mib=None, status="OOM")
@@ -84,11 +88,25 @@ def measure(variant: str, length: int, batch: int, config: str = "small", steps:
     return row
 
 
+def _measure_fresh(args) -> Dict:
+    threads, a, kw = args
+    if threads:
+        torch.set_num_threads(threads)
+    return measure(*a, **kw)
+
+
 def sweep(variants: Sequence[str], lengths: Sequence[int], batch: int, **kw) -> List[Dict]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    cpu = kw.get("device", "auto") == "cpu" or (kw.get("device", "auto") == "auto" and not torch.cuda.is_available())
     rows = []
     for L in lengths:
         for v in variants:
-            r = measure(v, L, batch, **kw)
+            if cpu:
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    r = pool.submit(_measure_fresh, (torch.get_num_threads(), (v, L, batch), kw)).result()
+            else:
+                r = measure(v, L, batch, **kw)
             print(f"L={L:5d} {v:10s} {r['status']:4s} "
                   + (f"{r['steps_per_s']:.3f} steps/s {r['peak_mib']:.0f} MiB" if r["status"] == "ok" else ""),
                   flush=True)

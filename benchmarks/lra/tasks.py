@@ -200,7 +200,8 @@ def load_task(name: str, data_dir: Optional[str] = None, *, preset: str = "full"
     note = ""
     if data_dir is None and name != "image" and (preset != "full" or overrides):
         full = PRESETS[name]["full"]
-        if name == "listops" and (params["min_length"], params["max_length"]) != (full["min_length"], full["max_length"]):
+        lengths = (params.get("min_length"), params.get("max_length"))
+        if name == "listops" and lengths != (full["min_length"], full["max_length"]):
             note = f"{params['min_length']}-{params['max_length']} tokens"
         else:
             note = "small set"

@@ -10,7 +10,7 @@ resumed run takes the same steps as one that was never stopped.
 """
 from __future__ import annotations
 
-import json
+import functools
 import math
 import os
 import platform
@@ -154,9 +154,15 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
-        self.data = data or load_task(cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.seed,
-                                      cache_dir=cfg.cache_dir, workers=cfg.workers, max_length=cfg.max_length,
-                                      overrides=cfg.overrides)
+        if data is None:
+            # rank 0 generates (and caches) a missing set while the others wait, then they read the cache
+            load = functools.partial(load_task, cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.seed,
+                                     cache_dir=cfg.cache_dir, workers=cfg.workers, max_length=cfg.max_length,
+                                     overrides=cfg.overrides)
+            data = load() if self.rank == 0 else None
+            self.barrier()
+            data = data or load()
+        self.data = data
         lengths = [len(s) for s in self.data.train.x[:2000]]
         self.max_length = cfg.max_length or max(max(len(s) for s in sp.x) for sp in
                                                 (self.data.train, self.data.dev, self.data.test))
@@ -172,7 +178,9 @@ class Trainer:
         if self.world > 1:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "embed" not in n and n != "encoder.pos"]
+        # weight decay on the weight matrices only: not on embeddings, positions, biases, norms
+        decay = [p for n, p in self.model.named_parameters()
+                 if p.dim() >= 2 and "embed" not in n and n != "encoder.pos"]
         rest = [p for n, p in self.model.named_parameters() if not any(p is q for q in decay)]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
@@ -189,7 +197,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if self.rank == 0:
             save_atomic({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "state": self.state,
-                         "rng": torch.get_rng_state(), "config": asdict(self.cfg)}, self.checkpoint_path())
+                         "rng": torch.get_rng_state(), "config": asdict(self.cfg),
+                         "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+                        self.checkpoint_path())
         self.barrier()
 
     def load_checkpoint(self) -> bool:
@@ -200,7 +210,9 @@ class Trainer:
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["opt"])
         self.state = ck["state"]
-        torch.set_rng_state(ck["rng"])
+        torch.set_rng_state(ck["rng"].cpu())
+        if ck.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"].cpu(), self.device)
         return True
 
     def barrier(self):
@@ -289,8 +301,9 @@ class Trainer:
                 if stop_after_steps is not None and this_call >= stop_after_steps:
                     stopped = "stop_after_steps"
                     break
-                if self.out_of_time(time.perf_counter() - t_start + eval_cost * (1 + len(self.data.test)
-                                                                                  / max(len(self.data.dev), 1)), budget):
+                # time spent + one more dev evaluation + the test (scaled from the last evaluation)
+                finish = eval_cost * (1 + len(self.data.test) / max(len(self.data.dev), 1))
+                if self.out_of_time(time.perf_counter() - t_start + finish, budget):
                     stopped = "max_minutes"
                     break
                 if s["pos"] >= per_epoch:

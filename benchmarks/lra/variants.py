@@ -77,8 +77,8 @@ def _linear(bs, window, L):
 def _favor(bs, window, L, head_dim=64):
     # at most 256 features: effattn.nn masks padded keys by computing the features itself, which it
     # does for up to 256 (the default, d log d, is 266 for d = 64)
-    return {"linear": FavorFeatures(head_dim, num_features=min(256, max(head_dim, round(head_dim * math.log(head_dim)))),
-                                    seed=0)}
+    features = min(256, max(head_dim, round(head_dim * math.log(head_dim))))
+    return {"linear": FavorFeatures(head_dim, num_features=features, seed=0)}
 
 
 def layer_kwargs(variant: str, block_size: int = 64, window: int = 128, max_length: int = 4096,
