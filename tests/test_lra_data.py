@@ -147,6 +147,7 @@ def _nearest_centroid_accuracy(features, labels):
 
 def test_text_standin_byte_histogram_and_length_at_chance():
     rows = text.standin_split("text", seed=0, n=600, min_bytes=200, max_bytes=400)
+    assert rows == text.standin_split("text", seed=0, n=600, min_bytes=200, max_bytes=400, workers=2)
     labels = np.array([y for _, y in rows])
     assert 0.4 <= labels.mean() <= 0.6
     hist = text.unigram_baseline_inputs([d for d, _ in rows])

@@ -40,7 +40,7 @@ PRESETS = {
 MAX_LENGTH = {"listops": 2000, "text": 4000, "retrieval": 4000, "image": 1024, "pathfinder": 1024}
 NUM_CLASSES = {"listops": 10, "text": 2, "retrieval": 2, "image": 10, "pathfinder": 2}
 VOCAB = {"listops": len(listops.VOCAB), "text": 258, "retrieval": 258, "image": 258, "pathfinder": 258}
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 
 @dataclass
@@ -191,7 +191,7 @@ def load_task(name: str, data_dir: Optional[str] = None, *, preset: str = "full"
                 out = {}
                 for i, (s, n) in enumerate(zip(("train", "dev", "test"), sizes)):
                     rows = text.standin_split(name, seed * 3 + i, n, params["min_bytes"],
-                                              min(params["max_bytes"], max_length))
+                                              min(params["max_bytes"], max_length), workers)
                     out[s] = Split([text.encode(r[0], max_length) for r in rows], np.array([r[-1] for r in rows]),
                                    [text.encode(r[1], max_length) for r in rows] if name == "retrieval" else None)
                 return out

@@ -132,10 +132,22 @@ def retrieval_standin(rng: random.Random, min_bytes: int, max_bytes: int,
     return docs[0], docs[1], label
 
 
-def standin_split(kind: str, seed: int, n: int, min_bytes: int, max_bytes: int) -> List[Tuple]:
-    rng = random.Random(f"{kind}:{seed}")
+CHUNK = 1000
+
+
+def _standin_chunk(job) -> List[Tuple]:
+    kind, seed, index, n, min_bytes, max_bytes = job
+    rng = random.Random(f"{kind}:{seed}:{index}")
     make = text_standin if kind == "text" else retrieval_standin
     return [make(rng, min_bytes, max_bytes) for _ in range(n)]
+
+
+def standin_split(kind: str, seed: int, n: int, min_bytes: int, max_bytes: int, workers: int = 1) -> List[Tuple]:
+    """``n`` Text* documents ``(bytes, label)`` or Retrieval* pairs ``(bytes, bytes, label)``, drawn in
+    seeded chunks so the result does not depend on ``workers``."""
+    from .cache import parallel_map
+    jobs = [(kind, seed, i, min(CHUNK, n - i * CHUNK), min_bytes, max_bytes) for i in range(-(-n // CHUNK))]
+    return [row for chunk in parallel_map(_standin_chunk, jobs, workers) for row in chunk]
 
 
 def unigram_baseline_inputs(docs: Sequence[bytes]) -> np.ndarray:
