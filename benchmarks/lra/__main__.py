@@ -105,15 +105,17 @@ def main(argv=None) -> int:
         run_demo(Path(a.out), minutes=a.minutes, cache_dir=a.cache_dir, threads=a.threads)
         return 0
     if a.cmd == "speed":
-        from .report import write_rows, table2
+        from .report import speed_markdown, write_rows
         from .speed import sweep
         if a.threads:
             import torch
             torch.set_num_threads(a.threads)
         rows = sweep(a.variants, a.lengths, a.batch_size, config=a.config, steps=a.steps, backend=a.backend,
                      device=a.device)
-        write_rows(rows, Path(a.out), table2(rows))
-        print(table2(rows))
+        note = f"Mean of {a.steps} timed training steps after 2 warm-up steps" + (
+            f", {a.threads} CPU thread(s)" if a.threads else "") + "."
+        write_rows(rows, Path(a.out), speed_markdown(rows, note))
+        print(speed_markdown(rows, note))
         return 0
     if a.cmd == "report":
         from .report import full_report, gather

@@ -113,6 +113,14 @@ def table2(rows: List[Dict]) -> str:
     return "\n".join(out)
 
 
+def speed_markdown(rows: List[Dict], note: str = "") -> str:
+    r = rows[0] if rows else {}
+    about = (f"{environment_line(rows)}. Byte-level text classifier, config `{r.get('config')}`, batch "
+             f"{r.get('batch_size')}, backend `{r.get('backend')}`; memory: {r.get('memory', '?')}.")
+    head = ["# Training speed and memory by sequence length (LRA Table 2 style)", "", about + (f" {note}" if note else "")]
+    return "\n".join(head) + "\n\n" + table2(rows)
+
+
 def gather(runs: Path) -> List[Dict]:
     rows = []
     for path in sorted(Path(runs).rglob("results.json")):
