@@ -153,21 +153,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TIMEOUT = 300       # generous: two fresh interpreters import torch on a CPU other jobs may be loading
+
+
 def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
     one = tmp_path / "one.pt"
     train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, save_first_grads=str(one)), quiet=True)
     two = tmp_path / "two.pt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    # the two workers dump their stacks and exit if they hang, so a failure says where
+    (tmp_path / "sitecustomize.py").write_text(
+        "import faulthandler, os, sys\n"
+        "if os.environ.get('LOCAL_RANK') is not None:\n"
+        f"    faulthandler.dump_traceback_later({TIMEOUT // 2}, exit=True, file=sys.stderr)\n")
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")      # loopback: the host name may resolve to an unusable address
     for attempt in range(2):      # a port taken between choosing and binding it: try another
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(_free_port()), "-m", "benchmarks.lra", "train", "--task", "listops",
                "--out", str(tmp_path / "ddp"), "--batch-size", "8", "--dropout", "0", "--cache-dir", str(cache),
                "--set", f"sizes={json.dumps(TINY['sizes'])}", "--set", "min_length=8", "--set", "max_length=40",
                "--save-first-grads", str(two), "--steps", "10", "--warmup", "3", "--lr", "3e-3"]
-        # generous: two fresh interpreters import torch on a CPU that other jobs may be loading
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-4000:]}")
         if proc.returncode == 0:
             break
+        print(f"torchrun attempt {attempt} failed:\n{proc.stderr[-4000:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     g1, g2 = torch.load(one), torch.load(two)
     assert g1.keys() == g2.keys() and len(g1) > 10

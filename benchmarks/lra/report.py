@@ -117,8 +117,8 @@ def speed_markdown(rows: List[Dict], note: str = "") -> str:
     r = rows[0] if rows else {}
     about = (f"{environment_line(rows)}. Byte-level text classifier, config `{r.get('config')}`, batch "
              f"{r.get('batch_size')}, backend `{r.get('backend')}`; memory: {r.get('memory', '?')}.")
-    head = ["# Training speed and memory by sequence length (LRA Table 2 style)", "", about + (f" {note}" if note else "")]
-    return "\n".join(head) + "\n\n" + table2(rows)
+    title = "# Training speed and memory by sequence length (LRA Table 2 style)"
+    return f"{title}\n\n{about}{' ' + note if note else ''}\n\n{table2(rows)}"
 
 
 def gather(runs: Path) -> List[Dict]:

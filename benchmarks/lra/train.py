@@ -11,6 +11,7 @@ resumed run takes the same steps as one that was never stopped.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import platform
@@ -108,7 +109,7 @@ def peak_memory_mib(device: torch.device) -> tuple:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "peak CUDA memory allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak process RSS"
+    return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak RSS of the training process (data included)"
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -393,8 +394,12 @@ def result_row(tr: Trainer, test_acc: float, best_step: int, peak: float, peak_k
 def train(cfg: TrainConfig, data: Optional[TaskData] = None, stop_after_steps: Optional[int] = None,
           quiet: bool = False) -> Dict:
     tr = Trainer(cfg, data, quiet=quiet)
-    try:
-        return tr.run(stop_after_steps)
-    finally:
-        if tr.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    row = tr.run(stop_after_steps)
+    if tr.world > 1 and dist.is_initialized():
+        # every process is past its last collective; DDP's reducer goes before its process group (a
+        # reducer outliving the group can hang its process at exit)
+        dist.barrier()
+        tr.net = tr.model = tr.opt = None
+        gc.collect()
+        dist.destroy_process_group()
+    return row
