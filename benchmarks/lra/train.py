@@ -1,0 +1,405 @@
+"""Training one task with one attention variant: AdamW with warmup, full dev evaluation, the test
+set scored on the best dev checkpoint, atomic checkpoints and exact resume, a time budget, and data
+parallelism under ``torchrun`` (gloo on CPU, NCCL on GPU).
+
+Determinism: the model is initialized from ``seed``; epoch ``e`` visits the training set in the
+order ``permutation(seed, e)`` (a new order every epoch), split into global batches of
+``batch_size * world_size``, rank ``r`` taking the ``r``-th slice of each. A checkpoint holds the
+model, the optimizer, the step, the position in the epoch and the torch RNG state (dropout), so a
+resumed run takes the same steps as one that was never stopped.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .cache import atomic_write
+from .model import Classifier, model_config
+from .tasks import PAD, Split, TaskData, load_task
+
+
+@dataclass
+class TrainConfig:
+    task: str = "listops"
+    variant: str = "softmax"
+    config: str = "small"                 # model config: "small" (published small) or "lra"
+    out: str = "lra-runs/run"
+    data_dir: Optional[str] = None
+    preset: str = "full"                  # generated data size: "full" or "short"
+    seed: int = 0
+    steps: int = 5000
+    batch_size: int = 32                  # per process
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    warmup: int = 1000
+    clip: float = 1.0
+    eval_every: int = 500
+    eval_batch_size: int = 64
+    max_minutes: Optional[float] = None
+    max_length: Optional[int] = None
+    block_size: int = 64
+    window: int = 128
+    backend: str = "auto"
+    device: str = "auto"
+    amp: str = "auto"                     # "auto" (bf16 on CUDA), "bf16", "off"
+    dropout: Optional[float] = None       # overrides the model config's
+    workers: int = 1                      # processes generating data
+    threads: Optional[int] = None         # torch CPU threads (default: torch's)
+    resume: bool = False
+    log_every: int = 50
+    cache_dir: Optional[str] = None
+    overrides: Dict = field(default_factory=dict)     # generated-set parameters (sizes, lengths)
+    save_first_grads: Optional[str] = None            # write the first step's gradients there and stop
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def setup_distributed(device: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def pad_batch(seqs: List[np.ndarray], max_length: int) -> torch.Tensor:
+    L = min(max(len(s) for s in seqs), max_length)
+    out = np.full((len(seqs), max(L, 1)), PAD, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        n = min(len(s), L)
+        out[i, :n] = s[:n]
+    return torch.from_numpy(out)
+
+
+def batch_of(split: Split, idx, max_length: int, device):
+    x = pad_batch([split.x[i] for i in idx], max_length).to(device)
+    x2 = pad_batch([split.x2[i] for i in idx], max_length).to(device) if split.x2 is not None else None
+    return x, x2, torch.as_tensor(split.y[idx], dtype=torch.long, device=device)
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
+
+
+def peak_memory_mib(device: torch.device) -> tuple:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "peak CUDA memory allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak RSS of the training process (data included)"
+
+
+def save_atomic(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+class Progress:
+    """A redrawn status line on a terminal; elsewhere one line per logged step or evaluation."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self.total, self.desc, self.enabled = total, desc, enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def step(self, step: int, text: str, force: bool = False, every: int = 50):
+        if not self.enabled:
+            return
+        frac = step / max(self.total, 1)
+        line = f"{self.desc} [{'#' * int(frac * 25):<25}] {step}/{self.total} {text}"
+        if self.tty:
+            sys.stderr.write("\r" + line[:160].ljust(160))
+            sys.stderr.flush()
+        elif force or step % every == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    def note(self, text: str):
+        if self.enabled:
+            print(("\n" if self.tty else "") + f"{self.desc} {text}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------- trainer
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, data: Optional[TaskData] = None, quiet: bool = False):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        setup_distributed(dev)
+        self.rank, self.world = world()
+        if dev == "cuda" and self.world > 1:
+            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        self.device = torch.device(dev)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
+        if data is None:
+            # rank 0 generates (and caches) a missing set while the others wait, then they read the cache
+            load = functools.partial(load_task, cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.seed,
+                                     cache_dir=cfg.cache_dir, workers=cfg.workers, max_length=cfg.max_length,
+                                     overrides=cfg.overrides)
+            data = load() if self.rank == 0 else None
+            self.barrier()
+            data = data or load()
+        self.data = data
+        lengths = [len(s) for s in self.data.train.x[:2000]]
+        self.max_length = cfg.max_length or max(max(len(s) for s in sp.x) for sp in
+                                                (self.data.train, self.data.dev, self.data.test))
+        mcfg = model_config(cfg.config, cfg.task)
+        if cfg.dropout is not None:
+            mcfg.dropout = cfg.dropout
+        self.model_cfg = mcfg
+        torch.manual_seed(cfg.seed)
+        self.model = Classifier(self.data.vocab_size, self.max_length, self.data.num_classes, mcfg, cfg.variant,
+                                pair=self.data.pair, block_size=cfg.block_size, window=cfg.window,
+                                backend=cfg.backend).to(self.device)
+        self.net = self.model
+        if self.world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # weight decay on the weight matrices only: not on embeddings, positions, biases, norms
+        decay = [p for n, p in self.model.named_parameters()
+                 if p.dim() >= 2 and "embed" not in n and n != "encoder.pos"]
+        rest = [p for n, p in self.model.named_parameters() if not any(p is q for q in decay)]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+        self.out = Path(cfg.out)
+        self.state = dict(step=0, epoch=0, pos=0, best_dev=-1.0, best_step=-1, losses=[], evals=[],
+                          train_seconds=0.0, timed_steps=0)
+        self.progress = Progress(cfg.steps, f"{self.data.label}/{cfg.variant}", enabled=not quiet and self.rank == 0)
+        self.mean_length = float(np.mean(lengths)) if lengths else 0.0
+
+    # ---- checkpoints
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    def save_checkpoint(self) -> None:
+        if self.rank == 0:
+            save_atomic({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "state": self.state,
+                         "rng": torch.get_rng_state(), "config": asdict(self.cfg),
+                         "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+                        self.checkpoint_path())
+        self.barrier()
+
+    def load_checkpoint(self) -> bool:
+        path = self.checkpoint_path()
+        if not path.exists():
+            return False
+        ck = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["opt"])
+        self.state = ck["state"]
+        torch.set_rng_state(ck["rng"].cpu())
+        if ck.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"].cpu(), self.device)
+        return True
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+    # ---- evaluation
+    @torch.no_grad()
+    def evaluate(self, split: Split) -> float:
+        self.model.eval()
+        idx = np.arange(len(split))[self.rank::self.world]
+        correct = 0
+        # sorted by length so padding stays small; accuracy does not depend on the order
+        idx = idx[np.argsort([len(split.x[i]) for i in idx], kind="stable")]
+        for i in range(0, len(idx), self.cfg.eval_batch_size):
+            x, x2, y = batch_of(split, idx[i:i + self.cfg.eval_batch_size], self.max_length, self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                logits = self.model(x, x2)
+            correct += int((logits.argmax(-1) == y).sum())
+        totals = torch.tensor([correct, len(idx)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(totals)
+        self.model.train()
+        return float(totals[0] / totals[1])
+
+    def dev_eval(self) -> float:
+        acc = self.evaluate(self.data.dev)
+        s = self.state
+        s["evals"].append((s["step"], acc))
+        if acc > s["best_dev"]:
+            s["best_dev"], s["best_step"] = acc, s["step"]
+            if self.rank == 0:
+                save_atomic({"model": self.model.state_dict(), "step": s["step"], "dev_accuracy": acc},
+                            self.out / "best.pt")
+        self.barrier()
+        self.progress.note(f"step {s['step']}: dev accuracy {acc:.4f} (best {s['best_dev']:.4f} at {s['best_step']})")
+        return acc
+
+    # ---- training
+    def out_of_time(self, projected: float, budget: float) -> bool:
+        """Whether training must stop now to finish within ``budget`` seconds; under torchrun every
+        process takes the decision of the slowest, or they would wait for each other forever."""
+        if budget == math.inf:
+            return False
+        late = torch.tensor([1.0 if projected > budget else 0.0])
+        if self.world > 1:
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        return bool(late.item())
+
+    def train_step(self, x, x2, y) -> float:
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.state["step"], self.cfg)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            loss = F.cross_entropy(self.net(x, x2).float(), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.save_first_grads:
+            if self.rank == 0:
+                torch.save({n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None},
+                           self.cfg.save_first_grads)
+            raise _StopForGradients
+        if self.cfg.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        self.opt.step()
+        return float(loss.detach())
+
+    def run(self, stop_after_steps: Optional[int] = None) -> Dict:
+        """Trains to ``cfg.steps`` (or until the time budget or ``stop_after_steps`` steps of this
+        call), evaluates, scores the test set on the best dev checkpoint and writes the results."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.resume and self.load_checkpoint():
+            self.progress.note(f"resumed at step {self.state['step']}")
+        s = self.state
+        t_start = time.perf_counter()
+        budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
+        eval_cost = 0.0
+        n, G = len(self.data.train), cfg.batch_size * self.world
+        per_epoch = n // G
+        if per_epoch == 0:
+            raise ValueError(f"train: {n} training examples cannot fill one global batch of {G}")
+        this_call, stopped = 0, None
+        self.model.train()
+        try:
+            while s["step"] < cfg.steps:
+                if stop_after_steps is not None and this_call >= stop_after_steps:
+                    stopped = "stop_after_steps"
+                    break
+                # time spent + one more dev evaluation + the test (scaled from the last evaluation)
+                finish = eval_cost * (1 + len(self.data.test) / max(len(self.data.dev), 1))
+                if self.out_of_time(time.perf_counter() - t_start + finish, budget):
+                    stopped = "max_minutes"
+                    break
+                if s["pos"] >= per_epoch:
+                    s["epoch"], s["pos"] = s["epoch"] + 1, 0
+                order = epoch_order(cfg.seed, s["epoch"], n)
+                b = s["pos"]
+                idx = order[b * G + self.rank * cfg.batch_size: b * G + (self.rank + 1) * cfg.batch_size]
+                x, x2, y = batch_of(self.data.train, idx, self.max_length, self.device)
+                t0 = time.perf_counter()
+                loss = self.train_step(x, x2, y)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                s["train_seconds"] += time.perf_counter() - t0
+                s["timed_steps"] += 1
+                s["step"] += 1
+                s["pos"] += 1
+                this_call += 1
+                s["losses"].append(loss)
+                sps = s["timed_steps"] / max(s["train_seconds"], 1e-9)
+                self.progress.step(s["step"], f"loss {loss:.3f} lr {lr_at(s['step'] - 1, cfg):.2e} {sps:.2f} steps/s",
+                                   every=cfg.log_every)
+                if s["step"] % cfg.eval_every == 0 or s["step"] == cfg.steps:
+                    t0 = time.perf_counter()
+                    self.dev_eval()
+                    self.save_checkpoint()
+                    eval_cost = time.perf_counter() - t0
+        except _StopForGradients:
+            return {}
+        if stopped:
+            self.save_checkpoint()
+            self.progress.note(f"stopped ({stopped}) at step {s['step']}; --resume continues from here")
+            if stopped == "stop_after_steps":
+                return {"stopped": stopped, "step": s["step"]}
+            if not s["evals"] or s["evals"][-1][0] != s["step"]:
+                self.dev_eval()
+                self.save_checkpoint()
+        return self.finish(finished=stopped is None)
+
+    def finish(self, finished: bool) -> Dict:
+        s = self.state
+        best = torch.load(self.out / "best.pt", map_location=self.device, weights_only=False)
+        current = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.model.load_state_dict(best["model"])
+        self.tested_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        test_acc = self.evaluate(self.data.test)
+        self.model.load_state_dict(current)
+        peak, peak_kind = peak_memory_mib(self.device)
+        row = result_row(self, test_acc, best["step"], peak, peak_kind, finished)
+        if self.rank == 0:
+            from .report import write_run
+            write_run([row], self.out)
+            self.progress.note(f"test accuracy {test_acc:.4f} (best dev {s['best_dev']:.4f} at step {best['step']}); "
+                               f"{row['steps_per_s']:.2f} steps/s, {peak:.0f} MiB {peak_kind} -> {self.out}")
+        self.barrier()
+        return row
+
+
+class _StopForGradients(Exception):
+    pass
+
+
+def environment(device: torch.device) -> Dict:
+    import effattn
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    if device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), name)
+            name = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        except OSError:
+            pass
+    return {"device": name, "torch": torch.__version__, "effattn": effattn.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def result_row(tr: Trainer, test_acc: float, best_step: int, peak: float, peak_kind: str, finished: bool) -> Dict:
+    s, cfg = tr.state, tr.cfg
+    return dict(task=tr.data.label, variant=cfg.variant, test_accuracy=test_acc, dev_accuracy=s["best_dev"],
+                best_step=best_step, steps=s["step"], target_steps=cfg.steps, finished=finished,
+                steps_per_s=s["timed_steps"] / max(s["train_seconds"], 1e-9), peak_mib=peak, memory=peak_kind,
+                train_minutes=s["train_seconds"] / 60, batch_size=cfg.batch_size * tr.world, world_size=tr.world,
+                config=cfg.config, model=tr.model_cfg.as_dict(), backend=cfg.backend, amp=tr.amp,
+                mean_train_length=tr.mean_length, max_length=tr.max_length, standin=tr.data.standin,
+                data=tr.data.source, seed=cfg.seed, **environment(tr.device))
+
+
+def train(cfg: TrainConfig, data: Optional[TaskData] = None, stop_after_steps: Optional[int] = None,
+          quiet: bool = False) -> Dict:
+    tr = Trainer(cfg, data, quiet=quiet)
+    row = tr.run(stop_after_steps)
+    if tr.world > 1 and dist.is_initialized():
+        # every process is past its last collective; DDP's reducer goes before its process group (a
+        # reducer outliving the group can hang its process at exit)
+        dist.barrier()
+        tr.net = tr.model = tr.opt = None
+        gc.collect()
+        dist.destroy_process_group()
+    return row

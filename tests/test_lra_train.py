@@ -1,0 +1,220 @@
+"""Long Range Arena harness: models with every variant, training (overfit, exact resume, best
+checkpoint tested, time budget), data parallelism over two gloo processes, and the reports."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.lra import report, tasks
+from benchmarks.lra.__main__ import main as lra_main
+from benchmarks.lra.model import Classifier, ModelConfig
+from benchmarks.lra.train import TrainConfig, Trainer, train
+from benchmarks.lra.variants import VARIANTS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"sizes": [64, 32, 32], "min_length": 8, "max_length": 40}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread (the runs are tiny, and the CI machine is shared), restored afterwards: the
+    trainer's ``threads=`` setting is process-wide."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("lra-cache")
+
+
+@pytest.fixture(scope="module")
+def tiny(cache):
+    return tasks.load_task("listops", cache_dir=cache, overrides=TINY)
+
+
+def small_cfg(tmp_path, cache, **kw):
+    base = dict(task="listops", out=str(tmp_path / "run"), steps=10, batch_size=8, warmup=3, eval_every=4, lr=3e-3,
+                log_every=1000, cache_dir=str(cache), overrides=TINY, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ----------------------------------------------------------------------------------- models
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_forward_backward_and_padding_invariance(variant):
+    torch.manual_seed(0)
+    pooling = "cls" if variant in ("softmax", "bigbird", "linear") else "mean"
+    cfg = ModelConfig(d_model=32, heads=2, layers=2, ff=64, dropout=0.0, pooling=pooling)
+    model = Classifier(17, 100, 10, cfg, variant, block_size=16, window=8)
+    x = torch.randint(2, 17, (3, 70))
+    x[1, 40:] = 0
+    x[2, 21:] = 0
+    logits = model(x)
+    logits.square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for n, g in grads.items() if n != "encoder.embed.weight")
+    assert grads["encoder.encoder.layers.0.self_attn.in_proj_weight"].abs().sum() > 0
+    assert all(layer.self_attn.last_path in ("fused", "linear") for layer in model.encoder.encoder.layers)
+    model.eval()
+    with torch.no_grad():
+        full = model(x)
+        alone = model(x[1:2, :40])                           # no padding at all
+        other = x.clone()
+        other[0] = torch.randint(2, 17, (70,))               # other sequences of the batch change
+        more = torch.cat([other, torch.zeros(3, 29, dtype=torch.long)], dim=1)   # and the padding grows
+        padded = model(more)
+    torch.testing.assert_close(full[1], alone[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(full[1:], padded[1:], atol=2e-5, rtol=1e-4)
+
+
+def test_two_tower_retrieval_model():
+    torch.manual_seed(0)
+    model = Classifier(258, 64, 2, ModelConfig(32, 2, 1, 64, 0.0, "mean"), "local", pair=True, window=8)
+    a, b = torch.randint(2, 258, (2, 50)), torch.randint(2, 258, (2, 30))
+    out = model(a, b)
+    assert out.shape == (2, 2)
+    with pytest.raises(ValueError, match="x2"):
+        model(a)
+
+
+# ----------------------------------------------------------------------------------- training
+
+def test_overfits_64_samples(tmp_path, cache, tiny):
+    cfg = small_cfg(tmp_path, cache, steps=120, batch_size=32, warmup=10, eval_every=1000, lr=3e-3, dropout=0.0,
+                    weight_decay=0.0)
+    tr = Trainer(cfg, quiet=True)
+    tr.run()
+    assert tr.evaluate(tr.data.train) >= 0.95
+    assert np.mean(tr.state["losses"][-10:]) < 0.3 * np.mean(tr.state["losses"][:10])
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, cache, tiny):
+    a = Trainer(small_cfg(tmp_path / "a", cache, dropout=0.1), quiet=True)
+    a.run()
+    b1 = Trainer(small_cfg(tmp_path / "b", cache, dropout=0.1), quiet=True)
+    assert b1.run(stop_after_steps=5)["step"] == 5       # checkpointed between evaluations
+    b2 = Trainer(small_cfg(tmp_path / "b", cache, dropout=0.1, resume=True), quiet=True)
+    b2.run()
+    assert b2.state["losses"] == a.state["losses"] and len(a.state["losses"]) == 10
+    assert b2.state["evals"] == a.state["evals"]
+    for (n, p), (_, q) in zip(a.model.state_dict().items(), b2.model.state_dict().items()):
+        assert torch.equal(p, q), n
+    # every epoch has its own order (64 examples, global batch 8: epoch 2 starts at step 8)
+    from benchmarks.lra.train import epoch_order
+    assert not np.array_equal(epoch_order(0, 0, 64), epoch_order(0, 1, 64))
+
+
+def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
+    scripted = iter([0.5, 0.9, 0.3])
+    snapshots = {}
+
+    class Scripted(Trainer):
+        def evaluate(self, split):
+            if split is self.data.dev:
+                snapshots[self.state["step"]] = {k: v.clone() for k, v in self.model.state_dict().items()}
+                return next(scripted)
+            return super().evaluate(split)
+
+    tr = Scripted(small_cfg(tmp_path, cache, steps=12), quiet=True)
+    row = tr.run()
+    assert row["best_step"] == 8 and row["dev_accuracy"] == 0.9
+    for k, v in tr.tested_state.items():
+        assert torch.equal(v, snapshots[8][k]), k
+    assert any(not torch.equal(v, snapshots[12][k]) for k, v in tr.tested_state.items())
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved[0]["task"] == "listops (8-40 tokens)" and saved[0]["variant"] == "softmax"
+    assert 0 <= saved[0]["test_accuracy"] <= 1 and saved[0]["steps_per_s"] > 0 and saved[0]["peak_mib"] > 0
+    assert (tmp_path / "run" / "results.csv").exists() and "| listops (8-40 tokens) | softmax |" in \
+        (tmp_path / "run" / "results.md").read_text()
+
+
+def test_max_minutes_stops_tests_and_resumes(tmp_path, cache, tiny):
+    row = train(small_cfg(tmp_path, cache, max_minutes=1e-6), quiet=True)
+    assert row["finished"] is False and row["steps"] < 10 and 0 <= row["test_accuracy"] <= 1
+    row = train(small_cfg(tmp_path, cache, resume=True), quiet=True)
+    assert row["finished"] is True and row["steps"] == 10
+
+
+# ----------------------------------------------------------------------------------- data parallel
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TIMEOUT = 300       # generous: two fresh interpreters import torch on a CPU other jobs may be loading
+
+
+def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
+    one = tmp_path / "one.pt"
+    train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, save_first_grads=str(one)), quiet=True)
+    two = tmp_path / "two.pt"
+    # the two workers dump their stacks and exit if they hang, so a failure says where
+    (tmp_path / "sitecustomize.py").write_text(
+        "import faulthandler, os, sys\n"
+        "if os.environ.get('LOCAL_RANK') is not None:\n"
+        f"    faulthandler.dump_traceback_later({TIMEOUT // 2}, exit=True, file=sys.stderr)\n")
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")      # loopback: the host name may resolve to an unusable address
+    for attempt in range(2):      # a port taken between choosing and binding it: try another
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), "-m", "benchmarks.lra", "train", "--task", "listops",
+               "--out", str(tmp_path / "ddp"), "--batch-size", "8", "--dropout", "0", "--cache-dir", str(cache),
+               "--set", f"sizes={json.dumps(TINY['sizes'])}", "--set", "min_length=8", "--set", "max_length=40",
+               "--save-first-grads", str(two), "--steps", "10", "--warmup", "3", "--lr", "3e-3"]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-4000:]}")
+        if proc.returncode == 0:
+            break
+        print(f"torchrun attempt {attempt} failed:\n{proc.stderr[-4000:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g1, g2 = torch.load(one), torch.load(two)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------------- reports
+
+def test_tables_average_present_tasks_and_mark_standins(tmp_path):
+    rows = [dict(task="listops", variant="softmax", test_accuracy=0.4, steps_per_s=1.0, peak_mib=10.0),
+            dict(task="image*", variant="softmax", test_accuracy=0.8, steps_per_s=1.0, peak_mib=10.0),
+            dict(task="listops", variant="linear", test_accuracy=0.3, steps_per_s=2.0, peak_mib=5.0)]
+    t1 = report.table1(rows)
+    assert "| listops | image* |" in t1
+    assert "| softmax | 40.0 | 80.0 | 60.0 (2/2) |" in t1
+    assert "| linear | 30.0 | - | 30.0 (1/2) |" in t1          # a missing task is not a 0
+    speed = [dict(task="text (speed)", variant=v, length=L, steps_per_s=s, peak_mib=m, test_accuracy=None)
+             for v, L, s, m in (("softmax", 1024, 2.0, 100.0), ("linear", 1024, 5.0, 25.0))]
+    t2 = report.table2(speed)
+    assert "| linear | 2.50x |" in t2 and "| linear | 0.25x |" in t2 and "| softmax | 2.00 |" in t2
+    for i, r in enumerate(rows + speed):
+        d = tmp_path / "runs" / str(i)
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps([r]))
+    assert lra_main(["report", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "results.md").read_text()
+    assert "Table 1" in md and "Table 2" in md and "stand-in" in md
+    assert len(json.loads((tmp_path / "rep" / "results.json").read_text())) == 5
+    assert (tmp_path / "rep" / "results.csv").exists()
+
+
+def test_speed_row_on_cpu():
+    from benchmarks.lra.speed import measure
+    row = measure("linear", 64, 2, steps=1, warmup=0)
+    assert row["status"] == "ok" and row["steps_per_s"] > 0 and row["peak_mib"] >= 0 and row["length"] == 64
