@@ -80,7 +80,8 @@ EFFATTN_DEVICE void mma_a_rows(float (&acc)[NA][4], const uint32_t (&a)[4], cons
   for (int dd = 0; dd < NA / 2; ++dd) {
     if (8 * c0 + 16 * dd >= width) break;
     uint32_t b[4];
-    prim::ldmatrix_x4_trans(b, sb + Tile<HD>::offset(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), c0 + 2 * dd + (lane >> 4)));
+    const int row = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    prim::ldmatrix_x4_trans(b, sb + Tile<HD>::offset(row, c0 + 2 * dd + (lane >> 4)));
     prim::mma_16816<BF16>(acc[2 * dd], a, b[0], b[1]);
     prim::mma_16816<BF16>(acc[2 * dd + 1], a, b[2], b[3]);
   }

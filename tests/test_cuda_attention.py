@@ -149,7 +149,8 @@ def test_rows_seeing_no_key_and_empty_sequences():
     assert bool((lse[0, :, 16:32] == -math.inf).all()) and bool(torch.isfinite(lse[0, :, :16]).all())
     grads = torch.autograd.grad(out.float().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum(), (q, k, v))
     assert not any(torch.isnan(g).any() for g in grads)
-    assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1])) and torch.equal(grads[1][1], torch.zeros_like(grads[1][1]))
+    for gr in grads[:2]:                                 # dq, dk of the fully padded batch entry
+        assert torch.equal(gr[1], torch.zeros_like(gr[1]))
     for B, Lq, Lk in ((1, 0, 24), (1, 24, 0), (0, 24, 24)):
         leaves = [torch.randn(B, 2, L, 16).to(dt).requires_grad_() for L in (Lq, Lk, Lk)]
         out, lse = effattn.attention(*leaves, causal=True, return_lse=True, backend="cuda")
@@ -326,7 +327,8 @@ def test_opcheck_and_compile(emulation):
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     ref = f(q, k, v)
     assert torch.equal(out, ref)
-    for a, b in zip(torch.autograd.grad(out.float().sum(), (q, k, v)), torch.autograd.grad(ref.float().sum(), (q, k, v))):
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(ref.float().sum(), (q, k, v))):
         assert torch.equal(a, b)
 
 

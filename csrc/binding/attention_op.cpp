@@ -256,7 +256,7 @@ EFFATTN_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
 // entry point. The emulated build is loaded as a plain library and needs none.
 #include <Python.h>
 
-static PyModuleDef effattn_c_module = {PyModuleDef_HEAD_INIT, "_C", "effattn's CUDA kernels (ops in torch.ops.effattn_cuda)", -1,
-                                       nullptr};
+static PyModuleDef effattn_c_module = {PyModuleDef_HEAD_INIT, "_C",
+                                       "effattn's CUDA kernels (ops in torch.ops.effattn_cuda)", -1, nullptr};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&effattn_c_module); }
 #endif
