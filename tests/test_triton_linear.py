@@ -87,6 +87,24 @@ def test_empty_lengths_match_torch(Lq, Lk, causal):
         torch.testing.assert_close(a, b)
 
 
+def test_gradient_reaches_a_trainable_favor_projection():
+    """FAVOR+ features are computed in torch: a projection made trainable gets its gradient, the same
+    as through the torch reference."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 40, 8, device=DEVICE) * 0.5 for _ in range(3))
+    grads = []
+    for backend in ("triton", "torch"):
+        phi = effattn.FavorFeatures(8, 16, seed=1).to(DEVICE)
+        w = torch.nn.Parameter(phi.projection.clone())
+        del phi.projection
+        phi.projection = w
+        out = effattn.linear_attention(q, k, v, causal=True, feature_map=phi, backend=backend)
+        (g,) = torch.autograd.grad((out * v).sum(), w)
+        grads.append(g)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
 def test_explain_names_fused_maps_and_torch_features():
     q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
     fused = effattn.explain(q, k, v, op="linear_attention", feature_map="relu", causal=True)
