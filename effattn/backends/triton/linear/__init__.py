@@ -23,6 +23,9 @@ applied in torch (fp32, through autograd, so a trainable projection gets its gra
 kernels take the features: FAVOR+ is a (D x F) matmul plus exp per row, which cuBLAS already does at
 full speed; fusing it into the passes would redo it in every pass that reads the features (the
 forward reads phi(k) twice, the backward phi(q) and phi(k) three times each). ``explain`` says so.
+Whether fusing would pay is for the GPU to say: the share of a ``linear-favor256`` benchmark call
+spent in the torch feature map (time ``FavorFeatures(q)`` and ``(k)`` beside the call) is the most
+a fused projection could save.
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ calls (the dot rounds them to bf16 anyway) and fp32 otherwise. Final states are 
 
 Configs: a chunk of ``CHUNK`` timeline positions, feature tiles ``BK`` (the contracted features)
 and ``BV`` (the output features). On the GPU the first candidate is the default
-(``EFFATTN_TRITON_AUTOTUNE=0``); otherwise the candidates are timed once per kind and kept for the
-process. The interpreter uses small tiles so that small test shapes cross chunk and tile edges.
+(``EFFATTN_TRITON_AUTOTUNE=0``, CUDA-graph capture); otherwise the candidates are timed once per
+role (forward state / output pass, dq, dk, ...), feature-dim class and dtype, and kept for the
+process. The interpreter uses 32-position chunks and 32-wide tiles, so that small test shapes cross
+chunk and tile edges.
 """
 from __future__ import annotations
 
