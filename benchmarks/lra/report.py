@@ -122,11 +122,16 @@ def speed_markdown(rows: List[Dict], note: str = "") -> str:
 
 
 def gather(runs: Path) -> List[Dict]:
-    rows = []
+    """Every row of every ``results.json`` under ``runs``, once (a demo folder repeats its variants'
+    rows at the top)."""
+    rows, seen = [], set()
     for path in sorted(Path(runs).rglob("results.json")):
         data = json.loads(path.read_text())
-        if isinstance(data, list):
-            rows += [r for r in data if isinstance(r, dict) and "task" in r and "variant" in r]
+        for r in data if isinstance(data, list) else []:
+            key = json.dumps(r, sort_keys=True, default=str)
+            if isinstance(r, dict) and "task" in r and "variant" in r and key not in seen:
+                seen.add(key)
+                rows.append(r)
     return rows
 
 
