@@ -121,12 +121,21 @@ def speed_markdown(rows: List[Dict], note: str = "") -> str:
     return f"{title}\n\n{about}{' ' + note if note else ''}\n\n{table2(rows)}"
 
 
+#: what makes two rows the same run (a demo's summary adds fields to its variants' rows)
+IDENTITY = ("task", "variant", "date", "config", "length", "seed", "steps", "batch_size", "test_accuracy", "data")
+
+
 def gather(runs: Path) -> List[Dict]:
-    rows = []
+    """Every row of every ``results.json`` under ``runs``, once (a demo folder repeats its variants'
+    rows at the top)."""
+    rows, seen = [], set()
     for path in sorted(Path(runs).rglob("results.json")):
         data = json.loads(path.read_text())
-        if isinstance(data, list):
-            rows += [r for r in data if isinstance(r, dict) and "task" in r and "variant" in r]
+        for r in data if isinstance(data, list) else []:
+            key = json.dumps([r.get(k) for k in IDENTITY], default=str) if isinstance(r, dict) else None
+            if isinstance(r, dict) and "task" in r and "variant" in r and key not in seen:
+                seen.add(key)
+                rows.append(r)
     return rows
 
 
