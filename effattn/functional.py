@@ -100,8 +100,10 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         reasons[b.name] = why
         if not why and call.q.device.type in b.explicit_only_devices:
             notes[b.name] = f"on {call.q.device.type} only when asked for by name"
-        elif not why and chosen is None:
-            chosen = b.name
+        elif not why:
+            chosen = chosen or b.name
+            if b.describe(call):
+                notes[b.name] = b.describe(call)
     for name in base.BACKEND_NAMES:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]

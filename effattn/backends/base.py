@@ -58,6 +58,8 @@ class Backend:
     # devices where the backend runs only when asked for by name, never picked by "auto"
     # (Triton's interpreter on CPU: correct, but far slower than the torch reference)
     explicit_only_devices: FrozenSet[str] = frozenset()
+    # which of its paths the backend takes for a call it serves (a note in explain), or None
+    describe: Callable = lambda call: None
 
     def reasons(self, call) -> List[str]:
         why = []

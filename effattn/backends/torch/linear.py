@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..._call import LINEAR as FN, LinearCall, compute_dtype as _compute_dtype
 from ..base import FEATURES, Backend, Capabilities, register
+from . import linear_cpu
 
 CHUNK = 64                       # positions per chunk in the causal reference
 
@@ -90,6 +91,8 @@ def linear_attention_reference(fq: Tensor, fk: Tensor, v: Tensor, *, causal: boo
 
 
 def _torch_run(call: LinearCall):
+    if linear_cpu.cpu_path(call)[0]:              # CPU: slices in parallel on all threads
+        return linear_cpu.run(call)
     dt = _compute_dtype(call.q.dtype)
     B, H, Lq, _ = call.q.shape
     Hkv, Lk = call.k.shape[1], call.k.shape[2]
@@ -113,4 +116,5 @@ TORCH_BACKEND = register(Backend(
                       dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
                       max_head_dim=256, features=FEATURES[FN]),
     run=_torch_run,
+    describe=lambda call: "CPU path: " + linear_cpu.cpu_path(call)[1] if call.q.device.type == "cpu" else None,
 ))
