@@ -8,7 +8,7 @@ SDPA gets the same problem in its best CPU form: ``is_causal`` for causal attent
 ``(L, L)`` mask for the sliding window and the block layout (SDPA has no other way to express them),
 causal softmax attention for causal linear attention (the quadratic computation linear attention
 replaces). A ratio below 1 means effattn is faster. Each time is the median of --runs runs after
-one warm-up run.
+one warm-up run, effattn's and SDPA's runs interleaved.
 """
 from __future__ import annotations
 
@@ -55,14 +55,18 @@ def masks_for(name: str, L: int):
     return None
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()                                                           # warm-up
-    times = []
+def median_ms(fns, runs: int):
+    """Median time of each function, their runs interleaved so that a change in the machine's load
+    affects all of them alike."""
+    for fn in fns:
+        fn()                                                       # warm-up
+    times = [[] for _ in fns]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def measure(name: str, L: int, args, threads: int):
@@ -74,17 +78,20 @@ def measure(name: str, L: int, args, threads: int):
     ours, sdpa, _ = CASES[name]
     m = masks_for(name, L)
     row = {}
+
+    def timed(f, mode):
+        if mode == "fwd":
+            def fn():
+                with torch.no_grad():
+                    f(q, k, v, L, m)
+        else:
+            def fn():
+                q.grad = k.grad = v.grad = None
+                f(q, k, v, L, m).backward(dout)
+        return fn
+
     for mode in ("fwd", "fwd+bwd"):
-        for who, f in (("effattn", ours), ("sdpa", sdpa)):
-            if mode == "fwd":
-                def fn():
-                    with torch.no_grad():
-                        f(q, k, v, L, m)
-            else:
-                def fn():
-                    q.grad = k.grad = v.grad = None
-                    f(q, k, v, L, m).backward(dout)
-            row[(who, mode)] = median_ms(fn, args.runs)
+        row[("effattn", mode)], row[("sdpa", mode)] = median_ms([timed(ours, mode), timed(sdpa, mode)], args.runs)
     return row
 
 

@@ -398,12 +398,13 @@ cpu_blocks_fwd.register_autograd(_blocks_grad, setup_context=_blocks_setup)
 @torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
 def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
-    return out.contiguous(), lse.contiguous()
+    return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
 
 
 @cpu_flash_fwd.register_fake
 def _(q, k, v, causal, scale):
-    return _fake_fwd(q, v)
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())

@@ -1,0 +1,126 @@
+"""The torch backend's CPU paths (backends/torch/cpu_fused.py, linear_cpu.py, threads.py): which path a
+call takes and that explain says so; the chunked reference, which the fused paths now shadow on CPU,
+still checked against the oracle; results independent of the thread count.
+
+test_attention.py runs every case through backend="torch", i.e. through the fused paths on CPU.
+"""
+import pytest
+import torch
+
+import effattn
+from effattn.backends.torch import cpu_fused
+from effattn.layouts import BlockLayout
+from oracle import naive_attention
+from test_attention import CASES, judge, make_inputs, naive_in
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+                                reason="this torch has no flash CPU kernel")
+
+
+def qkv(H=4, Hkv=4, Lq=40, Lk=40, D=16, Dv=16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, H, Lq, D, generator=g), torch.randn(1, Hkv, Lk, D, generator=g),
+            torch.randn(1, Hkv, Lk, Dv, generator=g))
+
+
+PATHS = {
+    "dense": (dict(), {}, "flash"),
+    "causal": (dict(), dict(causal=True), "flash"),
+    "gqa-causal": (dict(Hkv=2), dict(causal=True), "flash"),
+    "noncausal-Lq<Lk": (dict(Lq=9), {}, "flash"),
+    "causal-Lq<Lk": (dict(Lq=9), dict(causal=True), "blocks"),
+    "window": (dict(), dict(causal=True, window=8), "blocks"),
+    "layout": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "blocks"),
+    "padding": (dict(), dict(key_padding_mask=torch.zeros(1, 40, dtype=torch.bool)), "blocks"),
+    "dv!=d": (dict(Dv=8), {}, "blocks"),
+    "dropout": (dict(), dict(dropout_p=0.1), "reference"),
+}
+NOTE = {"flash": "fused flash-attention CPU kernel", "blocks": "visible key blocks only",
+        "reference": "chunked reference: dropout"}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_explain_reports_the_cpu_path(name):
+    shape, kwargs, path = PATHS[name]
+    q, k, v = qkv(**shape)
+    ex = effattn.explain(q, k, v, **kwargs)
+    assert ex.chosen == "torch"
+    assert NOTE[path] in ex.notes["torch"], ex.notes["torch"]
+    assert NOTE[path] in str(ex)
+
+
+def test_flash_path_is_torchs_kernel_bottom_right_where_it_can():
+    """Causal Lq != Lk would be top-left in the flash kernel: effattn keeps bottom-right (q0 sees 32 keys)."""
+    q, k, v = qkv(Lq=8)
+    out = effattn.attention(q, k, v, causal=True)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (top_left - out).abs().max() > 1e-2                      # the two conventions differ here
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_chunked_reference_still_matches_oracle(case_id, monkeypatch):
+    """With the fused paths off, backend="torch" is the chunked reference: fwd, lse and gradients."""
+    monkeypatch.setattr(cpu_fused, "ENABLED", False)
+    dtype = torch.float32
+    q, k, v, kwargs = make_inputs(CASES[case_id], dtype)
+    assert "chunked reference" in effattn.explain(q, k, v, **kwargs).notes["torch"]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = effattn.attention(*leaves, return_lse=True, backend="torch", **kwargs)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = naive_attention(*ref_leaves, **kwargs)
+    low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    low, _ = naive_in(dtype, *low_leaves, kwargs)
+    judge(out, ref, low, 2, dtype, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for g, rg, lg, name in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double()),
+                               torch.autograd.grad(low, low_leaves, go), "qkv"):
+        judge(g, rg, lg, 3, dtype, f"d{name}")
+
+
+def _with_threads(n, fn):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("op", ["window-gqa", "layout-perhead", "padding-batch", "linear"])
+def test_results_do_not_depend_on_the_thread_count(op):
+    """The slice-parallel paths give bitwise the same outputs and gradients at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(3)
+    B = 3 if op == "padding-batch" else 1
+    q = torch.randn(B, 4, 150, 16, generator=g)
+    k, v = (torch.randn(B, 2 if op != "layout-perhead" else 4, 150, 16, generator=g) for _ in range(2))
+    kw = {"window-gqa": dict(causal=True, window=40),
+          "layout-perhead": dict(layout=BlockLayout(torch.rand(4, 10, 10, generator=g) < 0.5, 16)),
+          "padding-batch": dict(key_padding_mask=torch.rand(B, 150, generator=g) < 0.3)}.get(op, {})
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if op == "linear":
+            out = effattn.linear_attention(*leaves, causal=True)
+        else:
+            out = effattn.attention(*leaves, **kw)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    one, two = _with_threads(1, run), _with_threads(2, run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
+    """Named feature maps take the slice-parallel path; a callable with parameters stays on the
+    reference so that its parameters get gradients."""
+    q, k, v = qkv()
+    assert "in parallel" in effattn.explain(q, k, v, op="linear_attention", causal=True).notes["torch"]
+    lin = torch.nn.Linear(16, 8)
+    phi = lambda x: torch.nn.functional.elu(lin(x)) + 1  # noqa: E731
+    note = effattn.explain(q, k, v, op="linear_attention", feature_map=phi).notes["torch"]
+    assert "callable feature map" in note
+    effattn.linear_attention(q, k, v, feature_map=phi).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
