@@ -105,7 +105,8 @@ def _table(key, by_L, names, cell, with_ratio=True):
             ratio = best_ratio(by_L[L])
             line.append("-" if ratio is None else f"{ratio[0]:.2f} ({ratio[1]})")
         body.append(line)
-    foot = [f"{n}: {st}" for n, st in hidden.items()]
+    # the footnote already says "unsupported": give the reason once
+    foot = [f"{n}: {st.split(': ', 1)[-1] if st.startswith('unsupported: ') else st}" for n, st in hidden.items()]
     return header, body, foot
 
 

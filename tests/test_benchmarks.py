@@ -164,15 +164,22 @@ def test_unsupported_effattn_backend_is_recorded():
     assert rows["effattn-triton"].startswith("unsupported: ")    # CPU: interpreter only
 
 
-def test_simple_progress_bar_without_tqdm():
-    buf = io.StringIO()
+def test_progress_outside_a_terminal_is_one_line_per_finished_item(monkeypatch):
+    buf = io.StringIO()                      # not a terminal: no redrawn bar, no carriage returns
     bar = SimpleBar(20, "bench", file=buf)
     for i in range(20):
         bar.set_postfix_str(f"cfg {i}")
+        bar.set_postfix_str(f"cfg {i}: 1.0 ms")
         bar.update()
     bar.close()
-    lines = buf.getvalue().splitlines()
-    assert 2 <= len(lines) <= 12 and lines[-1].startswith("bench [" + "#" * 30 + "] 20/20")
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert "\r" not in text and len(lines) == 20
+    assert all(line.endswith(f"cfg {i}: 1.0 ms") for i, line in enumerate(lines))
+    assert lines[-1].startswith("bench [" + "#" * 30 + "] 20/20")
+    from benchmarks.progress import progress_bar
+    monkeypatch.setattr(sys, "stderr", io.StringIO())       # a log file: never tqdm
+    assert isinstance(progress_bar(3), SimpleBar)
 
 
 def test_cpu_peak_memory_measures_an_allocation():

@@ -45,7 +45,7 @@ def test_explain_reports_the_cpu_path(name):
     q, k, v = qkv(**shape)
     ex = effattn.explain(q, k, v, **kwargs)
     assert ex.chosen == "torch"
-    assert NOTE[path] in ex.notes["torch"], ex.notes["torch"]
+    assert NOTE[path] in ex.paths["torch"], ex.paths["torch"]
     assert NOTE[path] in str(ex)
 
 
@@ -65,7 +65,7 @@ def test_chunked_reference_still_matches_oracle(case_id, monkeypatch):
     monkeypatch.setattr(cpu_fused, "ENABLED", False)
     dtype = torch.float32
     q, k, v, kwargs = make_inputs(CASES[case_id], dtype)
-    assert "chunked reference" in effattn.explain(q, k, v, **kwargs).notes["torch"]
+    assert "chunked reference" in effattn.explain(q, k, v, **kwargs).paths["torch"]
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, lse = effattn.attention(*leaves, return_lse=True, backend="torch", **kwargs)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -117,10 +117,10 @@ def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
     """Named feature maps take the slice-parallel path; a callable with parameters stays on the
     reference so that its parameters get gradients."""
     q, k, v = qkv()
-    assert "in parallel" in effattn.explain(q, k, v, op="linear_attention", causal=True).notes["torch"]
+    assert "in parallel" in effattn.explain(q, k, v, op="linear_attention", causal=True).paths["torch"]
     lin = torch.nn.Linear(16, 8)
     phi = lambda x: torch.nn.functional.elu(lin(x)) + 1  # noqa: E731
-    note = effattn.explain(q, k, v, op="linear_attention", feature_map=phi).notes["torch"]
+    note = effattn.explain(q, k, v, op="linear_attention", feature_map=phi).paths["torch"]
     assert "callable feature map" in note
     effattn.linear_attention(q, k, v, feature_map=phi).sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
