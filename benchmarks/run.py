@@ -463,6 +463,9 @@ def _run(a, s: Settings, variants, impls, notes) -> int:
             paths += plots.make_plots(rows, meta, out)
         except Exception as e:                 # noqa: BLE001 - a plotting problem must not lose the results
             print(f"plots failed: {measure.one_line(e)}", file=sys.stderr)
+    if a.curated:
+        (out / "headline.md").write_text(report.headline_markdown(rows, meta))
+        paths.append(out / "headline.md")
     if a.curated and s.device.type == "cpu":
         from . import cpu_vs_sdpa
         cpu_vs_sdpa.main(["--lengths", "2048", "4096", "--out", str(out / "cpu_vs_sdpa.md")])

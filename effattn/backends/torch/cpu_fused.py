@@ -41,6 +41,10 @@ GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of one group: 16
 # Set to False to send every CPU call to the chunked reference (tests compare the paths).
 ENABLED = True
 
+# The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
+# enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
+_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 def cpu_path(call) -> Tuple[str, str]:
     """(path, why) for a call of the torch backend: path is "flash", "blocks" or "reference"."""
@@ -52,7 +56,7 @@ def cpu_path(call) -> Tuple[str, str]:
         return "reference", "chunked reference (an empty shape: torch's flash CPU kernel faults on Lq == 0)"
     if call.dropout_p > 0:
         return "reference", ("chunked reference: dropout is served only there (torch's flash CPU kernel "
-                             "has no dropout), about 3-8x slower than SDPA on CPU")
+                             "has no dropout), several times slower than SDPA")
     blockers = []
     if call.window_left >= 0 or (call.window_right >= 0 and not call.causal):
         blockers.append("a window")
@@ -64,6 +68,8 @@ def cpu_path(call) -> Tuple[str, str]:
         blockers.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
     if call.D != call.Dv:
         blockers.append("Dv != D")
+    if call.H != call.Hkv and not _FLASH_GQA:
+        blockers.append(f"grouped-query attention before torch 2.5 (this is {torch.__version__})")
     if not blockers:
         return "flash", "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
     return "blocks", ("visible key blocks only, one batched matmul per group of query blocks "
