@@ -36,7 +36,8 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 BLOCK = 64               # query/key block of the blocks path when the call has no layout
-GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of one group: 16 MiB in float32
+GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of the groups computed at once: 16 MiB
+                         # in float32; a few tensors of this size live at a time in the backward
 
 # Set to False to send every CPU call to the chunked reference (tests compare the paths).
 ENABLED = True
@@ -88,10 +89,10 @@ _PLANS = WeakTensorKeyDictionary()   # layout mask -> {plan key: groups}
 _DENSE_PLANS: dict = {}              # plan key -> groups, for calls without a layout
 
 
-def _plan(Lq, Lk, bs, wl, wr, layout_mask, rows_per_block) -> List[_Group]:
+def _plan(Lq, Lk, bs, wl, wr, layout_mask, rows_per_block, budget=GROUP_BUDGET) -> List[_Group]:
     """The groups of query blocks of a call and the key blocks each gathers. Block (i, j) is kept
     when the layout allows it and the window/causal band of some row of i reaches into j."""
-    key = (Lq, Lk, bs, wl, wr, rows_per_block)
+    key = (Lq, Lk, bs, wl, wr, rows_per_block, budget)
     cache = _DENSE_PLANS if layout_mask is None else _PLANS.setdefault(layout_mask, {})
     if key in cache:
         return cache[key]
@@ -114,7 +115,7 @@ def _plan(Lq, Lk, bs, wl, wr, layout_mask, rows_per_block) -> List[_Group]:
         b1, M = b0, 0
         while b1 < nqb:
             m = max(M, counts[b1])
-            if b1 > b0 and (b1 + 1 - b0) * m * rows_per_block * bs > GROUP_BUDGET:
+            if b1 > b0 and (b1 + 1 - b0) * m * rows_per_block * bs > budget:
                 break
             b1, M = b1 + 1, m
         if M > 0:
@@ -216,7 +217,9 @@ def _setup(q, k, v, layout_mask, layout_block, wl, wr):
     slices = threads.ranges(Hkv if by_heads else B, torch.get_num_threads())
     n = max(b - a for a, b in slices)
     rows = (B * n * (H // Hkv) if by_heads else n * H) * bs        # query rows of one block in a slice
-    return bs, per_head, by_heads, slices, _plan(Lq, Lk, bs, wl, wr, layout_mask, rows)
+    # slices run at once: split the budget so that the extra memory stays the same at any thread count
+    budget = max(GROUP_BUDGET // len(slices), 1 << 20)
+    return bs, per_head, by_heads, slices, _plan(Lq, Lk, bs, wl, wr, layout_mask, rows, budget)
 
 
 def _slice(by_heads, a, b, G, *tensors):
