@@ -151,3 +151,24 @@ def test_blocks_path_memory_is_bounded_at_16k():
     assert res.returncode == 0, res.stderr[-2000:]
     extra = int(res.stdout.strip().splitlines()[-1])
     assert extra < 512 << 20, f"extra peak memory {extra / 2**20:.0f} MiB >= 512 MiB"
+
+
+def test_slice_pool_works_in_a_forked_child():
+    """A process forked after the pool started (a DataLoader worker) gets its own pool, not a hang."""
+    import multiprocessing as mp
+    q, k, v = qkv()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = effattn.attention(q, k, v, causal=True, window=5)          # starts the pool here
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as pool:
+            got = pool.apply_async(_window_call, (q, k, v)).get(timeout=120)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(got, want)
+
+
+def _window_call(q, k, v):
+    torch.set_num_threads(2)
+    return effattn.attention(q, k, v, causal=True, window=5)

@@ -10,13 +10,15 @@ result does not depend on scheduling: bitwise the same at any thread count.
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-_POOL = {"n": 0, "pool": None}
+_POOL = {"n": 0, "pool": None, "pid": None}
+_PREFIX = "effattn-cpu"
 _LOCK = threading.Lock()
 
 
@@ -34,11 +36,12 @@ def ranges(n: int, parts: int) -> List[Tuple[int, int]]:
 
 def _pool(n: int) -> ThreadPoolExecutor:
     with _LOCK:
-        if _POOL["n"] != n:
-            if _POOL["pool"] is not None:
+        # a new pool when the thread count changed, or in a forked child (e.g. a DataLoader worker),
+        # where the parent's pool threads do not exist
+        if _POOL["n"] != n or _POOL["pid"] != os.getpid():
+            if _POOL["pool"] is not None and _POOL["pid"] == os.getpid():
                 _POOL["pool"].shutdown(wait=False)
-            _POOL["pool"] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="effattn-cpu")
-            _POOL["n"] = n
+            _POOL.update(pool=ThreadPoolExecutor(max_workers=n, thread_name_prefix=_PREFIX), n=n, pid=os.getpid())
         return _POOL["pool"]
 
 
@@ -46,7 +49,8 @@ def run_slices(fn: Callable[[int, int], object], slices: Sequence[Tuple[int, int
     """[fn(a, b) for (a, b) in slices], in parallel when torch has more than one thread. Workers run
     with one intra-op thread and the given grad mode (grad mode and dispatch state are per thread)."""
     n = torch.get_num_threads()
-    if n <= 1 or len(slices) <= 1:
+    nested = threading.current_thread().name.startswith(_PREFIX)     # a worker's own call: no new tasks
+    if n <= 1 or len(slices) <= 1 or nested:
         with torch.set_grad_enabled(grad):
             return [fn(a, b) for a, b in slices]
 
