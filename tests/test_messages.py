@@ -31,9 +31,9 @@ def test_a_close_keyword_is_suggested():
 def test_caches_misuse_says_a_list_of_one_kvcache_per_layer_is_expected():
     model = effattn.nn.TransformerEncoder(effattn.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
     x = torch.randn(1, 1, 8)
-    with pytest.raises(TypeError, match=r"a list of one effattn.nn.KVCache per layer \(2 layers\).*got a KVCache"):
+    with pytest.raises(TypeError, match=r"a list of one KVCache per layer \(2 layers\), e.g. caches=\[effattn.nn.KVCache\(\).*got a KVCache"):
         model(x, is_causal=True, caches=effattn.nn.KVCache())
-    with pytest.raises(ValueError, match=r"one effattn.nn.KVCache per layer \(2 layers\).*got a list of 1"):
+    with pytest.raises(ValueError, match=r"one KVCache per layer \(2 layers\).*got a list of 1"):
         model(x, is_causal=True, caches=[effattn.nn.KVCache()])
     with pytest.raises(TypeError, match="it holds a str"):
         model(x, is_causal=True, caches=["a", "b"])

@@ -174,7 +174,7 @@ class TransformerDecoderLayer(nn.Module):
 def _check_caches(caches, layers, fn):
     if caches is None:
         return
-    want = (f"a list of one effattn.nn.KVCache per layer ({len(layers)} layers), e.g. "
+    want = (f"a list of one KVCache per layer ({len(layers)} layers), e.g. "
             "caches=[effattn.nn.KVCache() for _ in model.layers]")
     if not isinstance(caches, (list, tuple)):
         raise TypeError(f"{fn}: caches must be {want}; got a {type(caches).__name__}")
