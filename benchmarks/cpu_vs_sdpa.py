@@ -104,8 +104,10 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
     p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.add_argument("--default-threads", type=int, default=None,
+                   help="torch's default thread count, when the caller has changed it (benchmarks.run)")
     args = p.parse_args(argv)
-    default = torch.get_num_threads()
+    default = args.default_threads or torch.get_num_threads()
     header = (f"effattn {effattn.__version__} vs SDPA on CPU: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
               f"{datetime.date.today()}, fp32, B={args.batch}, H={args.heads}, D={args.head_dim}, "
               f"median of {args.runs}; torch's default thread count here: {default}")

@@ -28,6 +28,7 @@ from .masks import visible_pairs
 from .progress import progress_bar
 from .registry import Case, Impl, Unsupported, Variant
 
+DEFAULT_THREADS = torch.get_num_threads()    # torch's own count, before --threads changes it
 RESULTS_DIR = Path(__file__).resolve().parent / "results"     # curated results (in git), --curated
 RUNS_DIR = Path(__file__).resolve().parent / "runs"           # default output, ignored by git
 MODES = ("fwd", "fwdbwd")
@@ -468,7 +469,8 @@ def _run(a, s: Settings, variants, impls, notes) -> int:
         paths.append(out / "headline.md")
     if a.curated and s.device.type == "cpu":
         from . import cpu_vs_sdpa
-        cpu_vs_sdpa.main(["--lengths", "2048", "4096", "--out", str(out / "cpu_vs_sdpa.md")])
+        cpu_vs_sdpa.main(["--lengths", "2048", "4096", "--default-threads", str(DEFAULT_THREADS),
+                          "--out", str(out / "cpu_vs_sdpa.md")])
         paths.append(out / "cpu_vs_sdpa.md")
     print(f"\nwrote {len(paths)} files to {out}")
     return 0

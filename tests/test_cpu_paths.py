@@ -117,7 +117,10 @@ def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
     """Named feature maps take the slice-parallel path; a callable with parameters stays on the
     reference so that its parameters get gradients."""
     q, k, v = qkv()
-    assert "in parallel" in effattn.explain(q, k, v, op="linear_attention", causal=True).paths["torch"]
+    assert "in parallel" in _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention",
+                                                                      causal=True).paths["torch"])
+    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True).paths["torch"])
+    assert "one thread" in one
     lin = torch.nn.Linear(16, 8)
     phi = lambda x: torch.nn.functional.elu(lin(x)) + 1  # noqa: E731
     note = effattn.explain(q, k, v, op="linear_attention", feature_map=phi).paths["torch"]

@@ -35,6 +35,9 @@ def cpu_path(call) -> Tuple[bool, str]:
         return False, "reference (traced by torch.compile)"
     if min(call.q.shape) == 0 or min(call.k.shape) == 0:
         return False, "reference (an empty shape)"
+    if min(torch.get_num_threads(), max(call.k.shape[0], call.k.shape[1])) <= 1:
+        # nothing to run in parallel, and the reference's backward needs no recomputed forward
+        return False, "reference (one thread, or one key/value head and batch entry: nothing to split)"
     return True, "the reference's chunked math, key/value heads (or batch entries) in parallel on all threads"
 
 
