@@ -190,3 +190,25 @@ def test_cpu_peak_memory_measures_an_allocation():
         pytest.skip("peak RSS not measurable here (needs Linux + glibc)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 15.5 <= float(proc.stdout.split()[-1]) <= 24, proc.stdout
+
+
+def test_cpu_default_job_is_small_full_is_one_flag_and_output_is_ignored_by_git():
+    """The default CPU job is the few-minute one, --full the whole sweep, and the default output
+    folder is ignored by git, so a fresh clone stays clean after the main job."""
+    threads = torch.get_num_threads()
+    try:
+        s, variants, impls, _ = run.settings_from_args(run.parse_args(["--device", "cpu"]))
+        assert list(s.lengths) == list(run.CPU_LENGTHS) and max(s.lengths) <= 2048
+        assert [v.name for v in variants] == list(run.CPU_DEFAULT_VARIANTS)
+        assert {"naive", "sdpa-math", "sdpa-flash"} <= {i.name for i in impls}
+        s, variants, _, _ = run.settings_from_args(run.parse_args(["--device", "cpu", "--full"]))
+        assert list(s.lengths) == list(run.CPU_FULL_LENGTHS) and "linear-favor" in [v.name for v in variants]
+    finally:
+        torch.set_num_threads(threads)
+    out = run.RUNS_DIR / "cpu"
+    res = subprocess.run(["git", "check-ignore", "-q", str(out / "results.csv")], cwd=ROOT)
+    if res.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert res.returncode == 0, f"{out} is not ignored by git"
+    assert subprocess.run(["git", "check-ignore", "-q", str(run.RESULTS_DIR / "cpu" / "results.csv")],
+                          cwd=ROOT).returncode == 1                      # the curated results are tracked
