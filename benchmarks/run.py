@@ -290,7 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "least), torch's own on CUDA")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 short lengths, one variant per family")
     p.add_argument("--full", action="store_true",
-                   help="CPU: the full sweep (L = 256..4096, every CPU variant; about 15 minutes on 2 cores) "
+                   help="CPU: the full sweep (L = 256..4096, every CPU variant; 14 minutes on a shared 2-core VM) "
                         "instead of the default few-minute job (L = 1024, 2048; dense, causal, window, fixed, "
                         "linear-elu). On CUDA the default is already the full sweep")
     p.add_argument("--curated", action="store_true",
