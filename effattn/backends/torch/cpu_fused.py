@@ -11,9 +11,10 @@ Three paths, picked per call by `cpu_path(call)` (and reported by `effattn.expla
 * ``blocks``: everything else without dropout (windows, block layouts, key padding, bottom-right
   causal with ``Lq != Lk``, ``Dv != D``). Queries and keys are cut into blocks; each query block
   gathers the key blocks it may see (a band for a window, the layout's blocks for a layout) and a
-  whole group of query blocks is computed by one batched matmul, so each op is large enough to keep
-  every thread busy (many small per-chunk ops do not scale with threads). The group size bounds the
-  extra memory, so peak memory stays O(L). The backward recomputes probabilities from the saved
+  whole group of query blocks is computed by one batched matmul. The call's key/value heads (or
+  batch entries) run as independent slices on all of torch's threads, one intra-op thread each
+  (threads.py: many ops on many threads scale badly). The group size bounds the extra memory, so
+  peak memory stays O(L). The backward recomputes probabilities from the saved
   log-sum-exp (FlashAttention-2, Dao 2023, Alg. 2) and scatters key gradients back with
   ``index_add_`` (deterministic on CPU).
 * ``reference``: the chunked reference (``attention.py``) for dropout (its mask is regenerated per
