@@ -50,6 +50,10 @@ def cuda_build():
 
 ext_modules, cmdclass = cuda_build()
 
+# One Triton requirement for every extra. (Triton's CPU interpreter, used only by the tests on a
+# machine without a GPU, needs triton >= 3.7 or numpy < 2.4; effattn.explain says so when it applies.)
+TRITON = "triton>=3.6"
+
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     long_description = f.read()
 
@@ -62,12 +66,14 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["effattn", "effattn.*"]),
     python_requires=">=3.9",
+    license="MIT",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "triton": ["triton>=3.6"],
+        "triton": [TRITON],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.56"],
-        "test": ["pytest", "pytest-benchmark", "triton>=3.7", "numpy", "matplotlib", "tqdm", "transformers>=4.56",
+        "test": ["pytest", "pytest-benchmark", TRITON, "numpy", "matplotlib", "tqdm", "transformers>=4.56",
+                 "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
                  # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
                  "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
     },

@@ -1,4 +1,5 @@
-"""A progress bar: tqdm when it is installed, else a small built-in one on stderr."""
+"""Progress of a sweep: a bar on a terminal (tqdm when installed, else a small built-in one), and
+one line per finished item elsewhere (a log file, CI), where a redrawn bar would flood the log."""
 from __future__ import annotations
 
 import sys
@@ -6,16 +7,16 @@ import time
 
 
 class SimpleBar:
-    """``[#######.......]  52/120  0:41<0:38  causal L=4096 naive fwd``. On a terminal it redraws one
-    line; elsewhere (a log file, CI) it prints a line every 10% so logs stay short."""
+    """``bench [#######.......] 52/120 0:41<0:38 causal L=4096 naive fwd: 812.3 ms``. On a terminal
+    it redraws one line; elsewhere (a log file, CI) it prints one line per finished item."""
 
     def __init__(self, total: int, desc: str = "", file=None, width: int = 30):
         self.total, self.desc, self.width = max(total, 0), desc, width
         self.file = file or sys.stderr
         self.n, self.postfix, self.t0 = 0, "", time.perf_counter()
         self.tty = hasattr(self.file, "isatty") and self.file.isatty()
-        self._last_decile = -1
-        self._draw()
+        if self.tty:
+            self._draw()
 
     def set_postfix_str(self, text: str):
         self.postfix = text
@@ -33,11 +34,6 @@ class SimpleBar:
 
     def _draw(self):
         frac = self.n / self.total if self.total else 1.0
-        if not self.tty:
-            decile = int(frac * 10)
-            if decile == self._last_decile:
-                return
-            self._last_decile = decile
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / self.n * (self.total - self.n) if self.n else 0.0
         fill = int(round(frac * self.width))
@@ -62,9 +58,12 @@ def _clock(seconds: float) -> str:
 
 
 def progress_bar(total: int, desc: str = "bench", disable: bool = False):
-    """tqdm if importable, else `SimpleBar`; ``disable=True`` gives a bar that prints nothing."""
+    """On a terminal tqdm if importable, else `SimpleBar`; elsewhere `SimpleBar`'s one line per
+    finished item; ``disable=True`` gives a bar that prints nothing."""
     if disable:
         return _Silent()
+    if not sys.stderr.isatty():
+        return SimpleBar(total, desc)
     try:
         from tqdm import tqdm
     except ImportError:

@@ -106,7 +106,8 @@ def _table(key, by_L, names, cell, with_ratio=True):
             ratio = best_ratio(by_L[L])
             line.append("-" if ratio is None else f"{ratio[0]:.2f} ({ratio[1]})")
         body.append(line)
-    foot = [f"{n}: {st}" for n, st in hidden.items()]
+    # the footnote already says "unsupported": give the reason once
+    foot = [f"{n}: {st.split(': ', 1)[-1] if st.startswith('unsupported: ') else st}" for n, st in hidden.items()]
     return header, body, foot
 
 
@@ -186,3 +187,31 @@ def summary_markdown(rows: List[dict], meta: dict) -> str:
 
 def ok_rows(rows: List[dict]) -> List[dict]:
     return [r for r in rows if r["status"] == "ok" and r["time_ms"] is not None and not math.isnan(r["time_ms"])]
+
+
+def headline_markdown(rows: List[dict], meta: dict, mode: str = "fwdbwd") -> str:
+    """The table the README quotes: at the longest L of each variant, every implementation's time and
+    memory side by side (baselines that beat effattn included), and how each was measured."""
+    groups, order = _groups(rows)
+    names = [n for n in dict.fromkeys(n for key in order for n in order[key])
+             if any(r["impl"] == n and r["status"] == "ok" for r in rows)]
+    header = ["variant", "L"] + [f"{n} ms" for n in names] + [f"{n} MiB" for n in names]
+    body = []
+    for (variant, m), by_L in groups.items():
+        if m != mode:
+            continue
+        L = max(L for L in by_L if any(r["status"] == "ok" for r in by_L[L].values()))
+        cells = [by_L[L].get(n) for n in names]
+        def cell(r, what):
+            if r is None:
+                return "-"
+            if r["status"] != "ok":
+                return short_status(r["status"])
+            return fmt_ms(r["time_ms"]) if what == "ms" else fmt_mib(r["peak_mem_mib"])
+        body.append([variant, str(L)] + [cell(r, "ms") for r in cells] + [cell(r, "mib") for r in cells])
+    intro = (f"{meta['device']}, torch {meta['torch']}, {meta['cpu_threads']} thread(s), {meta['dtype']}, "
+             f"B={meta['batch']}, H={meta['heads']}, D={meta['head_dim']}, {meta['date'][:10]}; "
+             f"{'forward+backward' if mode == 'fwdbwd' else 'forward'} ms (median) and MiB added by one call "
+             f"({meta['memory_method']}); '-' = not applicable (no such baseline for the op), "
+             "n/s = unsupported, skip = over the memory budget.")
+    return "\n".join([intro, ""] + _md_table(header, body)) + "\n"

@@ -1,10 +1,11 @@
-"""The benchmark runner: ``python -m benchmarks.run [--quick] [--out DIR] ...``.
+"""The benchmark runner: ``python -m benchmarks.run [--quick | --full | --curated] [--out DIR] ...``.
 
 Sweeps sequence length for every variant x implementation of registry.py, forward and
 forward+backward; records median time, TFLOP/s (flops.py) and peak memory (measure.py) per
 configuration, or why there is none (status). Writes CSV, JSON, a markdown summary and plots to
-``benchmarks/results/<device>/`` and prints the summary. A configuration that fails never stops the
-sweep. See benchmarks/README.md.
+``benchmarks/runs/<device>[-quick|-full]/`` (ignored by git) or ``--out``, and prints the summary.
+``--curated`` refreshes the results the README quotes, under ``benchmarks/results/<device>/``.
+A configuration that fails never stops the sweep. See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ from .flops import attention_flops, linear_attention_flops, tflops, visible_pair
 from .progress import progress_bar
 from .registry import Case, Impl, Unsupported, Variant
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_THREADS = torch.get_num_threads()    # torch's own count, before --threads changes it
+RESULTS_DIR = Path(__file__).resolve().parent / "results"     # curated results (in git), --curated
+RUNS_DIR = Path(__file__).resolve().parent / "runs"           # default output, ignored by git
 MODES = ("fwd", "fwdbwd")
 QUICK_VARIANTS = ("causal", "fixed", "linear-elu")          # one per family
+CPU_DEFAULT_VARIANTS = ("dense", "causal", "window", "fixed", "linear-elu")
 
 # defaults per device: (lengths, head dim, dtype, window)
-CPU_LENGTHS = (256, 512, 1024, 2048, 4096)
+CPU_LENGTHS = (1024, 2048)                  # the default CPU job: a few minutes on 2 cores
+CPU_FULL_LENGTHS = (256, 512, 1024, 2048, 4096)
 CUDA_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -181,20 +186,31 @@ def sweep(variants: Sequence[Variant], impls: Sequence[Impl], s: Settings, bar=N
                 for impl in serving:
                     for mode in s.modes:
                         rows.append({**base_row(v, impl, mode, s, L), "status": status})
+                        bar and bar.set_postfix_str(f"{v.name} L={L} {impl.name} {mode}: {status}")
                         bar and bar.update()
                 measure.free_memory(s.device)
                 continue
             extra = on_case(case, serving) if on_case is not None else {}
             for impl in serving:
                 for mode in s.modes:
-                    bar and bar.set_postfix_str(f"{v.name} L={L} {impl.name} {mode}")
+                    what = f"{v.name} L={L} {impl.name} {mode}"
+                    bar and bar.set_postfix_str(what)
                     rows.append({**run_config(case, impl, mode, s), **extra.get(impl.name, {})})
+                    bar and bar.set_postfix_str(f"{what}: {_outcome(rows[-1])}")
                     bar and bar.update()
             case = None
             measure.free_memory(s.device)
     except KeyboardInterrupt:
         print("\ninterrupted: writing the rows measured so far", file=sys.stderr)
     return rows
+
+
+def _outcome(row: dict) -> str:
+    """A finished configuration in a few words, for the progress line."""
+    if row["status"] != "ok":
+        return row["status"].split(":")[0]
+    mem = f", {row['peak_mem_mib']:.0f} MiB" if row.get("peak_mem_mib") is not None else ""
+    return f"{row['time_ms']:.1f} ms{mem}"
 
 
 def _row_key(r: dict):
@@ -274,8 +290,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads; default 1 on CPU (other processes then disturb the timings "
                         "least), torch's own on CUDA")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 lengths, one variant per family")
-    p.add_argument("--out", default=None, help="output dir; default benchmarks/results/<device>[-quick]/")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 short lengths, one variant per family")
+    p.add_argument("--full", action="store_true",
+                   help="CPU: the full sweep (L = 256..4096, every CPU variant; 14 minutes on a shared 2-core VM) "
+                        "instead of the default few-minute job (L = 1024, 2048; dense, causal, window, fixed, "
+                        "linear-elu). On CUDA the default is already the full sweep")
+    p.add_argument("--curated", action="store_true",
+                   help="refresh the results the README quotes: --full into benchmarks/results/<device>/ "
+                        "(tracked by git), plus on CPU the effattn/SDPA thread table (benchmarks.cpu_vs_sdpa)")
+    p.add_argument("--out", default=None,
+                   help="output dir; default benchmarks/runs/<device>[-quick|-full]/ (ignored by git)")
     p.add_argument("--append", action="store_true",
                    help="merge into the results already in --out (rows of the same variant, impl, mode, "
                         "L, dtype and D are replaced): split a long sweep over several commands")
@@ -309,7 +333,7 @@ def settings_from_args(a: argparse.Namespace):
     elif a.quick:
         lengths = [1024, 2048] if cuda else [256, 512]
     else:
-        lengths = list(CUDA_LENGTHS if cuda else CPU_LENGTHS)
+        lengths = list(CUDA_LENGTHS if cuda else (CPU_FULL_LENGTHS if a.full else CPU_LENGTHS))
     s = Settings(device=device, dtype=dtype, head_dim=D, lengths=lengths, modes=_csv_list(a.modes),
                  batch=a.batch, heads=a.heads if a.heads else (2 if a.quick and not cuda else None),
                  window=a.window or (1024 if cuda else 256),
@@ -323,7 +347,12 @@ def settings_from_args(a: argparse.Namespace):
             raise SystemExit(f"--modes: unknown mode {m!r} (fwd, fwdbwd)")
 
     if a.variants in (None, ""):
-        names = list(QUICK_VARIANTS) if a.quick else [v.name for v in registry.VARIANTS if cuda or v.cpu_default]
+        if a.quick:
+            names = list(QUICK_VARIANTS)
+        elif cuda or a.full:
+            names = [v.name for v in registry.VARIANTS if cuda or v.cpu_default]
+        else:
+            names = list(CPU_DEFAULT_VARIANTS)
     elif a.variants == "all":
         names = [v.name for v in registry.VARIANTS]
     else:
@@ -396,6 +425,10 @@ def main(argv=None) -> int:
     if a.suite or a.dry_run:
         from . import gpu_extras                # a named suite: fixed shapes, section budgets
         return gpu_extras.main(a)
+    if a.curated:
+        if a.quick:
+            raise SystemExit("--curated and --quick exclude each other")
+        a.full = True
     s, variants, impls, notes = settings_from_args(a)
     if s.device.type == "cpu":
         measure.enable_cpu_peak_rss()          # before the sweep allocates anything big
@@ -409,7 +442,12 @@ def main(argv=None) -> int:
 
 def _run(a, s: Settings, variants, impls, notes) -> int:
     meta = metadata(a, s, notes)
-    out = Path(a.out) if a.out else RESULTS_DIR / (meta["device_slug"] + ("-quick" if a.quick else ""))
+    if a.out:
+        out = Path(a.out)
+    elif a.curated:
+        out = RESULTS_DIR / meta["device_slug"]
+    else:
+        out = RUNS_DIR / (meta["device_slug"] + ("-quick" if a.quick else "-full" if a.full else ""))
     out.mkdir(parents=True, exist_ok=True)
     for name, why in notes.items():
         print(f"not swept: {name}: {why}", file=sys.stderr)
@@ -438,6 +476,14 @@ def _run(a, s: Settings, variants, impls, notes) -> int:
             paths += plots.make_plots(rows, meta, out)
         except Exception as e:                 # noqa: BLE001 - a plotting problem must not lose the results
             print(f"plots failed: {measure.one_line(e)}", file=sys.stderr)
+    if a.curated:
+        (out / "headline.md").write_text(report.headline_markdown(rows, meta))
+        paths.append(out / "headline.md")
+    if a.curated and s.device.type == "cpu":
+        from . import cpu_vs_sdpa
+        cpu_vs_sdpa.main(["--lengths", "2048", "4096", "--default-threads", str(DEFAULT_THREADS),
+                          "--out", str(out / "cpu_vs_sdpa.md")])
+        paths.append(out / "cpu_vs_sdpa.md")
     print(f"\nwrote {len(paths)} files to {out}")
     return 0
 

@@ -29,6 +29,23 @@ def _fail(kind, msg):
     raise kind(msg)
 
 
+# The keyword arguments of the public functions (explain takes those of its op, without backend).
+ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
+                      "backend")
+LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
+
+
+def check_keywords(fn: str, given, valid) -> None:
+    """TypeError naming the first keyword of `given` not in `valid`, a close match, and the valid ones."""
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        import difflib
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        _fail(TypeError, f"{fn}: unknown keyword argument {unknown[0]!r}{hint}; the valid ones are "
+                         f"{', '.join(valid)}")
+
+
 def check_qkv(q, k, v, fn: str):
     """Checks shapes/dtypes/devices shared by attention and linear_attention. Returns (B, H, Hkv)."""
     for name, t in (("q", q), ("k", k), ("v", v)):

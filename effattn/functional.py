@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from ._call import make_attn_call, make_linear_call
+from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-              dropout_p=0.0, return_lse=False, backend="auto"):
+              dropout_p=0.0, return_lse=False, backend="auto", **unknown):
     r"""Softmax attention ``softmax(q k^T * scale + mask) v`` with fused, O(L)-memory backends.
 
     Args:
@@ -49,6 +49,8 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         >>> q, k, v = (torch.randn(2, 8, 1024, 64) for _ in range(3))
         >>> out = effattn.attention(q, k, v, causal=True, window=256)
     """
+    if unknown:
+        check_keywords("attention", unknown, ATTENTION_KEYWORDS)
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse)
@@ -57,10 +59,14 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
 
 
 class Explanation:
-    """What `explain` found: for each backend, whether it can serve the call and why not."""
+    """What `explain` found: for each backend, whether it can serve the call and why not (`reasons`),
+    where it runs only when named (`notes`), and which of its paths it would take (`paths`, e.g. the
+    torch backend's CPU paths, with why a faster one is not taken)."""
 
-    def __init__(self, op: str, chosen, reasons: Dict[str, List[str]], notes: Dict[str, str]):
+    def __init__(self, op: str, chosen, reasons: Dict[str, List[str]], notes: Dict[str, str],
+                 paths: Dict[str, str] = None):
         self.op, self.chosen, self.reasons, self.notes = op, chosen, reasons, notes
+        self.paths = paths or {}
 
     def can_serve(self, name: str) -> bool:
         return name in self.reasons and not self.reasons[name]
@@ -69,7 +75,7 @@ class Explanation:
         lines = [f"effattn.{self.op}: backend='auto' picks {self.chosen or 'nothing (no backend can serve)'}"]
         for name, why in self.reasons.items():
             state = "can serve" if not why else "cannot serve: " + "; ".join(why)
-            note = f" ({self.notes[name]})" if name in self.notes else ""
+            note = "".join(f" ({d[name]})" for d in (self.notes, self.paths) if name in d)
             lines.append(f"  {name:7s} {state}{note}")
         return "\n".join(lines)
 
@@ -88,13 +94,15 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
           torch   can serve
     """
     kwargs.pop("backend", None)
+    if op in ("attention", "linear_attention"):
+        check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)
     if op == "attention":
         call = make_attn_call(q, k, v, **kwargs)
     elif op == "linear_attention":
         call = make_linear_call(q, k, v, **kwargs)
     else:
         raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
-    reasons, notes, chosen = {}, {}, None
+    reasons, notes, paths, chosen = {}, {}, {}, None
     for b in base.backends_for(op):
         why = b.reasons(call)
         reasons[b.name] = why
@@ -105,7 +113,9 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
             chosen = b.name
         if remarks:
             notes[b.name] = "; ".join(remarks)
+        if not why and b.describe(call):
+            paths[b.name] = b.describe(call)
     for name in base.BACKENDS:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]
-    return Explanation(op, chosen, reasons, notes)
+    return Explanation(op, chosen, reasons, notes, paths)

@@ -7,12 +7,12 @@ taken before the queries arrive:  ``out_i = phi(q_i) S / (phi(q_i) . z + eps)`` 
 """
 from __future__ import annotations
 
-from ._call import LINEAR, LinearCall, make_linear_call  # noqa: F401  (LinearCall re-exported)
+from ._call import LINEAR, LINEAR_KEYWORDS, LinearCall, check_keywords, make_linear_call  # noqa: F401
 from .backends.base import select
 
 
 def linear_attention(q, k, v, *, causal=False, feature_map="elu", normalize=True, eps=1e-6,
-                     initial_state=None, return_state=False, backend="auto"):
+                     initial_state=None, return_state=False, backend="auto", **unknown):
     r"""Linear attention ``out_i = phi(q_i) S / (phi(q_i) . z + eps)`` in O(L) time and memory.
 
     ``S = sum_j phi(k_j)^T v_j`` and ``z = sum_j phi(k_j)`` run over all keys, or over ``j <= i``
@@ -61,6 +61,8 @@ def linear_attention(q, k, v, *, causal=False, feature_map="elu", normalize=True
         >>> o2, state = effattn.linear_attention(q[:, :, 2048:], k[:, :, 2048:], v[:, :, 2048:],
         ...                                      causal=True, initial_state=state, return_state=True)
     """
+    if unknown:
+        check_keywords(LINEAR, unknown, LINEAR_KEYWORDS)
     call = make_linear_call(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
                             initial_state=initial_state, return_state=return_state)
     out, state = select(LINEAR, call, backend).run(call)

@@ -173,15 +173,22 @@ def test_unsupported_effattn_backend_is_recorded():
     assert rows["effattn-triton"].startswith("unsupported: ")    # CPU: interpreter only
 
 
-def test_simple_progress_bar_without_tqdm():
-    buf = io.StringIO()
+def test_progress_outside_a_terminal_is_one_line_per_finished_item(monkeypatch):
+    buf = io.StringIO()                      # not a terminal: no redrawn bar, no carriage returns
     bar = SimpleBar(20, "bench", file=buf)
     for i in range(20):
         bar.set_postfix_str(f"cfg {i}")
+        bar.set_postfix_str(f"cfg {i}: 1.0 ms")
         bar.update()
     bar.close()
-    lines = buf.getvalue().splitlines()
-    assert 2 <= len(lines) <= 12 and lines[-1].startswith("bench [" + "#" * 30 + "] 20/20")
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert "\r" not in text and len(lines) == 20
+    assert all(line.endswith(f"cfg {i}: 1.0 ms") for i, line in enumerate(lines))
+    assert lines[-1].startswith("bench [" + "#" * 30 + "] 20/20")
+    from benchmarks.progress import progress_bar
+    monkeypatch.setattr(sys, "stderr", io.StringIO())       # a log file: never tqdm
+    assert isinstance(progress_bar(3), SimpleBar)
 
 
 def test_cpu_peak_memory_measures_an_allocation():
@@ -192,3 +199,25 @@ def test_cpu_peak_memory_measures_an_allocation():
         pytest.skip("peak RSS not measurable here (needs Linux + glibc)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 15.5 <= float(proc.stdout.split()[-1]) <= 24, proc.stdout
+
+
+def test_cpu_default_job_is_small_full_is_one_flag_and_output_is_ignored_by_git():
+    """The default CPU job is the few-minute one, --full the whole sweep, and the default output
+    folder is ignored by git, so a fresh clone stays clean after the main job."""
+    threads = torch.get_num_threads()
+    try:
+        s, variants, impls, _ = run.settings_from_args(run.parse_args(["--device", "cpu"]))
+        assert list(s.lengths) == list(run.CPU_LENGTHS) and max(s.lengths) <= 2048
+        assert [v.name for v in variants] == list(run.CPU_DEFAULT_VARIANTS)
+        assert {"naive", "sdpa-math", "sdpa-flash"} <= {i.name for i in impls}
+        s, variants, _, _ = run.settings_from_args(run.parse_args(["--device", "cpu", "--full"]))
+        assert list(s.lengths) == list(run.CPU_FULL_LENGTHS) and "linear-favor" in [v.name for v in variants]
+    finally:
+        torch.set_num_threads(threads)
+    out = run.RUNS_DIR / "cpu"
+    res = subprocess.run(["git", "check-ignore", "-q", str(out / "results.csv")], cwd=ROOT)
+    if res.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert res.returncode == 0, f"{out} is not ignored by git"
+    assert subprocess.run(["git", "check-ignore", "-q", str(run.RESULTS_DIR / "cpu" / "results.csv")],
+                          cwd=ROOT).returncode == 1                      # the curated results are tracked

@@ -46,3 +46,18 @@ def test_readme_api_examples_run():
     assert namespace["out"].shape == (2, 8, 1024, 64)
     assert namespace["out2"].shape == (2, 8, 512, 64)         # the second segment of the state example
     assert namespace["layout"].density() < 1.0
+
+
+def test_readme_model_examples_run(capsys):
+    """The README's swap_attention, effattn.nn and KV-cache examples run as written (shorter
+    sequences); the Hugging Face one needs a downloaded model and is left out."""
+    blocks = [b for b in _python_blocks("Swap it into your model") if "from_pretrained" not in b]
+    code = "\n".join(blocks)
+    assert "swap_attention(" in code and "KVCache()" in code and "range(x.shape[1])" in code
+    namespace = {}
+    exec(compile(code.replace("4096", "64"), "README.md", "exec"), namespace)
+    assert namespace["y"].shape == (4, 64, 512)
+    assert isinstance(namespace["model"], effattn.nn.TransformerEncoder)    # the KV-cache example's model
+    assert namespace["h"].shape == (1, 1, 512)
+    printed = capsys.readouterr().out
+    assert "layers.0.self_attn: torch.nn.MultiheadAttention(512, 8, batch_first=True) -> " in printed

@@ -35,7 +35,7 @@ def test_report_and_weights():
     torch.manual_seed(0)
     model = encoder()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    report = swap_attention(model)
+    _, report = swap_attention(model, return_changes=True)
     assert [name for name, _ in report] == ["layers.0.self_attn", "layers.1.self_attn"]
     assert report[0][1] == ("torch.nn.MultiheadAttention(32, 4, batch_first=True) -> "
                             "effattn.nn.MultiheadAttention(32, 4, batch_first=True)")
@@ -49,9 +49,21 @@ def test_report_and_weights():
                  "embed_dim"):
         assert hasattr(sa, attr), attr
     # a second call changes the variant of the effattn modules
-    report = swap_attention(model, window=3)
+    _, report = swap_attention(model, window=3, return_changes=True)
     assert report[1][1].endswith("-> effattn.nn.MultiheadAttention(32, 4, batch_first=True, window=3)")
     assert model.layers[1].self_attn.window == 3
+
+
+def test_returns_the_model_and_verbose_prints_the_changes(capsys):
+    """`model = swap_attention(model)` keeps a working model (issue 10); verbose prints the changes."""
+    model = encoder()
+    x = torch.randn(2, 6, 32)
+    same = swap_attention(model, window=2, verbose=True)
+    assert same is model and isinstance(model.layers[0].self_attn, MultiheadAttention)
+    assert model(x).shape == x.shape
+    printed = capsys.readouterr().out.splitlines()
+    _, changes = swap_attention(encoder(), window=2, return_changes=True)
+    assert printed == [f"{name}: {change}" for name, change in changes] and len(printed) == 2
 
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batchfirst", "seqfirst"])
@@ -87,7 +99,7 @@ def test_transformer_outputs_unchanged(mode):
     ref = nn.Transformer(E, H, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FF, dropout=0.0,
                          batch_first=True)
     model = copy.deepcopy(ref)
-    report = swap_attention(model)
+    _, report = swap_attention(model, return_changes=True)
     assert len(report) == 2 + 2 * 2          # encoder self, decoder self + cross
     ref.train(mode == "train"), model.train(mode == "train")
     src, tgt = torch.randn(2, 11, E), torch.randn(2, 7, E)
@@ -137,7 +149,7 @@ def test_shared_modules_stay_shared_and_select_filters():
             self.cross = nn.MultiheadAttention(E, H, kdim=16, vdim=16)
 
     model = Model()
-    report = swap_attention(model, select=lambda name, m: m._qkv_same_embed_dim)
+    _, report = swap_attention(model, select=lambda name, m: m._qkv_same_embed_dim, return_changes=True)
     assert [n for n, _ in report] == ["a"]
     assert model.a is model.b and isinstance(model.a, MultiheadAttention)
     assert type(model.cross) is nn.MultiheadAttention
@@ -149,7 +161,7 @@ def test_subclasses_are_left_alone_with_a_warning():
 
     model = nn.Sequential(Custom(E, H), nn.MultiheadAttention(E, H))
     with pytest.warns(UserWarning, match="subclass"):
-        report = swap_attention(model)
+        _, report = swap_attention(model, return_changes=True)
     assert [n for n, _ in report] == ["1"]
     assert type(model[0]) is Custom
 
@@ -224,4 +236,4 @@ def test_from_torch_copies_and_keeps_requires_grad():
 def test_nothing_to_swap_warns():
     """A model without torch.nn.MultiheadAttention (a Hugging Face model, say) is not silently 'swapped'."""
     with pytest.warns(UserWarning, match="no torch.nn.MultiheadAttention"):
-        assert swap_attention(nn.Sequential(nn.Linear(E, E))) == []
+        assert swap_attention(nn.Sequential(nn.Linear(E, E)), return_changes=True)[1] == []

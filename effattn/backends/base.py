@@ -60,6 +60,8 @@ class Backend:
     # remarks `effattn.explain` adds for a call this backend serves: what serving it involves besides the
     # kernels (copies of inputs, parts computed in torch), e.g. ["feature map computed in torch"]
     notes: Callable = lambda call: []
+    # which of its paths the backend takes for a call it serves (a note in explain), or None
+    describe: Callable = lambda call: None
 
     def reasons(self, call) -> List[str]:
         why = []

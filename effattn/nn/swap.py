@@ -23,7 +23,7 @@ def _describe(m: nn.Module) -> str:
 
 
 def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Module], bool]] = None,
-                   **variant) -> List[Tuple[str, str]]:
+                   verbose: bool = False, return_changes: bool = False, **variant):
     """Replaces every ``torch.nn.MultiheadAttention`` inside ``model`` by an
     :class:`effattn.nn.MultiheadAttention` with the same configuration, weights, device, dtype and
     train/eval mode, and the given variant. The weights are not copied: the new modules hold the old
@@ -39,13 +39,17 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
             their ``forward`` may differ.
         select: optional ``(qualified_name, module) -> bool``; only modules it accepts are swapped,
             e.g. ``select=lambda name, m: name.endswith("self_attn")`` to leave cross-attention as is.
+        verbose: print one line ``name: old -> new`` per swapped module.
+        return_changes: return ``(model, changes)`` instead of ``model``.
         **variant: ``window``, ``layout``, ``linear``, ``backend`` (see
             :class:`effattn.nn.MultiheadAttention`). None given: plain softmax attention, and the
             model's outputs are unchanged up to rounding.
 
     Returns:
-        A list of ``(qualified_name, "old -> new")`` descriptions, one per swapped module. When it is
-        empty a warning says so (e.g. a Hugging Face model, whose attention is not
+        ``model`` itself (modified in place), so ``model = effattn.swap_attention(model)`` works; with
+        ``return_changes=True`` the pair ``(model, changes)``, where ``changes`` lists
+        ``(qualified_name, "old -> new")``, one per swapped module (what ``verbose`` prints). When no
+        module is swapped a warning says so (e.g. a Hugging Face model, whose attention is not
         ``torch.nn.MultiheadAttention``: use :func:`effattn.integrations.huggingface.register`).
 
     Raises:
@@ -62,9 +66,8 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
     Examples::
 
         >>> model = nn.TransformerEncoder(nn.TransformerEncoderLayer(512, 8, batch_first=True), 6)
-        >>> for name, change in effattn.swap_attention(model, window=128):
-        ...     print(name, change)
-        layers.0.self_attn torch.nn.MultiheadAttention(512, 8, batch_first=True) -> effattn.nn.MultiheadAttention(512, 8, batch_first=True, window=128)
+        >>> model = effattn.swap_attention(model, window=128, verbose=True)
+        layers.0.self_attn: torch.nn.MultiheadAttention(512, 8, batch_first=True) -> effattn.nn.MultiheadAttention(512, 8, batch_first=True, window=128)
         ...
     """
     unknown = sorted(set(variant) - set(VARIANT_KEYS))
@@ -108,4 +111,7 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
                       "in their own modules (Hugging Face transformers, ...) are not changed by swap_attention; "
                       "for transformers use effattn.integrations.huggingface.register() and "
                       "attn_implementation='effattn'", stacklevel=2)
-    return report
+    if verbose:
+        for name, change in report:
+            print(f"{name}: {change}")
+    return (model, report) if return_changes else model

@@ -172,8 +172,17 @@ class TransformerDecoderLayer(nn.Module):
 
 
 def _check_caches(caches, layers, fn):
-    if caches is not None and len(caches) != len(layers):
-        raise ValueError(f"{fn}: caches must hold one KVCache per layer ({len(layers)}), got {len(caches)}")
+    if caches is None:
+        return
+    want = (f"a list of one KVCache per layer ({len(layers)} layers), e.g. "
+            "caches=[effattn.nn.KVCache() for _ in model.layers]")
+    if not isinstance(caches, (list, tuple)):
+        raise TypeError(f"{fn}: caches must be {want}; got a {type(caches).__name__}")
+    bad = [type(c).__name__ for c in caches if not isinstance(c, KVCache)]
+    if bad:
+        raise TypeError(f"{fn}: caches must be {want}; it holds a {bad[0]}")
+    if len(caches) != len(layers):
+        raise ValueError(f"{fn}: caches must be {want}; got a list of {len(caches)}")
 
 
 class TransformerEncoder(nn.Module):

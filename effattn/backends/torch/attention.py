@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..base import FEATURES, Backend, Capabilities, register
+from . import cpu_fused
 from ..._call import compute_dtype as _compute_dtype
 from ...visibility import Rule
 
@@ -255,10 +256,17 @@ ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _run(call):
+    path, _ = cpu_fused.cpu_path(call)
+    if path != "reference":                 # CPU: torch's flash kernel or the batched blocks path
+        return cpu_fused.run(call, path)
     lm = call.layout.mask if call.layout is not None else None
     lb = call.layout.block_size if call.layout is not None else 0
     return ref_attention_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.seed, call.scale,
                              call.dropout_p, call.window_left, call.window_right)
+
+
+def _describe(call):
+    return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.device.type == "cpu" else None
 
 
 BACKEND = register(Backend(
@@ -268,4 +276,4 @@ BACKEND = register(Backend(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         max_head_dim=256,
         features=FEATURES["attention"]),
-    run=_run))
+    run=_run, describe=_describe))

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..._call import LINEAR as FN, LinearCall, compute_dtype as _compute_dtype, linear_features
 from ..base import FEATURES, Backend, Capabilities, register
+from . import linear_cpu
 
 CHUNK = 64                       # positions per chunk in the causal reference
 
@@ -28,21 +29,23 @@ def _causal_sums(fq: Tensor, fk: Tensor, v: Tensor, chunk: int = CHUNK) -> Tuple
     C = max(1, min(chunk, L))
     n = -(-L // C)
     pad = n * C - L                     # zero features at the end: seen by no real query
-    fq_c = F.pad(fq, (0, 0, 0, pad)).reshape(B, Hkv, G, n, C, Fd)
+    # chunk-major layouts: the G query heads of a kv head side by side, one matmul per chunk
+    fq_c = F.pad(fq, (0, 0, 0, pad)).reshape(B, Hkv, G, n, C, Fd).transpose(2, 3).reshape(B, Hkv, n, G * C, Fd)
     fk_c = F.pad(fk, (0, 0, 0, pad)).reshape(B, Hkv, n, C, Fd)
-    v_c = F.pad(v, (0, 0, 0, pad)).reshape(B, Hkv, n, C, Dv)
+    # the denominator rides along as one more value column of ones: [S | z] in one product
+    v1 = F.pad(F.pad(v, (0, 1), value=1.0), (0, 0, 0, pad)).reshape(B, Hkv, n, C, Dv + 1)
 
-    kv = torch.einsum("bhncf,bhncd->bhnfd", fk_c, v_c)                 # each chunk's phi(k)^T v
-    ksum = fk_c.sum(3)                                                 # (B, Hkv, n, F)
-    # exclusive prefix over chunks: the state every query of chunk c starts from
-    S_prev = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
-    z_prev = torch.cat([torch.zeros_like(ksum[:, :, :1]), ksum[:, :, :-1].cumsum(2)], dim=2)
+    kv = torch.matmul(fk_c.transpose(-1, -2), v1)                      # each chunk's phi(k)^T [v | 1]
+    # exclusive prefix over chunks (the state every query of chunk c starts from), as one product
+    # with a strictly lower-triangular matrix: cumsum along a middle dimension is far slower
+    before = torch.ones(n, n, dtype=fq.dtype, device=fq.device).tril(-1)
+    S_prev = torch.matmul(before, kv.reshape(B, Hkv, n, -1)).reshape(kv.shape)
 
-    keep = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
-    A = torch.einsum("bhgncf,bhnsf->bhgncs", fq_c, fk_c) * keep        # intra-chunk, j <= i
-    num = torch.einsum("bhgncf,bhnfd->bhgncd", fq_c, S_prev) + torch.einsum("bhgncs,bhnsd->bhgncd", A, v_c)
-    den = torch.einsum("bhgncf,bhnf->bhgnc", fq_c, z_prev) + A.sum(-1)
-    return num.reshape(B, Hkv, G, n * C, Dv)[..., :L, :], den.reshape(B, Hkv, G, n * C)[..., :L]
+    keep = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril().repeat(G, 1)   # (G*C, C): j <= i
+    A = torch.matmul(fq_c, fk_c.transpose(-1, -2)).masked_fill_(~keep, 0)           # intra-chunk
+    num = torch.matmul(fq_c, S_prev).add_(torch.matmul(A, v1))       # (B, Hkv, n, G*C, Dv+1)
+    num = num.reshape(B, Hkv, n, G, C, Dv + 1).transpose(2, 3).reshape(B, Hkv, G, n * C, Dv + 1)[..., :L, :]
+    return num[..., :Dv], num[..., Dv]
 
 
 def linear_attention_reference(fq: Tensor, fk: Tensor, v: Tensor, *, causal: bool, normalize: bool,
@@ -90,6 +93,8 @@ def linear_attention_reference(fq: Tensor, fk: Tensor, v: Tensor, *, causal: boo
 
 
 def _torch_run(call: LinearCall):
+    if linear_cpu.cpu_path(call)[0]:              # CPU: slices in parallel on all threads
+        return linear_cpu.run(call)
     dt = _compute_dtype(call.q.dtype)
     fq, fk = linear_features(call, dt)
     out, S, z = linear_attention_reference(fq, fk, call.v.to(dt), causal=call.causal,
@@ -104,4 +109,5 @@ TORCH_BACKEND = register(Backend(
                       dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
                       max_head_dim=256, features=FEATURES[FN]),
     run=_torch_run,
+    describe=lambda call: "CPU path: " + linear_cpu.cpu_path(call)[1] if call.q.device.type == "cpu" else None,
 ))

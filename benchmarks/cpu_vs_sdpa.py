@@ -1,0 +1,137 @@
+"""effattn's CPU paths against SDPA in the same process: time ratios at 1 thread and at torch's
+default thread count, forward and forward+backward.
+
+    python3 -m benchmarks.cpu_vs_sdpa                      # B=1, H=8, D=64, L=2048, fp32
+    python3 -m benchmarks.cpu_vs_sdpa --lengths 2048 4096 --out benchmarks/results/cpu/cpu_vs_sdpa.md
+
+SDPA gets the same problem in its best CPU form: ``is_causal`` for causal attention, a boolean
+``(L, L)`` mask for the sliding window and the block layout (SDPA has no other way to express them),
+causal softmax attention for causal linear attention (the quadratic computation linear attention
+replaces). A ratio below 1 means effattn is faster. Each time is the median of --runs runs after
+one warm-up run, effattn's and SDPA's runs interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import effattn
+
+from .masks import dense_mask
+from .registry import variant
+
+WINDOW = 256
+
+# name -> (effattn call, SDPA call, SDPA's form); each gets (q, k, v, L)
+CASES = {
+    "dense": (lambda q, k, v, L, m: effattn.attention(q, k, v),
+              lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v), "no mask"),
+    "causal": (lambda q, k, v, L, m: effattn.attention(q, k, v, causal=True),
+               lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, is_causal=True), "is_causal"),
+    f"window {WINDOW}": (lambda q, k, v, L, m: effattn.attention(q, k, v, causal=True, window=WINDOW),
+                         lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                         "bool (L, L) mask"),
+    "fixed layout": (lambda q, k, v, L, m: effattn.attention(q, k, v, causal=True, layout=m[1]),
+                     lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m[0]),
+                     "bool (L, L) mask"),
+    "causal linear elu": (lambda q, k, v, L, m: effattn.linear_attention(q, k, v, causal=True, feature_map="elu"),
+                          lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                          "is_causal (softmax)"),
+}
+
+
+def masks_for(name: str, L: int):
+    if name.startswith("window"):
+        return dense_mask(L, L, causal=True, window=WINDOW)[None]
+    if name == "fixed layout":
+        layout = variant("fixed").layout(L)
+        return dense_mask(L, L, causal=True, layout=layout)[None], layout
+    return None
+
+
+def median_ms(fns, runs: int):
+    """Median time of each function, their runs interleaved so that a change in the machine's load
+    affects all of them alike."""
+    for fn in fns:
+        fn()                                                       # warm-up
+    times = [[] for _ in fns]
+    for _ in range(runs):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def measure(name: str, L: int, args, threads: int):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(args.batch, args.heads, L, args.head_dim, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(args.batch, args.heads, L, args.head_dim, generator=g)
+    ours, sdpa, _ = CASES[name]
+    m = masks_for(name, L)
+    row = {}
+
+    def timed(f, mode):
+        if mode == "fwd":
+            def fn():
+                with torch.no_grad():
+                    f(q, k, v, L, m)
+        else:
+            def fn():
+                q.grad = k.grad = v.grad = None
+                f(q, k, v, L, m).backward(dout)
+        return fn
+
+    for mode in ("fwd", "fwd+bwd"):
+        row[("effattn", mode)], row[("sdpa", mode)] = median_ms([timed(ours, mode), timed(sdpa, mode)], args.runs)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
+    p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.add_argument("--default-threads", type=int, default=None,
+                   help="torch's default thread count, when the caller has changed it (benchmarks.run)")
+    args = p.parse_args(argv)
+    default = args.default_threads or torch.get_num_threads()
+    header = (f"effattn {effattn.__version__} vs SDPA on CPU: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+              f"{datetime.date.today()}, fp32, B={args.batch}, H={args.heads}, D={args.head_dim}, "
+              f"median of {args.runs}; torch's default thread count here: {default}")
+    lines = [header, "",
+             "| case | SDPA form | L | threads | effattn fwd ms | SDPA fwd ms | fwd ratio | effattn fwd+bwd ms "
+             "| SDPA fwd+bwd ms | fwd+bwd ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print(header, flush=True)
+    for L in args.lengths:
+        for name in args.cases:
+            for threads in sorted({1, default}):
+                r = measure(name, L, args, threads)
+                cells = [name, CASES[name][2], str(L), str(threads)]
+                for mode in ("fwd", "fwd+bwd"):
+                    a, b = r[("effattn", mode)], r[("sdpa", mode)]
+                    cells += [f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}"]
+                lines.append("| " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    torch.set_num_threads(default)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

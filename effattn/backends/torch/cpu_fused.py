@@ -1,0 +1,461 @@
+"""The torch backend's fast paths on CPU: as fast as SDPA where SDPA computes the same thing, faster
+where only some keys are visible.
+
+Three paths, picked per call by `cpu_path(call)` (and reported by `effattn.explain`):
+
+* ``flash``: torch's fused flash-attention CPU kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) for dense and causal calls
+  it computes exactly: it returns the log-sum-exp, reads GQA key/value heads without expanding them,
+  accumulates half types in float32 and float64 in float64. Its causal mask is aligned top-left, so
+  it serves causal calls only when ``Lq == Lk``; it has no dropout, no ``Dv != D`` and no masks.
+* ``blocks``: everything else without dropout (windows, block layouts, key padding, bottom-right
+  causal with ``Lq != Lk``, ``Dv != D``). Queries and keys are cut into blocks; each query block
+  gathers the key blocks it may see (a band for a window, the layout's blocks for a layout) and a
+  whole group of query blocks is computed by one batched matmul. The call's key/value heads (or
+  batch entries) run as independent slices on all of torch's threads, one intra-op thread each
+  (threads.py: many ops on many threads scale badly). The group size bounds the extra memory, so
+  peak memory stays O(L). The backward recomputes probabilities from the saved
+  log-sum-exp (FlashAttention-2, Dao 2023, Alg. 2) and scatters key gradients back with
+  ``index_add_`` (deterministic on CPU).
+* ``reference``: the chunked reference (``attention.py``) for dropout (its mask is regenerated per
+  chunk from the call's seed) and for empty shapes (the flash kernel faults on ``Lq == 0``).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..._call import compute_dtype
+from . import threads
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+BLOCK = 64               # query/key block of the blocks path when the call has no layout
+GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of the groups computed at once: 16 MiB
+                         # in float32; a few tensors of this size live at a time in the backward
+
+# Set to False to send every CPU call to the chunked reference (tests compare the paths).
+ENABLED = True
+
+# The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
+# enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
+_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def cpu_path(call) -> Tuple[str, str]:
+    """(path, why) for a call of the torch backend: path is "flash", "blocks" or "reference"."""
+    if call.device.type != "cpu":
+        return "reference", "chunked reference (the fused CPU paths run on CPU tensors only)"
+    if not ENABLED:
+        return "reference", "chunked reference (fused CPU paths disabled: cpu_fused.ENABLED is False)"
+    if call.q.numel() == 0 or call.k.numel() == 0 or call.v.numel() == 0:
+        return "reference", "chunked reference (an empty shape: torch's flash CPU kernel faults on Lq == 0)"
+    if call.dropout_p > 0:
+        return "reference", ("chunked reference: dropout is served only there (torch's flash CPU kernel "
+                             "has no dropout), several times slower than SDPA")
+    blockers = []
+    if call.window_left >= 0 or (call.window_right >= 0 and not call.causal):
+        blockers.append("a window")
+    if call.layout is not None:
+        blockers.append("a block layout")
+    if call.key_padding_mask is not None:
+        blockers.append("a key padding mask")
+    if call.causal and call.Lq != call.Lk:
+        blockers.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
+    if call.D != call.Dv:
+        blockers.append("Dv != D")
+    if call.H != call.Hkv and not _FLASH_GQA:
+        blockers.append(f"grouped-query attention before torch 2.5 (this is {torch.__version__})")
+    if not blockers:
+        return "flash", "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+    return "blocks", ("visible key blocks only, one batched matmul per group of query blocks "
+                      f"(torch's flash CPU kernel does not serve {', '.join(blockers)})")
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+class _Group(NamedTuple):
+    b0: int        # query blocks [b0, b1)
+    b1: int
+    idx: Tensor    # (Hl, g, M) key blocks each query block gathers; nkb = a padding block (no key)
+
+
+_PLANS = WeakTensorKeyDictionary()   # layout mask -> {plan key: groups}
+_DENSE_PLANS: dict = {}              # plan key -> groups, for calls without a layout
+
+
+def _plan(Lq, Lk, bs, wl, wr, layout_mask, rows_per_block, budget=GROUP_BUDGET) -> List[_Group]:
+    """The groups of query blocks of a call and the key blocks each gathers. Block (i, j) is kept
+    when the layout allows it and the window/causal band of some row of i reaches into j."""
+    key = (Lq, Lk, bs, wl, wr, rows_per_block, budget)
+    cache = _DENSE_PLANS if layout_mask is None else _PLANS.setdefault(layout_mask, {})
+    if key in cache:
+        return cache[key]
+    off = Lk - Lq
+    nqb, nkb = -(-Lq // bs), -(-Lk // bs)
+    first = torch.arange(nqb) * bs + off                         # position of each block's first row
+    last = torch.clamp(torch.arange(1, nqb + 1) * bs, max=Lq) - 1 + off
+    kstart = torch.arange(nkb) * bs
+    kend = torch.clamp(torch.arange(1, nkb + 1) * bs, max=Lk) - 1
+    vis = torch.ones(nqb, nkb, dtype=torch.bool)
+    if wl >= 0:
+        vis &= kend[None, :] >= (first - wl)[:, None]
+    if wr >= 0:
+        vis &= kstart[None, :] <= (last + wr)[:, None]
+    vis = vis[None] if layout_mask is None else vis[None] & layout_mask.cpu()
+    counts = vis.sum(-1).amax(0).tolist()                        # per query block, max over heads
+    order = torch.argsort((~vis).to(torch.int8), dim=-1, stable=True)  # visible blocks first, ascending
+    groups, b0 = [], 0
+    while b0 < nqb:
+        b1, M = b0, 0
+        while b1 < nqb:
+            m = max(M, counts[b1])
+            if b1 > b0 and (b1 + 1 - b0) * m * rows_per_block * bs > budget:
+                break
+            b1, M = b1 + 1, m
+        if M > 0:
+            idx = order[:, b0:b1, :M].clone()
+            idx[~torch.gather(vis[:, b0:b1], 2, idx)] = nkb                  # padding slots
+            groups.append(_Group(b0, b1, idx))
+        b0 = b1
+    if len(cache) > 64:
+        cache.clear()
+    cache[key] = groups
+    return groups
+
+
+# ----------------------------------------------------------------------------- the blocks path
+
+class _Geometry(NamedTuple):
+    B: int
+    H: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    bs: int
+    per_head: bool   # the layout differs per head: gather keys per query head
+
+
+def _arrange(x: Tensor, g0: _Group, geo: _Geometry) -> Tensor:
+    """Rows of query blocks [b0, b1) of x (B, H, Lq, X), zero-padded to whole blocks, as
+    (B, heads, g, rows, X): heads = H and rows = bs per query head, or heads = Hkv and rows = G*bs
+    (the query heads sharing a key/value head side by side, one matmul against its keys)."""
+    B, H, Hkv, Lq, _, bs, per_head = geo
+    g = g0.b1 - g0.b0
+    r0, r1 = g0.b0 * bs, min(g0.b1 * bs, Lq)
+    xs = x[:, :, r0:r1]
+    if r1 - r0 < g * bs:
+        xs = F.pad(xs, (0, 0, 0, g * bs - (r1 - r0)))
+    if per_head:
+        return xs.reshape(B, H, g, bs, -1)
+    G = H // Hkv
+    return xs.reshape(B, Hkv, G, g, bs, -1).transpose(2, 3).reshape(B, Hkv, g, G * bs, -1)
+
+
+def _unarrange(y: Tensor, g0: _Group, geo: _Geometry) -> Tensor:
+    """The inverse of `_arrange`: (B, heads, g, rows, X) -> (B, H, rows of the group, X)."""
+    B, H, Hkv, Lq, _, bs, per_head = geo
+    g = g0.b1 - g0.b0
+    n = min(g0.b1 * bs, Lq) - g0.b0 * bs
+    if not per_head:
+        y = y.reshape(B, Hkv, g, H // Hkv, bs, -1).transpose(2, 3)
+    return y.reshape(B, H, g * bs, -1)[:, :, :n]
+
+
+def _gather(kb: Tensor, g0: _Group, geo: _Geometry) -> Tensor:
+    """Key (or value) blocks kb (B, Hkv, nkb+1, bs, X) gathered for the group: (B, heads, g, M*bs, X)."""
+    B, H, Hkv = geo.B, geo.H, geo.Hkv
+    Hl, g, M = g0.idx.shape
+    if geo.per_head:
+        head = (torch.arange(H) // (H // Hkv)).view(H, 1, 1)
+        out = kb[:, head, g0.idx.expand(H, g, M)]                     # (B, H, g, M, bs, X)
+    else:
+        out = kb[:, :, g0.idx[0]]                                     # (B, Hkv, g, M, bs, X)
+    return out.reshape(out.shape[0], out.shape[1], g, M * geo.bs, -1)
+
+
+def _key_positions(g0: _Group, bs: int) -> Tensor:
+    """(Hl, g, M*bs) positions of the gathered keys (padding slots point past the end)."""
+    Hl, g, M = g0.idx.shape
+    return (g0.idx[..., None] * bs + torch.arange(bs)).reshape(Hl, g, M * bs)
+
+
+def _mask(g0: _Group, geo: _Geometry, wl: int, wr: int, kpm_pad: Optional[Tensor]) -> Tensor:
+    """Visible (query, key) pairs of the group, broadcastable to its scores (B, heads, g, rows, keys)."""
+    bs = geo.bs
+    kpos = _key_positions(g0, bs)                                     # (Hl, g, K)
+    qpos = (torch.arange(g0.b0 * bs, g0.b1 * bs) + geo.Lk - geo.Lq).view(1, -1, bs, 1)
+    k4 = kpos[:, :, None, :]
+    vis = k4 < geo.Lk                                                 # (Hl, g, 1, K)
+    if wl >= 0:
+        vis = vis & (k4 >= qpos - wl)
+    if wr >= 0:
+        vis = vis & (k4 <= qpos + wr)
+    vis = vis[None]                                                   # (1, Hl, g, bs or 1, K)
+    if kpm_pad is not None:
+        vis = vis & ~kpm_pad[:, kpos][:, :, :, None, :]               # (B, Hl, g, ., K)
+    if not geo.per_head:
+        G = geo.H // geo.Hkv
+        b, hl, g, r, K = vis.shape
+        if r > 1 and G > 1:
+            vis = vis[:, :, :, None].expand(b, hl, g, G, r, K).reshape(b, hl, g, G * r, K)
+    return vis
+
+
+def _setup(q, k, v, layout_mask, layout_block, wl, wr):
+    """(block size, per-head layout?, slices of the call run in parallel, the plan)."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    bs = layout_block if layout_mask is not None else BLOCK
+    per_head = layout_mask is not None and layout_mask.shape[0] > 1 and H > 1
+    by_heads = Hkv >= B                                          # slice along kv heads, else batch
+    slices = threads.ranges(Hkv if by_heads else B, torch.get_num_threads())
+    n = max(b - a for a, b in slices)
+    rows = (B * n * (H // Hkv) if by_heads else n * H) * bs        # query rows of one block in a slice
+    # slices run at once: split the budget so that the extra memory stays the same at any thread count
+    budget = max(GROUP_BUDGET // len(slices), 1 << 20)
+    return bs, per_head, by_heads, slices, _plan(Lq, Lk, bs, wl, wr, layout_mask, rows, budget)
+
+
+def _slice(by_heads, a, b, G, *tensors):
+    """The part (kv heads [a, b) or batch entries [a, b)) of q-like (heads = G per kv head), k-like
+    (heads = 1 per kv head) and batch-only tensors, given as (tensor, kind) pairs."""
+    out = []
+    for t, kind in tensors:
+        if t is None:
+            out.append(None)
+        elif not by_heads:
+            out.append(t[a:b])
+        elif kind == "batch":
+            out.append(t)
+        else:
+            m = G if kind == "q" else 1
+            out.append(t[:, a * m:b * m])
+    return out
+
+
+def _slice_groups(groups, per_head, by_heads, a, b, G):
+    if not (per_head and by_heads):
+        return groups
+    return [g._replace(idx=g.idx[a * G:b * G]) for g in groups]
+
+
+def _blocks(kb_source: Tensor, bs: int, nkb: int, cdt) -> Tensor:
+    """(B, Hkv, Lk, X) -> (B, Hkv, nkb+1, bs, X) in the compute dtype, zero-padded to whole blocks
+    plus the padding block that padding slots of a plan point to."""
+    B, Hkv, Lk, X = kb_source.shape
+    return F.pad(kb_source.to(cdt), (0, 0, 0, (nkb + 1) * bs - Lk)).view(B, Hkv, nkb + 1, bs, X)
+
+
+def _forward_slice(q, k, v, kpm, scale, wl, wr, groups, bs, per_head):
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    geo = _Geometry(B, H, Hkv, Lq, Lk, bs, per_head)
+    nkb, cdt = -(-Lk // bs), compute_dtype(q.dtype)
+    kb, vb = _blocks(k, bs, nkb, cdt), _blocks(v, bs, nkb, cdt)
+    kpm_pad = None if kpm is None else F.pad(kpm, (0, (nkb + 1) * bs - Lk), value=True)
+    out = torch.zeros(B, H, Lq, v.shape[-1], dtype=q.dtype)
+    lse = torch.full((B, H, Lq), -math.inf, dtype=cdt)
+    qc = q.to(cdt)
+    for g0 in groups:
+        s = torch.matmul(_arrange(qc, g0, geo), _gather(kb, g0, geo).transpose(-1, -2)).mul_(scale)
+        s.masked_fill_(~_mask(g0, geo, wl, wr, kpm_pad), -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)      # empty rows: exp(-inf - 0) = 0
+        p = s.sub_(m).exp_()
+        l = p.sum(-1, keepdim=True)
+        p.div_(torch.where(l > 0, l, torch.ones_like(l)))
+        o = torch.matmul(p, _gather(vb, g0, geo))
+        r0, n = g0.b0 * bs, min(g0.b1 * bs, Lq) - g0.b0 * bs
+        out[:, :, r0:r0 + n] = _unarrange(o, g0, geo).to(q.dtype)
+        lse[:, :, r0:r0 + n] = _unarrange(m + torch.log(l), g0, geo).squeeze(-1)
+    return out, lse
+
+
+def blocks_forward(q, k, v, layout_mask, layout_block, key_padding_mask, scale, wl, wr):
+    """out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32 (float64 for float64 inputs)."""
+    bs, per_head, by_heads, slices, groups = _setup(q, k, v, layout_mask, layout_block, wl, wr)
+    G = q.shape[1] // k.shape[1]
+
+    def one(a, b):
+        qs, ks, vs, kpm = _slice(by_heads, a, b, G, (q, "q"), (k, "k"), (v, "k"), (key_padding_mask, "batch"))
+        return _forward_slice(qs, ks, vs, kpm, scale, wl, wr, _slice_groups(groups, per_head, by_heads, a, b, G),
+                              bs, per_head)
+
+    parts = threads.run_slices(one, slices)
+    dim = 1 if by_heads else 0
+    return torch.cat([o for o, _ in parts], dim), torch.cat([l for _, l in parts], dim)
+
+
+def _backward_slice(grad_out, grad_lse, q, k, v, out, lse, kpm, scale, wl, wr, groups, bs, per_head):
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    geo = _Geometry(B, H, Hkv, Lq, Lk, bs, per_head)
+    nkb, cdt = -(-Lk // bs), compute_dtype(q.dtype)
+    kb, vb = _blocks(k, bs, nkb, cdt), _blocks(v, bs, nkb, cdt)
+    kpm_pad = None if kpm is None else F.pad(kpm, (0, (nkb + 1) * bs - Lk), value=True)
+    delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(cdt)                           # dS += dlse * P
+    lse = lse.to(cdt)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    heads = H if per_head else Hkv
+    Lpad = (nkb + 1) * bs
+    dk = torch.zeros(B, heads * Lpad, q.shape[-1], dtype=cdt)
+    dv = torch.zeros(B, heads * Lpad, v.shape[-1], dtype=cdt)
+    dq = torch.zeros(q.shape, dtype=q.dtype)
+    qc, doc = q.to(cdt), grad_out.to(cdt)
+    for g0 in groups:
+        qg, dog = _arrange(qc, g0, geo), _arrange(doc, g0, geo)     # padded rows have dO = 0
+        kg, vg = _gather(kb, g0, geo), _gather(vb, g0, geo)
+        s = torch.matmul(qg, kg.transpose(-1, -2)).mul_(scale)
+        s.masked_fill_(~_mask(g0, geo, wl, wr, kpm_pad), -math.inf)
+        p = s.sub_(_arrange(lse_safe[..., None], g0, geo)).exp_()    # masked and empty rows give 0
+        ds = torch.matmul(dog, vg.transpose(-1, -2)).sub_(_arrange(delta[..., None], g0, geo)).mul_(p)
+        r0, n = g0.b0 * bs, min(g0.b1 * bs, Lq) - g0.b0 * bs
+        dq[:, :, r0:r0 + n] = _unarrange(torch.matmul(ds, kg).mul_(scale), g0, geo).to(q.dtype)
+        # key gradients of the gathered blocks, added at their positions in the flattened
+        # (heads x padded keys) axis; padding slots land in the padding block, cut off below
+        pos = _key_positions(g0, bs)                                  # (Hl, g, K)
+        if not per_head:
+            pos = pos[:1].expand(heads, -1, -1)                       # one index set for all kv heads
+        pos = (pos + torch.arange(heads).view(-1, 1, 1) * Lpad).flatten()
+        dk.index_add_(1, pos, torch.matmul(ds.transpose(-1, -2), qg).mul_(scale).reshape(B, -1, dk.shape[-1]))
+        dv.index_add_(1, pos, torch.matmul(p.transpose(-1, -2), dog).reshape(B, -1, dv.shape[-1]))
+    dk = dk.view(B, heads, Lpad, -1)[:, :, :Lk]
+    dv = dv.view(B, heads, Lpad, -1)[:, :, :Lk]
+    if per_head and H != Hkv:                                         # sum the query heads of a group
+        dk = dk.reshape(B, Hkv, H // Hkv, Lk, -1).sum(2)
+        dv = dv.reshape(B, Hkv, H // Hkv, Lk, -1).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def blocks_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
+                    scale, wl, wr):
+    """(dq, dk, dv) of `blocks_forward` given the saved out and lse; grad_lse may be None."""
+    bs, per_head, by_heads, slices, groups = _setup(q, k, v, layout_mask, layout_block, wl, wr)
+    G = q.shape[1] // k.shape[1]
+
+    def one(a, b):
+        parts = _slice(by_heads, a, b, G, (grad_out, "q"), (grad_lse, "q"), (q, "q"), (k, "k"), (v, "k"),
+                       (out, "q"), (lse, "q"), (key_padding_mask, "batch"))
+        return _backward_slice(*parts, scale, wl, wr, _slice_groups(groups, per_head, by_heads, a, b, G), bs,
+                               per_head)
+
+    parts = threads.run_slices(one, slices)
+    dim = 1 if by_heads else 0
+    return tuple(torch.cat([p[i] for p in parts], dim).contiguous() for i in range(3))
+
+
+# ---------------------------------------------------------------------------------- custom ops
+# Opaque to torch.compile like the reference's ops (the plan reads layout data), with fake
+# implementations for tracing.
+
+def _fake_fwd(q, v):
+    lse_dtype = compute_dtype(q.dtype)
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), q.new_empty(q.shape[:3], dtype=lse_dtype)
+
+
+@torch.library.custom_op("effattn::cpu_blocks_fwd", mutates_args=())
+def cpu_blocks_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                   key_padding_mask: Optional[Tensor], scale: float, window_left: int,
+                   window_right: int) -> Tuple[Tensor, Tensor]:
+    return blocks_forward(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right)
+
+
+@cpu_blocks_fwd.register_fake
+def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right):
+    return _fake_fwd(q, v)
+
+
+@torch.library.custom_op("effattn::cpu_blocks_bwd", mutates_args=())
+def cpu_blocks_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                   key_padding_mask: Optional[Tensor], scale: float, window_left: int,
+                   window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+    return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
+                           scale, window_left, window_right)
+
+
+@cpu_blocks_bwd.register_fake
+def _(grad_out, grad_lse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _blocks_setup(ctx, inputs, output):
+    q, k, v, layout_mask, layout_block, kpm, scale, wl, wr = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], layout_mask, kpm)
+    ctx.static = (layout_block, scale, wl, wr)
+
+
+def _blocks_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, layout_mask, kpm = ctx.saved_tensors
+    layout_block, scale, wl, wr = ctx.static
+    dq, dk, dv = cpu_blocks_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask, layout_block,
+                                kpm, scale, wl, wr)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+cpu_blocks_fwd.register_autograd(_blocks_grad, setup_context=_blocks_setup)
+
+
+@torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
+def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+
+
+@cpu_flash_fwd.register_fake
+def _(q, k, v, causal, scale):
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())
+def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                  lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    if grad_lse is not None and not bool(grad_lse.any()):
+        grad_lse = None                      # autograd materializes an unused lse's gradient as zeros
+    if grad_lse is not None:
+        # the flash backward has no lse gradient input; the blocks path's backward takes one and
+        # computes the same gradients from the same out and lse (causal: Lq == Lk here)
+        return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
+                               0 if causal else -1)
+    dq, dk, dv = _FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@cpu_flash_bwd.register_fake
+def _(grad_out, grad_lse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.static = (causal, scale)
+
+
+def _flash_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = cpu_flash_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *ctx.static)
+    return dq, dk, dv, None, None
+
+
+cpu_flash_fwd.register_autograd(_flash_grad, setup_context=_flash_setup)
+
+
+def run(call, path: str):
+    """Runs an AttnCall on the "flash" or "blocks" path: (out, lse)."""
+    if path == "flash":
+        return cpu_flash_fwd(call.q, call.k, call.v, call.causal, call.scale)
+    lm = call.layout.mask if call.layout is not None else None
+    lb = call.layout.block_size if call.layout is not None else 0
+    return cpu_blocks_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.scale,
+                          call.window_left, call.window_right)

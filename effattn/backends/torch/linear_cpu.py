@@ -1,0 +1,117 @@
+"""The torch backend's CPU path for linear attention: the reference's math (linear.py), run on
+independent slices of the call (key/value heads, or batch entries) in parallel, one intra-op thread
+per slice (see threads.py for why many-op code needs this to scale with threads).
+
+The backward recomputes each slice's forward with autograd on and differentiates it in the same
+worker, so the backward is as parallel as the forward (at the price of one extra forward, about a
+third of the backward's work). Feature maps whose gradient could reach parameters (a user's
+callable; FAVOR+ features with a projection that requires grad) stay on the reference, where
+autograd sees the whole computation, as does tracing by torch.compile.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..._call import compute_dtype
+from . import threads
+
+SERVED_MAPS = ("elu", "relu", "identity", "favor")
+
+
+def cpu_path(call) -> Tuple[bool, str]:
+    """(served here?, why) for a LinearCall on the torch backend."""
+    if call.q.device.type != "cpu":
+        return False, "reference (the slice-parallel CPU path runs on CPU tensors only)"
+    if call.feature_map_name not in SERVED_MAPS:
+        return False, ("reference: a callable feature map may hold parameters, so autograd must see "
+                       "the whole computation")
+    if call.feature_map_name == "favor" and any(t.requires_grad for t in getattr(call.phi, "parameters",
+                                                                                  lambda: [])()):
+        return False, "reference: the FAVOR+ projection requires grad"
+    if torch.compiler.is_compiling():
+        return False, "reference (traced by torch.compile)"
+    if min(call.q.shape) == 0 or min(call.k.shape) == 0:
+        return False, "reference (an empty shape)"
+    if min(torch.get_num_threads(), max(call.k.shape[0], call.k.shape[1])) <= 1:
+        # nothing to run in parallel, and the reference's backward needs no recomputed forward
+        return False, "reference (one thread, or one key/value head and batch entry: nothing to split)"
+    return True, "the reference's chunked math, key/value heads (or batch entries) in parallel on all threads"
+
+
+def _slice_math(call, q, k, v, S0, z0):
+    """out, S, z of one slice, through the reference's math."""
+    from .linear import linear_attention_reference
+    dt = compute_dtype(call.q.dtype)
+    fq, fk = call.phi(q.to(dt)), call.phi(k.to(dt))
+    init = None if S0 is None else (S0, z0)
+    return linear_attention_reference(fq.to(dt), fk.to(dt), v.to(dt), causal=call.causal,
+                                      normalize=call.normalize, eps=call.eps, initial_state=init)
+
+
+def _parts(by_heads, a, b, G, q, k, v, S0, z0):
+    def cut(t, per_q):
+        if t is None:
+            return None
+        if not by_heads:
+            return t[a:b]
+        m = G if per_q else 1
+        return t[:, a * m:b * m]
+    return cut(q, True), cut(k, False), cut(v, False), cut(S0, True), cut(z0, True)
+
+
+class _SliceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, q, k, v, S0, z0):
+        B, Hkv = k.shape[0], k.shape[1]
+        G = q.shape[1] // Hkv
+        by_heads = Hkv >= B
+        slices = threads.ranges(Hkv if by_heads else B, torch.get_num_threads())
+        res = threads.run_slices(lambda a, b: _slice_math(call, *_parts(by_heads, a, b, G, q, k, v, S0, z0)),
+                                 slices)
+        dim = 1 if by_heads else 0
+        out, S, z = (torch.cat([r[i] for r in res], dim) for i in range(3))
+        ctx.call, ctx.by_heads, ctx.slices, ctx.G = call, by_heads, slices, G
+        ctx.save_for_backward(q, k, v, S0, z0)
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), S, z
+
+    @staticmethod
+    def backward(ctx, g_out, g_S, g_z):
+        q, k, v, S0, z0 = ctx.saved_tensors
+        call, by_heads, G = ctx.call, ctx.by_heads, ctx.G
+        want = [t is not None and t.requires_grad for t in (q, k, v, S0, z0)]
+
+        def one(a, b):
+            leaves = [None if t is None else t.detach().requires_grad_(w)
+                      for t, w in zip(_parts(by_heads, a, b, G, q, k, v, S0, z0), want)]
+            outs = _slice_math(call, *leaves)
+            grads_in = _parts(by_heads, a, b, G, g_out, None, None, g_S, g_z)
+            pairs = [(o, g) for o, g in zip(outs, (grads_in[0], grads_in[3], grads_in[4])) if g is not None]
+            inputs = [t for t, w in zip(leaves, want) if w]
+            if not pairs or not inputs:
+                return [None] * 5
+            got = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g.to(o.dtype) for o, g in pairs],
+                                           allow_unused=True))
+            return [next(got) if w else None for w in want]
+
+        res = threads.run_slices(one, ctx.slices, grad=True)
+        dim = 1 if by_heads else 0
+        grads = []
+        for i, t in enumerate((q, k, v, S0, z0)):
+            if not want[i]:
+                grads.append(None)
+                continue
+            gs = [r[i] if r[i] is not None else torch.zeros_like(p) for r, p in
+                  zip(res, [_parts(by_heads, a, b, G, q, k, v, S0, z0)[i] for a, b in ctx.slices])]
+            grads.append(torch.cat(gs, dim).to(t.dtype))
+        return (None, *grads)
+
+
+def run(call):
+    """(out, (S, z) or None) of a LinearCall served by `cpu_path`."""
+    S0, z0 = call.initial_state if call.initial_state is not None else (None, None)
+    out, S, z = _SliceParallel.apply(call, call.q, call.k, call.v, S0, z0)
+    return out, ((S, z) if call.return_state else None)
