@@ -56,6 +56,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .visibility import Rule
+
 __all__ = ["TileLists", "LayoutPlan", "tile_pairs", "pack_lists", "layout_plan", "layout_tile_lists",
            "visited_tiles"]
 
@@ -79,17 +81,17 @@ def tile_pairs(Lq: int, Lk: int, block_m: int, block_n: int, left: int = -1, rig
     r0, r1, rt, rb = _cells(Lq, block_m, bs, device)
     c0, c1, ct, cb = _cells(Lk, block_n, bs, device)
     r0, r1, rb = r0[:, None], r1[:, None], rb[:, None]
-    off = Lk - Lq
-    # rows r0..r1 see the key interval [r0 + off - left, r1 + off + right] (their union) and all of
-    # them see [r1 + off - left, r0 + off + right] (their intersection)
+    rule = Rule(Lq, Lk, left, right)
+    # rows r0..r1 see the key interval [first_key(r0), last_key(r1)] (their union) and all of them
+    # see [first_key(r1), last_key(r0)] (their intersection)
     cell_any = torch.ones(r0.shape[0], c0.shape[0], dtype=torch.bool, device=device)
     cell_all = cell_any
     if left >= 0:
-        cell_any = cell_any & (c1 >= r0 + off - left)
-        cell_all = cell_all & (c0 >= r1 + off - left)
+        cell_any = cell_any & (c1 >= rule.first_key(r0))
+        cell_all = cell_all & (c0 >= rule.first_key(r1))
     if right >= 0:
-        cell_any = cell_any & (c0 <= r1 + off + right)
-        cell_all = cell_all & (c1 <= r0 + off + right)
+        cell_any = cell_any & (c0 <= rule.last_key(r1))
+        cell_all = cell_all & (c1 <= rule.last_key(r0))
     heads = layout_mask if layout_mask is not None else [None]
     n_rt, n_ct = cdiv(Lq, block_m), cdiv(Lk, block_n)
     ones = torch.ones(r0.shape[0], c0.shape[0], dtype=torch.int32, device=device)

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..._call import compute_dtype
+from ...visibility import Rule
 from . import threads
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -97,17 +98,16 @@ def _plan(Lq, Lk, bs, wl, wr, layout_mask, rows_per_block, budget=GROUP_BUDGET) 
     cache = _DENSE_PLANS if layout_mask is None else _PLANS.setdefault(layout_mask, {})
     if key in cache:
         return cache[key]
-    off = Lk - Lq
+    rule = Rule(Lq, Lk, wl, wr)
     nqb, nkb = -(-Lq // bs), -(-Lk // bs)
-    first = torch.arange(nqb) * bs + off                         # position of each block's first row
-    last = torch.clamp(torch.arange(1, nqb + 1) * bs, max=Lq) - 1 + off
+    first_row = torch.arange(nqb) * bs
+    last_row = torch.clamp(torch.arange(1, nqb + 1) * bs, max=Lq) - 1
+    lo, hi = rule.first_key(first_row), rule.last_key(last_row)   # the band of some row of the block
+    k0 = torch.zeros(nqb, dtype=torch.long) if lo is None else lo.clamp(min=0)
+    k1 = torch.full((nqb,), Lk, dtype=torch.long) if hi is None else (hi + 1).clamp(max=Lk)
     kstart = torch.arange(nkb) * bs
     kend = torch.clamp(torch.arange(1, nkb + 1) * bs, max=Lk) - 1
-    vis = torch.ones(nqb, nkb, dtype=torch.bool)
-    if wl >= 0:
-        vis &= kend[None, :] >= (first - wl)[:, None]
-    if wr >= 0:
-        vis &= kstart[None, :] <= (last + wr)[:, None]
+    vis = (kend[None, :] >= k0[:, None]) & (kstart[None, :] < k1[:, None]) & (k1 > k0)[:, None]
     vis = vis[None] if layout_mask is None else vis[None] & layout_mask.cpu()
     counts = vis.sum(-1).amax(0).tolist()                        # per query block, max over heads
     order = torch.argsort((~vis).to(torch.int8), dim=-1, stable=True)  # visible blocks first, ascending
@@ -190,13 +190,15 @@ def _mask(g0: _Group, geo: _Geometry, wl: int, wr: int, kpm_pad: Optional[Tensor
     """Visible (query, key) pairs of the group, broadcastable to its scores (B, heads, g, rows, keys)."""
     bs = geo.bs
     kpos = _key_positions(g0, bs)                                     # (Hl, g, K)
-    qpos = (torch.arange(g0.b0 * bs, g0.b1 * bs) + geo.Lk - geo.Lq).view(1, -1, bs, 1)
+    rule = Rule(geo.Lq, geo.Lk, wl, wr)
+    rows = torch.arange(g0.b0 * bs, g0.b1 * bs).view(1, -1, bs, 1)
+    lo, hi = rule.first_key(rows), rule.last_key(rows)
     k4 = kpos[:, :, None, :]
     vis = k4 < geo.Lk                                                 # (Hl, g, 1, K)
-    if wl >= 0:
-        vis = vis & (k4 >= qpos - wl)
-    if wr >= 0:
-        vis = vis & (k4 <= qpos + wr)
+    if lo is not None:
+        vis = vis & (k4 >= lo)
+    if hi is not None:
+        vis = vis & (k4 <= hi)
     vis = vis[None]                                                   # (1, Hl, g, bs or 1, K)
     if kpm_pad is not None:
         vis = vis & ~kpm_pad[:, kpos][:, :, :, None, :]               # (B, Hl, g, ., K)
