@@ -42,7 +42,7 @@ def test_caches_misuse_says_a_list_of_one_kvcache_per_layer_is_expected():
 
 def test_an_installed_backend_without_a_kernel_for_the_op_says_so():
     from effattn.backends import base
-    for name in base.BACKEND_NAMES:
+    for name in base.BACKENDS:
         if name in base.UNAVAILABLE or name in {b.name for b in base.backends_for("linear_attention")}:
             continue
         with pytest.raises(RuntimeError, match=f"backend '{name}' has no linear_attention kernel in this version"):

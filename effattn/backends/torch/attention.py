@@ -266,7 +266,7 @@ def _run(call):
 
 
 def _describe(call):
-    return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.device.type == "cpu" else None
+    return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.q.device.type == "cpu" else None
 
 
 BACKEND = register(Backend(

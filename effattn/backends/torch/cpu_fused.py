@@ -51,7 +51,7 @@ _FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2
 
 def cpu_path(call) -> Tuple[str, str]:
     """(path, why) for a call of the torch backend: path is "flash", "blocks" or "reference"."""
-    if call.device.type != "cpu":
+    if call.q.device.type != "cpu":
         return "reference", "chunked reference (the fused CPU paths run on CPU tensors only)"
     if not ENABLED:
         return "reference", "chunked reference (fused CPU paths disabled: cpu_fused.ENABLED is False)"
