@@ -295,7 +295,7 @@ def decode_rows(sec: suites.Section, backends, device, deadline: float) -> List[
                 rows.append({**row, "status": "skipped: section budget"})
                 continue
             try:                                  # the registry's builder: explain() says what cannot run
-                call = SimpleNamespace(q=q, k=k, v=v, attention_kwargs=lambda: dict(causal=True))
+                call = SimpleNamespace(q=q, k=k, v=v, device=device, attention_kwargs=lambda: dict(causal=True))
                 fn = registry._effattn(b, "attention")(call).fn
                 with torch.no_grad():
                     fn()

@@ -39,7 +39,7 @@ def _causal_sums(fq: Tensor, fk: Tensor, v: Tensor, chunk: int = CHUNK) -> Tuple
     # exclusive prefix over chunks (the state every query of chunk c starts from), as one product
     # with a strictly lower-triangular matrix: cumsum along a middle dimension is far slower
     before = torch.ones(n, n, dtype=fq.dtype, device=fq.device).tril(-1)
-    S_prev = torch.matmul(before, kv.reshape(B, Hkv, n, -1)).reshape(kv.shape)
+    S_prev = torch.matmul(before, kv.reshape(B, Hkv, n, Fd * (Dv + 1))).reshape(kv.shape)
 
     keep = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril().repeat(G, 1)   # (G*C, C): j <= i
     A = torch.matmul(fq_c, fk_c.transpose(-1, -2)).masked_fill_(~keep, 0)           # intra-chunk
