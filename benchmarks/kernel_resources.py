@@ -10,7 +10,9 @@ reports, per kernel, head dim, dtype and config:
   in the prologue or epilogue costs a few instructions per program, one inside the key/query-tile
   loop costs them every tile,
 - the matrix instructions in the SASS: ``HGMMA`` (Hopper wgmma, the fast path on sm_90) or
-  ``HMMA`` (Ampere mma.sync).
+  ``HMMA`` (Ampere mma.sync),
+- per tile loop, its length in instructions and whether it waits for all its async copies at every
+  iteration (no prefetch in flight).
 
 It cannot say how fast a kernel runs; it says which configs cannot be fast (spilling in the loop,
 no wgmma) and which do not fit, so that autotuning on the GPU picks among sound candidates. The
@@ -102,8 +104,13 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
                   PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False, IDX64=idx64,
-                  **FEATURES[features])
+                  FOLD_SCALE=True, **FEATURES[features])                 # FOLD_SCALE: any positive scale
+    # heaviest-first program order as the launcher picks it for calls with a right bound (causal)
+    consts["ORDER"] = (-1 if kind == "dkdv" else 1) if consts.get("HAS_RIGHT") else 0
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
+    missing = [fn.arg_names[i] for i in getattr(fn, "constexprs", []) if fn.arg_names[i] not in consts]
+    if missing:      # it would compile as a runtime argument: another kernel than the launcher's
+        raise ValueError(f"{kind}: no value for constexpr {missing}")
     consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
     sig, attrs = {}, {}
     for j, n in enumerate(fn.arg_names):
@@ -116,7 +123,7 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
         if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16):
             attrs[(j,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
 
 
 def cuobjdump() -> Optional[str]:
@@ -127,21 +134,27 @@ def cuobjdump() -> Optional[str]:
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
+_WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
 
 
-def sass_stats(sass: str) -> Dict[str, int]:
+def sass_stats(sass: str) -> Dict[str, object]:
     """Counts in a SASS listing: spill instructions, those inside loops (between a backward branch
-    and its target), and matrix instructions."""
+    and its target), matrix instructions, and per innermost loop (the tile loops: full tiles first)
+    its length in instructions and whether it waits for all its async copies (``DEPBAR.LE SB0, 0x0``:
+    nothing stays in flight across iterations, i.e. no prefetch)."""
     instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
     loops = []
     for addr, text in instrs:
         m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
     spills = [a for a, t in instrs if _SPILL.match(t)]
     return dict(spills=len(spills), loop_spills=sum(any(lo <= a <= hi for lo, hi in loops) for a in spills),
                 hgmma=sum(t.startswith("HGMMA") or " HGMMA" in t for _, t in instrs),
-                hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs))
+                hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs),
+                loop_instrs=[sum(lo <= a <= hi for a, _ in instrs) for lo, hi in inner],
+                loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
 def resources(kernel) -> Dict[str, object]:
@@ -176,28 +189,40 @@ def measure(job: tuple) -> Dict[str, object]:
 
 
 COLUMNS = ["arch", "kind", "head_dim", "dtype", "features", "idx64", "index", "config", "shared", "fits", "regs",
-           "stack", "spills", "loop_spills", "hgmma", "hmma", "error"]
+           "stack", "spills", "loop_spills", "hgmma", "hmma", "loop_instrs", "loop_wait_all", "error"]
 
 
 def to_markdown(rows: List[dict], meta: dict) -> str:
     lines = [f"# effattn Triton kernels: offline resources ({meta['target']})", "",
              f"triton {meta['triton']}, {meta['date']}; `{meta['command']}`. Shared memory in KiB (limit "
              f"{SMEM_LIMIT.get(meta['arch'], 0) // 1024}); regs per thread; stack bytes; spill = LDL/STL "
-             "instructions (in loops / in all); HGMMA = wgmma instructions. Index = position in the "
+             "instructions (in loops / in all); HGMMA = wgmma instructions; instrs per tile = length of each "
+             "innermost loop (the tile loops: full tiles, then partial ones); prefetch = no tile loop waits "
+             "for all its async copies (DEPBAR.LE SB0, 0x0). Index = position in the "
              "backend's candidate list (0 = the untimed default, -1 = sweep only).", "",
              "| kernel | D | dtype | features | config (M, N, warps, stages) | index | smem | regs | stack | "
-             "spills loop/all | HGMMA | HMMA |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "spills loop/all | HGMMA | HMMA | instrs per tile | prefetch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
-                         f"{r['index']} | error: {r['error'][:80]} |||||")
+                         f"{r['index']} | error: {r['error'][:80]} |||||||")
             continue
         smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
         lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
                      f"{r['index']} | {smem} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
                      f"{r.get('loop_spills', '?')}/{r.get('spills', '?')} | {r.get('hgmma', '?')} | "
-                     f"{r.get('hmma', '?')} |")
+                     f"{r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
+                     f"{_prefetch(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _prefetch(row: dict) -> str:
+    """'yes' when no tile loop waits for all its copies, else which loops do (0 = the first)."""
+    waits = row.get("loop_wait_all")
+    if waits is None:
+        return "?"
+    return "yes" if not any(waits) else "waits all in loop " + ",".join(str(i) for i, w in enumerate(waits) if w)
 
 
 def main(argv=None) -> int:

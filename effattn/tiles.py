@@ -152,13 +152,15 @@ def pack_lists(visible: Tensor, full: Tensor) -> TileLists:
 
 
 class LayoutPlan:
-    """Per-layout device data: the block mask as uint8 (for kernels that look up the layout block of
-    each element of a partial tile) and the packed tile lists per (layout block, Lq, Lk, tiles,
-    window, direction)."""
+    """Per-layout data: the block mask as uint8 (for kernels that look up the layout block of each
+    element of a partial tile), the packed tile lists per (layout block, Lq, Lk, tiles, window,
+    direction), and `backend_cache`, where a backend keeps host data it derives per layout (launch
+    metadata), freed with the layout."""
 
     def __init__(self, mask: Tensor):
         self.mask_u8 = mask.to(torch.uint8).contiguous()
         self.lists: Dict[tuple, TileLists] = {}
+        self.backend_cache: Dict[tuple, object] = {}
 
 
 _LAYOUT_PLANS = WeakTensorKeyDictionary()

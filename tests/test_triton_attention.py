@@ -85,17 +85,34 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id):
     assert torch.equal(kv_visits, want_kv)
 
 
+def test_heaviest_first_order_covers_every_tile_once(monkeypatch):
+    """Causal programs run heaviest first, in groups of (b, h) slices whose K and V fit the L2
+    budget: 3 slices in groups of 2 (the last group short) still compute every (tile, slice) once,
+    with the planned visits, in the forward, dK/dV and dQ kernels."""
+    B, H, L, D = 1, 3, 48, 16
+    monkeypatch.setattr(ta.launch, "_PLANS", {})
+    monkeypatch.setattr(ta.launch, "_L2_BUDGET", 2 * L * 2 * D * 4)     # two slices' K and V (fp32)
+    q, k, v = (torch.randn(B, H, L, D, device=DEVICE) for _ in range(3))
+    p = ta.launch.plan_for(q, k, v, None, 0, None, 0.25, 0.0, -1, 0)
+    assert p.order("fwd") == (1, 2) and p.order("dq") == (1, 2) and p.order("dkdv") == (-1, 2)
+    assert ta.launch.plan_for(q, k, v, None, 0, None, 0.25, 0.0, -1, -1).order("fwd")[0] == 0   # dense: plain
+    out, lse, visits = ta.fwd(q, k, v, None, 0, None, None, 0.25, 0.0, -1, 0, config=(16, 16, 4, 1), counts=True)
+    visible, _ = tiles.tile_pairs(L, L, 16, 16, -1, 0)
+    assert torch.equal(visits, visible.sum(-1).to(torch.int32).expand(B * H, -1))
+    check_against_float64(q, k, v, dict(causal=True, scale=0.25))
+
+
 def test_layout_lookup_only_where_tiles_straddle_blocks():
     """Partial tiles read the layout per element only when the kernel tiles do not nest in the
     layout's blocks (the block size is not a multiple of both tile sizes)."""
     layout = rand_layout(1, 64, 64, 32, 0.5, seed=3)
     q = torch.randn(1, 1, 64, 16, device=DEVICE)
-    p = ta.LaunchPlan(q, q, q, layout.mask, 32, None, None, 0.25, 0.0, -1, 0)
+    p = ta.LaunchPlan(q, q, q, layout.mask, 32, None, 0.25, 0.0, -1, 0)
     assert not p.flags((16, 32, 4, 1))["LAYOUT_MASK"] and not p.flags((32, 32, 4, 1))["LAYOUT_MASK"]
     assert p.flags((64, 32, 4, 1))["LAYOUT_MASK"] and p.flags((16, 64, 4, 1))["LAYOUT_MASK"]
-    p48 = ta.LaunchPlan(q, q, q, rand_layout(1, 64, 64, 48, 0.5, seed=3).mask, 48, None, None, 0.25, 0.0, -1, 0)
+    p48 = ta.LaunchPlan(q, q, q, rand_layout(1, 64, 64, 48, 0.5, seed=3).mask, 48, None, 0.25, 0.0, -1, 0)
     assert p48.flags((32, 16, 4, 1))["LAYOUT_MASK"] and not p48.flags((16, 16, 4, 1))["LAYOUT_MASK"]
-    assert not ta.LaunchPlan(q, q, q, None, 0, None, None, 0.25, 0.0, -1, 0).flags((16, 16, 4, 1))["LAYOUT_MASK"]
+    assert not ta.LaunchPlan(q, q, q, None, 0, None, 0.25, 0.0, -1, 0).flags((16, 16, 4, 1))["LAYOUT_MASK"]
 
 
 @pytest.mark.parametrize("density", [0.1, 0.3, 0.6, 1.0])
@@ -370,6 +387,15 @@ def check_against_float64(q, k, v, kw, key_padding_mask=None):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0], ids=["negative", "zero"])
+def test_non_positive_scale_against_float64(scale):
+    """A positive scale is folded into the exponent (FOLD_SCALE: row max on raw scores); a negative
+    or zero one takes the scale-first path, where max(c S) is not c max(S)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(DEVICE) for _ in range(3))
+    check_against_float64(q, k, v, dict(causal=True, window=(20, 0), scale=scale))
+
+
 def test_stride0_and_strided_inputs_and_noncontiguous_padding_mask():
     """Expanded k/v (stride 0 along batch and along length), q with a non-unit head-dim stride, and
     a key_padding_mask that is a transposed, sliced view."""
@@ -391,10 +417,11 @@ def test_int64_offsets_path_matches(monkeypatch):
     its length / head-dim axes, which cannot be allocated here) and checks the result: every
     kernel, with a layout, padding mask, GQA, lse gradient and dropout's determinism."""
     monkeypatch.setattr(ta.launch, "_I32_MAX", 0)
+    monkeypatch.setattr(ta.launch, "_PLANS", {})               # no plan cached before the patch
     B, H, Hkv, Lq, Lk, D = 1, 4, 2, 40, 45, 24
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(B, h, L, D, generator=g).to(DEVICE) for h, L in ((H, Lq), (Hkv, Lk), (Hkv, Lk)))
-    assert ta.LaunchPlan(q, k, v, None, 0, None, None, 1.0, 0.0, -1, -1).idx64
+    assert ta.LaunchPlan(q, k, v, None, 0, None, 1.0, 0.0, -1, -1).idx64
     kpm = (torch.rand(B, Lk, generator=g) < 0.2).to(DEVICE)
     check_against_float64(q, k, v, dict(layout=rand_layout(H, Lq, Lk, 16, 0.7, 1), window=(20, 5)), key_padding_mask=kpm)
     outs = []
@@ -411,35 +438,46 @@ def test_int64_offsets_are_chosen_by_the_span_of_one_slice():
     does a transposed padding mask or a backward-only tensor (dout) of that span."""
     meta = dict(device="meta", dtype=torch.bfloat16)
     big_bh = torch.empty(4096, 32, 128, 128, **meta)                       # 2**31 elements, small slices
-    assert not ta.LaunchPlan(big_bh, big_bh, big_bh, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert not ta.LaunchPlan(big_bh, big_bh, big_bh, None, 0, None, 1.0, 0.0, -1, 0).idx64
     lbhd = torch.empty(32768, 64, 16, 128, **meta).permute(1, 2, 0, 3)     # L-stride 64*16*128
-    assert ta.LaunchPlan(lbhd, lbhd, lbhd, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert ta.LaunchPlan(lbhd, lbhd, lbhd, None, 0, None, 1.0, 0.0, -1, 0).idx64
     small = torch.empty(64, 16, 32768, 128, **meta)
-    assert not ta.LaunchPlan(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0).idx64
+    assert not ta.LaunchPlan(small, small, small, None, 0, None, 1.0, 0.0, -1, 0).idx64
     kpm_t = torch.empty(32768, 70000, device="meta", dtype=torch.bool).t()[:64]      # L-stride 70000
-    assert ta.LaunchPlan(small, small, small, None, 0, kpm_t, None, 1.0, 0.0, -1, 0).idx64
-    p = ta.LaunchPlan(small, small, small, None, 0, None, None, 1.0, 0.0, -1, 0)
-    p.widen(lbhd, None)
-    assert p.idx64
+    assert ta.LaunchPlan(small, small, small, None, 0, kpm_t, 1.0, 0.0, -1, 0).idx64
+    assert ta.launch._wide(lbhd, None) and not ta.launch._wide(small, None)    # the backward's extra tensors
+
+
+def test_launch_plans_are_cached_per_kind_of_call():
+    """A repeated call reuses its launch plan (host work: one lookup); other strides, flags or
+    layouts get their own; a layout's plans live in its LayoutPlan and go with the layout."""
+    q = torch.empty(2, 4, 64, 32, device="meta")
+    args = (None, 0, None, 0.25, 0.0, -1, 0)
+    p = ta.launch.plan_for(q, q, q, *args)
+    assert ta.launch.plan_for(torch.empty_like(q), q, q, *args) is p
+    assert ta.launch.plan_for(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, *args) is not p
+    assert ta.launch.plan_for(q, q, q, None, 0, None, 0.25, 0.0, -1, -1) is not p
+    layout = rand_layout(1, 64, 64, 16, 0.5, seed=2)
+    lp = ta.launch.plan_for(q, q, q, layout.mask, 16, None, 0.25, 0.0, -1, 0)
+    assert tiles.layout_plan(layout.mask).backend_cache and lp.lay is not None
 
 
 def test_window_wider_than_sequences_is_normalized():
     q = torch.empty(1, 1, 30, 16, device="meta")
     k = torch.empty(1, 1, 50, 16, device="meta")
-    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 2**31 - 1, 2**31 - 1)
+    p = ta.LaunchPlan(q, k, k, None, 0, None, 1.0, 0.0, 2**31 - 1, 2**31 - 1)
     assert (p.left, p.right) == (-1, -1)
-    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 48, 28)       # pos(0) = 20: sees 0..48
+    p = ta.LaunchPlan(q, k, k, None, 0, None, 1.0, 0.0, 48, 28)       # pos(0) = 20: sees 0..48
     assert (p.left, p.right) == (48, 28)
-    p = ta.LaunchPlan(q, k, k, None, 0, None, None, 1.0, 0.0, 49, 29)
+    p = ta.LaunchPlan(q, k, k, None, 0, None, 1.0, 0.0, 49, 29)
     assert (p.left, p.right) == (-1, -1)
 
 
 def test_dropout_seed_is_always_int64():
     """Triton specializes an int argument by value (< 2**31 -> int32): the Philox key always has
     bit 62 set so that one compiled kernel serves every seed."""
-    q = torch.empty(1, 1, 8, 16, device="meta")
     for s in ([0, 0], [0, 5], [2**31 - 2, 2**31 - 2]):
-        seed = ta.LaunchPlan(q, q, q, None, 0, None, torch.tensor(s), 1.0, 0.1, -1, -1).seed
+        seed = ta.launch.philox_key(torch.tensor(s))
         assert 2**62 <= seed < 2**63
 
 
@@ -549,8 +587,9 @@ def test_kernels_compile_for_sm90_and_sm80_offline():
 
 
 def test_sass_loop_spill_counting():
-    """The SASS reader behind the spill check: a spill between a backward branch and its target is
-    inside a loop, one before or after is not."""
+    """The SASS reader behind the spill and prefetch checks: a spill between a backward branch and
+    its target is inside a loop, one before or after is not; tile loops are the innermost loops, and
+    one waits for all its copies when it holds a DEPBAR.LE SB0, 0x0 (the outer loop's does not count)."""
     from benchmarks.kernel_resources import sass_stats
     sass = """
         /*0000*/                   STL [R1], R2 ;
@@ -559,8 +598,17 @@ def test_sass_loop_spill_counting():
         /*0030*/               @P0 BRA 0x10 ;
         /*0040*/                   LDL.LU R2, [R1] ;
         /*0050*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0060*/                   DEPBAR.LE SB0, 0x0 ;
+        /*0070*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0080*/                   NOP ;
+        /*0090*/               @P1 BRA 0x70 ;
+        /*00a0*/               @P2 BRA 0x60 ;
+        /*00b0*/                   DEPBAR.LE SB0, 0x0 ;
+        /*00c0*/               @P3 BRA 0xb0 ;
     """
-    assert sass_stats(sass) == dict(spills=3, loop_spills=1, hgmma=1, hmma=1)
+    assert sass_stats(sass) == dict(spills=3, loop_spills=1, hgmma=1, hmma=1, loop_instrs=[3, 3, 2],
+                                    loop_wait_all=[False, False, True])
+
 
 def test_unavailable_reasons(monkeypatch):
     monkeypatch.setattr(rt, "_INTERPRET", False)

@@ -21,7 +21,9 @@ number of visible tiles.
 
 Numerics
 --------
-Scores and softmax statistics are fp32; products run on tensor cores in the input dtype. float32
+Scores and softmax statistics are fp32 (with a positive scale the row max is taken on the raw
+scores and the scale folded into the exponent: one FMA per score, ``FOLD_SCALE``; FP fusion is
+pinned on for every launch); products run on tensor cores in the input dtype. float32
 inputs use IEEE fp32 dots unless torch's cuBLAS setting allows TF32
 (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), in which
 case they use TF32 (10-bit mantissa) like torch's own fp32 matmuls. The setting is read once per
@@ -46,9 +48,17 @@ No call waits for the GPU except: autotuning (first call per kind), and building
 lists (first call per layout, lengths, tiles and window: ``torch.unique`` and two ``.max()`` read
 sizes back, so that first call cannot happen during CUDA-graph capture); the lists are cached on
 the device, keyed weakly on the layout's mask. The dropout seed is a CPU tensor (no sync).
-Everything else per call is
-host-side Python (shape arithmetic, the op dispatch, Triton's launch path) and the launches: one
-for the forward, three for the backward (Delta, dK/dV, dQ).
+Everything else per call is host-side Python and the launches (one for the forward, three for the
+backward: Delta, dK/dV, dQ).
+The launch metadata (sizes, flags, every scalar kernel argument) is built once per kind of call
+(shapes, strides, dtype, layout, flags) and cached (`launch.plan_for`), so a repeated call costs a
+dictionary lookup plus the op dispatch; ``python -m benchmarks.host_overhead`` measures it.
+
+Scheduling
+----------
+Programs of causal and windowed calls run heaviest first (`schedule.program_tile`): the query
+tiles that see the most keys (the dK/dV pass: the key tiles seen by the most queries) start first,
+across groups of (batch, head) slices whose K and V fit in L2 together, so the last wave is short.
 
 Index arithmetic
 ----------------
@@ -68,4 +78,7 @@ if triton is not None:
     from .op import triton_attention_bwd, triton_attention_fwd  # noqa: F401
     from .launch import _TUNED  # noqa: F401  (the autotuner's choices; benchmarks clear them)
 
-    _Problem = LaunchPlan   # the old name, still read by benchmarks/triton_gpu_check.py
+    def _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False):
+        """The old name and signature, still read by benchmarks/triton_gpu_check.py (until it joins
+        benchmarks/): a `LaunchPlan` (which no longer takes the per-call seed)."""
+        return LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)

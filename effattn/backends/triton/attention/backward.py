@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from ..jit import cast, dot, i64, load_tile
-from .schedule import dropout_keep, key_tile_schedule, kv_bases, query_tile_range, tile_index, visible
+from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, query_tile_range,
+                       tile_index, visible)
 
 
 @triton.jit
@@ -56,9 +57,11 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
                BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+               FOLD_SCALE: tl.constexpr):
     """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows).
-    ``PARTIAL``: a partial tile, masked elementwise."""
+    ``PARTIAL``: a partial tile, masked elementwise; ``FOLD_SCALE``: the scale folded into exp2's
+    argument (one FMA per score; ``qk_scale > 0``)."""
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     offs_m = start_m + rel_m
     q_tile = q_base + start_m.to(tl.int64) * sqm
@@ -66,14 +69,19 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
     q = load_tile(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
     do = load_tile(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
     lse, delta = _row_stats(lse_base, delta_base, offs_m, Lq)
-    st = dot(k, tl.trans(q), DOT_PREC, INTERP_BF16) * qk_scale                 # S^T (BLOCK_N, BLOCK_M)
+    st = dot(k, tl.trans(q), DOT_PREC, INTERP_BF16)                        # S^T (BLOCK_N, BLOCK_M)
+    if not FOLD_SCALE:
+        st = st * qk_scale
     if PARTIAL:
         ok = visible(offs_m[None, :], offs_n[:, None], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                       lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
         st = tl.where(ok, st, float("-inf"))
     if HAS_KPM:
         st = tl.where(keep_k[:, None], st, float("-inf"))
-    pt = tl.exp2(st - lse[None, :])                                          # P^T = exp(S - L)
+    if FOLD_SCALE:
+        pt = tl.exp2(st * qk_scale - lse[None, :])                            # P^T = exp(S - L)
+    else:
+        pt = tl.exp2(st - lse[None, :])
     dpt = dot(v, tl.trans(do), DOT_PREC, INTERP_BF16)                            # dP^T = V dO^T
     if DROPOUT:
         keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
@@ -93,18 +101,18 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                 H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                 lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_thresh, inv_keep,
+                heads_per_group,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                 DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
     """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
     their visible query tiles, accumulating in registers (no atomics: deterministic). 1-D grid
     of cdiv(Lk, BLOCK_N) * B * Hkv programs, key tiles fastest."""
     n_nt = tl.cdiv(Lk, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_n = pid % n_nt
-    bhk = pid // n_nt
+    pid_n, bhk = program_tile(tl.program_id(0), n_nt, heads_per_group, ORDER)
     b = bhk // Hkv
     hk = bhk % Hkv
     n0 = pid_n * BLOCK_N
@@ -142,20 +150,24 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
             row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
             n_full = tl.load(row)
             n_part = tl.load(row + 1)
+        listed = first_listed(row, 2, n_full, HAS_LAYOUT)
         for i in range(0, n_full):
-            start_m = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_M
+            tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
+            start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
                                 HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64)
+                                INTERP_BF16, IDX64, FOLD_SCALE)
+        listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
         for i in range(0, n_part):
-            start_m = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_M
+            tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+            start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
                                 HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64)
+                                INTERP_BF16, IDX64, FOLD_SCALE)
         visits += n_full + n_part
     dk = dk * scale                                                          # dK = scale dS^T Q
     ok_k = offs_n[:, None] < Lk
@@ -176,16 +188,19 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-             DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+             DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+             FOLD_SCALE: tl.constexpr):
     """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K). ``PARTIAL``: a
-    partial tile, masked elementwise."""
+    partial tile, masked elementwise; ``FOLD_SCALE`` as in `_dkdv_tile`."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
     k_tile = k_base + start_n.to(tl.int64) * skn
     v_tile = v_base + start_n.to(tl.int64) * svn
     kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
     vt = load_tile(v_tile + offs_dv[:, None] * svd + rel_n[None, :] * svn, offs_dv, Dv, offs_n, Lk, PAD_DV, PARTIAL)
-    s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale
+    s = dot(q, kt, DOT_PREC, INTERP_BF16)
+    if not FOLD_SCALE:
+        s = s * qk_scale
     if PARTIAL:
         ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                       lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
@@ -193,7 +208,10 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
     if HAS_KPM:
         pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
         s = tl.where(pad[None, :] == 0, s, float("-inf"))
-    p = tl.exp2(s - lse[:, None])
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - lse[:, None])
+    else:
+        p = tl.exp2(s - lse[:, None])
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     if DROPOUT:
         keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
@@ -209,18 +227,16 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
               sdqb, sdqh, sdqm, sdqd, skpb, skpn,
               H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
               lists_head_stride, lists_row_stride, full_slots,
-              scale, qk_scale, seed, drop_thresh, inv_keep,
+              scale, qk_scale, seed, drop_thresh, inv_keep, heads_per_group,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-              INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+              INTERP_BF16: tl.constexpr, IDX64: tl.constexpr, FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
     """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
     (and on the same 1-D grid)."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = pid % n_mt
-    bh = pid // n_mt
+    pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H
     h = bh % H
     hk = h // G
@@ -240,18 +256,22 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
     row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
+    listed = first_listed(row, 2, n_full, HAS_LAYOUT)
     for i in range(0, n_full):
-        start_n = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
+        tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
+        start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
+    listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
-        start_n = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
+        tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+        start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     dq = dq * scale
     dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
                + offs_d[None, :] * sdqd)

@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 from ..jit import cast, dot, i64, load_tile
-from .schedule import dropout_keep, key_tile_schedule, kv_bases, tile_index, visible
+from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, tile_index,
+                       visible)
 
 
 @triton.jit
@@ -14,15 +15,20 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_
               BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-              DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+              DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+              FOLD_SCALE: tl.constexpr):
     """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10). ``PARTIAL``: a partial tile
-    (`effattn.tiles`), masked elementwise; a full one runs without masking code."""
+    (`effattn.tiles`), masked elementwise; a full one runs without masking code. ``FOLD_SCALE``
+    (``qk_scale > 0``): the row max is taken on the raw scores and the scale folded into the
+    exponent, one FMA per score instead of a multiply and a subtract."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
     k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
     v_tile = v_base + start_n.to(tl.int64) * svn
     kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
-    s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale            # S = Q K^T, in log2 units
+    s = dot(q, kt, DOT_PREC, INTERP_BF16)                       # S = Q K^T
+    if not FOLD_SCALE:
+        s = s * qk_scale                                        # in log2 units
     if PARTIAL:
         ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                       lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
@@ -32,9 +38,16 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_
         s = tl.where(pad[None, :] == 0, s, float("-inf"))
     # m_new = max(m_old, rowmax(S)); a row that has seen nothing yet keeps m = -inf, and the
     # shift m_ref = 0 keeps exp2(-inf - m_ref) = 0 instead of NaN
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # (with FOLD_SCALE, max(c S) = c max(S) for c = qk_scale > 0, and -inf stays -inf)
+    m_tile = tl.max(s, 1)
+    if FOLD_SCALE:
+        m_tile = m_tile * qk_scale
+    m_new = tl.maximum(m_i, m_tile)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_ref[:, None])                           # P~ = exp(S - m_new)
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - m_ref[:, None])           # P~ = exp(S - m_new)
+    else:
+        p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)                              # exp(m_old - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)                          # l = alpha l + rowsum(P~)
     if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
@@ -49,19 +62,18 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                lists_head_stride, lists_row_stride, full_slots,
-               qk_scale, seed, drop_thresh, out_scale,
+               qk_scale, seed, drop_thresh, out_scale, heads_per_group,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+               FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
     1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
     are limited to 65535, B * H is not)."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = pid % n_mt
-    bh = pid // n_mt
+    pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H
     h = bh % H
     hk = h // G                                               # GQA: the kv head of this q head
@@ -80,18 +92,24 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
     row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
+    listed = first_listed(row, 2, n_full, HAS_LAYOUT)
     for i in range(0, n_full):
-        start_n = tile_index(row, 2, i, t1, n_full, t1, HAS_LAYOUT) * BLOCK_N
+        tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
+        start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                   skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                   lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
+                                  FOLD_SCALE)
+    listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
-        start_n = tile_index(row, 2 + full_slots, i, t0, t1 - t0, t2, HAS_LAYOUT) * BLOCK_N
+        tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+        start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                                   skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
                                   lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64)
+                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
+                                  FOLD_SCALE)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 from torch import Tensor
@@ -71,20 +71,53 @@ def _launch_tuned(kind: str, p: "LaunchPlan", launch, device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers
+# Launch plans: everything a launch needs but the tensors' addresses, built once per kind of call
 
-def _span(t: Optional[Tensor], dims) -> int:
-    """Largest element offset within one (batch, head) slice of `t` along `dims`: the kernels'
-    int32 in-tile offsets (row x stride + column x stride) stay at or below it."""
-    if t is None:
-        return 0
-    return sum((t.shape[d] - 1) * abs(t.stride(d)) for d in dims if t.shape[d] > 0)
+_PLANS: Dict[tuple, "LaunchPlan"] = {}   # calls without a layout; a layout's live in its LayoutPlan
+_MAX_PLANS = 256                         # a process that sees more shapes rebuilds (cheap) instead
+# L2 bytes the K and V of a group of concurrently scheduled (b, h) slices may take (H100/H200: 50 MB)
+_L2_BUDGET = 32 << 20
+
+
+def _span(shape, strides, dims) -> int:
+    """Largest element offset within one (batch, head) slice along `dims`: the kernels' int32
+    in-tile offsets (row x stride + column x stride) stay at or below it."""
+    return sum((shape[d] - 1) * abs(strides[d]) for d in dims if shape[d] > 0)
+
+
+def _wide(*tensors) -> bool:
+    """Whether one of `tensors` (None: skipped) spans more than int32 offsets along its axes past
+    (batch, head)."""
+    return any(t is not None and _span(t.shape, t.stride(), range(2, t.dim())) > _I32_MAX for t in tensors)
+
+
+def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False) -> "LaunchPlan":
+    """The cached `LaunchPlan` of a call: a repeated kind of call (same shapes, strides, dtype,
+    layout, flags) reuses it, so its host work is a dictionary lookup."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, layout_block,
+           None if kpm is None else (kpm.shape, kpm.stride()), scale, dropout_p, left, right, tf32)
+    cache = layout_plan(layout_mask).backend_cache if layout_mask is not None else _PLANS
+    p = cache.get(key)
+    if p is None:
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+        p = cache[key] = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
+    return p
+
+
+def philox_key(seed: Tensor) -> int:
+    """The call's dropout seed (a CPU int64 tensor of 2: no GPU sync) as one 64-bit Philox key, bit
+    62 set so that Triton always passes it as int64 (a value below 2**31 would be specialized as
+    int32 and compile a second kernel)."""
+    s0, s1 = (int(x) for x in seed.tolist())
+    return ((s0 << 31) ^ s1) | (1 << 62)
 
 
 class LaunchPlan:
-    """Sizes and flags of a call, shared by the launchers (cheap to build: no device work)."""
+    """Sizes, flags and kernel arguments of a kind of call (no tensors of the call: those are
+    passed at each launch). Cheap to build (no device work) and cached by `plan_for`."""
 
-    def __init__(self, q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False):
+    def __init__(self, q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False):
         self.B, self.H, self.Lq, self.D = q.shape
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.H // self.Hkv
@@ -101,17 +134,11 @@ class LaunchPlan:
         self.scale = scale
         self.qk_scale = scale * _LOG2E
         self.dropout_p = dropout_p
-        if dropout_p > 0:
-            s0, s1 = (int(x) for x in seed.tolist())                 # a CPU tensor: no GPU sync
-            # one 64-bit Philox key; bit 62 set so that Triton always passes it as int64 (a value
-            # below 2**31 would be specialized as int32 and compile a second kernel)
-            self.seed = ((s0 << 31) ^ s1) | (1 << 62)
-            self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1)
-            self.inv_keep = 1.0 / (1.0 - dropout_p)
-        else:
-            self.seed, self.drop_thresh, self.inv_keep = 0, 0, 1.0
+        self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1) if dropout_p > 0 else 0
+        self.inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0
         self.layout_mask, self.layout_block = layout_mask, layout_block
-        self.kpm = kpm.view(torch.uint8) if kpm is not None else None
+        self.has_kpm = kpm is not None
+        self.kpm_strides = (kpm.stride(0), kpm.stride(1)) if kpm is not None else (0, 0)
         self.dot_prec = "tf32" if (tf32 and q.dtype == torch.float32 and not _INTERPRET) else "ieee"
         self.interp_bf16 = _INTERPRET and q.dtype == torch.bfloat16
         self.element_size = q.element_size()
@@ -124,18 +151,16 @@ class LaunchPlan:
             lay_per_head = plan.mask_u8.shape[1] * plan.mask_u8.shape[2]
         else:
             self.lay, self.lay_h, self.lay_nkb = None, 0, 1
-        self.idx64 = max(_span(q, (2, 3)), _span(k, (2, 3)), _span(v, (2, 3)), _span(self.kpm, (1,)),
-                         lay_per_head) > _I32_MAX
+        kpm_span = _span(kpm.shape, kpm.stride(), (1,)) if kpm is not None else 0
+        self.idx64 = max(_span(q.shape, q.stride(), (2, 3)), _span(k.shape, k.stride(), (2, 3)),
+                         _span(v.shape, v.stride(), (2, 3)), kpm_span, lay_per_head) > _I32_MAX
         # a layout's block size decides which tiles nest in its blocks (no per-element lookup)
         mode = f"layout{layout_block}" if layout_mask is not None else ("window" if left >= 0 else
                                                                         ("causal" if right == 0 else "dense"))
         # lengths bucketed separately: a decode call (Lq = 1) is not tuned like a prefill of its Lk
         self.tune_key = (self.block_d, self.block_dv, q.dtype, self.dot_prec, mode, dropout_p > 0,
                          kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192))
-
-    def widen(self, *tensors) -> None:
-        """Switches to int64 in-tile offsets if one of the backward's extra tensors needs them."""
-        self.idx64 = self.idx64 or max(_span(t, range(2, t.dim())) for t in tensors if t is not None) > _I32_MAX
+        self._args: Dict[tuple, tuple] = {}
 
     def lists(self, block_m, block_n, by_key):
         """The layout's packed tile lists (`effattn.tiles.TileLists`) for these tiles as kernel
@@ -154,41 +179,90 @@ class LaunchPlan:
         bs = self.layout_block
         return self.layout_mask is not None and (bs % block_m != 0 or bs % block_n != 0)
 
-    def flags(self, cfg):
+    def order(self, kind: str):
+        """(ORDER, heads per group) of `program_tile` for kernel `kind`: heaviest programs first
+        where the work per tile varies (causal / windowed), dense calls in plain order."""
+        if kind == "dkdv":      # key tile t is seen by query tiles from about t on (causal): shrinking work
+            order = -1 if self.right >= 0 else (1 if self.left >= 0 else 0)
+            slices, per_slice = self.B * self.Hkv, self.G * self.Lq * (self.D + self.Dv)    # Q, dO of the group
+        else:                   # query tile t sees key tiles up to about t (causal): growing work
+            order = 1 if self.right >= 0 else (-1 if self.left >= 0 else 0)
+            slices, per_slice = self.B * self.H, self.Lk * (self.D + self.Dv) // self.G      # K, V (shared in GQA)
+        group = max(1, min(slices, _L2_BUDGET // max(1, per_slice * self.element_size)))
+        return order, group
+
+    def flags(self, cfg, idx64=None):
         block_m, block_n, warps, stages = cfg
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                     HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0,
                     HAS_LAYOUT=self.layout_mask is not None, LAYOUT_MASK=self.layout_mask_needed(block_m, block_n),
-                    HAS_KPM=self.kpm is not None,
+                    HAS_KPM=self.has_kpm,
                     DROPOUT=self.dropout_p > 0, PAD_D=self.block_d != self.D, PAD_DV=self.block_dv != self.Dv,
-                    DOT_PREC=self.dot_prec, INTERP_BF16=self.interp_bf16, IDX64=self.idx64,
-                    num_warps=warps, num_stages=stages)
+                    DOT_PREC=self.dot_prec, INTERP_BF16=self.interp_bf16,
+                    IDX64=self.idx64 if idx64 is None else idx64, FOLD_SCALE=self.qk_scale > 0,
+                    num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+
+    def fwd_args(self, cfg, q, k, v, counts):
+        """(grid, the LISTS tensor or None, the arguments before the seed, after it, the meta
+        arguments) of the forward kernel for config `cfg`, built once per plan and config."""
+        key = ("fwd", cfg, counts)
+        got = self._args.get(key)
+        if got is None:
+            lists, lists_hs, lists_rs, full_slots = self.lists(cfg[0], cfg[1], by_key=False)
+            order, group = self.order("fwd")
+            pre = (*q.stride(), *k.stride(), *v.stride(), *self.kpm_strides, self.H, self.G, self.Lq, self.Lk,
+                   self.D, self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb,
+                   max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.qk_scale)
+            post = (self.drop_thresh, self.inv_keep, group)
+            grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
+            got = self._args[key] = (grid, lists, pre, post, dict(self.flags(cfg), COUNT=counts, ORDER=order))
+        return got
+
+    def bwd_args(self, kind, cfg, q, k, v, dout, dgrad, dv, dlse, counts):
+        """As `fwd_args`, for the dK/dV (``dgrad`` = dk) or dQ (``dgrad`` = dq, ``dv`` None) kernel:
+        int64 offsets if one of the backward's own tensors needs them."""
+        key = (kind, cfg, counts, dout.stride(), None if dlse is None else dlse.stride())
+        got = self._args.get(key)
+        if got is None:
+            idx64 = self.idx64 or _wide(dout, dgrad, dv, dlse)
+            by_key = kind == "dkdv"
+            lists, lists_hs, lists_rs, full_slots = self.lists(cfg[0], cfg[1], by_key=by_key)
+            order, group = self.order(kind)
+            strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dgrad.stride(),
+                       *(dv.stride() if dv is not None else ()), *self.kpm_strides)
+            heads = (self.H, self.Hkv, self.G) if by_key else (self.H, self.G)
+            pre = (*strides, *heads, self.Lq, self.Lk, self.D, self.Dv, self.off, self.left, self.right, self.lay_h,
+                   self.lay_nkb, max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.scale,
+                   self.qk_scale)
+            post = (self.drop_thresh, self.inv_keep, group)
+            n = cdiv(self.Lk, cfg[1]) * self.B * self.Hkv if by_key else cdiv(self.Lq, cfg[0]) * self.B * self.H
+            meta = dict(self.flags(cfg, idx64), ORDER=order)
+            if by_key:
+                meta["COUNT"] = counts
+            got = self._args[key] = ((n,), lists, pre, post, meta)
+        return got
 
 
-def _kpm_strides(p: LaunchPlan):
-    return (p.kpm.stride(0), p.kpm.stride(1)) if p.kpm is not None else (0, 0)
-
+# ---------------------------------------------------------------------------------------------
+# Launchers
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
-         config=None, counts=False):
+        config=None, counts=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
     (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
     there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf."""
-    p = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    seed_key = philox_key(seed) if dropout_p > 0 else 0
+    kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     visits = [None]
 
     def launch(cfg):
-        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=False)
-        n_mt = cdiv(p.Lq, cfg[0])
-        cnt = torch.zeros(p.B * p.H, n_mt, dtype=torch.int32, device=q.device) if counts else None
-        fwd_kernel[(n_mt * p.B * p.H,)](
-            q, k, v, out, lse, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
-            *q.stride(), *k.stride(), *v.stride(), *_kpm_strides(p),
-            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1),
-            lists_head_stride, lists_row_stride, full_slots, p.qk_scale, p.seed, p.drop_thresh, p.inv_keep,
-            COUNT=counts, **p.flags(cfg))
+        grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, counts)
+        cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
+        fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
+                         *pre, seed_key, *post, **meta)
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
@@ -201,11 +275,11 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
 
 
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-         tf32=False, config_dkdv=None, config_dq=None, counts=False):
+        tf32=False, config_dkdv=None, config_dq=None, counts=False):
     """dq, dk, dv (same shapes and dtypes as q, k, v). With ``counts``, also the int32
     (B*Hkv, n_key_tiles) numbers of query tiles each dK/dV program visited (all G heads).
     `tf32` must be the forward's (the op's autograd passes it on)."""
-    p = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32)
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     visits = [None]
     if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
@@ -213,37 +287,29 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
             t.zero_()
         return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
     out, lse = out.contiguous(), lse.contiguous()       # the kernels index them as the forward wrote them
-    p.widen(dout, dq, dk, dv, dlse)
     delta = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
-    dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
-    kps = _kpm_strides(p)
+    seed_key = philox_key(seed) if dropout_p > 0 else 0
+    kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
+    lay = _or_dummy(p.lay, q)
 
     def launch_dkdv(cfg):
-        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=True)
-        n_nt = cdiv(p.Lk, cfg[1])
-        cnt = torch.zeros(p.B * p.Hkv, n_nt, dtype=torch.int32, device=q.device) if counts else None
-        dkdv_kernel[(n_nt * p.B * p.Hkv,)](
-            q, k, v, dout, lse, delta, dk, dv, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q),
-            _or_dummy(cnt, q), *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            *kps, p.H, p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
-            max(p.layout_block, 1), lists_head_stride, lists_row_stride, full_slots, p.scale, p.qk_scale, p.seed,
-            p.drop_thresh, p.inv_keep, COUNT=counts, **p.flags(cfg))
+        grid, lists, pre, post, meta = p.bwd_args("dkdv", cfg, q, k, v, dout, dk, dv, dlse, counts)
+        cnt = torch.zeros(p.B * p.Hkv, grid[0] // (p.B * p.Hkv), dtype=torch.int32, device=q.device) if counts else None
+        dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kpm_u8, lay, _or_dummy(lists, q), _or_dummy(cnt, q),
+                          *pre, seed_key, *post, **meta)
         visits[0] = cnt
 
     def launch_dq(cfg):
-        lists, lists_head_stride, lists_row_stride, full_slots = p.lists(cfg[0], cfg[1], by_key=False)
-        dq_kernel[(cdiv(p.Lq, cfg[0]) * p.B * p.H,)](
-            q, k, v, dout, lse, delta, dq, _or_dummy(p.kpm, q), _or_dummy(p.lay, q), _or_dummy(lists, q),
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *kps,
-            p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1),
-            lists_head_stride, lists_row_stride, full_slots, p.scale, p.qk_scale, p.seed, p.drop_thresh,
-            p.inv_keep, **p.flags(cfg))
+        grid, lists, pre, post, meta = p.bwd_args("dq", cfg, q, k, v, dout, dq, None, dlse, False)
+        dq_kernel[grid](q, k, v, dout, lse, delta, dq, kpm_u8, lay, _or_dummy(lists, q), *pre, seed_key, *post,
+                        **meta)
 
     with _on_device(q.device):
         block = delta_block(p.block_dv)
+        dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
         delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
             out, dout, _or_dummy(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
-            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64)
+            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64 or _wide(dout, dlse))
         if config_dkdv is not None:
             launch_dkdv(config_dkdv)
         else:
@@ -265,4 +331,3 @@ def _on_device(device):
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-

@@ -38,14 +38,54 @@ def dropout_keep(seed, bh, qi, kj, drop_thresh):
 
 
 @triton.jit
-def tile_index(row, base, i, lo, n_lo, hi, HAS_LAYOUT: tl.constexpr):
-    """The i-th tile of a run: read from a packed list (`row`, entries from `base`) with a
-    layout, else from the analytic ranges [lo, lo + n_lo) followed by [hi, ...)."""
+def program_tile(pid, n_tiles, heads_per_group, ORDER: tl.constexpr):
+    """(tile, slice) of program `pid` on a 1-D grid of ``n_tiles`` tiles x ``n_slices`` (b, h)
+    slices. ``ORDER = 0``: tiles fastest, ascending. Otherwise heaviest first (longest processing
+    time first, as FlashAttention-3's tile scheduler): the slices go in groups of
+    ``heads_per_group`` (few enough that their K and V stay in L2 together), and inside a group the
+    same tile of every slice runs before the next tile, from the last tile down (``ORDER = 1``: work
+    grows with the tile index, e.g. causal query tiles) or from the first up (``ORDER = -1``: it
+    shrinks, e.g. causal key tiles)."""
+    if ORDER == 0:
+        tile = pid % n_tiles
+        bh = pid // n_tiles
+    else:
+        n_slices = tl.num_programs(0) // n_tiles
+        per_group = n_tiles * heads_per_group
+        group = pid // per_group
+        r = pid - group * per_group
+        in_group = tl.minimum(heads_per_group, n_slices - group * heads_per_group)   # the last may be short
+        tile = r // in_group
+        if ORDER > 0:
+            tile = n_tiles - 1 - tile
+        bh = group * heads_per_group + r % in_group
+    return tile, bh
+
+
+@triton.jit
+def first_listed(row, base, n, HAS_LAYOUT: tl.constexpr):
+    """With a layout, the first entry of a packed list (`row`, entries from `base`, `n` of them),
+    read before its loop starts (see `tile_index`); 0 otherwise."""
     if HAS_LAYOUT:
-        t = tl.load(row + base + i)
+        t = tl.load(row + base, mask=n > 0, other=0)
+    else:
+        t = n * 0
+    return t
+
+
+@triton.jit
+def tile_index(row, base, i, n, lo, n_lo, hi, listed, HAS_LAYOUT: tl.constexpr):
+    """The i-th of `n` tiles of a run, and the value to carry to the next iteration. With a layout,
+    `listed` holds entry i of the packed list (read one iteration ahead, so its load is in flight
+    while the tile computes, instead of a copy the loop's pipeline would wait for) and entry i + 1
+    is read for the next iteration; without one, the analytic ranges [lo, lo + n_lo) followed by
+    [hi, ...)."""
+    if HAS_LAYOUT:
+        t = listed
+        listed = tl.load(row + base + i + 1, mask=i + 1 < n, other=0)
     else:
         t = tl.where(i < n_lo, lo + i, hi + i - n_lo)
-    return t
+    return t, listed
 
 
 @triton.jit
