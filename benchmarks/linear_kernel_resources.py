@@ -62,12 +62,12 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
     consts = dict(flags)
     if kind == "step":
         bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
-        consts.update(BF=bf, BV=bv, UPCAST=False)
+        consts.update(BF=bf, BV=bv, INTERP_BF16=False)
         cfg = f"BF{bf}xBV{bv}x{warps}"
     else:
         bk, bv, warps, stages = launch._fit(launch.candidates(kind, 4 if dtype == "fp32" else 2)[0], feat, feat)
         consts.update(CH=64, BK=bk, BV=bv, DT=tl.bfloat16 if dtype == "bf16" else tl.float32,
-                      DOT_PREC="tf32" if dtype != "bf16" else "ieee", UPCAST=False)
+                      DOT_PREC="tf32" if dtype != "bf16" else "ieee", INTERP_BF16=False)
         if kind == "state":
             consts["NV"] = -(-feat // bv)
         cfg = f"CH64xBK{bk}xBV{bv}x{warps}x{stages}"

@@ -76,9 +76,3 @@ if triton is not None:
     from .forward import fwd_kernel  # noqa: F401
     from .launch import LaunchPlan, bwd, fwd  # noqa: F401
     from .op import triton_attention_bwd, triton_attention_fwd  # noqa: F401
-    from .launch import _TUNED  # noqa: F401  (the autotuner's choices; benchmarks clear them)
-
-    def _Problem(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False):
-        """The old name and signature, still read by benchmarks/triton_gpu_check.py (until it joins
-        benchmarks/): a `LaunchPlan` (which no longer takes the per-call seed)."""
-        return LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)

@@ -40,10 +40,10 @@ def _rows(base, r, L, s_l, cols, ncols, s_f, MAP: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _mm(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``a @ b`` of fp32 tiles on operands rounded to the dot dtype ``DT`` (fp32 accumulation)."""
-    if UPCAST:
-        c = dot(cast(a, DT, UPCAST), cast(b, DT, UPCAST), DOT_PREC, UPCAST)
+    if INTERP_BF16:
+        c = dot(cast(a, DT, INTERP_BF16), cast(b, DT, INTERP_BF16), DOT_PREC, INTERP_BF16)
     else:
         c = tl.dot(a.to(DT), b.to(DT), input_precision=DOT_PREC)
     return c
@@ -66,7 +66,7 @@ def _chunk_state_kernel(
         ST, st_bh, st_c, st_b, st_f, STZ, stz_bh, stz_c, FIN, FINZ, n_chunks, chunks_per_prog, Hs,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, REVERSE: tl.constexpr,
         STORE: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr, C_X: tl.constexpr,
-        DT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     pid_bh, pid_kv, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // Hs, pid_bh % Hs
     fb = (pid_kv // NV) * BK + tl.arange(0, BK)
@@ -91,7 +91,7 @@ def _chunk_state_kernel(
         r = c * CH + tl.arange(0, CH) + shift_b
         bt = _rows(b_base, r, Lb, sb_l, fb, FB, sb_f, MAP_B)             # (CH, BK)
         ct = _rows(c_base, r, Lb, sc_l, fc, FC, sc_f, MAP_C)             # (CH, BV)
-        state += _mm(tl.trans(bt), ct, DT, DOT_PREC, UPCAST)
+        state += _mm(tl.trans(bt), ct, DT, DOT_PREC, INTERP_BF16)
         if C_X != 0:
             z += tl.sum(bt * _row_scalars(cx_base, r, Lb, C_X)[:, None], 0)
     fin = FIN + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * FB * FC
@@ -113,7 +113,7 @@ def _chunk_out_kernel(
         MAP_X: tl.constexpr, A_X: tl.constexpr, B_X: tl.constexpr, HAS_STATE: tl.constexpr,
         STATE_Z: tl.constexpr, Z_MODE: tl.constexpr, HAS_BASE: tl.constexpr, BASE_Z: tl.constexpr,
         WITH_DEN: tl.constexpr, NORMALIZE: tl.constexpr, DT: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr):
+        INTERP_BF16: tl.constexpr):
     """One chunk x one Fc tile of one a-head. b/c heads: ``(ha // GA) * NB + j`` for ``j < NB`` (their
     contributions summed: GQA's query heads into a key head's gradient); the state is the b/c head's.
     Z_MODE 1: ``z`` runs over Fb and makes the denominator; 2: over Fc, weighted by ``ax``."""
@@ -146,11 +146,11 @@ def _chunk_out_kernel(
             at = _rows(a_base, ra, La, sa_l, fa, FA, sa_f, MAP_A)
             if CAUSAL:
                 bt = _rows(b_base, rb, Lb, sb_l, fa, FA, sb_f, MAP_B)
-                s += _mm(at, tl.trans(bt), DT, DOT_PREC, UPCAST)
+                s += _mm(at, tl.trans(bt), DT, DOT_PREC, INTERP_BF16)
             if HAS_STATE:
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
                             mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
-                acc += _mm(at, h.to(tl.float32), DT, DOT_PREC, UPCAST)
+                acc += _mm(at, h.to(tl.float32), DT, DOT_PREC, INTERP_BF16)
                 if STATE_Z and Z_MODE == 1:
                     den += tl.sum(at * tl.load(stz + fa, mask=fa < FA, other=0.0)[None, :], 1)
         if HAS_STATE and STATE_Z:
@@ -163,7 +163,7 @@ def _chunk_out_kernel(
             s = tl.where(keep, s, 0.0)
             c_base = Cp + b.to(tl.int64) * sc_b + hb.to(tl.int64) * sc_h
             ct = _rows(c_base, rb, Lb, sc_l, fc, FC, sc_f, MAP_C)
-            acc += _mm(s, ct, DT, DOT_PREC, UPCAST)
+            acc += _mm(s, ct, DT, DOT_PREC, INTERP_BF16)
             if WITH_DEN:
                 den += tl.sum(s, 1)
     if HAS_BASE:                                      # a fixed state of the a-head's group (fp32)
@@ -174,7 +174,7 @@ def _chunk_out_kernel(
             at = _rows(a_base, ra, La, sa_l, fa, FA, sa_f, MAP_A)
             h = tl.load(bs + fa[:, None] * sbase_a + fc[None, :] * sbase_f,
                         mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
-            acc += _mm(at, h, DT, DOT_PREC, UPCAST)
+            acc += _mm(at, h, DT, DOT_PREC, INTERP_BF16)
             if BASE_Z:
                 if Z_MODE == 1:
                     zb = tl.load(BASEZ + hbase.to(tl.int64) * sbasez_bh + fa, mask=fa < FA, other=0.0)
@@ -201,13 +201,13 @@ def _chunk_out_kernel(
             acc = acc * tl.where(x > 0, 1.0, 0.0)
     o_base = Op + b.to(tl.int64) * so_b + ha.to(tl.int64) * so_h
     tl.store(o_base + ra.to(tl.int64)[:, None] * so_l + fc[None, :] * so_f,
-             cast(acc, Op.dtype.element_ty, UPCAST), mask=ok)
+             cast(acc, Op.dtype.element_ty, INTERP_BF16), mask=ok)
 
 
 @triton.jit
 def _step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, O, sq_bh, sk_bh, sv_bh, so_bh, H, G, F, Dv, eps,
                  BF: tl.constexpr, BV: tl.constexpr, MAP: tl.constexpr, NORMALIZE: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 INTERP_BF16: tl.constexpr):
     """One decoding step of one query head: ``S += phi(k)^T v``, ``z += phi(k)``,
     ``out = phi(q) S / (phi(q) . z + eps)``; O(F x Dv). States fp32 ``(B*H, F, Dv)``, ``(B*H, F)``;
     q/k/v one row each (``(B*H or B*Hkv, D)`` with row strides)."""
@@ -234,4 +234,4 @@ def _step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, O, sq_bh, sk_bh, sv_bh, so_bh, H, 
     if NORMALIZE:
         d = den + eps
         num = tl.where(d == 0.0, 0.0, num / tl.where(d == 0.0, 1.0, d))
-    tl.store(O + pid.to(tl.int64) * so_bh + fv, cast(num, O.dtype.element_ty, UPCAST), mask=fv < Dv)
+    tl.store(O + pid.to(tl.int64) * so_bh + fv, cast(num, O.dtype.element_ty, INTERP_BF16), mask=fv < Dv)

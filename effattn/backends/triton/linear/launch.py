@@ -84,7 +84,7 @@ class Numerics:
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
     def flags(self):
-        return dict(DT=self.dt, DOT_PREC=self.prec, UPCAST=self.upcast)
+        return dict(DT=self.dt, DOT_PREC=self.prec, INTERP_BF16=self.upcast)
 
 
 def _fit(cfg, fa: int, fc: int):
@@ -241,6 +241,6 @@ def step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fmap: int, norma
     bf = min(64, max(16, _next_pow2(F)))
     _step_kernel[(B * H, cdiv(Dv, bv))](
         q2, k2, v2, S, z, S_new, z_new, out, q2.stride(0), k2.stride(0), v2.stride(0), Dv, H, H // Hkv, F, Dv,
-        eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, UPCAST=_INTERPRET and v.dtype == torch.bfloat16,
+        eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, INTERP_BF16=_INTERPRET and v.dtype == torch.bfloat16,
         num_warps=4)
     return out, S_new, z_new
