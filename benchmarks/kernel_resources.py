@@ -225,6 +225,22 @@ def _prefetch(row: dict) -> str:
     return "yes" if not any(waits) else "waits all in loop " + ",".join(str(i) for i, w in enumerate(waits) if w)
 
 
+def compile_all(measure_fn, jobs, args, module: str, argv) -> tuple:
+    """Runs ``measure_fn`` over ``jobs`` in ``args.processes`` processes (printing each row as JSON
+    with ``args.json``); returns the rows and the table's metadata (target, triton, date, command)."""
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.processes, len(jobs)))) as pool:
+        for row in pool.map(measure_fn, jobs):
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    import triton
+    meta = dict(target=f"sm_{args.arch}", arch=args.arch, triton=triton.__version__,
+                date=datetime.date.today().isoformat(),
+                command=f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return rows, meta
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 80: A100)")
@@ -260,16 +276,7 @@ def main(argv=None) -> int:
     jobs = [(args.arch, kind, int(hd), dt, i, cfg, feat, args.idx64)
             for feat in features for kind in kinds for hd in args.head_dims.split(",")
             for dt in args.dtypes.split(",") for i, cfg in configs_for(kind, int(hd), dt, args.configs)]
-    rows = []
-    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.processes, len(jobs)))) as pool:
-        for row in pool.map(measure, jobs):
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
-    import triton
-    meta = dict(target=f"sm_{args.arch}", arch=args.arch, triton=triton.__version__,
-                date=datetime.date.today().isoformat(),
-                command="python -m benchmarks.kernel_resources " + " ".join(argv if argv is not None else sys.argv[1:]))
+    rows, meta = compile_all(measure, jobs, args, "benchmarks.kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)

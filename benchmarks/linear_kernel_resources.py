@@ -15,14 +15,12 @@ Run it without ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import datetime
 import json
 import os
 import sys
 from typing import Dict, List
 
-from .kernel_resources import SMEM_LIMIT, resources
+from .kernel_resources import SMEM_LIMIT, compile_all, resources
 
 # role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
 _STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
@@ -144,17 +142,7 @@ def main(argv=None) -> int:
         ap.error(f"--roles takes {', '.join(ROLES)}")
     jobs = [(args.arch, role, int(f), dt) for f in args.feature_dims.split(",") for dt in args.dtypes.split(",")
             for role in roles]
-    rows = []
-    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.processes, len(jobs)))) as pool:
-        for row in pool.map(measure, jobs):
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
-    import triton
-    meta = dict(target=f"sm_{args.arch}", arch=args.arch, triton=triton.__version__,
-                date=datetime.date.today().isoformat(),
-                command="python -m benchmarks.linear_kernel_resources " + " ".join(
-                    argv if argv is not None else sys.argv[1:]))
+    rows, meta = compile_all(measure, jobs, args, "benchmarks.linear_kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)
