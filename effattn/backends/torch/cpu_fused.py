@@ -170,7 +170,7 @@ def _unarrange(y: Tensor, g0: _Group, geo: _Geometry) -> Tensor:
 
 def _gather(kb: Tensor, g0: _Group, geo: _Geometry) -> Tensor:
     """Key (or value) blocks kb (B, Hkv, nkb+1, bs, X) gathered for the group: (B, heads, g, M*bs, X)."""
-    B, H, Hkv = geo.B, geo.H, geo.Hkv
+    H, Hkv = geo.H, geo.Hkv
     Hl, g, M = g0.idx.shape
     if geo.per_head:
         head = (torch.arange(H) // (H // Hkv)).view(H, 1, 1)

@@ -93,7 +93,7 @@ def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
 def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, normalize, eps, tf32):
     num = Numerics(v.dtype, tf32)
     B, H, Lq, F = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
+    Hkv = k.shape[1]
     G = H // Hkv
     g, e = _out_grads(dout, out, den, normalize)
     fq, gb = Rows(q, 0, fmap), Rows(g)
