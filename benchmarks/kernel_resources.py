@@ -225,6 +225,20 @@ def _prefetch(row: dict) -> str:
     return "yes" if not any(waits) else "waits all in loop " + ",".join(str(i) for i, w in enumerate(waits) if w)
 
 
+def write_tables(out: str, stem: str, rows, meta: dict, md: str, csv_columns=None) -> None:
+    """``<stem>.json`` (meta + rows), ``<stem>.md`` and, given ``csv_columns``, ``<stem>.csv`` under ``out``."""
+    os.makedirs(out, exist_ok=True)
+    if csv_columns is not None:
+        with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=csv_columns)
+            w.writeheader()
+            w.writerows(rows)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(md)
+
+
 def compile_all(measure_fn, jobs, args, module: str, argv) -> tuple:
     """Runs ``measure_fn`` over ``jobs`` in ``args.processes`` processes (printing each row as JSON
     with ``args.json``); returns the rows and the table's metadata (target, triton, date, command)."""
@@ -281,15 +295,7 @@ def main(argv=None) -> int:
     if not args.json:
         print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "resources.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        with open(os.path.join(args.out, "resources.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "resources.md"), "w") as f:
-            f.write(md)
+        write_tables(args.out, "resources", rows, meta, md, csv_columns=COLUMNS)
     return 0
 
 

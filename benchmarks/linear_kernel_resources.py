@@ -15,12 +15,11 @@ Run it without ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List
 
-from .kernel_resources import SMEM_LIMIT, compile_all, resources
+from .kernel_resources import SMEM_LIMIT, compile_all, resources, write_tables
 
 # role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
 _STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
@@ -147,11 +146,7 @@ def main(argv=None) -> int:
     if not args.json:
         print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "linear_resources.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "linear_resources.md"), "w") as f:
-            f.write(md)
+        write_tables(args.out, "linear_resources", rows, meta, md)
     return 0
 
 

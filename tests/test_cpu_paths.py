@@ -11,7 +11,7 @@ import effattn
 from effattn.backends.torch import cpu_fused
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
-from test_attention import CASES, judge, make_inputs, naive_in
+from test_attention import CASES, extra_peak_bytes_16k, judge, make_inputs, naive_in
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
                                 reason="this torch has no flash CPU kernel")
@@ -133,26 +133,7 @@ def test_blocks_path_memory_is_bounded_at_16k():
     """A causal window of 256 at B=1, H=8, L=16384, D=64 fp32, forward + backward, in a fresh process:
     the extra peak memory stays far below the 8.6 GB of a score matrix (the inputs, outputs and
     gradients themselves are 6 x 32 MiB)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    script = textwrap.dedent("""
-        import resource, torch, effattn
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, 8, 16384, 64, requires_grad=True) for _ in range(3))
-        go = torch.randn(1, 8, 16384, 64)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = effattn.attention(q, k, v, causal=True, window=256)
-        out.backward(go)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        assert torch.isfinite(q.grad).all() and torch.isfinite(out).all()
-        print((after - before) * 1024)
-    """)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    extra = int(res.stdout.strip().splitlines()[-1])
+    extra = extra_peak_bytes_16k("causal=True, window=256")
     assert extra < 512 << 20, f"extra peak memory {extra / 2**20:.0f} MiB >= 512 MiB"
 
 
