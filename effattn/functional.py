@@ -64,9 +64,10 @@ class Explanation:
     torch backend's CPU paths, with why a faster one is not taken)."""
 
     def __init__(self, op: str, chosen, reasons: Dict[str, List[str]], notes: Dict[str, str],
-                 paths: Dict[str, str] = None):
+                 paths: Dict[str, str] = None, ranks: Dict[str, int] = None):
         self.op, self.chosen, self.reasons, self.notes = op, chosen, reasons, notes
         self.paths = paths or {}
+        self.ranks = ranks or {}     # each backend's priority for this call (lower is tried first)
 
     def can_serve(self, name: str) -> bool:
         return name in self.reasons and not self.reasons[name]
@@ -76,7 +77,8 @@ class Explanation:
         for name, why in self.reasons.items():
             state = "can serve" if not why else "cannot serve: " + "; ".join(why)
             note = "".join(f" ({d[name]})" for d in (self.notes, self.paths) if name in d)
-            lines.append(f"  {name:7s} {state}{note}")
+            rank = f"[{self.ranks[name]:>3}] " if name in self.ranks else "      "
+            lines.append(f"  {rank}{name:7s} {state}{note}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -90,8 +92,8 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
 
         >>> print(effattn.explain(q, k, v, causal=True))
         effattn.attention: backend='auto' picks torch
-          triton  cannot serve: runs on cuda tensors, got cpu
-          torch   can serve
+          [ 10] triton  cannot serve: runs on cuda tensors, got cpu
+          [100] torch   can serve
     """
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
@@ -102,8 +104,9 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         call = make_linear_call(q, k, v, **kwargs)
     else:
         raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
-    reasons, notes, paths, chosen = {}, {}, {}, None
-    for b in base.backends_for(op):
+    reasons, notes, paths, ranks, chosen = {}, {}, {}, {}, None
+    for b in base.backends_for(op, call):
+        ranks[b.name] = b.rank(call)
         why = b.reasons(call)
         reasons[b.name] = why
         remarks = list(b.notes(call)) if not why else []
@@ -118,4 +121,4 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     for name in base.BACKENDS:
         if name not in reasons:
             reasons[name] = [base.missing_reason(op, name)]
-    return Explanation(op, chosen, reasons, notes, paths)
+    return Explanation(op, chosen, reasons, notes, paths, ranks)

@@ -109,3 +109,22 @@ def test_a_backend_without_a_kernel_for_an_op_says_so():
         for name in base.BACKENDS:
             if name not in base._REGISTRY[op]:
                 assert ex.reasons[name] == [base.missing_reason(op, name)]
+
+
+def test_a_priority_may_depend_on_the_call(tmp_path, monkeypatch, registry_snapshot):
+    """A backend whose speed depends on the shape (a decode kernel for a few query rows against a long
+    cache) ranks itself per call; dispatch and explain read the same rank."""
+    src = DUMMY.replace("priority=50", "priority=lambda call: 5 if call is not None and call.q.shape[2] <= 4 else 500")
+    _write_package(tmp_path, monkeypatch, "effattn_test_ranked", src)
+    base.BACKENDS["dummy"] = "effattn_test_ranked"
+    backends.load("dummy")
+    ranked = sys.modules["effattn_test_ranked"]
+    k, v = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    effattn.attention(torch.randn(1, 2, 2, 8), k, v, causal=True)        # 2 query rows: rank 5, first
+    assert len(ranked.CALLS) == 1
+    effattn.attention(torch.randn(1, 2, 32, 8), k, v, causal=True)       # 32 rows: rank 500, after torch
+    assert len(ranked.CALLS) == 1
+    short, long = (effattn.explain(torch.randn(1, 2, n, 8), k, v) for n in (2, 32))
+    assert (short.chosen, short.ranks["dummy"]) == ("dummy", 5) and "[  5] dummy" in str(short)
+    assert (long.chosen, long.ranks["dummy"]) == ("torch", 500)
+    assert list(long.ranks)[-1] == "dummy"                                # listed in the order tried

@@ -7,7 +7,7 @@ reasons it cannot serve a call. Dispatch, `effattn.explain` and error messages a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 
@@ -49,7 +49,10 @@ class Backend:
     """A registered implementation of one op ("attention" or "linear_attention")."""
     name: str
     op: str
-    priority: int                            # lower is faster: "auto" takes the lowest that can serve
+    # lower is faster: "auto" takes the lowest-ranked backend that can serve. An int, or a function of the
+    # call when the fastest backend depends on its shape (e.g. a split-KV decode kernel for a few query rows
+    # against a long cache); `rank(call)` reads it, and explain shows the ranks it compared.
+    priority: Union[int, Callable]
     caps: Capabilities
     run: Callable                            # run(call) -> result tuple
     available: Callable[[torch.device], Optional[str]] = lambda device: None  # None or why not
@@ -62,6 +65,10 @@ class Backend:
     notes: Callable = lambda call: []
     # which of its paths the backend takes for a call it serves (a note in explain), or None
     describe: Callable = lambda call: None
+
+    def rank(self, call=None) -> int:
+        """The backend's priority for this call; a priority function gets None when asked without a call."""
+        return int(self.priority(call)) if callable(self.priority) else self.priority
 
     def reasons(self, call) -> List[str]:
         why = []
@@ -104,8 +111,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def backends_for(op: str) -> List[Backend]:
-    return sorted(_REGISTRY[op].values(), key=lambda b: b.priority)
+def backends_for(op: str, call=None) -> List[Backend]:
+    """The registered backends of `op`, fastest first for `call` (by static priority when None).
+    Ties keep the order of `BACKENDS`."""
+    order = list(BACKENDS)
+    return sorted(_REGISTRY[op].values(), key=lambda b: (b.rank(call), order.index(b.name)))
 
 
 
@@ -115,7 +125,7 @@ def select(op: str, call, backend: str) -> Backend:
     if backend not in ("auto",) + tuple(BACKENDS):
         names = ", ".join(repr(n) for n in ("auto",) + tuple(BACKENDS))
         raise ValueError(f"{op}: backend must be one of {names}; got {backend!r}")
-    table = {b.name: (b, b.reasons(call)) for b in backends_for(op)}
+    table = {b.name: (b, b.reasons(call)) for b in backends_for(op, call)}
     if backend == "auto":
         for b, why in table.values():
             if not why and call.q.device.type not in b.explicit_only_devices:
