@@ -17,6 +17,7 @@
 
 #if defined(EFFATTN_CUDA_EMU)
 #include "attention.cu"
+#include "attention_sm90.cu"
 #define EFFATTN_OPS effattn_cuda_emu
 #define EFFATTN_KEY CPU
 #else
@@ -151,11 +152,13 @@ void poison(Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
 void poison(Tensor&) {}
 #endif
 
-std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
-                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
-                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
-                                         double dropout_p, int64_t left, int64_t right) {
+using FwdLauncher = int (*)(const effattn::AttnParams&, bool, void*);
+
+std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const optional<Tensor>& kpm, const optional<Tensor>& layout, int64_t layout_block,
+                                   int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+                                   const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
+                                   int64_t right) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
                        dropout_p, left, right);
@@ -167,9 +170,33 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   p.o = out.data_ptr();
   p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
   p.lse = lse.data_ptr<float>();
-  run_checked(effattn::attention_fwd(p, r.bf16, EFFATTN_STREAM), "forward");
+  run_checked(launch(p, r.bf16, EFFATTN_STREAM), "forward");
   return {out, lse};
 }
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                         double dropout_p, int64_t left, int64_t right) {
+  return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
+                 dropout_p, left, right);
+}
+
+// The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
+std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                              int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                              int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                              double dropout_p, int64_t left, int64_t right) {
+  const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
+  check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
+  check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
+  return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
+                 scale, dropout_p, left, right);
+}
+
+bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -240,6 +267,10 @@ EFFATTN_LIBRARY(EFFATTN_OPS, m) {
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
+        "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
+        "int window_left, int window_right) -> (Tensor, Tensor)");
+  m.def("has_sm90a() -> bool", has_sm90a);
 #if defined(EFFATTN_CUDA_EMU)
   m.def("emu_set_schedule(int schedule) -> ()", emu_set_schedule);
   m.def("emu_stats() -> Tensor", emu_stats);
@@ -249,6 +280,7 @@ EFFATTN_LIBRARY(EFFATTN_OPS, m) {
 EFFATTN_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
   m.impl("attention_fwd", attention_fwd);
   m.impl("attention_bwd", attention_bwd);
+  m.impl("attention_fwd_sm90", attention_fwd_sm90);
 }
 
 #if !defined(EFFATTN_CUDA_EMU)

@@ -1,7 +1,11 @@
 """The CUDA C++ backend for softmax attention (kernels in csrc/, FlashAttention-2 class on
 mma.sync / ldmatrix / cp.async, sm_80 and newer), forward and backward, every mask kind.
 
-Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_bwd.cuh) -> launchers (csrc/attention.cu) ->
+On a GPU of compute capability 9.0 the forward at head dims 33..128 runs the Hopper kernel
+(csrc/attn_fwd_sm90.cuh, wgmma) when the extension has sm_90a code (``hopper.py`` decides; explain
+says which forward runs).
+
+Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_fwd_sm90.cuh, csrc/attn_bwd.cuh) -> launchers (csrc/attention.cu) ->
 the C++ ops (csrc/binding/attention_op.cpp) -> the autograd ops (``ops.py``) -> this registration.
 
 CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only with
@@ -20,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..base import Backend, Capabilities, register
-from . import _ext
+from . import _ext, hopper
 
 
 def _available(device: torch.device) -> Optional[str]:
@@ -64,6 +68,6 @@ BACKEND = register(Backend(
         max_head_dim=256,
         features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
                             "dv_ne_d", "return_lse"})),
-    run=_run, available=_available, notes=notes,
+    run=_run, available=_available, notes=notes, describe=hopper.describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
