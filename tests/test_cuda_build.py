@@ -4,7 +4,7 @@
 - ptxas reports no spills, registers under the cap, and a kernel count within the budget (the
   templates are over head-dim bucket and dtype only; masks are runtime data);
 - the SASS uses the tensor-core and async-copy instructions the source asks for (HMMA, LDSM,
-  LDGSTS), read with cuobjdump from PyPI's nvidia-cuda-cuobjdump wheel (nvcc 13's own toolkit
+  LDGSTS; HGMMA in the Hopper forward's sm_90a code), read with cuobjdump from PyPI's nvidia-cuda-cuobjdump wheel (nvcc 13's own toolkit
   here has none).
 """
 import glob
@@ -20,6 +20,10 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
 KERNEL_BUDGET = 32           # per arch: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta kernels = 26
+# attention_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
+# empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
+HOPPER_KERNELS = 4
+HOPPER_MAX_REGISTERS = 192
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -87,17 +91,22 @@ def test_every_kernel_is_built_for_each_bucket_and_dtype(compiled):
                 assert any(kernel in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (kernel, hd, bf16)
 
 
-def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
+def sass_of(obj, arch):
+    """The SASS listing of an object's `arch` code (cuobjdump -sass)."""
     exe, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if exe is None or disasm is None:
         pytest.fail("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm "
                     "(the 'test' extra)")
     env = dict(os.environ, PATH=os.path.dirname(disasm) + os.pathsep + os.environ.get("PATH", ""))
+    res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     _, obj = compiled["attention.cu"]
     for arch in ARCHS:
-        res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
-        assert res.returncode == 0, res.stderr
-        sass = res.stdout
+        sass = sass_of(obj, arch)
         for fn in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
             bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
             assert len(bodies) == 8, (arch, fn, len(bodies))
@@ -105,6 +114,28 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
                 for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
                     assert op in body, (arch, fn, op)
         assert "LDSM.16.MT88.4" in sass, arch          # the .trans loads of V, dO, Q, K
+
+
+def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
+    """The Hopper forward's sm_90a SASS multiplies on HGMMA (64x64 for S, 64xHD for P V) between
+    warpgroup arrive / wait, loads with LDGSTS and uses no HMMA; its sm_80 build is empty stubs."""
+    report, obj = compiled["attention_sm90.cu"]
+    entries = [e for e in ptxas_entries(report) if "attn_fwd_sm90_kernel" in e[1]]
+    for arch in ARCHS:
+        assert len([e for e in entries if e[0] == arch]) == HOPPER_KERNELS, arch
+    assert max(e[2] for e in entries if e[0] == "sm_90a") <= HOPPER_MAX_REGISTERS, entries
+    sass = sass_of(obj, "sm_90a")
+    bodies = {b.split("\n", 1)[0]: b for b in sass.split("Function : ")[1:] if "attn_fwd_sm90_kernel" in b[:200]}
+    assert len(bodies) == HOPPER_KERNELS
+    for name, body in bodies.items():
+        hd = 128 if "ILi128E" in name else 64
+        bf16 = "Lb1E" in name
+        for op in ("HGMMA.64x64x16.F32", f"HGMMA.64x{hd}x16.F32", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR",
+                   "LDGSTS", "FENCE.VIEW.ASYNC.S"):
+            assert op in body, (name, op)
+        assert ("HGMMA.64x64x16.F32.BF16" in body) == bf16, name
+        assert "HMMA" not in body.replace("HGMMA", ""), name
+    assert "HGMMA" not in sass_of(obj, "sm_80")
 
 
 if __name__ == "__main__":
