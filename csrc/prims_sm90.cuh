@@ -59,27 +59,47 @@ EFFATTN_DEVICE void keep(T&) {}
 #else  // nvcc
 EFFATTN_DEVICE uint32_t smem_u32(const void* p) { return smem_addr(p); }
 
+// Operand lists of the wgmma asm: the accumulators %0..%(N/2 - 1), then the descriptors (or the
+// four A registers and B's descriptor), scale-d (a predicate set from `acc`) and B's transpose flag.
 #define EFFATTN_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define EFFATTN_ACC32 EFFATTN_ACC4(0), EFFATTN_ACC4(1), EFFATTN_ACC4(2), EFFATTN_ACC4(3), EFFATTN_ACC4(4), EFFATTN_ACC4(5), EFFATTN_ACC4(6), EFFATTN_ACC4(7)
-#define EFFATTN_ACC64 EFFATTN_ACC32, EFFATTN_ACC4(8), EFFATTN_ACC4(9), EFFATTN_ACC4(10), EFFATTN_ACC4(11), EFFATTN_ACC4(12), EFFATTN_ACC4(13), EFFATTN_ACC4(14), EFFATTN_ACC4(15)
-#define EFFATTN_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define EFFATTN_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define EFFATTN_WGMMA_SS64(TY)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " \
-               EFFATTN_REGS32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                     \
-               : EFFATTN_ACC32 : "l"(da), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
-#define EFFATTN_WGMMA_RS64(TY)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " \
-               EFFATTN_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                \
-               : EFFATTN_ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
-#define EFFATTN_WGMMA_SS128(TY)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " \
-               EFFATTN_REGS64 ", %64, %65, p, 1, 1, 0, %67;\n}\n"                                     \
-               : EFFATTN_ACC64 : "l"(da), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
-#define EFFATTN_WGMMA_RS128(TY)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " \
-               EFFATTN_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                \
-               : EFFATTN_ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
+#define EFFATTN_ACC32                                                                               \
+  EFFATTN_ACC4(0), EFFATTN_ACC4(1), EFFATTN_ACC4(2), EFFATTN_ACC4(3), EFFATTN_ACC4(4),              \
+      EFFATTN_ACC4(5), EFFATTN_ACC4(6), EFFATTN_ACC4(7)
+#define EFFATTN_ACC64                                                                               \
+  EFFATTN_ACC32, EFFATTN_ACC4(8), EFFATTN_ACC4(9), EFFATTN_ACC4(10), EFFATTN_ACC4(11),              \
+      EFFATTN_ACC4(12), EFFATTN_ACC4(13), EFFATTN_ACC4(14), EFFATTN_ACC4(15)
+#define EFFATTN_REGS32                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define EFFATTN_REGS64                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define EFFATTN_WGMMA_SS64(TY)                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                         \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " EFFATTN_REGS32                  \
+               ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                                  \
+               : EFFATTN_ACC32                                                                      \
+               : "l"(da), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
+#define EFFATTN_WGMMA_RS64(TY)                                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                             \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " EFFATTN_REGS32                      \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                        \
+               : EFFATTN_ACC32                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
+#define EFFATTN_WGMMA_SS128(TY)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " EFFATTN_REGS64                 \
+               ", %64, %65, p, 1, 1, 0, %67;\n}\n"                                                  \
+               : EFFATTN_ACC64                                                                      \
+               : "l"(da), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
+#define EFFATTN_WGMMA_RS128(TY)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " EFFATTN_REGS64                     \
+               ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                        \
+               : EFFATTN_ACC64                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
 
 #if EFFATTN_SM90A
 EFFATTN_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

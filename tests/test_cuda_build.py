@@ -4,8 +4,8 @@
 - ptxas reports no spills, registers under the cap, and a kernel count within the budget (the
   templates are over head-dim bucket and dtype only; masks are runtime data);
 - the SASS uses the tensor-core and async-copy instructions the source asks for (HMMA, LDSM,
-  LDGSTS; HGMMA in the Hopper forward's sm_90a code), read with cuobjdump from PyPI's nvidia-cuda-cuobjdump wheel (nvcc 13's own toolkit
-  here has none).
+  LDGSTS; HGMMA in the Hopper forward's sm_90a code), read with cuobjdump from PyPI's
+  nvidia-cuda-cuobjdump wheel (nvcc 13's own toolkit here has none).
 """
 import glob
 import os

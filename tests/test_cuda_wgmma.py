@@ -307,3 +307,35 @@ def test_explain_says_which_forward_runs(hopper, monkeypatch):
     assert "EFFATTN_CUDA_EMU_HOPPER=1" in str(effattn.explain(q, k, v))
     with pytest.raises(RuntimeError, match="buckets 64 and 128"):
         hopper.attention_fwd_sm90(*small, None, None, 0, 0, None, 0, None, 0.1, 0.0, -1, -1)
+
+
+# ------------------------------------------------------------------ on a Hopper GPU (marked gpu)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mask", ["causal", "gqa-window-causal", "dv<d-all"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_real_hopper_forward_matches_its_emulation(D, mask, dtype, monkeypatch):
+    """On a compute-capability 9.0 GPU with the sm_90a kernels built: the real wgmma forward against
+    the emulated one on the same inputs (differences: ex2.approx and the tensor cores' summation
+    order, a few units in the last place)."""
+    from effattn.backends.cuda import hopper as hp
+    if not torch.cuda.is_available() or _ext.cuda_problem():
+        pytest.skip("needs a GPU and effattn._C")
+    q, k, v, kwargs = forward_case(mask, D, dtype)
+    dev = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+    why = hp.why_not(q.cuda(), v.cuda())
+    if why:
+        pytest.skip(f"the Hopper forward does not run here: {why}")
+    assert "Hopper wgmma" in str(effattn.explain(q.cuda(), k.cuda(), v.cuda(), **dev))
+    out, lse = effattn.attention(q.cuda(), k.cuda(), v.cuda(), return_lse=True, backend="cuda", **dev)
+    monkeypatch.setenv("EFFATTN_CUDA_EMU", "1")
+    monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
+    assert _ext.emu_problem() is None, _ext.emu_problem()
+    emu_out, emu_lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
+    eps = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for name, a, b in (("out", out.cpu(), emu_out), ("lse", lse.cpu(), emu_lse)):
+        scale = b.float().abs().nan_to_num(posinf=0.0, neginf=0.0).max().clamp_min(1.0).item()
+        err = (a.float() - b.float()).abs().nan_to_num(posinf=0.0, neginf=0.0).max().item()
+        assert err <= 4 * eps * scale, f"{name}: real vs emulated {err:.3g}"
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(emu_lse))

@@ -5,7 +5,8 @@
 //   maps              prints the fragment maps (tests compare them with the PTX ISA tables)
 //   mma-bf16/mma-f16  one warp: A, B through ldmatrix, D = A B by mma; prints the max error
 //   bank-plain / bank-swizzled   ldmatrix wavefronts per phase of an unswizzled / swizzled tile
-//   attention         the attention kernels on exact-size heap buffers (sanitizers watch them)
+//   attention         the attention kernels on exact-size heap buffers (sanitizers watch them), and
+//                     the Hopper forward at head dims 33..64
 //   bug-*             kernels with one planted mistake: the emulation must abort or show NaN
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../attention_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "../attn_launch.cuh"
 
 using namespace effattn;
@@ -173,6 +175,16 @@ int attention() {
     for (size_t i = 0; i < nk; ++i) nan += std::isnan(prim::to_float<true>(dk[i]));
     for (size_t i = 0; i < nv; ++i) nan += std::isnan(prim::to_float<true>(dv[i]));
     std::printf("shape Lq=%d Lk=%d D=%d Dv=%d nan=%d\n", s.Lq, s.Lk, s.D, s.Dv, nan);
+    if (!small) {   // the Hopper forward on the same buffers: the same output (fp32 sums in one order)
+      uint16_t* o2 = heap<uint16_t>(no);
+      AttnParams p2 = p;
+      p2.o = o2;
+      if (attention_fwd_sm90(p2, true, nullptr)) return 2;
+      int diff = 0;
+      for (size_t i = 0; i < no; ++i) diff += o2[i] != o[i];
+      std::printf("sm90 forward: %d elements differ\n", diff);
+      std::free(o2);
+    }
     for (void* ptr : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
                       (void*)lse, (void*)delta, (void*)kpm})
       std::free(ptr);

@@ -91,7 +91,9 @@ int product(const std::string& variant) {
     }
     prim::sync_block();
     const uint32_t aQ = prim::smem_u32(sQ), aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
-    auto dk = [&](uint32_t t, int kk) { return prim::smem_desc(t + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, sbo, swz); };
+    auto dk = [&](uint32_t t, int kk) {
+      return prim::smem_desc(t + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, sbo, swz);
+    };
     float s[BN / 8][4] = {}, o[HD / 8][4] = {};
     prim::wgmma_fence();
     for (int kk = 0; kk < HD / 16; ++kk) prim::wgmma_ss<BN, true, false>(s, dk(aQ, kk), dk(aK, kk), kk > 0);
