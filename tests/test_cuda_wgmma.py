@@ -303,6 +303,12 @@ def test_explain_says_which_forward_runs(hopper, monkeypatch):
     small = q[..., :32], k[..., :32], v[..., :32]
     text = str(effattn.explain(*small))
     assert "forward: mma.sync kernel" in text and "bucket is 32" in text
+    monkeypatch.setenv("EFFATTN_CUDA_HOPPER", "0")
+    assert "turned off by EFFATTN_CUDA_HOPPER=0" in str(effattn.explain(q, k, v))
+    hopper.emu_stats()
+    effattn.attention(q, k, v, backend="cuda")
+    assert hopper.emu_stats()[1].item() > 0          # mma.sync ran
+    monkeypatch.delenv("EFFATTN_CUDA_HOPPER")
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "0")
     assert "EFFATTN_CUDA_EMU_HOPPER=1" in str(effattn.explain(q, k, v))
     with pytest.raises(RuntimeError, match="buckets 64 and 128"):

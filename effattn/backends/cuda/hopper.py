@@ -6,6 +6,8 @@ every mask, on a GPU of compute capability 9.0 when the extension was built with
 (setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
 always the mma.sync one. Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
+``EFFATTN_CUDA_HOPPER=0`` turns the Hopper forward off everywhere (the mma.sync forward serves: for
+timing one against the other on the same GPU, or to step around it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def why_not(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
     """None if the Hopper forward serves a call with these q, v; else why the mma.sync forward does."""
     from .ops import bucket
     device = q.device
+    if os.environ.get("EFFATTN_CUDA_HOPPER") == "0":
+        return "turned off by EFFATTN_CUDA_HOPPER=0"
     if device.type == "cpu":
         if os.environ.get("EFFATTN_CUDA_EMU_HOPPER") != "1":
             return "the emulation runs it only with EFFATTN_CUDA_EMU_HOPPER=1"
