@@ -238,9 +238,16 @@ MASKS = {
 }
 
 
+def to_device(kwargs, device):
+    return {n: (t.to(device) if hasattr(t, "to") else t) for n, t in kwargs.items()}
+
+
 def forward_case(name, D, dtype):
+    """q, k, v, kwargs on the CPU (the emulation's device, also where a GPU is present)."""
     B, H, Hkv, Lq, Lk, dv, kw = MASKS[name]
-    return make_inputs((B, H, Hkv, Lq, Lk, D, D + dv, kw), dtype, seed=D, transposed=name.startswith("gqa"))
+    q, k, v, kwargs = make_inputs((B, H, Hkv, Lq, Lk, D, D + dv, kw), dtype, seed=D,
+                                  transposed=name.startswith("gqa"))
+    return q.cpu(), k.cpu(), v.cpu(), to_device(kwargs, "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -329,7 +336,7 @@ def test_real_hopper_forward_matches_its_emulation(D, mask, dtype, monkeypatch):
     if not torch.cuda.is_available() or _ext.cuda_problem():
         pytest.skip("needs a GPU and effattn._C")
     q, k, v, kwargs = forward_case(mask, D, dtype)
-    dev = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+    dev = to_device(kwargs, "cuda")
     why = hp.why_not(q.cuda(), v.cuda())
     if why:
         pytest.skip(f"the Hopper forward does not run here: {why}")
