@@ -19,7 +19,9 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per arch: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta kernels = 26
+KERNEL_BUDGET = 32           # per .cu and arch; attention.cu: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta = 26
+DECODE_KERNELS = 10          # decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
+DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -110,6 +112,36 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
+
+
+def test_decode_kernels_counts_register_caps_and_sass(compiled):
+    """csrc/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
+    split kernels up to head dim 128 keep 3 blocks per SM by registers (their shared memory allows
+    3 at head dim 128); the split kernels' SASS has tensor-core mma, ldmatrix (.trans for V) and
+    async copies."""
+    report, obj = compiled["decode.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e for e in entries if e[0] == arch]
+        assert len(mine) == DECODE_KERNELS, (arch, len(mine))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                hits = [e for e in mine if "attn_decode_split_kernel" in e[1] and f"ILi{hd}ELb{bf16}E" in e[1]]
+                assert len(hits) == 1, (arch, hd, bf16)
+                assert hits[0][2] <= (DECODE_REGISTER_CAP if hd <= 128 else MAX_REGISTERS), hits[0]
+        assert sum("attn_decode_combine_kernel" in e[1] for e in mine) == 2
+    exe, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if exe is None or disasm is None:
+        pytest.fail("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ, PATH=os.path.dirname(disasm) + os.pathsep + os.environ.get("PATH", ""))
+    for arch in ARCHS:
+        res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
+        assert res.returncode == 0, res.stderr
+        bodies = [b for b in res.stdout.split("Function : ")[1:] if "attn_decode_split_kernel" in b.split("\n", 1)[0]]
+        assert len(bodies) == 8, (arch, len(bodies))
+        for body in bodies:
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, op)
 
 
 def test_header_the_binding_includes_is_host_cpp(tmp_path):

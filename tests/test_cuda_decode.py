@@ -53,7 +53,7 @@ def check(out, lse, q, k, v, kw, dtype):
 
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs); layout: (block size, per head)
 CASES = {
-    "dense-H32-Hkv8-Lq1": (1, 32, 8, 1, 300, 64, 64, {}),
+    "dense-H32-Hkv8-Lq1": (1, 32, 8, 1, 600, 64, 64, {}),
     "causal-gqa4-Lq4": (2, 8, 2, 4, 600, 32, 32, dict(causal=True)),
     "window-left-Lq3": (1, 4, 1, 3, 700, 64, 64, dict(causal=True, window=130)),
     "window-two-sided-Lq5": (1, 2, 2, 5, 400, 32, 48, dict(window=(90, 2))),
@@ -61,7 +61,7 @@ CASES = {
     "layout-shared-bs32": (1, 8, 2, 2, 640, 32, 32, dict(layout=(32, False), causal=True)),
     "layout-per-head-gqa-bs48": (1, 8, 2, 3, 520, 32, 32, dict(layout=(48, True))),
     "layout-per-head-mha-window": (1, 2, 2, 1, 450, 64, 64, dict(layout=(64, True), window=200)),
-    "Lq16-G8-two-row-tiles": (1, 8, 1, 16, 260, 32, 32, dict(causal=True)),
+    "Lq16-G8-eight-row-tiles": (1, 8, 1, 16, 260, 32, 32, dict(causal=True)),
     "Lq-gt-Lk-empty-rows": (1, 4, 2, 12, 8, 32, 32, dict(causal=True)),
     "D256": (1, 4, 2, 1, 200, 256, 256, dict(causal=True)),
 }
@@ -100,9 +100,10 @@ def test_forced_splits_uneven_and_empty(emulation):
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
     kpm[0, 64:320] = True                                     # splits=3 (4, 4, 2 tiles): split 0's keys from 64 on
     kpm[1, :256] = True                                       # batch 1: all of split 0 with splits=3
-    for kw in (dict(causal=True), dict(key_padding_mask=kpm)):
+    for kw in (dict(causal=True), dict(key_padding_mask=kpm), dict(causal=True, window=130)):
         for splits in (1, 2, 3, 7, 13):
-            out, lse = decode.cuda_attention_decode(q, k, v, None, 0, kw.get("key_padding_mask"), D ** -0.5, -1,
+            left = kw.get("window", -1)
+            out, lse = decode.cuda_attention_decode(q, k, v, None, 0, kw.get("key_padding_mask"), D ** -0.5, left,
                                                     0 if kw.get("causal") else -1, splits)
             check(out, lse, q, k, v, kw, dtype)
 
