@@ -168,6 +168,28 @@ def test_opcheck(emulation):
     torch.library.opcheck(decode.cuda_attention_decode, (q, k, v, None, 0, torch.rand(1, 130) < 0.3, 0.3, -1, -1, 1))
 
 
+def test_auto_split_count_is_the_plans_and_compiles(emulation):
+    """The backend's call runs the plan's split count (counted in emulated blocks), and it traces
+    under torch.compile(fullgraph=True) with a per-head layout (its lists are built inside the op)."""
+    B, H, Hkv, Lk = 1, 8, 2, 1000
+    q, k, v = inputs(B, H, Hkv, 1, Lk, 32, 32, torch.bfloat16, 6)
+    layout = BlockLayout(torch.rand(H, 1, math.ceil(Lk / 32), generator=torch.Generator().manual_seed(3)) < 0.6, 32)
+    kw = dict(layout=layout, window=600, causal=True)
+
+    def f(q, k, v):
+        return effattn.attention(q, k, v, backend="cuda", **kw)
+
+    with torch.no_grad():
+        emulation.emu_stats()
+        eager = f(q, k, v)
+        blocks = int(emulation.emu_stats()[0])
+        row_tiles, tiles, splits = decode.plan(make_attn_call(q, k, v, **kw))
+        assert splits > 1 and blocks == B * Hkv * row_tiles * splits + math.ceil(B * H / 4), (blocks, splits)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager, compiled)
+    check(eager, effattn.attention(q, k, v, backend="cuda", return_lse=True, **kw)[1], q, k, v, kw, torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------------- the plan
 
 def test_split_plan_fills_two_waves_with_a_minimum_per_split():

@@ -95,21 +95,30 @@ def _lists(q, k, layout_mask, layout_block, left, right):
     return lists, wf, check
 
 
-def key_tiles(call) -> int:
-    """Visible key tiles of one KV head (a layout's: the widest list row, an upper bound)."""
-    if call.layout is not None:
-        lists, _, _ = _lists(call.q, call.k, call.layout.mask, call.layout.block_size, call.window_left,
-                             call.window_right)
+def _key_tiles(Lq, Lk, left, right, lists) -> int:
+    """Visible key tiles of one KV head (with a layout's `lists`: the widest list row, an upper bound)."""
+    if lists is not None:
         return lists.shape[-1] - 2
-    k0, k1 = Rule(call.Lq, call.Lk, call.window_left, call.window_right).key_range(0, call.Lq)
+    k0, k1 = Rule(Lq, Lk, left, right).key_range(0, Lq)
     return cdiv(k1, BLOCK_N) - k0 // BLOCK_N if k1 > k0 else 0
+
+
+def _plan(q, k, lists, left, right) -> Tuple[int, int, int]:
+    """(row tiles, key tiles, splits) of a call with q (B, H, Lq, D), k (B, Hkv, Lk, D)."""
+    B, H, Lq = q.shape[:3]
+    Hkv, Lk = k.shape[1], k.shape[2]
+    row_tiles = cdiv((H // Hkv) * Lq, ROWS)
+    tiles = _key_tiles(Lq, Lk, left, right, lists)
+    return row_tiles, tiles, num_splits(B, Hkv, row_tiles, tiles, sm_count(q.device))
 
 
 def plan(call) -> Tuple[int, int, int]:
     """(row tiles, key tiles, splits) the decode kernels use for `call`."""
-    row_tiles = cdiv((call.H // call.Hkv) * call.Lq, ROWS)
-    tiles = key_tiles(call)
-    return row_tiles, tiles, num_splits(call.B, call.Hkv, row_tiles, tiles, sm_count(call.q.device))
+    lay = call.layout
+    lists = None
+    if lay is not None:
+        lists, _, _ = _lists(call.q, call.k, lay.mask, lay.block_size, call.window_left, call.window_right)
+    return _plan(call.q, call.k, lists, call.window_left, call.window_right)
 
 
 def describe(call) -> str:
@@ -147,8 +156,11 @@ def cuda_attention_decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional
                           key_padding_mask: Optional[Tensor], scale: float, window_left: int, window_right: int,
                           splits: int) -> Tuple[Tensor, Tensor]:
     """(out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32) of a forward-only decode call, the key
-    range cut into `splits` runs of tiles (no autograd)."""
+    range cut into `splits` runs of tiles (0: the plan's count, chosen here, where the layout's
+    lists are at hand and torch.compile does not trace). No autograd."""
     lists, wf, check = _lists(q, k, layout_mask, layout_block, window_left, window_right)
+    if splits == 0:
+        splits = _plan(q, k, lists, window_left, window_right)[2]
     return kernels(q.device).attention_decode(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf,
                                               scale, window_left, window_right, splits)
 
@@ -163,4 +175,4 @@ def run(call):
     lay = call.layout
     return cuda_attention_decode(call.q, call.k, call.v, lay.mask if lay is not None else None,
                                  lay.block_size if lay is not None else 0, call.key_padding_mask, call.scale,
-                                 call.window_left, call.window_right, plan(call)[2])
+                                 call.window_left, call.window_right, 0)
