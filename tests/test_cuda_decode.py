@@ -241,3 +241,54 @@ def test_gradients_take_the_prefill_kernels(monkeypatch):
     ref, _ = naive_attention(*(t.detach().double() for t in leaves), causal=True)
     low, _ = naive_in(torch.bfloat16, *(t.detach() for t in leaves), dict(causal=True))
     judge(dec, ref, low, 2, torch.bfloat16, "out")
+
+
+# ------------------------------------------------------------------------------------ on a GPU
+
+def _need_extension():
+    from effattn.backends.cuda import _ext
+    if _ext.cuda_problem():
+        pytest.skip(f"effattn._C: {_ext.cuda_problem()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48", "D256"])
+def test_gpu_decode_matches_its_emulation(case_id):
+    """The real kernels against the emulated ones on the same inputs and split count: a couple of
+    units in the last place (ex2.approx, the tensor cores' summation order)."""
+    _need_extension()
+    B, H, Hkv, Lq, Lk, D, Dv, kw = CASES[case_id]
+    dtype = torch.bfloat16
+    q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, 0)
+    kw = case_kwargs(kw, B, H, Lq, Lk, torch.Generator().manual_seed(7))
+    call = make_attn_call(q, k, v, **kw)
+    lay = call.layout
+    got = {}
+    for dev in ("cuda", "cpu"):
+        args = [t.to(dev) for t in (q, k, v)]
+        mask = lay.mask.to(dev) if lay is not None else None
+        kpm = call.key_padding_mask.to(dev) if call.key_padding_mask is not None else None
+        got[dev] = [t.cpu() for t in decode.cuda_attention_decode(*args, mask, lay.block_size if lay else 0, kpm,
+                                                                  call.scale, call.window_left, call.window_right, 3)]
+    for name, a, b in zip(("out", "lse"), got["cuda"], got["cpu"]):
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        err = (a.float() - b.float()).abs().nan_to_num(posinf=0.0, neginf=0.0).max().item()
+        assert err <= 4 * 2.0 ** -7 * max(b.float().abs().max().item(), 1.0), (name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 4])
+def test_gpu_decode_at_the_issue_shape(B):
+    """H=32, Hkv=8, D=128, Lk=16k, one query row: "auto" picks the CUDA decode kernels, which match
+    float64 by the low-precision rule and repeat bit for bit."""
+    _need_extension()
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(B)
+    q = torch.randn(B, 32, 1, 128, device=dev, dtype=dtype, generator=g)
+    k, v = (torch.randn(B, 8, 16384, 128, device=dev, dtype=dtype, generator=g) for _ in range(2))
+    ex = effattn.explain(q, k, v, causal=True)
+    assert ex.chosen == "cuda" and "split-KV decode" in ex.paths["cuda"], str(ex)
+    with torch.no_grad():
+        runs = [effattn.attention(q, k, v, causal=True, return_lse=True) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    check(*runs[0], q, k, v, dict(causal=True), dtype)
