@@ -33,10 +33,16 @@ def emulation():
         torch.ops.effattn_cuda_emu.emu_set_schedule(0)
 
 
-def inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, seed):
+def inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, seed, transposed=False):
+    """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); with `transposed`, views of (B, L, H, D)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, Lq, D, generator=g).to(dtype), torch.randn(B, Hkv, Lk, D, generator=g).to(dtype),
-            torch.randn(B, Hkv, Lk, Dv, generator=g).to(dtype))
+
+    def rnd(h, L, d):
+        if transposed:
+            return torch.randn(B, L, h, d, generator=g).to(dtype).transpose(1, 2)
+        return torch.randn(B, h, L, d, generator=g).to(dtype)
+
+    return rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv)
 
 
 def check(out, lse, q, k, v, kw, dtype):
@@ -54,9 +60,9 @@ def check(out, lse, q, k, v, kw, dtype):
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs); layout: (block size, per head)
 CASES = {
     "dense-H32-Hkv8-Lq1": (1, 32, 8, 1, 600, 64, 64, {}),
-    "causal-gqa4-Lq4": (2, 8, 2, 4, 600, 32, 32, dict(causal=True)),
+    "causal-gqa4-Lq4-transposed": (2, 8, 2, 4, 600, 32, 32, dict(causal=True)),
     "window-left-Lq3": (1, 4, 1, 3, 700, 64, 64, dict(causal=True, window=130)),
-    "window-two-sided-Lq5": (1, 2, 2, 5, 400, 32, 48, dict(window=(90, 2))),
+    "window-two-sided-Lq5-D20-padded": (1, 2, 2, 5, 400, 20, 48, dict(window=(90, 2))),
     "key-padding-Dv-ne-D": (2, 6, 2, 2, 500, 40, 24, dict(key_padding="random")),
     "layout-shared-bs32": (1, 8, 2, 2, 640, 32, 32, dict(layout=(32, False), causal=True)),
     "layout-per-head-gqa-bs48": (1, 8, 2, 3, 520, 32, 32, dict(layout=(48, True))),
@@ -84,7 +90,7 @@ def case_kwargs(kw, B, H, Lq, Lk, g):
 def test_decode_against_float64(case_id):
     B, H, Hkv, Lq, Lk, D, Dv, kw = CASES[case_id]
     dtype = torch.bfloat16 if len(case_id) % 2 else torch.float16
-    q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, len(case_id))
+    q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, len(case_id), transposed="transposed" in case_id)
     kw = case_kwargs(kw, B, H, Lq, Lk, torch.Generator().manual_seed(7))
     assert effattn.explain(q, k, v, **kw).paths["cuda"].startswith("split-KV decode")
     out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kw)
@@ -209,7 +215,7 @@ def test_dispatch_ranks_the_decode_path_and_explain_names_it():
     q, k, v = inputs(1, 8, 2, 1, decode.LONG_CACHE, 32, 32, torch.float16, 0)
     ex = effattn.explain(q, k, v, causal=True)
     assert ex.ranks["cuda"] < ex.ranks["triton"]
-    assert "split-KV decode: 4 heads x 1 queries" in ex.paths["cuda"] and "8 SMs" in ex.paths["cuda"]
+    assert "split-KV decode: 4 query heads x 1 row(s)" in ex.paths["cuda"] and "8 SMs" in ex.paths["cuda"]
     assert "can serve" in str(ex) and "split-KV decode" in str(ex)
     call = make_attn_call(q, k, v)
     names = [b.name for b in base.backends_for("attention", call)]
@@ -252,7 +258,7 @@ def _need_extension():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48", "D256"])
+@pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4-transposed", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48", "D256"])
 def test_gpu_decode_matches_its_emulation(case_id):
     """The real kernels against the emulated ones on the same inputs and split count: a couple of
     units in the last place (ex2.approx, the tensor cores' summation order)."""

@@ -128,8 +128,8 @@ def describe(call) -> str:
         return f"prefill kernel (64-row query tiles); not the split-KV decode: {why}"
     row_tiles, tiles, splits = plan(call)
     G = call.H // call.Hkv
-    return (f"split-KV decode: {G} heads x {call.Lq} queries packed per KV head ({row_tiles} tile(s) of {ROWS} "
-            f"rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device)} SMs")
+    return (f"split-KV decode: {G} query heads x {call.Lq} row(s) packed per KV head ({row_tiles} tile(s) of "
+            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device)} SMs")
 
 
 # ------------------------------------------------------------------------------------------- ops
