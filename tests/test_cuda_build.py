@@ -151,8 +151,8 @@ def test_header_the_binding_includes_is_host_cpp(tmp_path):
     if gxx is None:
         pytest.skip("needs g++")
     src = tmp_path / "uses_header.cpp"
-    src.write_text('#include "attention.h"\nint main() { effattn::AttnParams p{}; '
-                   'return effattn::head_dim_bucket(p.D + 1); }\n')
+    src.write_text('#include "attention.h"\n#include "decode.h"\nint main() { effattn::DecodeParams d{}; '
+                   'return effattn::head_dim_bucket(d.a.D + 1); }\n')
     res = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", CSRC, str(src)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -119,7 +119,7 @@ def test_visits_each_planned_tile_once_across_splits(emulation):
     """The emulation counts warp mma: each visited (block, key tile) costs every warp 2 ceil(D/16)
     for S and 2 ceil(Dv/16) for P V. Summed over the splits, the count must be the tile plan's
     (`visited_tiles` for query tile 0 of 16 rows) per (batch, KV head, row tile): no tile twice, none
-    dropped, whatever the split count."""
+    dropped, whatever the split count. Every ldmatrix phase takes one shared-memory wavefront."""
     B, H, Hkv, Lq, Lk, D, Dv = 1, 8, 2, 3, 900, 32, 48
     g = torch.Generator().manual_seed(2)
     q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, torch.float16, 5)
@@ -132,8 +132,9 @@ def test_visits_each_planned_tile_once_across_splits(emulation):
             emulation.emu_stats()
             decode.cuda_attention_decode(q, k, v, lay.mask if lay else None, lay.block_size if lay else 0, None,
                                          0.2, left, right, splits)
-            blocks, mma = emulation.emu_stats()[:2].tolist()
+            blocks, mma, phases, wavefronts, worst = emulation.emu_stats().tolist()
             assert mma == (full + part) * B * Hkv * per_tile, (left, right, lay is not None, splits, mma)
+            assert phases > 0 and wavefronts == phases and worst == 1     # swizzled: no bank conflict
             assert blocks == B * Hkv * splits + (0 if splits == 1 else math.ceil(B * H * Lq / 4))
 
 
