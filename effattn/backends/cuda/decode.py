@@ -151,10 +151,9 @@ def kernels(device: torch.device):
     return lib
 
 
-@torch.library.custom_op("effattn::cuda_attention_decode", mutates_args=())
-def cuda_attention_decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                          key_padding_mask: Optional[Tensor], scale: float, window_left: int, window_right: int,
-                          splits: int) -> Tuple[Tensor, Tensor]:
+def _decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+            key_padding_mask: Optional[Tensor], scale: float, window_left: int, window_right: int,
+            splits: int) -> Tuple[Tensor, Tensor]:
     """(out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32) of a forward-only decode call, the key
     range cut into `splits` runs of tiles (0: the plan's count, chosen here, where the layout's
     lists are at hand and torch.compile does not trace). No autograd."""
@@ -165,6 +164,11 @@ def cuda_attention_decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional
                                               scale, window_left, window_right, splits)
 
 
+# the same as a custom op, opaque to torch.compile; eager calls skip its wrapper (a decode step is
+# short enough for that to show)
+cuda_attention_decode = torch.library.custom_op("effattn::cuda_attention_decode", _decode, mutates_args=())
+
+
 @cuda_attention_decode.register_fake
 def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right, splits):
     B, H, Lq, _ = q.shape
@@ -173,6 +177,7 @@ def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, 
 
 def run(call):
     lay = call.layout
-    return cuda_attention_decode(call.q, call.k, call.v, lay.mask if lay is not None else None,
+    fn = cuda_attention_decode if torch.compiler.is_compiling() else _decode
+    return fn(call.q, call.k, call.v, lay.mask if lay is not None else None,
                                  lay.block_size if lay is not None else 0, call.key_padding_mask, call.scale,
                                  call.window_left, call.window_right, 0)
