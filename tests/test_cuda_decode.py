@@ -4,6 +4,7 @@ into one tile, forced split counts (several, an uneven last one, splits that see
 tiles each split visits, bitwise determinism, the split plan and the dispatch that picks the path.
 """
 import math
+import os
 import shutil
 
 import pytest
@@ -208,6 +209,10 @@ def test_split_plan_fills_two_waves_with_a_minimum_per_split():
     assert decode.num_splits(1, 8, 1, 7, 132) == 1
     assert decode.num_splits(64, 8, 1, 256, 132) == 1             # enough blocks without splitting
     assert decode.num_splits(1, 1, 1, 10 ** 6, 132) == decode.MAX_SPLITS
+    header = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "decode.h")).read()
+    for name, value in (("kDecodeRows", decode.ROWS), ("kDecodeBlockN", decode.BLOCK_N),
+                        ("kDecodeMaxQueries", decode.MAX_QUERIES)):
+        assert f"constexpr int {name} = {value};" in header, name      # the Python plan's tile sizes
 
 
 def test_dispatch_ranks_the_decode_path_and_explain_names_it():

@@ -48,7 +48,9 @@ def why_not(call) -> Optional[str]:
 
 
 def ranks_ahead(call) -> bool:
-    """Decode-shaped calls against a long cache: the split-KV kernels beat a 64-row prefill tile."""
+    """Decode-shaped calls against a long cache, where the split-KV kernels read K/V once per KV head
+    and fill the GPU while a 64-row prefill tile holds one real row (by the memory traffic; the GPU
+    acceptance run measures it)."""
     return call is not None and call.Lk >= LONG_CACHE and why_not(call) is None
 
 
