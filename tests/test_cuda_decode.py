@@ -264,7 +264,8 @@ def _need_extension():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4-transposed", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48", "D256"])
+@pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4-transposed", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48",
+                                     "D256"])
 def test_gpu_decode_matches_its_emulation(case_id):
     """The real kernels against the emulated ones on the same inputs and split count: a couple of
     units in the last place (ex2.approx, the tensor cores' summation order)."""
