@@ -19,7 +19,9 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per arch: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta kernels = 26
+KERNEL_BUDGET = 32           # per .cu and arch; attention.cu: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta = 26
+DECODE_KERNELS = 10          # decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
+DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
 # attention_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
 HOPPER_KERNELS = 4
@@ -143,6 +145,36 @@ if __name__ == "__main__":
 
 
 
+def test_decode_kernels_counts_register_caps_and_sass(compiled):
+    """csrc/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
+    split kernels up to head dim 128 keep 3 blocks per SM by registers (their shared memory allows
+    3 at head dim 128); the split kernels' SASS has tensor-core mma, ldmatrix (.trans for V) and
+    async copies."""
+    report, obj = compiled["decode.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e for e in entries if e[0] == arch]
+        assert len(mine) == DECODE_KERNELS, (arch, len(mine))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                hits = [e for e in mine if "attn_decode_split_kernel" in e[1] and f"ILi{hd}ELb{bf16}E" in e[1]]
+                assert len(hits) == 1, (arch, hd, bf16)
+                assert hits[0][2] <= (DECODE_REGISTER_CAP if hd <= 128 else MAX_REGISTERS), hits[0]
+        assert sum("attn_decode_combine_kernel" in e[1] for e in mine) == 2
+    exe, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if exe is None or disasm is None:
+        pytest.fail("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ, PATH=os.path.dirname(disasm) + os.pathsep + os.environ.get("PATH", ""))
+    for arch in ARCHS:
+        res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
+        assert res.returncode == 0, res.stderr
+        bodies = [b for b in res.stdout.split("Function : ")[1:] if "attn_decode_split_kernel" in b.split("\n", 1)[0]]
+        assert len(bodies) == 8, (arch, len(bodies))
+        for body in bodies:
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, op)
+
+
 def test_header_the_binding_includes_is_host_cpp(tmp_path):
     """setup.py compiles csrc/binding/*.cpp with the host compiler (only .cu files go to nvcc): the
     kernel header it includes must not pull in device code without EFFATTN_CUDA_EMU."""
@@ -150,8 +182,8 @@ def test_header_the_binding_includes_is_host_cpp(tmp_path):
     if gxx is None:
         pytest.skip("needs g++")
     src = tmp_path / "uses_header.cpp"
-    src.write_text('#include "attention.h"\nint main() { effattn::AttnParams p{}; '
-                   'return effattn::head_dim_bucket(p.D + 1); }\n')
+    src.write_text('#include "attention.h"\n#include "decode.h"\nint main() { effattn::DecodeParams d{}; '
+                   'return effattn::head_dim_bucket(d.a.D + 1); }\n')
     res = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", CSRC, str(src)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]

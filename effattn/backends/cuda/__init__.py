@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from ..base import Backend, Capabilities, register
-from . import _ext, hopper
+from . import _ext, decode, hopper
 
 
 def _available(device: torch.device) -> Optional[str]:
@@ -53,6 +53,8 @@ def notes(call) -> List[str]:
 
 def _run(call):
     from .ops import cuda_attention_fwd, kernels
+    if decode.why_not(call) is None:
+        return decode.run(call)
     kernels(call.q.device)
     lay = call.layout
     return cuda_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
@@ -60,15 +62,28 @@ def _run(call):
                               call.scale, call.dropout_p, call.window_left, call.window_right)
 
 
+def _describe(call) -> str:
+    """The path for a call (a line in explain): the split-KV decode, or the prefill kernels (and which
+    forward: Hopper wgmma or mma.sync) with why the decode does not apply."""
+    if decode.why_not(call) is None:
+        return decode.describe(call)
+    return f"{decode.describe(call)}; {hopper.describe(call)}"
+
+
+def _rank(call) -> int:
+    """After Triton for "auto" until the GPU acceptance run has measured these kernels, except for
+    decode-shaped calls (a few query rows, no gradient) against a long cache: the split-KV kernels."""
+    return 5 if decode.ranks_ahead(call) else 20
+
+
 BACKEND = register(Backend(
-    # after Triton for "auto" until the GPU acceptance run has measured these kernels
-    name="cuda", op="attention", priority=20,
+    name="cuda", op="attention", priority=_rank,
     caps=Capabilities(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         max_head_dim=256,
         features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
                             "dv_ne_d", "return_lse"})),
-    run=_run, available=_available, notes=notes, describe=hopper.describe,
+    run=_run, available=_available, notes=notes, describe=_describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
