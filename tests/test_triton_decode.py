@@ -204,3 +204,86 @@ def test_decode_threshold_on_a_real_length_explain_only():
     # 2*8 = 16 slices want ceil(2*132/16) = 17 splits; 256 keys at least per split caps them at 16
     assert path == "split-KV decode: 4 heads x 1 queries packed per KV head, 16 splits of 256 keys + combine", path
     assert "1023 visible keys < 1024" in effattn.explain(q, k[:, :, :1023], v[:, :, :1023]).paths["triton"]
+
+
+def test_decode_op_opcheck():
+    q = torch.randn(1, 4, 2, 16, device=DEVICE)
+    k, v = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(2))
+    kpm = torch.rand(1, 40, device=DEVICE) < 0.2
+    lm = torch.rand(4, 1, 3, device=DEVICE) < 0.7
+    torch.library.opcheck(ta.triton_attention_decode, (q, k, v, lm, 16, kpm, 0.3, 10, 0))
+
+
+# ------------------------------------------------------------------------------ on a GPU (pytest -m gpu)
+
+SMOKE = DEVICE.type == "cpu"           # reached only with EFFATTN_GPU_SMOKE=1: toy sizes in the interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.toy
+@pytest.mark.parametrize("Lq,kw", [(1, dict(causal=True)), (4, dict(causal=True, window=(3000, 0), kpm=True))],
+                         ids=["Lq1-causal", "Lq4-window3000-kpm"])
+def test_decode_at_real_sizes_within_the_naive_error_rule(Lq, kw):
+    """B=4, H=32, Hkv=8, Lk=16k, D=128, bf16 (a toy shape in a smoke run): the automatic decode path,
+    judged against float64 by the low-precision rule (2x the naive bf16 error + 8e-3)."""
+    from oracle import chunked_attention
+    B, H, Hkv, Lk, D = (2, 4, 2, 1100, 32) if SMOKE else (4, 32, 8, 16384, 128)
+    kw = dict(kw)
+    if SMOKE and "window" in kw:
+        kw["window"] = (300, 0)
+    g = torch.Generator(device=DEVICE).manual_seed(Lq)
+    q = torch.randn(B, H, Lq, D, generator=g, device=DEVICE).bfloat16()
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=g, device=DEVICE).bfloat16() for _ in range(2))
+    if kw.pop("kpm", False):
+        kw["key_padding_mask"] = torch.rand(B, Lk, generator=g, device=DEVICE) < 0.1
+    assert "split-KV decode" in effattn.explain(q, k, v, **kw).paths["triton"]
+    with torch.no_grad():
+        out = effattn.attention(q, k, v, backend="triton", **kw)
+    kpm = kw.pop("key_padding_mask", None)
+    dout = torch.zeros_like(out)
+    ref = chunked_attention(q, k, v, dout, key_padding_mask=kpm, **kw)[0]
+    low = chunked_attention(q, k, v, dout, key_padding_mask=kpm, dtype=torch.bfloat16, **kw)[0]
+    err, nerr = (out.double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
+    assert not torch.isnan(out).any() and err <= 2 * nerr + 8e-3, (err, nerr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512], ids=["causal", "window512"])
+def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(window):
+    """A MultiheadAttention token step on a fixed-capacity KVCache (2048 slots after a 1100-token
+    prompt: the split-KV decode) captured once in torch.cuda.CUDAGraph and replayed for five tokens
+    equals, bitwise, the same steps run eagerly on a second cache."""
+    from effattn.nn import KVCache, MultiheadAttention
+    torch.manual_seed(0)
+    E, heads, B = 256, 4, 2
+    mha = MultiheadAttention(E, heads, batch_first=True, backend="triton", window=window).to(DEVICE, torch.bfloat16)
+    mha.eval()
+    prompt = torch.randn(B, 1100, E, device=DEVICE, dtype=torch.bfloat16)
+    tokens = torch.randn(B, 7, E, device=DEVICE, dtype=torch.bfloat16)
+    graphed, eager = KVCache(capacity=2048), KVCache(capacity=2048)
+
+    def step(x, cache):
+        return mha(x, x, x, is_causal=True, need_weights=False, cache=cache)[0]
+
+    with torch.no_grad():
+        for c in (graphed, eager):
+            step(prompt, c)
+        x = tokens[:, :1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                   # warm-up (compiles the kernels) outside the capture
+            warm = step(x, graphed)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(warm, step(x, eager))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(x, graphed)                      # recorded, not run: the lengths do not move
+        for t in range(1, 7):
+            x.copy_(tokens[:, t:t + 1])
+            graph.replay()
+            want = step(tokens[:, t:t + 1], eager)
+            assert torch.equal(out, want), t
+        assert torch.equal(graphed.lengths, eager.lengths) and graphed.lengths.tolist() == [1107, 1107]
+    ex = effattn.explain(*(torch.randn(B, heads, n, E // heads, device=DEVICE, dtype=torch.bfloat16)
+                           for n in (1, 2048, 2048)), causal=True)
+    assert "split-KV decode" in ex.paths["triton"]
