@@ -325,43 +325,67 @@ def test_step_keys_keep_their_gradient():
 
 
 class NoSync:
-    """Makes every way a tensor reaches the host (item, tolist, bool/int/float conversion, numpy)
-    raise, for the duration of a `with` block."""
+    """While on, every way a tensor reaches the host (item, tolist, bool/int/float conversion,
+    numpy) raises."""
     NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
-    def __init__(self, monkeypatch):
-        self.mp = monkeypatch
+    def __init__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        self.active = False
 
-    def __enter__(self):
+    def on(self):
+        self.active = True
         def fail(name):
             def f(self, *a, **k):
                 raise AssertionError(f"host sync: Tensor.{name}")
             return f
         for n in self.NAMES:
-            self.mp.setattr(torch.Tensor, n, fail(n))
+            setattr(torch.Tensor, n, fail(n))
 
-    def __exit__(self, *exc):
-        self.mp.undo()
+    def off(self):
+        self.active = False
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 @pytest.mark.parametrize("kw", [dict(window=3), {}], ids=["window", "causal"])
 def test_fixed_capacity_token_step_reads_nothing_back(monkeypatch, kw):
-    """A single-token step on a fixed-capacity cache (the step a CUDA graph captures) converts no
-    tensor to a host value in the cache or the module (torch backend on the CPU: the module, the
-    cache and the dispatch), even with a padding mask and rows of different lengths."""
+    """A single-token step of a layer stack on fixed-capacity caches (the step a CUDA graph captures)
+    converts no tensor to a host value in the stack, the module or the cache, even with a padding
+    mask and rows of different lengths; the attention reads the whole buffer, the window in its mask.
+    (The kernels' own path is the GPU test's: the torch backend's CPU paths plan on the host.)"""
+    import effattn.nn.attention as attention_module
     torch.manual_seed(15)
-    mha = MultiheadAttention(E, H, batch_first=True, backend="torch", **kw).eval()
+    layer = TransformerEncoderLayer(E, H, 48, dropout=0.0, batch_first=True, backend="torch", **kw)
+    model = TransformerEncoder(layer, 2).eval()
     x = torch.randn(2, 6, E)
     kpm = torch.zeros(2, 6, dtype=torch.bool)
     kpm[0, 4:] = True                                          # row 0: 4 real keys, row 1: 5
+    guard, calls, real = NoSync(), [], attention_module.attention
+
+    def attention_unchecked(q, k, v, **kwargs):
+        calls.append((tuple(k.shape), kwargs["key_padding_mask"] is not None, kwargs["window"]))
+        was = guard.active
+        guard.off()
+        try:
+            return real(q, k, v, **kwargs)
+        finally:
+            if was:
+                guard.on()
+
+    monkeypatch.setattr(attention_module, "attention", attention_unchecked)
     with torch.no_grad():
-        cache = KVCache(capacity=16)
-        mha(x[:, :5], x[:, :5], x[:, :5], is_causal=True, need_weights=False, cache=cache,
-            key_padding_mask=kpm[:, :5])
-        shapes = []
-        with NoSync(monkeypatch):
-            for _ in range(2):
-                out = mha(x[:, 5:], x[:, 5:], x[:, 5:], is_causal=True, need_weights=False, cache=cache,
-                          key_padding_mask=torch.zeros(2, 1, dtype=torch.bool))[0]
-                shapes.append(tuple(out.shape))
-        assert shapes == [(2, 1, E)] * 2 and cache.lengths.tolist() == [4 + 2, 5 + 2]
+        caches = [KVCache(capacity=16) for _ in model.layers]
+        model(x[:, :5], is_causal=True, caches=caches, src_key_padding_mask=kpm[:, :5])
+        outs = []
+        guard.on()
+        try:
+            for t in range(5, 7):
+                xs = x[:, 5:6] if t == 5 else torch.randn(2, 1, E)
+                outs.append(model(xs, is_causal=True, caches=caches,
+                                  src_key_padding_mask=torch.zeros(2, 1, dtype=torch.bool)))
+        finally:
+            guard.off()
+    assert [tuple(o.shape) for o in outs] == [(2, 1, E)] * 2
+    assert calls[2:] == [((2, H, 16, E // H), True, None)] * 4       # 2 steps x 2 layers
+    assert caches[1].lengths.tolist() == [4 + 2, 5 + 2]

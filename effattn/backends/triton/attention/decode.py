@@ -40,7 +40,7 @@ from .launch import _on_device, _or_dummy, plan_for
 from .schedule import visible
 
 MAX_QUERIES = 16          # Lq above this: the prefill kernel's tiles are filled anyway
-MAX_ROWS = 128            # G * Lq packed rows per tile at most (the fp32 accumulator's registers)
+MAX_ROWS = 128            # G * Lq packed rows per tile at most (fewer at head dim 256: `fits`)
 MIN_KEYS = 1024           # visible keys below this: the prefill kernel (see `decode_reason`)
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in its partial than it saves
 WAVES = 2                 # splits enough for this many waves of programs over the SMs
@@ -72,8 +72,8 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
     real = r < G * Lq
     h = hk * G + r // Lq                                      # each row's query head
     qi = tl.where(real, r % Lq, Lq)                           # padding rows: past Lq, so never visible
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
-    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = (Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqm
               + offs_d[None, :] * sqd)
     q = load_tile(q_ptrs, r, G * Lq, offs_d, D, True, PAD_D)
@@ -86,14 +86,17 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    rel_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)   # int64: caches past 2**31 elements
-        kt = load_tile(k_base + offs_d[:, None] * skd + offs_n[None, :] * skn, offs_d, D, offs_n, hi, PAD_D, True)
+        offs_n = start_n + rel_n
+        k_tile = k_base + start_n.to(tl.int64) * skn              # int64 tile base: caches past 2**31 elements
+        v_tile = v_base + start_n.to(tl.int64) * svn
+        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, hi, PAD_D, True)
         s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale        # log2 units
         ok = visible(qi[:, None], offs_n[None, :], Lq, hi, off, left, right, lay_rows, lay_nkb, lay_bs,
-                     HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, True)
+                     HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, False)
         if HAS_KPM:
-            pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < hi, other=1)
+            pad = tl.load(kpm_base + start_n.to(tl.int64) * skpn + rel_n * skpn, mask=offs_n < hi, other=1)
             ok = ok & (pad[None, :] == 0)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -101,7 +104,7 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
+        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     empty = l_i == 0.0
@@ -179,10 +182,21 @@ def sm_count(device: torch.device) -> int:
 
 
 def config(block_d: int, block_dv: int, rows: int, element_size: int) -> Tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel (no autotuning: one config, so a
-    first call may be captured in a CUDA graph). Checked offline for sm_90 (kernel_resources)."""
-    wide = max(block_d, block_dv) > 128 or element_size > 2
-    return (32 if wide else 64), (8 if rows > 64 else 4), (2 if wide else 3)
+    """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel for ``rows`` packed rows (no
+    autotuning: one config, so a first call may be captured in a CUDA graph). Chosen from offline
+    sm_90 compiles (benchmarks/kernel_resources.py, kinds ``decode``): no spills with every feature
+    on, loads prefetched in flight (3 stages) for 16-bit inputs."""
+    head = max(block_d, block_dv)
+    big = element_size > 2 and head > 128            # fp32 at head dim 256
+    block_n = 64 if rows <= 16 and head <= 128 and element_size == 2 else 32
+    return block_n, (4 if rows <= 16 and not big else 8), (2 if big and rows > 16 else 3)
+
+
+def fits(rows: int, block_d: int, block_dv: int, element_size: int) -> bool:
+    """Whether ``rows`` packed rows fit the kernel without spilling: the query tile (rows x D) and
+    the fp32 accumulator (rows x Dv) in registers; 128 rows at head dim 128 in 16-bit, 32 rows for
+    fp32 at head dim 256."""
+    return rows <= MAX_ROWS and rows * max(block_d, block_dv) * element_size <= MAX_ROWS * 128 * 2
 
 
 def decode_reason(call) -> Optional[str]:
@@ -191,8 +205,8 @@ def decode_reason(call) -> Optional[str]:
     Lq, Lk, G = call.Lq, call.Lk, call.H // call.Hkv
     if Lq == 0 or Lq > MAX_QUERIES:
         return f"Lq={Lq} not in 1..{MAX_QUERIES}"
-    if G * Lq > MAX_ROWS:
-        return f"{G} heads per KV head x Lq={Lq} rows > {MAX_ROWS}"
+    if not fits(packed_rows(G, Lq), _next_pow2(call.D), _next_pow2(call.Dv), call.q.element_size()):
+        return f"{G} heads per KV head x Lq={Lq} rows do not fit one tile at head dim {max(call.D, call.Dv)}"
     k_lo, k_hi = key_range(Lq, Lk, call.window_left)
     if k_hi - k_lo < MIN_KEYS:
         return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
