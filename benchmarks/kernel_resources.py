@@ -89,8 +89,9 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
         if kind == "combine":
             return [(0, (16, 0, 4, 3))]
         elem = 4 if dtype.startswith("fp32") else 2
-        return [(i, (rows,) + decode.config(head_dim, head_dim, rows, elem))
-                for i, rows in enumerate(r for r in (16, 32, 64, 128) if decode.fits(r, head_dim, head_dim, elem))]
+        rows = [r for r in (16, 32, 64, 128) if decode.fits(r, head_dim, head_dim, elem, dtype == "fp32ieee")]
+        return [(i, (r,) + decode.config(head_dim, head_dim, r, elem)) for i, r in enumerate(rows)][
+            :1 if which == "first" else None]
     if which == "sweep":
         return [(-1, c) for c in sweep_configs()]
     cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))

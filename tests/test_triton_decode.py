@@ -88,20 +88,20 @@ def test_decode_against_float64(case_id):
 
 
 def test_splits_without_visible_keys_and_padded_batch_rows():
-    """A split whose keys are all padding, a window that leaves the first splits nothing, and a batch
-    row padded entirely (its rows: out 0, lse -inf), with four splits of 64 keys and an uneven fifth."""
-    B, H, Hkv, Lq, Lk, D = 3, 4, 2, 2, 290, 16
+    """A split whose keys are all padding and a batch row padded entirely (its rows: out 0, lse -inf),
+    with and without a window: splits of 64 keys, the last one uneven."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 2, 200, 16
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(B, h, L, D, generator=g).to(DEVICE) for h, L in ((H, Lq), (Hkv, Lk), (Hkv, Lk)))
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
     kpm[:, 64:128] = True                     # split 1 sees nothing
-    kpm[2] = True                             # batch row 2 sees nothing at all
+    kpm[1] = True                             # batch row 1 sees nothing at all
     kpm = kpm.to(DEVICE)
-    for kw in ({}, dict(causal=True, window=(100, 0))):
+    for kw in ({}, dict(causal=True, window=(100, 0))):      # dense: 4 splits; window: 2, over keys 98..
         out, lse = run_decode(q, k, v, kw, kpm, keys_per_split=64, block_n=32)
         ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), key_padding_mask=kpm, **kw)
         check(out, lse, ref, ref_lse)
-        assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == -math.inf).all())
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == -math.inf).all())
 
 
 def test_bf16_within_the_naive_error_rule():
@@ -173,19 +173,18 @@ def test_triton_backend_takes_the_decode_path_for_short_queries_on_long_keys(mon
     calls = Calls(monkeypatch)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 2, 16, generator=g).to(DEVICE)
-    k, v = (torch.randn(1, 2, 300, 16, generator=g).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(1, 2, 260, 16, generator=g).to(DEVICE) for _ in range(2))
     out, lse = effattn.attention(q, k, v, causal=True, return_lse=True, backend="triton")
     assert (calls.decode, calls.prefill) == (1, 0)
     check(out, lse, *naive_attention(q.double(), k.double(), v.double(), causal=True))
     ex = effattn.explain(q, k, v, causal=True)
     assert "split-KV decode: 2 heads x 2 queries packed per KV head" in ex.paths["triton"], ex.paths
     assert "split-KV decode" in str(ex)
-    # the same call needing grad: the prefill kernel, and its backward
+    # the same call needing grad: the prefill kernel (whose backward other tests check)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out2 = effattn.attention(*leaves, causal=True, backend="triton")
-    assert (calls.decode, calls.prefill) == (1, 1)
+    assert (calls.decode, calls.prefill) == (1, 1) and out2.requires_grad
     torch.testing.assert_close(out2, out, atol=2e-6, rtol=1e-5)
-    assert all(g is not None for g in torch.autograd.grad(out2.sum(), leaves))
     assert "require grad" in effattn.explain(*leaves, causal=True).paths["triton"]
     with torch.no_grad():
         effattn.attention(*leaves, causal=True, backend="triton")

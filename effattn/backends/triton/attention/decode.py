@@ -17,6 +17,14 @@ split-KV forward do):
   ranges of a row in a fixed order, weighting each by ``exp(lse_s - lse)`` with
   ``lse = log sum_s exp(lse_s)``: deterministic, no atomics.
 
+When (`decode_reason`): at most ``MAX_QUERIES = 16`` queries (more fill the prefill kernel's query
+tiles anyway) against at least ``MIN_KEYS = 1024`` visible keys. Below that the prefill kernel's
+programs walk at most 16 key tiles each, a few microseconds on an H100, about what the split path
+adds: a second launch and the fp32 partials' round trip through memory. From 1k keys on, the prefill
+kernel leaves most SMs idle (B*H programs, e.g. 32 on 132 SMs) and reads each KV head G times, and
+the split path's B*Hkv*splits programs stream K and V once at full bandwidth. (The GPU suite's
+decode rows are where the crossover is to be measured; the constant is a guess until then.)
+
 Every constraint of the visibility rule (`effattn.visibility`: bottom-right alignment, causal,
 window, block layout, key padding) is applied elementwise in every tile; a window bounds the
 range the splits cover. Forward only and no dropout: `decode_reason` says when a call takes this
@@ -35,7 +43,7 @@ import triton.language as tl
 
 from ....tiles import cdiv
 from ..jit import cast, dot, load_tile
-from ..runtime import _INTERPRET, _LOG2E, _next_pow2
+from ..runtime import _next_pow2, _tf32_enabled
 from .launch import _on_device, _or_dummy, plan_for
 from .schedule import visible
 
@@ -87,7 +95,8 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     rel_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for t in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+        start_n = lo + t * BLOCK_N
         offs_n = start_n + rel_n
         k_tile = k_base + start_n.to(tl.int64) * skn              # int64 tile base: caches past 2**31 elements
         v_tile = v_base + start_n.to(tl.int64) * svn
@@ -192,11 +201,13 @@ def config(block_d: int, block_dv: int, rows: int, element_size: int) -> Tuple[i
     return block_n, (4 if rows <= 16 and not big else 8), (2 if big and rows > 16 else 3)
 
 
-def fits(rows: int, block_d: int, block_dv: int, element_size: int) -> bool:
-    """Whether ``rows`` packed rows fit the kernel without spilling: the query tile (rows x D) and
-    the fp32 accumulator (rows x Dv) in registers; 128 rows at head dim 128 in 16-bit, 32 rows for
-    fp32 at head dim 256."""
-    return rows <= MAX_ROWS and rows * max(block_d, block_dv) * element_size <= MAX_ROWS * 128 * 2
+def fits(rows: int, block_d: int, block_dv: int, element_size: int, ieee_fp32: bool = False) -> bool:
+    """Whether ``rows`` packed rows fit the kernel without spilling in its loop (offline sm_90
+    compiles, triton 3.6 and 3.9): the query tile (rows x D) and the fp32 accumulator (rows x Dv) in
+    registers; 128 rows at head dim 128 in 16-bit, 32 rows for fp32 at head dim 256. fp32 with IEEE
+    dots (no TF32: FMA loops instead of tensor cores) holds 16 rows at head dim 256, 64 at 64."""
+    cells = rows * max(block_d, block_dv)
+    return rows <= MAX_ROWS and cells <= (16 * 256 if ieee_fp32 else MAX_ROWS * 128 * 2 // element_size)
 
 
 def decode_reason(call) -> Optional[str]:
@@ -205,7 +216,8 @@ def decode_reason(call) -> Optional[str]:
     Lq, Lk, G = call.Lq, call.Lk, call.H // call.Hkv
     if Lq == 0 or Lq > MAX_QUERIES:
         return f"Lq={Lq} not in 1..{MAX_QUERIES}"
-    if not fits(packed_rows(G, Lq), _next_pow2(call.D), _next_pow2(call.Dv), call.q.element_size()):
+    ieee = call.q.dtype == torch.float32 and not _tf32_enabled()
+    if not fits(packed_rows(G, Lq), _next_pow2(call.D), _next_pow2(call.Dv), call.q.element_size(), ieee):
         return f"{G} heads per KV head x Lq={Lq} rows do not fit one tile at head dim {max(call.D, call.Dv)}"
     k_lo, k_hi = key_range(Lq, Lk, call.window_left)
     if k_hi - k_lo < MIN_KEYS:
@@ -237,6 +249,40 @@ def describe(call) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Launcher
 
+class DecodePlan:
+    """Grid sizes, scalar arguments and flags of a decode call's two launches (no tensors), built
+    once per `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode
+    step costs two dictionary lookups on the host besides the launches."""
+
+    def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
+        rows = packed_rows(p.G, p.Lq)
+        cfg_n, warps, stages = config(p.block_d, p.block_dv, rows, p.element_size)
+        block_n = block_n or cfg_n
+        k_lo, k_hi = key_range(p.Lq, p.Lk, p.left)
+        if keys_per_split is None:
+            n_splits, keys_per_split = plan_splits(p.B * p.Hkv, k_hi - k_lo, num_sms, block_n)
+        else:
+            if keys_per_split % block_n:
+                raise ValueError(f"decode: keys_per_split={keys_per_split} must be a multiple of the key tile "
+                                 f"{block_n}")
+            n_splits = max(1, cdiv(k_hi - k_lo, keys_per_split))
+        self.n_splits, self.keys_per_split = n_splits, keys_per_split
+        self.n_rows = p.B * p.H * p.Lq
+        self.grid = (p.B * p.Hkv * n_splits,)
+        self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+                        max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
+        self.meta = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                         HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
+                         HAS_KPM=p.has_kpm, PAD_D=p.block_d != p.D, PAD_DV=p.block_dv != p.Dv,
+                         DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, num_warps=warps, num_stages=stages,
+                         enable_fp_fusion=True)
+        self.combine_grid = (cdiv(self.n_rows, COMBINE_ROWS),)
+        self.combine_meta = dict(BLOCK_R=COMBINE_ROWS, BLOCK_DV=p.block_dv, INTERP_BF16=p.interp_bf16, num_warps=4)
+
+
+COMBINE_ROWS = 16         # rows per combine program
+
+
 def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False, *, num_sms=None,
         keys_per_split=None, block_n=None):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32, as `launch.fwd` without dropout.
@@ -244,36 +290,19 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     ``num_sms`` (default: the device's) sets the number of splits (`plan_splits`);
     ``keys_per_split`` (a multiple of the key tile) and ``block_n`` force them, for tests."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, 0.0, left, right, tf32)
-    rows = packed_rows(p.G, p.Lq)
-    cfg_n, warps, stages = config(p.block_d, p.block_dv, rows, p.element_size)
-    block_n = block_n or cfg_n
-    k_lo, k_hi = key_range(p.Lq, p.Lk, p.left)
-    if keys_per_split is None:
-        n_splits, keys_per_split = plan_splits(p.B * p.Hkv, k_hi - k_lo, num_sms or sm_count(q.device), block_n)
-    else:
-        if keys_per_split % block_n:
-            raise ValueError(f"decode: keys_per_split={keys_per_split} must be a multiple of the key tile {block_n}")
-        n_splits = max(1, cdiv(k_hi - k_lo, keys_per_split))
+    key = ("decode", num_sms or sm_count(q.device), keys_per_split, block_n)
+    d = p._args.get(key)
+    if d is None:
+        d = p._args[key] = DecodePlan(p, key[1], keys_per_split, block_n)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
-    n_rows = p.B * p.H * p.Lq
-    if n_rows == 0:
+    if d.n_rows == 0:
         return out, lse
-    o_part = torch.empty((n_splits, n_rows, p.Dv), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((n_splits, n_rows), dtype=torch.float32, device=q.device)
-    flags = p.flags((rows, block_n, warps, stages))
+    o_part = torch.empty((d.n_splits, d.n_rows, p.Dv), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((d.n_splits, d.n_rows), dtype=torch.float32, device=q.device)
     with _on_device(q.device):
-        decode_kernel[(p.B * p.Hkv * n_splits,)](
-            q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q), o_part, l_part,
-            *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
-            p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(p.layout_block, 1),
-            k_lo, keys_per_split, n_splits, n_rows, scale * _LOG2E,
-            BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
-            HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], HAS_LAYOUT=p.layout_mask is not None,
-            HAS_KPM=p.has_kpm, PAD_D=flags["PAD_D"], PAD_DV=flags["PAD_DV"], DOT_PREC=p.dot_prec,
-            INTERP_BF16=p.interp_bf16, num_warps=warps, num_stages=stages, enable_fp_fusion=True)
-        block_r = 16
-        combine_kernel[(cdiv(n_rows, block_r),)](
-            o_part, l_part, out, lse, n_rows, p.Dv, n_splits, BLOCK_R=block_r, BLOCK_DV=p.block_dv,
-            INTERP_BF16=p.interp_bf16, num_warps=4)
+        decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
+                              o_part, l_part, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides, *d.scalars,
+                              **d.meta)
+        combine_kernel[d.combine_grid](o_part, l_part, out, lse, d.n_rows, p.Dv, d.n_splits, **d.combine_meta)
     return out, lse
