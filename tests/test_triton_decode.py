@@ -250,8 +250,9 @@ def test_decode_at_real_sizes_within_the_naive_error_rule(Lq, kw):
 @pytest.mark.parametrize("window", [None, 512], ids=["causal", "window512"])
 def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(window):
     """A MultiheadAttention token step on a fixed-capacity KVCache (2048 slots after a 1100-token
-    prompt: the split-KV decode) captured once in torch.cuda.CUDAGraph and replayed for five tokens
-    equals, bitwise, the same steps run eagerly on a second cache."""
+    prompt: the split-KV decode) captured once in torch.cuda.CUDAGraph and replayed for six tokens
+    gives the same outputs and the same cache (lengths exactly, buffers up to rounding: cuBLAS may
+    pick another GEMM algorithm under capture) as the steps run eagerly on a second cache."""
     from effattn.nn import KVCache, MultiheadAttention
     torch.manual_seed(0)
     E, heads, B = 256, 4, 2
@@ -277,12 +278,17 @@ def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(window):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step(x, graphed)                      # recorded, not run: the lengths do not move
+        outs = []
         for t in range(1, 7):
             x.copy_(tokens[:, t:t + 1])
             graph.replay()
             want = step(tokens[:, t:t + 1], eager)
-            assert torch.equal(out, want), t
-        assert torch.equal(graphed.lengths, eager.lengths) and graphed.lengths.tolist() == [1107, 1107]
+            torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+            assert torch.equal(graphed.lengths, eager.lengths), t          # advanced on the GPU by the replay
+            outs.append(out.clone())
+        assert graphed.lengths.tolist() == [1107, 1107] and not torch.equal(outs[0], outs[1])
+        for a, b in ((graphed._k, eager._k), (graphed._v, eager._v)):
+            torch.testing.assert_close(a[:, :, :1107], b[:, :, :1107], atol=2e-2, rtol=2e-2)
     ex = effattn.explain(*(torch.randn(B, heads, n, E // heads, device=DEVICE, dtype=torch.bfloat16)
                            for n in (1, 2048, 2048)), causal=True)
     assert "split-KV decode" in ex.paths["triton"]
