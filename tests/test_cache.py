@@ -253,7 +253,7 @@ def test_growing_cache_doubles_and_compacts_a_window():
             caps.append(cache._k.shape[2])
         full = win(x, x, x, is_causal=True, need_weights=False)[0]
     assert sorted(set(caps)) == [64, 128, 256]
-    assert wcache._k.shape[2] == 64 and len(wcache) == 5       # compacted in place, never grown
+    assert wcache._k.shape[2] == 64 and len(wcache) == 5       # compacted when full, never grown
     close(full[:, -1:], out, 1e-5)
 
 

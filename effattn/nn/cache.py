@@ -244,10 +244,10 @@ class KVCache:
         """Reads the lengths (a host sync) before a multi-token step: they must be equal, and the
         host bound becomes exact."""
         lens = self.lengths.tolist()
-        if min(lens) != max(lens):
+        if lens and min(lens) != max(lens):
             raise ValueError(f"KVCache: rows hold different numbers of keys ({lens}); a step of several tokens "
                              "needs them equal: feed one token per step")
-        self._end, self._ragged = lens[0], False
+        self._end, self._ragged = (lens[0] if lens else self._end), False
         self._refresh()
 
     def _masked_view(self, keys: Tensor, values: Tensor, whole: bool, left: int):
