@@ -129,9 +129,11 @@ def test_plan_splits_fills_two_waves_with_a_minimum_per_split():
     # B*Hkv = 8 slices on 132 SMs: 33 splits wanted; 64k keys allow them, each a multiple of 64 keys
     n, per = decode.plan_splits(8, 65536, 132, 64)
     assert n in (33, 34) and per % 64 == 0 and (n - 1) * per < 65536 <= n * per and n * 8 >= 2 * 132
-    # a short range: no split but the last under MIN_KEYS_PER_SPLIT keys
-    n, per = decode.plan_splits(8, 1100, 132, 64)
-    assert per == decode.MIN_KEYS_PER_SPLIT and n == 5 and 1100 - 4 * per == 76
+    # a short range: no split but the last under MIN_KEYS_PER_SPLIT keys, and no more splits than
+    # span // MIN_KEYS_PER_SPLIT
+    assert decode.MIN_KEYS_PER_SPLIT == 256
+    assert decode.plan_splits(8, 1100, 132, 64) == (4, 320)            # 320, 320, 320 and 140 keys
+    assert decode.plan_splits(8, 300, 132, 64) == (1, 320)
     # many slices already fill the GPU: one split; an empty range: one split that sees nothing
     assert decode.plan_splits(512, 4096, 132, 64) == (1, 4096)
     assert decode.plan_splits(4, 0, 132, 64) == (1, 64)

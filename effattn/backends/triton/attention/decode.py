@@ -168,14 +168,19 @@ def key_range(Lq: int, Lk: int, left: int) -> Tuple[int, int]:
 
 def plan_splits(slices: int, span: int, num_sms: int, block_n: int,
                 min_keys: int = MIN_KEYS_PER_SPLIT) -> Tuple[int, int]:
-    """``(n_splits, keys_per_split)`` for ``slices`` = B * Hkv programs per split over ``span`` keys:
-    enough splits for `WAVES` waves over ``num_sms`` SMs where the range allows ``min_keys`` keys per
-    split (a multiple of ``block_n``); ``keys_per_split`` a multiple of ``block_n`` (the last split
-    may be shorter, never empty)."""
+    """``(n_splits, keys_per_split)`` for ``slices`` = B * Hkv programs per split over ``span`` keys,
+    ``keys_per_split`` a multiple of ``block_n`` (the last split may be shorter, never empty):
+
+    - a long range: enough splits for `WAVES` waves of programs over ``num_sms`` SMs (the split
+      length rounded down to whole key tiles, so there are at least that many);
+    - a range too short for that many splits of ``min_keys`` keys: ``span // min_keys`` splits at
+      most (the length rounded up), each but the last at least ``min_keys`` long."""
     want = cdiv(WAVES * num_sms, max(slices, 1))
     n = max(1, min(want, span // max(min_keys, 1)))
-    # rounded down to whole key tiles: at least n splits (one more, shorter, at most)
-    per = max(block_n, (span // n) // block_n * block_n)
+    if n == want:
+        per = max(block_n, (span // n) // block_n * block_n)
+    else:
+        per = max(block_n, cdiv(cdiv(span, n), block_n) * block_n)
     return max(1, cdiv(span, per)), per
 
 
