@@ -77,12 +77,13 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id):
     assert torch.equal(visits, want)
     ref, _ = naive_attention(q, k, v, layout=layout, scale=0.25, **window_kwargs(left, right))
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
-    # dK/dV: per key tile, the query tiles of all heads of the group (here G = 1)
+    # the backward's dK/dV programs: per key tile, the query tiles of all heads of the group (here
+    # G = 1); its dQ programs: per query tile, the forward's key tiles
     go = torch.randn_like(out)
-    *_, kv_visits = ta.bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
-                            config_dkdv=(bm, bn, 4, 1), config_dq=(bm, bn, 4, 1), counts=True)
+    *_, kv_visits, q_visits = ta.bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
+                                     config=(bm, bn, bm, bn, 4, 1), counts=True)
     want_kv = visible.sum(-2).to(torch.int32).expand(H, -1).reshape(B * H, -1)
-    assert torch.equal(kv_visits, want_kv)
+    assert torch.equal(kv_visits, want_kv) and torch.equal(q_visits, want)
 
 
 def test_heaviest_first_order_covers_every_tile_once(monkeypatch):
@@ -299,7 +300,7 @@ class GridRecorder:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        for name in ("fwd_kernel", "delta_kernel", "dkdv_kernel", "dq_kernel"):
+        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel"):
             monkeypatch.setattr(ta.launch, name, self._wrap(getattr(ta.launch, name)))
 
     def _wrap(self, kernel):
@@ -515,7 +516,7 @@ def test_grids_are_one_dimensional(monkeypatch):
     leaves = [torch.randn(3, 2, 20, 16, device=DEVICE).requires_grad_() for _ in range(3)]
     out = effattn.attention(*leaves, causal=True, backend="triton")
     torch.autograd.grad(out.sum(), leaves)
-    assert len(rec.grids) == 4 and all(len(g) == 1 for g in rec.grids), rec.grids
+    assert len(rec.grids) == 3 and all(len(g) == 1 for g in rec.grids), rec.grids
 
 
 def kernel_resources(*arg_sets):
