@@ -54,8 +54,8 @@ _DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob",
           "lists2_head_stride", "lists2_row_stride", "sdks", "sdvs"}
 _FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
-             "DLSE": "*fp32"}
+_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
+             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout

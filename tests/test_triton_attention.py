@@ -63,8 +63,9 @@ VISIT_CASES = {
 
 @pytest.mark.parametrize("case_id", list(VISIT_CASES))
 def test_kernels_visit_exactly_the_planned_tiles(case_id):
-    """The forward and dK/dV kernels count the tiles they visit; the counts equal the plan's
-    (analytic bounds without a layout, the compressed lists with one), and the output is right."""
+    """The forward and the backward's dK/dV and dQ programs count the tiles they visit; the counts
+    equal the plan's (analytic bounds without a layout, the compressed lists with one), and the
+    output is right."""
     Lq, Lk, bm, bn, left, right, lay = VISIT_CASES[case_id]
     B, H, D = 1, 2, 16
     layout = rand_layout(H, Lq, Lk, lay[0], lay[1], seed=Lq) if lay else None
