@@ -37,7 +37,7 @@ class _Stub:
 
 def stub_launches():
     from effattn.backends.triton.attention import launch
-    for name in ("fwd_kernel", "delta_kernel", "dkdv_kernel", "dq_kernel"):
+    for name in ("fwd_kernel", "delta_kernel", "bwd_kernel"):
         setattr(launch, name, _Stub())
 
 

@@ -20,7 +20,7 @@ test suite runs it for the default configs on every CI run.
 
     python -m benchmarks.kernel_resources                         # sm_90, bf16, causal, every candidate
     python -m benchmarks.kernel_resources --arch 80 --configs first --features all
-    python -m benchmarks.kernel_resources --configs sweep --kinds dkdv --head-dims 128 --out DIR
+    python -m benchmarks.kernel_resources --configs sweep --kinds bwd --head-dims 128 --out DIR
 
 Run it without ``TRITON_INTERPRET=1`` (Triton decides at import whether kernels are interpreted).
 """
@@ -40,20 +40,22 @@ import tempfile
 from typing import Dict, List, Optional
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
-KINDS = ("fwd", "dkdv", "dq", "delta", "decode", "combine")
+KINDS = ("fwd", "bwd", "delta", "decode", "combine")
 DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee: IEEE fp32 dots
 # Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
 # multiples of 16: unit strides become the constant 1, the other strides and lengths get
 # divisibility 16 (without it loads are not vectorized or pipelined and shared memory is
-# underestimated).
-_UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm"}
+# underestimated). An int argument equal to 1 is specialized too: the backward's n_split (no GQA
+# split) and the stride of its partial-sum buffers then (0).
+_UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm", "n_split"}
 _DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
           "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
-          "lay_h", "lists_head_stride", "lists_row_stride", "keys_per_split"}
+          "lay_h", "lists_head_stride", "lists_row_stride", "lists1_head_stride", "lists1_row_stride",
+          "lists2_head_stride", "lists2_row_stride", "sdks", "sdvs", "keys_per_split"}
 _FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
-             "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}
+_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
+             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -72,8 +74,12 @@ FEATURES = {
 }
 
 
-def sweep_configs() -> List[tuple]:
-    """A grid around the candidates: (BLOCK_M, BLOCK_N, warps, stages) with 2k..16k tile elements."""
+def sweep_configs(kind: str = "fwd") -> List[tuple]:
+    """A grid around the candidates: (BLOCK_M, BLOCK_N, warps, stages) with 2k..16k tile elements;
+    for the backward, (dK/dV tiles, dQ tiles, warps, stages) around its candidates."""
+    if kind == "bwd":
+        return [(m1, n1, m2, n2, w, st) for m1, n1 in ((16, 128), (32, 64), (32, 128), (64, 64), (64, 128))
+                for m2, n2 in ((64, 32), (128, 32), (128, 64)) for w in (4, 8) for st in (1, 2, 3)]
     return [c for c in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3))
             if 32 * 64 <= c[0] * c[1] <= 128 * 128]
 
@@ -93,7 +99,7 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
         return [(i, (r,) + decode.config(head_dim, head_dim, r, elem)) for i, r in enumerate(rows)][
             :1 if which == "first" else None]
     if which == "sweep":
-        return [(-1, c) for c in sweep_configs()]
+        return [(-1, c) for c in sweep_configs(kind)]
     cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
     return cands[:1] if which == "first" else cands
 
@@ -107,15 +113,21 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from triton.compiler import ASTSource
 
     from effattn.backends.triton import attention as ta
-    fn = {"fwd": ta.fwd_kernel, "dkdv": ta.dkdv_kernel, "dq": ta.dq_kernel, "delta": ta.delta_kernel,
+    fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
           "decode": ta.decode.decode_kernel, "combine": ta.decode.combine_kernel}[kind]
-    bm, bn, warps, stages = config
+    *blocks, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
-    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
-                  PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False, IDX64=idx64,
-                  FOLD_SCALE=True, BLOCK_R=bm, **FEATURES[features])     # FOLD_SCALE: any positive scale
-    # heaviest-first program order as the launcher picks it for calls with a right bound (causal)
-    consts["ORDER"] = (-1 if kind == "dkdv" else 1) if consts.get("HAS_RIGHT") else 0
+    consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
+                  PAD_D=False, PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False,
+                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], **FEATURES[features])    # FOLD_SCALE: any positive scale
+    # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
+    # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
+    causal = bool(consts.get("HAS_RIGHT"))
+    consts["ORDER"] = 1 if causal else 0
+    if kind == "bwd":                  # dK/dV programs' tiles (..1), then the dQ programs' (..2)
+        consts.update(BLOCK_M1=blocks[0], BLOCK_N1=blocks[1], BLOCK_M2=blocks[2], BLOCK_N2=blocks[3],
+                      LAYOUT_MASK1=consts["LAYOUT_MASK"], LAYOUT_MASK2=consts["LAYOUT_MASK"],
+                      ORDER1=-1 if causal else 0, ORDER2=consts["ORDER"])
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
     missing = [fn.arg_names[i] for i in getattr(fn, "constexprs", []) if fn.arg_names[i] not in consts]
     if missing:      # it would compile as a runtime argument: another kernel than the launcher's
@@ -209,6 +221,8 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
              "innermost loop (the tile loops: full tiles, then partial ones); prefetch = no tile loop waits "
              "for all its async copies (DEPBAR.LE SB0, 0x0). Index = position in the "
              "backend's candidate list (0 = the untimed default, -1 = sweep only).", "",
+             "The backward's config is (dK/dV M, N, dQ M, N, warps, stages); its tile loops: dK/dV full, "
+             "partial, dQ full, partial.", "",
              "| kernel | D | dtype | features | config (M, N, warps, stages) | index | smem | regs | stack | "
              "spills loop/all | HGMMA | HMMA | instrs per tile | prefetch |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -267,7 +281,7 @@ def compile_all(measure_fn, jobs, args, module: str, argv) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 80: A100)")
-    ap.add_argument("--kinds", default="fwd,dkdv,dq", help=f"comma list of {','.join(KINDS)}")
+    ap.add_argument("--kinds", default="fwd,bwd", help=f"comma list of {','.join(KINDS)}")
     ap.add_argument("--head-dims", default="64,128", help="comma list of 64, 128, 256")
     ap.add_argument("--dtypes", default="bf16", help=f"comma list of {','.join(DTYPES)}")
     ap.add_argument("--features", default="causal", help=f"comma list of {','.join(FEATURES)}")

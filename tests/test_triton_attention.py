@@ -63,8 +63,9 @@ VISIT_CASES = {
 
 @pytest.mark.parametrize("case_id", list(VISIT_CASES))
 def test_kernels_visit_exactly_the_planned_tiles(case_id):
-    """The forward and dK/dV kernels count the tiles they visit; the counts equal the plan's
-    (analytic bounds without a layout, the compressed lists with one), and the output is right."""
+    """The forward and the backward's dK/dV and dQ programs count the tiles they visit; the counts
+    equal the plan's (analytic bounds without a layout, the compressed lists with one), and the
+    output is right."""
     Lq, Lk, bm, bn, left, right, lay = VISIT_CASES[case_id]
     B, H, D = 1, 2, 16
     layout = rand_layout(H, Lq, Lk, lay[0], lay[1], seed=Lq) if lay else None
@@ -77,12 +78,13 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id):
     assert torch.equal(visits, want)
     ref, _ = naive_attention(q, k, v, layout=layout, scale=0.25, **window_kwargs(left, right))
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
-    # dK/dV: per key tile, the query tiles of all heads of the group (here G = 1)
+    # the backward's dK/dV programs: per key tile, the query tiles of all heads of the group (here
+    # G = 1); its dQ programs: per query tile, the forward's key tiles
     go = torch.randn_like(out)
-    *_, kv_visits = ta.bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
-                            config_dkdv=(bm, bn, 4, 1), config_dq=(bm, bn, 4, 1), counts=True)
+    *_, kv_visits, q_visits = ta.bwd(go, None, q, k, v, out, lse, lm, lb, None, None, 0.25, 0.0, left, right,
+                                     config=(bm, bn, bm, bn, 4, 1), counts=True)
     want_kv = visible.sum(-2).to(torch.int32).expand(H, -1).reshape(B * H, -1)
-    assert torch.equal(kv_visits, want_kv)
+    assert torch.equal(kv_visits, want_kv) and torch.equal(q_visits, want)
 
 
 def test_heaviest_first_order_covers_every_tile_once(monkeypatch):
@@ -299,7 +301,7 @@ class GridRecorder:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        for name in ("fwd_kernel", "delta_kernel", "dkdv_kernel", "dq_kernel"):
+        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel"):
             monkeypatch.setattr(ta.launch, name, self._wrap(getattr(ta.launch, name)))
 
     def _wrap(self, kernel):
@@ -515,7 +517,7 @@ def test_grids_are_one_dimensional(monkeypatch):
     leaves = [torch.randn(3, 2, 20, 16, device=DEVICE).requires_grad_() for _ in range(3)]
     out = effattn.attention(*leaves, causal=True, backend="triton")
     torch.autograd.grad(out.sum(), leaves)
-    assert len(rec.grids) == 4 and all(len(g) == 1 for g in rec.grids), rec.grids
+    assert len(rec.grids) == 3 and all(len(g) == 1 for g in rec.grids), rec.grids
 
 
 def kernel_resources(*arg_sets):
@@ -550,42 +552,45 @@ def test_kernels_compile_for_sm90_and_sm80_offline():
     - it fits the target's shared memory with its loads pipelined: sm_90 with every feature on at
       head dim 128 with int64 offsets (IDX64) and fp32 with IEEE dots; sm_80 (the smaller shared
       memory) for every head-dim class, bf16 and fp32 (TF32);
-    - on sm_90, bf16, causal (the benchmarks' hot path), head dims 64 and 128: it uses wgmma (HGMMA)
-      and spills (almost) no register inside its tile loops.
+    - on sm_90, bf16, causal (the benchmarks' hot path), head dims 64 and 128: it uses wgmma (HGMMA),
+      spills (almost) no register inside its tile loops and keeps copies in flight across iterations
+      in every tile loop (the one-launch backward's four included).
     The whole candidate matrix (both targets, every class and dtype) runs with EFFATTN_COMPILE_ALL=1
     (several minutes); `python -m benchmarks.kernel_resources` prints the tables."""
     import os
     if os.environ.get("EFFATTN_COMPILE_ALL") == "1":
-        sets = [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "fwd,dkdv,dq",
+        sets = [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "fwd,bwd",
                  "--head-dims", "64,128,256", "--dtypes", dts]
                 for arch in (90, 80) for dts in ("bf16", "fp32,fp32ieee")]
         sets += [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "decode,combine",
                   "--head-dims", "64,128,256", "--dtypes", "bf16,fp32,fp32ieee"] for arch in (90, 80)]
     else:
         sets = [["--arch", "90", "--configs", "first", "--features", "all", "--idx64", "--kinds",
-                 "fwd,dkdv,dq,delta,decode,combine", "--head-dims", "128", "--dtypes", "bf16"],
-                ["--arch", "80", "--configs", "first", "--features", "all", "--kinds", "fwd,dkdv,dq",
+                 "fwd,bwd,delta,decode,combine", "--head-dims", "128", "--dtypes", "bf16"],
+                ["--arch", "80", "--configs", "first", "--features", "all", "--kinds", "fwd,bwd",
                  "--head-dims", "64,128,256", "--dtypes", "bf16,fp32"],
                 ["--arch", "90", "--configs", "first", "--features", "all", "--kinds", "fwd", "--head-dims", "128",
                  "--dtypes", "fp32ieee"]]                                      # IEEE fp32: FMA dots, slow to build
-    sets.append(["--arch", "90", "--configs", "first", "--features", "causal", "--kinds", "fwd,dkdv,dq",
+    sets.append(["--arch", "90", "--configs", "first", "--features", "causal", "--kinds", "fwd,bwd",
                  "--head-dims", "64,128", "--dtypes", "bf16"])
     rows = kernel_resources(*sets)
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
     firsts = [r for r in rows if r["index"] == 0]
-    assert len(firsts) >= 6 + 18 + 1 + 6, len(firsts)
+    assert len(firsts) >= 5 + 12 + 1 + 4, len(firsts)
     assert all(r["fits"] for r in firsts), [r for r in firsts if not r["fits"]]
     # the split-KV decode and its combine (one config each, never autotuned): no spill in their loops
     decode = [r for r in firsts if r["kind"] in ("decode", "combine")]
     assert len(decode) >= 2 and all(r.get("loop_spills", 0) == 0 for r in decode), decode
     hot = [r for r in firsts if r["arch"] == 90 and r["features"] == "causal"]
-    assert len(hot) == 6 and all("loop_spills" in r for r in hot), "cuobjdump (shipped with triton) not found"
+    assert len(hot) == 4 and all("loop_spills" in r for r in hot), "cuobjdump (shipped with triton) not found"
     assert all(r["hgmma"] > 0 and r["hmma"] == 0 for r in hot), hot
     # at most a stray reload per iteration (triton 3.6 keeps one in the D = 128 dK/dV loop, 3.9 none);
     # the configs this replaced spilled 40 to 160 instructions per iteration
     assert all(r["loop_spills"] <= 2 for r in hot), [(r["kind"], r["head_dim"], r["config"], r["loop_spills"])
                                                      for r in hot if r["loop_spills"]]
+    assert all(r["loop_wait_all"] and not any(r["loop_wait_all"]) for r in hot), \
+        [(r["kind"], r["head_dim"], r["config"], r["loop_wait_all"]) for r in hot]
     # with EFFATTN_COMPILE_ALL: every (target, kernel, class, dtype) has a config that fits
     for key in {(r["arch"], r["kind"], r["head_dim"], r["dtype"]) for r in rows}:
         assert any(r["fits"] for r in rows if (r["arch"], r["kind"], r["head_dim"], r["dtype"]) == key), key

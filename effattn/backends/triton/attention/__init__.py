@@ -4,9 +4,10 @@ backward, with tile skipping for causal / window / block-sparse calls.
 Modules, kernel to op (each reads only the ones above it):
 
 - ``schedule``: in-kernel tile schedule and elementwise visibility (jit helpers);
-- ``forward``: ``fwd_kernel`` (FA-2 Alg. 1); ``backward``: ``delta_kernel`` (Alg. 2 line 4),
-  ``dkdv_kernel`` and ``dq_kernel`` (Alg. 2 split in two passes so that no program accumulates
-  into memory another one writes: deterministic);
+- ``forward``: ``fwd_kernel`` (FA-2 Alg. 1); ``backward``: ``delta_kernel`` (Alg. 2 line 4) and
+  ``bwd_kernel`` (the rest of Alg. 2 in one launch of two kinds of programs, dK/dV per key tile
+  and dQ per query tile, so that no program accumulates into memory another one writes:
+  deterministic);
 - ``configs``: the candidate tile configs; ``launch``: ``LaunchPlan``, the launchers ``fwd`` / ``bwd``
   and autotuning;
 - ``decode``: the split-KV decode for a few query rows against a long key range (``decode_kernel``,
@@ -52,18 +53,23 @@ No call waits for the GPU except: autotuning (first call per kind), and building
 lists (first call per layout, lengths, tiles and window: ``torch.unique`` and two ``.max()`` read
 sizes back, so that first call cannot happen during CUDA-graph capture); the lists are cached on
 the device, keyed weakly on the layout's mask. The dropout seed is a CPU tensor (no sync).
-Everything else per call is host-side Python and the launches (one for the forward, three for the
-backward: Delta, dK/dV, dQ; two for a split-KV decode, which has one config and is never autotuned,
-so its first call may be made while a CUDA graph is captured once the kernels are compiled).
+Everything else per call is host-side Python and the launches (one for the forward, two for the
+backward: the Delta pre-pass and `bwd_kernel`, with a GQA split two small additions of the partial
+dK, dV after them; two for a split-KV decode, which has one config and is never autotuned, so its
+first call may be made while a CUDA graph is captured once the kernels are compiled).
 The launch metadata (sizes, flags, every scalar kernel argument) is built once per kind of call
 (shapes, strides, dtype, layout, flags) and cached (`launch.plan_for`), so a repeated call costs a
 dictionary lookup plus the op dispatch; ``python -m benchmarks.host_overhead`` measures it.
 
 Scheduling
 ----------
-Programs of causal and windowed calls run heaviest first (`schedule.program_tile`): the query
-tiles that see the most keys (the dK/dV pass: the key tiles seen by the most queries) start first,
-across groups of (batch, head) slices whose K and V fit in L2 together, so the last wave is short.
+Programs of causal and windowed calls run heaviest first (`schedule.slice_tile`): the query
+tiles that see the most keys (the dK/dV programs: the key tiles seen by the most queries) start
+first, across groups of (batch, head) slices whose K and V fit in L2 together, so the last wave is
+short. In the backward's one launch the dK/dV programs, each a loop over the query heads of a kv
+head, come before the dQ programs. When they are fewer than the GPU's SMs (GQA with small
+B * Hkv), each key tile's query heads are split over several programs (`launch.gqa_splits`) that
+write fp32 partial dK, dV, added in a fixed order after the launch (deterministic).
 
 Index arithmetic
 ----------------
@@ -77,7 +83,7 @@ from .op import BACKEND  # noqa: F401  (registers the backend)
 
 if triton is not None:
     from . import configs, decode, launch, op  # noqa: F401
-    from .backward import delta_kernel, dkdv_kernel, dq_kernel  # noqa: F401
+    from .backward import bwd_kernel, delta_kernel  # noqa: F401
     from .forward import fwd_kernel  # noqa: F401
     from .launch import LaunchPlan, bwd, fwd  # noqa: F401
     from .op import triton_attention_bwd, triton_attention_decode, triton_attention_fwd  # noqa: F401

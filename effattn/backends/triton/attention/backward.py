@@ -1,16 +1,19 @@
-"""Backward kernels (FlashAttention-2, Alg. 2, split in two passes so that no program accumulates
-into memory another one writes: deterministic, no atomics):
+"""Backward kernels (FlashAttention-2, Alg. 2), deterministic: every gradient element is written by
+one program, no atomics.
 
-- `delta_kernel`: Delta = rowsum(dO * O) - dlse (Alg. 2 line 4);
-- `dkdv_kernel`: per key tile, dK and dV over the visible query tiles of every query head of its
-  kv head (the transposed tile lists);
-- `dq_kernel`: per query tile, dQ over the visible key tiles (the forward's tile lists).
+- `delta_kernel`: Delta = rowsum(dO * O) - dlse (Alg. 2 line 4), a pre-pass: the dK/dV work needs
+  Delta of every query row it visits, which no program of the main launch could wait for;
+- `bwd_kernel`: the rest in one launch, whose programs are of two kinds (as in FlexAttention's
+  backward): `_dkdv_program`, per key tile, dK and dV over the visible query tiles of the query
+  heads of its kv head (the transposed tile lists), and `_dq_program`, per query tile, dQ over the
+  visible key tiles (the forward's tile lists). With few kv heads (GQA) a key tile's query heads
+  may be split over several programs that write fp32 partial sums (`n_split`), added up after.
 """
 import triton
 import triton.language as tl
 
 from ..jit import cast, dot, i64, load_tile
-from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, query_tile_range,
+from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, query_tile_range, slice_tile,
                        tile_index, visible)
 
 
@@ -95,92 +98,6 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
-                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
-                H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_thresh, inv_keep,
-                heads_per_group,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
-                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
-    """dK, dV for one key tile of one (b, kv head): loops over the G query heads of the group and
-    their visible query tiles, accumulating in registers (no atomics: deterministic). 1-D grid
-    of cdiv(Lk, BLOCK_N) * B * Hkv programs, key tiles fastest."""
-    n_nt = tl.cdiv(Lk, BLOCK_N)
-    pid_n, bhk = program_tile(tl.program_id(0), n_nt, heads_per_group, ORDER)
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    n0 = pid_n * BLOCK_N
-    rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
-    offs_n = n0 + rel_n
-    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
-    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
-    n0_64 = n0.to(tl.int64)
-    k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
-              + offs_d[None, :] * skd)
-    v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
-              + offs_dv[None, :] * svd)
-    k = load_tile(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
-    v = load_tile(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
-    keep_k = offs_n < Lk
-    if HAS_KPM:
-        pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
-        keep_k = pad == 0
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    visits = tl.program_id(0) * 0                            # int32 counter (COUNT only)
-    t0, t1, t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    n_full = t2 - t1
-    n_part = (t1 - t0) + (t3 - t2)
-    row = LISTS
-    for g in range(0, G):
-        h = hk * G + g
-        bh = b * H + h
-        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
-        lse_base = LSE + bh.to(tl.int64) * Lq
-        delta_base = DELTA + bh.to(tl.int64) * Lq
-        lay_ptr = LAY + h.to(tl.int64) * lay_h
-        if HAS_LAYOUT:
-            row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
-            n_full = tl.load(row)
-            n_part = tl.load(row + 1)
-        listed = first_listed(row, 2, n_full, HAS_LAYOUT)
-        for i in range(0, n_full):
-            tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
-            start_m = tile * BLOCK_M
-            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
-                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64, FOLD_SCALE)
-        listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
-        for i in range(0, n_part):
-            tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
-            start_m = tile * BLOCK_M
-            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
-                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64, FOLD_SCALE)
-        visits += n_full + n_part
-    dk = dk * scale                                                          # dK = scale dS^T Q
-    ok_k = offs_n[:, None] < Lk
-    dk_ptrs = (DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + n0_64 * sdkn + rel_n[:, None] * sdkn
-               + offs_d[None, :] * sdkd)
-    dv_ptrs = (DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn + rel_n[:, None] * sdvn
-               + offs_dv[None, :] * sdvd)
-    tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_d[None, :] < D))
-    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_dv[None, :] < Dv))
-    if COUNT:
-        tl.store(COUNTS + bhk * n_nt + pid_n, visits)
-
-
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
              skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
@@ -221,22 +138,116 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
-def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
-              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-              sdqb, sdqh, sdqm, sdqd, skpb, skpn,
-              H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-              lists_head_stride, lists_row_stride, full_slots,
-              scale, qk_scale, seed, drop_thresh, inv_keep, heads_per_group,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
-              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-              INTERP_BF16: tl.constexpr, IDX64: tl.constexpr, FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
-    """dQ for one query tile of one (b, h): loops over the visible key tiles, like the forward
-    (and on the same 1-D grid)."""
+
+@triton.jit
+def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
+                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                  sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+                  H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                  lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_thresh, inv_keep,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                  DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                  DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
+    """dK, dV of one key tile of one (b, kv head) over its share of the group's G query heads and
+    their visible query tiles, accumulated in registers (no atomics: deterministic). The
+    ``n_slices = B * Hkv * n_split`` slices are (b, kv head, split): with ``n_split > 1`` the G
+    heads are cut into n_split runs of ceil(G / n_split), and each split writes its fp32 partial
+    sums at ``DK + split * sdks`` (the launcher adds them in a fixed order)."""
+    n_nt = tl.cdiv(Lk, BLOCK_N)
+    pid_n, slc = slice_tile(pid, n_nt, n_slices, heads_per_group, ORDER)
+    bhk = slc // n_split
+    split = slc % n_split
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    g_run = tl.cdiv(G, n_split)
+    g0 = split * g_run
+    g1 = tl.minimum(g0 + g_run, G)
+    n0 = pid_n * BLOCK_N
+    rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
+    offs_n = n0 + rel_n
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    n0_64 = n0.to(tl.int64)
+    k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
+              + offs_d[None, :] * skd)
+    v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
+              + offs_dv[None, :] * svd)
+    k = load_tile(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
+    v = load_tile(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
+    keep_k = offs_n < Lk
+    if HAS_KPM:
+        pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
+        keep_k = pad == 0
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    visits = pid * 0                                         # int32 counter (COUNT only)
+    t0, t1, t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n_full = t2 - t1
+    n_part = (t1 - t0) + (t3 - t2)
+    row = LISTS
+    for g in range(g0, g1):
+        h = hk * G + g
+        bh = b * H + h
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+        lse_base = LSE + bh.to(tl.int64) * Lq
+        delta_base = DELTA + bh.to(tl.int64) * Lq
+        lay_ptr = LAY + h.to(tl.int64) * lay_h
+        if HAS_LAYOUT:
+            row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
+            n_full = tl.load(row)
+            n_part = tl.load(row + 1)
+        listed = first_listed(row, 2, n_full, HAS_LAYOUT)
+        for i in range(0, n_full):
+            tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
+            start_m = tile * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
+                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
+                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                INTERP_BF16, IDX64, FOLD_SCALE)
+        listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
+        for i in range(0, n_part):
+            tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+            start_m = tile * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
+                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
+                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                INTERP_BF16, IDX64, FOLD_SCALE)
+        visits += n_full + n_part
+    dk = dk * scale                                                          # dK = scale dS^T Q
+    ok_k = offs_n[:, None] < Lk
+    dk_ptrs = (DK + split.to(tl.int64) * sdks + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + n0_64 * sdkn
+               + rel_n[:, None] * sdkn + offs_d[None, :] * sdkd)
+    dv_ptrs = (DV + split.to(tl.int64) * sdvs + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn
+               + rel_n[:, None] * sdvn + offs_dv[None, :] * sdvd)
+    tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_d[None, :] < D))
+    tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_dv[None, :] < Dv))
+    if COUNT:
+        tl.store(COUNTS + slc * n_nt + pid_n, visits)
+
+
+@triton.jit
+def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS,
+                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                lists_head_stride, lists_row_stride, full_slots,
+                scale, qk_scale, seed, drop_thresh, inv_keep,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
+                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
+    """dQ of one query tile of one (b, h) over its visible key tiles, like the forward; its
+    ``n_slices = B * H`` slices are ordered as the forward's."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
-    pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
+    pid_m, bh = slice_tile(pid, n_mt, n_slices, heads_per_group, ORDER)
     b = bh // H
     h = bh % H
     hk = h // G
@@ -247,9 +258,9 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     m0_64 = m0.to(tl.int64)
     q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
-              + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
+                  + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
     do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
-               + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+                   + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
     lse, delta = _row_stats(LSE + bh.to(tl.int64) * Lq, DELTA + bh.to(tl.int64) * Lq, offs_m, Lq)
     k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -277,3 +288,49 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS,
                + offs_d[None, :] * sdqd)
     tl.store(dq_ptrs, cast(dq, DQ.dtype.element_ty, INTERP_BF16),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    if COUNT:
+        tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS,
+               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+               sdqb, sdqh, sdqm, sdqd, sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+               B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+               lists1_head_stride, lists1_row_stride, full_slots1, lists2_head_stride, lists2_row_stride,
+               full_slots2, scale, qk_scale, seed, drop_thresh, inv_keep, n_split, group1, group2,
+               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_LAYOUT: tl.constexpr, LAYOUT_MASK1: tl.constexpr, LAYOUT_MASK2: tl.constexpr,
+               HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr,
+               PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+               FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr):
+    """The whole backward but Delta in one launch (as FlexAttention's): a 1-D grid whose first
+    ``cdiv(Lk, BLOCK_N1) * B * Hkv * n_split`` programs each compute dK, dV of one key tile
+    (`_dkdv_program`, tiles BLOCK_M1 x BLOCK_N1, tile lists LISTS1 by key) and whose remaining
+    ``cdiv(Lq, BLOCK_M2) * B * H`` programs each compute dQ of one query tile (`_dq_program`, tiles
+    BLOCK_M2 x BLOCK_N2, LISTS2 by query). The two kinds share no output, so no program waits for
+    another and none uses atomics. The heavier dK/dV programs (a loop over a group's query heads)
+    come first, each kind heaviest first within itself (ORDER1 / ORDER2). COUNTS (COUNT only): the
+    tiles each program visited, dK/dV programs' first."""
+    pid = tl.program_id(0)
+    n_slices1 = B * Hkv * n_split
+    n_kv = tl.cdiv(Lk, BLOCK_N1) * n_slices1
+    if pid < n_kv:
+        _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS1, COUNTS,
+                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                      sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+                      H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                      lists1_head_stride, lists1_row_stride, full_slots1, scale, qk_scale, seed, drop_thresh,
+                      inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
+                      LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
+                      FOLD_SCALE, ORDER1)
+    else:
+        _dq_program(pid - n_kv, B * H, group2, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS2, COUNTS + n_kv,
+                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                    sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+                    H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                    lists2_head_stride, lists2_row_stride, full_slots2, scale, qk_scale, seed, drop_thresh,
+                    inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
+                    LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
+                    FOLD_SCALE, ORDER2)

@@ -1,5 +1,7 @@
 """Kernel configs: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, BLOCK_M the query tile and BLOCK_N
-the key tile in every kernel.
+the key tile; the backward's (one launch of two kinds of programs) are
+``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)``: the dK/dV programs' tiles, then
+the dQ programs'.
 
 A few candidates per kernel, head-dim class (the larger of D and Dv, padded to a power of two) and
 element size, autotuned once per kind of call on the GPU (`launch`). The first of each list is the
@@ -16,26 +18,23 @@ GPU_CONFIGS = {
     2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
                 128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
                 256: [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
-        "dkdv": {64: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 1), (64, 128, 8, 3)],
-                 128: [(16, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 1), (16, 128, 8, 2), (32, 64, 8, 2),
-                       (32, 128, 8, 3)],
-                 256: [(32, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]},
-        "dq": {64: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-               128: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
-               256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 1)]}},
+        # the backward (`bwd_kernel`): (BLOCK_M1, BLOCK_N1) of the dK/dV programs, (BLOCK_M2, BLOCK_N2)
+        # of the dQ programs, then the launch's warps and stages
+        "bwd": {64: [(32, 128, 128, 64, 8, 3), (32, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 1),
+                     (64, 128, 128, 64, 8, 3)],
+                128: [(16, 128, 128, 32, 8, 3), (32, 128, 128, 32, 8, 2), (32, 128, 128, 32, 8, 1),
+                      (16, 128, 128, 32, 8, 2), (32, 128, 128, 64, 8, 3)],
+                256: [(32, 32, 64, 32, 8, 2), (32, 32, 32, 32, 8, 2), (64, 32, 64, 32, 8, 2)]}},
     4: {"fwd": {64: [(64, 64, 4, 2), (64, 32, 4, 2)],
                 128: [(64, 32, 4, 2), (64, 64, 4, 2)],
                 256: [(32, 32, 4, 2), (64, 32, 4, 1)]},
-        "dkdv": {64: [(64, 64, 4, 2), (64, 128, 8, 2)],
-                 128: [(32, 64, 4, 2), (32, 128, 8, 2)],
-                 256: [(16, 32, 4, 1), (32, 32, 4, 2)]},
-        "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)],
-               128: [(64, 32, 4, 2), (128, 32, 8, 2)],
-               256: [(32, 32, 4, 2), (32, 32, 4, 1)]}},
+        "bwd": {64: [(64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2)],
+                128: [(32, 64, 64, 32, 4, 2), (32, 128, 128, 32, 8, 2)],
+                256: [(16, 32, 32, 32, 4, 1), (32, 32, 32, 32, 4, 2)]}},
 }
 # One config under the interpreter; tiles differ between passes so that the transposed tile
 # plans are exercised with other sizes than the forward's.
-INTERPRET_CONFIGS = {"fwd": (32, 32, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+INTERPRET_CONFIGS = {"fwd": (32, 32, 4, 1), "bwd": (16, 32, 32, 16, 4, 1)}
 
 
 def head_class(block_d: int) -> int:
@@ -43,7 +42,7 @@ def head_class(block_d: int) -> int:
 
 
 def candidates(kind: str, head_class: int, element_size: int):
-    """The GPU configs tried for `kind` ("fwd", "dkdv", "dq"), best guess first."""
+    """The GPU configs tried for `kind` ("fwd", "bwd"), best guess first."""
     return GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
 
 

@@ -16,7 +16,7 @@ from triton.testing import do_bench
 
 from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ..runtime import _I32_MAX, _INTERPRET, _LOG2E, _log, _next_pow2
-from .backward import delta_kernel, dkdv_kernel, dq_kernel
+from .backward import bwd_kernel, delta_kernel
 from .configs import INTERPRET_CONFIGS, candidates, delta_block, head_class
 from .forward import fwd_kernel
 
@@ -179,12 +179,14 @@ class LaunchPlan:
         bs = self.layout_block
         return self.layout_mask is not None and (bs % block_m != 0 or bs % block_n != 0)
 
-    def order(self, kind: str):
-        """(ORDER, heads per group) of `program_tile` for kernel `kind`: heaviest programs first
-        where the work per tile varies (causal / windowed), dense calls in plain order."""
+    def order(self, kind: str, n_split: int = 1):
+        """(ORDER, heads per group) of `program_tile` for kernel `kind` ("fwd", or the backward's
+        "dkdv" / "dq" programs; the dK/dV ones with the group's heads split `n_split` ways): heaviest
+        programs first where the work per tile varies (causal / windowed), dense calls in plain order."""
         if kind == "dkdv":      # key tile t is seen by query tiles from about t on (causal): shrinking work
             order = -1 if self.right >= 0 else (1 if self.left >= 0 else 0)
-            slices, per_slice = self.B * self.Hkv, self.G * self.Lq * (self.D + self.Dv)    # Q, dO of the group
+            slices = self.B * self.Hkv * n_split                                              # Q, dO of the split
+            per_slice = cdiv(self.G, n_split) * self.Lq * (self.D + self.Dv)
         else:                   # query tile t sees key tiles up to about t (causal): growing work
             order = 1 if self.right >= 0 else (-1 if self.left >= 0 else 0)
             slices, per_slice = self.B * self.H, self.Lk * (self.D + self.Dv) // self.G      # K, V (shared in GQA)
@@ -218,29 +220,62 @@ class LaunchPlan:
             got = self._args[key] = (grid, lists, pre, post, dict(self.flags(cfg), COUNT=counts, ORDER=order))
         return got
 
-    def bwd_args(self, kind, cfg, q, k, v, dout, dgrad, dv, dlse, counts):
-        """As `fwd_args`, for the dK/dV (``dgrad`` = dk) or dQ (``dgrad`` = dq, ``dv`` None) kernel:
-        int64 offsets if one of the backward's own tensors needs them."""
-        key = (kind, cfg, counts, dout.stride(), None if dlse is None else dlse.stride())
+    def bwd_args(self, cfg, q, k, v, dout, dq, dk, dv, dlse, counts, n_split):
+        """As `fwd_args`, for the backward's `bwd_kernel` with config
+        ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages)``; ``dk`` / ``dv`` are the outputs,
+        or with ``n_split > 1`` the fp32 partial buffers ``(n_split, B, Hkv, Lk, D)``. The LISTS are
+        a pair: by key (dK/dV programs), by query (dQ programs). int64 offsets if one of the
+        backward's own tensors needs them."""
+        key = ("bwd", cfg, counts, n_split, dout.stride(), None if dlse is None else dlse.stride())
         got = self._args.get(key)
         if got is None:
-            idx64 = self.idx64 or _wide(dout, dgrad, dv, dlse)
-            by_key = kind == "dkdv"
-            lists, lists_hs, lists_rs, full_slots = self.lists(cfg[0], cfg[1], by_key=by_key)
-            order, group = self.order(kind)
-            strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dgrad.stride(),
-                       *(dv.stride() if dv is not None else ()), *self.kpm_strides)
-            heads = (self.H, self.Hkv, self.G) if by_key else (self.H, self.G)
-            pre = (*strides, *heads, self.Lq, self.Lk, self.D, self.Dv, self.off, self.left, self.right, self.lay_h,
-                   self.lay_nkb, max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.scale,
-                   self.qk_scale)
-            post = (self.drop_thresh, self.inv_keep, group)
-            n = cdiv(self.Lk, cfg[1]) * self.B * self.Hkv if by_key else cdiv(self.Lq, cfg[0]) * self.B * self.H
-            meta = dict(self.flags(cfg, idx64), ORDER=order)
-            if by_key:
-                meta["COUNT"] = counts
-            got = self._args[key] = ((n,), lists, pre, post, meta)
+            m1, n1, m2, n2, warps, stages = cfg
+            idx64 = self.idx64 or _wide(dout, dq, dk, dv, dlse)
+            lists1, hs1, rs1, fs1 = self.lists(m1, n1, by_key=True)
+            lists2, hs2, rs2, fs2 = self.lists(m2, n2, by_key=False)
+            order1, group1 = self.order("dkdv", n_split)
+            order2, group2 = self.order("dq")
+            split_strides = (dk.stride(), dv.stride()) if n_split > 1 else ((0, *dk.stride()), (0, *dv.stride()))
+            pre = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *split_strides[0],
+                   *split_strides[1], *self.kpm_strides, self.B, self.H, self.Hkv, self.G, self.Lq, self.Lk, self.D,
+                   self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb, max(self.layout_block, 1),
+                   hs1, rs1, fs1, hs2, rs2, fs2, self.scale, self.qk_scale)
+            post = (self.drop_thresh, self.inv_keep, n_split, group1, group2)
+            n_kv = cdiv(self.Lk, n1) * self.B * self.Hkv * n_split
+            n = n_kv + cdiv(self.Lq, m2) * self.B * self.H
+            meta = self.flags((m1, n1, warps, stages), idx64)
+            for name in ("BLOCK_M", "BLOCK_N", "LAYOUT_MASK"):
+                del meta[name]
+            meta.update(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
+                        LAYOUT_MASK1=self.layout_mask_needed(m1, n1), LAYOUT_MASK2=self.layout_mask_needed(m2, n2),
+                        COUNT=counts, ORDER1=order1, ORDER2=order2)
+            got = self._args[key] = ((n,), n_kv, (lists1, lists2), pre, post, meta)
         return got
+
+
+def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
+    """Into how many runs the backward splits each key tile's G query heads (GQA): 1 when the
+    ``n_kv_programs`` dK/dV programs (B * Hkv * key tiles) already fill ``n_sm`` SMs (0: unknown,
+    e.g. the CPU), else the fewest runs of equal length (at most G) that make them fill the SMs.
+    A dK/dV program loops over its heads, so too few of them leave SMs idle at the end of the
+    launch; each split costs a fp32 partial dK, dV to write and add up."""
+    if n_sm <= 0 or G <= 1 or n_kv_programs >= n_sm:
+        return 1
+    want = min(G, cdiv(n_sm, max(n_kv_programs, 1)))
+    return cdiv(G, cdiv(G, want))
+
+
+_SM_COUNT: Dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """The device's SM count (0 off CUDA), read once per device."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,34 +310,47 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
 
 
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-        tf32=False, config_dkdv=None, config_dq=None, counts=False):
-    """dq, dk, dv (same shapes and dtypes as q, k, v). With ``counts``, also the int32
-    (B*Hkv, n_key_tiles) numbers of query tiles each dK/dV program visited (all G heads).
-    `tf32` must be the forward's (the op's autograd passes it on)."""
+        tf32=False, config=None, counts=False, n_split=None):
+    """dq, dk, dv (same shapes and dtypes as q, k, v): the Delta pre-pass, then one launch of
+    `bwd_kernel` (dK/dV and dQ programs), then, if the group's query heads were split (GQA with
+    few key tiles per SM; ``n_split`` forces a split count, None: `gqa_splits`), the partial dK, dV
+    added in a fixed order. With ``counts``, also the int32 (B*Hkv, n_key_tiles) numbers of query
+    tiles each key tile visited (all G heads) and the (B*H, n_query_tiles) numbers of key tiles
+    each query tile visited. `tf32` must be the forward's (the op's autograd passes it on)."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    visits = [None]
+    visits = [None, None]
     if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
         for t in (dq, dk, dv):
             t.zero_()
-        return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
+        return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
     out, lse = out.contiguous(), lse.contiguous()       # the kernels index them as the forward wrote them
     delta = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     seed_key = philox_key(seed) if dropout_p > 0 else 0
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     lay = _or_dummy(p.lay, q)
 
-    def launch_dkdv(cfg):
-        grid, lists, pre, post, meta = p.bwd_args("dkdv", cfg, q, k, v, dout, dk, dv, dlse, counts)
-        cnt = torch.zeros(p.B * p.Hkv, grid[0] // (p.B * p.Hkv), dtype=torch.int32, device=q.device) if counts else None
-        dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kpm_u8, lay, _or_dummy(lists, q), _or_dummy(cnt, q),
-                          *pre, seed_key, *post, **meta)
-        visits[0] = cnt
-
-    def launch_dq(cfg):
-        grid, lists, pre, post, meta = p.bwd_args("dq", cfg, q, k, v, dout, dq, None, dlse, False)
-        dq_kernel[grid](q, k, v, dout, lse, delta, dq, kpm_u8, lay, _or_dummy(lists, q), *pre, seed_key, *post,
-                        **meta)
+    def launch(cfg):
+        n_kv_tiles = cdiv(p.Lk, cfg[1]) * p.B * p.Hkv
+        splits = n_split if n_split is not None else gqa_splits(n_kv_tiles, p.G, sm_count(q.device))
+        if splits > 1:
+            dk_out = torch.empty((splits, *dk.shape), dtype=torch.float32, device=q.device)
+            dv_out = torch.empty((splits, *dv.shape), dtype=torch.float32, device=q.device)
+        else:
+            dk_out, dv_out = dk, dv
+        grid, n_kv, lists, pre, post, meta = p.bwd_args(cfg, q, k, v, dout, dq, dk_out, dv_out, dlse, counts, splits)
+        cnt = torch.zeros(grid[0], dtype=torch.int32, device=q.device) if counts else None
+        bwd_kernel[grid](q, k, v, dout, lse, delta, dq, dk_out, dv_out, kpm_u8, lay, _or_dummy(lists[0], q),
+                         _or_dummy(lists[1], q), _or_dummy(cnt, q), *pre, seed_key, *post, **meta)
+        if splits > 1:                                 # fixed order: bitwise the same every run
+            for part, grad in ((dk_out, dk), (dv_out, dv)):
+                acc = part[0]
+                for i in range(1, splits):
+                    acc = acc + part[i]
+                grad.copy_(acc)
+        if counts:
+            visits[0] = cnt[:n_kv].view(p.B * p.Hkv, splits, -1).sum(1, dtype=torch.int32)
+            visits[1] = cnt[n_kv:].view(p.B * p.H, -1)
 
     with _on_device(q.device):
         block = delta_block(p.block_dv)
@@ -310,15 +358,11 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
             out, dout, _or_dummy(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
             BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64 or _wide(dout, dlse))
-        if config_dkdv is not None:
-            launch_dkdv(config_dkdv)
+        if config is not None:
+            launch(config)
         else:
-            _launch_tuned("dkdv", p, launch_dkdv, q.device)
-        if config_dq is not None:
-            launch_dq(config_dq)
-        else:
-            _launch_tuned("dq", p, launch_dq, q.device)
-    return (dq, dk, dv, visits[0]) if counts else (dq, dk, dv)
+            _launch_tuned("bwd", p, launch, q.device)
+    return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
 
 
 def _or_dummy(t, dummy):

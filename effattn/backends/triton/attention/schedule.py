@@ -39,18 +39,23 @@ def dropout_keep(seed, bh, qi, kj, drop_thresh):
 
 @triton.jit
 def program_tile(pid, n_tiles, heads_per_group, ORDER: tl.constexpr):
-    """(tile, slice) of program `pid` on a 1-D grid of ``n_tiles`` tiles x ``n_slices`` (b, h)
-    slices. ``ORDER = 0``: tiles fastest, ascending. Otherwise heaviest first (longest processing
-    time first, as FlashAttention-3's tile scheduler): the slices go in groups of
-    ``heads_per_group`` (few enough that their K and V stay in L2 together), and inside a group the
-    same tile of every slice runs before the next tile, from the last tile down (``ORDER = 1``: work
-    grows with the tile index, e.g. causal query tiles) or from the first up (``ORDER = -1``: it
-    shrinks, e.g. causal key tiles)."""
+    """`slice_tile` on a grid that holds only this kernel's ``n_tiles`` x ``n_slices`` programs."""
+    return slice_tile(pid, n_tiles, tl.num_programs(0) // n_tiles, heads_per_group, ORDER)
+
+
+@triton.jit
+def slice_tile(pid, n_tiles, n_slices, heads_per_group, ORDER: tl.constexpr):
+    """(tile, slice) of program `pid` among ``n_tiles`` tiles x ``n_slices`` (b, h) slices.
+    ``ORDER = 0``: tiles fastest, ascending. Otherwise heaviest first (longest processing time
+    first, as FlashAttention-3's tile scheduler): the slices go in groups of ``heads_per_group``
+    (few enough that their K and V stay in L2 together), and inside a group the same tile of every
+    slice runs before the next tile, from the last tile down (``ORDER = 1``: work grows with the
+    tile index, e.g. causal query tiles) or from the first up (``ORDER = -1``: it shrinks, e.g.
+    causal key tiles)."""
     if ORDER == 0:
         tile = pid % n_tiles
         bh = pid // n_tiles
     else:
-        n_slices = tl.num_programs(0) // n_tiles
         per_group = n_tiles * heads_per_group
         group = pid // per_group
         r = pid - group * per_group
