@@ -1,6 +1,13 @@
 """The Triton attention backend as torch ops: ``effattn::triton_attention_fwd`` / ``_bwd``
 (``torch.library`` custom ops, opaque to torch.compile) with fake impls and an autograd formula, and
-its registration as backend ``"triton"``."""
+its registration as backend ``"triton"``.
+
+Eager calls on plain tensors skip the torch.library layer (`_direct`): its Python dispatch costs
+about 15 us per forward and 100-150 us per forward+backward of host time (argument re-packing,
+``fill_defaults`` reading the schema, alias checks), more than the rest of a call. They run the same
+launchers with the same autograd formula (`_Eager`), so results are bitwise those of the ops. Tracing
+(torch.compile, export), dispatch or function modes (FakeTensor, FlopCounter, ...), functorch
+transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -59,14 +66,61 @@ if triton is not None:
     triton_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+if triton is not None:
+
+    class _Eager(torch.autograd.Function):
+        """The ops' autograd formula for eager calls (see the module docstring): the forward
+        launcher, then the backward launcher on the saved tensors. A gradient of only one output
+        is not filled with zeros for the other (``grad_lse`` None: the kernels skip it, which is
+        exact since the zeros would be subtracted); a double backward goes through the op."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = launch.fwd(*inputs)
+            ctx.set_materialize_grads(False)
+            _setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            if torch.is_grad_enabled():                 # create_graph: the op says it has no derivative
+                return _backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
+            q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
+            dq, dk, dv = launch.bwd(_or_zeros(grad_out, ctx, 3), grad_lse, q, k, v, out, lse, layout_mask,
+                                    ctx.static[0], kpm, seed, *ctx.static[1:])
+            return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _or_zeros(grad, ctx, i):
+    return grad if grad is not None else torch.zeros_like(ctx.saved_tensors[i])
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct(*tensors) -> bool:
+    """Whether a call may skip the torch.library layer: eager (not traced by torch.compile or
+    export), no torch function or dispatch mode, no functorch transform, no profiler, and every
+    tensor a plain one (None allowed). Anything else sees the ops."""
+    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch._C._autograd._profiler_enabled()
+            and all(t is None or type(t) in _PLAIN for t in tensors))
+
+
 def _run(call):
     """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
     read here, once per call; the backward reuses it."""
     lay = call.layout
-    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
-    return triton_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
-                                lay.block_size if lay is not None else 0, call.key_padding_mask, call.seed,
-                                call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
+    q, k, v, kpm = call.q, call.k, call.v, call.key_padding_mask
+    tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
+    args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
+            call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
+    if not _direct(q, k, v, kpm):
+        return triton_attention_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Eager.apply(*args)
+    return launch.fwd(*args)
 
 
 BACKEND = register(Backend(
