@@ -24,10 +24,12 @@ Numerics
 Scores and softmax statistics are fp32 (with a positive scale the row max is taken on the raw
 scores and the scale folded into the exponent: one FMA per score, ``FOLD_SCALE``; FP fusion is
 pinned on for every launch); products run on tensor cores in the input dtype. float32
-inputs use IEEE fp32 dots unless torch's cuBLAS setting allows TF32
-(``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), in which
-case they use TF32 (10-bit mantissa) like torch's own fp32 matmuls. The setting is read once per
-call, at the forward, and the backward of that call uses the same. Dropout draws a Philox number
+inputs use TF32 dots (10-bit mantissa) when torch's cuBLAS setting allows TF32
+(``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), like
+torch's own fp32 matmuls, and IEEE fp32 dots otherwise. The setting is read once per call, at the
+forward, and the backward of that call uses the same. IEEE fp32 dots have no tensor-core path and
+spill on the GPU, so such calls rank after the torch backend (``op.IEEE_FP32_RANK``: "auto" takes
+torch, explain notes why); named, the backend still serves them. Dropout draws a Philox number
 per (b, h, i, j) from the call's seed, so backward regenerates exactly the forward's mask, whatever
 the tile sizes. No kernel uses atomics: every gradient element is written by one program.
 

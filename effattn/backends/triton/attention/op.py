@@ -123,8 +123,26 @@ def _run(call):
     return launch.fwd(*args)
 
 
+# Devices where the kernels are compiled (the interpreter on CPU computes IEEE fp32 exactly, at its pace).
+_COMPILED = frozenset({"cuda"})
+# float32 with TF32 disallowed has no sound Triton path on a GPU: IEEE fp32 dots run as FMA loops that
+# spill (sm_90, D = 128: 7-9 KB of stack, ~30k spill instructions in the dK/dV loop) and 3xTF32 dots
+# spill in the dK/dV loop at every tile tried (benchmarks/results/offline-sm90/README.md). Such calls
+# rank after the torch backend (cuBLAS fp32), so "auto" takes it; named, the kernels still serve them
+# exactly (IEEE dots), slowly.
+IEEE_FP32_RANK = 200
+IEEE_FP32_NOTE = ("float32 without TF32 (torch's fp32 matmul precision 'highest'): IEEE fp32 dots, no tensor "
+                  "cores and spilling kernels, so ranked after torch; allow TF32 for the fast path")
+
+
+def _ieee_fp32(call) -> bool:
+    """Whether `call` is float32 on a GPU with TF32 disallowed (read at dispatch, as `_run` reads it)."""
+    return (call is not None and call.q.dtype == torch.float32 and call.q.device.type in _COMPILED
+            and not _tf32_enabled())
+
+
 BACKEND = register(Backend(
-    name="triton", op="attention", priority=10,
+    name="triton", op="attention", priority=lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else 10,
     caps=Capabilities(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
@@ -132,5 +150,6 @@ BACKEND = register(Backend(
         features=FEATURES["attention"],
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
+    notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
     # the interpreter is correct but far slower than the torch reference: CPU only when named
     explicit_only_devices=frozenset({"cpu"})))
