@@ -171,3 +171,32 @@ def test_lengths_do_not_multiply_compiled_kernels():
 def _do_not_specialize(kernel):
     """A kernel's ``do_not_specialize`` names, interpreted or compiled."""
     return getattr(kernel, "kwargs", {}).get("do_not_specialize") or getattr(kernel, "do_not_specialize", [])
+
+
+def test_every_launch_pins_fp_fusion(monkeypatch):
+    """Every kernel launch of the attention and linear-attention launchers passes
+    ``enable_fp_fusion=True`` (triton 3.10 turns the default off: the same FMAs on every version).
+    The kernels are replaced by recorders; nothing is computed."""
+    from effattn.backends.triton.linear import launch as linear_launch
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append((self.name, meta.get("enable_fp_fusion")))
+
+    for mod in (ta.launch, linear_launch):
+        for name in [n for n in vars(mod) if n.endswith("_kernel")]:
+            monkeypatch.setattr(mod, name, Recorder(name))
+    q, k, v, kw = _inputs(4, features=False)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    torch.autograd.grad(effattn.attention(*leaves, backend="triton", **kw).sum(), leaves)
+    torch.autograd.grad(effattn.linear_attention(*leaves, causal=True, backend="triton").sum(), leaves)
+    S, z = torch.zeros(1, 2, 16, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE)
+    linear_launch.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], S, z, 0, True, 1e-6)
+    names = {n for n, _ in seen}
+    assert {"fwd_kernel", "delta_kernel", "_chunk_out_kernel", "_step_kernel"} <= names, names
+    assert all(f is True for _, f in seen), [n for n, f in seen if f is not True]
