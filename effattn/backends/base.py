@@ -80,7 +80,7 @@ class Backend:
             if na:
                 why.append(na)
             elif device.type == "cuda" and self.caps.min_compute_capability > (0, 0):
-                cc = torch.cuda.get_device_capability(device)
+                cc = _capability(device)
                 if tuple(cc) < self.caps.min_compute_capability:
                     need = ".".join(map(str, self.caps.min_compute_capability))
                     why.append(f"needs a GPU of compute capability >= {need}, got {cc[0]}.{cc[1]}")
@@ -95,6 +95,17 @@ class Backend:
             why.append("does not support " + ", ".join(missing))
         why.extend(self.extra_reasons(call))
         return why
+
+
+_CAPABILITY: Dict[torch.device, Tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """The GPU's compute capability, read once per device (it is checked on every call)."""
+    cc = _CAPABILITY.get(device)
+    if cc is None:
+        cc = _CAPABILITY[device] = tuple(torch.cuda.get_device_capability(device))
+    return cc
 
 
 _REGISTRY: Dict[str, Dict[str, Backend]] = {"attention": {}, "linear_attention": {}}
