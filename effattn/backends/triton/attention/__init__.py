@@ -56,7 +56,7 @@ The launch metadata (sizes, flags, every scalar kernel argument) is built once p
 (shapes, strides, dtype, layout, flags) and cached (`launch.plan_for`), so a repeated call costs a
 dictionary lookup; eager calls on plain tensors call the launchers without the torch.library layer
 (`op._direct`), and dispatch asks only the backend it picks. About 25-35 us of CPU per forward and
-130-170 us per forward+backward at L=1024 without Triton's own launch path
+120-200 us per forward+backward at L=1024 without Triton's own launch path
 (``python -m benchmarks.host_overhead``; benchmarks/results/cpu/host_overhead.md).
 
 Scheduling
