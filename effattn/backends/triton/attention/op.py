@@ -117,7 +117,7 @@ def _run(call):
     tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
     args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
             call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
-    if not _direct(q, k, v, kpm):
+    if not _direct(q, k, v, kpm, args[3]):
         return triton_attention_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Eager.apply(*args)
