@@ -6,6 +6,12 @@ call down to the kernel launch, with each kernel replaced by a stub that only re
 arguments (Triton's own launch path, about 10-20 us per launch on a GPU host, is not included).
 It runs on CPU tensors under ``TRITON_INTERPRET=1`` (set here), so it needs no GPU.
 
+Two columns per mode: the eager call as a user makes it (plain tensors, no mode active: the
+launchers are called without the torch.library layer), and the same call through the
+``effattn::triton_attention_fwd`` / ``_bwd`` ops (the path of torch.compile, tensor subclasses,
+dispatch modes and the profiler), which adds torch's Python dispatch of custom ops.
+``benchmarks/results/cpu/host_overhead.md`` has the numbers before and after the host-path work.
+
     python -m benchmarks.host_overhead                  # forward and forward+backward, us per call
     python -m benchmarks.host_overhead --json
 """
@@ -21,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported
 
 # (name, attention kwargs, shapes (B, H, Hkv, L, D))
 CASES = [
+    ("dense", dict(), (2, 8, 8, 1024, 64)),
     ("causal", dict(causal=True), (2, 8, 8, 1024, 64)),
     ("window-gqa", dict(causal=True, window=(256, 0)), (2, 8, 2, 1024, 128)),
     ("layout", "layout", (2, 8, 8, 1024, 64)),
@@ -62,12 +69,14 @@ def per_call_us(fn, min_time: float = 0.5) -> float:
     return sorted(rounds)[2] * 1e6
 
 
-def measure(min_time: float = 0.5):
+def measure(min_time: float = 0.5, via_ops: bool = True):
     import torch
 
     import effattn
     from effattn.layouts import sliding_and_summary
     stub_launches()
+    from effattn.backends.triton.attention import op
+    direct = getattr(op, "_direct", None)
     rows = []
     for name, kw, (B, H, Hkv, L, D) in CASES:
         q = torch.randn(B, H, L, D)
@@ -84,8 +93,15 @@ def measure(min_time: float = 0.5):
             out = effattn.attention(*leaves, backend="triton", **kw)
             torch.autograd.grad(out, leaves, out)          # no .grad accumulation (it would touch memory)
 
-        rows.append(dict(case=name, shape=f"B{B} H{H} Hkv{Hkv} L{L} D{D}", fwd_us=per_call_us(fwd, min_time),
-                         fwd_bwd_us=per_call_us(fwd_bwd, min_time)))
+        row = dict(case=name, shape=f"B{B} H{H} Hkv{Hkv} L{L} D{D}", fwd_us=per_call_us(fwd, min_time),
+                   fwd_bwd_us=per_call_us(fwd_bwd, min_time))
+        if via_ops and direct is not None:
+            op._direct = lambda *tensors: False
+            try:
+                row.update(fwd_ops_us=per_call_us(fwd, min_time), fwd_bwd_ops_us=per_call_us(fwd_bwd, min_time))
+            finally:
+                op._direct = direct
+        rows.append(row)
     return rows
 
 
@@ -100,9 +116,11 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print("| case | shape | forward us/call | forward+backward us/call |\n|---|---|---|---|")
+    print("| case | shape | forward us/call | via the ops | forward+backward us/call | via the ops |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['shape']} | {r['fwd_us']:.0f} | {r['fwd_bwd_us']:.0f} |")
+        ops = [f"{r[k]:.0f}" if k in r else "-" for k in ("fwd_ops_us", "fwd_bwd_ops_us")]
+        print(f"| {r['case']} | {r['shape']} | {r['fwd_us']:.0f} | {ops[0]} | {r['fwd_bwd_us']:.0f} | {ops[1]} |")
     return 0
 
 

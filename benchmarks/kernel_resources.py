@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
 KINDS = ("fwd", "bwd", "delta", "decode", "combine")
-DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee: IEEE fp32 dots
+DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee: IEEE fp32 dots; fp32x3: 3xTF32
 # Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
 # multiples of 16: unit strides become the constant 1, the other strides and lengths get
 # divisibility 16 (without it loads are not vectorized or pipelined and shared memory is
@@ -52,6 +52,7 @@ _DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob",
           "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
           "lay_h", "lists_head_stride", "lists_row_stride", "lists1_head_stride", "lists1_row_stride",
           "lists2_head_stride", "lists2_row_stride", "sdks", "sdvs", "keys_per_split"}
+_DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
@@ -118,7 +119,7 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     *blocks, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
-                  PAD_D=False, PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False,
+                  PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
                   IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], **FEATURES[features])    # FOLD_SCALE: any positive scale
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
@@ -141,7 +142,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
             sig[n] = _POINTERS.get(n) or "*" + elem
         else:
             sig[n] = "fp32" if n in _FLOATS else "i64" if n == "seed" else "i32"
-        if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16):
+        # a length the kernel does not specialize (do_not_specialize) gets no hint from the launcher either
+        if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16 and not fn.params[j].do_not_specialize):
             attrs[(j,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))

@@ -80,7 +80,7 @@ class Backend:
             if na:
                 why.append(na)
             elif device.type == "cuda" and self.caps.min_compute_capability > (0, 0):
-                cc = torch.cuda.get_device_capability(device)
+                cc = _capability(device)
                 if tuple(cc) < self.caps.min_compute_capability:
                     need = ".".join(map(str, self.caps.min_compute_capability))
                     why.append(f"needs a GPU of compute capability >= {need}, got {cc[0]}.{cc[1]}")
@@ -95,6 +95,17 @@ class Backend:
             why.append("does not support " + ", ".join(missing))
         why.extend(self.extra_reasons(call))
         return why
+
+
+_CAPABILITY: Dict[torch.device, Tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """The GPU's compute capability, read once per device (it is checked on every call)."""
+    cc = _CAPABILITY.get(device)
+    if cc is None:
+        cc = _CAPABILITY[device] = tuple(torch.cuda.get_device_capability(device))
+    return cc
 
 
 _REGISTRY: Dict[str, Dict[str, Backend]] = {"attention": {}, "linear_attention": {}}
@@ -121,24 +132,29 @@ def backends_for(op: str, call=None) -> List[Backend]:
 
 def select(op: str, call, backend: str) -> Backend:
     """Picks the backend for a call: the named one (or an error saying why it can't), or for
-    "auto" the fastest that can serve."""
-    if backend not in ("auto",) + tuple(BACKENDS):
+    "auto" the fastest that can serve. Only the backends it needs are asked (the named one; for
+    "auto" those ranked before the pick), so a call that is served costs one or two capability
+    checks; the reasons of all of them are gathered only for the error message."""
+    if backend == "auto":
+        device_type = call.q.device.type
+        for b in backends_for(op, call):
+            if device_type not in b.explicit_only_devices and not b.reasons(call):
+                return b
+    elif backend in BACKENDS:
+        b = _REGISTRY[op].get(backend)
+        if b is not None and not b.reasons(call):
+            return b
+    else:
         names = ", ".join(repr(n) for n in ("auto",) + tuple(BACKENDS))
         raise ValueError(f"{op}: backend must be one of {names}; got {backend!r}")
     table = {b.name: (b, b.reasons(call)) for b in backends_for(op, call)}
     if backend == "auto":
-        for b, why in table.values():
-            if not why and call.q.device.type not in b.explicit_only_devices:
-                return b
         raise ValueError(f"{op}: no backend can serve this call: " + _describe(table))
     if backend not in table:
         raise RuntimeError(f"{op}: backend {backend!r} {missing_reason(op, backend)}. " + _describe(table))
-    b, why = table[backend]
-    if why:
-        ok = [n for n, (_, w) in table.items() if not w]
-        raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(why)}. "
-                           f"Backends that can: {', '.join(ok) if ok else 'none'}")
-    return b
+    ok = [n for n, (_, w) in table.items() if not w]
+    raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(table[backend][1])}. "
+                       f"Backends that can: {', '.join(ok) if ok else 'none'}")
 
 
 def missing_reason(op: str, name: str) -> str:

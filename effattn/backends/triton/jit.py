@@ -7,6 +7,22 @@ constexpr, off (compiled away) on the GPU.
 import triton
 import triton.language as tl
 
+# Kernel arguments whose values change with the sequence lengths but whose value hints buy nothing.
+# Triton specializes an int argument on its value unless told not to (1 becomes a constant, a
+# multiple of 16 gets a divisibility hint), so a new length can select another compile although
+# the call is of the same kind: the layout's blocks per row (``lay_nkb`` = ceil(Lk / block)), the
+# layout lists' strides and widths, the heads per L2 group. Without their hints the sm_90 SASS is
+# the same (offline compiles, triton 3.9), so a kernel lists those it takes in
+# ``do_not_specialize``. ``Lq``, ``Lk`` and ``off`` (= Lk - Lq) keep theirs: they bound the masks of
+# the partial tiles, whose loop is 46 instructions shorter with them (D = 128 causal forward: 519
+# against 565), and they select at most two compiles each (a multiple of 16 or not), never one per
+# length. ``python -m benchmarks.specializations`` counts the compiles a range of lengths selects.
+UNSPECIALIZED_ARGS = ["full_slots", "heads_per_group", "lay_nkb", "lists_head_stride", "lists_row_stride"]
+# the same for the one-launch backward, whose two kinds of programs have their own lists (..1 by key
+# tile, ..2 by query tile) and L2 head groups
+UNSPECIALIZED_BWD_ARGS = ["lay_nkb", "group1", "group2", "full_slots1", "full_slots2", "lists1_head_stride",
+                          "lists1_row_stride", "lists2_head_stride", "lists2_row_stride"]
+
 
 @triton.jit
 def dot(a, b, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):

@@ -29,10 +29,12 @@ Numerics
 Scores and softmax statistics are fp32 (with a positive scale the row max is taken on the raw
 scores and the scale folded into the exponent: one FMA per score, ``FOLD_SCALE``; FP fusion is
 pinned on for every launch); products run on tensor cores in the input dtype. float32
-inputs use IEEE fp32 dots unless torch's cuBLAS setting allows TF32
-(``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), in which
-case they use TF32 (10-bit mantissa) like torch's own fp32 matmuls. The setting is read once per
-call, at the forward, and the backward of that call uses the same. Dropout draws a Philox number
+inputs use TF32 dots (10-bit mantissa) when torch's cuBLAS setting allows TF32
+(``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy ``allow_tf32``), like
+torch's own fp32 matmuls, and IEEE fp32 dots otherwise. The setting is read once per call, at the
+forward, and the backward of that call uses the same. IEEE fp32 dots have no tensor-core path and
+spill on the GPU, so such calls rank after the torch backend (``op.IEEE_FP32_RANK``: "auto" takes
+torch, explain notes why); named, the backend still serves them. Dropout draws a Philox number
 per (b, h, i, j) from the call's seed, so backward regenerates exactly the forward's mask, whatever
 the tile sizes. No kernel uses atomics: every gradient element is written by one program.
 
@@ -59,7 +61,10 @@ dK, dV after them; two for a split-KV decode, which has one config and is never 
 first call may be made while a CUDA graph is captured once the kernels are compiled).
 The launch metadata (sizes, flags, every scalar kernel argument) is built once per kind of call
 (shapes, strides, dtype, layout, flags) and cached (`launch.plan_for`), so a repeated call costs a
-dictionary lookup plus the op dispatch; ``python -m benchmarks.host_overhead`` measures it.
+dictionary lookup; eager calls on plain tensors call the launchers without the torch.library layer
+(`op._direct`), and dispatch asks only the backend it picks. About 25-35 us of CPU per forward and
+120-200 us per forward+backward at L=1024 without Triton's own launch path
+(``python -m benchmarks.host_overhead``; benchmarks/results/cpu/host_overhead.md).
 
 Scheduling
 ----------

@@ -12,7 +12,7 @@ one program, no atomics.
 import triton
 import triton.language as tl
 
-from ..jit import cast, dot, i64, load_tile
+from ..jit import UNSPECIALIZED_BWD_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, query_tile_range, slice_tile,
                        tile_index, visible)
 
@@ -292,7 +292,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_BWD_ARGS)
 def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                sdqb, sdqh, sdqm, sdqd, sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,

@@ -3,7 +3,7 @@ one query tile, full tiles first (no masking code), then partial ones."""
 import triton
 import triton.language as tl
 
-from ..jit import cast, dot, i64, load_tile
+from ..jit import UNSPECIALIZED_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, tile_index,
                        visible)
 
@@ -57,7 +57,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_ARGS)
 def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,

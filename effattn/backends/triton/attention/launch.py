@@ -357,7 +357,8 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
         delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
             out, dout, _or_dummy(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
-            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64 or _wide(dout, dlse))
+            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64 or _wide(dout, dlse),
+            enable_fp_fusion=True)
         if config is not None:
             launch(config)
         else:

@@ -1,6 +1,13 @@
 """The Triton attention backend as torch ops: ``effattn::triton_attention_fwd`` / ``_bwd``
 (``torch.library`` custom ops, opaque to torch.compile) with fake impls and an autograd formula, and
-its registration as backend ``"triton"``."""
+its registration as backend ``"triton"``.
+
+Eager calls on plain tensors skip the torch.library layer (`_direct`): its Python dispatch costs
+about 15 us per forward and 100-150 us per forward+backward of host time (argument re-packing,
+``fill_defaults`` reading the schema, alias checks), more than the rest of a call. They run the same
+launchers with the same autograd formula (`_Eager`), so results are bitwise those of the ops. Tracing
+(torch.compile, export), dispatch or function modes (FakeTensor, FlopCounter, ...), functorch
+transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -72,22 +79,87 @@ if triton is not None:
         return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
+if triton is not None:
+
+    class _Eager(torch.autograd.Function):
+        """The ops' autograd formula for eager calls (see the module docstring): the forward
+        launcher, then the backward launcher on the saved tensors. A gradient of only one output
+        is not filled with zeros for the other (``grad_lse`` None: the kernels skip it, which is
+        exact since the zeros would be subtracted); a double backward goes through the op."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = launch.fwd(*inputs)
+            ctx.set_materialize_grads(False)
+            _setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            if torch.is_grad_enabled():                 # create_graph: the op says it has no derivative
+                return _backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
+            q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
+            dq, dk, dv = launch.bwd(_or_zeros(grad_out, ctx, 3), grad_lse, q, k, v, out, lse, layout_mask,
+                                    ctx.static[0], kpm, seed, *ctx.static[1:])
+            return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _or_zeros(grad, ctx, i):
+    return grad if grad is not None else torch.zeros_like(ctx.saved_tensors[i])
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct(*tensors) -> bool:
+    """Whether a call may skip the torch.library layer: eager (not traced by torch.compile, export
+    or torch.jit.trace), no torch function or dispatch mode, no functorch transform, no profiler,
+    and every tensor a plain one (None allowed). Anything else sees the ops."""
+    return (not torch.compiler.is_compiling() and not torch._C._get_tracing_state()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch._C._autograd._profiler_enabled()
+            and all(t is None or type(t) in _PLAIN for t in tensors))
+
+
 def _run(call):
     """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
     read here, once per call; the backward reuses it."""
     lay = call.layout
-    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
-    if decode.decode_reason(call) is None:      # a few query rows against a long key range
-        return triton_attention_decode(call.q, call.k, call.v, lay.mask if lay is not None else None,
-                                       lay.block_size if lay is not None else 0, call.key_padding_mask,
-                                       call.scale, call.window_left, call.window_right, tf32)
-    return triton_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
-                                lay.block_size if lay is not None else 0, call.key_padding_mask, call.seed,
-                                call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
+    q, k, v, kpm = call.q, call.k, call.v, call.key_padding_mask
+    tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
+    args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
+            call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
+    if decode.decode_reason(call) is None:      # a few query rows against a long key range (no grad, no dropout)
+        dargs = args[:6] + args[7:8] + args[9:]
+        return decode.fwd(*dargs) if _direct(q, k, v, kpm, args[3]) else triton_attention_decode(*dargs)
+    if not _direct(q, k, v, kpm, args[3]):
+        return triton_attention_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Eager.apply(*args)
+    return launch.fwd(*args)
+
+
+# Devices where the kernels are compiled (the interpreter on CPU computes IEEE fp32 exactly, at its pace).
+_COMPILED = frozenset({"cuda"})
+# float32 with TF32 disallowed has no sound Triton path on a GPU: IEEE fp32 dots run as FMA loops that
+# spill (sm_90, D = 128: 7-9 KB of stack, ~30k spill instructions in the dK/dV loop) and 3xTF32 dots
+# spill in the dK/dV loop at every tile tried (benchmarks/results/offline-sm90/README.md). Such calls
+# rank after the torch backend (cuBLAS fp32), so "auto" takes it; named, the kernels still serve them
+# exactly (IEEE dots), slowly.
+IEEE_FP32_RANK = 200
+IEEE_FP32_NOTE = ("float32 without TF32 (torch's fp32 matmul precision 'highest'): IEEE fp32 dots, no tensor "
+                  "cores and spilling kernels, so ranked after torch; allow TF32 for the fast path")
+
+
+def _ieee_fp32(call) -> bool:
+    """Whether `call` is float32 on a GPU with TF32 disallowed (read at dispatch, as `_run` reads it)."""
+    return (call is not None and call.q.dtype == torch.float32 and call.q.device.type in _COMPILED
+            and not _tf32_enabled())
 
 
 BACKEND = register(Backend(
-    name="triton", op="attention", priority=10,
+    name="triton", op="attention", priority=lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else 10,
     caps=Capabilities(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
@@ -96,5 +168,6 @@ BACKEND = register(Backend(
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
     describe=lambda call: decode.describe(call) if triton is not None else None,
+    notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
     # the interpreter is correct but far slower than the torch reference: CPU only when named
     explicit_only_devices=frozenset({"cpu"})))

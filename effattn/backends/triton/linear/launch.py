@@ -84,7 +84,8 @@ class Numerics:
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
     def flags(self):
-        return dict(DT=self.dt, DOT_PREC=self.prec, INTERP_BF16=self.upcast)
+        # FP fusion pinned (triton 3.10 turns its default off): the same FMAs on every version
+        return dict(DT=self.dt, DOT_PREC=self.prec, INTERP_BF16=self.upcast, enable_fp_fusion=True)
 
 
 def _fit(cfg, fa: int, fc: int):
@@ -242,5 +243,5 @@ def step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fmap: int, norma
     _step_kernel[(B * H, cdiv(Dv, bv))](
         q2, k2, v2, S, z, S_new, z_new, out, q2.stride(0), k2.stride(0), v2.stride(0), Dv, H, H // Hkv, F, Dv,
         eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, INTERP_BF16=_INTERPRET and v.dtype == torch.bfloat16,
-        num_warps=4)
+        num_warps=4, enable_fp_fusion=True)
     return out, S_new, z_new
