@@ -12,7 +12,11 @@ candidate config of every kind of call). This module moves that work to the star
 - `compile_all(variants)` compiles them in a ``ProcessPoolExecutor`` with the 'spawn' start method:
   each worker calls the kernel's ``warmup`` (Triton compiles for the current GPU without
   launching; tensors are passed as their dtypes), which fills Triton's on-disk cache; the suite's
-  own launches then load the binaries instead of compiling.
+  own launches then load the binaries instead of compiling. With ``arch`` (e.g. 90) the workers
+  compile for that target without a GPU (a stand-in driver answers Triton's device queries), the
+  same binaries under the same cache keys as on such a GPU with the same triton and effattn
+  source: ``python -m benchmarks.precompile --arch 90`` on a CPU checks that every variant
+  compiles, and can fill a cache (``TRITON_CACHE_DIR``) to carry to the GPU machine.
 
 The calls are the softmax-attention launchers (forward, and the backward's kernels) and the causal
 linear-attention passes, called as their torch ops call them; a call that cannot be planned this way
@@ -209,10 +213,30 @@ def plan_variants(calls: Sequence[Call]) -> Tuple[List[Variant], Dict[Call, str]
     return list(variants.values()), failed
 
 
-def _compile_one(var: Variant) -> Tuple[str, float, str]:
-    """Worker: compiles `var` for the current GPU (Triton's ``warmup``: no launch). Returns
-    (the variant's description, seconds, "" or the error)."""
+class _OfflineDriver:
+    """Answers the device queries of Triton's launch path for a GPU target without a GPU."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _compile_one(var: Variant, arch: Optional[int] = None) -> Tuple[str, float, str]:
+    """Worker: compiles `var` for the current GPU, or for ``sm_<arch>`` without one (Triton's
+    ``warmup``: no launch). Returns (the variant's description, seconds, "" or the error)."""
     t0 = time.perf_counter()
+    if arch is not None:
+        from triton.runtime import driver
+        driver.set_active(_OfflineDriver(arch))
     try:
         kernel = getattr(importlib.import_module(var.module), var.name)
         kernel.warmup(*var.args, grid=(1,), **dict(var.kwargs))
@@ -223,17 +247,19 @@ def _compile_one(var: Variant) -> Tuple[str, float, str]:
 
 
 def compile_all(variants: Sequence[Variant], processes: Optional[int] = None, deadline: float = float("inf"),
-                log=print) -> List[dict]:
+                log=print, arch: Optional[int] = None) -> List[dict]:
     """Compiles `variants` in a 'spawn' process pool (``processes``: default the CPU count, at most
-    16); stops waiting at ``time.monotonic() > deadline`` (the rest then compile on first launch).
-    Returns one row per variant: kernel, description, seconds, status."""
+    16), for the current GPU or, given ``arch``, for ``sm_<arch>`` without one; stops waiting at
+    ``time.monotonic() > deadline`` (the rest then compile on first launch). Returns one row per
+    variant: kernel, description, seconds, status."""
     n = max(1, min(processes or os.cpu_count() or 1, 16, len(variants) or 1))
     ctx = multiprocessing.get_context("spawn")
     rows, t0 = [], time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as pool:
-        futures = {pool.submit(_compile_one, v): v for v in variants}
+        futures = {pool.submit(_compile_one, v, arch): v for v in variants}
         try:
-            for fut in concurrent.futures.as_completed(futures, timeout=max(1.0, deadline - time.monotonic())):
+            wait = None if deadline == float("inf") else max(1.0, deadline - time.monotonic())
+            for fut in concurrent.futures.as_completed(futures, timeout=wait):
                 desc, s, err = fut.result()
                 rows.append(dict(kernel=futures[fut].name, variant=desc, seconds=round(s, 2),
                                  status="error: " + err if err else "ok"))
@@ -252,3 +278,36 @@ def compile_all(variants: Sequence[Variant], processes: Optional[int] = None, de
 def estimate_s(n_variants: int, processes: int = 16) -> float:
     """Rough wall seconds of `compile_all` for `n_variants` on `processes` workers."""
     return 10.0 + EST_COMPILE_S * -(-n_variants // max(1, processes))
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    from . import gpu_extras, suites
+    ap = argparse.ArgumentParser(description="Plan and compile the Triton kernel variants of a benchmark suite.")
+    ap.add_argument("--suite", default="gpu", choices=sorted(suites.SUITES))
+    ap.add_argument("--sections", default=None, help="comma list (default: all of the suite)")
+    ap.add_argument("--arch", type=int, default=None, help="compile for sm_<arch> without a GPU (e.g. 90)")
+    ap.add_argument("--processes", type=int, default=None)
+    ap.add_argument("--limit", type=int, default=None, help="compile only the first N variants")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    secs = [s for s in suites.SUITES[a.suite] if not a.sections or s.name in a.sections.split(",")]
+    entries = suites.plan(secs, ["triton"])
+    variants, failed = gpu_extras.precompile_plan(entries, ["triton"], smoke=False)
+    for c, why in failed.items():
+        print(f"not planned: {c}: {why}", file=sys.stderr)
+    rows = compile_all(variants[:a.limit], a.processes, arch=a.arch, log=lambda m: print(m, file=sys.stderr))
+    if a.json:
+        print(json.dumps(rows))
+    bad = [r for r in rows if r["status"] != "ok"]
+    for r in bad:
+        print(f"{r['variant']}: {r['status']}", file=sys.stderr)
+    return 1 if bad or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

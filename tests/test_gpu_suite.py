@@ -163,7 +163,9 @@ again, _ = precompile.plan_variants(calls + calls)
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
     run.main(["--suite", "gpu", "--dry-run", "--sections", "gqa,decode"])
-print(json.dumps(dict(
+delta = next(v for v in variants if v.name == "delta_kernel")       # the smallest: the worker's warmup path
+compiled = precompile._compile_one(delta, arch=90)
+print(json.dumps(dict(compiled=compiled,
     variants=[[v.name, dict(v.kwargs)] for v in variants], failed=[str(f) for f in failed], again=len(again),
     tuned_left=len(launch._TUNED), candidates={k: configs.candidates(k, 128, 2) for k in ("fwd", "dkdv", "dq")},
     dry=text.getvalue())))
@@ -174,7 +176,8 @@ def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
     """The precompile plan, made on this CPU without Triton's interpreter (the launchers run on meta
     tensors, launches recorded, nothing run): every candidate config of the forward's autotuner at
     each kind of call, the backward's candidates too, duplicates merged, the autotuner's cache left
-    as it was; and --dry-run prints the list, its count and the estimated total time."""
+    as it was; a worker compiles a planned variant through Triton's warmup (for sm_90, offline); and
+    --dry-run prints the list, its count and the estimated total time."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -182,6 +185,7 @@ def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["failed"] == [] and got["tuned_left"] == 0
+    assert got["compiled"][0].startswith("delta_kernel") and got["compiled"][2] == "", got["compiled"]
     cfg = lambda kw: (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])      # noqa: E731
     fwd = [cfg(kw) for name, kw in got["variants"] if name == "fwd_kernel"]
     cands = [tuple(c) for c in got["candidates"]["fwd"]]
