@@ -7,6 +7,11 @@ they pick is correct at the suite's shapes.
   backend's own autotuner; `tuning_log` records each timing with the kernel variant it launched,
   and the configs the autotuners kept. Written to ``explore.json`` in the output folder; the later
   sections reuse the choices (the autotuners' caches) instead of tuning again.
+  With ``trial_candidates`` (the suite's default; ``--no-trials`` leaves it out) the softmax
+  forward's autotuner also times each 2-byte candidate with the K / V loads through TMA (the
+  forward's ``KV_TMA`` trial, a 5th config element "tma"): compiled and correct offline and in the
+  interpreter, its speed is the GPU's to say (benchmarks/results/offline-sm90/tma_ws_trials.md).
+  When such a candidate wins, the later sections run with it and the re-check checks it.
 - ``recheck``: each kind of call again, on fresh inputs at a smaller batch in the same length
   bucket (so with the same tuned configs), forward and backward against the float64 chunked
   reference of tests/oracle.py by the project's rule (error at most 2x the naive computation's in
@@ -51,6 +56,27 @@ def distinct_calls(calls: Sequence[precompile.Call]) -> List[precompile.Call]:
             continue
         out.setdefault(k, c)
     return list(out.values())
+
+
+@contextlib.contextmanager
+def trial_candidates(on: bool = True):
+    """Within (when `on`): the softmax forward's candidates for fp16 / bf16 are followed by the same
+    configs with the ``KV_TMA`` trial switch (see the module docstring)."""
+    from effattn.backends.triton.attention import launch
+    real = launch.candidates
+
+    def with_trials(kind, head_class, element_size):
+        cands = list(real(kind, head_class, element_size))
+        if kind == "fwd" and element_size == 2:
+            cands += [c + ("tma",) for c in cands]
+        return cands
+
+    if on:
+        launch.candidates = with_trials
+    try:
+        yield
+    finally:
+        launch.candidates = real
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ def main(a) -> int:
         else run._csv_list(a.backends)
     if a.dry_run:
         entries = suites.plan(sections, backends, smoke=a.smoke)
-        variants, failed = precompile_plan(entries, backends, a.smoke)
+        variants, failed = precompile_plan(entries, backends, a.smoke, not a.no_trials)
         suites.print_plan(a.suite, entries, budgets, variants, failed, processes=min(16, os.cpu_count() or 1)
                           if torch.cuda.is_available() else 16)
         return 0
@@ -189,15 +189,16 @@ def main(a) -> int:
     return _run_suite(a, sections, budgets, backends, device)
 
 
-def precompile_plan(entries, backends, smoke: bool):
-    """(the Triton kernel variants the suite's calls launch, {call: why not planned}); nothing when
-    the Triton backend is not run, in a --smoke run (the interpreter compiles nothing) or under
-    TRITON_INTERPRET=1."""
+def precompile_plan(entries, backends, smoke: bool, trials: bool = True):
+    """(the Triton kernel variants the suite's calls launch, the explore section's trial candidates
+    included unless not `trials`, {call: why not planned}); nothing when the Triton backend is not
+    run, in a --smoke run (the interpreter compiles nothing) or under TRITON_INTERPRET=1."""
     from effattn.backends.triton.runtime import _INTERPRET
     if "triton" not in backends or smoke or _INTERPRET:
         return [], {}
     from . import precompile
-    return precompile.plan_variants(suites.calls(entries))
+    with explore.trial_candidates(trials):
+        return precompile.plan_variants(suites.calls(entries))
 
 
 def _impls(sec: suites.Section, backends, smoke: bool, notes: dict) -> List[registry.Impl]:
@@ -244,9 +245,10 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     calls = suites.calls(entries, dtype)
     tuned_backends = [b for b in backends if _runs_on(b, device)]
     if device.type == "cuda":
-        rows += precompile_rows(entries, backends, a.smoke, start("precompile"), out)
+        rows += precompile_rows(entries, backends, a.smoke, start("precompile"), out, not a.no_trials)
         save()
-    rows += explore.explore(calls, tuned_backends, device, start("explore"), out)
+    with explore.trial_candidates(not a.no_trials):
+        rows += explore.explore(calls, tuned_backends, device, start("explore"), out)
     save()
     for sec in sections:
         sec = suites.smoke_section(sec) if a.smoke else sec
@@ -295,12 +297,12 @@ def _runs_on(backend: str, device) -> bool:
     return b is None or device.type not in b.explicit_only_devices
 
 
-def precompile_rows(entries, backends, smoke: bool, deadline: float, out: Path) -> List[dict]:
+def precompile_rows(entries, backends, smoke: bool, deadline: float, out: Path, trials: bool) -> List[dict]:
     """Plans and compiles the suite's Triton kernel variants (benchmarks/precompile.py); writes
     ``precompile.json`` (one row per variant); returns one summary row."""
     from . import precompile
     t0 = time.monotonic()
-    variants, failed = precompile_plan(entries, backends, smoke)
+    variants, failed = precompile_plan(entries, backends, smoke, trials)
     compiled = precompile.compile_all(variants, deadline=deadline,
                                       log=lambda m: print(m, file=sys.stderr)) if variants else []
     (out / "precompile.json").write_text(json.dumps(dict(variants=compiled, not_planned={
@@ -445,8 +447,8 @@ def host_rows(sec: suites.Section, backends, device, deadline: float) -> List[di
                     (lambda: torch.autograd.grad(fn(), leaves, dout))
                 if mode == "fwd":
                     step = _no_grad(step)
-                us = per_call_us(step, device)
-                gpu_ms = measure.time_ms(step, device, budget_s=0.1)
+                us = per_call_us(step, device, 200 if device.type == "cuda" else 5)
+                gpu_ms = measure.time_ms(step, device, budget_s=0.1 if device.type == "cuda" else 0.01)
                 rows.append({**row, "status": "ok", "time_ms": us / 1e3, "max_diff": f"device {gpu_ms:.4f} ms"})
             except registry.Unsupported as e:
                 rows.append({**row, "status": f"unsupported: {e}"})

@@ -91,9 +91,10 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
 
 
 def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tuple, features: str = "causal",
-                   idx64: bool = False):
+                   idx64: bool = False, switches: Optional[dict] = None):
     """Compiles one kernel for ``sm_<arch>`` as the launcher would specialize it for contiguous
-    inputs (head dim a power of two: no padding masks). Returns Triton's CompiledKernel."""
+    inputs (head dim a power of two: no padding masks); ``switches`` sets constexprs that default
+    to off (the forward's ``KV_TMA``, ``WARP_SPEC`` trials). Returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,7 +105,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
                   PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False, IDX64=idx64,
-                  FOLD_SCALE=True, **FEATURES[features])                 # FOLD_SCALE: any positive scale
+                  FOLD_SCALE=True, KV_TMA=False, WARP_SPEC=False, **FEATURES[features])   # FOLD_SCALE: scale > 0
+    consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal)
     consts["ORDER"] = (-1 if kind == "dkdv" else 1) if consts.get("HAS_RIGHT") else 0
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
@@ -135,6 +137,9 @@ def cuobjdump() -> Optional[str]:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 _WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
+# copies into shared memory: TMA (UTMALDG), cp.async (LDGSTS); register reallocation between warp
+# groups (USETMAXREG: warp specialization); opcode = the first word after a predicate
+_OPCODES = {"UTMALDG": "utmaldg", "LDGSTS": "ldgsts", "USETMAXREG": "setmaxreg"}
 
 
 def sass_stats(sass: str) -> Dict[str, object]:
@@ -157,6 +162,12 @@ def sass_stats(sass: str) -> Dict[str, object]:
                 loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
+def opcode_counts(sass: str) -> Dict[str, int]:
+    """The instructions in all and the `_OPCODES` ones (TMA loads, cp.async, register hand-off)."""
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split(" ")[0].split(".")[0] for m in _INSTR.finditer(sass)]
+    return dict(instrs=len(ops), **{name: sum(op == code for op in ops) for code, name in _OPCODES.items()})
+
+
 def resources(kernel) -> Dict[str, object]:
     """Shared memory from Triton's metadata; registers, stack and SASS counts from cuobjdump."""
     out: Dict[str, object] = dict(shared=kernel.metadata.shared)
@@ -172,7 +183,7 @@ def resources(kernel) -> Dict[str, object]:
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
     if m:
         out.update(regs=int(m.group(1)), stack=int(m.group(2)))
-    out.update(sass_stats(sass))
+    out.update(sass_stats(sass), **opcode_counts(sass))
     return out
 
 

@@ -292,12 +292,13 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=None)
     ap.add_argument("--limit", type=int, default=None, help="compile only the first N variants")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--no-trials", action="store_true", help="without the explore section's trial candidates")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
     secs = [s for s in suites.SUITES[a.suite] if not a.sections or s.name in a.sections.split(",")]
     entries = suites.plan(secs, ["triton"])
-    variants, failed = gpu_extras.precompile_plan(entries, ["triton"], smoke=False)
+    variants, failed = gpu_extras.precompile_plan(entries, ["triton"], smoke=False, trials=not a.no_trials)
     for c, why in failed.items():
         print(f"not planned: {c}: {why}", file=sys.stderr)
     rows = compile_all(variants[:a.limit], a.processes, arch=a.arch, log=lambda m: print(m, file=sys.stderr))
