@@ -247,8 +247,9 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     if device.type == "cuda":
         rows += precompile_rows(entries, backends, a.smoke, start("precompile"), out, not a.no_trials)
         save()
-    with explore.trial_candidates(not a.no_trials):
-        rows += explore.explore(calls, tuned_backends, device, start("explore"), out)
+    with explore.trial_candidates(not a.no_trials):          # --smoke: two kinds show the path
+        rows += explore.explore(explore.distinct_calls(calls)[:2] if a.smoke else calls, tuned_backends, device,
+                                start("explore"), out)
     save()
     for sec in sections:
         sec = suites.smoke_section(sec) if a.smoke else sec

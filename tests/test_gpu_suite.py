@@ -128,6 +128,7 @@ def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, caps
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert {r["section"] for r in rows} == {"explore", "anchors-d128", "gqa", "decode", "host", "anchors-d64",
                                            "recheck"}
+    assert all(r["status"] == "ok" for r in rows if r["section"] == "explore")
     # the re-check: every kind of call (dense, causal, GQA, decode) against the float64 oracle, passed
     rechecked = {r["variant"] for r in rows if r["section"] == "recheck" and r["status"] == "ok"}
     assert rechecked == {"dense", "causal", "causal-gqa2", "decode-causal-gqa2"}, rows
@@ -135,8 +136,7 @@ def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, caps
     assert {r["impl"] for r in rows if r["section"] == "gqa" and r["status"] == "ok"} == {"effattn-torch",
                                                                                        "sdpa-flash"}
     record = json.loads((tmp_path / "explore.json").read_text())
-    assert {c["call"].split(" B=")[0] for c in record["calls"]} == {
-        "attention dense", "attention causal", "attention causal-gqa2", "attention decode-causal-gqa2"}
+    assert len(record["calls"]) == 2 and all(c["status"] == "ok" and c["key"] for c in record["calls"])
     assert all(r["status"] == "skipped: section budget" for r in rows if r["section"] == "anchors-d64")
     timed = [r for r in rows if r["section"] == "anchors-d128" and r["status"] == "ok"]
     base = [r for r in timed if r["kind"] == "baseline"]
