@@ -210,22 +210,26 @@ def print_plan(name: str, entries: List[dict], budgets: Dict[str, float], varian
     then the estimated total."""
     variants = variants or []
     est = estimates(entries, budgets, len(variants), processes)
+    raw = estimates(entries, {}, len(variants), processes)
+
+    def over(name):
+        return "  (over budget: the rest is left out)" if raw[name] > budgets[name] else ""
     print(f"suite {name}: plan (no GPU needed; FLOPs count visible pairs exactly; times are rough "
           f"estimates: {EST_TFLOPS:g} TFLOP/s, first calls {EST_FIRST_CALL_S} s)\n")
-    print(f"[precompile] budget {budgets['precompile']:.0f} s, estimated {est['precompile']:.0f} s: "
+    print(f"[precompile] budget {budgets['precompile']:.0f} s, estimated {raw['precompile']:.0f} s: "
           f"{len(variants)} Triton kernel variants (kernel, config, constexprs) compiled in {processes} "
-          "processes before any timing")
+          "processes before any timing (what is left compiles on first launch)" + over("precompile"))
     for v in variants:
         print(f"  {v.describe()}")
     for call, why in (failed or {}).items():
         print(f"  NOT PLANNED (compiles on first launch): {call}: {why}")
-    print(f"[explore] budget {budgets['explore']:.0f} s, estimated {est['explore']:.0f} s: every autotune "
-          "candidate timed once per kind of call, timings and choices -> explore.json")
+    print(f"[explore] budget {budgets['explore']:.0f} s, estimated {raw['explore']:.0f} s: every autotune "
+          "candidate timed once per kind of call, timings and choices -> explore.json" + over("explore"))
     for sec in dict.fromkeys(e["section"] for e in entries):
         rows = [e for e in entries if e["section"] == sec]
-        raw = sum(e["est_s"] for e in rows)
-        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {raw:.0f} s"
-              + ("  (over budget: later rows will be skipped)" if raw > budgets[sec] else ""))
+        sec_s = sum(e["est_s"] for e in rows)
+        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {sec_s:.0f} s"
+              + ("  (over budget: later rows will be skipped)" if sec_s > budgets[sec] else ""))
         for e in rows:
             vis = "" if e["pairs"] is None else f" visible {e['pairs'] / (e['H'] * e['L'] ** 2):.4f}"
             gf = "" if e["flops"] is None else f" fwd {e['flops'] / 1e9:10.1f} GFLOP"
@@ -233,10 +237,10 @@ def print_plan(name: str, entries: List[dict], budgets: Dict[str, float], varian
             lq = " Lq=1" if e["Lq"] == 1 else ""
             print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{hkv}{lq}{gf}{vis}"
                   f"  ~{e['est_s']:.0f} s  {', '.join(e['impls'])}")
-    print(f"[recheck] budget {budgets['recheck']:.0f} s, estimated {est['recheck']:.0f} s: each kind of call "
-          "with the tuned configs against the float64 oracle")
-    print(f"[checks] budget {budgets['checks']:.0f} s, estimated {est['checks']:.0f} s: CUDA-graph replay and "
-          "torch.compile vs eager (CUDA only)")
+    print(f"[recheck] budget {budgets['recheck']:.0f} s, estimated {raw['recheck']:.0f} s: each kind of call "
+          "with the tuned configs against the float64 oracle" + over("recheck"))
+    print(f"[checks] budget {budgets['checks']:.0f} s, estimated {raw['checks']:.0f} s: CUDA-graph replay and "
+          "torch.compile vs eager (CUDA only)" + over("checks"))
     names = list(ORDER) + list(dict.fromkeys(e["section"] for e in entries)) + ["recheck", "checks"]
     total = sum(budgets[s] for s in names)
     print(f"\n{len(entries)} cases; estimated total {sum(est[s] for s in names):.0f} s "
