@@ -45,6 +45,7 @@ MISMATCH_OUT, MISMATCH_GRAD = 0.03, 0.08          # bf16 rounds ~0.4% per operat
 # tuned configs against the oracle, the capture / compile checks
 EXTRA_BUDGETS_S = dict(precompile=150.0, explore=120.0, recheck=90.0, checks=60.0)
 HOST_SHAPE = (1, 8, 256, 64)                      # B, H, L, D of the host-overhead rows
+_UNTIMED = ("precompile", "explore", "recheck", "checks")   # sections whose rows are no timings
 
 
 # ------------------------------------------------------------------------------ checks (tests use them too)
@@ -282,7 +283,8 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     if not a.no_plots:
         try:
             from . import plots
-            plots.make_plots(rows, meta, out)
+            plots.make_plots([r for r in rows if r.get("section") not in _UNTIMED       # a section skipped
+                              and r["status"] != "skipped: section budget"], meta, out)  # whole: nothing to plot
         except Exception as e:                           # noqa: BLE001 - plots must not lose results
             print(f"plots failed: {measure.one_line(e)}", file=sys.stderr)
     print(short_table(rows))
