@@ -136,18 +136,26 @@ def tensors(c: precompile.Call, device, seed: int = 0):
     return q, k, v, dout, F
 
 
+class NotServed(Exception):
+    """The backend cannot serve the call; the message is `effattn.explain`'s reasons."""
+
+
 def run_call(c: precompile.Call, backend: str, q, k, v, dout):
-    """effattn's output (and q, k, v gradients when ``c.backward``) for call `c`."""
+    """effattn's output (and q, k, v gradients when ``c.backward``) for call `c`; NotServed when
+    `effattn.explain` says the backend cannot serve it."""
     import effattn
+    if c.op == "attention":
+        kw, fn = dict(causal=c.causal, window=c.window, layout=c.layout), effattn.attention
+    else:
+        fm = effattn.FavorFeatures(c.D, c.features, seed=0).to(q.device) if c.feature_map == "favor" \
+            else c.feature_map
+        kw, fn = dict(causal=c.causal, feature_map=fm, normalize=c.normalize), effattn.linear_attention
+    why = effattn.explain(q, k, v, op=c.op, **kw).reasons.get(backend, ["unknown backend"])
+    if why:
+        raise NotServed("; ".join(why))
     leaves = [t.detach().requires_grad_(c.backward) for t in (q, k, v)]
     with torch.set_grad_enabled(c.backward):
-        if c.op == "attention":
-            out = effattn.attention(*leaves, causal=c.causal, window=c.window, layout=c.layout, backend=backend)
-        else:
-            fm = effattn.FavorFeatures(c.D, c.features, seed=0).to(q.device) if c.feature_map == "favor" \
-                else c.feature_map
-            out = effattn.linear_attention(*leaves, causal=c.causal, feature_map=fm, normalize=c.normalize,
-                                           backend=backend)
+        out = fn(*leaves, backend=backend, **kw)
         grads = torch.autograd.grad(out, leaves, dout) if c.backward else ()
     return (out.detach(),) + tuple(grads)
 
@@ -170,6 +178,8 @@ def explore(calls: Sequence[precompile.Call], backends: Sequence[str], device, d
                     run_call(c, b, q, k, v, dout)
                 torch.cuda.synchronize(device) if device.type == "cuda" else None
                 row.update(status="ok", time_ms=None, max_diff=f"{len(log)} timings, {time.monotonic() - t0:.1f} s")
+            except NotServed as e:
+                log, row["status"] = [], f"unsupported: {e}"
             except Exception as e:                         # noqa: BLE001 - recorded
                 log = locals().get("log", [])
                 row["status"] = f"error: {measure.one_line(e)}"
@@ -225,6 +235,8 @@ def recheck(calls: Sequence[precompile.Call], backends: Sequence[str], device, d
                 row.update(status="FAIL: " + "; ".join(problems) if problems else "ok",
                            max_diff=" ".join(f"{n}={e:.2g}/{ne:.2g}" for n, e, ne in errs)
                            + "".join(" | " + x for x in cfgs))
+            except NotServed as e:
+                row["status"] = f"unsupported: {e}"
             except Exception as e:                         # noqa: BLE001 - recorded
                 row["status"] = f"error: {measure.one_line(e)}"
             rows.append(row)

@@ -221,3 +221,6 @@ def test_recheck_shrinks_a_call_within_its_tuning_key_and_judges_by_the_rule():
     bad, _ = explore.judge([torch.full((4,), 0.05), torch.full((4,), float("nan"))] + ref[:2], ref, low,
                            torch.float32)
     assert ok == [] and bad[0].startswith("out: error") and bad[1] == "dq: NaN"
+    tiny = precompile.Call("attention", 1, 2, 2, 16, 16, 16, torch.float32, False)
+    with pytest.raises(explore.NotServed, match="unknown backend"):       # a row "unsupported", not "error"
+        explore.run_call(tiny, "nope", *explore.tensors(tiny, torch.device("cpu"))[:4])
