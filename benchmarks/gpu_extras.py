@@ -10,10 +10,16 @@ implementations; this module adds:
   effattn's on the same inputs (relative to the baseline's largest value; ``out,dq,dk,dv``), a check
   of effattn's autotuned configs, which the tests (pinned configs) do not run; ``MISMATCH`` past
   bf16 rounding;
-- the ``decode`` section (one query row against a KV cache, timed beside the memory-bound time) and
+- the ``gqa`` (H=32 on Hkv=8 against SDPA with ``enable_gqa``), ``decode`` (one query row against a
+  KV cache, timed beside the memory-bound time) and ``host`` (per-call host overhead) sections, and
   the ``checks`` rows: CUDA-graph replay and torch.compile equal eager with tuned configs;
-- ``--dry-run`` prints the plan (suites.plan: shapes, visible pairs, FLOPs, estimated time per
-  section) on any machine; ``--smoke`` runs every section at toy sizes on this machine.
+- on CUDA, before the sections, ``precompile`` (benchmarks/precompile.py: every Triton kernel
+  variant the suite launches, compiled in a process pool) and ``explore`` (explore.py: autotuning
+  with every candidate's timing saved to explore.json), and after them ``recheck`` (the tuned
+  configs against the float64 oracle);
+- ``--dry-run`` prints the plan (the precompile list, and suites.plan: shapes, visible pairs,
+  FLOPs, estimated time per section and in total) on any machine; ``--smoke`` runs every section
+  at toy sizes on this machine.
 
 Results go to ``--out``, else ``$OUT``, else ``benchmarks/results/<device>-suite-<name>/``
 (results.csv / .json / .md, rewritten after every case), and a short table is printed last. The
@@ -21,6 +27,7 @@ exit status is 1 when a check failed, a baseline mismatched or effattn raised.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -29,12 +36,16 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from . import measure, registry, report, run, suites
+from . import explore, measure, registry, report, run, suites
 from .flops import attention_flops, tflops
 from .registry import Case, Variant
 
 MISMATCH_OUT, MISMATCH_GRAD = 0.03, 0.08          # bf16 rounds ~0.4% per operation
-CHECKS_BUDGET_S = 60.0                            # the capture / compile checks after the sections (CUDA)
+# seconds of the parts around the sections (CUDA only): compiles first, autotune timings, the
+# tuned configs against the oracle, the capture / compile checks
+EXTRA_BUDGETS_S = dict(precompile=150.0, explore=120.0, recheck=90.0, checks=60.0)
+HOST_SHAPE = (1, 8, 256, 64)                      # B, H, L, D of the host-overhead rows
+_UNTIMED = ("precompile", "explore", "recheck", "checks")   # sections whose rows are no timings
 
 
 # ------------------------------------------------------------------------------ checks (tests use them too)
@@ -129,7 +140,7 @@ def output_diffs(case: Case, impls: Sequence[registry.Impl]) -> Dict[str, dict]:
 
 def _budgets(a, sections) -> Dict[str, float]:
     budgets = {s.name: s.budget_s for s in sections}
-    budgets["checks"] = CHECKS_BUDGET_S
+    budgets.update(EXTRA_BUDGETS_S)
     for item in run._csv_list(a.budget or ""):
         key, _, val = item.partition("=")
         if key not in budgets:
@@ -167,13 +178,28 @@ def main(a) -> int:
     backends = (["torch"] + kernel_backends() if a.smoke else kernel_backends()) if default_backends \
         else run._csv_list(a.backends)
     if a.dry_run:
-        suites.print_plan(a.suite, suites.plan(sections, backends, smoke=a.smoke), budgets)
+        entries = suites.plan(sections, backends, smoke=a.smoke)
+        variants, failed = precompile_plan(entries, backends, a.smoke, not a.no_trials)
+        suites.print_plan(a.suite, entries, budgets, variants, failed, processes=min(16, os.cpu_count() or 1)
+                          if torch.cuda.is_available() else 16)
         return 0
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not a.smoke:
         print("no CUDA device: use --dry-run, or --smoke for toy sizes on this machine", file=sys.stderr)
         return 2
     return _run_suite(a, sections, budgets, backends, device)
+
+
+def precompile_plan(entries, backends, smoke: bool, trials: bool = True):
+    """(the Triton kernel variants the suite's calls launch, the explore section's trial candidates
+    included unless not `trials`, {call: why not planned}); nothing when the Triton backend is not
+    run, in a --smoke run (the interpreter compiles nothing) or under TRITON_INTERPRET=1."""
+    from effattn.backends.triton.runtime import _INTERPRET
+    if "triton" not in backends or smoke or _INTERPRET:
+        return [], {}
+    from . import precompile
+    with explore.trial_candidates(trials):
+        return precompile.plan_variants(suites.calls(entries))
 
 
 def _impls(sec: suites.Section, backends, smoke: bool, notes: dict) -> List[registry.Impl]:
@@ -211,13 +237,30 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
     def save(more=()):
         report.write_all(rows + list(more), meta, out)
 
+    def start(name):
+        print(f"\n== {name} (budget {budgets[name]:.0f} s, {time.monotonic() - t0:.0f} s so far)", file=sys.stderr)
+        return min(time.monotonic() + budgets[name], end)
+
+    entries = suites.plan(sections, backends, smoke=a.smoke)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calls = suites.calls(entries, dtype)
+    tuned_backends = [b for b in backends if _runs_on(b, device)]
+    if device.type == "cuda":
+        rows += precompile_rows(entries, backends, a.smoke, start("precompile"), out, not a.no_trials)
+        save()
+    with explore.trial_candidates(not a.no_trials):          # --smoke: two kinds show the path
+        rows += explore.explore(explore.distinct_calls(calls)[:2] if a.smoke else calls, tuned_backends, device,
+                                start("explore"), out)
+    save()
     for sec in sections:
         sec = suites.smoke_section(sec) if a.smoke else sec
-        deadline = min(time.monotonic() + budgets[sec.name], end)
-        print(f"\n== {sec.name} (budget {budgets[sec.name]:.0f} s, {time.monotonic() - t0:.0f} s so far)",
-              file=sys.stderr)
+        deadline = start(sec.name)
         if sec.variants == ("decode",):
             new = decode_rows(sec, backends, device, deadline)
+        elif sec.variants == ("host",):
+            new = host_rows(sec, backends, device, deadline)
+        elif sec.kv_heads:
+            new = gqa_rows(sec, backends, device, deadline, a.smoke)
         else:
             s = suites.settings(sec, device, a.smoke)
             variants = [registry.variant(n) for n in sec.variants]
@@ -229,21 +272,52 @@ def _run_suite(a, sections, budgets, backends, device) -> int:
             r["section"] = sec.name
         rows += new
         save()
+    rows += explore.recheck(calls, tuned_backends, device, start("recheck"))
+    save()
     if device.type == "cuda":
-        rows += check_rows(backends, device, min(time.monotonic() + budgets["checks"], end))
+        rows += check_rows(backends, device, start("checks"))
+    (out / "tuned.json").write_text(json.dumps(explore.tuned_configs(), indent=1))
     meta["total_s"] = round(time.monotonic() - t0, 1)
     save()
     print(report.summary_text(rows, meta))
     if not a.no_plots:
         try:
             from . import plots
-            plots.make_plots(rows, meta, out)
+            plots.make_plots([r for r in rows if r.get("section") not in _UNTIMED       # a section skipped
+                              and r["status"] != "skipped: section budget"], meta, out)  # whole: nothing to plot
         except Exception as e:                           # noqa: BLE001 - plots must not lose results
             print(f"plots failed: {measure.one_line(e)}", file=sys.stderr)
     print(short_table(rows))
     print(f"\nresults in {out}; {meta['total_s']:.0f} s")
     bad = [r for r in rows if r["status"].startswith(("error", "FAIL")) or "MISMATCH" in str(r.get("max_diff"))]
     return 1 if bad else 0
+
+
+def _runs_on(backend: str, device) -> bool:
+    """Whether `backend` is timed on `device` (not Triton's interpreter on a CPU)."""
+    from effattn.backends import base
+    b = base._REGISTRY["attention"].get(backend)
+    return b is None or device.type not in b.explicit_only_devices
+
+
+def precompile_rows(entries, backends, smoke: bool, deadline: float, out: Path, trials: bool) -> List[dict]:
+    """Plans and compiles the suite's Triton kernel variants (benchmarks/precompile.py); writes
+    ``precompile.json`` (one row per variant); returns one summary row."""
+    from . import precompile
+    t0 = time.monotonic()
+    variants, failed = precompile_plan(entries, backends, smoke, trials)
+    compiled = precompile.compile_all(variants, deadline=deadline,
+                                      log=lambda m: print(m, file=sys.stderr)) if variants else []
+    (out / "precompile.json").write_text(json.dumps(dict(variants=compiled, not_planned={
+        str(c): why for c, why in failed.items()}), indent=1))
+    ok = sum(r["status"] == "ok" for r in compiled)
+    bad = [r for r in compiled if r["status"].startswith("error")]
+    return [dict(section="precompile", variant="triton-kernels", op="-", impl="effattn-triton", kind="effattn",
+                 mode="-", dtype="-", B=0, H=0, L=0, D=0, time_ms=None, tflops=None, peak_mem_mib=None,
+                 flops=None, visible_frac=None,
+                 status="ok" if not failed else f"ok; not planned: {len(failed)} calls",
+                 max_diff=f"{ok}/{len(variants)} compiled in {time.monotonic() - t0:.0f} s"
+                          + (f"; {len(bad)} rejected by the compiler" if bad else ""))]
 
 
 def _driver(device) -> str:
@@ -269,12 +343,152 @@ def _not_started(variants: Sequence[Variant], impls, s: run.Settings, done: List
 
 # ------------------------------------------------------------------------------ decode and checks
 
+def _sdpa_gqa(which: str, q, k, v):
+    """SDPA pinned to backend `which` (FLASH_ATTENTION, CUDNN_ATTENTION) with ``enable_gqa``, causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn():
+        with sdpa_kernel([getattr(SDPBackend, which)]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return fn
+
+
+def _time_row(row: dict, fn, leaves, dout, mode: str, device) -> dict:
+    """`row` with the median time of `fn` (under no_grad) or of `fn` plus its backward, or why not."""
+    try:
+        if mode == "fwd":
+            def step():
+                with torch.no_grad():
+                    return fn()
+        else:
+            def step():
+                return torch.autograd.grad(fn(), leaves, dout)
+        step()                                              # compile / autotune / one-time init
+        ms = measure.time_ms(step, device, budget_s=0.2 if device.type == "cuda" else 0.01,
+                             min_runs=1 if device.type != "cuda" else 3)
+        flops = row["flops"] * (3.5 if mode == "fwdbwd" else 1)
+        return {**row, "status": "ok", "time_ms": ms, "tflops": tflops(flops, ms), "flops": flops}
+    except registry.Unsupported as e:
+        return {**row, "status": f"unsupported: {e}"}
+    except Exception as e:                                  # noqa: BLE001 - recorded
+        if measure.is_oom(e):
+            return {**row, "status": "oom"}
+        kind = "unsupported" if row["kind"] == "baseline" else "error"
+        return {**row, "status": f"{kind}: {measure.one_line(e)}"}
+
+
+def _effattn_fn(b: str, q, k, v, **kw):
+    """effattn.attention on backend `b` (the registry's builder: Unsupported with explain's reasons)."""
+    from types import SimpleNamespace
+    case = SimpleNamespace(q=q, k=k, v=v, device=q.device, attention_kwargs=lambda: kw)
+    return registry._effattn(b, "attention")(case).fn
+
+
+def _unsupported(b):
+    def fn():
+        raise b
+    return fn
+
+
+def gqa_rows(sec: suites.Section, backends, device, deadline: float, smoke: bool) -> List[dict]:
+    """Grouped-query causal attention (H query heads on ``sec.kv_heads`` KV heads) per length:
+    effattn's backends and SDPA (flash, cuDNN) with ``enable_gqa``, forward and forward+backward."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for L in sec.lengths:
+        B, H = sec.shape(L)
+        Hkv, D = sec.kv_heads, sec.head_dim
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B, H, L, D, generator=g, device=device, dtype=dtype).requires_grad_()
+        k, v = (torch.randn(B, Hkv, L, D, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(2))
+        dout = torch.randn(B, H, L, D, generator=g, device=device, dtype=dtype)
+        impls = [(f"effattn-{b}", "effattn", b) for b in backends] + \
+                [(n, "baseline", n) for n in sec.baselines if device.type == "cuda" or n == "sdpa-flash"]
+        for name, kind, what in impls:
+            try:
+                fn = _effattn_fn(what, q, k, v, causal=True) if kind == "effattn" else \
+                    _sdpa_gqa({"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}[what], q, k, v)
+            except registry.Unsupported as e:
+                fn = _unsupported(e)
+            for mode in sec.modes:
+                row = dict(variant=f"causal-gqa{H // Hkv}", op="attention", impl=name, kind=kind, mode=mode,
+                           dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=L, D=D, time_ms=None, tflops=None,
+                           peak_mem_mib=None, flops=attention_flops(B, H, D, L, L, causal=True),
+                           visible_frac=(L + 1) / (2 * L), max_diff=f"Hkv={Hkv}")
+                if time.monotonic() > deadline:
+                    rows.append({**row, "status": "skipped: section budget"})
+                    continue
+                rows.append(_time_row(row, fn, (q, k, v), dout, mode, device))
+        q = k = v = dout = None
+        measure.free_memory(device)
+    return rows
+
+
+def host_rows(sec: suites.Section, backends, device, deadline: float) -> List[dict]:
+    """Host overhead per call: a tiny causal call (B, H, L, D = HOST_SHAPE) issued back to back, wall
+    time per call over a batch of calls then one synchronize (the GPU is idle most of that time, so
+    this is the host's cost of a call), for forward and forward+backward; SDPA flash beside. The
+    GPU time of the same call (do_bench) is in ``max_diff``."""
+    B, H, L, D = HOST_SHAPE if device.type == "cuda" else (1, 2, sec.lengths[0], sec.head_dim)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v, dout = (torch.randn(B, H, L, D, device=device, dtype=dtype) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    impls = [(f"effattn-{b}", "effattn", b) for b in backends] + [(n, "baseline", n) for n in sec.baselines]
+    rows = []
+    for name, kind, what in impls:
+        for mode in sec.modes:
+            row = dict(variant="host-overhead", op="attention", impl=name, kind=kind, mode=mode,
+                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=L, D=D, time_ms=None, tflops=None,
+                       peak_mem_mib=None, flops=None, visible_frac=None, max_diff="")
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "skipped: section budget"})
+                continue
+            try:
+                fn = _effattn_fn(what, *leaves, causal=True) if kind == "effattn" else \
+                    _sdpa_gqa("FLASH_ATTENTION", *leaves)
+                step = (lambda: fn().detach()) if mode == "fwd" else \
+                    (lambda: torch.autograd.grad(fn(), leaves, dout))
+                if mode == "fwd":
+                    step = _no_grad(step)
+                us = per_call_us(step, device, 200 if device.type == "cuda" else 5)
+                gpu_ms = measure.time_ms(step, device, budget_s=0.1 if device.type == "cuda" else 0.01)
+                rows.append({**row, "status": "ok", "time_ms": us / 1e3, "max_diff": f"device {gpu_ms:.4f} ms"})
+            except registry.Unsupported as e:
+                rows.append({**row, "status": f"unsupported: {e}"})
+            except Exception as e:                          # noqa: BLE001 - recorded
+                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+    return rows
+
+
+def _no_grad(fn):
+    def wrapped():
+        with torch.no_grad():
+            return fn()
+    return wrapped
+
+
+def per_call_us(step, device, calls: int = 200) -> float:
+    """Median over 5 rounds of the wall microseconds per call of `calls` back-to-back calls and one
+    synchronize (after a warm-up round)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rounds = []
+    for i in range(6):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        sync()
+        if i:
+            rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
 def decode_rows(sec: suites.Section, backends, device, deadline: float) -> List[dict]:
     """One query row (causal) against Lk keys, H=32 query heads on Hkv=8 KV heads: time per effattn
     backend, next to the memory-bound time = bytes of K and V / measured copy bandwidth (in the
     ``max_diff`` column: ``bound <ms>``)."""
-    from types import SimpleNamespace
-    Lk, H, Hkv, D = sec.lengths[0], sec.heads, max(1, sec.heads // 4), sec.head_dim
+    Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
+    Hkv = sec.kv_heads or max(1, H // 4)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     buf = torch.empty(1 << (28 if device.type == "cuda" else 22), dtype=torch.uint8, device=device)
     copy = torch.empty_like(buf)
@@ -294,9 +508,8 @@ def decode_rows(sec: suites.Section, backends, device, deadline: float) -> List[
             if time.monotonic() > deadline:
                 rows.append({**row, "status": "skipped: section budget"})
                 continue
-            try:                                  # the registry's builder: explain() says what cannot run
-                call = SimpleNamespace(q=q, k=k, v=v, device=device, attention_kwargs=lambda: dict(causal=True))
-                fn = registry._effattn(b, "attention")(call).fn
+            try:                                  # explain() says what cannot run
+                fn = _effattn_fn(b, q, k, v, causal=True)
                 with torch.no_grad():
                     fn()
                     ms = measure.time_ms(fn, device, budget_s=0.2)

@@ -106,9 +106,10 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
 
 
 def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tuple, features: str = "causal",
-                   idx64: bool = False):
+                   idx64: bool = False, switches: Optional[dict] = None):
     """Compiles one kernel for ``sm_<arch>`` as the launcher would specialize it for contiguous
-    inputs (head dim a power of two: no padding masks). Returns Triton's CompiledKernel."""
+    inputs (head dim a power of two: no padding masks); ``switches`` sets constexprs that default
+    to off (the forward's ``KV_TMA``, ``WARP_SPEC`` trials). Returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,7 +121,9 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
-                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], **FEATURES[features])    # FOLD_SCALE: any positive scale
+                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False,
+                  **FEATURES[features])                      # FOLD_SCALE: any positive scale
+    consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
     causal = bool(consts.get("HAS_RIGHT"))
@@ -158,6 +161,9 @@ def cuobjdump() -> Optional[str]:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 _WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
+# copies into shared memory: TMA (UTMALDG), cp.async (LDGSTS); register reallocation between warp
+# groups (USETMAXREG: warp specialization); opcode = the first word after a predicate
+_OPCODES = {"UTMALDG": "utmaldg", "LDGSTS": "ldgsts", "USETMAXREG": "setmaxreg"}
 
 
 def sass_stats(sass: str) -> Dict[str, object]:
@@ -180,6 +186,12 @@ def sass_stats(sass: str) -> Dict[str, object]:
                 loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
+def opcode_counts(sass: str) -> Dict[str, int]:
+    """The instructions in all and the `_OPCODES` ones (TMA loads, cp.async, register hand-off)."""
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split(" ")[0].split(".")[0] for m in _INSTR.finditer(sass)]
+    return dict(instrs=len(ops), **{name: sum(op == code for op in ops) for code, name in _OPCODES.items()})
+
+
 def resources(kernel) -> Dict[str, object]:
     """Shared memory from Triton's metadata; registers, stack and SASS counts from cuobjdump."""
     out: Dict[str, object] = dict(shared=kernel.metadata.shared)
@@ -195,7 +207,7 @@ def resources(kernel) -> Dict[str, object]:
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
     if m:
         out.update(regs=int(m.group(1)), stack=int(m.group(2)))
-    out.update(sass_stats(sass))
+    out.update(sass_stats(sass), **opcode_counts(sass))
     return out
 
 

@@ -47,6 +47,8 @@ def short_status(status: str) -> str:
 
 
 def fmt_ms(ms: float) -> str:
+    if ms is None:                       # a check that passed: nothing timed
+        return "ok"
     if ms >= 100:
         return f"{ms:.0f}"
     if ms >= 10:
@@ -164,7 +166,8 @@ def summary_markdown(rows: List[dict], meta: dict) -> str:
     for key, by_L in groups.items():
         out += ["", f"## {_title(key, by_L)}", "", meta.get("variants", {}).get(key[0], ""), ""]
         header, body, foot = _table(key, by_L, order[key],
-                                    lambda r: f"{fmt_ms(r['time_ms'])} ({r['tflops'] * scale:.3g})")
+                                    lambda r: fmt_ms(r["time_ms"]) + (
+                                        "" if r["tflops"] is None else f" ({r['tflops'] * scale:.3g})"))
         out += _md_table(header, body)
         header, body, _ = _table(key, by_L, order[key], lambda r: fmt_mib(r["peak_mem_mib"]), with_ratio=False)
         header[0] = "L (peak memory)"

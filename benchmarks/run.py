@@ -312,6 +312,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="--suite: print the plan (shapes, FLOPs, estimated "
                    "time) and exit; needs no GPU")
     p.add_argument("--smoke", action="store_true", help="--suite: toy sizes on this machine (checks the suite)")
+    p.add_argument("--no-trials", action="store_true", help="--suite: leave the forward's TMA trial candidates "
+                   "out of the explore section's autotuning (benchmarks/explore.py)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)

@@ -16,8 +16,17 @@ docs/benchmarks.md:
   its forward+backward rows carry the peak memory that is compared with SDPA flash.
 - ``linear``: causal linear attention (identity, elu+1, FAVOR+) at 1k..64k against fla's
   chunk_linear_attn, and causal softmax (SDPA flash) at the same shapes up to 16k.
+- ``gqa`` (gpu_extras): grouped-query attention, H=32 query heads on Hkv=8 KV heads, D=128, causal,
+  L = 4k and 16k (B = 16384 / L), against SDPA flash and cuDNN with ``enable_gqa``.
 - ``decode`` (gpu_extras): one query row, H=32, Hkv=8, D=128, Lk=16k, B in {1, 4}, against the
   memory-bound time (K and V bytes over the measured copy bandwidth).
+- ``host`` (gpu_extras): host overhead, the wall time per call of a tiny call issued back to back
+  (the GPU waits for the host), next to SDPA's.
+
+Around them (gpu_extras): ``precompile`` (every Triton kernel variant the suite launches, compiled
+first in a process pool: benchmarks/precompile.py), ``explore`` (autotuning of each kind of call with
+every candidate's timing saved) and, after the sections, ``recheck`` (the tuned configs against the
+float64 oracle) and ``checks`` (CUDA graphs, torch.compile): benchmarks/explore.py.
 
 `plan` lists what a suite will run, with its visible pairs, FLOPs and a rough time estimate, from
 shapes alone (``--dry-run``); tests/test_gpu_suite.py checks its counts against the test oracle.
@@ -33,7 +42,10 @@ from . import registry, run
 from .registry import Case
 
 EST_TFLOPS = 300.0                                  # rough throughput for the time estimate
-EST_FIRST_CALL_S = {"effattn": 20.0, "flex": 25.0}  # autotune / compile per (impl, section, variant, mode)
+# first call per (impl, section, variant, mode): autotune (effattn: kernels precompiled) / compile
+EST_FIRST_CALL_S = {"effattn": 3.0, "flex": 25.0}
+EST_EXPLORE_S = 4.0       # autotuning one kind of call, kernels precompiled (a few ms per candidate)
+EST_RECHECK_S = 3.0       # one re-check: the call and two chunked oracles at <= 8k tokens
 TOKENS = 16384          # B * L of the anchor shapes
 WIDTH = 2048            # H * D of the anchor shapes
 
@@ -51,6 +63,7 @@ class Section:
     window: int = 1024                  # the window variant's left reach
     dense_max_len: Optional[int] = None  # quadratic variants stop here
     modes: Tuple[str, ...] = ("fwd", "fwdbwd")
+    kv_heads: Optional[int] = None      # GQA: K/V heads (None: as many as the query heads)
 
     def shape(self, L: int) -> Tuple[int, int]:
         """(B, H) at length L."""
@@ -66,9 +79,13 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("sparse-long", ("window", "fixed"), (16384, 65536), 128, ("flex",), budget_s=150, batch=1, heads=16),
         Section("causal-64k", ("causal",), (65536,), 128, ("sdpa-flash", "sdpa-cudnn"), budget_s=60, batch=1,
                 heads=16),
-        Section("linear", ("linear-identity", "linear-elu", "linear-favor", "causal"), (1024, 4096, 16384, 65536),
-                128, ("fla-chunk", "sdpa-flash"), budget_s=90, batch=1, heads=16, dense_max_len=16384),
-        Section("decode", ("decode",), (16384,), 128, (), budget_s=20, batch=None, heads=32),
+        Section("linear", ("linear-identity", "linear-elu", "linear-favor256", "causal"),
+                (1024, 4096, 16384, 65536), 128, ("fla-chunk", "sdpa-flash"), budget_s=90, batch=1, heads=16,
+                dense_max_len=16384),
+        Section("gqa", ("causal",), (4096, 16384), 128, ("sdpa-flash", "sdpa-cudnn"), budget_s=40, heads=32,
+                kv_heads=8),
+        Section("decode", ("decode",), (16384,), 128, (), budget_s=20, batch=None, heads=32, kv_heads=8),
+        Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
     ),
 }
@@ -83,7 +100,7 @@ def smoke_section(section: Section) -> Section:
     return Section(section.name, section.variants, lengths, 32,
                    section.baselines, section.budget_s, batch=1, heads=2, window=64,
                    dense_max_len=None if section.dense_max_len is None else max(128, section.dense_max_len // 64),
-                   modes=section.modes)
+                   modes=section.modes, kv_heads=None if section.kv_heads is None else 1)
 
 
 # ------------------------------------------------------------------------------ the plan (--dry-run)
@@ -97,16 +114,21 @@ def settings(sec: Section, device: torch.device, smoke: bool) -> run.Settings:
 
 
 def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = False) -> List[dict]:
-    """One entry per (section, variant, L): shapes, implementations, visible pairs, forward FLOPs
-    and the estimated seconds; no tensors are made (layouts and FAVOR+ features only)."""
+    """One entry per (section, variant, L) (decode: per B): shapes, implementations, visible pairs,
+    forward FLOPs and the estimated seconds; no tensors are made (layouts and FAVOR+ features only)."""
     out = []
     for sec in sections:
         sec = smoke_section(sec) if smoke else sec
-        if sec.variants == ("decode",):
-            for B in (1, 4):
-                out.append(dict(section=sec.name, variant="decode", L=sec.lengths[0], B=B, H=sec.heads,
-                                D=sec.head_dim, impls=[f"effattn-{b}" for b in backends], pairs=None, flops=None,
-                                est_s=2.0 + 2.0 * len(backends)))
+        effattn_impls = [f"effattn-{b}" for b in backends]
+        if sec.variants in (("decode",), ("host",)):
+            decode = sec.variants == ("decode",)
+            for B in ((1, 4) if decode else (sec.batch,)):
+                H = sec.heads
+                out.append(dict(section=sec.name, variant=sec.variants[0], op="attention", L=sec.lengths[0], B=B,
+                                H=H, Hkv=sec.kv_heads or H, D=sec.head_dim, Lq=1 if decode else sec.lengths[0],
+                                impls=effattn_impls + list(sec.baselines), pairs=None, flops=None, modes=sec.modes,
+                                window=None, layout=None,
+                                est_s=(2.0 + 2.0 * len(backends)) if decode else 1.5 * (len(backends) + 1)))
             continue
         s = settings(sec, torch.device("cpu"), smoke)
         for vname in sec.variants:
@@ -118,18 +140,56 @@ def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = Fal
                     case.layout = v.layout(L)
                 if v.feature_map == "favor":
                     import effattn
-                    case.favor = effattn.FavorFeatures(sec.head_dim, seed=0)
-                impls = [f"effattn-{b}" for b in backends] + [n for n in sec.baselines
-                                                              if any(i.name == n and i.op == v.op
-                                                                     for i in registry.IMPLS)]
+                    case.favor = effattn.FavorFeatures(sec.head_dim, v.num_features, seed=0)
+                impls = effattn_impls + [n for n in sec.baselines
+                                         if any(i.name == n and i.op == v.op for i in registry.IMPLS)]
                 pairs = run.visible_fraction(case)
                 flops = run.config_flops(case, "fwd")
                 est = sum(_estimate_s(impl, flops, sec.modes) for impl in impls)
-                out.append(dict(section=sec.name, variant=vname, op=v.op, L=L, B=B, H=H, D=sec.head_dim,
-                                window=case.window_arg, layout=case.layout, impls=impls,
-                                pairs=None if pairs is None else round(pairs * L * L) * H,
-                                flops=flops, flops_fwdbwd=run.config_flops(case, "fwdbwd"), est_s=est))
+                out.append(dict(section=sec.name, variant=vname, op=v.op, L=L, Lq=L, B=B, H=H, Hkv=sec.kv_heads or H,
+                                D=sec.head_dim, window=case.window_arg, layout=case.layout, impls=impls,
+                                pairs=None if pairs is None else round(pairs * L * L) * H, modes=sec.modes,
+                                flops=flops, flops_fwdbwd=run.config_flops(case, "fwdbwd"), est_s=est,
+                                features=case.num_features if v.feature_map == "favor" else 0))
     return out
+
+
+def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List["precompile.Call"]:
+    """The effattn calls of a plan's entries (host-overhead rows left out: tiny, compiled by their
+    first call), forward+backward where the section times it, as `precompile.Call`s."""
+    from .precompile import Call
+    out = []
+    for e in entries:
+        if e["variant"] == "host":
+            continue
+        v = None if e["variant"] == "decode" else registry.variant(e["variant"])
+        back = "fwdbwd" in e["modes"] and e["variant"] != "decode"
+        if v is not None and v.op == "linear_attention":
+            out.append(Call("linear_attention", e["B"], e["H"], e["Hkv"], e["L"], e["L"], e["D"], dtype, back,
+                            causal=v.causal, feature_map=v.feature_map, features=e.get("features", 0),
+                            normalize=v.normalize))
+            continue
+        causal = True if v is None else v.causal
+        window = (e["window"], 0) if e.get("window") is not None else None
+        out.append(Call("attention", e["B"], e["H"], e["Hkv"], e["Lq"], e["L"], e["D"], dtype, back, causal=causal,
+                        window=window, layout=e.get("layout")))
+    return out
+
+
+def estimates(entries: Sequence[dict], budgets: Dict[str, float], n_variants: int, processes: int = 16) -> Dict[str, float]:
+    """Estimated seconds per section, each capped by its budget (a section stops starting new work
+    once its budget is spent), the precompile, explore and recheck sections included."""
+    from . import explore, precompile
+    est: Dict[str, float] = {}
+    for e in entries:
+        est[e["section"]] = est.get(e["section"], 0.0) + e["est_s"]
+    n_kinds = len(explore.distinct_calls(calls(entries)))
+    n_be = len({i for e in entries for i in e["impls"] if i.startswith("effattn-")}) or 1
+    est["precompile"] = precompile.estimate_s(n_variants, processes) if n_variants else 0.0
+    est["explore"] = EST_EXPLORE_S * n_kinds * n_be
+    est["recheck"] = EST_RECHECK_S * n_kinds * n_be
+    est["checks"] = 2 * 15.0 * n_be
+    return {k: min(v, budgets.get(k, v)) for k, v in est.items()}
 
 
 def _estimate_s(impl: str, flops: int, modes) -> float:
@@ -141,19 +201,48 @@ def _estimate_s(impl: str, flops: int, modes) -> float:
     return sum(first + max(0.15, 8 * per_mode[m]) + per_mode[m] for m in modes) + 4.5 * t_fwd
 
 
-def print_plan(name: str, entries: List[dict], budgets: Dict[str, float]):
+ORDER = ("precompile", "explore")          # before the sections; "recheck", "checks" after them
+
+
+def print_plan(name: str, entries: List[dict], budgets: Dict[str, float], variants=None, failed=None,
+               processes: int = 16):
+    """The --dry-run output: the precompile list, then per section its budget, estimate and cases,
+    then the estimated total."""
+    variants = variants or []
+    est = estimates(entries, budgets, len(variants), processes)
+    raw = estimates(entries, {}, len(variants), processes)
+
+    def over(name):
+        return "  (over budget: the rest is left out)" if raw[name] > budgets[name] else ""
     print(f"suite {name}: plan (no GPU needed; FLOPs count visible pairs exactly; times are rough "
           f"estimates: {EST_TFLOPS:g} TFLOP/s, first calls {EST_FIRST_CALL_S} s)\n")
+    print(f"[precompile] budget {budgets['precompile']:.0f} s, estimated {raw['precompile']:.0f} s: "
+          f"{len(variants)} Triton kernel variants (kernel, config, constexprs) compiled in {processes} "
+          "processes before any timing (what is left compiles on first launch)" + over("precompile"))
+    for v in variants:
+        print(f"  {v.describe()}")
+    for call, why in (failed or {}).items():
+        print(f"  NOT PLANNED (compiles on first launch): {call}: {why}")
+    print(f"[explore] budget {budgets['explore']:.0f} s, estimated {raw['explore']:.0f} s: every autotune "
+          "candidate timed once per kind of call, timings and choices -> explore.json" + over("explore"))
     for sec in dict.fromkeys(e["section"] for e in entries):
         rows = [e for e in entries if e["section"] == sec]
-        est = sum(e["est_s"] for e in rows)
-        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {est:.0f} s"
-              + ("  (over budget: later rows will be skipped)" if est > budgets[sec] else ""))
+        sec_s = sum(e["est_s"] for e in rows)
+        print(f"[{sec}] budget {budgets[sec]:.0f} s, estimated {sec_s:.0f} s"
+              + ("  (over budget: later rows will be skipped)" if sec_s > budgets[sec] else ""))
         for e in rows:
             vis = "" if e["pairs"] is None else f" visible {e['pairs'] / (e['H'] * e['L'] ** 2):.4f}"
             gf = "" if e["flops"] is None else f" fwd {e['flops'] / 1e9:10.1f} GFLOP"
-            print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{gf}{vis}"
+            hkv = f" Hkv={e['Hkv']}" if e["Hkv"] != e["H"] else ""
+            lq = " Lq=1" if e["Lq"] == 1 else ""
+            print(f"  {e['variant']:16s} B={e['B']:<3d} H={e['H']:<3d} L={e['L']:<6d} D={e['D']:<4d}{hkv}{lq}{gf}{vis}"
                   f"  ~{e['est_s']:.0f} s  {', '.join(e['impls'])}")
-    total = sum(budgets[s] for s in dict.fromkeys(e["section"] for e in entries)) + budgets["checks"]
-    print(f"[checks] budget {budgets['checks']:.0f} s: CUDA-graph replay and torch.compile vs eager (CUDA only)")
-    print(f"\n{len(entries)} cases; budgets sum to {total:.0f} s (+ the case running when one runs out)")
+    print(f"[recheck] budget {budgets['recheck']:.0f} s, estimated {raw['recheck']:.0f} s: each kind of call "
+          "with the tuned configs against the float64 oracle" + over("recheck"))
+    print(f"[checks] budget {budgets['checks']:.0f} s, estimated {raw['checks']:.0f} s: CUDA-graph replay and "
+          "torch.compile vs eager (CUDA only)" + over("checks"))
+    names = list(ORDER) + list(dict.fromkeys(e["section"] for e in entries)) + ["recheck", "checks"]
+    total = sum(budgets[s] for s in names)
+    print(f"\n{len(entries)} cases; estimated total {sum(est[s] for s in names):.0f} s "
+          f"({sum(est[s] for s in names) / 60:.1f} min; each section capped by its budget); budgets sum to "
+          f"{total:.0f} s (+ the case running when one runs out)")

@@ -3,6 +3,9 @@ visible-pair counts and FLOPs against the independent oracle's masks (toy shapes
 forms worked out by hand (the real shapes), the --dry-run plan, and a --smoke run end to end."""
 import csv
 import dataclasses
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +32,7 @@ def _check_flops(e):
         assert 2 * e["flops_fwdbwd"] == 7 * e["flops"], e
         return
     v = registry.variant(e["variant"])
-    F = effattn.FavorFeatures(D, seed=0).num_features if v.feature_map == "favor" else D
+    F = effattn.FavorFeatures(D, v.num_features, seed=0).num_features if v.feature_map == "favor" else D
     fwd = 4 * B * H * L * F * (D + int(v.normalize)) + (4 * B * H * L * D * F if v.feature_map == "favor" else 0)
     assert e["flops"] == fwd and e["flops_fwdbwd"] == 3 * fwd, e
 
@@ -39,9 +42,9 @@ def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     the number of True entries of the oracle's mask, written independently of effattn."""
     entries = suites.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
-    assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed"}
+    assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host"}
     for e in entries:
-        if e["variant"] == "decode":
+        if e["variant"] in ("decode", "host"):
             continue
         if e["op"] == "attention":
             v = registry.variant(e["variant"])
@@ -64,11 +67,15 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
     seen = set()
     for e in entries:
         if e["variant"] == "decode":
-            assert (e["L"], e["H"], e["D"]) == (16384, 32, 128) and e["B"] in (1, 4)
+            assert (e["Lq"], e["L"], e["H"], e["Hkv"], e["D"]) == (1, 16384, 32, 8, 128) and e["B"] in (1, 4)
+            continue
+        if e["variant"] == "host":
             continue
         B, H, L, D = e["B"], e["H"], e["L"], e["D"]
         if e["section"].startswith("anchors"):
             assert B * L == 16384 and H * D == 2048, e
+        elif e["section"] == "gqa":
+            assert B * L == 16384 and (H, e["Hkv"], D) == (32, 8, 128), e
         else:
             assert (B, H, D) == (1, 16, 128), e
         want = {"dense": L * L, "causal": L * (L + 1) // 2,
@@ -114,12 +121,22 @@ def test_dry_run_prints_every_section_with_budget_and_estimate(capsys):
 
 
 def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, capsys):
-    rc = run.main(["--suite", "gpu", "--smoke", "--sections", "anchors-d128,decode,anchors-d64", "--budget",
+    rc = run.main(["--suite", "gpu", "--smoke", "--sections", "anchors-d128,gqa,decode,host,anchors-d64", "--budget",
                    "anchors-d64=0", "--out", str(tmp_path), "--no-plots", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
-    assert {r["section"] for r in rows} == {"anchors-d128", "decode", "anchors-d64"}
+    assert {r["section"] for r in rows} == {"explore", "anchors-d128", "gqa", "decode", "host", "anchors-d64",
+                                           "recheck"}
+    assert all(r["status"] == "ok" for r in rows if r["section"] == "explore")
+    # the re-check: every kind of call (dense, causal, GQA, decode) against the float64 oracle, passed
+    rechecked = {r["variant"] for r in rows if r["section"] == "recheck" and r["status"] == "ok"}
+    assert rechecked == {"dense", "causal", "causal-gqa2", "decode-causal-gqa2"}, rows
+    assert all(r["status"] == "ok" for r in rows if r["section"] in ("gqa", "host") and r["impl"] == "effattn-torch")
+    assert {r["impl"] for r in rows if r["section"] == "gqa" and r["status"] == "ok"} == {"effattn-torch",
+                                                                                       "sdpa-flash"}
+    record = json.loads((tmp_path / "explore.json").read_text())
+    assert len(record["calls"]) == 2 and all(c["status"] == "ok" and c["key"] for c in record["calls"])
     assert all(r["status"] == "skipped: section budget" for r in rows if r["section"] == "anchors-d64")
     timed = [r for r in rows if r["section"] == "anchors-d128" and r["status"] == "ok"]
     base = [r for r in timed if r["kind"] == "baseline"]
@@ -132,3 +149,81 @@ def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, caps
     assert "## dense | forward | float32 B=1 H=2 D=32 | anchors-d128" in (tmp_path / "results.md").read_text()
     summary = text[text.rindex("SUMMARY"):]
     assert "anchors-d128  causal" in summary and "x the bound" in summary
+
+
+_PLAN_SCRIPT = """
+import contextlib, io, json
+from benchmarks import precompile, run
+from effattn.backends.triton.attention import configs, launch
+bf = precompile.torch.bfloat16
+calls = [precompile.Call("attention", 4, 16, 16, 4096, 4096, 128, bf, True),
+         precompile.Call("attention", 4, 32, 8, 1, 16384, 128, bf, False)]
+variants, failed = precompile.plan_variants(calls)
+again, _ = precompile.plan_variants(calls + calls)
+text = io.StringIO()
+with contextlib.redirect_stdout(text):
+    run.main(["--suite", "gpu", "--dry-run", "--sections", "gqa,decode"])
+delta = next(v for v in variants if v.name == "delta_kernel")       # the smallest: the worker's warmup path
+compiled = precompile._compile_one(delta, arch=90)
+print(json.dumps(dict(compiled=compiled,
+    variants=[[v.name, dict(v.kwargs)] for v in variants], failed=[str(f) for f in failed], again=len(again),
+    tuned_left=len(launch._TUNED), candidates={k: configs.candidates(k, 128, 2) for k in ("fwd", "bwd")},
+    dry=text.getvalue())))
+"""
+
+
+def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
+    """The precompile plan, made on this CPU without Triton's interpreter (the launchers run on meta
+    tensors, launches recorded, nothing run): every candidate config of the forward's autotuner at
+    each kind of call, the backward's candidates too, duplicates merged, the autotuner's cache left
+    as it was; a worker compiles a planned variant through Triton's warmup (for sm_90, offline); and
+    --dry-run prints the list, its count and the estimated total time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["failed"] == [] and got["tuned_left"] == 0
+    assert got["compiled"][0].startswith("delta_kernel") and got["compiled"][2] == "", got["compiled"]
+    cfg = lambda kw: (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])      # noqa: E731
+    fwd = [cfg(kw) for name, kw in got["variants"] if name == "fwd_kernel"]
+    cands = [tuple(c) for c in got["candidates"]["fwd"]]
+    # prefill (causal) launches every forward candidate once; decode (Lq = 1 against 16k keys) takes the
+    # split-KV decode kernels (one config, never autotuned) and its combine
+    assert sorted(fwd) == sorted(cands), fwd
+    assert {name for name, kw in got["variants"]} >= {"decode_kernel", "combine_kernel", "bwd_kernel"}
+    backward = {(kw["BLOCK_M1"], kw["BLOCK_N1"], kw["BLOCK_M2"], kw["BLOCK_N2"], kw["num_warps"], kw["num_stages"])
+                for name, kw in got["variants"] if name == "bwd_kernel"}
+    assert backward == {tuple(c) for c in got["candidates"]["bwd"]}, backward
+    assert got["again"] == len(got["variants"])                  # the same calls twice: nothing new
+    dry = got["dry"]
+    n = int(dry.split("[precompile]")[1].split(": ")[1].split()[0])
+    listed = dry.split("[precompile]")[1].split("[explore]")[0].strip().splitlines()[1:]
+    assert n == len(listed) > 0 and all("warps=" in line for line in listed)
+    assert "estimated total" in dry and "[gqa] budget" in dry and "[recheck] budget" in dry
+
+
+def test_recheck_shrinks_a_call_within_its_tuning_key_and_judges_by_the_rule():
+    from benchmarks import explore, precompile
+    from effattn.layouts import sliding_and_summary
+    big = precompile.Call("attention", 1, 16, 16, 65536, 65536, 128, torch.bfloat16, True,
+                          layout=sliding_and_summary(65536, 128, 4, 16))
+    small = explore.recheck_call(big)
+    assert (small.B, small.H, small.Lq, small.Lk) == (1, 8, 8192, 8192)
+    assert explore.tuning_key(small) == explore.tuning_key(big)
+    assert torch.equal(small.layout.mask, sliding_and_summary(8192, 128, 4, 16).mask)
+    gqa = explore.recheck_call(precompile.Call("attention", 4, 32, 8, 1, 16384, 128, torch.bfloat16, False))
+    assert (gqa.B, gqa.H, gqa.Hkv, gqa.Lq, gqa.Lk) == (4, 8, 2, 1, 8192)
+    # a forward-only call is covered by its forward+backward twin; decode (Lq = 1) is its own kind
+    fwd_only = dataclasses.replace(big, backward=False)
+    assert explore.distinct_calls([fwd_only, big]) == [big]
+    ref = [torch.zeros(4)] * 4
+    low = [torch.full((4,), 0.01)] * 4
+    ok, _ = explore.judge([torch.full((4,), 0.015)] * 4, ref, low, torch.float32)
+    bad, _ = explore.judge([torch.full((4,), 0.05), torch.full((4,), float("nan"))] + ref[:2], ref, low,
+                           torch.float32)
+    assert ok == [] and bad[0].startswith("out: error") and bad[1] == "dq: NaN"
+    tiny = precompile.Call("attention", 1, 2, 2, 16, 16, 16, torch.float32, False)
+    with pytest.raises(explore.NotServed, match="unknown backend"):       # a row "unsupported", not "error"
+        explore.run_call(tiny, "nope", *explore.tensors(tiny, torch.device("cpu"))[:4])

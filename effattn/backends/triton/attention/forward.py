@@ -1,5 +1,13 @@
 """Forward kernel: FlashAttention-2's online softmax (Dao 2023, Alg. 1) over the visible key tiles of
-one query tile, full tiles first (no masking code), then partial ones."""
+one query tile, full tiles first (no masking code), then partial ones.
+
+Two trial switches, off by default (benchmarks/results/offline-sm90/tma_ws_trials.md compares their
+offline sm_90 code with the default's; the GPU suite's explore section times them): ``KV_TMA`` loads
+the K and V tiles through tensor descriptors (TMA on sm_90; rows past Lk and columns past D read as
+zeros, as the masked loads give), which needs unit-stride rows and 16-byte aligned K / V rows
+(the launcher's `kv_tma_ok`) and ``triton.set_allocator`` for the in-kernel descriptors;
+``WARP_SPEC`` asks Triton to warp-specialize the full-tile loop (``tl.range(warp_specialize=True)``).
+"""
 import triton
 import triton.language as tl
 
@@ -9,14 +17,14 @@ from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, 
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m, offs_d, offs_dv,
               skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
               qk_scale, seed, bh, drop_thresh,
               BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-              FOLD_SCALE: tl.constexpr):
+              FOLD_SCALE: tl.constexpr, KV_TMA: tl.constexpr):
     """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10). ``PARTIAL``: a partial tile
     (`effattn.tiles`), masked elementwise; a full one runs without masking code. ``FOLD_SCALE``
     (``qk_scale > 0``): the row max is taken on the raw scores and the scale folded into the
@@ -25,7 +33,10 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_
     offs_n = start_n + rel_n
     k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
     v_tile = v_base + start_n.to(tl.int64) * svn
-    kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
+    if KV_TMA:
+        kt = tl.trans(k_desc.load([start_n, 0]))                # (BLOCK_D, BLOCK_N), zeros out of bounds
+    else:
+        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
     s = dot(q, kt, DOT_PREC, INTERP_BF16)                       # S = Q K^T
     if not FOLD_SCALE:
         s = s * qk_scale                                        # in log2 units
@@ -52,7 +63,10 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_
     l_i = l_i * alpha + tl.sum(p, 1)                          # l = alpha l + rowsum(P~)
     if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
         p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
-    v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
+    if KV_TMA:
+        v = v_desc.load([start_n, 0])
+    else:
+        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
     acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
     return acc, m_new, l_i
 
@@ -68,7 +82,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, KV_TMA: tl.constexpr = False,
+               WARP_SPEC: tl.constexpr = False):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
     1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
     are limited to 65535, B * H is not)."""
@@ -86,6 +101,12 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
               + offs_d[None, :] * sqd)
     q = load_tile(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
     k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    if KV_TMA:      # one (Lk, D) view per (b, kv head): its bounds zero-fill the last tile's rows
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[skn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Lk, Dv], strides=[svn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc, v_desc = k_base, v_base                       # unused
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -93,23 +114,23 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
     listed = first_listed(row, 2, n_full, HAS_LAYOUT)
-    for i in range(0, n_full):
+    for i in tl.range(0, n_full, warp_specialize=WARP_SPEC):
         tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
-                                  skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
-                                  lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                                  FOLD_SCALE)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
+                                  offs_d, offs_dv, skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right,
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False,
+                                  HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                  INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
         tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
-                                  skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb,
-                                  lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                  LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                                  FOLD_SCALE)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
+                                  offs_d, offs_dv, skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right,
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True,
+                                  HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
+                                  INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

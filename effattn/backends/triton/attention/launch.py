@@ -194,7 +194,7 @@ class LaunchPlan:
         return order, group
 
     def flags(self, cfg, idx64=None):
-        block_m, block_n, warps, stages = cfg
+        block_m, block_n, warps, stages = cfg[:4]
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                     HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0,
                     HAS_LAYOUT=self.layout_mask is not None, LAYOUT_MASK=self.layout_mask_needed(block_m, block_n),
@@ -217,7 +217,11 @@ class LaunchPlan:
                    max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.qk_scale)
             post = (self.drop_thresh, self.inv_keep, group)
             grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
-            got = self._args[key] = (grid, lists, pre, post, dict(self.flags(cfg), COUNT=counts, ORDER=order))
+            trials = {}
+            if len(cfg) > 4:        # trial switches of the forward (forward.py): "tma", "ws"
+                trials = dict(KV_TMA="tma" in cfg[4:], WARP_SPEC="ws" in cfg[4:])
+            got = self._args[key] = (grid, lists, pre, post, dict(self.flags(cfg), COUNT=counts, ORDER=order,
+                                                                  **trials))
         return got
 
     def bwd_args(self, cfg, q, k, v, dout, dq, dk, dv, dlse, counts, n_split):
@@ -294,6 +298,8 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     visits = [None]
 
     def launch(cfg):
+        if "tma" in cfg[4:]:
+            kv_tma_check(k, v)
         grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, counts)
         cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
         fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
@@ -364,6 +370,20 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         else:
             _launch_tuned("bwd", p, launch, q.device)
     return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
+
+
+def kv_tma_check(k, v) -> None:
+    """Raises ValueError unless K and V can be read through tensor descriptors (the forward's
+    ``KV_TMA`` trial): unit stride along D, rows and base addresses 16-byte aligned; and sets
+    Triton's allocator for the in-kernel descriptors on a GPU."""
+    for name, t in (("k", k), ("v", v)):
+        e = t.element_size()
+        if t.stride(3) != 1 or (t.stride(2) * e) % 16 or t.data_ptr() % 16 or t.shape[3] * e < 16:
+            raise ValueError(f"KV_TMA: {name} needs unit stride along D and 16-byte aligned rows")
+    if not _INTERPRET and not getattr(kv_tma_check, "allocator_set", False):
+        import triton
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        kv_tma_check.allocator_set = True
 
 
 def _or_dummy(t, dummy):
