@@ -67,3 +67,5 @@ BACKEND = register(Backend(
     run=_run, available=_available, notes=notes,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
+
+from . import linear  # noqa: E402,F401  (registers linear_attention's "cuda" backend)

@@ -1,0 +1,97 @@
+// The chunk-state pass of linear attention (fla's chunk_h): one block of 4 warps per (head, Fb tile
+// of 64, Fc tile of 64, split), sequential over chunks of 64 timeline positions. Warp w owns state
+// rows [16 w, 16 w + 16) of the tile: S += b^T c per chunk on mma.sync (b^T's fragments through
+// ldmatrix.trans of the time-major b tile). Before each chunk the running state (the sum over the
+// earlier chunks) is stored for the output pass; z = sum b_t cx_t is summed in fp32 from the mapped
+// values as they are loaded (two threads per column, combined in a fixed order: deterministic).
+#pragma once
+
+#include "linear_common.cuh"
+
+namespace effattn {
+
+template <int NP>
+struct LinStateConfig {
+  static constexpr int CH = kLinChunk, BF = 64;
+  static constexpr int kPart = CH * BF;                       // 16-bit elements per part of a tile
+  static constexpr int kSmem = 2 * NP * kPart * 2 + 128 * 4;  // b and c tiles, z partials
+};
+
+template <int NP>
+EFFATTN_KERNEL lin_state_kernel(const LinStateParams p) {
+  using Cfg = LinStateConfig<NP>;
+  constexpr int CH = Cfg::CH, BF = Cfg::BF, PART = Cfg::kPart;
+  EFFATTN_SMEM(smem);
+  uint16_t* sB = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sC = sB + NP * PART;
+  float* zbuf = reinterpret_cast<float*>(sC + NP * PART);
+
+  const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int bh = int(prim::block_x());
+  const int H = p.b.H, bb = bh / H, h = bh % H;
+  const int n_fc = (p.c.F + BF - 1) / BF;
+  const int fb0 = int(prim::block_y()) / n_fc * BF, fc0 = int(prim::block_y()) % n_fc * BF;
+  const int split = int(prim::block_z());
+  const int Fb = p.b.F, Fc = p.c.F;
+  const int n16 = (imin(Fc - fc0, BF) + 15) / 16;             // 16-wide column blocks that hold data
+  const bool rows_here = fb0 + 16 * warp < Fb;                // this warp's state rows exist
+  const bool with_z = p.cx_mode != 0 && fc0 == 0;             // one Fc tile writes z
+  const float* cx = p.cx ? p.cx + int64_t(bh) * p.b.L : nullptr;
+
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float z_run = 0.f;                                          // column fb0 + tid (tid < 64)
+
+  const int first = split * p.chunks_per_block;
+  const int last = imin(first + p.chunks_per_block, p.n_chunks);
+  for (int i = first; i < last; ++i) {
+    const int ch = p.reverse ? p.n_chunks - 1 - i : i;
+    if (p.store) {                                            // the state chunk ch starts from
+      float* st = p.st + (int64_t(bh) * p.n_chunks + ch) * Fb * Fc;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = fb0 + 16 * warp + g + 8 * (e >> 1), c = fc0 + 8 * j + 2 * t4 + (e & 1);
+          if (r < Fb && c < Fc) st[int64_t(r) * Fc + c] = acc[j][e];
+        }
+      if (with_z && tid < BF && fb0 + tid < Fb) p.stz[(int64_t(bh) * p.n_chunks + ch) * Fb + fb0 + tid] = z_run;
+    }
+    prim::sync_block();                                       // every warp is done with the last tiles
+    const int t0 = ch * CH;
+    float z_part = 0.f;
+    for (int idx = tid; idx < CH * BF; idx += 128) {          // column idx % 64 == tid % 64
+      const int r = idx / BF, c = idx % BF;
+      const int row = t0 + r + p.b.shift;
+      const float x = lin::row_elem(p.b, bb, h, row, fb0 + c);
+      if (with_z) z_part += x * lin::row_scalar(cx, row, p.b.L, p.cx_mode);
+      lin::put_parts<BF, NP>(sB, PART, r, c, x);
+      lin::put_parts<BF, NP>(sC, PART, r, c, lin::row_elem(p.c, bb, h, t0 + r + p.c.shift, fc0 + c));
+    }
+    zbuf[tid] = z_part;
+    prim::sync_block();
+    if (tid < BF) z_run += zbuf[tid] + zbuf[tid + BF];
+    if (rows_here) {
+#pragma unroll
+      for (int kk = 0; kk < CH / 16; ++kk) {
+        uint32_t a[NP][4];
+        lin::a_cols<BF, NP>(a, sB, PART, 16 * warp, kk);
+        lin::mma_a_tile<BF, NP, 8>(acc, a, sC, PART, kk, n16);
+      }
+    }
+  }
+
+  float* fin = p.fin + (int64_t(split) * p.B * H + bh) * Fb * Fc;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = fb0 + 16 * warp + g + 8 * (e >> 1), c = fc0 + 8 * j + 2 * t4 + (e & 1);
+      if (r < Fb && c < Fc) fin[int64_t(r) * Fc + c] = acc[j][e];
+    }
+  if (with_z && tid < BF && fb0 + tid < Fb) p.finz[(int64_t(split) * p.B * H + bh) * Fb + fb0 + tid] = z_run;
+}
+
+}  // namespace effattn
