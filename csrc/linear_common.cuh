@@ -12,6 +12,14 @@
 #include "attn_common.cuh"
 #include "linear.h"
 
+// Kernels of 128 threads; minBlocksPerSM = 1 leaves ptxas the whole register file (without it,
+// ptxas 13 aims some of them at 32 or 128 registers and spills a few bytes to get there)
+#if defined(EFFATTN_CUDA_EMU)
+#define EFFATTN_LIN_KERNEL EFFATTN_KERNEL
+#else
+#define EFFATTN_LIN_KERNEL __global__ void __launch_bounds__(128, 1)
+#endif
+
 namespace effattn {
 namespace lin {
 

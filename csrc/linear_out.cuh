@@ -23,7 +23,7 @@ struct LinOutConfig {
 };
 
 template <int NP>
-EFFATTN_KERNEL lin_out_kernel(const LinOutParams p) {
+EFFATTN_LIN_KERNEL lin_out_kernel(const LinOutParams p) {
   using Cfg = LinOutConfig<NP>;
   constexpr int CH = Cfg::CH, BK = Cfg::BK, BV = Cfg::BV, ZW = Cfg::ZW;
   EFFATTN_SMEM(smem);

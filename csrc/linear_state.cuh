@@ -18,7 +18,7 @@ struct LinStateConfig {
 };
 
 template <int NP>
-EFFATTN_KERNEL lin_state_kernel(const LinStateParams p) {
+EFFATTN_LIN_KERNEL lin_state_kernel(const LinStateParams p) {
   using Cfg = LinStateConfig<NP>;
   constexpr int CH = Cfg::CH, BF = Cfg::BF, PART = Cfg::kPart;
   EFFATTN_SMEM(smem);

@@ -10,7 +10,7 @@
 
 namespace effattn {
 
-EFFATTN_KERNEL lin_step_kernel(const LinStepParams p) {
+EFFATTN_LIN_KERNEL lin_step_kernel(const LinStepParams p) {
   EFFATTN_SMEM(smem);
   float* fq = reinterpret_cast<float*>(smem);                 // phi(q), phi(k): F each
   float* fk = fq + p.F;
@@ -48,7 +48,7 @@ EFFATTN_KERNEL lin_step_kernel(const LinStepParams p) {
 
 constexpr int kFavorRows = 64;
 
-EFFATTN_KERNEL lin_favor_kernel(const LinFavorParams p) {
+EFFATTN_LIN_KERNEL lin_favor_kernel(const LinFavorParams p) {
   const int tid = prim::thread_x();
   const LinRows& x = p.x;
   const int n_rt = (x.L + kFavorRows - 1) / kFavorRows;
