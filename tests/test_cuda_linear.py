@@ -7,7 +7,9 @@ wavefront per ldmatrix phase (the swizzle), and what explain says.
 
 The emulated extension is compiled with g++ on first use (about 40 s) and cached.
 """
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -182,3 +184,21 @@ def test_explain_names_the_fused_map_the_favor_prologue_and_the_step():
     assert "FAVOR+ features computed by a CUDA prologue kernel" in favor
     step = str(effattn.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], op="linear_attention"))
     assert "recurrent step kernel" in step
+
+
+def test_linear_kernels_under_address_and_ub_sanitizers():
+    """Every pass and operand permutation of a forward and backward, a split reduction, the step and
+    FAVOR+ kernels on heap buffers of exactly the tensors' size (csrc/emu/linear_selftest.cpp),
+    lockstep and warp-serial: any read or write past them is reported, no output is left NaN."""
+    from test_cuda_emulation import SANITIZE, build
+    exe = build(SANITIZE, source="linear_selftest.cpp")
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
+    for schedule in ("0", "1"):
+        res = subprocess.run([exe, schedule], capture_output=True, text=True, env=env, timeout=300)
+        report = res.stderr
+        for mark in ("ERROR: AddressSanitizer", "runtime error"):
+            if mark in report:
+                report = report[report.index(mark):]
+        assert res.returncode == 0, report[:4000]
+        assert "ERROR: AddressSanitizer" not in res.stderr and "runtime error" not in res.stderr, report[:4000]
+        assert res.stdout.count("nan=0") == 3, res.stdout
