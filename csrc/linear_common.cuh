@@ -9,6 +9,8 @@
 // (24 bits).
 #pragma once
 
+#include <cstring>
+
 #include "attn_common.cuh"
 #include "linear.h"
 
@@ -57,11 +59,79 @@ EFFATTN_DEVICE float map_grad(float x, int map) {
   return 1.f;
 }
 
-// Element (row r, column f) of head (b, h) of operand x, mapped; zero outside the tensor.
-EFFATTN_DEVICE float row_elem(const LinRows& x, int b, int h, int r, int f) {
-  if (r < 0 || r >= x.L || f >= x.F) return 0.f;
-  const int64_t i = int64_t(b) * x.sb + int64_t(h) * x.sh + int64_t(r) * x.sl + int64_t(f) * x.sf;
-  return apply_map(load_elem(x.x, i, x.kind), x.map);
+struct alignas(16) Vec16 {
+  uint32_t w[4];
+};
+
+// Elements (row, col .. col + 7) of head (b, h) of operand x, mapped; zero outside the tensor. One
+// or two 16-byte loads when the columns are contiguous, in bounds and aligned, else one by one.
+EFFATTN_DEVICE void load8(float (&v)[8], const LinRows& x, int b, int h, int row, int col) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = 0.f;
+  if (row < 0 || row >= x.L || col >= x.F) return;
+  const int64_t i0 = int64_t(b) * x.sb + int64_t(h) * x.sh + int64_t(row) * x.sl + int64_t(col) * x.sf;
+  const int esz = x.kind == kF32 ? 4 : 2;
+  const char* p = static_cast<const char*>(x.x) + i0 * esz;
+  if (x.sf == 1 && col + 8 <= x.F && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+    if (x.kind == kF32) {
+#pragma unroll
+      for (int hlf = 0; hlf < 2; ++hlf) {
+        const Vec16 w = reinterpret_cast<const Vec16*>(p)[hlf];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) std::memcpy(&v[4 * hlf + j], &w.w[j], 4);
+      }
+    } else {
+      const Vec16 w = *reinterpret_cast<const Vec16*>(p);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint16_t e = uint16_t(w.w[j >> 1] >> (16 * (j & 1)));
+        v[j] = x.kind == kBF16 ? prim::to_float<true>(e) : prim::to_float<false>(e);
+      }
+    }
+  } else {
+    const int n = x.F - col < 8 ? x.F - col : 8;
+    for (int j = 0; j < n; ++j) v[j] = load_elem(x.x, i0 + j * x.sf, x.kind);
+    for (int j = 0; j < 8; ++j)
+      if (j >= n) v[j] = 0.f;
+  }
+  const int n = x.F - col < 8 ? x.F - col : 8;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = j < n ? apply_map(v[j], x.map) : 0.f;
+}
+
+// Stores v as 8 consecutive elements (16-byte chunk `ch` of row r) of a swizzled tile of W
+// columns, in NP bf16 parts: one 16-byte store per part.
+template <int W, int NP>
+EFFATTN_DEVICE void put8_parts(uint16_t* tile, int part_elems, int r, int ch, const float (&v)[8]) {
+  float x[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] = v[j];
+  const int off = Tile<W>::offset(r, ch);
+#pragma unroll
+  for (int q = 0; q < NP; ++q) {
+    Vec16 w;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t lo = prim::from_float<true>(x[2 * i]), hi = prim::from_float<true>(x[2 * i + 1]);
+      w.w[i] = uint32_t(lo) | (uint32_t(hi) << 16);
+      x[2 * i] -= prim::to_float<true>(lo);
+      x[2 * i + 1] -= prim::to_float<true>(hi);
+    }
+    *reinterpret_cast<Vec16*>(tile + q * part_elems + off) = w;
+  }
+}
+
+// Loads rows [r0, r0 + ROWS) x columns [c0, c0 + W) of head (b, h) of x (rows offset by x.shift
+// already in r0), mapped, into a swizzled tile as NP parts. All 128 threads.
+template <int W, int ROWS, int NP>
+EFFATTN_DEVICE void load_tile_parts(uint16_t* tile, int part_elems, const LinRows& x, int b, int h, int r0, int c0) {
+  constexpr int C = W / 8;
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+    const int r = idx / C, ch = idx % C;
+    float v[8];
+    load8(v, x, b, h, r0 + r, c0 + 8 * ch);
+    put8_parts<W, NP>(tile, part_elems, r, ch, v);
+  }
 }
 
 // A per-row scalar: mode 1 one, 2 loaded from v[r]; zero outside [0, L).

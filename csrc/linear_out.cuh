@@ -74,12 +74,8 @@ EFFATTN_LIN_KERNEL lin_out_kernel(const LinOutParams p) {
     }
     for (int k0 = 0; k0 < FA; k0 += BK) {
       prim::sync_block();                                     // every warp is done with the last tiles
-      for (int idx = tid; idx < CH * BK; idx += 128) {
-        const int r = idx / BK, c = idx % BK;
-        lin::put_parts<BK, NP>(sA, Cfg::kA, r, c, lin::row_elem(p.a, bb, ha, t0 + r + p.a.shift, k0 + c));
-        if (p.causal)
-          lin::put_parts<BK, NP>(sB, Cfg::kA, r, c, lin::row_elem(p.b, bb, hb, t0 + r + p.b.shift, k0 + c));
-      }
+      lin::load_tile_parts<BK, CH, NP>(sA, Cfg::kA, p.a, bb, ha, t0 + p.a.shift, k0);
+      if (p.causal) lin::load_tile_parts<BK, CH, NP>(sB, Cfg::kA, p.b, bb, hb, t0 + p.b.shift, k0);
       if (with_tile) {
         for (int idx = tid; idx < BK * BV; idx += 128) {
           const int r = idx / BV, c = idx % BV, fa = k0 + r, fc = fc0 + c;
@@ -134,10 +130,7 @@ EFFATTN_LIN_KERNEL lin_out_kernel(const LinOutParams p) {
           den_part[e >> 1] += x;
         }
       prim::sync_block();                                     // every warp is done with the a, b tiles
-      for (int idx = tid; idx < CH * BV; idx += 128) {
-        const int r = idx / BV, c = idx % BV;
-        lin::put_parts<BV, NP>(sC, Cfg::kC, r, c, lin::row_elem(p.c, bb, hb, t0 + r + p.c.shift, fc0 + c));
-      }
+      lin::load_tile_parts<BV, CH, NP>(sC, Cfg::kC, p.c, bb, hb, t0 + p.c.shift, fc0);
       prim::sync_block();
 #pragma unroll
       for (int kk = 0; kk < CH / 16; ++kk) {

@@ -3,7 +3,7 @@
 // rows [16 w, 16 w + 16) of the tile: S += b^T c per chunk on mma.sync (b^T's fragments through
 // ldmatrix.trans of the time-major b tile). Before each chunk the running state (the sum over the
 // earlier chunks) is stored for the output pass; z = sum b_t cx_t is summed in fp32 from the mapped
-// values as they are loaded (two threads per column, combined in a fixed order: deterministic).
+// values as they are loaded (16 threads per column, combined in a fixed order: deterministic).
 #pragma once
 
 #include "linear_common.cuh"
@@ -14,7 +14,7 @@ template <int NP>
 struct LinStateConfig {
   static constexpr int CH = kLinChunk, BF = 64;
   static constexpr int kPart = CH * BF;                       // 16-bit elements per part of a tile
-  static constexpr int kSmem = 2 * NP * kPart * 2 + 128 * 4;  // b and c tiles, z partials
+  static constexpr int kSmem = 2 * NP * kPart * 2 + 16 * BF * 4;   // b and c tiles, z partials
 };
 
 template <int NP>
@@ -61,18 +61,28 @@ EFFATTN_LIN_KERNEL lin_state_kernel(const LinStateParams p) {
     }
     prim::sync_block();                                       // every warp is done with the last tiles
     const int t0 = ch * CH;
-    float z_part = 0.f;
-    for (int idx = tid; idx < CH * BF; idx += 128) {          // column idx % 64 == tid % 64
-      const int r = idx / BF, c = idx % BF;
+    float z_part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int idx = tid; idx < CH * BF / 8; idx += 128) {      // columns 8 (tid % 8) .. + 7, always
+      const int r = idx / (BF / 8), chunk = idx % (BF / 8);
       const int row = t0 + r + p.b.shift;
-      const float x = lin::row_elem(p.b, bb, h, row, fb0 + c);
-      if (with_z) z_part += x * lin::row_scalar(cx, row, p.b.L, p.cx_mode);
-      lin::put_parts<BF, NP>(sB, PART, r, c, x);
-      lin::put_parts<BF, NP>(sC, PART, r, c, lin::row_elem(p.c, bb, h, t0 + r + p.c.shift, fc0 + c));
+      float v[8];
+      lin::load8(v, p.b, bb, h, row, fb0 + 8 * chunk);
+      if (with_z) {
+        const float w = lin::row_scalar(cx, row, p.b.L, p.cx_mode);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z_part[j] += v[j] * w;
+      }
+      lin::put8_parts<BF, NP>(sB, PART, r, chunk, v);
+      lin::load8(v, p.c, bb, h, t0 + r + p.c.shift, fc0 + 8 * chunk);
+      lin::put8_parts<BF, NP>(sC, PART, r, chunk, v);
     }
-    zbuf[tid] = z_part;
+    if (with_z) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) zbuf[(tid / 8) * BF + 8 * (tid % 8) + j] = z_part[j];
+    }
     prim::sync_block();
-    if (tid < BF) z_run += zbuf[tid] + zbuf[tid + BF];
+    if (with_z && tid < BF)                                   // the 16 threads of column tid, in order
+      for (int i = 0; i < 16; ++i) z_run += zbuf[i * BF + tid];
     if (rows_here) {
 #pragma unroll
       for (int kk = 0; kk < CH / 16; ++kk) {

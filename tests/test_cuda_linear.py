@@ -202,3 +202,11 @@ def test_linear_kernels_under_address_and_ub_sanitizers():
         assert res.returncode == 0, report[:4000]
         assert "ERROR: AddressSanitizer" not in res.stderr and "runtime error" not in res.stderr, report[:4000]
         assert res.stdout.count("nan=0") == 3, res.stdout
+
+
+def test_causal_op_passes_opcheck():
+    """Schema, fake tensor, autograd registration and AOT dispatch of the causal forward op."""
+    from effattn.backends.cuda.linear_ops import cuda_linear_causal_fwd
+    q, k, v = (torch.randn(1, h, 20, 8, requires_grad=True) for h in (2, 1, 1))
+    S0, z0 = torch.rand(1, 2, 8, 8, requires_grad=True), torch.rand(1, 2, 8, requires_grad=True)
+    torch.library.opcheck(cuda_linear_causal_fwd, (q, k, v, S0, z0, 0, 1, True, 1e-6))
