@@ -133,6 +133,27 @@ def _det_run(emulation, schedule):
         emulation.emu_set_schedule(0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_step_kernel_with_favor_features(dtype):
+    """One-token calls (the step kernel) on FAVOR+ features (fp32 for fp16 calls, bf16 for bf16)
+    continue a chunked call's state as the chunked call would."""
+    torch.manual_seed(4)
+    m = FavorFeatures(8, 24, seed=2)
+    q, k, v = (torch.randn(1, h, 6, 8).to(dtype) for h in (2, 1, 1))
+    full, (S_full, z_full) = _call(q, k, v, causal=True, feature_map=m, return_state=True)
+    with torch.no_grad():
+        o, state = _call(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True, feature_map=m, return_state=True)
+        outs = [o]
+        for t in (4, 5):
+            o, state = _call(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True, feature_map=m,
+                             initial_state=state, return_state=True)
+            outs.append(o)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(torch.cat(outs, 2).float(), full.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state[0], S_full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state[1], z_full, rtol=1e-4, atol=1e-4)
+
+
 def test_bitwise_equal_under_every_schedule(emulation):
     """No atomics, fixed summation orders: lockstep, warp-serial and reversed warp-serial runs give
     the same bits, forward and backward (GQA sums over query heads included)."""

@@ -71,7 +71,8 @@ def _run(call):
         if S0 is None:
             S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
             z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
-        out, S, z = cuda_linear_step(q, k, v, S0, z0, fmap, call.normalize, call.eps)
+        # fp16 calls keep torch-computed features in fp32: the step kernel reads one element type
+        out, S, z = cuda_linear_step(q, k, v.to(q.dtype), S0, z0, fmap, call.normalize, call.eps)
         return out.to(call.q.dtype), ((S, z) if call.return_state else None)
     if not call.causal:
         S_c, z_c = cuda_linear_kv_state(k, v, fmap)
