@@ -99,6 +99,24 @@ EFFATTN_DEVICE void load8(float (&v)[8], const LinRows& x, int b, int h, int row
   for (int j = 0; j < 8; ++j) v[j] = j < n ? apply_map(v[j], x.map) : 0.f;
 }
 
+// v[j] += x[j * stride] for j < n (fp32): two 16-byte loads when contiguous, complete and aligned.
+EFFATTN_DEVICE void add8_f32(float (&v)[8], const float* x, int64_t stride, int n) {
+  if (stride == 1 && n == 8 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+#pragma unroll
+    for (int hlf = 0; hlf < 2; ++hlf) {
+      const Vec16 w = reinterpret_cast<const Vec16*>(x)[hlf];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float f;
+        std::memcpy(&f, &w.w[j], 4);
+        v[4 * hlf + j] += f;
+      }
+    }
+  } else {
+    for (int j = 0; j < n; ++j) v[j] += x[j * stride];
+  }
+}
+
 // Stores v as 8 consecutive elements (16-byte chunk `ch` of row r) of a swizzled tile of W
 // columns, in NP bf16 parts: one 16-byte store per part.
 template <int W, int NP>

@@ -77,14 +77,15 @@ EFFATTN_LIN_KERNEL lin_out_kernel(const LinOutParams p) {
       lin::load_tile_parts<BK, CH, NP>(sA, Cfg::kA, p.a, bb, ha, t0 + p.a.shift, k0);
       if (p.causal) lin::load_tile_parts<BK, CH, NP>(sB, Cfg::kA, p.b, bb, hb, t0 + p.b.shift, k0);
       if (with_tile) {
-        for (int idx = tid; idx < BK * BV; idx += 128) {
-          const int r = idx / BV, c = idx % BV, fa = k0 + r, fc = fc0 + c;
-          float x = 0.f;
+        for (int idx = tid; idx < BK * BV / 8; idx += 128) {  // 8 columns a step
+          const int r = idx / (BV / 8), chunk = idx % (BV / 8), fa = k0 + r, fc = fc0 + 8 * chunk;
+          float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
           if (fa < FA && fc < FC) {
-            if (st) x += st[int64_t(fa) * p.st_a + int64_t(fc) * p.st_f];
-            if (bs) x += bs[int64_t(fa) * p.base_a + int64_t(fc) * p.base_f];
+            const int n = imin(8, FC - fc);
+            if (st) lin::add8_f32(x, st + int64_t(fa) * p.st_a + int64_t(fc) * p.st_f, p.st_f, n);
+            if (bs) lin::add8_f32(x, bs + int64_t(fa) * p.base_a + int64_t(fc) * p.base_f, p.base_f, n);
           }
-          lin::put_parts<BV, NP>(sS, Cfg::kS, r, c, x);
+          lin::put8_parts<BV, NP>(sS, Cfg::kS, r, chunk, x);
         }
         if (den_mma) {
           for (int idx = tid; idx < BK * ZW; idx += 128) {
