@@ -14,9 +14,8 @@
 //   den_t = a_t . (z_c + base_z) + sum_{s} a_t . b_s, normalization, and the feature map's derivative.
 //
 // The forward is (state pass on (phi(k), v); output pass), the backward more launches of the same
-// two kernels with the operands permuted (effattn/backends/cuda/linear_ops.py). A third kernel
-// (linear_step.cuh) is the one-token recurrent step, and a fourth (linear_favor.cuh) computes
-// FAVOR+ features.
+// two kernels with the operands permuted (effattn/backends/cuda/linear_ops.py). Two small kernels
+// (linear_step.cuh) are the one-token recurrent step and the FAVOR+ feature prologue.
 #pragma once
 
 #include <cstdint>
