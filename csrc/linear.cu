@@ -67,7 +67,8 @@ int linear_out(const LinOutParams& p, int parts, void* stream) {
 
 int linear_step(const LinStepParams& p, void* stream) {
   if (p.B * p.H == 0) return 0;
-  return lin_launch(lin_step_kernel, unsigned(p.B * p.H), 1, 1, 2 * p.F * int(sizeof(float)), static_cast<prim::stream_t>(stream), p);
+  const int smem = 2 * p.F * int(sizeof(float));          // phi(q), phi(k)
+  return lin_launch(lin_step_kernel, unsigned(p.B * p.H), 1, 1, smem, static_cast<prim::stream_t>(stream), p);
 }
 
 int linear_favor(const LinFavorParams& p, void* stream) {

@@ -164,10 +164,8 @@ EFFATTN_LIN_KERNEL lin_out_kernel(const LinOutParams p) {
         if (p.normalize) x = den == 0.f ? 0.f : lin::fdiv(x, den);   // a row that sees nothing outputs 0
         if (p.gx.map) {
           const LinRows& gx = p.gx;
-          x *= lin::map_grad(
-              lin::load_elem(gx.x, int64_t(bb) * gx.sb + int64_t(ha) * gx.sh + int64_t(ra[r]) * gx.sl + int64_t(fc) * gx.sf,
-                             gx.kind),
-              gx.map);
+          const int64_t i = int64_t(bb) * gx.sb + int64_t(ha) * gx.sh + int64_t(ra[r]) * gx.sl + int64_t(fc) * gx.sf;
+          x *= lin::map_grad(lin::load_elem(gx.x, i, gx.kind), gx.map);
         }
         lin::store_elem(orow, fc, p.out_kind, x);
       }

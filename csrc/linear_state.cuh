@@ -1,9 +1,10 @@
 // The chunk-state pass of linear attention (fla's chunk_h): one block of 4 warps per (head, Fb tile
 // of 64, Fc tile of 64, split), sequential over chunks of 64 timeline positions. Warp w owns state
 // rows [16 w, 16 w + 16) of the tile: S += b^T c per chunk on mma.sync (b^T's fragments through
-// ldmatrix.trans of the time-major b tile). Before each chunk the running state (the sum over the
-// earlier chunks) is stored for the output pass; z = sum b_t cx_t is summed in fp32 from the mapped
-// values as they are loaded (16 threads per column, combined in a fixed order: deterministic).
+// ldmatrix.trans of the time-major b tile), the next chunk's loads in flight meanwhile. Before each
+// chunk the running state (the sum over the earlier chunks) is stored for the output pass;
+// z = sum b_t cx_t is summed in fp32 from the mapped values as they are loaded (16 threads per
+// column, combined in a fixed order: deterministic).
 #pragma once
 
 #include "linear_common.cuh"
@@ -44,8 +45,23 @@ EFFATTN_LIN_KERNEL lin_state_kernel(const LinStateParams p) {
   for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   float z_run = 0.f;                                          // column fb0 + tid (tid < 64)
 
+  // Each thread moves the same 8 columns (chunk tid % 8) of rows tid / 8 + 16 i, i < 4, of both
+  // tiles. The next chunk's values are loaded into registers while this chunk's products run.
+  constexpr int NL = CH * BF / 8 / 128;
+  static_assert(NL * 128 * 8 == CH * BF, "whole 8-column steps per thread");
+  const int chunk = tid % (BF / 8);
+  float vb[NL][8], vc[NL][8];
+  auto fetch = [&](int ch) {
+#pragma unroll
+    for (int l = 0; l < NL; ++l) {
+      const int r = (tid + 128 * l) / (BF / 8);
+      lin::load8(vb[l], p.b, bb, h, ch * CH + r + p.b.shift, fb0 + 8 * chunk);
+      lin::load8(vc[l], p.c, bb, h, ch * CH + r + p.c.shift, fc0 + 8 * chunk);
+    }
+  };
   const int first = split * p.chunks_per_block;
   const int last = imin(first + p.chunks_per_block, p.n_chunks);
+  if (first < last) fetch(p.reverse ? p.n_chunks - 1 - first : first);
   for (int i = first; i < last; ++i) {
     const int ch = p.reverse ? p.n_chunks - 1 - i : i;
     if (p.store) {                                            // the state chunk ch starts from
@@ -60,29 +76,26 @@ EFFATTN_LIN_KERNEL lin_state_kernel(const LinStateParams p) {
       if (with_z && tid < BF && fb0 + tid < Fb) p.stz[(int64_t(bh) * p.n_chunks + ch) * Fb + fb0 + tid] = z_run;
     }
     prim::sync_block();                                       // every warp is done with the last tiles
-    const int t0 = ch * CH;
     float z_part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int idx = tid; idx < CH * BF / 8; idx += 128) {      // columns 8 (tid % 8) .. + 7, always
-      const int r = idx / (BF / 8), chunk = idx % (BF / 8);
-      const int row = t0 + r + p.b.shift;
-      float v[8];
-      lin::load8(v, p.b, bb, h, row, fb0 + 8 * chunk);
-      if (with_z) {
-        const float w = lin::row_scalar(cx, row, p.b.L, p.cx_mode);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) z_part[j] += v[j] * w;
+    for (int l = 0; l < NL; ++l) {
+      const int r = (tid + 128 * l) / (BF / 8);
+      if (with_z) {
+        const float w = lin::row_scalar(cx, ch * CH + r + p.b.shift, p.b.L, p.cx_mode);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z_part[j] += vb[l][j] * w;
       }
-      lin::put8_parts<BF, NP>(sB, PART, r, chunk, v);
-      lin::load8(v, p.c, bb, h, t0 + r + p.c.shift, fc0 + 8 * chunk);
-      lin::put8_parts<BF, NP>(sC, PART, r, chunk, v);
+      lin::put8_parts<BF, NP>(sB, PART, r, chunk, vb[l]);
+      lin::put8_parts<BF, NP>(sC, PART, r, chunk, vc[l]);
     }
     if (with_z) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) zbuf[(tid / 8) * BF + 8 * (tid % 8) + j] = z_part[j];
+      for (int j = 0; j < 8; ++j) zbuf[(tid / 8) * BF + 8 * chunk + j] = z_part[j];
     }
     prim::sync_block();
+    if (i + 1 < last) fetch(p.reverse ? p.n_chunks - 2 - i : i + 1);
     if (with_z && tid < BF)                                   // the 16 threads of column tid, in order
-      for (int i = 0; i < 16; ++i) z_run += zbuf[i * BF + tid];
+      for (int q = 0; q < 16; ++q) z_run += zbuf[q * BF + tid];
     if (rows_here) {
 #pragma unroll
       for (int kk = 0; kk < CH / 16; ++kk) {

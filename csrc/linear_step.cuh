@@ -66,7 +66,8 @@ EFFATTN_LIN_KERNEL lin_favor_kernel(const LinFavorParams p) {
   float* out = p.out + (int64_t(bh) * x.L + r) * p.F;
   for (int i = tid / kFavorRows; i < p.F; i += 128 / kFavorRows) {
     float u = 0.f;
-    for (int d = 0; d < x.F; ++d) u += p.w[int64_t(i) * x.F + d] * (lin::load_elem(x.x, xo + d * x.sf, x.kind) * p.sqrt_scale);
+    for (int d = 0; d < x.F; ++d)
+      u += p.w[int64_t(i) * x.F + d] * (lin::load_elem(x.x, xo + d * x.sf, x.kind) * p.sqrt_scale);
     u -= 0.5f * sq;
     out[i] = expf(u < p.cap ? u : p.cap) * p.norm;
   }

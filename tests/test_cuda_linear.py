@@ -101,7 +101,8 @@ def test_tile_edges_against_float64(case):
     q, k, v = shared.make_qkv((B, H, Hkv, Lq, Lk, D, Dv, False), positive=pos)
     S0 = torch.rand(B, H, D, Dv, dtype=F64)
     z0 = torch.rand(B, H, D, dtype=F64) + 1
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [S0.float().requires_grad_(), z0.float().requires_grad_()]
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    leaves += [S0.float().requires_grad_(), z0.float().requires_grad_()]
     out, (S, z) = _call(*leaves[:3], causal=True, feature_map=fmap, initial_state=tuple(leaves[3:]), return_state=True)
     refs = [t.clone().requires_grad_() for t in (q, k, v, S0, z0)]
     phi = feature_map(fmap)

@@ -68,7 +68,8 @@ def test_real_kernels_match_their_emulation(case_id, dtype, real_and_emulated):
         with torch.no_grad():                                  # the step kernel
             step = effattn.linear_attention(*(t[:, :, -1:].detach() for t in leaves), backend="cuda", **args,
                                             initial_state=(S0.to(dev), z0.to(dev)), return_state=True)
-        results[dev] = [t.detach().cpu() for t in (out, step[0], *step[1]) + torch.autograd.grad(out, leaves, go.to(dev))]
+        grads = torch.autograd.grad(out, leaves, go.to(dev))
+        results[dev] = [t.detach().cpu() for t in (out, step[0], *step[1]) + grads]
     for name, a, b in zip(("out", "step", "step S", "step z", "dq", "dk", "dv"), results["cuda"], results["cpu"]):
         scale = b.float().abs().max().clamp_min(1.0).item()
         err = (a.float() - b.float()).abs().max().item()
