@@ -73,8 +73,11 @@ int linear_step(const LinStepParams& p, void* stream) {
 
 int linear_favor(const LinFavorParams& p, void* stream) {
   if (p.B * p.x.H == 0 || p.x.L == 0 || p.F == 0) return 0;
-  const unsigned blocks = unsigned(p.B * p.x.H) * unsigned((p.x.L + kFavorRows - 1) / kFavorRows);
-  return lin_launch(lin_favor_kernel, blocks, 1, 1, 0, static_cast<prim::stream_t>(stream), p);
+  const auto s = static_cast<prim::stream_t>(stream);
+  const unsigned blocks = unsigned(p.B * p.x.H) * unsigned((p.x.L + 63) / 64), f_tiles = unsigned((p.F + 63) / 64);
+  // fp32 inputs: 3 parts (24 bits); 16-bit inputs: 2 (fp16 values exactly, the projection to 16 bits)
+  if (p.x.kind == kF32) return lin_launch(lin_favor_kernel<3>, blocks, f_tiles, 1, LinFavorConfig<3>::kSmem, s, p);
+  return lin_launch(lin_favor_kernel<2>, blocks, f_tiles, 1, LinFavorConfig<2>::kSmem, s, p);
 }
 
 }  // namespace effattn

@@ -20,7 +20,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
 # per arch, all sources: attention 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta kernels = 26;
-# linear attention (linear.cu) 2 passes x 3 operand splits + step + FAVOR+ = 8
+# linear attention (linear.cu) 2 passes x 3 operand splits + step + FAVOR+ x 2 splits = 9
 KERNEL_BUDGET = 40
 
 NVCC = shutil.which("nvcc")
@@ -112,15 +112,16 @@ def sass_of(compiled, src, arch):
 
 
 def test_linear_passes_use_bf16_tensor_cores_and_ldmatrix(compiled):
-    """Both passes multiply on bf16 tensor cores through ldmatrix (.trans for the reduction-major
-    tiles); their loads are plain (the feature map is applied between global and shared memory)."""
+    """Both passes and the FAVOR+ prologue multiply on bf16 tensor cores through ldmatrix (.trans for
+    the reduction-major tiles); their loads are plain (the feature map is applied between global and
+    shared memory)."""
     for arch in ARCHS:
         sass = sass_of(compiled, "linear.cu", arch)
-        for fn in ("lin_state_kernel", "lin_out_kernel"):
+        for fn, n in (("lin_state_kernel", 3), ("lin_out_kernel", 3), ("lin_favor_kernel", 2)):
             bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
-            assert len(bodies) == 3, (arch, fn, len(bodies))
+            assert len(bodies) == n, (arch, fn, len(bodies))
             for body in bodies:
-                for op in ("HMMA.16816.F32.BF16", "LDSM.16.MT88.4"):
+                for op in ("HMMA.16816.F32.BF16", "LDSM.16.MT88.4" if fn == "lin_state_kernel" else "LDSM.16.M88.4"):
                     assert op in body, (arch, fn, op)
         out = [b for b in sass.split("Function : ")[1:] if "lin_out_kernel" in b.split("\n", 1)[0]]
         assert all("LDSM.16.M88.4" in b for b in out), arch
