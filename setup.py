@@ -14,6 +14,19 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def nvcc_version(cuda_home):
+    """(major, minor) of the nvcc under cuda_home, (0, 0) if it cannot be run."""
+    import re
+    import subprocess
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True,
+                             text=True).stdout
+    except OSError:
+        return (0, 0)
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
 def cuda_build():
     """(ext_modules, cmdclass) for the CUDA extension, or ([], {}) with the reason printed."""
     want = os.environ.get("EFFATTN_BUILD_CUDA", "auto")
@@ -41,10 +54,22 @@ def cuda_build():
         return [], {}
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     nvcc = ["-O3", "--use_fast_math", "-std=c++17", "--expt-relaxed-constexpr"]
+    cxx = ["-O3", "-std=c++17"]
+    if arch:    # torch's format: "8.0;9.0a" or "8.0 9.0a+PTX"
+        sm90a = any(a.startswith("9.0a") for a in arch.replace(";", " ").split())
+    else:
+        sm90a = nvcc_version(CUDA_HOME) >= (12, 0)
     if not arch:
-        nvcc += ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
+        nvcc += ["-gencode=arch=compute_80,code=sm_80"]
+        nvcc += ["-gencode=arch=compute_90a,code=sm_90a"] if sm90a else []
+    if sm90a:    # the Hopper forward (csrc/attention_sm90.cu) has device code: the launcher may run it
+        nvcc.append("-DEFFATTN_SM90A_BUILT")
+        cxx.append("-DEFFATTN_SM90A_BUILT")
+    else:
+        print("effattn: building without the Hopper (sm_90a) forward: needs nvcc >= 12 and 9.0a in "
+              "TORCH_CUDA_ARCH_LIST (when set); the mma.sync forward serves Hopper GPUs")
     ext = CUDAExtension("effattn._C", kernels + bindings, include_dirs=[os.path.join(HERE, "csrc")],
-                        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc})
+                        extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return [ext], {"build_ext": BuildExtension}
 
 

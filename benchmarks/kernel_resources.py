@@ -40,7 +40,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
-KINDS = ("fwd", "dkdv", "dq", "delta")
+KINDS = ("fwd", "dkdv", "dq", "delta", "decode", "combine")
 DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee: IEEE fp32 dots
 # Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
 # multiples of 16: unit strides become the constant 1, the other strides and lengths get
@@ -49,11 +49,11 @@ DTYPES = ("bf16", "fp32", "fp32ieee")               # fp32: TF32 dots; fp32ieee:
 _UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm"}
 _DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
           "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
-          "lay_h", "lists_head_stride", "lists_row_stride"}
+          "lay_h", "lists_head_stride", "lists_row_stride", "keys_per_split"}
 _FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "COUNTS": "*i32", "LSE": "*fp32", "DELTA": "*fp32",
-             "DLSE": "*fp32"}
+             "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -84,6 +84,14 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
     from effattn.backends.triton.attention import configs
     if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
         return [(0, (configs.delta_block(head_dim), 0, 4, 3))]
+    if kind in ("decode", "combine"):       # split-KV decode: its config per packed row count (G * Lq)
+        from effattn.backends.triton.attention import decode
+        if kind == "combine":
+            return [(0, (16, 0, 4, 3))]
+        elem = 4 if dtype.startswith("fp32") else 2
+        rows = [r for r in (16, 32, 64, 128) if decode.fits(r, head_dim, head_dim, elem, dtype == "fp32ieee")]
+        return [(i, (r,) + decode.config(head_dim, head_dim, r, elem)) for i, r in enumerate(rows)][
+            :1 if which == "first" else None]
     if which == "sweep":
         return [(-1, c) for c in sweep_configs()]
     cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
@@ -99,12 +107,13 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from triton.compiler import ASTSource
 
     from effattn.backends.triton import attention as ta
-    fn = {"fwd": ta.fwd_kernel, "dkdv": ta.dkdv_kernel, "dq": ta.dq_kernel, "delta": ta.delta_kernel}[kind]
+    fn = {"fwd": ta.fwd_kernel, "dkdv": ta.dkdv_kernel, "dq": ta.dq_kernel, "delta": ta.delta_kernel,
+          "decode": ta.decode.decode_kernel, "combine": ta.decode.combine_kernel}[kind]
     bm, bn, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False, PAD_D=False,
                   PAD_DV=False, DOT_PREC="tf32" if dtype == "fp32" else "ieee", INTERP_BF16=False, IDX64=idx64,
-                  FOLD_SCALE=True, **FEATURES[features])                 # FOLD_SCALE: any positive scale
+                  FOLD_SCALE=True, BLOCK_R=bm, **FEATURES[features])     # FOLD_SCALE: any positive scale
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal)
     consts["ORDER"] = (-1 if kind == "dkdv" else 1) if consts.get("HAS_RIGHT") else 0
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}

@@ -68,6 +68,10 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
+// The Hopper forward (attention_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
+// no sm_90a code). Only for devices of compute capability 9.0.
+int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);
+bool attention_fwd_sm90_built();
 
 // Tile sizes (the host's tile plan uses the same): forward and dQ: query tiles of 64 rows, key
 // tiles of 64 (32 for head dim 256); dK/dV: key tiles of 64, query tiles of 64 (32 from head dim

@@ -23,8 +23,9 @@ struct Tile {
 };
 
 // Loads rows [r0, r0 + ROWS) of a (L, width) matrix (row stride `ld` elements, width a multiple
-// of 8) into a swizzled tile, zero-filling rows >= L and columns >= width. All 128 threads.
-template <int HD, int ROWS>
+// of 8) into a swizzled tile (layout `Lay`: offset(row, 16-byte chunk)), zero-filling rows >= L and
+// columns >= width. All 128 threads.
+template <int HD, int ROWS, class Lay = Tile<HD>>
 EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) {
   constexpr int C = HD / 8;
   for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
@@ -32,7 +33,7 @@ EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, 
     int gr = r0 + r;
     bool ok = gr < L && c * 8 < width;
     const uint16_t* src = ok ? base + int64_t(gr) * ld + c * 8 : base;
-    prim::cp_async_16(tile + Tile<HD>::offset(r, c), src, ok ? 16 : 0);
+    prim::cp_async_16(tile + Lay::offset(r, c), src, ok ? 16 : 0);
   }
 }
 

@@ -18,6 +18,110 @@ struct FwdConfig {
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
 };
 
+// What a forward block works on: 1-D grid, query tiles fastest (a grid's y size is limited to
+// 65535, B * H is not); the (b, h) pair, the query tile and the base pointers of its operands.
+struct FwdBlock {
+  int b, h, bh, mt, m0;
+  const uint16_t *qb, *kb, *vb;
+  const uint8_t *kpm, *lay;
+};
+
+EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, int BM) {
+  FwdBlock f;
+  const int n_mt = (p.Lq + BM - 1) / BM;
+  f.mt = int(prim::block_x() % unsigned(n_mt));
+  f.bh = int(prim::block_x() / unsigned(n_mt));
+  f.b = f.bh / p.H, f.h = f.bh % p.H;
+  const int hk = f.h / p.G;
+  f.m0 = f.mt * BM;
+  f.qb = static_cast<const uint16_t*>(p.q) + f.b * p.q_b + f.h * p.q_h;
+  f.kb = static_cast<const uint16_t*>(p.k) + f.b * p.k_b + hk * p.k_h;
+  f.vb = static_cast<const uint16_t*>(p.v) + f.b * p.v_b + hk * p.v_h;
+  f.kpm = p.kpm ? p.kpm + f.b * p.kpm_b : nullptr;
+  f.lay = p.layout ? p.layout + f.h * p.lay_h : nullptr;
+  return f;
+}
+
+// Masks one S tile (to log2 units; -inf where a key is not visible) and runs the online softmax
+// (Alg. 1 lines 8-10) on this thread's rows row0 (r = 0) and row0 + 8 (r = 1): S becomes P in place
+// (dropped entries 0), acc is rescaled, m_i / l_i updated. S and acc are in the m16n8 accumulator
+// layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment).
+template <int NS, int ND>
+EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
+                                 int n0, bool masked, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
+                                 float (&l_i)[2]) {
+  const int t4 = prim::thread_x() & 3;
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
+      float x = s[j][e] * p.qk_scale;                  // log2 units
+      if (masked && !visible(p, lay, i, kj)) x = -INFINITY;
+      if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
+      s[j][e] = x;
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    mx = fmaxf(mx, prim::shfl_xor_f(mx, 1));
+    mx = fmaxf(mx, prim::shfl_xor_f(mx, 2));
+    const float m_new = fmaxf(m_i[r], mx);
+    // a row that has seen nothing keeps m = -inf; the shift 0 keeps exp2(-inf - 0) = 0, not NaN
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = prim::exp2(m_i[r] - m_ref);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float pv = prim::exp2(s[j][2 * r + e] - m_ref);
+        sum += pv;
+        // the normalizer sums undropped probabilities; dropout acts on P V only
+        if (p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
+        s[j][2 * r + e] = pv;
+      }
+    l_i[r] = l_i[r] * alpha + sum;                     // per-thread partial row sums
+    m_i[r] = m_new;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+      acc[j][2 * r] *= alpha;
+      acc[j][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// Alg. 1 lines 12-13 for this thread's rows row0, row0 + 8: O = O / l, L = m + log(l); a row that
+// saw no key: O = 0, L = -inf.
+template <bool BF16, int ND>
+EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int row0, const float (&acc)[ND][4],
+                               const float (&m_i)[2], const float (&l_i)[2]) {
+  const int t4 = prim::thread_x() & 3;
+  uint16_t* ob = static_cast<uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_i[r];
+    l += prim::shfl_xor_f(l, 1);
+    l += prim::shfl_xor_f(l, 2);
+    const bool empty = l == 0.f;
+    const float f = empty ? 0.f : (p.dropout ? p.inv_keep : 1.f) / l;
+    const int i = row0 + 8 * r;
+    if (i < p.Lq) {
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * j + 2 * t4 + e;
+          if (c < p.Dv_out) ob[int64_t(i) * p.o_l + c] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
+        }
+      if (t4 == 0)
+        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m_i[r] + log2f(l)) * 0.6931471805599453f;
+    }
+  }
+}
+
 template <int HD, bool BF16>
 EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   using Cfg = FwdConfig<HD>;
@@ -30,19 +134,11 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   uint16_t* sV = sK + BN * HD;
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  // 1-D grid, query tiles fastest (a grid's y size is limited to 65535, B * H is not)
-  const int n_mt = (p.Lq + BM - 1) / BM;
-  const int mt = int(prim::block_x() % unsigned(n_mt));
-  const int bh = int(prim::block_x() / unsigned(n_mt));
-  const int b = bh / p.H, h = bh % p.H, hk = h / p.G;
-  const int m0 = mt * BM;
-
-  const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h;
-  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h;
-  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h;
-  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
-  const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+  const int g = lane >> 2;
+  const FwdBlock fb = fwd_block(p, BM);
+  const int b = fb.b, h = fb.h, bh = fb.bh, mt = fb.mt, m0 = fb.m0;
+  const uint16_t *qb = fb.qb, *kb = fb.kb, *vb = fb.vb;
+  const uint8_t *kpm = fb.kpm, *lay = fb.lay;
   const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
 
   const Schedule sched = key_schedule(p, h, mt, BM, BN);
@@ -74,48 +170,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    // mask, then the online softmax (Alg. 1 lines 8-10) on rows row0 (r = 0) and row0 + 8 (r = 1)
-    const bool masked = sched.masked(it);
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
-        float x = s[j][e] * p.qk_scale;                  // log2 units
-        if (masked && !visible(p, lay, i, kj)) x = -INFINITY;
-        if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
-        s[j][e] = x;
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      mx = fmaxf(mx, prim::shfl_xor_f(mx, 1));
-      mx = fmaxf(mx, prim::shfl_xor_f(mx, 2));
-      const float m_new = fmaxf(m_i[r], mx);
-      // a row that has seen nothing keeps m = -inf; the shift 0 keeps exp2(-inf - 0) = 0, not NaN
-      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = prim::exp2(m_i[r] - m_ref);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float pv = prim::exp2(s[j][2 * r + e] - m_ref);
-          sum += pv;
-          // the normalizer sums undropped probabilities; dropout acts on P V only
-          if (p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
-          s[j][2 * r + e] = pv;
-        }
-      l_i[r] = l_i[r] * alpha + sum;                     // per-thread partial row sums
-      m_i[r] = m_new;
-#pragma unroll
-      for (int j = 0; j < ND; ++j) {
-        acc[j][2 * r] *= alpha;
-        acc[j][2 * r + 1] *= alpha;
-      }
-    }
+    softmax_step(p, lay, kpm, bh, row0, n0, sched.masked(it), s, acc, m_i, l_i);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();
@@ -130,28 +185,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   }
   prim::cp_async_wait<0>();
 
-  // Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
-  uint16_t* ob = static_cast<uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_i[r];
-    l += prim::shfl_xor_f(l, 1);
-    l += prim::shfl_xor_f(l, 2);
-    const bool empty = l == 0.f;
-    const float f = empty ? 0.f : (p.dropout ? p.inv_keep : 1.f) / l;
-    const int i = row0 + 8 * r;
-    if (i < p.Lq) {
-#pragma unroll
-      for (int j = 0; j < ND; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = 8 * j + 2 * t4 + e;
-          if (c < p.Dv_out) ob[int64_t(i) * p.o_l + c] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
-        }
-      if (t4 == 0)
-        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m_i[r] + log2f(l)) * 0.6931471805599453f;
-    }
-  }
+  store_rows<BF16>(p, b, h, bh, row0, acc, m_i, l_i);
 }
 
 }  // namespace effattn

@@ -11,14 +11,14 @@ namespace effattn {
 namespace detail {
 
 #if defined(EFFATTN_CUDA_EMU)
-template <class Kernel>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const AttnParams& p) {
+template <class Kernel, class Params>
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p) {
   emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{128, 1, 1}, size_t(smem), [&] { kernel(p); });
   return 0;
 }
 #else
-template <class Kernel>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const AttnParams& p) {
+template <class Kernel, class Params>
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return int(e);

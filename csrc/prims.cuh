@@ -12,6 +12,8 @@
 //   cp_async_commit / _wait  cp.async.commit_group / cp.async.wait_group N
 //   exp2                     ex2.approx.ftz.f32
 //   pack2 / to_float / from_float   fp32 <-> bf16 / fp16, round to nearest even
+// Hopper-only operations (wgmma, its shared-memory descriptors, fence.proxy.async) are in
+// prims_sm90.cuh, on top of this header.
 #pragma once
 
 #include <cmath>

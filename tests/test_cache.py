@@ -193,3 +193,199 @@ def test_cache_errors():
     mha(x, x, x, need_weights=False, cache=cache)
     with pytest.raises(ValueError, match="one cache per module"):
         mha(torch.randn(2, 1, E), torch.randn(2, 1, E), torch.randn(2, 1, E), need_weights=False, cache=cache)
+
+
+# ------------------------------------------------------------------------- preallocated storage
+
+def decode_tokens(mha, x, cache, kpm=None, steps=None):
+    """Feeds x (B, L, E) one token per step (after an optional prefill of `steps[0]` tokens)."""
+    outs, s = [], 0
+    for e in (steps or []) + list(range((steps or [0])[-1] + 1 if steps else 1, x.shape[1] + 1)):
+        xs = x[:, s:e]
+        outs.append(mha(xs, xs, xs, is_causal=True, need_weights=False, cache=cache,
+                        key_padding_mask=None if kpm is None else kpm[:, s:e])[0])
+        s = e
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("variant", ["causal", "window-pair"])
+@pytest.mark.parametrize("capacity", [None, 24], ids=["growing", "fixed"])
+def test_preallocated_cache_writes_in_place(variant, capacity):
+    """Steps write into the buffers (the same storage from step to step while it fits; a growing
+    cache doubles, a fixed one never moves) and decode exactly; a fixed capacity masks the window
+    instead of trimming."""
+    torch.manual_seed(10)
+    mha = MultiheadAttention(E, H, batch_first=True, **VARIANTS[variant]).eval()
+    x = torch.randn(2, 20, E)
+    kpm = torch.zeros(2, 20, dtype=torch.bool)
+    kpm[1, :2] = True                                          # left padding stays, masked
+    with torch.no_grad():
+        full, _ = mha(x, x, x, is_causal=True, need_weights=False, key_padding_mask=kpm)
+        cache = KVCache(capacity=capacity)
+        outs = [mha(x[:, :6], x[:, :6], x[:, :6], is_causal=True, need_weights=False, cache=cache,
+                    key_padding_mask=kpm[:, :6])[0]]
+        storage = cache._k.data_ptr()
+        for t in range(6, 20):
+            outs.append(mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, need_weights=False,
+                            cache=cache)[0])
+            assert cache._k.data_ptr() == storage
+    close(full, torch.cat(outs, 1), 1e-5)
+    assert mha.last_path == "fused" and cache.lengths.tolist() == [20, 20] and cache.seen == 20
+    if capacity is None:
+        assert cache._k.shape[2] == 64 and len(cache) == (20 if variant == "causal" else
+                                                          {"window": 3, "window-pair": 4}[variant])
+    else:
+        assert cache._k.shape[2] == 24 and len(cache) == 20
+
+
+def test_growing_cache_doubles_and_compacts_a_window():
+    torch.manual_seed(11)
+    mha = MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(1, 150, E)
+    win = MultiheadAttention(E, H, batch_first=True, window=5).eval()
+    win.load_state_dict(mha.state_dict())
+    with torch.no_grad():
+        cache, wcache, caps = KVCache(), KVCache(), []
+        for t in range(150):
+            xs = x[:, t:t + 1]
+            mha(xs, xs, xs, is_causal=True, need_weights=False, cache=cache)
+            out = win(xs, xs, xs, is_causal=True, need_weights=False, cache=wcache)[0]
+            caps.append(cache._k.shape[2])
+        full = win(x, x, x, is_causal=True, need_weights=False)[0]
+    assert sorted(set(caps)) == [64, 128, 256]
+    assert wcache._k.shape[2] == 64 and len(wcache) == 5       # compacted when full, never grown
+    close(full[:, -1:], out, 1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])
+@pytest.mark.parametrize("capacity", [None, 16], ids=["growing", "fixed"])
+def test_ragged_prompts_then_token_steps(window, capacity):
+    """A right-padded batch of prompts of lengths 7 and 4: each row's length counts its real keys,
+    its next tokens go right after them (over the padding), and every row decodes as if alone."""
+    torch.manual_seed(12)
+    mha = MultiheadAttention(E, H, batch_first=True, window=window).eval()
+    lens, new = [7, 4], 3
+    prompt = torch.randn(2, 7, E)
+    kpm = torch.arange(7)[None, :] >= torch.tensor(lens)[:, None]       # trailing padding
+    gen = torch.randn(2, new, E)
+    with torch.no_grad():
+        cache = KVCache(capacity=capacity)
+        mha(prompt, prompt, prompt, is_causal=True, need_weights=False, cache=cache, key_padding_mask=kpm)
+        assert cache.lengths.tolist() == lens
+        steps = torch.cat([mha(gen[:, t:t + 1], gen[:, t:t + 1], gen[:, t:t + 1], is_causal=True,
+                               need_weights=False, cache=cache)[0] for t in range(new)], 1)
+        for b, n in enumerate(lens):
+            seq = torch.cat([prompt[b:b + 1, :n], gen[b:b + 1]], 1)
+            alone, _ = mha(seq, seq, seq, is_causal=True, need_weights=False)
+            close(alone[:, n:], steps[b:b + 1], 1e-5)
+        assert cache.lengths.tolist() == [n + new for n in lens]
+        with pytest.raises(ValueError, match="different numbers of keys"):
+            mha(gen, gen, gen, is_causal=True, need_weights=False, cache=cache)
+
+
+def test_fixed_capacity_errors_and_reorder_in_place():
+    torch.manual_seed(13)
+    mha = MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(3, 6, E)
+    with pytest.raises(ValueError, match="capacity"):
+        KVCache(capacity=0)
+    with torch.no_grad():
+        cache = KVCache(capacity=6)
+        mha(x[:, :5], x[:, :5], x[:, :5], is_causal=True, need_weights=False, cache=cache)
+        with pytest.raises(ValueError, match="does not fit"):
+            mha(x[:, 3:5], x[:, 3:5], x[:, 3:5], is_causal=True, need_weights=False, cache=cache)
+        storage = cache._k.data_ptr()
+        idx = torch.tensor([2, 0, 0])
+        cache.reorder(idx)                                    # same batch size: in place
+        assert cache._k.data_ptr() == storage
+        step = mha(x[idx, 5:], x[idx, 5:], x[idx, 5:], is_causal=True, need_weights=False, cache=cache)[0]
+        full = mha(x[idx], x[idx], x[idx], is_causal=True, need_weights=False)[0]
+    close(full[:, 5:], step, 1e-5)
+    assert "capacity=6" in repr(cache) and "keys=(3, 4, 6, 8)" in repr(cache)
+
+
+def test_step_keys_keep_their_gradient():
+    """Without no_grad, the step's own keys and values reach the projections' gradient (the cached
+    ones are constants), as with the former torch.cat."""
+    torch.manual_seed(14)
+    mha = MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(1, 5, E)
+    for capacity in (None, 8):
+        cache = KVCache(capacity=capacity)
+        with torch.no_grad():
+            mha(x[:, :4], x[:, :4], x[:, :4], is_causal=True, need_weights=False, cache=cache)
+        xs = x[:, 4:].clone().requires_grad_()
+        out = mha(xs, xs, xs, is_causal=True, need_weights=False, cache=cache)[0]
+        ref_x = x.clone().requires_grad_()
+        ref = mha(ref_x, ref_x, ref_x, is_causal=True, need_weights=False)[0][:, 4:]
+        close(ref, out, 1e-5)
+        g, = torch.autograd.grad(out.sum(), xs)
+        rg, = torch.autograd.grad(ref.sum(), ref_x)
+        close(rg[:, 4:], g, 1e-5)
+
+
+class NoSync:
+    """While on, every way a tensor reaches the host (item, tolist, bool/int/float conversion,
+    numpy) raises."""
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+    def __init__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        self.active = False
+
+    def on(self):
+        self.active = True
+        def fail(name):
+            def f(self, *a, **k):
+                raise AssertionError(f"host sync: Tensor.{name}")
+            return f
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, fail(n))
+
+    def off(self):
+        self.active = False
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize("kw", [dict(window=3), {}], ids=["window", "causal"])
+def test_fixed_capacity_token_step_reads_nothing_back(monkeypatch, kw):
+    """A single-token step of a layer stack on fixed-capacity caches (the step a CUDA graph captures)
+    converts no tensor to a host value in the stack, the module or the cache, even with a padding
+    mask and rows of different lengths; the attention reads the whole buffer, the window in its mask.
+    (The kernels' own path is the GPU test's: the torch backend's CPU paths plan on the host.)"""
+    import effattn.nn.attention as attention_module
+    torch.manual_seed(15)
+    layer = TransformerEncoderLayer(E, H, 48, dropout=0.0, batch_first=True, backend="torch", **kw)
+    model = TransformerEncoder(layer, 2).eval()
+    x = torch.randn(2, 6, E)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[0, 4:] = True                                          # row 0: 4 real keys, row 1: 5
+    guard, calls, real = NoSync(), [], attention_module.attention
+
+    def attention_unchecked(q, k, v, **kwargs):
+        calls.append((tuple(k.shape), kwargs["key_padding_mask"] is not None, kwargs["window"]))
+        was = guard.active
+        guard.off()
+        try:
+            return real(q, k, v, **kwargs)
+        finally:
+            if was:
+                guard.on()
+
+    monkeypatch.setattr(attention_module, "attention", attention_unchecked)
+    with torch.no_grad():
+        caches = [KVCache(capacity=16) for _ in model.layers]
+        model(x[:, :5], is_causal=True, caches=caches, src_key_padding_mask=kpm[:, :5])
+        outs = []
+        guard.on()
+        try:
+            for t in range(5, 7):
+                xs = x[:, 5:6] if t == 5 else torch.randn(2, 1, E)
+                outs.append(model(xs, is_causal=True, caches=caches,
+                                  src_key_padding_mask=torch.zeros(2, 1, dtype=torch.bool)))
+        finally:
+            guard.off()
+    assert [tuple(o.shape) for o in outs] == [(2, 1, E)] * 2
+    assert calls[2:] == [((2, H, 16, E // H), True, None)] * 4       # 2 steps x 2 layers
+    assert caches[1].lengths.tolist() == [4 + 2, 5 + 2]

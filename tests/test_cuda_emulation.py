@@ -7,7 +7,8 @@
 - planted mistakes abort (misaligned addresses, copies never waited for, deadlocked barriers,
   divergent collectives, shared memory out of bounds) or read NaN (a wrong wait count, a missing
   barrier) under every schedule;
-- the attention kernels run clean under AddressSanitizer and UBSan on exact-size buffers.
+- the attention kernels (and the Hopper forward) run clean under AddressSanitizer and UBSan on
+  exact-size buffers.
 """
 import hashlib
 import os
@@ -157,13 +158,11 @@ def test_copies_land_only_at_their_wait_and_barrier(selftest, schedule):
     assert nan["bug-wait-count"] > 0 and nan["bug-missing-barrier"] > 0 and nan["correct-copy"] == 0, nan
 
 
-@pytest.mark.parametrize("schedule", ["lockstep", "warp-serial"])
-def test_attention_kernels_under_address_and_ub_sanitizers(schedule):
-    """Forward and backward (padding mask, window, dropout, GQA, Lq != Lk, head dims 8..64) on
-    heap buffers of exactly the tensors' size: any read or write past them is reported."""
+def run_sanitized(scenario, schedule):
+    """Runs a self-test scenario in the sanitizer build; fails with the report's first lines."""
     exe = build(SANITIZE)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
-    res = subprocess.run([exe, "attention", str(SCHEDULES[schedule])], capture_output=True, text=True, env=env,
+    res = subprocess.run([exe, scenario, str(SCHEDULES[schedule])], capture_output=True, text=True, env=env,
                          timeout=300)
     report = res.stderr
     for mark in ("ERROR: AddressSanitizer", "runtime error"):
@@ -171,4 +170,20 @@ def test_attention_kernels_under_address_and_ub_sanitizers(schedule):
             report = report[report.index(mark):]
     assert res.returncode == 0, report[:4000]
     assert "ERROR: AddressSanitizer" not in res.stderr and "runtime error" not in res.stderr, report[:4000]
-    assert res.stdout.count("nan=0") == 3, res.stdout
+    return res.stdout
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "warp-serial"])
+def test_attention_kernels_under_address_and_ub_sanitizers(schedule):
+    """Forward and backward (padding mask, window, dropout, GQA, Lq != Lk, head dims 8..64) on
+    heap buffers of exactly the tensors' size: any read or write past them is reported."""
+    out = run_sanitized("attention", schedule)
+    assert out.count("nan=0") == 3, out
+    assert out.count("sm90 forward: 0 elements differ") == 2, out
+
+
+def test_decode_kernels_under_address_and_ub_sanitizers():
+    """The split-KV decode and combine kernels (packed GQA rows, one split, several, more splits
+    than key tiles, two row tiles) on heap buffers of exactly the tensors' size."""
+    out = run_sanitized("decode", "warp-serial")
+    assert out.count("nan=0") == 3, out

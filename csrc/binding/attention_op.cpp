@@ -14,10 +14,13 @@
 #include <limits>
 
 #include "attention.h"
+#include "decode.h"
 #include "linear.h"
 
 #if defined(EFFATTN_CUDA_EMU)
 #include "attention.cu"
+#include "attention_sm90.cu"
+#include "decode.cu"
 #include "linear.cu"
 #define EFFATTN_OPS effattn_cuda_emu
 #define EFFATTN_KEY CPU
@@ -153,11 +156,13 @@ void poison(Tensor& t) { t.fill_(std::numeric_limits<double>::quiet_NaN()); }
 void poison(Tensor&) {}
 #endif
 
-std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
-                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
-                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
-                                         double dropout_p, int64_t left, int64_t right) {
+using FwdLauncher = int (*)(const effattn::AttnParams&, bool, void*);
+
+std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const optional<Tensor>& kpm, const optional<Tensor>& layout, int64_t layout_block,
+                                   int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+                                   const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
+                                   int64_t right) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
                        dropout_p, left, right);
@@ -169,9 +174,33 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   p.o = out.data_ptr();
   p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
   p.lse = lse.data_ptr<float>();
-  run_checked(effattn::attention_fwd(p, r.bf16, EFFATTN_STREAM), "forward");
+  run_checked(launch(p, r.bf16, EFFATTN_STREAM), "forward");
   return {out, lse};
 }
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                         double dropout_p, int64_t left, int64_t right) {
+  return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
+                 dropout_p, left, right);
+}
+
+// The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
+std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                              int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                              int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                              double dropout_p, int64_t left, int64_t right) {
+  const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
+  check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
+  check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
+  return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
+                 scale, dropout_p, left, right);
+}
+
+bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -212,6 +241,45 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
   }
   auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
   return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3))};
+}
+
+// Split-KV decode (Lq <= 16, forward only): `lists` are the tile lists of query tile 0 (16 rows)
+// against key tiles of kDecodeBlockN, per KV head; layout_check 2 masks their full tiles too (lists
+// of a per-head layout OR-ed over each GQA group).
+std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                            int64_t layout_block, int64_t layout_check, const optional<Tensor>& lists,
+                                            int64_t list_wf, double scale, int64_t left, int64_t right,
+                                            int64_t splits) {
+  EFFATTN_GUARD(q);
+  check(q.dim() == 4 && q.size(2) <= effattn::kDecodeMaxQueries, "decode takes at most 16 query rows");
+  check(splits >= 1, "decode needs at least one split");
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, layout.has_value() ? 1 : 0, lists, list_wf,
+                       c10::nullopt, 0, c10::nullopt, scale, 0.0, left, right);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  poison(out);
+  poison(lse);
+  effattn::DecodeParams d{};
+  d.a = r.p;
+  d.a.o = out.data_ptr();
+  d.a.o_b = out.stride(0), d.a.o_h = out.stride(1), d.a.o_l = out.stride(2);
+  d.a.lse = lse.data_ptr<float>();
+  d.splits = int(splits);
+  d.rows = d.a.G * d.a.Lq;
+  d.row_tiles = (d.rows + effattn::kDecodeRows - 1) / effattn::kDecodeRows;
+  d.mask_full = layout_check == 2;
+  Tensor part_o, part_lse;
+  if (splits > 1) {
+    part_o = at::empty({q.size(0) * q.size(1) * q.size(2), splits, v.size(3)}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({q.size(0) * q.size(1) * q.size(2), splits}, q.options().dtype(at::kFloat));
+    poison(part_o);
+    poison(part_lse);
+    d.part_o = part_o.data_ptr<float>();
+    d.part_lse = part_lse.data_ptr<float>();
+  }
+  run_checked(effattn::attention_decode(d, r.bf16, EFFATTN_STREAM), "decode");
+  return {out, lse};
 }
 
 // ------------------------------------------------------------------ linear attention (csrc/linear.h)
@@ -402,6 +470,13 @@ EFFATTN_LIBRARY(EFFATTN_OPS, m) {
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
+        "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
+        "int window_left, int window_right) -> (Tensor, Tensor)");
+  m.def("has_sm90a() -> bool", has_sm90a);
+  m.def("attention_decode(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
+        "int layout_block, int layout_check, Tensor? lists, int list_wf, float scale, int window_left, "
+        "int window_right, int splits) -> (Tensor, Tensor)");
   m.def("linear_state(Tensor b, int b_shift, int b_map, Tensor c, int c_map, Tensor? cx, int cx_mode, int T, "
         "bool reverse, bool store, int n_split, int parts) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("linear_out(Tensor a, int a_shift, int a_map, Tensor? b, int b_shift, int b_map, Tensor? c, int c_map, "
@@ -421,6 +496,8 @@ EFFATTN_LIBRARY(EFFATTN_OPS, m) {
 EFFATTN_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
   m.impl("attention_fwd", attention_fwd);
   m.impl("attention_bwd", attention_bwd);
+  m.impl("attention_fwd_sm90", attention_fwd_sm90);
+  m.impl("attention_decode", attention_decode);
   m.impl("linear_state", linear_state);
   m.impl("linear_out", linear_out);
   m.impl("linear_step", linear_step);

@@ -84,6 +84,8 @@ struct Thread {
   State state = State::runnable;
   std::vector<Copy> open;                      // issued since the last commit
   std::deque<std::vector<Copy>> committed;     // oldest first
+  int wgmma_groups = 0;                        // wgmma ops issued and not yet retired (emu/wgmma.h)
+  bool wgmma_fenced = false;                   // a wgmma.fence since the last wgmma.wait_group
 };
 
 // Per-lane operands and results of the collective a warp is in.
@@ -107,6 +109,9 @@ struct Block {
   char* smem = nullptr;
   size_t smem_bytes = 0;
   int bar_arrived = 0;
+  // per 16-byte chunk of shared memory: 1 + the thread whose cp.async wrote it since that thread's
+  // last fence.proxy.async, else 0 (wgmma reads through the async proxy: emu/wgmma.h)
+  std::vector<int> proxy_owner;
   int current = -1;
   ucontext_t sched;
   std::function<void()> body;
@@ -151,6 +156,7 @@ inline void fiber_main() {
   Thread& t = b->threads[b->current];
   if (!t.open.empty() || !t.committed.empty())
     fail_here("thread exits with cp.async copies it never waited for");
+  if (t.wgmma_groups) fail_here("thread exits with wgmma operations it never waited for");
   t.state = State::done;
 #ifdef EFFATTN_EMU_ASAN
   __sanitizer_start_switch_fiber(nullptr, b->sched_stack_bottom, b->sched_stack_size);
@@ -355,7 +361,10 @@ inline void cp_async_commit() {
 inline void cp_async_wait(int n) {
   Thread& t = self();
   while (int(t.committed.size()) > n) {
-    for (const Copy& c : t.committed.front()) std::memcpy(c.dst, c.data, 16);
+    for (const Copy& c : t.committed.front()) {
+      std::memcpy(c.dst, c.data, 16);
+      cur_block()->proxy_owner[(c.dst - cur_block()->smem) / 16] = self_tid() + 1;
+    }
     t.committed.pop_front();
   }
 }
@@ -412,7 +421,8 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
   b.smem_bytes = smem_bytes;
   // exactly the requested size, so that AddressSanitizer sees an access past the end
   void* mem = nullptr;
-  if (posix_memalign(&mem, 128, smem_bytes ? smem_bytes : 1)) fail("out of memory for shared memory", 0, 0);
+  // 1024-byte aligned, as the shared-memory window: wgmma's swizzle reads address bits 7..9
+  if (posix_memalign(&mem, 1024, smem_bytes ? smem_bytes : 1)) fail("out of memory for shared memory", 0, 0);
   b.smem = static_cast<char*>(mem);
   for (auto& t : b.threads) t.stack = static_cast<char*>(std::malloc(kStack));
   b.body = [&kernel] { kernel(); };
@@ -425,6 +435,7 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
         b.linear_block = linear;
         b.bar_arrived = 0;
         std::memset(b.smem, 0xFF, smem_bytes);     // NaN in every float format
+        b.proxy_owner.assign(smem_bytes / 16 + 1, 0);
         for (auto& w : b.warps) w = Warp();
         for (int i = 0; i < nthreads; ++i) {
           Thread& t = b.threads[i];
@@ -432,6 +443,8 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
           t.state = State::runnable;
           t.open.clear();
           t.committed.clear();
+          t.wgmma_groups = 0;
+          t.wgmma_fenced = false;
           getcontext(&t.ctx);
           t.ctx.uc_stack.ss_sp = t.stack;
           t.ctx.uc_stack.ss_size = kStack;

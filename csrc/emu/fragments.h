@@ -39,5 +39,20 @@ inline void ldmatrix_element(int lane, int e, bool trans, int& row, int& col) {
   }
 }
 
+// wgmma.m64nNk16 (PTX ISA, "Register Fragments" of wgmma): a warpgroup of 4 warps; warp w holds
+// rows [16 w, 16 w + 16). Thread `tid` of the warpgroup is lane tid % 32 of warp tid / 32.
+// D (64 x N, fp32), d_i for i < N / 2: row 16 w + g (+ 8 when bit 1 of i is set), column
+// 8 (i / 4) + 2 t + (i & 1): N / 8 copies of the m16n8 C fragment side by side.
+inline void wgmma_d_element(int tid, int i, int& row, int& col) {
+  row = 16 * (tid >> 5) + ((tid & 31) >> 2) + 8 * ((i >> 1) & 1);
+  col = 8 * (i >> 2) + 2 * (tid & 3) + (i & 1);
+}
+
+// A (64 x 16) from registers, 16-bit elements: each warp's 16 rows as the m16n8k16 A fragment.
+inline void wgmma_a_element(int tid, int reg, int e, int& row, int& col) {
+  mma_a_element(tid & 31, reg, e, row, col);
+  row += 16 * (tid >> 5);
+}
+
 }  // namespace emu
 }  // namespace effattn

@@ -5,7 +5,9 @@
 //   maps              prints the fragment maps (tests compare them with the PTX ISA tables)
 //   mma-bf16/mma-f16  one warp: A, B through ldmatrix, D = A B by mma; prints the max error
 //   bank-plain / bank-swizzled   ldmatrix wavefronts per phase of an unswizzled / swizzled tile
-//   attention         the attention kernels on exact-size heap buffers (sanitizers watch them)
+//   attention         the attention kernels on exact-size heap buffers (sanitizers watch them), and
+//                     the Hopper forward at head dims 33..64
+//   decode            the split-KV decode kernels, the same way
 //   bug-*             kernels with one planted mistake: the emulation must abort or show NaN
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "../attention_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "../attn_launch.cuh"
+#include "../decode_kernels.cuh"
 
 using namespace effattn;
 
@@ -173,8 +177,71 @@ int attention() {
     for (size_t i = 0; i < nk; ++i) nan += std::isnan(prim::to_float<true>(dk[i]));
     for (size_t i = 0; i < nv; ++i) nan += std::isnan(prim::to_float<true>(dv[i]));
     std::printf("shape Lq=%d Lk=%d D=%d Dv=%d nan=%d\n", s.Lq, s.Lk, s.D, s.Dv, nan);
+    if (!small) {   // the Hopper forward on the same buffers: the same output (fp32 sums in one order)
+      uint16_t* o2 = heap<uint16_t>(no);
+      AttnParams p2 = p;
+      p2.o = o2;
+      if (attention_fwd_sm90(p2, true, nullptr)) return 2;
+      int diff = 0;
+      for (size_t i = 0; i < no; ++i) diff += o2[i] != o[i];
+      std::printf("sm90 forward: %d elements differ\n", diff);
+      std::free(o2);
+    }
     for (void* ptr : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
                       (void*)lse, (void*)delta, (void*)kpm})
+      std::free(ptr);
+    if (nan) return 3;
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------- decode
+
+// The split-KV decode kernels (head-dim bucket 32, bf16) on exact-size buffers: packed GQA rows,
+// several splits (and more splits than key tiles), the combine kernel's partial buffers.
+int decode() {
+  struct Shape { int B, H, G, Lq, Lk, D, Dv, left, right, kpm, splits; };
+  const Shape shapes[] = {
+      {1, 8, 4, 2, 150, 24, 16, -1, 0, 1, 2},
+      {2, 2, 1, 5, 70, 32, 32, 20, 3, 0, 1},
+      {1, 4, 4, 6, 200, 16, 8, -1, -1, 1, 9},
+  };
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (const Shape& s : shapes) {
+    const int Hkv = s.H / s.G;
+    const size_t nq = size_t(s.B) * s.H * s.Lq * s.D, nk = size_t(s.B) * Hkv * s.Lk * s.D;
+    const size_t nv = size_t(s.B) * Hkv * s.Lk * s.Dv, nl = size_t(s.B) * s.H * s.Lq, no = nl * s.Dv;
+    uint16_t *q = heap<uint16_t>(nq), *k = heap<uint16_t>(nk), *v = heap<uint16_t>(nv), *o = heap<uint16_t>(no);
+    float *lse = heap<float>(nl), *part_o = heap<float>(no * s.splits), *part_lse = heap<float>(nl * s.splits);
+    uint8_t* kpm = heap<uint8_t>(size_t(s.B) * s.Lk);
+    for (size_t i = 0; i < nq; ++i) q[i] = bf(nd(rng));
+    for (size_t i = 0; i < nk; ++i) k[i] = bf(nd(rng));
+    for (size_t i = 0; i < nv; ++i) v[i] = bf(nd(rng));
+    for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
+    DecodeParams d{};
+    AttnParams& p = d.a;
+    p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
+    p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
+    p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
+    p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
+    p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
+    if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
+    p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
+    p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
+    p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+    d.splits = s.splits, d.rows = s.G * s.Lq, d.row_tiles = (d.rows + kDecodeRows - 1) / kDecodeRows;
+    if (s.splits > 1) d.part_o = part_o, d.part_lse = part_lse;
+    const unsigned grid = unsigned(s.B * Hkv * d.row_tiles * s.splits);
+    if (detail::launch(attn_decode_split_kernel<32, true>, grid, 1, DecodeConfig<32>::kSmemBytes, nullptr, d))
+      return 2;
+    if (s.splits > 1 && detail::launch(attn_decode_combine_kernel<true>, detail::cdiv(nl, 4), 1, 0, nullptr, d))
+      return 2;
+    int nan = 0;
+    for (size_t i = 0; i < no; ++i) nan += std::isnan(prim::to_float<true>(o[i]));
+    for (size_t i = 0; i < nl; ++i) nan += std::isnan(lse[i]);
+    std::printf("decode Lq=%d Lk=%d splits=%d nan=%d\n", s.Lq, s.Lk, s.splits, nan);
+    for (void* ptr : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)part_o, (void*)part_lse, (void*)kpm})
       std::free(ptr);
     if (nan) return 3;
   }
@@ -268,5 +335,6 @@ int main(int argc, char** argv) {
   if (what == "bank-plain") return bank(false);
   if (what == "bank-swizzled") return bank(true);
   if (what == "attention") return attention();
+  if (what == "decode") return decode();
   return planted(what);
 }

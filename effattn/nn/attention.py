@@ -21,7 +21,6 @@ change to leave a reference path, and which backend would serve a fused one (:fu
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from dataclasses import dataclass
@@ -446,9 +445,8 @@ class MultiheadAttention(nn.Module):
         if a["query"].is_nested:
             raise ValueError("MultiheadAttention.explain: nested tensor input is not supported; explain the "
                              "padded call")
-        # a step rebinds the cache's tensors (torch.cat, slicing), never writes into them: a shallow copy
-        # takes the step and the caller's cache stays as it was
-        cache = copy.copy(a["cache"]) if a["cache"] is not None else None
+        # a step writes into the cache's buffers: a copy takes the step and the caller's cache stays as it was
+        cache = a["cache"].copy() if isinstance(a["cache"], KVCache) else a["cache"]
         with torch.no_grad():
             step = self._canonicalize(query, key, value, a["key_padding_mask"], a["attn_mask"], a["is_causal"],
                                       cache, a["memory"])
@@ -456,8 +454,8 @@ class MultiheadAttention(nn.Module):
             plan = self._plan(step, a["need_weights"], cache)
             report = None
             if plan.op == "attention":
-                k, v, kpm = cache.append(k, v, step.kpm) if cache is not None else (k, v, step.kpm)
-                report = explain_call(q, k, v, op="attention", **self._fused_kwargs(plan, step, kpm))
+                k, v, kpm, window = self._cached(step, k, v, cache)
+                report = explain_call(q, k, v, op="attention", **self._fused_kwargs(plan, step, kpm, window))
             elif plan.op == "linear_attention":
                 q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
                 report = explain_call(q, k, v, op="linear_attention", causal=step.causal, feature_map=phi,
@@ -588,9 +586,19 @@ class MultiheadAttention(nn.Module):
             return _Plan("reference: " + reasons[0], None, reasons, Lq, Lk)
         return _Plan("fused", "attention", [], Lq, Lk)
 
-    def _fused_kwargs(self, plan: _Plan, step: _Step, kpm: Optional[Tensor]) -> dict:
-        return dict(causal=step.causal, window=self.window, layout=self._layout_for(plan.Lq, plan.Lk),
+    def _fused_kwargs(self, plan: _Plan, step: _Step, kpm: Optional[Tensor], window) -> dict:
+        return dict(causal=step.causal, window=window, layout=self._layout_for(plan.Lq, plan.Lk),
                     key_padding_mask=kpm, dropout_p=self.dropout if self.training else 0.0)
+
+    def _cached(self, step: _Step, k, v, cache: Optional[KVCache]):
+        """``(k, v, kpm, window)`` the attention reads: with a cache, this step's keys written into it
+        and the cached ones read back, with the window left to the cache's mask where it applies it
+        per row (`KVCache.write`)."""
+        if cache is None:
+            return k, v, step.kpm, self.window
+        left, _ = normalize_window(self.window, step.causal)
+        k, v, kpm, window_masked = cache.write(k, v, step.kpm, left)
+        return k, v, kpm, (None if window_masked else self.window)
 
     def _attend(self, plan: _Plan, step: _Step, q, k, v, cache) -> Tuple[Tensor, Optional[Tensor]]:
         """Runs the planned path: ``(out (B, H, Lq, D), weights (B, H, Lq, Lk) or None)``."""
@@ -602,15 +610,13 @@ class MultiheadAttention(nn.Module):
                 res, cache.state = res
                 cache.seen += plan.Lq
             return res.to(step.query.dtype), None
-        kpm = step.kpm
-        if cache is not None:
-            k, v, kpm = cache.append(k, v, kpm)
+        k, v, kpm, window = self._cached(step, k, v, cache)
         if plan.op == "attention":
-            out, weights = attention(q, k, v, **self._fused_kwargs(plan, step, kpm), backend=self.backend), None
+            out, weights = attention(q, k, v, **self._fused_kwargs(plan, step, kpm, window), backend=self.backend), None
         else:
             out, weights = self._reference_path(q, k, v, step.attn_mask, kpm, step.causal,
                                                 self._layout_for(plan.Lq, plan.Lk),
-                                                self.dropout if self.training else 0.0)
+                                                self.dropout if self.training else 0.0, window)
         if cache is not None:
             cache.seen += plan.Lq
             left, _ = normalize_window(self.window, step.causal)
@@ -655,14 +661,14 @@ class MultiheadAttention(nn.Module):
                              "length pass layout=lambda Lq, Lk: ... building one per call")
         return lay
 
-    def _reference_path(self, q, k, v, attn_mask, kpm, causal, layout, dropout_p):
+    def _reference_path(self, q, k, v, attn_mask, kpm, causal, layout, dropout_p, window):
         """Dense softmax with torch's mask semantics (bool True = blocked, float = added), plus the
         module's window / layout, and bias_k / zero-attention keys that every query sees."""
         B, H, Lq, D = q.shape
         Lk = k.shape[2]
         fn = "MultiheadAttention"
         structural_causal = causal and attn_mask is None   # with a mask, the mask itself is used
-        visible = Rule.of(Lq, Lk, causal=structural_causal, window=self.window,
+        visible = Rule.of(Lq, Lk, causal=structural_causal, window=window,
                           layout=layout).materialize(device=q.device)         # (1, Hl, Lq, Lk)
         bias = None
         if attn_mask is not None:

@@ -1,8 +1,13 @@
 """The CUDA C++ backend for softmax attention (kernels in csrc/, FlashAttention-2 class on
 mma.sync / ldmatrix / cp.async, sm_80 and newer), forward and backward, every mask kind.
 
-Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_bwd.cuh) -> launchers (csrc/attention.cu) ->
-the C++ ops (csrc/binding/attention_op.cpp) -> the autograd ops (``ops.py``) -> this registration.
+On a GPU of compute capability 9.0 the forward at head dims 33..128 runs the Hopper kernel
+(csrc/attn_fwd_sm90.cuh, wgmma) when the extension has sm_90a code (``hopper.py`` decides; explain
+says which forward runs).
+
+Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_fwd_sm90.cuh, csrc/attn_bwd.cuh) -> launchers
+(csrc/attention.cu, csrc/attention_sm90.cu) -> the C++ ops (csrc/binding/attention_op.cpp) -> the
+autograd ops (``ops.py``) -> this registration.
 
 CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only with
 ``EFFATTN_CUDA_EMU=1``, and only when the backend is named (``backend="cuda"``): the same kernel
@@ -22,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from ..base import Backend, Capabilities, register
-from . import _ext
+from . import _ext, decode, hopper
 
 
 def _available(device: torch.device) -> Optional[str]:
@@ -50,6 +55,8 @@ def notes(call) -> List[str]:
 
 def _run(call):
     from .ops import cuda_attention_fwd, kernels
+    if decode.why_not(call) is None:
+        return decode.run(call)
     kernels(call.q.device)
     lay = call.layout
     return cuda_attention_fwd(call.q, call.k, call.v, lay.mask if lay is not None else None,
@@ -57,16 +64,29 @@ def _run(call):
                               call.scale, call.dropout_p, call.window_left, call.window_right)
 
 
+def _describe(call) -> str:
+    """The path for a call (a line in explain): the split-KV decode, or the prefill kernels (and which
+    forward: Hopper wgmma or mma.sync) with why the decode does not apply."""
+    if decode.why_not(call) is None:
+        return decode.describe(call)
+    return f"{decode.describe(call)}; {hopper.describe(call)}"
+
+
+def _rank(call) -> int:
+    """After Triton for "auto" until the GPU acceptance run has measured these kernels, except for
+    decode-shaped calls (a few query rows, no gradient) against a long cache: the split-KV kernels."""
+    return 5 if decode.ranks_ahead(call) else 20
+
+
 BACKEND = register(Backend(
-    # after Triton for "auto" until the GPU acceptance run has measured these kernels
-    name="cuda", op="attention", priority=20,
+    name="cuda", op="attention", priority=_rank,
     caps=Capabilities(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         max_head_dim=256,
         features=frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
                             "dv_ne_d", "return_lse"})),
-    run=_run, available=_available, notes=notes,
+    run=_run, available=_available, notes=notes, describe=_describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
 

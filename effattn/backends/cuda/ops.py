@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...tiles import layout_tile_lists  # the shared tile plan (packed full/partial lists)
-from . import _ext
+from . import _ext, hopper
 
 BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBlockM)
 BUCKETS = (32, 64, 128, 256)
@@ -56,11 +56,13 @@ def _plan(q, k, v, layout_mask, layout_block, left, right, by_key):
 
 
 def _register_fakes(ns: str) -> None:
-    @torch.library.register_fake(f"{ns}::attention_fwd")
-    def _(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale, dropout_p,
-          window_left, window_right):
+    def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
+                 dropout_p, window_left, window_right):
         B, H, Lq, _ = q.shape
         return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+
+    torch.library.register_fake(f"{ns}::attention_fwd")(fwd_fake)
+    torch.library.register_fake(f"{ns}::attention_fwd_sm90")(fwd_fake)
 
     @torch.library.register_fake(f"{ns}::attention_bwd")
     def _(grad_out, grad_lse, q, k, v, *args):
@@ -84,8 +86,11 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
                        key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
                        window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
     lists, wf, check = _plan(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
-    return kernels(q.device).attention_fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf,
-                                           seed, scale, dropout_p, window_left, window_right)
+    # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
+    kops = kernels(q.device)
+    fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
+    return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
+               window_left, window_right)
 
 
 @cuda_attention_fwd.register_fake

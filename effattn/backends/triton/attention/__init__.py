@@ -9,8 +9,12 @@ Modules, kernel to op (each reads only the ones above it):
   into memory another one writes: deterministic);
 - ``configs``: the candidate tile configs; ``launch``: ``LaunchPlan``, the launchers ``fwd`` / ``bwd``
   and autotuning;
+- ``decode``: the split-KV decode for a few query rows against a long key range (``decode_kernel``,
+  ``combine_kernel``, its launcher and when it is taken, ``decode_reason``);
 - ``op``: the ``torch.library`` ops ``effattn::triton_attention_fwd`` / ``_bwd`` with fake impls and
-  autograd, and the registration as backend ``"triton"``.
+  autograd, ``effattn::triton_attention_decode`` (forward only), and the registration as backend
+  ``"triton"``, whose ``_run`` sends calls of ``Lq <= 16`` queries against ``>= 1024`` visible keys
+  that need no gradient and no dropout to the decode (``effattn.explain`` says which path and why).
 
 Which tiles a program visits ("skip, don't mask") is the tile plan of `effattn.tiles`: full tiles
 (no elementwise mask), then partial ones (``PARTIAL``). Without a layout the kernels compute the
@@ -49,7 +53,8 @@ lists (first call per layout, lengths, tiles and window: ``torch.unique`` and tw
 sizes back, so that first call cannot happen during CUDA-graph capture); the lists are cached on
 the device, keyed weakly on the layout's mask. The dropout seed is a CPU tensor (no sync).
 Everything else per call is host-side Python and the launches (one for the forward, three for the
-backward: Delta, dK/dV, dQ).
+backward: Delta, dK/dV, dQ; two for a split-KV decode, which has one config and is never autotuned,
+so its first call may be made while a CUDA graph is captured once the kernels are compiled).
 The launch metadata (sizes, flags, every scalar kernel argument) is built once per kind of call
 (shapes, strides, dtype, layout, flags) and cached (`launch.plan_for`), so a repeated call costs a
 dictionary lookup plus the op dispatch; ``python -m benchmarks.host_overhead`` measures it.
@@ -71,8 +76,8 @@ from ..runtime import triton
 from .op import BACKEND  # noqa: F401  (registers the backend)
 
 if triton is not None:
-    from . import configs, launch, op  # noqa: F401
+    from . import configs, decode, launch, op  # noqa: F401
     from .backward import delta_kernel, dkdv_kernel, dq_kernel  # noqa: F401
     from .forward import fwd_kernel  # noqa: F401
     from .launch import LaunchPlan, bwd, fwd  # noqa: F401
-    from .op import triton_attention_bwd, triton_attention_fwd  # noqa: F401
+    from .op import triton_attention_bwd, triton_attention_decode, triton_attention_fwd  # noqa: F401

@@ -1,0 +1,185 @@
+"""The CUDA backend's split-KV decode path: a few query rows (Lq <= 16) against a long key/value
+cache, forward only (kernels in csrc/decode_kernels.cuh, work split in csrc/decode.h).
+
+One thread block per (batch, KV head, 16-row tile of packed rows, split of the key range): the
+G = H / Hkv query heads sharing a KV head and their Lq rows fill the rows of one tensor-core tile
+(H=32, Hkv=8, Lq=1: 4 real rows of 16), so each KV head's cache is read once, not G times. The
+visible key tiles (64 keys) are cut into splits so that the grid holds at least two waves of the
+GPU's SMs, with at least `MIN_TILES_PER_SPLIT` tiles each; each split writes an fp32 partial output
+and log-sum-exp, merged by a second kernel with log-sum-exp weights. Deterministic.
+
+The backend takes this path for a call when `why_not(call)` is None, and ranks itself ahead of
+Triton for it (`ranks_ahead`) once the cache is long (`LONG_CACHE` keys).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...tiles import layout_plan, layout_tile_lists
+from ...visibility import Rule
+from . import ops
+
+MAX_QUERIES = 16          # csrc/decode.h kDecodeMaxQueries
+ROWS = 16                 # packed rows per block (kDecodeRows)
+BLOCK_N = 64              # keys per tile (kDecodeBlockN)
+MIN_TILES_PER_SPLIT = 4   # 256 keys: below that a split's fixed cost (Q load, merge, combine) dominates
+MAX_SPLITS = 128
+WAVES = 2                 # blocks per SM the split count aims for
+LONG_CACHE = 512          # keys from which decode-shaped calls rank the CUDA backend ahead of Triton
+EMU_SM_COUNT = 8          # the SM count the emulation plans for (CPU tensors)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def why_not(call) -> Optional[str]:
+    """None when the decode kernels serve `call`, else why the backend takes its prefill kernel."""
+    if call.Lq > MAX_QUERIES:
+        return f"Lq={call.Lq} > {MAX_QUERIES} query rows"
+    if call.dropout_p > 0:
+        return "dropout"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return "gradients needed (the decode kernels are forward only)"
+    return None
+
+
+def ranks_ahead(call) -> bool:
+    """Decode-shaped calls against a long cache, where the split-KV kernels read K/V once per KV head
+    and fill the GPU while a 64-row prefill tile holds one real row (by the memory traffic; the GPU
+    acceptance run measures it)."""
+    return call is not None and call.Lk >= LONG_CACHE and why_not(call) is None
+
+
+_SMS: Dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (the emulation: `EMU_SM_COUNT`)."""
+    if device.type != "cuda":
+        return EMU_SM_COUNT
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def num_splits(B: int, Hkv: int, row_tiles: int, key_tiles: int, sms: int) -> int:
+    """Splits of `key_tiles` visible key tiles so that B * Hkv * row_tiles * splits blocks hold
+    `WAVES` waves of `sms` SMs, each split keeping at least `MIN_TILES_PER_SPLIT` tiles."""
+    want = cdiv(WAVES * sms, max(B * Hkv * row_tiles, 1))
+    if want <= 1 or key_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    per = max(MIN_TILES_PER_SPLIT, key_tiles // want)
+    return min(cdiv(key_tiles, per), MAX_SPLITS)
+
+
+def _lists(q, k, layout_mask, layout_block, left, right):
+    """(lists, wf, layout_check) for a layout: the tile lists of query tile 0 (all Lq <= 16 rows)
+    per KV head. A per-head layout under GQA is OR-ed over each group (cached with the layout), and
+    layout_check 2 then masks full tiles too (full for the group is not full for each head)."""
+    if layout_mask is None:
+        return None, 0, 0
+    Lq, Lk = q.shape[2], k.shape[2]
+    H, Hkv = q.shape[1], k.shape[1]
+    left, right = ops._norm_window(left, right, Lq, Lk)
+    mask, check = layout_mask, 1
+    if layout_mask.shape[0] > 1 and H != Hkv:
+        cache = layout_plan(layout_mask).backend_cache
+        mask = cache.get(("cuda-decode-group", Hkv))
+        if mask is None:
+            mask = cache[("cuda-decode-group", Hkv)] = layout_mask.reshape(Hkv, H // Hkv, *layout_mask.shape[1:]).any(1)
+        check = 2
+    lists, wf = layout_tile_lists(mask, layout_block, Lq, Lk, ROWS, BLOCK_N, left, right)
+    return lists, wf, check
+
+
+def _key_tiles(Lq, Lk, left, right, lists) -> int:
+    """Visible key tiles of one KV head (with a layout's `lists`: the widest list row, an upper bound)."""
+    if lists is not None:
+        return lists.shape[-1] - 2
+    k0, k1 = Rule(Lq, Lk, left, right).key_range(0, Lq)
+    return cdiv(k1, BLOCK_N) - k0 // BLOCK_N if k1 > k0 else 0
+
+
+def _plan(q, k, lists, left, right) -> Tuple[int, int, int]:
+    """(row tiles, key tiles, splits) of a call with q (B, H, Lq, D), k (B, Hkv, Lk, D)."""
+    B, H, Lq = q.shape[:3]
+    Hkv, Lk = k.shape[1], k.shape[2]
+    row_tiles = cdiv((H // Hkv) * Lq, ROWS)
+    tiles = _key_tiles(Lq, Lk, left, right, lists)
+    return row_tiles, tiles, num_splits(B, Hkv, row_tiles, tiles, sm_count(q.device))
+
+
+def plan(call) -> Tuple[int, int, int]:
+    """(row tiles, key tiles, splits) the decode kernels use for `call`."""
+    lay = call.layout
+    lists = None
+    if lay is not None:
+        lists, _, _ = _lists(call.q, call.k, lay.mask, lay.block_size, call.window_left, call.window_right)
+    return _plan(call.q, call.k, lists, call.window_left, call.window_right)
+
+
+def describe(call) -> str:
+    """The path the CUDA backend takes for `call` (a line in explain)."""
+    why = why_not(call)
+    if why is not None:
+        return f"prefill kernel (64-row query tiles); not the split-KV decode: {why}"
+    row_tiles, tiles, splits = plan(call)
+    G = call.H // call.Hkv
+    return (f"split-KV decode: {G} query heads x {call.Lq} row(s) packed per KV head ({row_tiles} tile(s) of "
+            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device)} SMs")
+
+
+# ------------------------------------------------------------------------------------------- ops
+
+_FAKES_DONE = set()
+
+
+def kernels(device: torch.device):
+    """The C++ op namespace for `device`, the decode op's fake kernel registered once."""
+    lib = ops.kernels(device)
+    ns = "effattn_cuda" if device.type == "cuda" else "effattn_cuda_emu"
+    if ns not in _FAKES_DONE:
+        @torch.library.register_fake(f"{ns}::attention_decode")
+        def _(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, scale, window_left,
+              window_right, splits):
+            B, H, Lq, _ = q.shape
+            return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+        _FAKES_DONE.add(ns)
+    return lib
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+            key_padding_mask: Optional[Tensor], scale: float, window_left: int, window_right: int,
+            splits: int) -> Tuple[Tensor, Tensor]:
+    """(out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32) of a forward-only decode call, the key
+    range cut into `splits` runs of tiles (0: the plan's count, chosen here, where the layout's
+    lists are at hand and torch.compile does not trace). No autograd."""
+    lists, wf, check = _lists(q, k, layout_mask, layout_block, window_left, window_right)
+    if splits == 0:
+        splits = _plan(q, k, lists, window_left, window_right)[2]
+    return kernels(q.device).attention_decode(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf,
+                                              scale, window_left, window_right, splits)
+
+
+# the same as a custom op, opaque to torch.compile; eager calls skip its wrapper (a decode step is
+# short enough for that to show)
+cuda_attention_decode = torch.library.custom_op("effattn::cuda_attention_decode", _decode, mutates_args=())
+
+
+@cuda_attention_decode.register_fake
+def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right, splits):
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+
+
+def run(call):
+    lay = call.layout
+    fn = cuda_attention_decode if torch.compiler.is_compiling() else _decode
+    return fn(call.q, call.k, call.v, lay.mask if lay is not None else None,
+                                 lay.block_size if lay is not None else 0, call.key_padding_mask, call.scale,
+                                 call.window_left, call.window_right, 0)

@@ -1,0 +1,57 @@
+"""Which forward kernel the CUDA backend runs: the Hopper one (csrc/attn_fwd_sm90.cuh: wgmma from
+128-byte-swizzled shared memory, sm_90a) or the FA2-class mma.sync one (csrc/attn_fwd.cuh).
+
+The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128), bf16 and fp16,
+every mask, on a GPU of compute capability 9.0 when the extension was built with sm_90a code
+(setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
+always the mma.sync one. Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
+forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
+``EFFATTN_CUDA_HOPPER=0`` turns the Hopper forward off everywhere (the mma.sync forward serves: for
+timing one against the other on the same GPU, or to step around it).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import _ext
+
+HEAD_DIM_BUCKETS = (64, 128)
+_built = {}
+
+
+def _has_sm90a(device: torch.device) -> bool:
+    if device.type not in _built:
+        _built[device.type] = bool(_ext.ops(device).has_sm90a())
+    return _built[device.type]
+
+
+def why_not(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """None if the Hopper forward serves a call with these q, v; else why the mma.sync forward does."""
+    from .ops import bucket
+    device = q.device
+    if os.environ.get("EFFATTN_CUDA_HOPPER") == "0":
+        return "turned off by EFFATTN_CUDA_HOPPER=0"
+    if device.type == "cpu":
+        if os.environ.get("EFFATTN_CUDA_EMU_HOPPER") != "1":
+            return "the emulation runs it only with EFFATTN_CUDA_EMU_HOPPER=1"
+    else:
+        cc = torch.cuda.get_device_capability(device)
+        if tuple(cc) != (9, 0):
+            return f"needs compute capability 9.0 (sm_90a), got {cc[0]}.{cc[1]}"
+        if not _has_sm90a(device):
+            return "the extension was built without sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a, or nvcc < 12)"
+    hd = bucket(q.shape[-1], v.shape[-1])
+    if hd not in HEAD_DIM_BUCKETS:
+        return f"serves head dims 33..128 (buckets 64, 128), this call's bucket is {hd}"
+    return None
+
+
+def describe(call) -> str:
+    """Which kernels serve a call (for effattn.explain)."""
+    why = why_not(call.q, call.v)
+    if why is None:
+        return "forward: Hopper wgmma kernel (sm_90a); backward: mma.sync kernels"
+    return f"forward: mma.sync kernel (the Hopper forward is not used: {why})"

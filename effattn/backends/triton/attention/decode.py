@@ -1,0 +1,313 @@
+"""Split-KV decode: a few query rows (``Lq <= 16``) against a long key range.
+
+The prefill kernel (`forward`) gives each (b, h) one program whose query tile has 32-128 rows, of
+which a decoding call fills one, and walks every key in that one program: B*H programs on a GPU of
+132 SMs, each reading its KV head's keys again. Here (as FlashDecoding and FlashAttention's
+split-KV forward do):
+
+- the query heads that share a KV head (the GQA group of ``G = H / Hkv`` heads) and their ``Lq``
+  rows are packed into the rows of one tile, row ``r = g * Lq + i`` (head ``hk * G + g``, query
+  ``i``), padded to a power of two >= 16: K and V are read once per KV head, not G times;
+  ``H = 32, Hkv = 8, Lq = 1`` gives 4 real rows of 16;
+- the visible key range is cut into ``n_splits`` contiguous ranges of ``keys_per_split`` keys (a
+  multiple of the key tile; the last range may be shorter): a grid of ``B * Hkv * n_splits``
+  programs, enough for two waves of the SMs (`plan_splits`);
+- each program writes, per row, its range's softmax-normalized output and log-sum-exp in fp32
+  (``lse = -inf``, output 0 for a row that sees no key of the range); `combine_kernel` merges the
+  ranges of a row in a fixed order, weighting each by ``exp(lse_s - lse)`` with
+  ``lse = log sum_s exp(lse_s)``: deterministic, no atomics.
+
+When (`decode_reason`): at most ``MAX_QUERIES = 16`` queries (more fill the prefill kernel's query
+tiles anyway) against at least ``MIN_KEYS = 1024`` visible keys. Below that the prefill kernel's
+programs walk at most 16 key tiles each, a few microseconds on an H100, about what the split path
+adds: a second launch and the fp32 partials' round trip through memory. From 1k keys on, the prefill
+kernel leaves most SMs idle (B*H programs, e.g. 32 on 132 SMs) and reads each KV head G times, and
+the split path's B*Hkv*splits programs stream K and V once at full bandwidth. (The GPU suite's
+decode rows are where the crossover is to be measured; the constant is a guess until then.)
+
+Every constraint of the visibility rule (`effattn.visibility`: bottom-right alignment, causal,
+window, block layout, key padding) is applied elementwise in every tile; a window bounds the
+range the splits cover. Forward only and no dropout: `decode_reason` says when a call takes this
+path (the op `_run` of `op` asks it), and otherwise the prefill kernel serves the call. A decode
+step launches two kernels, allocates its partials with fixed sizes and reads nothing back from the
+GPU: it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ....tiles import cdiv
+from ..jit import cast, dot, load_tile
+from ..runtime import _next_pow2, _tf32_enabled
+from .launch import _on_device, _or_dummy, plan_for
+from .schedule import visible
+
+MAX_QUERIES = 16          # Lq above this: the prefill kernel's tiles are filled anyway
+MAX_ROWS = 128            # G * Lq packed rows per tile at most (fewer at head dim 256: `fits`)
+MIN_KEYS = 1024           # visible keys below this: the prefill kernel (see `decode_reason`)
+MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in its partial than it saves
+WAVES = 2                 # splits enough for this many waves of programs over the SMs
+NOMINAL_SMS = 132         # SM count where there is no GPU to ask (the interpreter, explain on CPU): H100 SXM
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+@triton.jit
+def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
+                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
+                  Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                  k_lo, keys_per_split, n_splits, part_stride, qk_scale,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, PAD_D: tl.constexpr,
+                  PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """Partial output OP (n_splits, B*H*Lq, Dv) fp32, normalized within the split, and LP
+    (n_splits, B*H*Lq) fp32, the split's log2-sum-exp2 of the scaled scores (-inf: no visible key),
+    for one split of one (b, kv head): 1-D grid of B * Hkv * n_splits programs, splits fastest.
+    FA-2 Alg. 1 on the packed rows of the GQA group."""
+    pid = tl.program_id(0)
+    split = pid % n_splits
+    bk = pid // n_splits                                      # b * Hkv + hk
+    b = bk // Hkv
+    hk = bk % Hkv
+    r = tl.arange(0, BLOCK_M)
+    real = r < G * Lq
+    h = hk * G + r // Lq                                      # each row's query head
+    qi = tl.where(real, r % Lq, Lq)                           # padding rows: past Lq, so never visible
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = (Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqm
+              + offs_d[None, :] * sqd)
+    q = load_tile(q_ptrs, r, G * Lq, offs_d, D, True, PAD_D)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    kpm_base = KPM + b.to(tl.int64) * skpb
+    lay_rows = LAY + h[:, None].to(tl.int64) * lay_h        # per row: the layout of its own head
+    lo = k_lo + split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, Lk)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    rel_n = tl.arange(0, BLOCK_N)
+    for t in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+        start_n = lo + t * BLOCK_N
+        offs_n = start_n + rel_n
+        k_tile = k_base + start_n.to(tl.int64) * skn              # int64 tile base: caches past 2**31 elements
+        v_tile = v_base + start_n.to(tl.int64) * svn
+        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, hi, PAD_D, True)
+        s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale        # log2 units
+        ok = visible(qi[:, None], offs_n[None, :], Lq, hi, off, left, right, lay_rows, lay_nkb, lay_bs,
+                     HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, False)
+        if HAS_KPM:
+            pad = tl.load(kpm_base + start_n.to(tl.int64) * skpn + rel_n * skpn, mask=offs_n < hi, other=1)
+            ok = ok & (pad[None, :] == 0)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: exp2(-inf) = 0
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
+        m_i = m_new
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    row = split.to(tl.int64) * part_stride + bk.to(tl.int64) * G * Lq + r   # (split, b, h, i) of the partials
+    tl.store(OP + row[:, None] * Dv + offs_dv[None, :], acc / l_safe[:, None],
+             mask=real[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(LP + row, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=real)
+
+
+@triton.jit
+def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
+                   BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """O (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, from the splits'
+    partials: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, in split order. A row no split
+    saw: O = 0, LSE = -inf."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_DV)
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")))
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp2(tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
+        o = tl.load(OP + (s * n_rows + rows[:, None]) * Dv + cols[None, :], mask=ok[:, None] & (cols[None, :] < Dv),
+                    other=0.0)
+        acc += w[:, None] * o
+        l += w
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    tl.store(O + rows[:, None] * Dv + cols[None, :], cast(acc / l_safe[:, None], O.dtype.element_ty, INTERP_BF16),
+             mask=ok[:, None] & (cols[None, :] < Dv))
+    tl.store(LSE + rows, tl.where(empty, float("-inf"), (m_ref + tl.log2(l_safe)) / 1.4426950408889634), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which calls, how many splits
+
+def packed_rows(G: int, Lq: int) -> int:
+    """Rows of the query tile: the G heads x Lq queries of a KV head, padded to a power of two >= 16."""
+    return max(16, _next_pow2(G * Lq))
+
+
+def key_range(Lq: int, Lk: int, left: int) -> Tuple[int, int]:
+    """Keys ``[k_lo, Lk)`` some query may see: bottom-right, the last query sits at key ``Lk - 1``,
+    so the right bound never cuts the range; a left window starts it at ``pos(0) - left``."""
+    return (max(0, Lk - Lq - left) if left >= 0 else 0), Lk
+
+
+def plan_splits(slices: int, span: int, num_sms: int, block_n: int,
+                min_keys: int = MIN_KEYS_PER_SPLIT) -> Tuple[int, int]:
+    """``(n_splits, keys_per_split)`` for ``slices`` = B * Hkv programs per split over ``span`` keys,
+    ``keys_per_split`` a multiple of ``block_n`` (the last split may be shorter, never empty):
+
+    - a long range: enough splits for `WAVES` waves of programs over ``num_sms`` SMs (the split
+      length rounded down to whole key tiles, so there are at least that many);
+    - a range too short for that many splits of ``min_keys`` keys: ``span // min_keys`` splits at
+      most (the length rounded up), each but the last at least ``min_keys`` long."""
+    want = cdiv(WAVES * num_sms, max(slices, 1))
+    n = max(1, min(want, span // max(min_keys, 1)))
+    if n == want:
+        per = max(block_n, (span // n) // block_n * block_n)
+    else:
+        per = max(block_n, cdiv(cdiv(span, n), block_n) * block_n)
+    return max(1, cdiv(span, per)), per
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: Optional[int]) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device` (read once per device; host-only), `NOMINAL_SMS` off the GPU."""
+    return _sm_count(device.index) if device.type == "cuda" else NOMINAL_SMS
+
+
+def config(block_d: int, block_dv: int, rows: int, element_size: int) -> Tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel for ``rows`` packed rows (no
+    autotuning: one config, so a first call may be captured in a CUDA graph). Chosen from offline
+    sm_90 compiles (benchmarks/kernel_resources.py, kinds ``decode``): no spills with every feature
+    on, loads prefetched in flight (3 stages) for 16-bit inputs."""
+    head = max(block_d, block_dv)
+    big = element_size > 2 and head > 128            # fp32 at head dim 256
+    block_n = 64 if rows <= 16 and head <= 128 and element_size == 2 else 32
+    return block_n, (4 if rows <= 16 and not big else 8), (2 if big and rows > 16 else 3)
+
+
+def fits(rows: int, block_d: int, block_dv: int, element_size: int, ieee_fp32: bool = False) -> bool:
+    """Whether ``rows`` packed rows fit the kernel without spilling in its loop (offline sm_90
+    compiles, triton 3.6 and 3.9): the query tile (rows x D) and the fp32 accumulator (rows x Dv) in
+    registers; 128 rows at head dim 128 in 16-bit, 32 rows for fp32 at head dim 256. fp32 with IEEE
+    dots (no TF32: FMA loops instead of tensor cores) holds 16 rows at head dim 256, 64 at 64."""
+    cells = rows * max(block_d, block_dv)
+    return rows <= MAX_ROWS and cells <= (16 * 256 if ieee_fp32 else MAX_ROWS * 128 * 2 // element_size)
+
+
+def decode_reason(call) -> Optional[str]:
+    """None when the split-KV decode serves `call` (a validated AttnCall the backend serves), else
+    why the prefill kernel does."""
+    Lq, Lk, G = call.Lq, call.Lk, call.H // call.Hkv
+    if Lq == 0 or Lq > MAX_QUERIES:
+        return f"Lq={Lq} not in 1..{MAX_QUERIES}"
+    ieee = call.q.dtype == torch.float32 and not _tf32_enabled()
+    if not fits(packed_rows(G, Lq), _next_pow2(call.D), _next_pow2(call.Dv), call.q.element_size(), ieee):
+        return f"{G} heads per KV head x Lq={Lq} rows do not fit one tile at head dim {max(call.D, call.Dv)}"
+    k_lo, k_hi = key_range(Lq, Lk, call.window_left)
+    if k_hi - k_lo < MIN_KEYS:
+        return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
+    if call.dropout_p > 0:
+        return "dropout"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return "inputs require grad (the decode path is forward only)"
+    return None
+
+
+def describe(call) -> Optional[str]:
+    """The path note `effattn.explain` shows for a call of ``Lq <= 16`` queries the Triton backend
+    serves: the split-KV decode (its splits for this device) or why not."""
+    if not 1 <= call.Lq <= MAX_QUERIES:
+        return None                               # the prefill kernel, as for any long query block
+    why = decode_reason(call)
+    if why is not None:
+        return f"prefill kernel, not the split-KV decode: {why}"
+    G = call.H // call.Hkv
+    k_lo, k_hi = key_range(call.Lq, call.Lk, call.window_left)
+    block_n = config(max(16, _next_pow2(call.D)), max(16, _next_pow2(call.Dv)), packed_rows(G, call.Lq),
+                     call.q.element_size())[0]
+    n, per = plan_splits(call.B * call.Hkv, k_hi - k_lo, sm_count(call.q.device), block_n)
+    return (f"split-KV decode: {G} heads x {call.Lq} queries packed per KV head, {n} splits of {per} keys "
+            f"+ combine")
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+class DecodePlan:
+    """Grid sizes, scalar arguments and flags of a decode call's two launches (no tensors), built
+    once per `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode
+    step costs two dictionary lookups on the host besides the launches."""
+
+    def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
+        rows = packed_rows(p.G, p.Lq)
+        cfg_n, warps, stages = config(p.block_d, p.block_dv, rows, p.element_size)
+        block_n = block_n or cfg_n
+        k_lo, k_hi = key_range(p.Lq, p.Lk, p.left)
+        if keys_per_split is None:
+            n_splits, keys_per_split = plan_splits(p.B * p.Hkv, k_hi - k_lo, num_sms, block_n)
+        else:
+            if keys_per_split % block_n:
+                raise ValueError(f"decode: keys_per_split={keys_per_split} must be a multiple of the key tile "
+                                 f"{block_n}")
+            n_splits = max(1, cdiv(k_hi - k_lo, keys_per_split))
+        self.n_splits, self.keys_per_split = n_splits, keys_per_split
+        self.n_rows = p.B * p.H * p.Lq
+        self.grid = (p.B * p.Hkv * n_splits,)
+        self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
+                        max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
+        self.meta = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+                         HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
+                         HAS_KPM=p.has_kpm, PAD_D=p.block_d != p.D, PAD_DV=p.block_dv != p.Dv,
+                         DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, num_warps=warps, num_stages=stages,
+                         enable_fp_fusion=True)
+        self.combine_grid = (cdiv(self.n_rows, COMBINE_ROWS),)
+        self.combine_meta = dict(BLOCK_R=COMBINE_ROWS, BLOCK_DV=p.block_dv, INTERP_BF16=p.interp_bf16, num_warps=4)
+
+
+COMBINE_ROWS = 16         # rows per combine program
+
+
+def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False, *, num_sms=None,
+        keys_per_split=None, block_n=None):
+    """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32, as `launch.fwd` without dropout.
+
+    ``num_sms`` (default: the device's) sets the number of splits (`plan_splits`);
+    ``keys_per_split`` (a multiple of the key tile) and ``block_n`` force them, for tests."""
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, 0.0, left, right, tf32)
+    key = ("decode", num_sms or sm_count(q.device), keys_per_split, block_n)
+    d = p._args.get(key)
+    if d is None:
+        d = p._args[key] = DecodePlan(p, key[1], keys_per_split, block_n)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    if d.n_rows == 0:
+        return out, lse
+    o_part = torch.empty((d.n_splits, d.n_rows, p.Dv), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((d.n_splits, d.n_rows), dtype=torch.float32, device=q.device)
+    with _on_device(q.device):
+        decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
+                              o_part, l_part, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides, *d.scalars,
+                              **d.meta)
+        combine_kernel[d.combine_grid](o_part, l_part, out, lse, d.n_rows, p.Dv, d.n_splits, **d.combine_meta)
+    return out, lse
