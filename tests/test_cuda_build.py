@@ -26,6 +26,8 @@ DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks
 # empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
 HOPPER_KERNELS = 4
 HOPPER_MAX_REGISTERS = 192
+# linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
+LINEAR_KERNELS = 9
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -173,6 +175,29 @@ def test_decode_kernels_counts_register_caps_and_sass(compiled):
         for body in bodies:
             for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
                 assert op in body, (arch, op)
+
+
+def test_linear_kernels_counts_and_sass(compiled):
+    """csrc/linear.cu: the chunk-state and output passes per operand split, the step and the FAVOR+
+    kernels; both passes and the FAVOR+ prologue multiply on bf16 tensor cores through ldmatrix
+    (.trans for the reduction-major tiles); their loads are plain (the feature map is applied
+    between global and shared memory)."""
+    report, obj = compiled["linear.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e[1] for e in entries if e[0] == arch]
+        assert len(mine) == LINEAR_KERNELS, (arch, len(mine))
+        for kernel in ("lin_state_kernel", "lin_out_kernel"):
+            for parts in (1, 2, 3):
+                assert sum(kernel in n and f"ILi{parts}E" in n for n in mine) == 1, (arch, kernel, parts)
+        sass = sass_of(obj, arch)
+        for fn, n, ldsm in (("lin_state_kernel", 3, "LDSM.16.MT88.4"), ("lin_out_kernel", 3, "LDSM.16.M88.4"),
+                            ("lin_favor_kernel", 2, "LDSM.16.M88.4")):
+            bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
+            assert len(bodies) == n, (arch, fn, len(bodies))
+            for body in bodies:
+                for op in ("HMMA.16816.F32.BF16", ldsm):
+                    assert op in body, (arch, fn, op)
 
 
 def test_header_the_binding_includes_is_host_cpp(tmp_path):

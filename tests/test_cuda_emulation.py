@@ -26,9 +26,9 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-san
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def build(flags):
-    """The self-test binary for these flags, cached on the sources' hash."""
-    h = hashlib.sha1(" ".join(flags).encode())
+def build(flags, source="selftest.cpp"):
+    """The self-test binary of csrc/emu/`source` for these flags, cached on the sources' hash."""
+    h = hashlib.sha1((" ".join(flags) + source).encode())
     for f in _ext.sources():
         h.update(open(f, "rb").read())
     root = os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
@@ -36,7 +36,7 @@ def build(flags):
     if not os.path.exists(exe):
         os.makedirs(root, exist_ok=True)
         cmd = ["g++", "-std=c++17", "-O1", "-DEFFATTN_CUDA_EMU", "-I", CSRC, *flags,
-               os.path.join(CSRC, "emu", "selftest.cpp"), "-o", exe + ".tmp"]
+               os.path.join(CSRC, "emu", source), "-o", exe + ".tmp"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-4000:]
         os.replace(exe + ".tmp", exe)

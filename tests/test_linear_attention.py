@@ -28,8 +28,9 @@ BACKENDS = op_backends("linear_attention")
 
 
 def interpreted(backend):
-    """Triton on the CPU runs in its interpreter: correct, but ~1 s a launch at these shapes."""
-    return backend == "triton" and DEVICE.type == "cpu"
+    """Triton on the CPU runs in its interpreter, CUDA on the CPU in its emulation (EFFATTN_CUDA_EMU=1):
+    correct, but ~1 s a launch at these shapes."""
+    return backend in ("triton", "cuda") and DEVICE.type == "cpu"
 
 
 def first_dtype(backend):
@@ -202,9 +203,9 @@ LOW_COMBOS = [(c, n, f) for f in ("elu", "favor")
 INTERP_LOW_SHAPE = (1, 4, 2, 100, 100, 16, 24, True)
 
 
-def _low_params():
+def _low_params(backends=BACKENDS):
     out = []
-    for b in BACKENDS:
+    for b in backends:
         for dtype in declared_dtypes("linear_attention", b):
             if dtype == F64 or (interpreted(b) and dtype == torch.float32):
                 continue

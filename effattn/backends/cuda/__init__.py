@@ -14,6 +14,8 @@ CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only
 source runs through a host emulation of the GPU primitives, built on first use with the host
 compiler. That is a test vehicle (thousands of emulated warp mma per second), not a CPU backend.
 
+Linear attention's registration (its own kernels, csrc/linear_*.cuh) lives in ``linear.py``.
+
 Inputs whose last dimension is not contiguous, whose head dims are not multiples of 8, or whose
 rows are not 16-byte aligned are copied (zero-padded) once per call: the kernels load 16-byte rows
 with cp.async.
@@ -87,3 +89,5 @@ BACKEND = register(Backend(
     run=_run, available=_available, notes=notes, describe=_describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
+
+from . import linear  # noqa: E402,F401  (registers linear_attention's "cuda" backend)
