@@ -267,7 +267,7 @@ def write_tables(out: str, stem: str, rows, meta: dict, md: str, csv_columns=Non
     os.makedirs(out, exist_ok=True)
     if csv_columns is not None:
         with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=csv_columns)
+            w = csv.DictWriter(f, fieldnames=csv_columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
