@@ -19,12 +19,14 @@
 #include "../attention_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "../attn_launch.cuh"
 #include "../decode_kernels.cuh"
+#include "selftest_util.h"
 
 using namespace effattn;
 
 namespace {
 
 using emu::Dim3;
+using selftest::heap;
 
 void run1(int threads, size_t smem, const std::function<void()>& body) {
   emu::launch(Dim3{1, 1, 1}, Dim3{unsigned(threads), 1, 1}, smem, body);
@@ -34,29 +36,20 @@ uint16_t bf(float x) { return prim::from_float<true>(x); }
 
 int maps() {
   for (int lane = 0; lane < 32; ++lane) {
-    for (int reg = 0; reg < 4; ++reg)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::mma_a_element(lane, reg, e, r, c);
-        std::printf("A %d %d %d %d %d\n", lane, reg, e, r, c);
-      }
-    for (int reg = 0; reg < 2; ++reg)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::mma_b_element(lane, reg, e, r, c);
-        std::printf("B %d %d %d %d %d\n", lane, reg, e, r, c);
-      }
+    selftest::print_pairs("A", lane, 4, [&](int reg, int e, int& r, int& c) {
+      emu::mma_a_element(lane, reg, e, r, c);
+    });
+    selftest::print_pairs("B", lane, 2, [&](int reg, int e, int& r, int& c) {
+      emu::mma_b_element(lane, reg, e, r, c);
+    });
     for (int i = 0; i < 4; ++i) {
       int r, c;
       emu::mma_c_element(lane, i, r, c);
       std::printf("C %d %d %d %d\n", lane, i, r, c);
     }
-    for (int t = 0; t < 2; ++t)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::ldmatrix_element(lane, e, t, r, c);
-        std::printf("L %d %d %d %d %d\n", lane, t, e, r, c);
-      }
+    selftest::print_pairs("L", lane, 2, [&](int t, int e, int& r, int& c) {
+      emu::ldmatrix_element(lane, e, t, r, c);
+    });
   }
   return 0;
 }
@@ -124,11 +117,6 @@ int bank(bool swizzled) {
 }
 
 // ---------------------------------------------------------------------------- attention
-
-template <class T>
-T* heap(size_t n) {   // exact-size heap buffers: one element past the end is a sanitizer report
-  return static_cast<T*>(std::malloc(n * sizeof(T) + (n == 0)));
-}
 
 int attention() {
   struct Shape { int B, H, G, Lq, Lk, D, Dv, left, right, kpm, dropout; };
