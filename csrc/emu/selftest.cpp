@@ -118,6 +118,23 @@ int bank(bool swizzled) {
 
 // ---------------------------------------------------------------------------- attention
 
+// Contiguous (B, H, L, D) q, o and (B, Hkv, L, D) k, v of shape `s` (a key padding mask when s.kpm),
+// the scale 0.2: what the attention and decode scenarios share.
+template <class Shape>
+void set_params(AttnParams& p, const Shape& s, uint16_t* q, uint16_t* k, uint16_t* v, uint16_t* o, float* lse,
+                uint8_t* kpm) {
+  const int Hkv = s.H / s.G;
+  p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
+  p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
+  p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
+  p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
+  p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
+  if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
+  p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
+  p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
+  p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+}
+
 int attention() {
   struct Shape { int B, H, G, Lq, Lk, D, Dv, left, right, kpm, dropout; };
   const Shape shapes[] = {
@@ -136,21 +153,12 @@ int attention() {
     uint16_t *dout = heap<uint16_t>(no), *dq = heap<uint16_t>(nq), *dk = heap<uint16_t>(nk), *dv = heap<uint16_t>(nv);
     float *lse = heap<float>(nl), *delta = heap<float>(nl);
     uint8_t* kpm = heap<uint8_t>(size_t(s.B) * s.Lk);
-    for (size_t i = 0; i < nq; ++i) q[i] = bf(nd(rng));
-    for (size_t i = 0; i < nk; ++i) k[i] = bf(nd(rng));
-    for (size_t i = 0; i < nv; ++i) v[i] = bf(nd(rng));
+    for (auto [x, n] : {std::pair{q, nq}, {k, nk}, {v, nv}})
+      for (size_t i = 0; i < n; ++i) x[i] = bf(nd(rng));
     for (size_t i = 0; i < no; ++i) dout[i] = bf(nd(rng));
     for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
     AttnParams p{};
-    p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
-    p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
-    p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
-    p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
-    p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
-    if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
-    p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
-    p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
-    p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+    set_params(p, s, q, k, v, o, lse, kpm);
     if (s.dropout) p.dropout = 1, p.seed_lo = 12345, p.seed_hi = 678, p.drop_thresh = 1 << 22, p.inv_keep = 1.f / 0.75f;
     p.dout = dout, p.do_b = p.o_b, p.do_h = p.o_h, p.do_l = p.o_l;
     p.delta = delta, p.delta_out = delta, p.dq = dq, p.dk = dk, p.dv = dv;
@@ -203,21 +211,12 @@ int decode() {
     uint16_t *q = heap<uint16_t>(nq), *k = heap<uint16_t>(nk), *v = heap<uint16_t>(nv), *o = heap<uint16_t>(no);
     float *lse = heap<float>(nl), *part_o = heap<float>(no * s.splits), *part_lse = heap<float>(nl * s.splits);
     uint8_t* kpm = heap<uint8_t>(size_t(s.B) * s.Lk);
-    for (size_t i = 0; i < nq; ++i) q[i] = bf(nd(rng));
-    for (size_t i = 0; i < nk; ++i) k[i] = bf(nd(rng));
-    for (size_t i = 0; i < nv; ++i) v[i] = bf(nd(rng));
+    for (auto [x, n] : {std::pair{q, nq}, {k, nk}, {v, nv}})
+      for (size_t i = 0; i < n; ++i) x[i] = bf(nd(rng));
     for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
     DecodeParams d{};
     AttnParams& p = d.a;
-    p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
-    p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
-    p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
-    p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
-    p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
-    if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
-    p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
-    p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
-    p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+    set_params(p, s, q, k, v, o, lse, kpm);
     d.splits = s.splits, d.rows = s.G * s.Lq, d.row_tiles = (d.rows + kDecodeRows - 1) / kDecodeRows;
     if (s.splits > 1) d.part_o = part_o, d.part_lse = part_lse;
     const unsigned grid = unsigned(s.B * Hkv * d.row_tiles * s.splits);
