@@ -12,6 +12,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .._call import needs_grad
+
 EMPTY = (0,)            # the shape that marks an absent optional result of a custom op
 
 
@@ -19,10 +21,6 @@ def expand(x: Tensor, H: int) -> Tensor:
     """Per-key-head state ``(B, Hkv, ...)`` -> per query head ``(B, H, ...)``."""
     B, Hkv = x.shape[:2]
     return x[:, :, None].expand(B, Hkv, H // Hkv, *x.shape[2:]).reshape(B, H, *x.shape[2:])
-
-
-def needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 class LinearKernels(NamedTuple):

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...._call import needs_grad
 from ....tiles import cdiv
 from ....visibility import Rule
 from ..jit import cast, dot, load_tile
@@ -231,7 +232,7 @@ def decode_reason(call) -> Optional[str]:
         return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
     if call.dropout_p > 0:
         return "dropout"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+    if needs_grad(call.q, call.k, call.v):
         return "inputs require grad (the decode path is forward only)"
     return None
 
