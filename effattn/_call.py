@@ -25,6 +25,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def needs_grad(*ts) -> bool:
+    """Whether autograd will want gradients of any of the tensors ``ts`` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 def _fail(kind, msg):
     raise kind(msg)
 

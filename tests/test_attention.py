@@ -16,7 +16,7 @@ import torch
 
 import effattn
 from effattn.layouts import BlockLayout
-from conftest import DEVICE, attention_backends, declared_dtypes
+from conftest import DEVICE, attention_backends, declared_dtypes, random_qkv
 from oracle import naive_attention
 
 BACKENDS = attention_backends()
@@ -65,13 +65,8 @@ CASES = {
 def make_inputs(case, dtype, seed=0, transposed=False):
     B, H, Hkv, Lq, Lk, D, Dv, kw = case
     g = torch.Generator().manual_seed(seed)
-
-    def rnd(b, h, l, d):
-        if transposed:   # a (B, L, H, D) tensor seen as (B, H, L, D): non-contiguous
-            return torch.randn(b, l, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-        return torch.randn(b, h, l, d, generator=g).to(dtype).to(DEVICE)
-
-    q, k, v = rnd(B, H, Lq, D), rnd(B, Hkv, Lk, D), rnd(B, Hkv, Lk, Dv)
+    # transposed: (B, L, H, D) tensors seen as (B, H, L, D), non-contiguous
+    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, Dv, g, dtype, transposed=transposed)
     kwargs = {n: kw[n] for n in ("causal", "window", "scale") if n in kw}
     if "layout" in kw:
         bs, per_head = kw["layout"]

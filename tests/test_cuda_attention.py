@@ -18,22 +18,11 @@ from oracle import naive_attention
 from test_attention import CASES, judge, make_inputs, naive_in
 from test_fuzz import draw
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
+              pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)
 
 DTYPES = [torch.float16, torch.bfloat16]
 SCHEDULES = {"lockstep": 0, "warp-serial": 1}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulation():
-    """EFFATTN_CUDA_EMU=1 for this module only (other modules' backend lists stay as they are)."""
-    from effattn.backends.cuda import _ext
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        problem = _ext.emu_problem()
-        assert problem is None, problem
-        yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(0)
 
 
 @pytest.fixture(params=list(SCHEDULES))

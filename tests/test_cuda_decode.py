@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import effattn
+from conftest import need_cuda_extension, random_qkv
 from effattn._call import make_attn_call
 from effattn.backends import base
 from effattn.backends.cuda import decode
@@ -19,31 +20,13 @@ from effattn.tiles import visited_tiles
 from oracle import naive_attention
 from test_attention import judge, naive_in
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulation():
-    """EFFATTN_CUDA_EMU=1 for this module only."""
-    from effattn.backends.cuda import _ext
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        problem = _ext.emu_problem()
-        assert problem is None, problem
-        yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(0)
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
+              pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)
 
 
 def inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, seed, transposed=False):
     """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); with `transposed`, views of (B, L, H, D)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(h, L, d):
-        if transposed:
-            return torch.randn(B, L, h, d, generator=g).to(dtype).transpose(1, 2)
-        return torch.randn(B, h, L, d, generator=g).to(dtype)
-
-    return rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv)
+    return random_qkv(B, H, Hkv, Lq, Lk, D, Dv, torch.Generator().manual_seed(seed), dtype, "cpu", transposed)
 
 
 def check(out, lse, q, k, v, kw, dtype):
@@ -257,19 +240,13 @@ def test_gradients_take_the_prefill_kernels(monkeypatch):
 
 # ------------------------------------------------------------------------------------ on a GPU
 
-def _need_extension():
-    from effattn.backends.cuda import _ext
-    if _ext.cuda_problem():
-        pytest.skip(f"effattn._C: {_ext.cuda_problem()}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", ["causal-gqa4-Lq4-transposed", "key-padding-Dv-ne-D", "layout-per-head-gqa-bs48",
                                      "D256"])
 def test_gpu_decode_matches_its_emulation(case_id):
     """The real kernels against the emulated ones on the same inputs and split count: a couple of
     units in the last place (ex2.approx, the tensor cores' summation order)."""
-    _need_extension()
+    need_cuda_extension()
     B, H, Hkv, Lq, Lk, D, Dv, kw = CASES[case_id]
     dtype = torch.bfloat16
     q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, 0)
@@ -294,7 +271,7 @@ def test_gpu_decode_matches_its_emulation(case_id):
 def test_gpu_decode_at_the_issue_shape(B):
     """H=32, Hkv=8, D=128, Lk=16k, one query row: "auto" picks the CUDA decode kernels, which match
     float64 by the low-precision rule and repeat bit for bit."""
-    _need_extension()
+    need_cuda_extension()
     dev, dtype = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(B)
     q = torch.randn(B, 32, 1, 128, device=dev, dtype=dtype, generator=g)

@@ -10,46 +10,20 @@
 - the attention kernels (and the Hopper forward) run clean under AddressSanitizer and UBSan on
   exact-size buffers.
 """
-import hashlib
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from effattn.backends.cuda import _ext
+from conftest import fragment_maps, run_sanitized, selftest_runner
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 SCHEDULES = {"lockstep": 0, "warp-serial": 1, "warp-serial-reversed": 2}
-SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def build(flags, source="selftest.cpp"):
-    """The self-test binary of csrc/emu/`source` for these flags, cached on the sources' hash."""
-    h = hashlib.sha1((" ".join(flags) + source).encode())
-    for f in _ext.sources():
-        h.update(open(f, "rb").read())
-    root = os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
-    exe = os.path.join(root, f"selftest-{h.hexdigest()[:16]}")
-    if not os.path.exists(exe):
-        os.makedirs(root, exist_ok=True)
-        cmd = ["g++", "-std=c++17", "-O1", "-DEFFATTN_CUDA_EMU", "-I", CSRC, *flags,
-               os.path.join(CSRC, "emu", source), "-o", exe + ".tmp"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-4000:]
-        os.replace(exe + ".tmp", exe)
-    return exe
-
-
 @pytest.fixture(scope="module")
 def selftest():
-    exe = build([])
-
-    def run(*args):
-        return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=120)
-    return run
+    return selftest_runner("selftest.cpp")
 
 
 # ------------------------------------------------------------------------- the ISA's fragment tables
@@ -99,11 +73,7 @@ def cute_tables():
 def test_fragment_maps_match_the_ptx_isa_and_cute(selftest):
     res = selftest("maps")
     assert res.returncode == 0, res.stderr
-    got = {}
-    for line in res.stdout.splitlines():
-        f = line.split()
-        nums = tuple(int(x) for x in f[1:])
-        got[(f[0],) + nums[:-2]] = nums[-2:]
+    got = fragment_maps(res.stdout)
     isa = isa_tables()
     assert set(got) == set(isa)
     assert {k: v for k, v in got.items() if isa[k] != v} == {}
@@ -158,26 +128,11 @@ def test_copies_land_only_at_their_wait_and_barrier(selftest, schedule):
     assert nan["bug-wait-count"] > 0 and nan["bug-missing-barrier"] > 0 and nan["correct-copy"] == 0, nan
 
 
-def run_sanitized(scenario, schedule):
-    """Runs a self-test scenario in the sanitizer build; fails with the report's first lines."""
-    exe = build(SANITIZE)
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
-    res = subprocess.run([exe, scenario, str(SCHEDULES[schedule])], capture_output=True, text=True, env=env,
-                         timeout=300)
-    report = res.stderr
-    for mark in ("ERROR: AddressSanitizer", "runtime error"):
-        if mark in report:                   # from the report's start: the faulting line comes first
-            report = report[report.index(mark):]
-    assert res.returncode == 0, report[:4000]
-    assert "ERROR: AddressSanitizer" not in res.stderr and "runtime error" not in res.stderr, report[:4000]
-    return res.stdout
-
-
 @pytest.mark.parametrize("schedule", ["lockstep", "warp-serial"])
 def test_attention_kernels_under_address_and_ub_sanitizers(schedule):
     """Forward and backward (padding mask, window, dropout, GQA, Lq != Lk, head dims 8..64) on
     heap buffers of exactly the tensors' size: any read or write past them is reported."""
-    out = run_sanitized("attention", schedule)
+    out = run_sanitized("selftest.cpp", "attention", SCHEDULES[schedule])
     assert out.count("nan=0") == 3, out
     assert out.count("sm90 forward: 0 elements differ") == 2, out
 
@@ -185,5 +140,5 @@ def test_attention_kernels_under_address_and_ub_sanitizers(schedule):
 def test_decode_kernels_under_address_and_ub_sanitizers():
     """The split-KV decode and combine kernels (packed GQA rows, one split, several, more splits
     than key tiles, two row tiles) on heap buffers of exactly the tensors' size."""
-    out = run_sanitized("decode", "warp-serial")
+    out = run_sanitized("selftest.cpp", "decode", SCHEDULES["warp-serial"])
     assert out.count("nan=0") == 3, out

@@ -7,28 +7,15 @@
 - bitwise-deterministic backward.
 """
 import math
-import shutil
 
 import pytest
 import torch
 
 import effattn
+from conftest import need_cuda_extension
 from effattn.layouts import BlockLayout
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def real_and_emulated():
-    from effattn.backends.cuda import _ext
-    if _ext.cuda_problem():
-        pytest.skip(f"effattn._C: {_ext.cuda_problem()}")
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ for the emulated kernels")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        assert _ext.emu_problem() is None, _ext.emu_problem()
-        yield
 
 
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs)
@@ -72,9 +59,7 @@ def test_real_kernels_match_their_emulation(case_id, dtype, real_and_emulated):
 
 
 def test_gpu_backward_is_bitwise_deterministic():
-    from effattn.backends.cuda import _ext
-    if _ext.cuda_problem():
-        pytest.skip(f"effattn._C: {_ext.cuda_problem()}")
+    need_cuda_extension()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     q = torch.randn(2, 8, 2048, 128, device=dev, dtype=torch.bfloat16)

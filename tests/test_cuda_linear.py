@@ -7,33 +7,21 @@ wavefront per ldmatrix phase (the swizzle), and what explain says.
 
 The emulated extension is compiled with g++ on first use (about 40 s) and cached.
 """
-import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 
 import effattn
 import test_linear_attention as shared
+from conftest import run_sanitized
 from effattn.feature_maps import FavorFeatures
 from oracle import feature_map
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
+              pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)
 
 F64 = torch.float64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulation():
-    """EFFATTN_CUDA_EMU=1 for this module only (other modules' backend lists stay as they are)."""
-    from effattn.backends.cuda import _ext
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        problem = _ext.emu_problem()
-        assert problem is None, problem
-        yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(0)
 
 
 # ------------------------------------------------------------------ the shared suite, backend "cuda"
@@ -212,18 +200,9 @@ def test_linear_kernels_under_address_and_ub_sanitizers():
     """Every pass and operand permutation of a forward and backward, a split reduction, the step and
     FAVOR+ kernels on heap buffers of exactly the tensors' size (csrc/emu/linear_selftest.cpp),
     lockstep and warp-serial: any read or write past them is reported, no output is left NaN."""
-    from test_cuda_emulation import SANITIZE, build
-    exe = build(SANITIZE, source="linear_selftest.cpp")
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
     for schedule in ("0", "1"):
-        res = subprocess.run([exe, schedule], capture_output=True, text=True, env=env, timeout=300)
-        report = res.stderr
-        for mark in ("ERROR: AddressSanitizer", "runtime error"):
-            if mark in report:
-                report = report[report.index(mark):]
-        assert res.returncode == 0, report[:4000]
-        assert "ERROR: AddressSanitizer" not in res.stderr and "runtime error" not in res.stderr, report[:4000]
-        assert res.stdout.count("nan=0") == 3, res.stdout
+        out = run_sanitized("linear_selftest.cpp", schedule)
+        assert out.count("nan=0") == 3, out
 
 
 def test_causal_op_passes_opcheck():

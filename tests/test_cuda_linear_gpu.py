@@ -6,33 +6,15 @@ effattn._C, built by `pip install --no-build-isolation -e .` with a CUDA torch a
 - (accuracy against float64 at real sizes is tests/test_gpu.py's, which runs every kernel backend);
 - bitwise-deterministic forward and backward at L = 4096.
 """
-import shutil
 
 import pytest
 import torch
 
 import effattn
+from conftest import need_cuda_extension
 from effattn.feature_maps import FavorFeatures
 
 pytestmark = pytest.mark.gpu
-
-
-def _needs_c():
-    from effattn.backends.cuda import _ext
-    if _ext.cuda_problem():
-        pytest.skip(f"effattn._C: {_ext.cuda_problem()}")
-    return _ext
-
-
-@pytest.fixture(scope="module")
-def real_and_emulated():
-    _ext = _needs_c()
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ for the emulated kernels")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        assert _ext.emu_problem() is None, _ext.emu_problem()
-        yield
 
 
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs)
@@ -78,7 +60,7 @@ def test_real_kernels_match_their_emulation(case_id, dtype, real_and_emulated):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_linear_is_bitwise_deterministic(causal):
-    _needs_c()
+    need_cuda_extension()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     q = torch.randn(2, 8, 4096, 64, device=dev, dtype=torch.bfloat16)

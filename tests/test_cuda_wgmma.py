@@ -12,42 +12,24 @@
   low-precision rule, every mask kind at head dims 64 and 128 in fp16 and bf16; explain says which
   forward runs.
 """
-import hashlib
-import os
 import random
 import shutil
-import subprocess
 
 import pytest
 import torch
 
 import effattn
+from conftest import fragment_maps, selftest_runner
 from effattn.backends.cuda import _ext
 from oracle import naive_attention
 from test_attention import judge, make_inputs, naive_in
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
 @pytest.fixture(scope="module")
 def selftest():
-    h = hashlib.sha1(b"selftest_sm90")
-    for f in _ext.sources():
-        h.update(open(f, "rb").read())
-    root = os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
-    exe = os.path.join(root, f"selftest_sm90-{h.hexdigest()[:16]}")
-    if not os.path.exists(exe):
-        os.makedirs(root, exist_ok=True)
-        cmd = ["g++", "-std=c++17", "-O1", "-DEFFATTN_CUDA_EMU", "-I", CSRC,
-               os.path.join(CSRC, "emu", "selftest_sm90.cpp"), "-o", exe + ".tmp"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-4000:]
-        os.replace(exe + ".tmp", exe)
-
-    def run(*args, stdin=None):
-        return subprocess.run([exe, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=120)
-    return run
+    return selftest_runner("selftest_sm90.cpp")
 
 
 # ------------------------------------------------------------------ descriptors: an independent model
@@ -154,11 +136,7 @@ def cute_wgmma_maps():
 def test_wgmma_fragment_maps_match_cute(selftest):
     res = selftest("maps")
     assert res.returncode == 0, res.stderr
-    got = {}
-    for line in res.stdout.splitlines():
-        f = line.split()
-        nums = tuple(int(x) for x in f[1:])
-        got[(f[0],) + nums[:-2]] = nums[-2:]
+    got = fragment_maps(res.stdout)
     cute = cute_wgmma_maps()
     assert set(got) == set(cute)
     assert {k: v for k, v in got.items() if cute[k] != v} == {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import effattn
-from conftest import DEVICE
+from conftest import DEVICE, random_qkv
 from effattn import tiles
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
@@ -144,13 +144,7 @@ def test_forward_backward_and_lse_grad_against_float64(case_id):
     B, H, Hkv, Lq, Lk, D, Dv, kw = EXTRA_CASES[case_id]
     kw = dict(kw)
     g = torch.Generator().manual_seed(7)
-    if case_id.startswith("transposed"):
-        def rnd(h, L, d):
-            return torch.randn(B, L, h, d, generator=g).to(DEVICE).transpose(1, 2)
-    else:
-        def rnd(h, L, d):
-            return torch.randn(B, h, L, d, generator=g).to(DEVICE)
-    q, k, v = rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv)
+    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, Dv, g, transposed=case_id.startswith("transposed"))
     if "layout" in kw:
         bs, dens = kw.pop("layout")
         kw["layout"] = rand_layout(H, Lq, Lk, bs, dens, seed=3)

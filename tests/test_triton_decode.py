@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import effattn
-from conftest import DEVICE
+from conftest import DEVICE, random_qkv
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
 
@@ -61,13 +61,7 @@ def make_case(case_id):
     B, H, Hkv, Lq, Lk, D, Dv, kw, per, bn = CASES[case_id]
     kw = dict(kw)
     g = torch.Generator().manual_seed(len(case_id))
-    if kw.pop("transposed", False):
-        def rnd(h, L, d):
-            return torch.randn(B, L, h, d, generator=g).to(DEVICE).transpose(1, 2)
-    else:
-        def rnd(h, L, d):
-            return torch.randn(B, h, L, d, generator=g).to(DEVICE)
-    q, k, v = rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv)
+    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, Dv, g, transposed=kw.pop("transposed", False))
     kpm = (torch.rand(B, Lk, generator=g) < kw.pop("kpm")).to(DEVICE) if "kpm" in kw else None
     if "layout" in kw:
         bs, dens = kw.pop("layout")

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "../linear.cu"
+#include "selftest_util.h"
 
 using namespace effattn;
 
@@ -18,10 +19,7 @@ namespace {
 
 std::mt19937 rng(5);
 
-template <class T>
-T* heap(size_t n) {   // exact-size heap buffers: one element past the end is a sanitizer report
-  return static_cast<T*>(std::malloc(n * sizeof(T) + (n == 0)));
-}
+using selftest::heap;
 
 // A contiguous (B, H, L, F) operand of element kind `kind`, random values.
 struct Buf {

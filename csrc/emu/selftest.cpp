@@ -19,12 +19,14 @@
 #include "../attention_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "../attn_launch.cuh"
 #include "../decode_kernels.cuh"
+#include "selftest_util.h"
 
 using namespace effattn;
 
 namespace {
 
 using emu::Dim3;
+using selftest::heap;
 
 void run1(int threads, size_t smem, const std::function<void()>& body) {
   emu::launch(Dim3{1, 1, 1}, Dim3{unsigned(threads), 1, 1}, smem, body);
@@ -34,29 +36,20 @@ uint16_t bf(float x) { return prim::from_float<true>(x); }
 
 int maps() {
   for (int lane = 0; lane < 32; ++lane) {
-    for (int reg = 0; reg < 4; ++reg)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::mma_a_element(lane, reg, e, r, c);
-        std::printf("A %d %d %d %d %d\n", lane, reg, e, r, c);
-      }
-    for (int reg = 0; reg < 2; ++reg)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::mma_b_element(lane, reg, e, r, c);
-        std::printf("B %d %d %d %d %d\n", lane, reg, e, r, c);
-      }
+    selftest::print_pairs("A", lane, 4, [&](int reg, int e, int& r, int& c) {
+      emu::mma_a_element(lane, reg, e, r, c);
+    });
+    selftest::print_pairs("B", lane, 2, [&](int reg, int e, int& r, int& c) {
+      emu::mma_b_element(lane, reg, e, r, c);
+    });
     for (int i = 0; i < 4; ++i) {
       int r, c;
       emu::mma_c_element(lane, i, r, c);
       std::printf("C %d %d %d %d\n", lane, i, r, c);
     }
-    for (int t = 0; t < 2; ++t)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::ldmatrix_element(lane, e, t, r, c);
-        std::printf("L %d %d %d %d %d\n", lane, t, e, r, c);
-      }
+    selftest::print_pairs("L", lane, 2, [&](int t, int e, int& r, int& c) {
+      emu::ldmatrix_element(lane, e, t, r, c);
+    });
   }
   return 0;
 }
@@ -125,9 +118,21 @@ int bank(bool swizzled) {
 
 // ---------------------------------------------------------------------------- attention
 
-template <class T>
-T* heap(size_t n) {   // exact-size heap buffers: one element past the end is a sanitizer report
-  return static_cast<T*>(std::malloc(n * sizeof(T) + (n == 0)));
+// Contiguous (B, H, L, D) q, o and (B, Hkv, L, D) k, v of shape `s` (a key padding mask when s.kpm),
+// the scale 0.2: what the attention and decode scenarios share.
+template <class Shape>
+void set_params(AttnParams& p, const Shape& s, uint16_t* q, uint16_t* k, uint16_t* v, uint16_t* o, float* lse,
+                uint8_t* kpm) {
+  const int Hkv = s.H / s.G;
+  p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
+  p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
+  p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
+  p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
+  p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
+  if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
+  p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
+  p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
+  p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
 }
 
 int attention() {
@@ -148,21 +153,12 @@ int attention() {
     uint16_t *dout = heap<uint16_t>(no), *dq = heap<uint16_t>(nq), *dk = heap<uint16_t>(nk), *dv = heap<uint16_t>(nv);
     float *lse = heap<float>(nl), *delta = heap<float>(nl);
     uint8_t* kpm = heap<uint8_t>(size_t(s.B) * s.Lk);
-    for (size_t i = 0; i < nq; ++i) q[i] = bf(nd(rng));
-    for (size_t i = 0; i < nk; ++i) k[i] = bf(nd(rng));
-    for (size_t i = 0; i < nv; ++i) v[i] = bf(nd(rng));
+    for (auto [x, n] : {std::pair{q, nq}, {k, nk}, {v, nv}})
+      for (size_t i = 0; i < n; ++i) x[i] = bf(nd(rng));
     for (size_t i = 0; i < no; ++i) dout[i] = bf(nd(rng));
     for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
     AttnParams p{};
-    p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
-    p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
-    p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
-    p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
-    p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
-    if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
-    p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
-    p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
-    p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+    set_params(p, s, q, k, v, o, lse, kpm);
     if (s.dropout) p.dropout = 1, p.seed_lo = 12345, p.seed_hi = 678, p.drop_thresh = 1 << 22, p.inv_keep = 1.f / 0.75f;
     p.dout = dout, p.do_b = p.o_b, p.do_h = p.o_h, p.do_l = p.o_l;
     p.delta = delta, p.delta_out = delta, p.dq = dq, p.dk = dk, p.dv = dv;
@@ -215,21 +211,12 @@ int decode() {
     uint16_t *q = heap<uint16_t>(nq), *k = heap<uint16_t>(nk), *v = heap<uint16_t>(nv), *o = heap<uint16_t>(no);
     float *lse = heap<float>(nl), *part_o = heap<float>(no * s.splits), *part_lse = heap<float>(nl * s.splits);
     uint8_t* kpm = heap<uint8_t>(size_t(s.B) * s.Lk);
-    for (size_t i = 0; i < nq; ++i) q[i] = bf(nd(rng));
-    for (size_t i = 0; i < nk; ++i) k[i] = bf(nd(rng));
-    for (size_t i = 0; i < nv; ++i) v[i] = bf(nd(rng));
+    for (auto [x, n] : {std::pair{q, nq}, {k, nk}, {v, nv}})
+      for (size_t i = 0; i < n; ++i) x[i] = bf(nd(rng));
     for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
     DecodeParams d{};
     AttnParams& p = d.a;
-    p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
-    p.q_b = int64_t(s.H) * s.Lq * s.D, p.q_h = int64_t(s.Lq) * s.D, p.q_l = s.D;
-    p.k_b = int64_t(Hkv) * s.Lk * s.D, p.k_h = int64_t(s.Lk) * s.D, p.k_l = s.D;
-    p.v_b = int64_t(Hkv) * s.Lk * s.Dv, p.v_h = int64_t(s.Lk) * s.Dv, p.v_l = s.Dv;
-    p.o_b = int64_t(s.H) * s.Lq * s.Dv, p.o_h = int64_t(s.Lq) * s.Dv, p.o_l = s.Dv;
-    if (s.kpm) p.kpm = kpm, p.kpm_b = s.Lk, p.kpm_l = 1;
-    p.B = s.B, p.H = s.H, p.G = s.G, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv, p.Dv_out = s.Dv;
-    p.off = s.Lk - s.Lq, p.left = s.left, p.right = s.right;
-    p.scale = 0.2f, p.qk_scale = 0.2f * 1.4426950408889634f;
+    set_params(p, s, q, k, v, o, lse, kpm);
     d.splits = s.splits, d.rows = s.G * s.Lq, d.row_tiles = (d.rows + kDecodeRows - 1) / kDecodeRows;
     if (s.splits > 1) d.part_o = part_o, d.part_lse = part_lse;
     const unsigned grid = unsigned(s.B * Hkv * d.row_tiles * s.splits);

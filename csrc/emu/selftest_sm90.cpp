@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../attn_fwd_sm90.cuh"
+#include "selftest_util.h"
 
 using namespace effattn;
 
@@ -37,12 +38,9 @@ int maps() {
       emu::wgmma_d_element(t, i, r, c);
       std::printf("D %d %d %d %d\n", t, i, r, c);
     }
-    for (int reg = 0; reg < 4; ++reg)
-      for (int e = 0; e < 2; ++e) {
-        int r, c;
-        emu::wgmma_a_element(t, reg, e, r, c);
-        std::printf("A %d %d %d %d %d\n", t, reg, e, r, c);
-      }
+    selftest::print_pairs("A", t, 4, [&](int reg, int e, int& r, int& c) {
+      emu::wgmma_a_element(t, reg, e, r, c);
+    });
   }
   return 0;
 }

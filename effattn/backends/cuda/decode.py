@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..._call import needs_grad
 from ...tiles import layout_plan, layout_tile_lists
 from ...visibility import Rule
 from . import ops
@@ -42,7 +43,7 @@ def why_not(call) -> Optional[str]:
         return f"Lq={call.Lq} > {MAX_QUERIES} query rows"
     if call.dropout_p > 0:
         return "dropout"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+    if needs_grad(call.q, call.k, call.v):
         return "gradients needed (the decode kernels are forward only)"
     return None
 

@@ -28,19 +28,10 @@ import torch
 from ..._call import LINEAR, compute_dtype, linear_features
 from ...feature_maps import FavorFeatures
 from ..base import FEATURES, Backend, Capabilities, register
+from ..linear_common import LinearKernels, run
 from . import _available
 from .linear_favor import favor_features
 from .linear_ops import (MAPS, cuda_linear_apply, cuda_linear_causal_fwd, cuda_linear_kv_state, cuda_linear_step)
-
-
-def _expand(x, H):
-    """Per-key-head state ``(B, Hkv, ...)`` -> per query head ``(B, H, ...)``."""
-    B, Hkv = x.shape[:2]
-    return x[:, :, None].expand(B, Hkv, H // Hkv, *x.shape[2:]).reshape(B, H, *x.shape[2:])
-
-
-def _needs_grad(*ts):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def _features(call):
@@ -57,45 +48,17 @@ def _features(call):
     return q, k, 0
 
 
+def _step(q, k, v, S0, z0, fmap, normalize, eps):
+    # fp16 calls keep torch-computed features in fp32: the step kernel reads one element type
+    return cuda_linear_step(q, k, v.to(q.dtype), S0, z0, fmap, normalize, eps)
+
+
 def _run(call):
     from .ops import kernels
     kernels(call.q.device)
     q, k, fmap = _features(call)
-    v = call.v
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    S0 = z0 = None
-    if call.initial_state is not None:
-        S0, z0 = (t.to(torch.float32) for t in call.initial_state)
-    if Lq == 1 and Lk == 1 and not _needs_grad(q, k, v, S0, z0):
-        if S0 is None:
-            S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
-            z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
-        # fp16 calls keep torch-computed features in fp32: the step kernel reads one element type
-        out, S, z = cuda_linear_step(q, k, v.to(q.dtype), S0, z0, fmap, call.normalize, call.eps)
-        return out.to(call.q.dtype), ((S, z) if call.return_state else None)
-    if not call.causal:
-        S_c, z_c = cuda_linear_kv_state(k, v, fmap)
-        out, _ = cuda_linear_apply(q, S_c, z_c, S0, z0, fmap, call.normalize, call.eps, v.dtype)
-        base_s, base_z = S0, z0
-    else:
-        off = Lk - Lq
-        base_s, base_z = S0, z0
-        if off > 0:                                    # keys every query sees: a base state
-            S_pre, z_pre = cuda_linear_kv_state(k[:, :, :off], v[:, :, :off], fmap)
-            if base_s is None:
-                base_s, base_z = S_pre, z_pre
-            else:
-                base_s, base_z = base_s + _expand(S_pre, H), base_z + _expand(z_pre, H)
-            k, v = k[:, :, off:], v[:, :, off:]
-        out, _, S_c, z_c = cuda_linear_causal_fwd(q, k, v, base_s, base_z, min(off, 0), fmap, call.normalize,
-                                                  call.eps)
-    if not call.return_state:
-        return out.to(call.q.dtype), None
-    S, z = _expand(S_c, H), _expand(z_c, H)
-    if base_s is not None:
-        S, z = S + _expand(base_s, H), z + _expand(base_z, H)
-    return out.to(call.q.dtype), (S, z)
+    # the ops are looked up per call (tests may replace them with spies)
+    return run(call, q, k, fmap, LinearKernels(cuda_linear_kv_state, cuda_linear_apply, cuda_linear_causal_fwd, _step))
 
 
 def _note(call) -> str:

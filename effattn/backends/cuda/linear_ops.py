@@ -25,12 +25,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake,
+                             empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads,
+                             step_fake, zero_state_grads)
 from .ops import kernels
 
 MAPS = {"identity": 0, "elu": 1, "relu": 2}     # feature maps the kernels apply on load
 CHUNK = 64                                     # timeline positions per chunk (csrc/linear.h: kLinChunk)
 FAVOR_CAP = 30.0                               # effattn.feature_maps.FAVOR_MAX_EXPONENT
-_EMPTY = (0,)
 
 
 def parts(dtype: torch.dtype) -> int:
@@ -127,25 +129,6 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, np_: int, *,
         gx.x if gx is not None else None, gx.fmap if gx is not None else 0, out_dtype, with_den, normalize, eps, np_)
 
 
-def _out_grads(dout, out, den, normalize):
-    """g (B, H, L, Dv) (bf16 for bf16 calls, else fp32) and e (B*H, L) fp32 (None without normalize)."""
-    if not normalize:
-        return dout, None
-    d = den.view(out.shape[:3])[..., None]
-    g = torch.where(d == 0, 0.0, dout.float() / torch.where(d == 0, 1.0, d))
-    e = -(g * out.float()).sum(-1).reshape(-1, out.shape[2]).contiguous()
-    return (g.to(torch.bfloat16) if dout.dtype == torch.bfloat16 else g), e
-
-
-def _group_sum(x: Tensor, B: int, Hs: int) -> Tensor:
-    """Per-query-head sums ``(B*H, ...)`` -> per ``Hs`` heads (each group summed in order)."""
-    return x.reshape(B, Hs, -1, *x.shape[1:]).sum(2)
-
-
-def _den_or_empty(den: Tensor, q: Tensor) -> Tensor:
-    return den if den.numel() else q.new_empty(_EMPTY, dtype=torch.float32)
-
-
 # ------------------------------------------------------------------------------------ causal
 
 def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps):
@@ -158,7 +141,7 @@ def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps):
                         state_z=_zstrides(stz) if normalize else (None, []), z_mode=1, base=_base(base_s),
                         base_z=_base_z(base_z) if normalize else (None, 0), with_den=normalize, normalize=normalize,
                         eps=eps)
-    return out, _den_or_empty(den, q), S.view(B, Hkv, F, Dv), z.view(B, Hkv, F)
+    return out, empty_den(den, q), S.view(B, Hkv, F, Dv), z.view(B, Hkv, F)
 
 
 def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, normalize, eps):
@@ -180,11 +163,7 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
                      state=_strides(dh, transpose=True), state_z=_zstrides(dhz) if normalize else (None, []),
                      z_mode=2, base=_base(dS, transpose=True), base_z=_base_z(dz), grad_x=kr if mapped else None)
     dv, _ = out_pass(kr, fq, gr, Lq, n, out_dtype=v.dtype, reverse=True, nb=G, state=_strides(dh), base=_base(dS))
-    dbs = _group_sum(dS0, B, base_s.shape[1]) if base_s is not None else q.new_empty(_EMPTY)
-    dbz = q.new_empty(_EMPTY)
-    if base_z is not None:
-        dbz = _group_sum(dz0, B, base_z.shape[1]) if normalize else torch.zeros_like(base_z)
-    return dq, dk, dv, dbs, dbz
+    return (dq, dk, dv) + state_grads(dS0, dz0, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------- non-causal
@@ -217,12 +196,12 @@ def apply_fwd(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype):
                         state_z=_zstrides(z, per_chunk=False) if normalize else (None, []), z_mode=1,
                         base=_base(base_s), base_z=_base_z(base_z) if normalize else (None, 0), with_den=normalize,
                         normalize=normalize, eps=eps)
-    return out, _den_or_empty(den, q)
+    return out, empty_den(den, q)
 
 
 def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps):
     B, H, Lq, F = q.shape
-    Hkv, Dv = S.shape[1], S.shape[3]
+    Hkv = S.shape[1]
     n = parts(out.dtype)
     g, e = _out_grads(dout, out, den, normalize)
     fq = Rows(q, 0, fmap)
@@ -232,24 +211,10 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps):
                      base=_base(base_s, transpose=True), base_z=_base_z(base_z) if normalize else (None, 0),
                      grad_x=fq if fmap else None)
     _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, n, store=False, cx=e)                # (B*H, F, Dv)
-    dS = _group_sum(dSq, B, Hkv)
-    dz = _group_sum(dzq, B, Hkv) if normalize else torch.zeros_like(z)
-    dbs = dSq.view(B, H, F, Dv) if base_s is not None else q.new_empty(_EMPTY)
-    dbz = q.new_empty(_EMPTY)
-    if base_z is not None:
-        dbz = dzq.view(B, H, F) if normalize else torch.zeros_like(base_z)
-    return dq, dS, dz, dbs, dbz
+    return (dq,) + state_grads(dSq, dzq, S, z, normalize, q) + state_grads(dSq, dzq, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------------ ops
-
-def _opt(x: Tensor) -> Optional[Tensor]:
-    return None if x.numel() == 0 and x.shape == _EMPTY else x
-
-
-def _like_or_empty(x: Optional[Tensor], q: Tensor) -> Tensor:
-    return torch.empty_like(x) if x is not None else q.new_empty(_EMPTY)
-
 
 @torch.library.custom_op("effattn::cuda_linear_causal_fwd", mutates_args=())
 def cuda_linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, base_s: Optional[Tensor], base_z: Optional[Tensor],
@@ -259,11 +224,7 @@ def cuda_linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, base_s: Optional[Ten
 
 @cuda_linear_causal_fwd.register_fake
 def _(q, k, v, base_s, base_z, shift, fmap, normalize, eps):
-    B, H, Lq, F = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    den = q.new_empty((B * H, Lq) if normalize else _EMPTY, dtype=torch.float32)
-    return (q.new_empty(B, H, Lq, Dv, dtype=v.dtype), den, q.new_empty(B, Hkv, F, Dv, dtype=torch.float32),
-            q.new_empty(B, Hkv, F, dtype=torch.float32))
+    return causal_fwd_fake(q, k, v, normalize)
 
 
 @torch.library.custom_op("effattn::cuda_linear_causal_bwd", mutates_args=())
@@ -275,15 +236,7 @@ def cuda_linear_causal_bwd(dout: Tensor, dS: Tensor, dz: Tensor, q: Tensor, k: T
 
 @cuda_linear_causal_bwd.register_fake
 def _(dout, dS, dz, q, k, v, out, den, base_s, base_z, *args):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _like_or_empty(base_s, q),
-            _like_or_empty(base_z, q))
-
-
-def _zero_state_grads(k, v, dS, dz):
-    B, Hkv, _, F = k.shape
-    dS = dS if dS is not None else k.new_zeros(B, Hkv, F, v.shape[3], dtype=torch.float32)
-    dz = dz if dz is not None else k.new_zeros(B, Hkv, F, dtype=torch.float32)
-    return dS, dz
+    return causal_bwd_fake(q, k, v, base_s, base_z)
 
 
 def _causal_setup(ctx, inputs, output):
@@ -294,7 +247,7 @@ def _causal_setup(ctx, inputs, output):
 
 def _causal_backward(ctx, dout, _dden, dS, dz):
     q, k, v, out, den, base_s, base_z = ctx.saved_tensors
-    dS, dz = _zero_state_grads(k, v, dS, dz)
+    dS, dz = zero_state_grads(k, v, dS, dz)
     dq, dk, dv, dbs, dbz = cuda_linear_causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, *ctx.static)
     return dq, dk, dv, _opt(dbs), _opt(dbz), None, None, None, None
 
@@ -309,8 +262,7 @@ def cuda_linear_kv_state(k: Tensor, v: Tensor, fmap: int) -> Tuple[Tensor, Tenso
 
 @cuda_linear_kv_state.register_fake
 def _(k, v, fmap):
-    B, Hkv, _, F = k.shape
-    return k.new_empty(B, Hkv, F, v.shape[3], dtype=torch.float32), k.new_empty(B, Hkv, F, dtype=torch.float32)
+    return kv_state_fake(k, v)
 
 
 @torch.library.custom_op("effattn::cuda_linear_kv_state_bwd", mutates_args=())
@@ -331,7 +283,7 @@ def _kv_setup(ctx, inputs, output):
 
 def _kv_backward(ctx, dS, dz):
     k, v = ctx.saved_tensors
-    dS, dz = _zero_state_grads(k, v, dS, dz)
+    dS, dz = zero_state_grads(k, v, dS, dz)
     dk, dv = cuda_linear_kv_state_bwd(dS, dz, k, v, ctx.fmap)
     return dk, dv, None
 
@@ -347,9 +299,7 @@ def cuda_linear_apply(q: Tensor, S: Tensor, z: Tensor, base_s: Optional[Tensor],
 
 @cuda_linear_apply.register_fake
 def _(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype):
-    B, H, Lq, _ = q.shape
-    den = q.new_empty((B * H, Lq) if normalize else _EMPTY, dtype=torch.float32)
-    return q.new_empty(B, H, Lq, S.shape[3], dtype=out_dtype), den
+    return apply_fake(q, S, normalize, out_dtype)
 
 
 @torch.library.custom_op("effattn::cuda_linear_apply_bwd", mutates_args=())
@@ -361,8 +311,7 @@ def cuda_linear_apply_bwd(dout: Tensor, q: Tensor, S: Tensor, z: Tensor, base_s:
 
 @cuda_linear_apply_bwd.register_fake
 def _(dout, q, S, z, base_s, base_z, *args):
-    return (torch.empty_like(q), torch.empty_like(S), torch.empty_like(z), _like_or_empty(base_s, q),
-            _like_or_empty(base_z, q))
+    return apply_bwd_fake(q, S, z, base_s, base_z)
 
 
 def _apply_setup(ctx, inputs, output):
@@ -389,4 +338,4 @@ def cuda_linear_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fmap
 
 @cuda_linear_step.register_fake
 def _(q, k, v, S, z, fmap, normalize, eps):
-    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[3], dtype=v.dtype), torch.empty_like(S), torch.empty_like(z)
+    return step_fake(q, v, S, z)

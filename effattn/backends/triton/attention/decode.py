@@ -41,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...._call import needs_grad
 from ....tiles import cdiv
+from ....visibility import Rule
 from ..jit import cast, dot, load_tile
 from ..runtime import _next_pow2, _tf32_enabled
 from .launch import _on_device, _or_dummy, plan_for
@@ -161,9 +163,10 @@ def packed_rows(G: int, Lq: int) -> int:
 
 
 def key_range(Lq: int, Lk: int, left: int) -> Tuple[int, int]:
-    """Keys ``[k_lo, Lk)`` some query may see: bottom-right, the last query sits at key ``Lk - 1``,
-    so the right bound never cuts the range; a left window starts it at ``pos(0) - left``."""
-    return (max(0, Lk - Lq - left) if left >= 0 else 0), Lk
+    """Keys ``[k_lo, Lk)`` some query may see (the visibility rule's window bound, as the CUDA decode
+    reads it): bottom-right, the last query sits at key ``Lk - 1``, so the right bound never cuts the
+    range; a left window starts it at ``pos(0) - left``."""
+    return Rule(Lq, Lk, left).key_range(0, Lq)
 
 
 def plan_splits(slices: int, span: int, num_sms: int, block_n: int,
@@ -229,7 +232,7 @@ def decode_reason(call) -> Optional[str]:
         return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
     if call.dropout_p > 0:
         return "dropout"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+    if needs_grad(call.q, call.k, call.v):
         return "inputs require grad (the decode path is forward only)"
     return None
 

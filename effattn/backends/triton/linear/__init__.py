@@ -33,6 +33,7 @@ import torch
 
 from ...._call import LINEAR, compute_dtype, linear_features
 from ...base import FEATURES, Backend, Capabilities, register
+from ...linear_common import LinearKernels, run
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -40,58 +41,18 @@ if triton is not None:
     from .ops import triton_linear_apply, triton_linear_causal_fwd, triton_linear_kv_state, triton_linear_step
 
 
-def _expand(x, H):
-    """Per-key-head state ``(B, Hkv, ...)`` -> per query head ``(B, H, ...)``."""
-    B, Hkv = x.shape[:2]
-    return x[:, :, None].expand(B, Hkv, H // Hkv, *x.shape[2:]).reshape(B, H, *x.shape[2:])
-
-
-def _needs_grad(*ts):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
-
-
 def _run(call):
-    q, k, v = call.q, call.k, call.v
+    q, k = call.q, call.k
     fmap = MAPS.get(call.feature_map_name)
     if fmap is None:                                   # FAVOR+ / a callable: features in torch
         q, k = linear_features(call, compute_dtype(call.q.dtype))
         if call.q.dtype == torch.bfloat16:             # the kernels round them to bf16 anyway; fp16 keeps
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)  # fp32 (features can exceed its range)
         fmap = 0
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    S0 = z0 = None
-    if call.initial_state is not None:
-        S0, z0 = (t.to(torch.float32) for t in call.initial_state)
     tf32 = call.q.dtype == torch.float32 and _tf32_enabled()
-    if Lq == 1 and Lk == 1 and not _needs_grad(q, k, v, S0, z0):
-        if S0 is None:
-            S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
-            z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
-        out, S, z = triton_linear_step(q, k, v, S0, z0, fmap, call.normalize, call.eps)
-        return out.to(call.q.dtype), ((S, z) if call.return_state else None)
-    if not call.causal:
-        S_kv, z_kv = triton_linear_kv_state(k, v, fmap, tf32)
-        out, _ = triton_linear_apply(q, S_kv, z_kv, S0, z0, fmap, call.normalize, call.eps, call.v.dtype, tf32)
-        base_s, base_z, S_c, z_c = S0, z0, S_kv, z_kv
-    else:
-        off = Lk - Lq
-        base_s, base_z = S0, z0
-        if off > 0:                                    # keys every query sees: a base state
-            S_pre, z_pre = triton_linear_kv_state(k[:, :, :off], v[:, :, :off], fmap, tf32)
-            if base_s is None:
-                base_s, base_z = S_pre, z_pre
-            else:
-                base_s, base_z = base_s + _expand(S_pre, H), base_z + _expand(z_pre, H)
-            k, v = k[:, :, off:], v[:, :, off:]
-        out, _, S_c, z_c = triton_linear_causal_fwd(q, k, v, base_s, base_z, min(off, 0), fmap, call.normalize,
-                                                    call.eps, tf32)
-    if not call.return_state:
-        return out.to(call.q.dtype), None
-    S, z = _expand(S_c, H), _expand(z_c, H)
-    if base_s is not None:
-        S, z = S + _expand(base_s, H), z + _expand(base_z, H)
-    return out.to(call.q.dtype), (S, z)
+    # the ops are looked up per call (tests replace them with spies)
+    ops = LinearKernels(triton_linear_kv_state, triton_linear_apply, triton_linear_causal_fwd, triton_linear_step)
+    return run(call, q, k, fmap, ops, tf32)
 
 
 def _note(call) -> str:

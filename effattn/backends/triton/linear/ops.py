@@ -24,9 +24,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake, empty_den, kv_state_fake,
+                              opt as _opt, out_grads as _out_grads, state_grads, step_fake, zero_state_grads)
 from .launch import Numerics, Rows, out_pass, state_pass, step
-
-_EMPTY = (0,)
 
 
 def _t(x: Tensor):
@@ -56,24 +56,6 @@ def _vec(x: Optional[Tensor], per_chunk=False):
     return (x, (x.stride(0), 0)) if per_chunk else (x, (x.stride(0),))
 
 
-def _out_grads(dout, out, den, normalize):
-    """g (B, H, L, Dv) and e (B*H, L) fp32 (see the module docstring; g bf16 for bf16 calls); e None
-    without normalize."""
-    if not normalize:
-        return dout, None
-    d = den.view(out.shape[:3])[..., None]
-    g = torch.where(d == 0, 0.0, dout.float() / torch.where(d == 0, 1.0, d))
-    e = -(g * out.float()).sum(-1).reshape(-1, out.shape[2]).contiguous()
-    # bf16 calls round g to bf16 in every product that reads it: store it so (half the traffic)
-    return (g.to(torch.bfloat16) if dout.dtype == torch.bfloat16 else g), e
-
-
-def _per_base_heads(x: Tensor, B: int, Hbase: int):
-    """Per-query-head sums ``(B*H, ...)`` -> the base's heads (summing each GQA group)."""
-    x = x.reshape(B, Hbase, -1, *x.shape[1:])
-    return x.sum(2)
-
-
 # ------------------------------------------------------------------------------------ causal
 
 def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
@@ -86,8 +68,7 @@ def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
                         state=(st, st.stride()), state_z=(stz, stz.stride()[:2]) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
-    den = den if den is not None else q.new_empty(_EMPTY, dtype=torch.float32)
-    return out, den, S.view(B, Hkv, F, Dv), z.view(B, Hkv, F)
+    return out, empty_den(den, q), S.view(B, Hkv, F, Dv), z.view(B, Hkv, F)
 
 
 def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, normalize, eps, tf32):
@@ -112,11 +93,7 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
                      base=_base(dS, transpose=True), base_z=_vec(dz), grad_x=kb if mapped else None, role="dk")
     dv, _ = out_pass(kb, fq, gb, Lq, num, out_dtype=v.dtype, reverse=True, nb=G, state=(dh, dh.stride()),
                      base=_base(dS), role="dv")
-    dbs = _per_base_heads(dS0, B, base_s.shape[1]) if base_s is not None else q.new_empty(_EMPTY)
-    dbz = q.new_empty(_EMPTY)
-    if base_z is not None:
-        dbz = _per_base_heads(dz0, B, base_z.shape[1]) if normalize else torch.zeros_like(base_z)
-    return dq, dk, dv, dbs, dbz
+    return (dq, dk, dv) + state_grads(dS0, dz0, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------- non-causal
@@ -149,13 +126,13 @@ def apply_fwd(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype, tf32):
                         fc=Dv, ga=H // Hkv, state=_n(S), state_z=_vec(z, per_chunk=True) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
-    return out, den if den is not None else q.new_empty(_EMPTY, dtype=torch.float32)
+    return out, empty_den(den, q)
 
 
 def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf32):
     num = Numerics(out.dtype, tf32)
     B, H, Lq, F = q.shape
-    Hkv, Dv = S.shape[1], S.shape[-1]
+    Hkv = S.shape[1]
     g, e = _out_grads(dout, out, den, normalize)
     fq = Rows(q, 0, fmap)
     dq, _ = out_pass(Rows(g), None, None, Lq, num, out_dtype=q.dtype, causal=False, hb=Hkv, fc=F, ga=H // Hkv,
@@ -163,20 +140,10 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
                      grad_x=fq if fmap != 0 else None, role="dq")
     _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
-    dS = _per_base_heads(dSq, B, Hkv)
-    dz = _per_base_heads(dzq, B, Hkv) if normalize else torch.zeros_like(z)
-    dbs = dSq.view(B, H, F, Dv) if base_s is not None else q.new_empty(_EMPTY)
-    dbz = q.new_empty(_EMPTY)
-    if base_z is not None:
-        dbz = dzq.view(B, H, F) if normalize else torch.zeros_like(base_z)
-    return dq, dS, dz, dbs, dbz
+    return (dq,) + state_grads(dSq, dzq, S, z, normalize, q) + state_grads(dSq, dzq, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------------ ops
-
-def _opt(x: Tensor) -> Optional[Tensor]:
-    return None if x.numel() == 0 and x.shape == _EMPTY else x
-
 
 @torch.library.custom_op("effattn::triton_linear_causal_fwd", mutates_args=())
 def triton_linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, base_s: Optional[Tensor], base_z: Optional[Tensor],
@@ -187,11 +154,7 @@ def triton_linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, base_s: Optional[T
 
 @triton_linear_causal_fwd.register_fake
 def _(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
-    B, H, Lq, F = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
-    den = q.new_empty((B * H, Lq) if normalize else _EMPTY, dtype=torch.float32)
-    return (q.new_empty(B, H, Lq, Dv, dtype=v.dtype), den, q.new_empty(B, Hkv, F, Dv, dtype=torch.float32),
-            q.new_empty(B, Hkv, F, dtype=torch.float32))
+    return causal_fwd_fake(q, k, v, normalize)
 
 
 @torch.library.custom_op("effattn::triton_linear_causal_bwd", mutates_args=())
@@ -204,9 +167,7 @@ def triton_linear_causal_bwd(dout: Tensor, dS: Optional[Tensor], dz: Optional[Te
 
 @triton_linear_causal_bwd.register_fake
 def _(dout, dS, dz, q, k, v, out, den, base_s, base_z, *args):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(base_s) if base_s is not None else q.new_empty(_EMPTY),
-            torch.empty_like(base_z) if base_z is not None else q.new_empty(_EMPTY))
+    return causal_bwd_fake(q, k, v, base_s, base_z)
 
 
 def _causal_setup(ctx, inputs, output):
@@ -232,8 +193,7 @@ def triton_linear_kv_state(k: Tensor, v: Tensor, fmap: int, tf32: bool) -> Tuple
 
 @triton_linear_kv_state.register_fake
 def _(k, v, fmap, tf32):
-    B, Hkv, _, F = k.shape
-    return k.new_empty(B, Hkv, F, v.shape[-1], dtype=torch.float32), k.new_empty(B, Hkv, F, dtype=torch.float32)
+    return kv_state_fake(k, v)
 
 
 @torch.library.custom_op("effattn::triton_linear_kv_state_bwd", mutates_args=())
@@ -255,8 +215,7 @@ def _kv_setup(ctx, inputs, output):
 
 def _kv_backward(ctx, dS, dz):
     k, v = ctx.saved_tensors
-    dS = dS if dS is not None else k.new_zeros(k.shape[0], k.shape[1], k.shape[3], v.shape[3], dtype=torch.float32)
-    dz = dz if dz is not None else k.new_zeros(k.shape[0], k.shape[1], k.shape[3], dtype=torch.float32)
+    dS, dz = zero_state_grads(k, v, dS, dz)
     dk, dv = triton_linear_kv_state_bwd(dS, dz, k, v, *ctx.static)
     return dk, dv, None, None
 
@@ -273,9 +232,7 @@ def triton_linear_apply(q: Tensor, S: Tensor, z: Tensor, base_s: Optional[Tensor
 
 @triton_linear_apply.register_fake
 def _(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype, tf32):
-    B, H, Lq, _ = q.shape
-    den = q.new_empty((B * H, Lq) if normalize else _EMPTY, dtype=torch.float32)
-    return q.new_empty(B, H, Lq, S.shape[-1], dtype=out_dtype), den
+    return apply_fake(q, S, normalize, out_dtype)
 
 
 @torch.library.custom_op("effattn::triton_linear_apply_bwd", mutates_args=())
@@ -287,9 +244,7 @@ def triton_linear_apply_bwd(dout: Tensor, q: Tensor, S: Tensor, z: Tensor, base_
 
 @triton_linear_apply_bwd.register_fake
 def _(dout, q, S, z, base_s, base_z, *args):
-    return (torch.empty_like(q), torch.empty_like(S), torch.empty_like(z),
-            torch.empty_like(base_s) if base_s is not None else q.new_empty(_EMPTY),
-            torch.empty_like(base_z) if base_z is not None else q.new_empty(_EMPTY))
+    return apply_bwd_fake(q, S, z, base_s, base_z)
 
 
 def _apply_setup(ctx, inputs, output):
@@ -317,4 +272,4 @@ def triton_linear_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fm
 
 @triton_linear_step.register_fake
 def _(q, k, v, S, z, fmap, normalize, eps):
-    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1], dtype=v.dtype), torch.empty_like(S), torch.empty_like(z)
+    return step_fake(q, v, S, z)
