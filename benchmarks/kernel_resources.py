@@ -70,6 +70,8 @@ FEATURES = {
     "window": dict(_OFF, HAS_LEFT=True, HAS_RIGHT=True),
     "layout": dict(_OFF, HAS_RIGHT=True, HAS_LAYOUT=True),
     "layout-gather": dict(_OFF, HAS_RIGHT=True, HAS_LAYOUT=True, LAYOUT_MASK=True),
+    # training with dropout and padding (causal): the heaviest combination models use
+    "dropout": dict(_OFF, HAS_RIGHT=True, HAS_KPM=True, DROPOUT=True),
     "all": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_LAYOUT=True, LAYOUT_MASK=True, HAS_KPM=True, DROPOUT=True,
                 HAS_DLSE=True),
 }
