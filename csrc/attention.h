@@ -64,7 +64,7 @@ inline int head_dim_bucket(int d) {
   return -1;
 }
 
-// Launchers (attention.cu). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
+// Launchers (attention.cu: forward, attention_bwd.cu: backward). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);

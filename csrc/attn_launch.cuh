@@ -1,6 +1,6 @@
 // Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype): grid,
-// shared memory, launch. attention.cu dispatches to them; the host self-test instantiates a few
-// directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
+// shared memory, launch. attention.cu / attention_bwd.cu dispatch to them; the host self-test
+// instantiates a few directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
 #pragma once
 
 #include "attention.h"

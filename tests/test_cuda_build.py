@@ -19,7 +19,9 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per .cu and arch; attention.cu: 4 head-dim buckets x 2 dtypes x 3 kernels + 2 Delta = 26
+KERNEL_BUDGET = 32           # per .cu and arch; attention.cu + attention_bwd.cu: 4 head-dim buckets x 2 dtypes
+                             # x 3 kernels + 2 Delta = 26 (8 forward, 18 backward)
+SOFTMAX = ("attention.cu", "attention_bwd.cu")   # the forward's and the backward's translation units
 DECODE_KERNELS = 10          # decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
 DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
 # attention_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
@@ -88,7 +90,7 @@ def test_no_spills_registers_under_cap_and_kernel_budget(compiled):
 
 
 def test_every_kernel_is_built_for_each_bucket_and_dtype(compiled):
-    names = {e[1] for e in ptxas_entries(compiled["attention.cu"][0])}
+    names = {e[1] for src in SOFTMAX for e in ptxas_entries(compiled[src][0])}
     for kernel in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
         for hd in (32, 64, 128, 256):
             for bf16 in (0, 1):
@@ -108,9 +110,8 @@ def sass_of(obj, arch):
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
-    _, obj = compiled["attention.cu"]
     for arch in ARCHS:
-        sass = sass_of(obj, arch)
+        sass = "".join(sass_of(compiled[src][1], arch) for src in SOFTMAX)
         for fn in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
             bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
             assert len(bodies) == 8, (arch, fn, len(bodies))

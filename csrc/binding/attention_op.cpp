@@ -19,6 +19,7 @@
 
 #if defined(EFFATTN_CUDA_EMU)
 #include "attention.cu"
+#include "attention_bwd.cu"
 #include "attention_sm90.cu"
 #include "decode.cu"
 #include "linear.cu"

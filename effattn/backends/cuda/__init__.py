@@ -6,8 +6,8 @@ On a GPU of compute capability 9.0 the forward at head dims 33..128 runs the Hop
 says which forward runs).
 
 Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_fwd_sm90.cuh, csrc/attn_bwd.cuh) -> launchers
-(csrc/attention.cu, csrc/attention_sm90.cu) -> the C++ ops (csrc/binding/attention_op.cpp) -> the
-autograd ops (``ops.py``) -> this registration.
+(csrc/attention.cu, attention_bwd.cu, attention_sm90.cu) -> the C++ ops
+(csrc/binding/attention_op.cpp) -> the autograd ops (``ops.py``) -> this registration.
 
 CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only with
 ``EFFATTN_CUDA_EMU=1``, and only when the backend is named (``backend="cuda"``): the same kernel

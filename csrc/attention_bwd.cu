@@ -1,0 +1,27 @@
+// Entry point of the softmax-attention backward (Delta, dK/dV, dQ): dispatch on dtype and head-dim
+// bucket to the launchers of attn_launch.cuh; the forward's is attention.cu.
+#include "attn_launch.cuh"
+
+namespace effattn {
+namespace {
+
+template <bool BF16>
+int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
+  switch (head_dim_bucket(p.D > p.Dv ? p.D : p.Dv)) {
+    case 32: return detail::bwd<32, BF16>(p, stream);
+    case 64: return detail::bwd<64, BF16>(p, stream);
+    case 128: return detail::bwd<128, BF16>(p, stream);
+    case 256: return detail::bwd<256, BF16>(p, stream);
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {
+  const auto stream = static_cast<prim::stream_t>(stream_ptr);
+  if (p.Lq == 0 || p.B * p.H == 0) return 0;
+  return bf16 ? dispatch_bwd<true>(p, stream) : dispatch_bwd<false>(p, stream);
+}
+
+}  // namespace effattn
