@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..base import attention_autograd
 from ...tiles import layout_tile_lists  # the shared tile plan (packed full/partial lists)
 from . import _ext, hopper
 
@@ -116,19 +117,5 @@ def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
-    ctx.static = (layout_block, scale, dropout_p, left, right)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-    layout_block, scale, dropout_p, left, right = ctx.static
-    dq, dk, dv = cuda_attention_bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed,
-                                    scale, dropout_p, left, right)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
+_setup_context, _backward = attention_autograd(cuda_attention_bwd)
 cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

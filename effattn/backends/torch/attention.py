@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..base import FEATURES, Backend, Capabilities, register
+from ..base import FEATURES, Backend, Capabilities, attention_autograd, register
 from . import cpu_fused
 from ..._call import compute_dtype as _compute_dtype
 from ...visibility import Rule
@@ -237,21 +237,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, wl, wr = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
-    ctx.static = (layout_block, scale, dropout_p, wl, wr)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-    layout_block, scale, dropout_p, wl, wr = ctx.static
-    dq, dk, dv = ref_attention_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask,
-                                   layout_block, kpm, seed, scale, dropout_p, wl, wr)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
+_setup_context, _backward = attention_autograd(ref_attention_bwd, prepare=lambda g: g.contiguous())
 ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, Backend, Capabilities, register
+from ...base import FEATURES, Backend, Capabilities, attention_autograd, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -50,20 +50,11 @@ if triton is not None:
     def _(grad_out, grad_lse, q, k, v, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def _setup_context(ctx, inputs, output):
-        q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32 = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
-        ctx.static = (layout_block, scale, dropout_p, left, right, tf32)   # tf32: the forward's, not re-read
-
-    def _backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-        layout_block, scale, dropout_p, left, right, tf32 = ctx.static
-        dq, dk, dv = triton_attention_bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm,
-                                          seed, scale, dropout_p, left, right, tf32)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
-
+    # tf32, the last scalar, is the forward's setting, kept for the backward (not read again)
+    _setup_context, _backward = attention_autograd(triton_attention_bwd)
     triton_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+    # the same formula on the launchers (looked up per call, as the ops look up theirs)
+    _launch_backward = attention_autograd(lambda *args: launch.bwd(*args))[1]
 
     @torch.library.custom_op("effattn::triton_attention_decode", mutates_args=())
     def triton_attention_decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
@@ -98,10 +89,7 @@ if triton is not None:
         def backward(ctx, grad_out, grad_lse):
             if torch.is_grad_enabled():                 # create_graph: the op says it has no derivative
                 return _backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
-            q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-            dq, dk, dv = launch.bwd(_or_zeros(grad_out, ctx, 3), grad_lse, q, k, v, out, lse, layout_mask,
-                                    ctx.static[0], kpm, seed, *ctx.static[1:])
-            return dq, dk, dv, None, None, None, None, None, None, None, None, None
+            return _launch_backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
 
 
 def _or_zeros(grad, ctx, i):
