@@ -30,6 +30,16 @@ def needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
+def forward_only_reason(call) -> Optional[str]:
+    """Why a forward-only kernel without dropout (the split-KV decode kernels) cannot serve an
+    attention call, or None when it can."""
+    if call.dropout_p > 0:
+        return "dropout"
+    if needs_grad(call.q, call.k, call.v):
+        return "gradients needed: inputs require grad (the decode kernels are forward only)"
+    return None
+
+
 def _fail(kind, msg):
     raise kind(msg)
 

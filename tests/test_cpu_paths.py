@@ -11,7 +11,7 @@ import effattn
 from effattn.backends.torch import cpu_fused
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
-from test_attention import CASES, extra_peak_bytes_16k, judge, make_inputs, naive_in
+from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
                                 reason="this torch has no flash CPU kernel")
@@ -66,18 +66,7 @@ def test_chunked_reference_still_matches_oracle(case_id, monkeypatch):
     dtype = torch.float32
     q, k, v, kwargs = make_inputs(CASES[case_id], dtype)
     assert "chunked reference" in effattn.explain(q, k, v, **kwargs).paths["torch"]
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, lse = effattn.attention(*leaves, return_lse=True, backend="torch", **kwargs)
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = naive_attention(*ref_leaves, **kwargs)
-    low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    low, _ = naive_in(dtype, *low_leaves, kwargs)
-    judge(out, ref, low, 2, dtype, "out")
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    for g, rg, lg, name in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double()),
-                               torch.autograd.grad(low, low_leaves, go), "qkv"):
-        judge(g, rg, lg, 3, dtype, f"d{name}")
+    check_against_oracle(q, k, v, kwargs, dtype, "torch")
 
 
 def _with_threads(n, fn):

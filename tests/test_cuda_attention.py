@@ -15,7 +15,7 @@ import torch
 import effattn
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
-from test_attention import CASES, judge, make_inputs, naive_in
+from test_attention import CASES, check_against_oracle, judge, make_inputs
 from test_fuzz import draw
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
@@ -32,36 +32,13 @@ def schedule(request, emulation):
     emulation.emu_set_schedule(0)
 
 
-def check_case(q, k, v, kwargs, dtype):
-    """Output, lse and the three gradients against float64, by the low-precision rule."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, lse = effattn.attention(*leaves, return_lse=True, backend="cuda", **kwargs)
-    assert out.dtype == dtype and out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = naive_attention(*ref_leaves, **kwargs)
-    low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    low, _ = naive_in(dtype, *low_leaves, kwargs)
-    judge(out, ref, low, 2, dtype, "out")
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-3
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    grads = torch.autograd.grad(out, leaves, go)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, go.double())
-    low_grads = torch.autograd.grad(low, low_leaves, go)
-    for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads):
-        assert g.shape == rg.shape and g.dtype == dtype
-        judge(g, rg, lg, 3, dtype, f"d{name}")
-
-
 # ------------------------------------------------------------------------ the shared softmax suite
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_shared_cases_against_float64(case_id, dtype, schedule):
     q, k, v, kwargs = make_inputs(CASES[case_id], dtype, transposed=case_id.startswith("gqa"))
-    check_case(q, k, v, kwargs, dtype)
+    check_against_oracle(q, k, v, kwargs, dtype, "cuda")
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -77,7 +54,7 @@ def test_random_configurations_against_float64(seed):
 
     if kpm is not None:
         kw["key_padding_mask"] = kpm
-    check_case(rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv), kw, dtype)
+    check_against_oracle(rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv), kw, dtype, "cuda")
 
 
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs): head-dim buckets 32..256, padded and strided inputs
@@ -102,7 +79,7 @@ def test_head_dim_buckets_and_layout_blocks(case_id):
         bs, per_head = kw.pop("layout")
         mask = torch.rand(H if per_head else 1, math.ceil(Lq / bs), math.ceil(Lk / bs), generator=g) < 0.6
         kw["layout"] = BlockLayout(mask, bs)
-    check_case(q, k, v, kw, dtype)
+    check_against_oracle(q, k, v, kw, dtype, "cuda")
 
 
 def test_strided_stride0_and_unaligned_inputs():
@@ -116,11 +93,12 @@ def test_strided_stride0_and_unaligned_inputs():
     k = torch.randn(1, 1, L, D, generator=g).to(dt).expand(B, 1, L, D)
     v = torch.randn(1, 1, 1, D, generator=g).to(dt).expand(B, 1, L, D)
     kpm = (torch.rand(2 * L, B, generator=g) < 0.25).t()[:, ::2]
-    check_case(q, k, v, dict(causal=True, window=9, key_padding_mask=kpm), dt)
+    check_against_oracle(q, k, v, dict(causal=True, window=9, key_padding_mask=kpm), dt, "cuda")
     flat = torch.randn(B * H * L * D + 1, generator=g).to(dt)
     q2 = flat[1:].view(B, H, L, D)                       # 2-byte offset: rows not 16-byte aligned
     assert q2.data_ptr() % 16
-    check_case(q2, torch.randn(B, H, L, D, generator=g).to(dt), torch.randn(B, H, L, D, generator=g).to(dt), {}, dt)
+    k2, v2 = (torch.randn(B, H, L, D, generator=g).to(dt) for _ in range(2))
+    check_against_oracle(q2, k2, v2, {}, dt, "cuda")
 
 
 def test_rows_seeing_no_key_and_empty_sequences():

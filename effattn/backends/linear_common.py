@@ -37,6 +37,13 @@ class LinearKernels(NamedTuple):
     step: Callable
 
 
+def step_note(call) -> str:
+    """What both backends' explain notes add for a one-token call (``run`` takes the step kernel)."""
+    if call.q.shape[2] == 1 and call.k.shape[2] == 1:
+        return "; one token: the recurrent step kernel when no gradient is needed"
+    return ""
+
+
 def run(call, q: Tensor, k: Tensor, fmap: int, ops: LinearKernels, *extra):
     """``(out, (S, z) or None)`` of a ``LinearCall`` with features ``q``, ``k`` (the raw inputs for a
     fused ``fmap``). Composition (``off = Lk - Lq``, bottom-right alignment): causal keys ``[0, off)``

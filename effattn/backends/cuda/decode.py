@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..._call import needs_grad
+from ..._call import forward_only_reason
 from ...tiles import layout_plan, layout_tile_lists
 from ...visibility import Rule
 from . import ops
@@ -41,11 +41,7 @@ def why_not(call) -> Optional[str]:
     """None when the decode kernels serve `call`, else why the backend takes its prefill kernel."""
     if call.Lq > MAX_QUERIES:
         return f"Lq={call.Lq} > {MAX_QUERIES} query rows"
-    if call.dropout_p > 0:
-        return "dropout"
-    if needs_grad(call.q, call.k, call.v):
-        return "gradients needed (the decode kernels are forward only)"
-    return None
+    return forward_only_reason(call)
 
 
 def ranks_ahead(call) -> bool:

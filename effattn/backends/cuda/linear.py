@@ -28,7 +28,7 @@ import torch
 from ..._call import LINEAR, compute_dtype, linear_features
 from ...feature_maps import FavorFeatures
 from ..base import FEATURES, Backend, Capabilities, register
-from ..linear_common import LinearKernels, run
+from ..linear_common import LinearKernels, run, step_note
 from . import _available
 from .linear_favor import favor_features
 from .linear_ops import (MAPS, cuda_linear_apply, cuda_linear_causal_fwd, cuda_linear_kv_state, cuda_linear_step)
@@ -70,9 +70,7 @@ def _note(call) -> str:
     else:
         how = ("the callable feature map computed in torch (fp32, autograd) and fed to the kernels; they fuse "
                "only 'elu', 'relu' and 'identity'")
-    if call.q.shape[2] == 1 and call.k.shape[2] == 1:
-        how += "; one token: the recurrent step kernel when no gradient is needed"
-    return how
+    return how + step_note(call)
 
 
 BACKEND = register(Backend(

@@ -255,13 +255,21 @@ def _blocks(kb_source: Tensor, bs: int, nkb: int, cdt) -> Tensor:
     return F.pad(kb_source.to(cdt), (0, 0, 0, (nkb + 1) * bs - Lk)).view(B, Hkv, nkb + 1, bs, X)
 
 
-def _forward_slice(q, k, v, kpm, scale, wl, wr, groups, bs, per_head):
+def _slice_setup(q, k, v, kpm, bs, per_head):
+    """What a forward and a backward slice both start from: the geometry, the number of key blocks,
+    the compute dtype, K and V as blocks, and the key padding mask padded to the same length."""
     B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     geo = _Geometry(B, H, Hkv, Lq, Lk, bs, per_head)
     nkb, cdt = -(-Lk // bs), compute_dtype(q.dtype)
     kb, vb = _blocks(k, bs, nkb, cdt), _blocks(v, bs, nkb, cdt)
     kpm_pad = None if kpm is None else F.pad(kpm, (0, (nkb + 1) * bs - Lk), value=True)
+    return geo, nkb, cdt, kb, vb, kpm_pad
+
+
+def _forward_slice(q, k, v, kpm, scale, wl, wr, groups, bs, per_head):
+    geo, _, cdt, kb, vb, kpm_pad = _slice_setup(q, k, v, kpm, bs, per_head)
+    B, H, Lq = geo.B, geo.H, geo.Lq
     out = torch.zeros(B, H, Lq, v.shape[-1], dtype=q.dtype)
     lse = torch.full((B, H, Lq), -math.inf, dtype=cdt)
     qc = q.to(cdt)
@@ -296,12 +304,8 @@ def blocks_forward(q, k, v, layout_mask, layout_block, key_padding_mask, scale, 
 
 
 def _backward_slice(grad_out, grad_lse, q, k, v, out, lse, kpm, scale, wl, wr, groups, bs, per_head):
-    B, H, Lq, _ = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    geo = _Geometry(B, H, Hkv, Lq, Lk, bs, per_head)
-    nkb, cdt = -(-Lk // bs), compute_dtype(q.dtype)
-    kb, vb = _blocks(k, bs, nkb, cdt), _blocks(v, bs, nkb, cdt)
-    kpm_pad = None if kpm is None else F.pad(kpm, (0, (nkb + 1) * bs - Lk), value=True)
+    geo, nkb, cdt, kb, vb, kpm_pad = _slice_setup(q, k, v, kpm, bs, per_head)
+    B, H, Hkv, Lq, Lk = geo.B, geo.H, geo.Hkv, geo.Lq, geo.Lk
     delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
     if grad_lse is not None:
         delta = delta - grad_lse.to(cdt)                           # dS += dlse * P

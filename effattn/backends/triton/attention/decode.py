@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._call import needs_grad
+from ...._call import forward_only_reason
 from ....tiles import cdiv
 from ....visibility import Rule
 from ..jit import cast, dot, load_tile
@@ -230,11 +230,7 @@ def decode_reason(call) -> Optional[str]:
     k_lo, k_hi = key_range(Lq, Lk, call.window_left)
     if k_hi - k_lo < MIN_KEYS:
         return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
-    if call.dropout_p > 0:
-        return "dropout"
-    if needs_grad(call.q, call.k, call.v):
-        return "inputs require grad (the decode path is forward only)"
-    return None
+    return forward_only_reason(call)
 
 
 def describe(call) -> Optional[str]:

@@ -33,7 +33,7 @@ import torch
 
 from ...._call import LINEAR, compute_dtype, linear_features
 from ...base import FEATURES, Backend, Capabilities, register
-from ...linear_common import LinearKernels, run
+from ...linear_common import LinearKernels, run, step_note
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -63,9 +63,7 @@ def _note(call) -> str:
         what = "FAVOR+ features" if name == "favor" else "the callable feature map"
         how = (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
                "'elu', 'relu' and 'identity'")
-    if call.q.shape[2] == 1 and call.k.shape[2] == 1:
-        how += "; one token: the recurrent step kernel when no gradient is needed"
-    return how
+    return how + step_note(call)
 
 
 BACKEND = register(Backend(
