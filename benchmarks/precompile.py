@@ -180,7 +180,7 @@ def _launch_call(c: Call):
                 c.D ** -0.5, 0.0, left, right, False)
         from effattn.backends.triton.attention import decode
         lo, hi = decode.key_range(c.Lq, c.Lk, left)
-        if not c.backward and c.Lq <= decode.MAX_QUERIES and hi - lo >= decode.MIN_KEYS:
+        if not c.backward and c.Lq <= decode.MAX_QUERIES and hi - lo >= decode.splits.DECODE_MIN_KEYS:
             # the backend's split-KV decode path (its fits() check is made inside the launcher's plan)
             decode.fwd(q, k, v, *args[:3], c.D ** -0.5, left, right, False)
             return

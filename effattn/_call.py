@@ -3,26 +3,24 @@
 All argument checking lives here, so that every backend (torch reference, Triton, CUDA) sees the
 same, already-validated description of a call and the error messages are the same whatever the
 backend. The visibility rule (window, causal, layout, padding; bottom-right alignment) is defined in
-``effattn.visibility``; a call carries its numbers: ``window_left`` / ``window_right`` (-1 =
-unbounded, causal folded in as ``right = 0``), the layout and the key padding mask.
+``effattn.visibility``; a call carries its canonical `Rule`, built once here: lengths, ``left`` /
+``right`` (-1 = unbounded, causal folded in as ``right = 0``, a window wider than the sequence
+clamped to none) and the layout's block mask; plus the key padding mask.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
-from .visibility import normalize_window
+from .feature_maps import NAMED_FEATURE_MAPS, FavorFeatures, feature_map_name, resolve_feature_map
+from .numerics import compute_dtype, draw_seed
+from .visibility import Rule, clamp_window, normalize_window
 
 SOFTMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of every backend: float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def needs_grad(*ts) -> bool:
@@ -95,6 +93,22 @@ def check_qkv(q, k, v, fn: str):
     return B, H, Hkv
 
 
+class OpArgs(NamedTuple):
+    """The leading arguments every attention op takes (the torch reference, Triton's and CUDA's ops),
+    named as the C++ params struct names them."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout_mask: Optional[torch.Tensor]
+    layout_block: int
+    key_padding_mask: Optional[torch.Tensor]
+    seed: Optional[torch.Tensor]
+    scale: float
+    dropout_p: float
+    window_left: int
+    window_right: int
+
+
 @dataclass
 class AttnCall:
     """A validated softmax-attention call. Tensors keep the caller's strides (no copies)."""
@@ -102,14 +116,28 @@ class AttnCall:
     k: torch.Tensor                       # (B, Hkv, Lk, D)
     v: torch.Tensor                       # (B, Hkv, Lk, Dv)
     causal: bool
-    window_left: int                      # -1: unbounded
-    window_right: int                     # -1: unbounded (causal folds in as 0)
+    rule: Rule                            # the canonical visibility rule (window clamped, layout mask)
     layout: Optional[object]              # effattn.layouts.BlockLayout or None
     key_padding_mask: Optional[torch.Tensor]  # bool (B, Lk), True = ignore
     scale: float
     dropout_p: float
     return_lse: bool
     seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+
+    @property
+    def window_left(self) -> int:         # -1: unbounded
+        return self.rule.left
+
+    @property
+    def window_right(self) -> int:        # -1: unbounded (causal folds in as 0)
+        return self.rule.right
+
+    def op_args(self) -> "OpArgs":
+        """The attention ops' arguments, by name (the one place they are built from a call)."""
+        lay = self.layout
+        return OpArgs(self.q, self.k, self.v, lay.mask if lay is not None else None,
+                      lay.block_size if lay is not None else 0, self.key_padding_mask, self.seed, self.scale,
+                      self.dropout_p, self.rule.left, self.rule.right)
 
     @property
     def B(self): return self.q.shape[0]
@@ -130,7 +158,7 @@ class AttnCall:
         """Names of the features this call uses (read by backends' capability checks and explain)."""
         f = set()
         if self.causal: f.add("causal")
-        if self.window_left >= 0 or (self.window_right >= 0 and not self.causal): f.add("window")
+        if self.rule.left >= 0 or (self.rule.right >= 0 and not self.causal): f.add("window")
         if self.layout is not None: f.add("layout")
         if self.key_padding_mask is not None: f.add("key_padding_mask")
         if self.dropout_p > 0: f.add("dropout")
@@ -179,9 +207,10 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     seed = None
     if dropout_p > 0:
-        # drawn from torch's default generator so torch.manual_seed makes dropout reproducible
-        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
-    return AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
+        seed = draw_seed()
+    rule = Rule(Lq, Lk, *clamp_window(left, right, Lq, Lk), layout.mask if layout is not None else None,
+                layout.block_size if layout is not None else 0)
+    return AttnCall(q, k, v, causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
                     bool(return_lse), seed)
 
 
@@ -217,7 +246,6 @@ class LinearCall:
 
 
 def _feature_dim(phi, name: str, q: torch.Tensor) -> int:
-    from .feature_maps import FavorFeatures, NAMED_FEATURE_MAPS
     D = q.shape[-1]
     if isinstance(phi, FavorFeatures):
         if phi.head_dim != D:
@@ -246,7 +274,6 @@ def make_linear_call(q, k, v, *, causal=False, feature_map="elu", normalize=True
         raise TypeError(f"{LINEAR}: eps must be a float, got {eps!r}")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"{LINEAR}: eps must be a finite float >= 0, got {eps!r}")
-    from .feature_maps import feature_map_name, resolve_feature_map
     phi = resolve_feature_map(feature_map)
     name = feature_map_name(feature_map)
     Fdim = _feature_dim(phi, name, q)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._call import compute_dtype as _compute_dtype
+from .numerics import compute_dtype as _compute_dtype
 
 
 
@@ -41,6 +41,12 @@ NAMED_FEATURE_MAPS = {
     "relu": relu_feature_map,
     "identity": identity_feature_map,
 }
+
+# The one name -> code table of the feature maps the linear kernels apply on load (Triton and CUDA;
+# csrc/linear_common.cuh mirrors the codes). FMAP_IDENTITY also marks features computed before the
+# kernels (FAVOR+, a callable): the kernels then read them as they are.
+FMAP_IDENTITY, FMAP_ELU, FMAP_RELU = 0, 1, 2
+KERNEL_MAPS = {"identity": FMAP_IDENTITY, "elu": FMAP_ELU, "relu": FMAP_RELU}
 
 # A FAVOR+ exponent is capped here (see FavorFeatures): one feature is at most e^30 / sqrt(F), a
 # product phi(q)_i phi(k)_i at most e^60, so sums over 10^12 keys x |v| stay inside float32.

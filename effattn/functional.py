@@ -1,7 +1,7 @@
 """The public softmax-attention function and `explain`: validate, pick a backend, run."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional
 
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
@@ -58,42 +58,79 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     return (out, lse) if return_lse else out
 
 
-class Explanation:
-    """What `explain` found: for each backend, whether it can serve the call and why not (`reasons`),
-    where it runs only when named (`notes`), and which of its paths it would take (`paths`, e.g. the
-    torch backend's CPU paths, with why a faster one is not taken)."""
+class Row(NamedTuple):
+    """One registry row as `explain` found it for a call."""
+    path: str                 # "triton/decode"
+    backend: str
+    rank: int                 # the row's priority for this call (lower is tried first)
+    reasons: List[str]        # why it cannot serve the call; empty: it can
+    notes: List[str]          # what serving involves besides the kernels; "only when named" remarks
+    detail: Optional[str]     # detail inside the path (splits, which forward kernel), or None
 
-    def __init__(self, op: str, chosen, reasons: Dict[str, List[str]], notes: Dict[str, str],
-                 paths: Dict[str, str] = None, ranks: Dict[str, int] = None):
-        self.op, self.chosen, self.reasons, self.notes = op, chosen, reasons, notes
-        self.paths = paths or {}
-        self.ranks = ranks or {}     # each backend's priority for this call (lower is tried first)
+
+class Explanation:
+    """What `explain` found: one `Row` per registered path (in the order "auto" tries them) with
+    its reasons, and the pick. Per backend (``reasons``, ``notes``, ``paths``, ``ranks``, keyed by
+    backend name): what naming that backend would do, i.e. its first row that admits the call (or
+    the reasons of its last, most general row when none does)."""
+
+    def __init__(self, op: str, rows: List[Row], chosen_path: Optional[str], missing: Dict[str, List[str]],
+                 groups: Dict[str, List[str]]):
+        self.op, self.rows, self.chosen_path = op, rows, chosen_path
+        self.chosen = chosen_path.split("/")[0] if chosen_path else None
+        self.reasons: Dict[str, List[str]] = {}
+        self.notes: Dict[str, str] = {}
+        self.paths: Dict[str, str] = {}
+        self.ranks: Dict[str, int] = {}
+        by_name = {r.path: r for r in rows}
+        for r in (by_name[n] for names in groups.values() for n in names):   # each backend's own order
+            if r.backend in self.ranks and not self.reasons[r.backend]:
+                continue                                   # the backend already takes an earlier row
+            self.reasons[r.backend], self.ranks[r.backend] = r.reasons, r.rank
+            self.notes.pop(r.backend, None)
+            if r.notes:
+                self.notes[r.backend] = "; ".join(r.notes)
+            self.paths[r.backend] = r.path + (f": {r.detail}" if r.detail else "")
+        self.reasons.update(missing)
+
+    def row(self, path: str) -> Row:
+        return next(r for r in self.rows if r.path == path)
 
     def can_serve(self, name: str) -> bool:
+        """Whether backend (or path) `name` can serve the call."""
+        if "/" in name:
+            return not self.row(name).reasons
         return name in self.reasons and not self.reasons[name]
 
     def __str__(self):
-        lines = [f"effattn.{self.op}: backend='auto' picks {self.chosen or 'nothing (no backend can serve)'}"]
+        lines = [f"effattn.{self.op}: backend='auto' picks {self.chosen_path or 'nothing (no backend can serve)'}"]
+        width = max([len(r.path) for r in self.rows] + [7])
+        for r in self.rows:
+            state = "can serve" if not r.reasons else "cannot serve: " + "; ".join(r.reasons)
+            extra = [x for x in r.notes + [r.detail] if x]
+            note = "".join(f" ({x})" for x in extra)
+            lines.append(f"  [{r.rank:>3}] {r.path:{width}s} {state}{note}")
         for name, why in self.reasons.items():
-            state = "can serve" if not why else "cannot serve: " + "; ".join(why)
-            note = "".join(f" ({d[name]})" for d in (self.notes, self.paths) if name in d)
-            rank = f"[{self.ranks[name]:>3}] " if name in self.ranks else "      "
-            lines.append(f"  {rank}{name:7s} {state}{note}")
+            if not any(r.backend == name for r in self.rows):
+                lines.append(f"  {'':5s} {name:{width}s} {'; '.join(why)}")
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
 def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
-    """Reports, for each backend, whether it can serve ``op(q, k, v, **kwargs)`` and why not, and
-    which one ``backend="auto"`` takes. ``op`` is ``"attention"`` or ``"linear_attention"``.
+    """Reports, for each registered path (one line each, in the order ``backend="auto"`` tries them),
+    whether it can serve ``op(q, k, v, **kwargs)`` and why not, and which one ``"auto"`` takes.
+    ``op`` is ``"attention"`` or ``"linear_attention"``.
 
     Examples::
 
         >>> print(effattn.explain(q, k, v, causal=True))
-        effattn.attention: backend='auto' picks torch
-          [ 10] triton  cannot serve: runs on cuda tensors, got cpu
-          [100] torch   can serve
+        effattn.attention: backend='auto' picks torch/cpu-flash
+          [  5] cuda/decode          cannot serve: runs on cuda tensors, got cpu
+          ...
+          [ 90] torch/cpu-flash      can serve
+          [100] torch/reference      can serve
     """
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
@@ -104,21 +141,15 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         call = make_linear_call(q, k, v, **kwargs)
     else:
         raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
-    reasons, notes, paths, ranks, chosen = {}, {}, {}, {}, None
-    for b in base.backends_for(op, call):
-        ranks[b.name] = b.rank(call)
-        why = b.reasons(call)
-        reasons[b.name] = why
-        remarks = list(b.notes(call)) if not why else []
-        if not why and call.q.device.type in b.explicit_only_devices:
-            remarks.insert(0, f"on {call.q.device.type} only when asked for by name")
+    found, chosen = [], None
+    for p in base.rows(op, call):
+        why = p.reasons(call)
+        notes = list(p.notes(call)) if not why else []
+        if not why and call.q.device.type in p.explicit_only_devices:
+            notes.insert(0, f"on {call.q.device.type} only when asked for by name")
         elif not why and chosen is None:
-            chosen = b.name
-        if remarks:
-            notes[b.name] = "; ".join(remarks)
-        if not why and b.describe(call):
-            paths[b.name] = b.describe(call)
-    for name in base.BACKENDS:
-        if name not in reasons:
-            reasons[name] = [base.missing_reason(op, name)]
-    return Explanation(op, chosen, reasons, notes, paths, ranks)
+            chosen = p.name
+        found.append(Row(p.name, p.backend, p.rank(call), why, notes, p.describe(call) if not why else None))
+    missing = {name: [base.missing_reason(op, name)] for name in base.BACKENDS if name not in base._REGISTRY[op]}
+    groups = {b.name: [p.name for p in b.ordered(call)] for b in base.backends_for(op)}
+    return Explanation(op, found, chosen, missing, groups)

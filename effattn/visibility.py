@@ -58,6 +58,14 @@ def normalize_window(window, causal: bool) -> Tuple[int, int]:
     return left, right
 
 
+def clamp_window(left: int, right: int, Lq: int, Lk: int) -> Tuple[int, int]:
+    """A window wider than the sequence is no window: ``left >= Lk - 1`` reaches key 0 from every
+    query and ``right >= Lq - 1`` reaches key ``Lk - 1``, so either becomes ``-1`` (unbounded). The
+    kernels then need no bound on that side (and their int32 bounds never see a huge window). The one
+    statement of this rule; the C++ binding checks that the windows it gets obey it."""
+    return (UNBOUNDED if left >= max(Lk - 1, 0) else left), (UNBOUNDED if right >= max(Lq - 1, 0) else right)
+
+
 @dataclass(frozen=True, eq=False)
 class Rule:
     """The visibility rule of one call's shape (see the module docstring).
@@ -87,6 +95,16 @@ class Rule:
     def offset(self) -> int:
         """``Lk - Lq``: query i sits at key position ``i + offset``."""
         return self.Lk - self.Lq
+
+    @property
+    def kind(self) -> str:
+        """``"layout"`` (a block layout, whatever the window), ``"window"`` (a left bound, or a right
+        bound other than causal's 0), ``"causal"`` (``right = 0`` only) or ``"dense"``."""
+        if self.layout_mask is not None:
+            return "layout"
+        if self.left >= 0 or self.right > 0:
+            return "window"
+        return "causal" if self.right == 0 else "dense"
 
     @property
     def has_window(self) -> bool:
@@ -197,12 +215,3 @@ class Rule:
             return ok
 
         return mask_mod
-
-
-def rule_of_call(call) -> Rule:
-    """The `Rule` of a validated `AttnCall`."""
-    lay = call.layout
-    return Rule(call.Lq, call.Lk, call.window_left, call.window_right,
-                lay.mask if lay is not None else None, lay.block_size if lay is not None else 0)
-
-

@@ -289,7 +289,7 @@ def test_explain_reports_every_backend():
 # ------------------------------------------------------------------------------- compile and opcheck
 
 def test_opcheck_reference_ops():
-    from effattn.backends.torch.attention import ref_attention_bwd, ref_attention_fwd
+    from effattn.backends.torch.attention.reference import ref_attention_bwd, ref_attention_fwd
     q = torch.randn(1, 4, 20, 8, requires_grad=True)
     k, v = (torch.randn(1, 2, 20, 8, requires_grad=True) for _ in range(2))
     kpm = torch.rand(1, 20) < 0.2

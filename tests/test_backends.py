@@ -11,22 +11,21 @@ from effattn import backends
 from effattn.backends import base
 
 # A fourth backend, as a contributor would write it in effattn/backends/dummy/__init__.py: it serves
-# softmax attention on CPU by calling the torch reference, so that the test can run it.
+# softmax attention on CPU by calling the torch backend's paths, so that the test can run it.
 DUMMY = '''
 import torch
-from effattn.backends.base import FEATURES, Backend, Capabilities, register
-from effattn.backends.torch import attention as reference
+from effattn.backends.base import FEATURES, Capabilities, Path, register, select
 
 CALLS = []
 
 def _run(call):
     CALLS.append(call.features())
-    return reference._run(call)
+    return select("attention", call, "torch").run(call)
 
-register(Backend(name="dummy", op="attention", priority=50,
-                 caps=Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
-                                   features=FEATURES["attention"] - {"dropout"}),
-                 run=_run))
+register(Path(backend="dummy", op="attention", name="dummy/reference", priority=50,
+              caps=Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                features=FEATURES["attention"] - {"dropout"}),
+              run=_run))
 '''
 
 
@@ -71,14 +70,18 @@ def test_a_fourth_backend_is_one_folder_and_one_line(tmp_path, monkeypatch, regi
 
 def test_a_typo_in_a_declaration_fails_at_registration(registry_snapshot):
     with pytest.raises(ValueError, match=r"unknown features \['casual'\]"):
-        base.register(base.Backend(name="torch", op="attention", priority=1,
-                                   caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(),
-                                                          features=frozenset({"casual"})),
-                                   run=lambda call: None))
+        base.register(base.Path(backend="torch", op="attention", name="torch/typo", priority=1,
+                                caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(),
+                                                       features=frozenset({"casual"})),
+                                run=lambda call: None))
     with pytest.raises(ValueError, match="not in effattn.backends.base.BACKENDS"):
-        base.register(base.Backend(name="nameless", op="attention", priority=1,
-                                   caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset()),
-                                   run=lambda call: None))
+        base.register(base.Path(backend="nameless", op="attention", name="nameless/x", priority=1,
+                                caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset()),
+                                run=lambda call: None))
+    with pytest.raises(ValueError, match="must be named 'torch/<path>'"):
+        base.register(base.Path(backend="torch", op="attention", name="reference2", priority=1,
+                                caps=base.Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset()),
+                                run=lambda call: None))
 
 
 def test_a_missing_dependency_is_a_reason_not_a_disappearance(tmp_path, monkeypatch, registry_snapshot):
@@ -125,6 +128,7 @@ def test_a_priority_may_depend_on_the_call(tmp_path, monkeypatch, registry_snaps
     effattn.attention(torch.randn(1, 2, 32, 8), k, v, causal=True)       # 32 rows: rank 500, after torch
     assert len(ranked.CALLS) == 1
     short, long = (effattn.explain(torch.randn(1, 2, n, 8), k, v) for n in (2, 32))
-    assert (short.chosen, short.ranks["dummy"]) == ("dummy", 5) and "[  5] dummy" in str(short)
+    assert (short.chosen, short.ranks["dummy"]) == ("dummy", 5) and "[  5] dummy/reference" in str(short)
     assert (long.chosen, long.ranks["dummy"]) == ("torch", 500)
-    assert list(long.ranks)[-1] == "dummy"                                # listed in the order tried
+    assert [r.path for r in long.rows][-1] == "dummy/reference"            # listed in the order tried
+    assert [r.rank for r in long.rows] == sorted(r.rank for r in long.rows)

@@ -1,4 +1,5 @@
-"""The torch backend's CPU paths (backends/torch/cpu_fused.py, linear_cpu.py, threads.py): which path a
+"""The torch backend's CPU paths (backends/torch/attention/cpu_flash.py, cpu_blocks.py,
+backends/torch/linear/cpu_slices.py, threads.py): which path a
 call takes and that explain says so; the chunked reference, which the fused paths now shadow on CPU,
 still checked against the oracle; results independent of the thread count.
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import effattn
-from effattn.backends.torch import cpu_fused
+from effattn.backends.torch.attention import cpu_blocks
 from effattn.layouts import BlockLayout
 from oracle import naive_attention
 from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
@@ -35,8 +36,14 @@ PATHS = {
     "dv!=d": (dict(Dv=8), {}, "blocks"),
     "dropout": (dict(), dict(dropout_p=0.1), "reference"),
 }
-NOTE = {"flash": "fused flash-attention CPU kernel", "blocks": "visible key blocks only",
-        "reference": "chunked reference: dropout"}
+ROW = {"flash": "torch/cpu-flash", "blocks": "torch/cpu-blocks", "reference": "torch/reference"}
+# why the faster CPU rows leave the call (on their lines in explain)
+WHY_NOT = {"causal-Lq<Lk": ("torch/cpu-flash", "causal with Lq != Lk"),
+           "window": ("torch/cpu-flash", "does not support window"),
+           "layout": ("torch/cpu-flash", "does not support layout"),
+           "padding": ("torch/cpu-flash", "does not support key_padding_mask"),
+           "dv!=d": ("torch/cpu-flash", "does not support dv_ne_d"),
+           "dropout": ("torch/cpu-blocks", "does not support dropout")}
 
 
 @pytest.mark.parametrize("name", list(PATHS))
@@ -44,9 +51,12 @@ def test_explain_reports_the_cpu_path(name):
     shape, kwargs, path = PATHS[name]
     q, k, v = qkv(**shape)
     ex = effattn.explain(q, k, v, **kwargs)
-    assert ex.chosen == "torch"
-    assert NOTE[path] in ex.paths["torch"], ex.paths["torch"]
-    assert NOTE[path] in str(ex)
+    assert ex.chosen == "torch" and ex.chosen_path == ROW[path], str(ex)
+    assert ex.paths["torch"].startswith(ROW[path]) and f"picks {ROW[path]}" in str(ex)
+    assert ex.can_serve(ROW[path]) and ex.can_serve("torch/reference")
+    if name in WHY_NOT:
+        row, why = WHY_NOT[name]
+        assert any(why in r for r in ex.row(row).reasons), ex.row(row)
 
 
 def test_flash_path_is_torchs_kernel_bottom_right_where_it_can():
@@ -62,10 +72,14 @@ def test_flash_path_is_torchs_kernel_bottom_right_where_it_can():
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_chunked_reference_still_matches_oracle(case_id, monkeypatch):
     """With the fused paths off, backend="torch" is the chunked reference: fwd, lse and gradients."""
-    monkeypatch.setattr(cpu_fused, "ENABLED", False)
+    monkeypatch.setattr(cpu_blocks, "ENABLED", False)
     dtype = torch.float32
     q, k, v, kwargs = make_inputs(CASES[case_id], dtype)
-    assert "chunked reference" in effattn.explain(q, k, v, **kwargs).paths["torch"]
+    ex = effattn.explain(q, k, v, **kwargs)
+    assert ex.chosen_path == "torch/reference"
+    assert all(ex.row(r).reasons for r in ("torch/cpu-flash", "torch/cpu-blocks"))
+    if not kwargs.get("dropout_p"):
+        assert "fused CPU paths turned off (cpu_blocks.ENABLED is False)" in ex.row("torch/cpu-blocks").reasons
     check_against_oracle(q, k, v, kwargs, dtype, "torch")
 
 
@@ -106,14 +120,16 @@ def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
     """Named feature maps take the slice-parallel path; a callable with parameters stays on the
     reference so that its parameters get gradients."""
     q, k, v = qkv()
-    assert "in parallel" in _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention",
-                                                                      causal=True).paths["torch"])
-    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True).paths["torch"])
-    assert "one thread" in one
+    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert two.chosen_path == "torch/linear-cpu-slices" and "in parallel" in two.paths["torch"]
+    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert one.chosen_path == "torch/linear-chunked"
+    assert "one thread" in one.row("torch/linear-cpu-slices").reasons[0]
     lin = torch.nn.Linear(16, 8)
     phi = lambda x: torch.nn.functional.elu(lin(x)) + 1  # noqa: E731
-    note = effattn.explain(q, k, v, op="linear_attention", feature_map=phi).paths["torch"]
-    assert "callable feature map" in note
+    ex = effattn.explain(q, k, v, op="linear_attention", feature_map=phi)
+    assert ex.chosen_path == "torch/linear-chunked"
+    assert "does not support feature_map=callable" in ex.row("torch/linear-cpu-slices").reasons
     effattn.linear_attention(q, k, v, feature_map=phi).sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 

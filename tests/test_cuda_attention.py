@@ -217,7 +217,7 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation):
     fixed number of them (forward: Q K^T over D, P V over Dv; dK/dV: S^T, dP^T, dV, dK; dQ: S, dP,
     dQ), so the counts give the tiles each pass visited. They must be the pairs of the Triton
     backend's plan (`visited_tiles`, the code that builds the layout lists) for each pass's tiles."""
-    from effattn.backends.cuda.ops import tiles
+    from effattn.backends.cuda.attention.tiling import tiles
     from effattn.tiles import visited_tiles
     Lq, Lk, D, left, right, lay = VISITS[case_id]
     H = 2
@@ -271,7 +271,7 @@ def test_ldmatrix_one_wavefront_per_phase_in_every_kernel(emulation):
 # ------------------------------------------------------------------------------ ops and dispatch
 
 def test_opcheck_and_compile(emulation):
-    from effattn.backends.cuda import ops
+    from effattn.backends.cuda.attention import ops
     dt = torch.bfloat16
     q = torch.randn(1, 4, 20, 8).to(dt).requires_grad_()
     k, v = (torch.randn(1, 2, 20, 8).to(dt).requires_grad_() for _ in range(2))

@@ -13,8 +13,9 @@ import torch
 import effattn
 from conftest import need_cuda_extension, random_qkv
 from effattn._call import make_attn_call
+from effattn import splits as split_plan
 from effattn.backends import base
-from effattn.backends.cuda import decode
+from effattn.backends.cuda.attention import decode
 from effattn.layouts import BlockLayout
 from effattn.tiles import visited_tiles
 from oracle import naive_attention
@@ -76,7 +77,7 @@ def test_decode_against_float64(case_id):
     dtype = torch.bfloat16 if len(case_id) % 2 else torch.float16
     q, k, v = inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, len(case_id), transposed="transposed" in case_id)
     kw = case_kwargs(kw, B, H, Lq, Lk, torch.Generator().manual_seed(7))
-    assert effattn.explain(q, k, v, **kw).paths["cuda"].startswith("split-KV decode")
+    assert effattn.explain(q, k, v, **kw).paths["cuda"].startswith("cuda/decode: split-KV decode")
     out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kw)
     check(out, lse, q, k, v, kw, dtype)
 
@@ -133,7 +134,7 @@ def test_rows_seeing_no_key_and_empty_sequences():
     check(out, lse, q, k, v, dict(key_padding_mask=kpm), dtype)
     for B, Lq, Lk in ((1, 0, 300), (1, 3, 0), (0, 3, 300)):
         q, k, v = inputs(B, 4, 2, Lq, Lk, 16, 16, dtype, 1)
-        assert effattn.explain(q, k, v).paths["cuda"].startswith("split-KV decode")
+        assert effattn.explain(q, k, v).paths["cuda"].startswith("cuda/decode: split-KV decode")
         for splits in (1, 3):
             out, lse = decode.cuda_attention_decode(q, k, v, None, 0, None, 0.25, -1, 0, splits)
             assert out.shape == (B, 4, Lq, 16) and torch.equal(out, torch.zeros_like(out))
@@ -199,33 +200,35 @@ def test_split_plan_fills_two_waves_with_a_minimum_per_split():
 
 
 def test_dispatch_ranks_the_decode_path_and_explain_names_it():
-    """Decode-shaped calls (Lq <= 16, no dropout, no gradient) against a long cache rank the CUDA
-    backend ahead of Triton; otherwise it stays behind, and explain names the path it takes."""
-    q, k, v = inputs(1, 8, 2, 1, decode.LONG_CACHE, 32, 32, torch.float16, 0)
+    """Decode-shaped calls (Lq <= 16, no dropout, no gradient) that see DECODE_MIN_KEYS keys rank the
+    row cuda/decode ahead of Triton's rows; with fewer keys it ranks after triton/prefill (still
+    before cuda/prefill, so the named backend takes it); other calls take cuda/prefill, and explain
+    says on the cuda/decode line why not."""
+    q, k, v = inputs(1, 8, 2, 1, split_plan.DECODE_MIN_KEYS, 32, 32, torch.float16, 0)
     ex = effattn.explain(q, k, v, causal=True)
     assert ex.ranks["cuda"] < ex.ranks["triton"]
     assert "split-KV decode: 4 query heads x 1 row(s)" in ex.paths["cuda"] and "8 SMs" in ex.paths["cuda"]
-    assert "can serve" in str(ex) and "split-KV decode" in str(ex)
+    assert "can serve" in str(ex) and "cuda/decode" in str(ex)
     call = make_attn_call(q, k, v)
-    names = [b.name for b in base.backends_for("attention", call)]
-    assert names.index("cuda") < names.index("triton")
-    assert base.backends_for("attention")[0].name != "cuda"      # without a call: the static order
-    short = effattn.explain(q, k[:, :, :100], v[:, :, :100])
-    assert short.ranks["cuda"] > short.ranks["triton"] and short.paths["cuda"].startswith("split-KV decode")
-    for why, args, kw in (("Lq=17 > 16", (inputs(1, 8, 2, 17, 600, 32, 32, torch.float16, 0)), {}),
+    names = [p.name for p in base.rows("attention", call)]
+    assert names.index("cuda/decode") < names.index("triton/decode") < names.index("cuda/prefill")
+    assert base.rows("attention")[0].name != "cuda/decode"      # without a call: the static order
+    short = effattn.explain(q, k[:, :, :split_plan.DECODE_MIN_KEYS - 1], v[:, :, :split_plan.DECODE_MIN_KEYS - 1])
+    assert short.ranks["cuda"] > short.ranks["triton"] and short.paths["cuda"].startswith("cuda/decode: split-KV")
+    for why, args, kw in (("Lq=17 not in 1..16", (inputs(1, 8, 2, 17, 600, 32, 32, torch.float16, 0)), {}),
                           ("dropout", (q, k, v), dict(dropout_p=0.1)),
                           ("gradients needed", (q.detach().requires_grad_(), k, v), {})):
         ex = effattn.explain(*args, **kw)
-        assert ex.ranks["cuda"] > ex.ranks["triton"] and why in ex.paths["cuda"]
-        assert ex.paths["cuda"].startswith("prefill kernel")
+        assert ex.ranks["cuda"] > ex.ranks["triton"] and any(why in r for r in ex.row("cuda/decode").reasons)
+        assert ex.paths["cuda"].startswith("cuda/prefill")
 
 
 def test_gradients_take_the_prefill_kernels(monkeypatch):
     """With a gradient needed the backend runs the prefill forward (its backward exists); under
     no_grad the decode kernels."""
     taken = []
-    real = decode.run
-    monkeypatch.setattr(decode, "run", lambda call: taken.append(call.Lq) or real(call))
+    real = decode.PATH.run
+    monkeypatch.setattr(decode.PATH, "run", lambda call: taken.append(call.Lq) or real(call))
     q, k, v = inputs(1, 4, 2, 2, 200, 16, 16, torch.bfloat16, 0)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = effattn.attention(*leaves, causal=True, backend="cuda")

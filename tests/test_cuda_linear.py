@@ -154,7 +154,7 @@ def test_bitwise_equal_under_every_schedule(emulation):
 
 def test_favor_prologue_kernel_against_favor_features():
     """The FAVOR+ kernel and its backward against FavorFeatures in float64, the exponent cap included."""
-    from effattn.backends.cuda.linear_favor import cuda_favor_features
+    from effattn.backends.cuda.linear.favor import cuda_favor_features
     m = FavorFeatures(12, 40, seed=1)
     with torch.no_grad():
         m.projection[0] *= 4                       # |w|^2 / 2 > 30: the cap can act at x' = w
@@ -192,8 +192,9 @@ def test_explain_names_the_fused_map_the_favor_prologue_and_the_step():
     assert "cuda" in text and "feature map 'elu' fused into the kernels' loads" in text
     favor = str(effattn.explain(q, k, v, op="linear_attention", feature_map=FavorFeatures(8, 16, seed=0)))
     assert "FAVOR+ features computed by a CUDA prologue kernel" in favor
-    step = str(effattn.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], op="linear_attention"))
-    assert "recurrent step kernel" in step
+    step = effattn.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], op="linear_attention")
+    assert step.can_serve("cuda/linear-step") and step.paths["cuda"] == "cuda/linear-step"
+    assert "not one token (Lq=5, Lk=5)" in effattn.explain(q, k, v, op="linear_attention").row("cuda/linear-step").reasons
 
 
 def test_linear_kernels_under_address_and_ub_sanitizers():
@@ -207,7 +208,7 @@ def test_linear_kernels_under_address_and_ub_sanitizers():
 
 def test_causal_op_passes_opcheck():
     """Schema, fake tensor, autograd registration and AOT dispatch of the causal forward op."""
-    from effattn.backends.cuda.linear_ops import cuda_linear_causal_fwd
+    from effattn.backends.cuda.linear.ops import cuda_linear_causal_fwd
     q, k, v = (torch.randn(1, h, 20, 8, requires_grad=True) for h in (2, 1, 1))
     S0, z0 = torch.rand(1, 2, 8, 8, requires_grad=True), torch.rand(1, 2, 8, requires_grad=True)
     torch.library.opcheck(cuda_linear_causal_fwd, (q, k, v, S0, z0, 0, 1, True, 1e-6))

@@ -310,7 +310,7 @@ def test_real_hopper_forward_matches_its_emulation(D, mask, dtype, monkeypatch):
     """On a compute-capability 9.0 GPU with the sm_90a kernels built: the real wgmma forward against
     the emulated one on the same inputs (differences: ex2.approx and the tensor cores' summation
     order, a few units in the last place)."""
-    from effattn.backends.cuda import hopper as hp
+    from effattn.backends.cuda.attention import hopper as hp
     if not torch.cuda.is_available() or _ext.cuda_problem():
         pytest.skip("needs a GPU and effattn._C")
     q, k, v, kwargs = forward_case(mask, D, dtype)

@@ -163,9 +163,9 @@ class Calls:
 
 
 def test_triton_backend_takes_the_decode_path_for_short_queries_on_long_keys(monkeypatch):
-    """Lq <= 16 against >= MIN_KEYS visible keys (lowered here to 256) takes the decode path; inputs
-    that need grad, dropout, and Lq = 17 take the prefill kernel; explain says which and why."""
-    monkeypatch.setattr(decode, "MIN_KEYS", 256)
+    """Lq <= 16 against >= DECODE_MIN_KEYS visible keys (lowered here to 256) takes the decode path;
+    inputs that need grad, dropout, and Lq = 17 take the prefill kernel; explain says which and why."""
+    monkeypatch.setattr(effattn.splits, "DECODE_MIN_KEYS", 256)
     calls = Calls(monkeypatch)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 2, 16, generator=g).to(DEVICE)
@@ -181,14 +181,20 @@ def test_triton_backend_takes_the_decode_path_for_short_queries_on_long_keys(mon
     out2 = effattn.attention(*leaves, causal=True, backend="triton")
     assert (calls.decode, calls.prefill) == (1, 1) and out2.requires_grad
     torch.testing.assert_close(out2, out, atol=2e-6, rtol=1e-5)
-    assert "require grad" in effattn.explain(*leaves, causal=True).paths["triton"]
+    ex = effattn.explain(*leaves, causal=True)
+    assert ex.paths["triton"] == "triton/prefill" and "require grad" in _why_not_decode(ex)
     with torch.no_grad():
         effattn.attention(*leaves, causal=True, backend="triton")
     assert calls.decode == 2
     # a window leaving fewer visible keys than the threshold, dropout, more than 16 queries
-    assert "visible keys < 256" in effattn.explain(q, k, v, causal=True, window=100).paths["triton"]
-    assert "dropout" in effattn.explain(q, k, v, dropout_p=0.1).paths["triton"]
-    assert "triton" not in effattn.explain(torch.randn(1, 4, 17, 16, device=DEVICE), k, v).paths
+    assert "visible keys < 256" in _why_not_decode(effattn.explain(q, k, v, causal=True, window=100))
+    assert "dropout" in _why_not_decode(effattn.explain(q, k, v, dropout_p=0.1))
+    ex = effattn.explain(torch.randn(1, 4, 17, 16, device=DEVICE), k, v)
+    assert ex.paths["triton"] == "triton/prefill" and "Lq=17 not in 1..16" in _why_not_decode(ex)
+
+
+def _why_not_decode(ex) -> str:
+    return "; ".join(ex.row("triton/decode").reasons)
 
 
 def test_decode_threshold_on_a_real_length_explain_only():
@@ -197,8 +203,9 @@ def test_decode_threshold_on_a_real_length_explain_only():
     k = v = torch.randn(2, 8, 4096, 128, device=DEVICE)
     path = effattn.explain(q, k, v, causal=True).paths["triton"]
     # 2*8 = 16 slices want ceil(2*132/16) = 17 splits; 256 keys at least per split caps them at 16
-    assert path == "split-KV decode: 4 heads x 1 queries packed per KV head, 16 splits of 256 keys + combine", path
-    assert "1023 visible keys < 1024" in effattn.explain(q, k[:, :, :1023], v[:, :, :1023]).paths["triton"]
+    assert path == ("triton/decode: split-KV decode: 4 heads x 1 queries packed per KV head, 16 splits of 256 keys "
+                    "+ combine"), path
+    assert "1023 visible keys < 1024" in _why_not_decode(effattn.explain(q, k[:, :, :1023], v[:, :, :1023]))
 
 
 def test_decode_op_opcheck():

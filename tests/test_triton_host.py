@@ -88,25 +88,29 @@ def test_ops_are_used_under_a_dispatch_mode_and_skipped_otherwise(monkeypatch):
     assert len(calls) == 1
 
 
-def test_dispatch_asks_only_the_backends_it_needs(monkeypatch):
-    """A named backend that serves is the only one asked; "auto" asks those ranked up to its pick
-    (skipping those it never picks on this device). All are asked only for an error message."""
+def test_dispatch_asks_only_the_rows_it_needs(monkeypatch):
+    """A named backend that serves asks only its own rows, up to the first that admits; "auto" asks
+    the rows ranked up to its pick (skipping those it never picks on this device). All are asked
+    only for an error message."""
     q, k, v, _ = _inputs(2, features=False)
-    chosen = effattn.explain(q, k, v).chosen
-    order = [b.name for b in base.backends_for("attention")]
+    ex = effattn.explain(q, k, v)
+    order = [r.path for r in ex.rows]
+    rows = {p.name: p for p in base.rows("attention")}
     asked = []
-    for b in base.backends_for("attention"):
-        monkeypatch.setattr(b, "reasons", lambda call, b=b, real=b.reasons: asked.append(b.name) or real(call))
+    for p in rows.values():
+        monkeypatch.setattr(p, "reasons", lambda call, p=p, real=p.reasons: asked.append(p.name) or real(call))
     effattn.attention(q, k, v, backend="torch")
-    assert asked == ["torch"]
+    torch_rows = [r.path for r in ex.rows if r.backend == "torch"]
+    first_torch = next(n for n in torch_rows if ex.can_serve(n))
+    assert asked == torch_rows[:torch_rows.index(first_torch) + 1]
     asked.clear()
     effattn.attention(q, k, v, backend="auto")
-    assert asked == [n for n in order[:order.index(chosen) + 1]
-                     if DEVICE.type not in base._REGISTRY["attention"][n].explicit_only_devices]
+    assert asked == [n for n in order[:order.index(ex.chosen_path) + 1]
+                     if DEVICE.type not in rows[n].explicit_only_devices]
     asked.clear()
     with pytest.raises(RuntimeError, match="backend 'triton' cannot serve this call: dtype float64 not served"):
         effattn.attention(q.double(), k.double(), v.double(), backend="triton")
-    assert sorted(asked) == sorted(["triton"] + order)
+    assert {"triton/decode", "triton/prefill", "cuda/decode", "cuda/prefill"} <= set(asked)
 
 
 # ------------------------------------------------------------------ float32 without TF32 (on a GPU)
@@ -121,7 +125,7 @@ def test_fp32_without_tf32_ranks_after_torch_and_explain_says_why(monkeypatch, t
     monkeypatch.setattr(ta.op.BACKEND, "explicit_only_devices", frozenset())
     q = torch.randn(1, 2, 16, 16, device=DEVICE)
     ex = effattn.explain(q, q, q, causal=True)
-    torch_rank = base._REGISTRY["attention"]["torch"].rank()
+    torch_rank = ex.ranks["torch"]
     if tf32:
         assert ex.ranks["triton"] < torch_rank and ex.chosen == "triton" and "triton" not in ex.notes
     else:

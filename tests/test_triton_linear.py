@@ -6,7 +6,7 @@ import torch
 
 import effattn
 from effattn.backends import base
-from effattn.backends.torch.linear import linear_attention_reference
+from effattn.backends.torch.linear.reference import linear_attention_reference
 from effattn.nn import KVCache, MultiheadAttention
 from conftest import DEVICE
 
@@ -113,7 +113,8 @@ def test_explain_names_fused_maps_and_torch_features():
     assert "FAVOR+ features computed in torch" in favor.notes["triton"]
     assert "computed in torch" in str(effattn.explain(q, k, v, op="linear_attention", feature_map=torch.sigmoid))
     step = effattn.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], op="linear_attention")
-    assert "step kernel" in step.notes["triton"]
+    assert step.can_serve("triton/linear-step") and step.paths["triton"] == "triton/linear-step"
+    assert "not one token (Lq=8, Lk=8)" in fused.row("triton/linear-step").reasons
     why = effattn.explain(q.double(), k.double(), v.double(), op="linear_attention").reasons["triton"]
     assert any("dtype float64 not served" in w for w in why)
 

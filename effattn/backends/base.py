@@ -6,7 +6,7 @@ reasons it cannot serve a call. Dispatch, `effattn.explain` and error messages a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
@@ -44,30 +44,39 @@ class Capabilities:
     min_compute_capability: Tuple[int, int] = (0, 0)  # on CUDA devices
 
 
+_NO_REASONS: Callable = lambda call: []
+
+
 @dataclass
-class Backend:
-    """A registered implementation of one op ("attention" or "linear_attention")."""
-    name: str
-    op: str
-    # lower is faster: "auto" takes the lowest-ranked backend that can serve. An int, or a function of the
-    # call when the fastest backend depends on its shape (e.g. a split-KV decode kernel for a few query rows
-    # against a long cache); `rank(call)` reads it, and explain shows the ranks it compared.
+class Path:
+    """One code path of a backend, the unit dispatch picks: one row of the registry.
+
+    ``reasons(call)`` is the list of reasons the path cannot serve a call (empty: it admits it): the
+    `Capabilities` declaration, the backend's runtime check (``available``: a GPU, an extension built)
+    and the path's own admission check (``admits``, same protocol: e.g. the split-KV decode takes a
+    few query rows against a long key range). ``backend="auto"`` takes the first row in priority
+    order whose reasons are empty; ``backend="triton"`` the first such row of that backend."""
+    backend: str                             # a name in BACKENDS
+    op: str                                  # "attention" | "linear_attention"
+    name: str                                # "<backend>/<path>", e.g. "triton/decode"
+    # lower is tried first. An int, or a function of the call (None: asked without a call) when the
+    # path's speed against the other backends' depends on the shape
     priority: Union[int, Callable]
     caps: Capabilities
     run: Callable                            # run(call) -> result tuple
+    admits: Callable = _NO_REASONS           # admits(call) -> reasons this path does not take the call
     available: Callable[[torch.device], Optional[str]] = lambda device: None  # None or why not
-    extra_reasons: Callable = lambda call: []  # call-specific runtime checks beyond caps
-    # devices where the backend runs only when asked for by name, never picked by "auto"
-    # (Triton's interpreter on CPU: correct, but far slower than the torch reference)
+    # devices where the path runs only when its backend is asked for by name, never picked by "auto"
+    # (Triton's interpreter on CPU: correct, but far slower than the torch paths)
     explicit_only_devices: FrozenSet[str] = frozenset()
-    # remarks `effattn.explain` adds for a call this backend serves: what serving it involves besides the
+    # remarks `effattn.explain` adds for a call this path serves: what serving it involves besides the
     # kernels (copies of inputs, parts computed in torch), e.g. ["feature map computed in torch"]
-    notes: Callable = lambda call: []
-    # which of its paths the backend takes for a call it serves (a note in explain), or None
+    notes: Callable = _NO_REASONS
+    # detail inside the path for a call it serves (number of splits, which forward kernel), or None
     describe: Callable = lambda call: None
 
     def rank(self, call=None) -> int:
-        """The backend's priority for this call; a priority function gets None when asked without a call."""
+        """The path's priority for this call; a priority function gets None when asked without a call."""
         return int(self.priority(call)) if callable(self.priority) else self.priority
 
     def reasons(self, call) -> List[str]:
@@ -93,7 +102,8 @@ class Backend:
         missing = sorted(call.features() - self.caps.features)
         if missing:
             why.append("does not support " + ", ".join(missing))
-        why.extend(self.extra_reasons(call))
+        if not why:                        # a path's own check may assume the declaration holds
+            why.extend(self.admits(call))
         return why
 
 
@@ -108,52 +118,109 @@ def _capability(device: torch.device) -> Tuple[int, int]:
     return cc
 
 
+@dataclass
+class Backend:
+    """The rows of one backend for one op, in the order the backend tries them (a view the
+    registry keeps; dispatch reads the rows). Its declaration is the union of its rows'."""
+    name: str
+    op: str
+    paths: List[Path] = field(default_factory=list)
+
+    @property
+    def caps(self) -> Capabilities:
+        c = [p.caps for p in self.paths]
+        return Capabilities(devices=frozenset().union(*(x.devices for x in c)),
+                            dtypes=frozenset().union(*(x.dtypes for x in c)),
+                            max_head_dim=max(x.max_head_dim for x in c),
+                            features=frozenset().union(*(x.features for x in c)),
+                            min_compute_capability=min(x.min_compute_capability for x in c))
+
+    @property
+    def explicit_only_devices(self) -> FrozenSet[str]:
+        """Devices where every row of the backend runs only when named."""
+        return frozenset.intersection(*(p.explicit_only_devices for p in self.paths))
+
+    def available(self, device: torch.device) -> Optional[str]:
+        return self.paths[0].available(device)
+
+    def ordered(self, call=None) -> List[Path]:
+        """The backend's rows in the order it tries them for `call`: by rank, ties in registration order."""
+        return sorted(self.paths, key=lambda p: p.rank(call))
+
+    def take(self, call) -> Tuple[Optional[Path], List[str]]:
+        """(the first row that admits `call`, []) or (None, the reasons of the backend's most general
+        row, its last)."""
+        why: List[str] = []
+        for p in self.ordered(call):
+            why = p.reasons(call)
+            if not why:
+                return p, []
+        return None, why
+
+    def reasons(self, call) -> List[str]:
+        return self.take(call)[1]
+
+
+# op -> backend name -> its rows
 _REGISTRY: Dict[str, Dict[str, Backend]] = {"attention": {}, "linear_attention": {}}
 
 
-def register(backend: Backend) -> Backend:
-    if backend.name not in BACKENDS:
-        raise ValueError(f"backend {backend.name!r} is not in effattn.backends.base.BACKENDS")
-    unknown = sorted(backend.caps.features - FEATURES[backend.op])
+def register(path: Path) -> Path:
+    """Adds one row to the registry (a path module's one line)."""
+    if path.backend not in BACKENDS:
+        raise ValueError(f"backend {path.backend!r} is not in effattn.backends.base.BACKENDS")
+    if not path.name.startswith(path.backend + "/"):
+        raise ValueError(f"path {path.name!r} must be named '{path.backend}/<path>'")
+    unknown = sorted(path.caps.features - FEATURES[path.op])
     if unknown:
-        raise ValueError(f"backend {backend.name!r} ({backend.op}) declares unknown features {unknown}; "
-                         f"known: {sorted(FEATURES[backend.op])}")
-    _REGISTRY[backend.op][backend.name] = backend
-    return backend
+        raise ValueError(f"path {path.name!r} ({path.op}) declares unknown features {unknown}; "
+                         f"known: {sorted(FEATURES[path.op])}")
+    group = _REGISTRY[path.op].get(path.backend)
+    if group is None:
+        group = _REGISTRY[path.op][path.backend] = Backend(path.backend, path.op)
+    group.paths[:] = [p for p in group.paths if p.name != path.name] + [path]   # a re-import replaces
+    return path
 
 
-def backends_for(op: str, call=None) -> List[Backend]:
-    """The registered backends of `op`, fastest first for `call` (by static priority when None).
-    Ties keep the order of `BACKENDS`."""
+def backends_for(op: str) -> List[Backend]:
+    """The backends with rows for `op`, in the order of `BACKENDS`."""
     order = list(BACKENDS)
-    return sorted(_REGISTRY[op].values(), key=lambda b: (b.rank(call), order.index(b.name)))
+    return sorted(_REGISTRY[op].values(), key=lambda b: order.index(b.name))
 
 
+def rows(op: str, call=None) -> List[Path]:
+    """Every registered row of `op`, in the order "auto" tries them for `call` (by static priority
+    when None): by rank, ties in the order of `BACKENDS`, then of registration."""
+    order = list(BACKENDS)
+    flat = [(p, order.index(b.name), i) for b in _REGISTRY[op].values() for i, p in enumerate(b.paths)]
+    return [p for p, _, _ in sorted(flat, key=lambda x: (x[0].rank(call), x[1], x[2]))]
 
-def select(op: str, call, backend: str) -> Backend:
-    """Picks the backend for a call: the named one (or an error saying why it can't), or for
-    "auto" the fastest that can serve. Only the backends it needs are asked (the named one; for
-    "auto" those ranked before the pick), so a call that is served costs one or two capability
-    checks; the reasons of all of them are gathered only for the error message."""
+
+def select(op: str, call, backend: str) -> Path:
+    """Picks the row for a call: for "auto" the first row in priority order that admits it, for a
+    backend's name the first of its rows that does (or an error saying why none can). Only the rows
+    it needs are asked; the reasons of all of them are gathered only for the error message."""
     if backend == "auto":
         device_type = call.q.device.type
-        for b in backends_for(op, call):
-            if device_type not in b.explicit_only_devices and not b.reasons(call):
-                return b
+        for p in rows(op, call):
+            if device_type not in p.explicit_only_devices and not p.reasons(call):
+                return p
     elif backend in BACKENDS:
         b = _REGISTRY[op].get(backend)
-        if b is not None and not b.reasons(call):
-            return b
+        if b is not None:
+            p, _ = b.take(call)
+            if p is not None:
+                return p
     else:
         names = ", ".join(repr(n) for n in ("auto",) + tuple(BACKENDS))
         raise ValueError(f"{op}: backend must be one of {names}; got {backend!r}")
-    table = {b.name: (b, b.reasons(call)) for b in backends_for(op, call)}
+    table = {b.name: b.reasons(call) for b in backends_for(op)}
     if backend == "auto":
         raise ValueError(f"{op}: no backend can serve this call: " + _describe(table))
     if backend not in table:
         raise RuntimeError(f"{op}: backend {backend!r} {missing_reason(op, backend)}. " + _describe(table))
-    ok = [n for n, (_, w) in table.items() if not w]
-    raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(table[backend][1])}. "
+    ok = [n for n, w in table.items() if not w]
+    raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(table[backend])}. "
                        f"Backends that can: {', '.join(ok) if ok else 'none'}")
 
 
@@ -186,4 +253,4 @@ def missing_reason(op: str, name: str) -> str:
 
 
 def _describe(table) -> str:
-    return "; ".join(f"{n}: {'ok' if not w else ', '.join(w)}" for n, (_, w) in table.items())
+    return "; ".join(f"{n}: {'ok' if not w else ', '.join(w)}" for n, w in table.items())

@@ -7,7 +7,7 @@ both backends give the same composition (and the same rounding) for the same cal
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -37,31 +37,48 @@ class LinearKernels(NamedTuple):
     step: Callable
 
 
-def step_note(call) -> str:
-    """What both backends' explain notes add for a one-token call (``run`` takes the step kernel)."""
-    if call.q.shape[2] == 1 and call.k.shape[2] == 1:
-        return "; one token: the recurrent step kernel when no gradient is needed"
-    return ""
+def step_reasons(call) -> List[str]:
+    """Why the one-token step kernel (rows ``triton/linear-step``, ``cuda/linear-step``: O(F x Dv) per
+    head, no autograd) does not take a call: empty when it does (``Lq = Lk = 1``, no gradient wanted)."""
+    if call.q.shape[2] != 1 or call.k.shape[2] != 1:
+        return [f"not one token (Lq={call.q.shape[2]}, Lk={call.k.shape[2]})"]
+    state = call.initial_state or ()
+    if needs_grad(call.q, call.k, call.v, *state):
+        return ["gradients needed: inputs require grad (the step kernel has no backward)"]
+    if not torch.is_grad_enabled():
+        return []
+    if call.feature_map_name == "callable":
+        return ["a callable feature map may hold parameters that want gradients (no_grad decoding takes the step)"]
+    if any(t.requires_grad for t in getattr(call.phi, "parameters", lambda: [])()):
+        return ["gradients needed: the FAVOR+ projection requires grad"]
+    return []
+
+
+def run_step(call, q: Tensor, k: Tensor, fmap: int, ops: LinearKernels):
+    """``(out, (S, z) or None)`` of a one-token call through the step kernel (features ``q``, ``k``
+    as in `run`)."""
+    v = call.v
+    B, H = q.shape[:2]
+    if call.initial_state is not None:
+        S0, z0 = (t.to(torch.float32) for t in call.initial_state)
+    else:
+        S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
+        z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
+    out, S, z = ops.step(q, k, v, S0, z0, fmap, call.normalize, call.eps)
+    return out.to(call.q.dtype), ((S, z) if call.return_state else None)
 
 
 def run(call, q: Tensor, k: Tensor, fmap: int, ops: LinearKernels, *extra):
     """``(out, (S, z) or None)`` of a ``LinearCall`` with features ``q``, ``k`` (the raw inputs for a
     fused ``fmap``). Composition (``off = Lk - Lq``, bottom-right alignment): causal keys ``[0, off)``
     are seen by every query, so their sums join ``initial_state`` as the base state and the chunked
-    pass runs the rest shifted by ``min(off, 0)``; non-causal is one reduction and one output pass;
-    ``Lq = Lk = 1`` without gradients is the step kernel."""
+    pass runs the rest shifted by ``min(off, 0)``; non-causal is one reduction and one output pass."""
     v = call.v
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     S0 = z0 = None
     if call.initial_state is not None:
         S0, z0 = (t.to(torch.float32) for t in call.initial_state)
-    if Lq == 1 and Lk == 1 and not needs_grad(q, k, v, S0, z0):
-        if S0 is None:
-            S0 = q.new_zeros(B, H, q.shape[3], v.shape[3], dtype=torch.float32)
-            z0 = q.new_zeros(B, H, q.shape[3], dtype=torch.float32)
-        out, S, z = ops.step(q, k, v, S0, z0, fmap, call.normalize, call.eps)
-        return out.to(call.q.dtype), ((S, z) if call.return_state else None)
     if not call.causal:
         S_c, z_c = ops.kv_state(k, v, fmap, *extra)
         out, _ = ops.apply(q, S_c, z_c, S0, z0, fmap, call.normalize, call.eps, v.dtype, *extra)

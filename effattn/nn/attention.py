@@ -17,14 +17,15 @@ Every call takes one of three paths, recorded in ``module.last_path``:
   on the ``effattn.nn`` logger, so nothing is silently slow.
 
 ``module.explain(query, key, value, **forward_kwargs)`` says which path a call would take, what to
-change to leave a reference path, and which backend would serve a fused one (:func:`effattn.explain`).
+change to leave a reference path, and which backend would serve a fused one (:func:`effattn.explain`;
+the report is `explanation.ForwardExplanation`). The variant arguments are checked by `variants`.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,48 +33,19 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..visibility import Rule, normalize_window
-from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
-from ..feature_maps import FavorFeatures, NAMED_FEATURE_MAPS, resolve_feature_map
-from ..functional import Explanation, attention, explain as explain_call
+from ..feature_maps import FavorFeatures, resolve_feature_map
+from ..functional import attention, explain as explain_call
 from ..layouts import BlockLayout
 from ..linear import linear_attention
+from ..visibility import Rule, normalize_window
 from .cache import KVCache
+from .explanation import ForwardExplanation
+from .variants import VARIANT_KEYS, check_variant
 
 logger = logging.getLogger("effattn.nn")
 
-VARIANT_KEYS = ("window", "layout", "linear", "backend")
 MAX_FEATURES = 256    # linear attention's head-dim limit, met by precomputed features (padding path)
-
-
-# ----------------------------------------------------------------------------------------------
-# variant checks, shared with swap_attention
-
-def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="auto") -> None:
-    """Raises a ValueError/TypeError naming ``fn`` for an impossible or malformed variant."""
-    if window is not None:
-        try:
-            normalize_window(window, False)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{fn}: {str(e).split(': ', 1)[-1]}") from None
-    if layout is not None and not (isinstance(layout, BlockLayout) or callable(layout)):
-        raise TypeError(f"{fn}: layout must be an effattn.layouts.BlockLayout or a callable "
-                        f"(Lq, Lk) -> BlockLayout, got {type(layout).__name__}")
-    if linear is not None:
-        if isinstance(linear, str) and linear not in NAMED_FEATURE_MAPS and linear != "favor":
-            names = ", ".join(repr(n) for n in (*NAMED_FEATURE_MAPS, "favor"))
-            raise ValueError(f"{fn}: unknown linear feature map {linear!r}; expected one of {names}, an "
-                             "effattn.FavorFeatures or a callable (..., D) -> (..., F)")
-        if not isinstance(linear, str) and not callable(linear):
-            raise TypeError(f"{fn}: linear must be a feature-map name, an effattn.FavorFeatures or a callable, "
-                            f"got {type(linear).__name__}")
-        if window is not None or layout is not None:
-            raise ValueError(f"{fn}: linear attention has no window or layout (it never forms the score "
-                             "matrix a mask would cut); choose linear= or window=/layout=, not both")
-    names = ("auto",) + tuple(backend_registry.BACKENDS)
-    if backend not in names:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(repr(b) for b in names)}; got {backend!r}")
 
 
 def _blocks_torch_fast_path(module, args):
@@ -94,53 +66,6 @@ def _as_bool_padding(kpm: Tensor) -> Tensor:
     if bool(torch.all(blocked | (kpm == 0))):
         return blocked
     return kpm
-
-
-# ----------------------------------------------------------------------------------------------
-# MultiheadAttention.explain
-
-#: what a caller can change to leave each reference path (keyed by the reason in ``last_path``)
-REFERENCE_HINTS = {
-    "need_weights=True": "pass need_weights=False (the weights are the dense matrix)",
-    "add_bias_kv/add_zero_attn": "the module was built with add_bias_kv / add_zero_attn",
-    "float key_padding_mask": "pass a bool key_padding_mask (True = padding) or one of only 0 / -inf",
-    "bool attn_mask": "express the mask as is_causal=True / window= / layout= / key_padding_mask",
-    "float attn_mask": "express the mask as is_causal=True / window= / layout= / key_padding_mask",
-}
-
-
-class ForwardExplanation:
-    """What :meth:`MultiheadAttention.explain` found for one call.
-
-    Attributes:
-        path: the ``last_path`` the call would record: ``"fused"``, ``"linear"`` or ``"reference: <why>"``.
-        op: ``"attention"`` / ``"linear_attention"``: the effattn function the call would make; None on a
-            reference path (the module computes a dense softmax itself).
-        reasons: every reason the call leaves the fused path (empty on a fused or linear path).
-        report: :func:`effattn.explain`'s :class:`~effattn.functional.Explanation` for that call (which
-            backend ``"auto"`` picks, why each other one cannot serve); None on a reference path.
-        backend: the module's ``backend`` (a name other than ``"auto"`` is used as is).
-        shape: ``(Lq, Lk)`` of the attention (``Lk`` includes cached keys and memory).
-    """
-
-    def __init__(self, path: str, op: Optional[str], report: Optional[Explanation], backend: str,
-                 shape: Tuple[int, int], reasons: Sequence[str] = ()):
-        self.path, self.op, self.report, self.backend, self.shape = path, op, report, backend, shape
-        self.reasons = list(reasons)
-
-    def __str__(self) -> str:
-        Lq, Lk = self.shape
-        if self.report is None:
-            hints = "; ".join(REFERENCE_HINTS.get(why, why) for why in self.reasons)
-            return (f"MultiheadAttention: {self.path} path: a dense softmax over the ({Lq}, {Lk}) score matrix in "
-                    f"torch, O(Lq*Lk) memory. It leaves the fused kernels because of: {', '.join(self.reasons)}. "
-                    f"To get the fused kernels: {hints}")
-        head = f"MultiheadAttention: {self.path} path, effattn.{self.op} on ({Lq}, {Lk})"
-        if self.backend != "auto":
-            head += f" with backend={self.backend!r}"
-        return head + "\n" + str(self.report)
-
-    __repr__ = __str__
 
 
 @dataclass
@@ -454,7 +379,8 @@ class MultiheadAttention(nn.Module):
             plan = self._plan(step, a["need_weights"], cache)
             report = None
             if plan.op == "attention":
-                k, v, kpm, window = self._cached(step, k, v, cache)
+                left = normalize_window(self.window, step.causal)[0] if cache is not None else -1
+                k, v, kpm, window = self._cached(step, k, v, cache, left)
                 report = explain_call(q, k, v, op="attention", **self._fused_kwargs(plan, step, kpm, window))
             elif plan.op == "linear_attention":
                 q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
@@ -590,13 +516,12 @@ class MultiheadAttention(nn.Module):
         return dict(causal=step.causal, window=window, layout=self._layout_for(plan.Lq, plan.Lk),
                     key_padding_mask=kpm, dropout_p=self.dropout if self.training else 0.0)
 
-    def _cached(self, step: _Step, k, v, cache: Optional[KVCache]):
+    def _cached(self, step: _Step, k, v, cache: Optional[KVCache], left: int):
         """``(k, v, kpm, window)`` the attention reads: with a cache, this step's keys written into it
-        and the cached ones read back, with the window left to the cache's mask where it applies it
-        per row (`KVCache.write`)."""
+        and the cached ones read back, with the window (its left reach ``left``) left to the cache's
+        mask where it applies it per row (`KVCache.write`)."""
         if cache is None:
             return k, v, step.kpm, self.window
-        left, _ = normalize_window(self.window, step.causal)
         k, v, kpm, window_masked = cache.write(k, v, step.kpm, left)
         return k, v, kpm, (None if window_masked else self.window)
 
@@ -610,7 +535,9 @@ class MultiheadAttention(nn.Module):
                 res, cache.state = res
                 cache.seen += plan.Lq
             return res.to(step.query.dtype), None
-        k, v, kpm, window = self._cached(step, k, v, cache)
+        # the window's left reach, normalized once per call (the cache masks and trims by it)
+        left = normalize_window(self.window, step.causal)[0] if cache is not None else -1
+        k, v, kpm, window = self._cached(step, k, v, cache, left)
         if plan.op == "attention":
             out, weights = attention(q, k, v, **self._fused_kwargs(plan, step, kpm, window), backend=self.backend), None
         else:
@@ -619,7 +546,6 @@ class MultiheadAttention(nn.Module):
                                                 self.dropout if self.training else 0.0, window)
         if cache is not None:
             cache.seen += plan.Lq
-            left, _ = normalize_window(self.window, step.causal)
             if left >= 0:
                 cache.keep_last(left)
         return out, weights

@@ -6,7 +6,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .attention import VARIANT_KEYS, MultiheadAttention, check_variant
+from .attention import MultiheadAttention
+from .variants import VARIANT_KEYS, check_variant
 
 
 def _describe(m: nn.Module) -> str:

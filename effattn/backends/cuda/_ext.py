@@ -99,3 +99,17 @@ def cuda_problem() -> Optional[str]:
 def ops(device: torch.device):
     """The op namespace serving tensors on `device`."""
     return torch.ops.effattn_cuda if device.type == "cuda" else torch.ops.effattn_cuda_emu
+
+
+def available(device: torch.device) -> Optional[str]:
+    """None when the backend's kernels run on `device`, else why not (the rows' runtime check)."""
+    if device.type == "cpu":
+        return emu_problem()
+    if device.type == "cuda":
+        why = cuda_problem()
+        if why:
+            return why
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"needs a GPU of compute capability >= 8.0 (Ampere or newer), got {major}.{minor}"
+    return None

@@ -1,2 +1,3 @@
-"""The torch reference backend: softmax attention (`attention`) and linear attention (`linear`)."""
-from . import attention, linear  # noqa: F401  (registers both ops)
+"""The torch backend: softmax attention (`attention/`) and linear attention (`linear/`), the
+readable reference math plus the fast CPU paths."""
+from . import attention, linear  # noqa: F401  (registers both ops' rows)

@@ -16,7 +16,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 # Triton decides at import time whether @triton.jit functions run in its interpreter.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = 1.4426950408889634
 _I32_MAX = 2**31 - 1
 _log = logging.getLogger(__name__)
 

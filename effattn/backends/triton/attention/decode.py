@@ -17,44 +17,38 @@ split-KV forward do):
   ranges of a row in a fixed order, weighting each by ``exp(lse_s - lse)`` with
   ``lse = log sum_s exp(lse_s)``: deterministic, no atomics.
 
-When (`decode_reason`): at most ``MAX_QUERIES = 16`` queries (more fill the prefill kernel's query
-tiles anyway) against at least ``MIN_KEYS = 1024`` visible keys. Below that the prefill kernel's
-programs walk at most 16 key tiles each, a few microseconds on an H100, about what the split path
-adds: a second launch and the fp32 partials' round trip through memory. From 1k keys on, the prefill
-kernel leaves most SMs idle (B*H programs, e.g. 32 on 132 SMs) and reads each KV head G times, and
-the split path's B*Hkv*splits programs stream K and V once at full bandwidth. (The GPU suite's
-decode rows are where the crossover is to be measured; the constant is a guess until then.)
+When (the row ``triton/decode``, `admits`): at most ``MAX_QUERIES = 16`` queries (more fill the prefill
+kernel's query tiles anyway) against at least ``DECODE_MIN_KEYS = 1024`` visible keys
+(`effattn.splits`, which says why). From 1k keys on, the prefill kernel leaves most SMs idle (B*H
+programs, e.g. 32 on 132 SMs) and reads each KV head G times, and the split path's B*Hkv*splits
+programs stream K and V once at full bandwidth.
 
 Every constraint of the visibility rule (`effattn.visibility`: bottom-right alignment, causal,
 window, block layout, key padding) is applied elementwise in every tile; a window bounds the
-range the splits cover. Forward only and no dropout: `decode_reason` says when a call takes this
-path (the op `_run` of `op` asks it), and otherwise the prefill kernel serves the call. A decode
+range the splits cover. Forward only and no dropout: the row's admission check says when a call
+takes this path, and otherwise the row ``triton/prefill`` serves the call. A decode
 step launches two kernels, allocates its partials with fixed sizes and reads nothing back from the
 GPU: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ...._call import forward_only_reason
+from .... import splits
+from ....splits import (MAX_QUERIES, MIN_KEYS_PER_SPLIT, decode_reasons, key_range, plan_splits,  # noqa: F401
+                        sm_count, visible_keys)
 from ....tiles import cdiv
-from ....visibility import Rule
 from ..jit import cast, dot, load_tile
 from ..runtime import _next_pow2, _tf32_enabled
 from .launch import _on_device, _or_dummy, plan_for
 from .schedule import visible
 
-MAX_QUERIES = 16          # Lq above this: the prefill kernel's tiles are filled anyway
 MAX_ROWS = 128            # G * Lq packed rows per tile at most (fewer at head dim 256: `fits`)
-MIN_KEYS = 1024           # visible keys below this: the prefill kernel (see `decode_reason`)
-MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in its partial than it saves
-WAVES = 2                 # splits enough for this many waves of programs over the SMs
-NOMINAL_SMS = 132         # SM count where there is no GPU to ask (the interpreter, explain on CPU): H100 SXM
+NOMINAL_SMS = 132         # the SMs the plan assumes with no GPU to ask (the interpreter, explain on CPU): H100 SXM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,42 +156,6 @@ def packed_rows(G: int, Lq: int) -> int:
     return max(16, _next_pow2(G * Lq))
 
 
-def key_range(Lq: int, Lk: int, left: int) -> Tuple[int, int]:
-    """Keys ``[k_lo, Lk)`` some query may see (the visibility rule's window bound, as the CUDA decode
-    reads it): bottom-right, the last query sits at key ``Lk - 1``, so the right bound never cuts the
-    range; a left window starts it at ``pos(0) - left``."""
-    return Rule(Lq, Lk, left).key_range(0, Lq)
-
-
-def plan_splits(slices: int, span: int, num_sms: int, block_n: int,
-                min_keys: int = MIN_KEYS_PER_SPLIT) -> Tuple[int, int]:
-    """``(n_splits, keys_per_split)`` for ``slices`` = B * Hkv programs per split over ``span`` keys,
-    ``keys_per_split`` a multiple of ``block_n`` (the last split may be shorter, never empty):
-
-    - a long range: enough splits for `WAVES` waves of programs over ``num_sms`` SMs (the split
-      length rounded down to whole key tiles, so there are at least that many);
-    - a range too short for that many splits of ``min_keys`` keys: ``span // min_keys`` splits at
-      most (the length rounded up), each but the last at least ``min_keys`` long."""
-    want = cdiv(WAVES * num_sms, max(slices, 1))
-    n = max(1, min(want, span // max(min_keys, 1)))
-    if n == want:
-        per = max(block_n, (span // n) // block_n * block_n)
-    else:
-        per = max(block_n, cdiv(cdiv(span, n), block_n) * block_n)
-    return max(1, cdiv(span, per)), per
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: Optional[int]) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of `device` (read once per device; host-only), `NOMINAL_SMS` off the GPU."""
-    return _sm_count(device.index) if device.type == "cuda" else NOMINAL_SMS
-
-
 def config(block_d: int, block_dv: int, rows: int, element_size: int) -> Tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel for ``rows`` packed rows (no
     autotuning: one config, so a first call may be captured in a CUDA graph). Chosen from offline
@@ -218,34 +176,31 @@ def fits(rows: int, block_d: int, block_dv: int, element_size: int, ieee_fp32: b
     return rows <= MAX_ROWS and cells <= (16 * 256 if ieee_fp32 else MAX_ROWS * 128 * 2 // element_size)
 
 
-def decode_reason(call) -> Optional[str]:
-    """None when the split-KV decode serves `call` (a validated AttnCall the backend serves), else
-    why the prefill kernel does."""
-    Lq, Lk, G = call.Lq, call.Lk, call.H // call.Hkv
-    if Lq == 0 or Lq > MAX_QUERIES:
-        return f"Lq={Lq} not in 1..{MAX_QUERIES}"
+def admits(call) -> List[str]:
+    """Why the split-KV decode leaves a call (a validated AttnCall the backend declares to serve) to
+    the prefill kernel: empty when it takes it."""
+    if call.Lq == 0:
+        return [f"Lq=0 not in 1..{MAX_QUERIES}"]
+    why = decode_reasons(call)
+    if why:
+        return why
+    Lq, G = call.Lq, call.H // call.Hkv
     ieee = call.q.dtype == torch.float32 and not _tf32_enabled()
     if not fits(packed_rows(G, Lq), _next_pow2(call.D), _next_pow2(call.Dv), call.q.element_size(), ieee):
-        return f"{G} heads per KV head x Lq={Lq} rows do not fit one tile at head dim {max(call.D, call.Dv)}"
-    k_lo, k_hi = key_range(Lq, Lk, call.window_left)
-    if k_hi - k_lo < MIN_KEYS:
-        return f"{k_hi - k_lo} visible keys < {MIN_KEYS}"
-    return forward_only_reason(call)
+        return [f"{G} heads per KV head x Lq={Lq} rows do not fit one tile at head dim {max(call.D, call.Dv)}"]
+    keys = visible_keys(call)
+    if keys < splits.DECODE_MIN_KEYS:
+        return [f"{keys} visible keys < {splits.DECODE_MIN_KEYS}"]
+    return []
 
 
 def describe(call) -> Optional[str]:
-    """The path note `effattn.explain` shows for a call of ``Lq <= 16`` queries the Triton backend
-    serves: the split-KV decode (its splits for this device) or why not."""
-    if not 1 <= call.Lq <= MAX_QUERIES:
-        return None                               # the prefill kernel, as for any long query block
-    why = decode_reason(call)
-    if why is not None:
-        return f"prefill kernel, not the split-KV decode: {why}"
+    """The detail `effattn.explain` shows for a call the split-KV decode takes: its splits for this device."""
     G = call.H // call.Hkv
     k_lo, k_hi = key_range(call.Lq, call.Lk, call.window_left)
     block_n = config(max(16, _next_pow2(call.D)), max(16, _next_pow2(call.Dv)), packed_rows(G, call.Lq),
                      call.q.element_size())[0]
-    n, per = plan_splits(call.B * call.Hkv, k_hi - k_lo, sm_count(call.q.device), block_n)
+    n, per = plan_splits(call.B * call.Hkv, k_hi - k_lo, sm_count(call.q.device, NOMINAL_SMS), block_n)
     return (f"split-KV decode: {G} heads x {call.Lq} queries packed per KV head, {n} splits of {per} keys "
             f"+ combine")
 
@@ -294,7 +249,7 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     ``num_sms`` (default: the device's) sets the number of splits (`plan_splits`);
     ``keys_per_split`` (a multiple of the key tile) and ``block_n`` force them, for tests."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, 0.0, left, right, tf32)
-    key = ("decode", num_sms or sm_count(q.device), keys_per_split, block_n)
+    key = ("decode", num_sms or sm_count(q.device, NOMINAL_SMS), keys_per_split, block_n)
     d = p._args.get(key)
     if d is None:
         d = p._args[key] = DecodePlan(p, key[1], keys_per_split, block_n)

@@ -11,11 +11,13 @@ import os
 from typing import Dict
 
 import torch
-from torch import Tensor
 from triton.testing import do_bench
 
+from ....numerics import LOG2E, philox_key
+from ....splits import sm_count  # 0 off the GPU: no split
 from ....tiles import cdiv, layout_plan, layout_tile_lists
-from ..runtime import _I32_MAX, _INTERPRET, _LOG2E, _log, _next_pow2
+from ....visibility import clamp_window
+from ..runtime import _I32_MAX, _INTERPRET, _log, _next_pow2
 from .backward import bwd_kernel, delta_kernel
 from .configs import INTERPRET_CONFIGS, candidates, delta_block, head_class
 from .forward import fwd_kernel
@@ -105,14 +107,6 @@ def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, ri
     return p
 
 
-def philox_key(seed: Tensor) -> int:
-    """The call's dropout seed (a CPU int64 tensor of 2: no GPU sync) as one 64-bit Philox key, bit
-    62 set so that Triton always passes it as int64 (a value below 2**31 would be specialized as
-    int32 and compile a second kernel)."""
-    s0, s1 = (int(x) for x in seed.tolist())
-    return ((s0 << 31) ^ s1) | (1 << 62)
-
-
 class LaunchPlan:
     """Sizes, flags and kernel arguments of a kind of call (no tensors of the call: those are
     passed at each launch). Cheap to build (no device work) and cached by `plan_for`."""
@@ -122,17 +116,13 @@ class LaunchPlan:
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.H // self.Hkv
         self.off = self.Lk - self.Lq
-        # a window wider than the sequences is no constraint: -1 keeps the kernels' int32 bound
-        # arithmetic (pos + right + 1, ...) from overflowing for huge windows, and skips masking
-        if left >= max(self.Lk - 1, 0):
-            left = -1
-        if right >= max(self.Lq - 1, 0):
-            right = -1
-        self.left, self.right = left, right
+        # a window wider than the sequences is no window (the op may be called with any window):
+        # -1 keeps the kernels' int32 bound arithmetic (pos + right + 1, ...) from overflowing
+        self.left, self.right = clamp_window(left, right, self.Lq, self.Lk)
         self.block_d = max(16, _next_pow2(self.D))
         self.block_dv = max(16, _next_pow2(self.Dv))
         self.scale = scale
-        self.qk_scale = scale * _LOG2E
+        self.qk_scale = scale * LOG2E
         self.dropout_p = dropout_p
         self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1) if dropout_p > 0 else 0
         self.inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0
@@ -267,19 +257,6 @@ def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
         return 1
     want = min(G, cdiv(n_sm, max(n_kv_programs, 1)))
     return cdiv(G, cdiv(G, want))
-
-
-_SM_COUNT: Dict[int, int] = {}
-
-
-def sm_count(device) -> int:
-    """The device's SM count (0 off CUDA), read once per device."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, Backend, Capabilities, attention_autograd, register
+from ...base import FEATURES, Capabilities, Path, attention_autograd, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -110,22 +110,28 @@ def _direct(*tensors) -> bool:
             and all(t is None or type(t) in _PLAIN for t in tensors))
 
 
-def _run(call):
-    """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
-    read here, once per call; the backward reuses it."""
-    lay = call.layout
-    q, k, v, kpm = call.q, call.k, call.v, call.key_padding_mask
-    tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
-    args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
-            call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
-    if decode.decode_reason(call) is None:      # a few query rows against a long key range (no grad, no dropout)
-        dargs = args[:6] + args[7:8] + args[9:]
-        return decode.fwd(*dargs) if _direct(q, k, v, kpm, args[3]) else triton_attention_decode(*dargs)
-    if not _direct(q, k, v, kpm, args[3]):
+def _tf32(call) -> bool:
+    """The TF32 setting, read here, once per call (the backward reuses it; the interpreter ignores it)."""
+    return call.q.dtype == torch.float32 and _tf32_enabled()
+
+
+def _run_prefill(call):
+    """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32."""
+    a = call.op_args()
+    args = (*a, _tf32(call))                   # the op's parameters, in its schema's order
+    if not _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask):
         return triton_attention_fwd(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
         return _Eager.apply(*args)
     return launch.fwd(*args)
+
+
+def _run_decode(call):
+    """The split-KV decode of a few query rows against a long key range (forward only, no dropout)."""
+    a = call.op_args()
+    fn = decode.fwd if _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask) else triton_attention_decode
+    return fn(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale, a.window_left,
+              a.window_right, _tf32(call))
 
 
 # Devices where the kernels are compiled (the interpreter on CPU computes IEEE fp32 exactly, at its pace).
@@ -146,16 +152,22 @@ def _ieee_fp32(call) -> bool:
             and not _tf32_enabled())
 
 
-BACKEND = register(Backend(
-    name="triton", op="attention", priority=lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else 10,
-    caps=Capabilities(
-        devices=frozenset({"cuda", "cpu"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_head_dim=256,
-        features=FEATURES["attention"],
-        min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
-    run=_run, available=_available,
-    describe=lambda call: decode.describe(call) if triton is not None else None,
-    notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
-    # the interpreter is correct but far slower than the torch reference: CPU only when named
-    explicit_only_devices=frozenset({"cpu"})))
+def _rank(base_rank: int):
+    return lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else base_rank
+
+
+_CAPS = Capabilities(
+    devices=frozenset({"cuda", "cpu"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    max_head_dim=256,
+    features=FEATURES["attention"],
+    min_compute_capability=(8, 0))           # mma on bf16 tensor cores: Ampere or newer
+_COMMON = dict(backend="triton", op="attention", caps=_CAPS, available=_available,
+               notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
+               # the interpreter is correct but far slower than the torch paths: CPU only when named
+               explicit_only_devices=frozenset({"cpu"}))
+
+DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode,
+                       admits=lambda call: decode.admits(call), describe=lambda call: decode.describe(call),
+                       **_COMMON))
+BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill, **_COMMON))

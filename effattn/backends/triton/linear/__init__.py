@@ -15,7 +15,8 @@ A call is composed as follows (``off = Lk - Lq``, bottom-right alignment):
   ``chunk_h``), never an ``(L, F, Dv)`` tensor; the backward recomputes them.
 - non-causal: one reduction for ``(S, z)`` per key head, split over the sequence when the heads
   alone would not fill the GPU (partial sums added in a fixed order), then one output pass.
-- ``Lq = Lk = 1`` without gradients (decoding with ``KVCache``): the step kernel, O(F x Dv) per head.
+- ``Lq = Lk = 1`` without gradients (decoding with ``KVCache``): the step kernel, O(F x Dv) per head,
+  its own row ``triton/linear-step`` (the chunked passes are the row ``triton/linear``).
 
 Feature maps: ``elu`` (elu + 1), ``relu`` and ``identity`` are applied inside the kernels on each
 loaded tile (and their derivative in the backward's epilogue). FAVOR+ and any other callable are
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from ...._call import LINEAR, compute_dtype, linear_features
-from ...base import FEATURES, Backend, Capabilities, register
-from ...linear_common import LinearKernels, run, step_note
+from ...._call import LINEAR, linear_features
+from ....numerics import compute_dtype
+from ...base import FEATURES, Capabilities, Path, register
+from ...linear_common import LinearKernels, run, run_step, step_reasons
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -41,7 +43,8 @@ if triton is not None:
     from .ops import triton_linear_apply, triton_linear_causal_fwd, triton_linear_kv_state, triton_linear_step
 
 
-def _run(call):
+def _features(call):
+    """(q, k, fmap code): the raw inputs for a fused map, else the features computed in torch."""
     q, k = call.q, call.k
     fmap = MAPS.get(call.feature_map_name)
     if fmap is None:                                   # FAVOR+ / a callable: features in torch
@@ -49,27 +52,37 @@ def _run(call):
         if call.q.dtype == torch.bfloat16:             # the kernels round them to bf16 anyway; fp16 keeps
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)  # fp32 (features can exceed its range)
         fmap = 0
-    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()
+    return q, k, fmap
+
+
+def _ops() -> LinearKernels:
     # the ops are looked up per call (tests replace them with spies)
-    ops = LinearKernels(triton_linear_kv_state, triton_linear_apply, triton_linear_causal_fwd, triton_linear_step)
-    return run(call, q, k, fmap, ops, tf32)
+    return LinearKernels(triton_linear_kv_state, triton_linear_apply, triton_linear_causal_fwd, triton_linear_step)
+
+
+def _run(call):
+    tf32 = call.q.dtype == torch.float32 and _tf32_enabled()
+    return run(call, *_features(call), _ops(), tf32)
+
+
+def _run_step(call):
+    return run_step(call, *_features(call), _ops())
 
 
 def _note(call) -> str:
     name = call.feature_map_name
     if name in ("elu", "relu", "identity"):
-        how = f"feature map {name!r} fused into the kernels"
-    else:
-        what = "FAVOR+ features" if name == "favor" else "the callable feature map"
-        how = (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
-               "'elu', 'relu' and 'identity'")
-    return how + step_note(call)
+        return f"feature map {name!r} fused into the kernels"
+    what = "FAVOR+ features" if name == "favor" else "the callable feature map"
+    return (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
+            "'elu', 'relu' and 'identity'")
 
 
-BACKEND = register(Backend(
-    name="triton", op=LINEAR, priority=10,
-    caps=Capabilities(devices=frozenset({"cuda", "cpu"}),
-                      dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-                      max_head_dim=256, features=FEATURES[LINEAR], min_compute_capability=(8, 0)),
-    run=_run, available=_available, notes=lambda call: [_note(call)],
-    explicit_only_devices=frozenset({"cpu"})))
+_COMMON = dict(backend="triton", op=LINEAR,
+               caps=Capabilities(devices=frozenset({"cuda", "cpu"}),
+                                 dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                                 max_head_dim=256, features=FEATURES[LINEAR], min_compute_capability=(8, 0)),
+               available=_available, notes=lambda call: [_note(call)], explicit_only_devices=frozenset({"cpu"}))
+
+STEP = register(Path(name="triton/linear-step", priority=9, run=_run_step, admits=step_reasons, **_COMMON))
+BACKEND = register(Path(name="triton/linear", priority=10, run=_run, **_COMMON))

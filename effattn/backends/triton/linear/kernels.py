@@ -16,13 +16,18 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
   denominator ``den_t = sum_s a_t . b_s + a_t . z_c`` and the feature-map derivative of the output.
 
 The forward is (state pass on (phi(k), v); output pass), the backward four more launches of the same
-two kernels with the operands swapped (see ``ops.py``). Feature maps named by ``MAP_*`` (0: none,
-1: elu + 1, 2: relu) are applied to a tile right after its load, in fp32.
+two kernels with the operands swapped (see ``ops.py``). Feature maps (``MAP``: the codes of
+`effattn.feature_maps.KERNEL_MAPS`, identity / elu + 1 / relu) are applied to a tile right after its load, in fp32.
 """
 import triton
 import triton.language as tl
 
+from ....feature_maps import FMAP_ELU, FMAP_IDENTITY, FMAP_RELU
 from ..jit import cast, dot
+
+IDENTITY: tl.constexpr = tl.constexpr(FMAP_IDENTITY)   # feature-map codes (effattn.feature_maps.KERNEL_MAPS)
+ELU: tl.constexpr = tl.constexpr(FMAP_ELU)
+RELU: tl.constexpr = tl.constexpr(FMAP_RELU)
 
 
 @triton.jit
@@ -32,9 +37,9 @@ def _rows(base, r, L, s_l, cols, ncols, s_f, MAP: tl.constexpr):
     each nested jit call costs about a millisecond under Triton's interpreter."""
     ok = ((r >= 0) & (r < L))[:, None] & (cols < ncols)[None, :]
     x = tl.load(base + r.to(tl.int64)[:, None] * s_l + cols[None, :] * s_f, mask=ok, other=0.0).to(tl.float32)
-    if MAP == 1:
+    if MAP == ELU:
         x = tl.where(ok, tl.where(x > 0, x + 1.0, tl.exp(x)), 0.0)
-    elif MAP == 2:
+    elif MAP == RELU:
         x = tl.maximum(x, 0.0)
     return x
 
@@ -191,11 +196,11 @@ def _chunk_out_kernel(
     if WITH_DEN:
         tl.store(DEN + pid_bh.to(tl.int64) * La + ra, den, mask=ok_a & ((ra * 0 + pid_v) == 0))
     ok = ok_a[:, None] & (fc < FC)[None, :]
-    if MAP_X != 0:                                    # the chain rule through the feature map
+    if MAP_X != IDENTITY:                             # the chain rule through the feature map
         x_base = Xp + b.to(tl.int64) * sx_b + ha.to(tl.int64) * sx_h
         x = tl.load(x_base + ra.to(tl.int64)[:, None] * sx_l + fc[None, :] * sx_f, mask=ok, other=0.0)
         x = x.to(tl.float32)
-        if MAP_X == 1:
+        if MAP_X == ELU:
             acc = acc * tl.where(x > 0, 1.0, tl.exp(x))
         else:
             acc = acc * tl.where(x > 0, 1.0, 0.0)

@@ -22,6 +22,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ....feature_maps import KERNEL_MAPS as MAPS  # noqa: F401  (the kernels' codes)
+from ....splits import sm_count
 from ..runtime import _INTERPRET, _log, _next_pow2, triton
 
 if triton is not None:
@@ -30,7 +32,6 @@ if triton is not None:
 
     from .kernels import _chunk_out_kernel, _chunk_state_kernel, _step_kernel
 
-MAPS = {"identity": 0, "elu": 1, "relu": 2}        # feature maps the kernels apply themselves
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
 # benchmarks/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
@@ -134,8 +135,7 @@ def _n_split(programs: int, n_chunks: int, device) -> int:
     """Sequence splits of a non-causal reduction: enough programs for two waves of the GPU."""
     if _INTERPRET:
         return max(1, min(n_chunks, 3))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_chunks, cdiv(2 * sms, programs)))
+    return max(1, min(n_chunks, cdiv(2 * sm_count(device), programs)))
 
 
 def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=True, cx: Optional[Tensor] = None,

@@ -1,24 +1,15 @@
-"""The torch backend's fast paths on CPU: as fast as SDPA where SDPA computes the same thing, faster
-where only some keys are visible.
+"""The torch backend's path ``torch/cpu-blocks``: softmax attention on CPU computing only the visible
+key blocks, for what torch's flash CPU kernel (``torch/cpu-flash``) does not compute exactly:
+windows, block layouts, key padding, bottom-right causal with ``Lq != Lk``, ``Dv != D``. No dropout
+(``torch/reference`` serves it, its mask regenerated per chunk from the call's seed).
 
-Three paths, picked per call by `cpu_path(call)` (and reported by `effattn.explain`):
-
-* ``flash``: torch's fused flash-attention CPU kernel
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) for dense and causal calls
-  it computes exactly: it returns the log-sum-exp, reads GQA key/value heads without expanding them,
-  accumulates half types in float32 and float64 in float64. Its causal mask is aligned top-left, so
-  it serves causal calls only when ``Lq == Lk``; it has no dropout, no ``Dv != D`` and no masks.
-* ``blocks``: everything else without dropout (windows, block layouts, key padding, bottom-right
-  causal with ``Lq != Lk``, ``Dv != D``). Queries and keys are cut into blocks; each query block
-  gathers the key blocks it may see (a band for a window, the layout's blocks for a layout) and a
-  whole group of query blocks is computed by one batched matmul. The call's key/value heads (or
-  batch entries) run as independent slices on all of torch's threads, one intra-op thread each
-  (threads.py: many ops on many threads scale badly). The group size bounds the extra memory, so
-  peak memory stays O(L). The backward recomputes probabilities from the saved
-  log-sum-exp (FlashAttention-2, Dao 2023, Alg. 2) and scatters key gradients back with
-  ``index_add_`` (deterministic on CPU).
-* ``reference``: the chunked reference (``attention.py``) for dropout (its mask is regenerated per
-  chunk from the call's seed) and for empty shapes (the flash kernel faults on ``Lq == 0``).
+Queries and keys are cut into blocks; each query block gathers the key blocks it may see (a band for
+a window, the layout's blocks for a layout) and a whole group of query blocks is computed by one
+batched matmul. The call's key/value heads (or batch entries) run as independent slices on all of
+torch's threads, one intra-op thread each (threads.py: many ops on many threads scale badly). The
+group size bounds the extra memory, so peak memory stays O(L). The backward recomputes
+probabilities from the saved log-sum-exp (FlashAttention-2, Dao 2023, Alg. 2) and scatters key
+gradients back with ``index_add_`` (deterministic on CPU).
 """
 from __future__ import annotations
 
@@ -30,12 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..._call import compute_dtype
-from ...visibility import Rule
-from . import threads
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from ....numerics import compute_dtype
+from ....visibility import Rule
+from ...base import FEATURES, Capabilities, Path, register
+from .. import threads
 
 BLOCK = 64               # query/key block of the blocks path when the call has no layout
 GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of the groups computed at once: 16 MiB
@@ -43,40 +32,16 @@ GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of the groups co
 
 # Set to False to send every CPU call to the chunked reference (tests compare the paths).
 ENABLED = True
-
-# The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
-# enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
-_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+CPU_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def cpu_path(call) -> Tuple[str, str]:
-    """(path, why) for a call of the torch backend: path is "flash", "blocks" or "reference"."""
-    if call.q.device.type != "cpu":
-        return "reference", "chunked reference (the fused CPU paths run on CPU tensors only)"
+def cpu_reasons(call) -> List[str]:
+    """Why neither fused CPU path (this one, ``torch/cpu-flash``) takes a call they declare to serve."""
     if not ENABLED:
-        return "reference", "chunked reference (fused CPU paths disabled: cpu_fused.ENABLED is False)"
+        return ["fused CPU paths turned off (cpu_blocks.ENABLED is False)"]
     if call.q.numel() == 0 or call.k.numel() == 0 or call.v.numel() == 0:
-        return "reference", "chunked reference (an empty shape: torch's flash CPU kernel faults on Lq == 0)"
-    if call.dropout_p > 0:
-        return "reference", ("chunked reference: dropout is served only there (torch's flash CPU kernel "
-                             "has no dropout), several times slower than SDPA")
-    blockers = []
-    if call.window_left >= 0 or (call.window_right >= 0 and not call.causal):
-        blockers.append("a window")
-    if call.layout is not None:
-        blockers.append("a block layout")
-    if call.key_padding_mask is not None:
-        blockers.append("a key padding mask")
-    if call.causal and call.Lq != call.Lk:
-        blockers.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
-    if call.D != call.Dv:
-        blockers.append("Dv != D")
-    if call.H != call.Hkv and not _FLASH_GQA:
-        blockers.append(f"grouped-query attention before torch 2.5 (this is {torch.__version__})")
-    if not blockers:
-        return "flash", "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
-    return "blocks", ("visible key blocks only, one batched matmul per group of query blocks "
-                      f"(torch's flash CPU kernel does not serve {', '.join(blockers)})")
+        return ["an empty shape (torch's flash CPU kernel faults on Lq == 0; the reference serves it)"]
+    return []
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -411,57 +376,14 @@ def _blocks_grad(ctx, grad_out, grad_lse):
 cpu_blocks_fwd.register_autograd(_blocks_grad, setup_context=_blocks_setup)
 
 
-@torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
-def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
-    return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+def _run(call):
+    a = call.op_args()
+    return cpu_blocks_fwd(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale,
+                          a.window_left, a.window_right)
 
 
-@cpu_flash_fwd.register_fake
-def _(q, k, v, causal, scale):
-    B, H, Lq, _ = q.shape
-    return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
-
-
-@torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())
-def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                  lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    if grad_lse is not None and not bool(grad_lse.any()):
-        grad_lse = None                      # autograd materializes an unused lse's gradient as zeros
-    if grad_lse is not None:
-        # the flash backward has no lse gradient input; the blocks path's backward takes one and
-        # computes the same gradients from the same out and lse (causal: Lq == Lk here)
-        return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
-                               0 if causal else -1)
-    dq, dk, dv = _FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
-@cpu_flash_bwd.register_fake
-def _(grad_out, grad_lse, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _flash_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1])
-    ctx.static = (causal, scale)
-
-
-def _flash_grad(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = cpu_flash_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *ctx.static)
-    return dq, dk, dv, None, None
-
-
-cpu_flash_fwd.register_autograd(_flash_grad, setup_context=_flash_setup)
-
-
-def run(call, path: str):
-    """Runs an AttnCall on the "flash" or "blocks" path: (out, lse)."""
-    if path == "flash":
-        return cpu_flash_fwd(call.q, call.k, call.v, call.causal, call.scale)
-    lm = call.layout.mask if call.layout is not None else None
-    lb = call.layout.block_size if call.layout is not None else 0
-    return cpu_blocks_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.scale,
-                          call.window_left, call.window_right)
+PATH = register(Path(
+    backend="torch", op="attention", name="torch/cpu-blocks", priority=95,
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES["attention"] - {"dropout"}),
+    run=_run, admits=cpu_reasons,
+    describe=lambda call: "visible key blocks only, one batched matmul per group of query blocks"))

@@ -25,12 +25,23 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake,
-                             empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads,
-                             step_fake, zero_state_grads)
-from .ops import kernels
+from ....feature_maps import KERNEL_MAPS as MAPS  # noqa: F401  (the kernels' codes)
+from ....splits import sm_count
+from ...linear_common import (
+    apply_bwd_fake,
+    apply_fake,
+    causal_bwd_fake,
+    causal_fwd_fake,
+    empty_den,
+    kv_state_fake,
+    state_grads,
+    step_fake,
+    zero_state_grads,
+)
+from ...linear_common import opt as _opt
+from ...linear_common import out_grads as _out_grads
+from .._ext import ops as kernels
 
-MAPS = {"identity": 0, "elu": 1, "relu": 2}     # feature maps the kernels apply on load
 CHUNK = 64                                     # timeline positions per chunk (csrc/linear.h: kLinChunk)
 FAVOR_CAP = 30.0                               # effattn.feature_maps.FAVOR_MAX_EXPONENT
 
@@ -53,8 +64,7 @@ def _split(device: torch.device, blocks: int, n_chunks: int) -> int:
     the emulation, so that small tests cross split edges)."""
     if device.type != "cuda":
         return max(1, min(n_chunks, 3))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_chunks, -(-2 * sms // max(blocks, 1))))
+    return max(1, min(n_chunks, -(-2 * sm_count(device) // max(blocks, 1))))
 
 
 def state_pass(b: Rows, c: Rows, T: int, np_: int, *, reverse=False, store=True, cx: Optional[Tensor] = None,

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._call import LINEAR as FN, LinearCall, compute_dtype as _compute_dtype, linear_features
-from ..base import FEATURES, Backend, Capabilities, register
-from . import linear_cpu
+from ...._call import LINEAR as FN, LinearCall, linear_features
+from ....numerics import compute_dtype as _compute_dtype
+from ...base import FEATURES, Capabilities, Path, register
 
 CHUNK = 64                       # positions per chunk in the causal reference
 
@@ -92,9 +92,7 @@ def linear_attention_reference(fq: Tensor, fk: Tensor, v: Tensor, *, causal: boo
     return num.reshape(B, H, Lq, Dv), S.reshape(B, H, Fd, Dv), z.reshape(B, H, Fd)
 
 
-def _torch_run(call: LinearCall):
-    if linear_cpu.cpu_path(call)[0]:              # CPU: slices in parallel on all threads
-        return linear_cpu.run(call)
+def _run(call: LinearCall):
     dt = _compute_dtype(call.q.dtype)
     fq, fk = linear_features(call, dt)
     out, S, z = linear_attention_reference(fq, fk, call.v.to(dt), causal=call.causal,
@@ -103,11 +101,9 @@ def _torch_run(call: LinearCall):
     return out.to(call.q.dtype), ((S, z) if call.return_state else None)
 
 
-TORCH_BACKEND = register(Backend(
-    name="torch", op=FN, priority=100,
-    caps=Capabilities(devices=frozenset({"cpu", "cuda"}),
-                      dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-                      max_head_dim=256, features=FEATURES[FN]),
-    run=_torch_run,
-    describe=lambda call: "CPU path: " + linear_cpu.cpu_path(call)[1] if call.q.device.type == "cpu" else None,
-))
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+PATH = register(Path(
+    backend="torch", op=FN, name="torch/linear-chunked", priority=100,
+    caps=Capabilities(devices=frozenset({"cpu", "cuda"}), dtypes=DTYPES, max_head_dim=256, features=FEATURES[FN]),
+    run=_run))

@@ -19,10 +19,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..base import FEATURES, Backend, Capabilities, attention_autograd, register
-from . import cpu_fused
-from ..._call import compute_dtype as _compute_dtype
-from ...visibility import Rule
+from ....numerics import chunk_generator_seed, compute_dtype as _compute_dtype
+from ....visibility import Rule
+from ...base import FEATURES, Capabilities, Path, attention_autograd, register
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23
@@ -99,9 +98,8 @@ def _plan(rule: Rule, rows: int, device) -> List[_Chunk]:
 def _dropout_keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
     """Keep-mask of one chunk, drawn from a generator seeded by (call seed, chunk start) so that
     backward regenerates exactly the forward's mask."""
-    s0, s1 = (int(x) for x in seed.tolist())
     g = torch.Generator(device=device)
-    g.manual_seed((s0 * 1_000_003 + s1 * 7919 + i0) % (2**63 - 1))
+    g.manual_seed(chunk_generator_seed(seed, i0))
     return torch.rand(shape, generator=g, device=device) >= p
 
 
@@ -242,24 +240,14 @@ ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _run(call):
-    path, _ = cpu_fused.cpu_path(call)
-    if path != "reference":                 # CPU: torch's flash kernel or the batched blocks path
-        return cpu_fused.run(call, path)
-    lm = call.layout.mask if call.layout is not None else None
-    lb = call.layout.block_size if call.layout is not None else 0
-    return ref_attention_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.seed, call.scale,
-                             call.dropout_p, call.window_left, call.window_right)
+    return ref_attention_fwd(**call.op_args()._asdict())
 
 
-def _describe(call):
-    return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.q.device.type == "cpu" else None
-
-
-BACKEND = register(Backend(
-    name="torch", op="attention", priority=100,
+PATH = register(Path(
+    backend="torch", op="attention", name="torch/reference", priority=100,
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         max_head_dim=256,
         features=FEATURES["attention"]),
-    run=_run, describe=_describe))
+    run=_run))

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor
 
-from ...feature_maps import FAVOR_MAX_EXPONENT, FavorFeatures
-from .ops import kernels
+from ....feature_maps import FAVOR_MAX_EXPONENT, FavorFeatures
+from .._ext import ops as kernels
 
 
 @torch.library.custom_op("effattn::cuda_favor_features", mutates_args=())

@@ -1,4 +1,4 @@
-"""The torch backend's CPU path for linear attention: the reference's math (linear.py), run on
+"""The torch backend's path ``torch/linear-cpu-slices``: the reference's math (reference.py), run on
 independent slices of the call (key/value heads, or batch entries) in parallel, one intra-op thread
 per slice (see threads.py for why many-op code needs this to scale with threads).
 
@@ -10,40 +10,33 @@ autograd sees the whole computation, as does tracing by torch.compile.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List
 
 import torch
-from torch import Tensor
 
-from ..._call import compute_dtype
-from . import threads
+from ...._call import LINEAR
+from ....numerics import compute_dtype
+from ...base import FEATURES, Capabilities, Path, register
+from .. import threads
+from .reference import DTYPES, linear_attention_reference
 
-SERVED_MAPS = ("elu", "relu", "identity", "favor")
 
-
-def cpu_path(call) -> Tuple[bool, str]:
-    """(served here?, why) for a LinearCall on the torch backend."""
-    if call.q.device.type != "cpu":
-        return False, "reference (the slice-parallel CPU path runs on CPU tensors only)"
-    if call.feature_map_name not in SERVED_MAPS:
-        return False, ("reference: a callable feature map may hold parameters, so autograd must see "
-                       "the whole computation")
-    if call.feature_map_name == "favor" and any(t.requires_grad for t in getattr(call.phi, "parameters",
-                                                                                  lambda: [])()):
-        return False, "reference: the FAVOR+ projection requires grad"
+def _admits(call) -> List[str]:
+    """Why the slice-parallel path leaves a call it declares to serve to the reference."""
+    if call.feature_map_name == "favor" and any(t.requires_grad for t in getattr(call.phi, "parameters", lambda: [])()):
+        return ["the FAVOR+ projection requires grad: autograd must see the whole computation"]
     if torch.compiler.is_compiling():
-        return False, "reference (traced by torch.compile)"
+        return ["traced by torch.compile"]
     if min(call.q.shape) == 0 or min(call.k.shape) == 0:
-        return False, "reference (an empty shape)"
+        return ["an empty shape"]
     if min(torch.get_num_threads(), max(call.k.shape[0], call.k.shape[1])) <= 1:
         # nothing to run in parallel, and the reference's backward needs no recomputed forward
-        return False, "reference (one thread, or one key/value head and batch entry: nothing to split)"
-    return True, "the reference's chunked math, key/value heads (or batch entries) in parallel on all threads"
+        return ["one thread, or one key/value head and batch entry: nothing to split"]
+    return []
 
 
 def _slice_math(call, q, k, v, S0, z0):
     """out, S, z of one slice, through the reference's math."""
-    from .linear import linear_attention_reference
     dt = compute_dtype(call.q.dtype)
     fq, fk = call.phi(q.to(dt)), call.phi(k.to(dt))
     init = None if S0 is None else (S0, z0)
@@ -111,7 +104,16 @@ class _SliceParallel(torch.autograd.Function):
 
 
 def run(call):
-    """(out, (S, z) or None) of a LinearCall served by `cpu_path`."""
+    """(out, (S, z) or None) of a LinearCall this path admits."""
     S0, z0 = call.initial_state if call.initial_state is not None else (None, None)
     out, S, z = _SliceParallel.apply(call, call.q, call.k, call.v, S0, z0)
     return out, ((S, z) if call.return_state else None)
+
+
+# a callable feature map may hold parameters, so autograd must see the whole computation: the
+# reference serves it (the declaration leaves feature_map=callable out)
+PATH = register(Path(
+    backend="torch", op=LINEAR, name="torch/linear-cpu-slices", priority=95,
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=DTYPES, features=FEATURES[LINEAR] - {"feature_map=callable"}),
+    run=run, admits=_admits,
+    describe=lambda call: "the reference's chunked math, key/value heads (or batch entries) in parallel on all threads"))

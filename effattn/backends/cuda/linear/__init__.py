@@ -2,8 +2,8 @@
 backend ``"cuda"`` of ``linear_attention``.
 
 Layers: the kernels (csrc/linear_state.cuh, linear_out.cuh, linear_step.cuh) -> launchers
-(csrc/linear.cu) -> the C++ ops (csrc/binding/attention_op.cpp) -> the autograd ops
-(``linear_ops.py``) -> here.
+(csrc/linear.cu) -> the C++ ops (csrc/binding/) -> the autograd ops (``ops.py``; FAVOR+ features in
+``favor.py``) -> here, the rows ``cuda/linear-step`` (one token) and ``cuda/linear``.
 
 A call is composed as follows (``off = Lk - Lq``, bottom-right alignment):
 
@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import torch
 
-from ..._call import LINEAR, compute_dtype, linear_features
-from ...feature_maps import FavorFeatures
-from ..base import FEATURES, Backend, Capabilities, register
-from ..linear_common import LinearKernels, run, step_note
-from . import _available
-from .linear_favor import favor_features
-from .linear_ops import (MAPS, cuda_linear_apply, cuda_linear_causal_fwd, cuda_linear_kv_state, cuda_linear_step)
+from ...._call import LINEAR, linear_features
+from ....feature_maps import KERNEL_MAPS, FavorFeatures
+from ....numerics import compute_dtype
+from ...base import FEATURES, Capabilities, Path, register
+from ...linear_common import LinearKernels, run, run_step, step_reasons
+from .. import _ext
+from .favor import favor_features
+from .ops import cuda_linear_apply, cuda_linear_causal_fwd, cuda_linear_kv_state, cuda_linear_step
 
 
 def _features(call):
     """(q, k, fmap code): the raw inputs for a fused map, else the features (fp32; bf16 for bf16 calls)."""
-    fmap = MAPS.get(call.feature_map_name)
+    fmap = KERNEL_MAPS.get(call.feature_map_name)
     if fmap is not None:
         return call.q, call.k, fmap
     if isinstance(call.phi, FavorFeatures):
@@ -53,32 +54,41 @@ def _step(q, k, v, S0, z0, fmap, normalize, eps):
     return cuda_linear_step(q, k, v.to(q.dtype), S0, z0, fmap, normalize, eps)
 
 
-def _run(call):
-    from .ops import kernels
-    kernels(call.q.device)
-    q, k, fmap = _features(call)
+def _ops() -> LinearKernels:
     # the ops are looked up per call (tests may replace them with spies)
-    return run(call, q, k, fmap, LinearKernels(cuda_linear_kv_state, cuda_linear_apply, cuda_linear_causal_fwd, _step))
+    return LinearKernels(cuda_linear_kv_state, cuda_linear_apply, cuda_linear_causal_fwd, _step)
+
+
+def _run(call):
+    _ext.ops(call.q.device)
+    return run(call, *_features(call), _ops())
+
+
+def _run_step(call):
+    _ext.ops(call.q.device)
+    return run_step(call, *_features(call), _ops())
 
 
 def _note(call) -> str:
     name = call.feature_map_name
-    if name in MAPS:
+    if name in KERNEL_MAPS:
         how = f"feature map {name!r} fused into the kernels' loads"
     elif name == "favor":
         how = "FAVOR+ features computed by a CUDA prologue kernel (backward in torch) and fed to the passes"
     else:
         how = ("the callable feature map computed in torch (fp32, autograd) and fed to the kernels; they fuse "
                "only 'elu', 'relu' and 'identity'")
-    return how + step_note(call)
+    return how
 
 
-BACKEND = register(Backend(
-    # after Triton for "auto" until the GPU acceptance run has measured these kernels
-    name="cuda", op=LINEAR, priority=20,
-    caps=Capabilities(devices=frozenset({"cuda", "cpu"}),
-                      dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-                      max_head_dim=256, features=FEATURES[LINEAR]),
-    run=_run, available=_available, notes=lambda call: [_note(call)],
-    # on CPU this is the emulation: a test vehicle, only when named
-    explicit_only_devices=frozenset({"cpu"})))
+_COMMON = dict(backend="cuda", op=LINEAR,
+               caps=Capabilities(devices=frozenset({"cuda", "cpu"}),
+                                 dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                                 max_head_dim=256, features=FEATURES[LINEAR]),
+               available=_ext.available, notes=lambda call: [_note(call)],
+               # on CPU this is the emulation: a test vehicle, only when named
+               explicit_only_devices=frozenset({"cpu"}))
+
+# after Triton for "auto" until the GPU acceptance run has measured these kernels
+STEP = register(Path(name="cuda/linear-step", priority=19, run=_run_step, admits=step_reasons, **_COMMON))
+BACKEND = register(Path(name="cuda/linear", priority=20, run=_run, **_COMMON))

@@ -11,50 +11,15 @@ Two levels:
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..base import attention_autograd
-from ...tiles import layout_tile_lists  # the shared tile plan (packed full/partial lists)
-from . import _ext, hopper
-
-BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBlockM)
-BUCKETS = (32, 64, 128, 256)
-
-
-def bucket(D: int, Dv: int) -> int:
-    """The head-dim bucket the kernels are compiled for: max(D, Dv) rounded up to 8, then to a bucket."""
-    d = max(-(-D // 8) * 8, -(-Dv // 8) * 8)
-    return next(b for b in BUCKETS if d <= b)
-
-
-def tiles(D: int, Dv: int, by_key: bool) -> Tuple[int, int]:
-    """(query tile, key tile) of the forward and dQ passes, or with `by_key` of the dK/dV pass
-    (csrc/attention.h; FwdConfig / BwdConfig)."""
-    hd = bucket(D, Dv)
-    if by_key:
-        return (32 if hd >= 128 else 64), 64
-    return BLOCK_M, (32 if hd >= 256 else 64)
-
-
-def _norm_window(left: int, right: int, Lq: int, Lk: int) -> Tuple[int, int]:
-    """A window wider than the sequences is no constraint (the C++ side applies the same rule)."""
-    return (-1 if left >= max(Lk - 1, 0) else left), (-1 if right >= max(Lq - 1, 0) else right)
-
-
-def _plan(q, k, v, layout_mask, layout_block, left, right, by_key):
-    """(lists, wf, layout_check) for a layout; (None, 0, 0) without one."""
-    if layout_mask is None:
-        return None, 0, 0
-    Lq, Lk = q.shape[2], k.shape[2]
-    left, right = _norm_window(left, right, Lq, Lk)
-    bm, bn = tiles(q.shape[3], v.shape[3], by_key)
-    lists, wf = layout_tile_lists(layout_mask, layout_block, Lq, Lk, bm, bn, left, right, by_key)
-    # partial tiles read the layout per element unless every pass's tiles nest in its blocks
-    return lists, wf, int(layout_block % BLOCK_M != 0)
-
+from ...base import Capabilities, Path, attention_autograd, register
+from .. import _ext
+from . import hopper
+from .tiling import layout_lists
 
 def _register_fakes(ns: str) -> None:
     def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
@@ -86,7 +51,7 @@ def kernels(device: torch.device):
 def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                        key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
                        window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
-    lists, wf, check = _plan(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
+    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
@@ -105,8 +70,8 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
                        lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                        key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
                        window_left: int, window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
-    lists, wf, check = _plan(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
-    klists, kwf, _ = _plan(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
+    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
+    klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
                                            window_left, window_right)
@@ -119,3 +84,35 @@ def _(grad_out, grad_lse, q, k, v, *args):
 
 _setup_context, _backward = attention_autograd(cuda_attention_bwd)
 cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------ the row cuda/prefill
+
+DEVICES = frozenset({"cuda", "cpu"})
+DTYPES = frozenset({torch.float16, torch.bfloat16})
+FEATURES = frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk", "dv_ne_d",
+                      "return_lse"})
+
+
+def notes(call) -> List[str]:
+    """What this backend does besides launching the kernels for a call: copies that align inputs."""
+    out = []
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        if t.numel() and (t.stride(-1) != 1 or t.shape[-1] % 8 or any(s % 8 for s in t.stride()[:3])):
+            out.append(f"{name} is copied into zero-padded 16-byte rows (head dim {t.shape[-1]}, strides "
+                       f"{tuple(t.stride())})")
+    return out
+
+
+def _run(call):
+    kernels(call.q.device)
+    return cuda_attention_fwd(**call.op_args()._asdict())
+
+
+# after Triton for "auto" until the GPU acceptance run has measured these kernels
+PATH = register(Path(
+    backend="cuda", op="attention", name="cuda/prefill", priority=20,
+    caps=Capabilities(devices=DEVICES, dtypes=DTYPES, max_head_dim=256, features=FEATURES),
+    run=_run, available=_ext.available, notes=notes, describe=hopper.describe,
+    # on CPU this is the emulation: a test vehicle, only when named
+    explicit_only_devices=frozenset({"cpu"})))

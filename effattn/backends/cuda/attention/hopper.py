@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from . import _ext
+from .. import _ext
+from .tiling import bucket
 
 HEAD_DIM_BUCKETS = (64, 128)
 _built = {}
@@ -30,7 +31,6 @@ def _has_sm90a(device: torch.device) -> bool:
 
 def why_not(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
     """None if the Hopper forward serves a call with these q, v; else why the mma.sync forward does."""
-    from .ops import bucket
     device = q.device
     if os.environ.get("EFFATTN_CUDA_HOPPER") == "0":
         return "turned off by EFFATTN_CUDA_HOPPER=0"

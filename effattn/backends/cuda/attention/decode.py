@@ -8,70 +8,27 @@ visible key tiles (64 keys) are cut into splits so that the grid holds at least 
 GPU's SMs, with at least `MIN_TILES_PER_SPLIT` tiles each; each split writes an fp32 partial output
 and log-sum-exp, merged by a second kernel with log-sum-exp weights. Deterministic.
 
-The backend takes this path for a call when `why_not(call)` is None, and ranks itself ahead of
-Triton for it (`ranks_ahead`) once the cache is long (`LONG_CACHE` keys).
+The row ``cuda/decode`` takes decode-shaped calls (`effattn.splits.decode_reasons`); it ranks ahead of
+Triton's rows once the call sees `effattn.splits.DECODE_MIN_KEYS` keys, after ``triton/prefill``
+below that (the split-KV plan's one threshold), and before ``cuda/prefill`` always.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..._call import forward_only_reason
-from ...tiles import layout_plan, layout_tile_lists
-from ...visibility import Rule
+from ....splits import MAX_QUERIES, MAX_SPLITS, MIN_TILES_PER_SPLIT, decode_reasons, long_cache, num_splits, sm_count  # noqa: F401
+from ....tiles import cdiv, layout_plan, layout_tile_lists
+from ....visibility import Rule, clamp_window
+from ...base import Capabilities, Path, register
+from .. import _ext
 from . import ops
 
-MAX_QUERIES = 16          # csrc/decode.h kDecodeMaxQueries
-ROWS = 16                 # packed rows per block (kDecodeRows)
+ROWS = 16                 # packed rows per block (csrc/decode.h kDecodeRows)
 BLOCK_N = 64              # keys per tile (kDecodeBlockN)
-MIN_TILES_PER_SPLIT = 4   # 256 keys: below that a split's fixed cost (Q load, merge, combine) dominates
-MAX_SPLITS = 128
-WAVES = 2                 # blocks per SM the split count aims for
-LONG_CACHE = 512          # keys from which decode-shaped calls rank the CUDA backend ahead of Triton
-EMU_SM_COUNT = 8          # the SM count the emulation plans for (CPU tensors)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def why_not(call) -> Optional[str]:
-    """None when the decode kernels serve `call`, else why the backend takes its prefill kernel."""
-    if call.Lq > MAX_QUERIES:
-        return f"Lq={call.Lq} > {MAX_QUERIES} query rows"
-    return forward_only_reason(call)
-
-
-def ranks_ahead(call) -> bool:
-    """Decode-shaped calls against a long cache, where the split-KV kernels read K/V once per KV head
-    and fill the GPU while a 64-row prefill tile holds one real row (by the memory traffic; the GPU
-    acceptance run measures it)."""
-    return call is not None and call.Lk >= LONG_CACHE and why_not(call) is None
-
-
-_SMS: Dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (the emulation: `EMU_SM_COUNT`)."""
-    if device.type != "cuda":
-        return EMU_SM_COUNT
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-def num_splits(B: int, Hkv: int, row_tiles: int, key_tiles: int, sms: int) -> int:
-    """Splits of `key_tiles` visible key tiles so that B * Hkv * row_tiles * splits blocks hold
-    `WAVES` waves of `sms` SMs, each split keeping at least `MIN_TILES_PER_SPLIT` tiles."""
-    want = cdiv(WAVES * sms, max(B * Hkv * row_tiles, 1))
-    if want <= 1 or key_tiles < 2 * MIN_TILES_PER_SPLIT:
-        return 1
-    per = max(MIN_TILES_PER_SPLIT, key_tiles // want)
-    return min(cdiv(key_tiles, per), MAX_SPLITS)
+EMU_SM_COUNT = 8          # the SMs the emulation plans for (CPU tensors): small, so tests cross split edges
 
 
 def _lists(q, k, layout_mask, layout_block, left, right):
@@ -82,7 +39,7 @@ def _lists(q, k, layout_mask, layout_block, left, right):
         return None, 0, 0
     Lq, Lk = q.shape[2], k.shape[2]
     H, Hkv = q.shape[1], k.shape[1]
-    left, right = ops._norm_window(left, right, Lq, Lk)
+    left, right = clamp_window(left, right, Lq, Lk)
     mask, check = layout_mask, 1
     if layout_mask.shape[0] > 1 and H != Hkv:
         cache = layout_plan(layout_mask).backend_cache
@@ -108,7 +65,7 @@ def _plan(q, k, lists, left, right) -> Tuple[int, int, int]:
     Hkv, Lk = k.shape[1], k.shape[2]
     row_tiles = cdiv((H // Hkv) * Lq, ROWS)
     tiles = _key_tiles(Lq, Lk, left, right, lists)
-    return row_tiles, tiles, num_splits(B, Hkv, row_tiles, tiles, sm_count(q.device))
+    return row_tiles, tiles, num_splits(B, Hkv, row_tiles, tiles, sm_count(q.device, EMU_SM_COUNT))
 
 
 def plan(call) -> Tuple[int, int, int]:
@@ -121,14 +78,11 @@ def plan(call) -> Tuple[int, int, int]:
 
 
 def describe(call) -> str:
-    """The path the CUDA backend takes for `call` (a line in explain)."""
-    why = why_not(call)
-    if why is not None:
-        return f"prefill kernel (64-row query tiles); not the split-KV decode: {why}"
+    """The split-KV plan for `call` (detail in explain)."""
     row_tiles, tiles, splits = plan(call)
     G = call.H // call.Hkv
     return (f"split-KV decode: {G} query heads x {call.Lq} row(s) packed per KV head ({row_tiles} tile(s) of "
-            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device)} SMs")
+            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device, EMU_SM_COUNT)} SMs")
 
 
 # ------------------------------------------------------------------------------------------- ops
@@ -175,8 +129,21 @@ def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, 
 
 
 def run(call):
-    lay = call.layout
+    a = call.op_args()
     fn = cuda_attention_decode if torch.compiler.is_compiling() else _decode
-    return fn(call.q, call.k, call.v, lay.mask if lay is not None else None,
-                                 lay.block_size if lay is not None else 0, call.key_padding_mask, call.scale,
-                                 call.window_left, call.window_right, 0)
+    return fn(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale, a.window_left,
+              a.window_right, 0)
+
+
+def _rank(call) -> int:
+    """Ahead of Triton's rows for a call that sees `DECODE_MIN_KEYS` keys (the split-KV kernels read
+    K/V once per KV head and fill the GPU while a 64-row prefill tile holds one real row), after
+    ``triton/prefill`` below that; before ``cuda/prefill`` always."""
+    return 5 if long_cache(call) else 15
+
+
+PATH = register(Path(
+    backend="cuda", op="attention", name="cuda/decode", priority=_rank,
+    caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES, features=ops.FEATURES), run=run,
+    admits=decode_reasons, available=_ext.available, notes=ops.notes, describe=describe,
+    explicit_only_devices=frozenset({"cpu"})))

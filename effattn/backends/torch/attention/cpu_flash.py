@@ -1,0 +1,85 @@
+"""The torch backend's path ``torch/cpu-flash``: torch's fused flash-attention CPU kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) for the dense and causal
+calls it computes exactly: it returns the log-sum-exp, reads GQA key/value heads without expanding
+them, accumulates half types in float32 and float64 in float64. Its causal mask is aligned
+top-left, so it serves causal calls only when ``Lq == Lk``; it has no dropout, no ``Dv != D`` and
+no masks (``torch/cpu-blocks`` and ``torch/reference`` serve those).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ....numerics import compute_dtype
+from ...base import Capabilities, Path, register
+from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
+# enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
+_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+FEATURES = frozenset({"causal", "lq_ne_lk", "return_lse"} | ({"gqa"} if _FLASH_GQA else set()))
+
+
+@torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
+def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+
+
+@cpu_flash_fwd.register_fake
+def _(q, k, v, causal, scale):
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())
+def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                  lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    if grad_lse is not None and not bool(grad_lse.any()):
+        grad_lse = None                      # autograd materializes an unused lse's gradient as zeros
+    if grad_lse is not None:
+        # the flash backward has no lse gradient input; the blocks path's backward takes one and
+        # computes the same gradients from the same out and lse (causal: Lq == Lk here)
+        return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
+                               0 if causal else -1)
+    dq, dk, dv = _FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@cpu_flash_bwd.register_fake
+def _(grad_out, grad_lse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.static = (causal, scale)
+
+
+def _flash_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = cpu_flash_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *ctx.static)
+    return dq, dk, dv, None, None
+
+
+cpu_flash_fwd.register_autograd(_flash_grad, setup_context=_flash_setup)
+
+
+def _admits(call) -> List[str]:
+    why = cpu_reasons(call)
+    if not why and call.causal and call.Lq != call.Lk:
+        why.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
+    return why
+
+
+PATH = register(Path(
+    backend="torch", op="attention", name="torch/cpu-flash", priority=90,
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
+    run=lambda call: cpu_flash_fwd(call.q, call.k, call.v, call.causal, call.scale), admits=_admits,
+    describe=lambda call: "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"))
