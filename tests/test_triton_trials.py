@@ -43,7 +43,7 @@ def test_tma_needs_unit_stride_rows():
 
 
 def test_opcode_counts_of_the_trial_table():
-    from benchmarks.kernel_resources import opcode_counts
+    from tools.triton.kernel_resources import opcode_counts
     sass = """
         /*0000*/               @P0 UTMALDG.2D [UR8], [UR4] ;
         /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;

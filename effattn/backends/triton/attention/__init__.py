@@ -64,7 +64,7 @@ The launch metadata (sizes, flags, every scalar kernel argument) is built once p
 dictionary lookup; eager calls on plain tensors call the launchers without the torch.library layer
 (`op._direct`), and dispatch asks only the backend it picks. About 25-35 us of CPU per forward and
 120-200 us per forward+backward at L=1024 without Triton's own launch path
-(``python -m benchmarks.host_overhead``; benchmarks/results/cpu/host_overhead.md).
+(``python -m tools.triton.host_overhead``; benchmarks/results/cpu/host_overhead.md).
 
 Scheduling
 ----------
