@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from effattn.feature_maps import FavorFeatures
 from effattn.linear import LinearCall, linear_attention
-from oracle import feature_map
+from effattn.testing.oracle import feature_map
 from conftest import DEVICE, declared_dtypes, op_backends
 
 torch.set_num_threads(2)

@@ -16,7 +16,7 @@ import effattn
 from conftest import DEVICE, random_qkv
 from effattn import tiles
 from effattn.layouts import BlockLayout
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")

@@ -7,7 +7,7 @@ import torch
 
 from effattn.backends.triton.attention import launch
 from effattn.layouts import sliding_and_summary
-from oracle import chunked_attention
+from effattn.testing.oracle import chunked_attention
 
 # (B, H, Hkv, Lq, Lk, D, attention kwargs)
 CASES = {
