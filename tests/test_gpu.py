@@ -9,7 +9,7 @@ torch.compile, O(L) memory, and last a call of a never-seen kind made during gra
 
 Kernels run with their first config (``EFFATTN_TRITON_AUTOTUNE=0``, set by conftest): autotuning
 compiles ~10 candidates per kind, too slow here. The tuned configs are compared with the baselines'
-outputs by the benchmark suite (``python -m benchmarks.run --suite gpu``, its ``max_diff`` column).
+outputs by the benchmark suite (``python -m benchmarks.suite``, its ``max_diff`` column).
 
 Linear attention's kernel backends are judged the same way against `oracle.chunked_linear_attention`
 (the quadratic form in float64).

@@ -55,7 +55,7 @@ def close_to(got, ref, dtype, what, grad=False):
 # ------------------------------------------------------------------------------------------ oracle
 
 def oracle_phi(name, favor=None, fn=None):
-    """Feature maps written independently of effattn.feature_maps (tests/oracle.py)."""
+    """Feature maps written independently of effattn.feature_maps (effattn/testing/oracle.py)."""
     return feature_map(name, favor, fn)
 
 

@@ -17,7 +17,7 @@ call). This module moves that work to the start, in parallel:
   compile for that target without a GPU (a stand-in driver answers Triton's device queries), the
   same binaries under the same cache keys as on such a GPU with the same triton and effattn
   source: ``python -m benchmarks.suite.precompile --arch 90`` on a CPU checks that every variant
-  compiles, and can fill a cache (``TRITON_CACHE_DIR``) to carry to the GPU machine.
+  compiles, and can fill a cache (``TRITON_CACHE_DIR``) to carry to a GPU machine.
 
 The calls are the softmax-attention launchers (forward, and the backward's kernels) and the causal
 linear-attention passes, called as their torch ops call them; a call that cannot be planned this way

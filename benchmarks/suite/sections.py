@@ -23,10 +23,10 @@ compile checks). The shapes are those of docs/benchmarks.md:
 - ``host`` (extra_sections.py): host overhead, the wall time per call of a tiny call issued back to back
   (the GPU waits for the host), next to SDPA's.
 
-Around them (extra_sections.py): ``precompile`` (every Triton kernel variant the suite launches, compiled
-first in a process pool: benchmarks/precompile.py), ``explore`` (autotuning of each kind of call with
-every candidate's timing saved) and, after the sections, ``recheck`` (the tuned configs against the
-float64 oracle) and ``checks`` (CUDA graphs, torch.compile): benchmarks/explore.py.
+Around them (runner.py): ``precompile`` (every Triton kernel variant the suite launches, compiled
+first in a process pool: kernels.py), ``explore`` (autotuning of each kind of call with every
+candidate's timing saved) and, after the sections, ``recheck`` (the tuned configs against the
+float64 oracle): explore.py; and ``checks`` (CUDA graphs, torch.compile): extra_sections.py.
 
 `plan` lists what a suite will run, with its visible pairs, FLOPs and a rough time estimate, from
 shapes alone (``--dry-run``); benchmarks/tests/test_suite.py checks its counts against the oracle.
