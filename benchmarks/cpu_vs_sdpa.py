@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import effattn
+from effattn.visibility import Rule
 
-from .masks import dense_mask
 from .registry import variant
 
 WINDOW = 256
@@ -48,10 +48,10 @@ CASES = {
 
 def masks_for(name: str, L: int):
     if name.startswith("window"):
-        return dense_mask(L, L, causal=True, window=WINDOW)[None]
+        return Rule.of(L, L, causal=True, window=WINDOW).materialize()
     if name == "fixed layout":
         layout = variant("fixed").layout(L)
-        return dense_mask(L, L, causal=True, layout=layout)[None], layout
+        return Rule.of(L, L, causal=True, layout=layout).materialize(), layout
     return None
 
 

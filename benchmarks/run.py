@@ -305,15 +305,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "L, dtype and D are replaced): split a long sweep over several commands")
     p.add_argument("--time-limit", type=float, default=None,
                    help="minutes: start no new (variant, L) after this; the results so far are written")
-    p.add_argument("--suite", default=None, help="run a named suite of fixed shapes with per-section time "
-                   "budgets instead of the sweep (benchmarks/suites.py: gpu, anchors)")
-    p.add_argument("--sections", default=None, help="--suite: comma list of its sections to run (default all)")
-    p.add_argument("--budget", default=None, help="--suite: per-section seconds, e.g. 'anchors-d128=200,linear=0'")
-    p.add_argument("--dry-run", action="store_true", help="--suite: print the plan (shapes, FLOPs, estimated "
-                   "time) and exit; needs no GPU")
-    p.add_argument("--smoke", action="store_true", help="--suite: toy sizes on this machine (checks the suite)")
-    p.add_argument("--no-trials", action="store_true", help="--suite: leave the forward's TMA trial candidates "
-                   "out of the explore section's autotuning (benchmarks/explore.py)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -424,9 +415,6 @@ def metadata(a: argparse.Namespace, s: Settings, notes: dict) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.suite or a.dry_run:
-        from . import gpu_extras                # a named suite: fixed shapes, section budgets
-        return gpu_extras.main(a)
     if a.curated:
         if a.quick:
             raise SystemExit("--curated and --quick exclude each other")

@@ -1,7 +1,7 @@
 """Which key a query may see: the one home of effattn's visibility rule.
 
 Every backend, the nn layers, the Hugging Face integration and the benchmarks read the rule from
-here; only the test oracle (``tests/oracle.py``) writes it out again, on purpose, from the contract.
+here; only the test oracle (``effattn/testing/oracle.py``) writes it out again, on purpose, from the contract.
 
 Positions are aligned **bottom-right** (FlashAttention's convention): with ``Lq`` queries and ``Lk``
 keys, query i sits at absolute position ``pos(i) = i + offset``, ``offset = Lk - Lq``. Key j is

@@ -1,7 +1,7 @@
 """Shared test setup.
 
-- Without CUDA, Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before
-  triton is first imported, so it is set here, at collection time. Triton configs are pinned.
+- The environment (Triton's interpreter without CUDA, pinned Triton configs) is set by the
+  repository's root conftest.py, shared with benchmarks/tests/.
 - Outputs are poisoned: torch.empty / empty_like / new_empty hand out NaN-filled float tensors, so an
   element a kernel forgets to write fails the comparison instead of passing by luck.
 - `gpu`-marked tests run only where CUDA is present; with ``EFFATTN_GPU_SMOKE=1`` the ones also
@@ -14,18 +14,10 @@ import os
 import shutil
 import subprocess
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-# Tests pin the Triton configs (no per-kind autotuning compiles): a GPU test run stays within one
-# device call; the benchmark suite (python -m benchmarks.run --suite gpu) exercises the autotuned configs.
-os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
-
-import pytest  # noqa: E402
-
-import effattn  # noqa: E402
-from effattn.backends import base  # noqa: E402
+from effattn.backends import base
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU_SMOKE = os.environ.get("EFFATTN_GPU_SMOKE") == "1"

@@ -17,7 +17,7 @@ import torch
 import effattn
 from effattn.layouts import BlockLayout
 from conftest import DEVICE, attention_backends, declared_dtypes, random_qkv
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 
 BACKENDS = attention_backends()
 

@@ -11,7 +11,7 @@ import torch
 import effattn
 from effattn.backends.torch.attention import cpu_blocks
 from effattn.layouts import BlockLayout
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),

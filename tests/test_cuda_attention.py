@@ -14,7 +14,7 @@ import torch
 
 import effattn
 from effattn.layouts import BlockLayout
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 from test_attention import CASES, check_against_oracle, judge, make_inputs
 from test_fuzz import draw
 

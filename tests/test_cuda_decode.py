@@ -18,7 +18,7 @@ from effattn.backends import base
 from effattn.backends.cuda.attention import decode
 from effattn.layouts import BlockLayout
 from effattn.tiles import visited_tiles
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 from test_attention import judge, naive_in
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),

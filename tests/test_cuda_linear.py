@@ -16,7 +16,7 @@ import effattn
 import test_linear_attention as shared
 from conftest import run_sanitized
 from effattn.feature_maps import FavorFeatures
-from oracle import feature_map
+from effattn.testing.oracle import feature_map
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
               pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)

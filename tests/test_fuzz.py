@@ -13,7 +13,7 @@ import torch
 import effattn
 from effattn.layouts import BlockLayout
 from conftest import DEVICE, attention_backends
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 from test_attention import judge, naive_in
 
 N_CASES = 60

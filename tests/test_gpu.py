@@ -9,7 +9,7 @@ torch.compile, O(L) memory, and last a call of a never-seen kind made during gra
 
 Kernels run with their first config (``EFFATTN_TRITON_AUTOTUNE=0``, set by conftest): autotuning
 compiles ~10 candidates per kind, too slow here. The tuned configs are compared with the baselines'
-outputs by the benchmark suite (``python -m benchmarks.run --suite gpu``, its ``max_diff`` column).
+outputs by the benchmark suite (``python -m benchmarks.suite``, its ``max_diff`` column).
 
 Linear attention's kernel backends are judged the same way against `oracle.chunked_linear_attention`
 (the quadratic form in float64).
@@ -19,8 +19,6 @@ the tests themselves before a GPU session, not of the kernels at real sizes.
 ``EFFATTN_GPU_BACKENDS=triton,...`` names the backends to test instead (the torch reference too).
 """
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,12 +26,9 @@ import torch
 import effattn
 from conftest import GPU_SMOKE, declared_dtypes, kernel_backends, op_backends
 from effattn.layouts import BlockLayout, sliding_and_summary
-from oracle import chunked_attention, chunked_linear_attention, feature_map
+from effattn.testing import checks
+from effattn.testing.oracle import chunked_attention, chunked_linear_attention, feature_map
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from benchmarks import gpu_extras  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.toy]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,7 +142,7 @@ def test_against_float64_at_real_sizes(backend, dtype, tf32, case_id):
         kpm[0, :max(1, c.Lk // 50)] = True
         kw["key_padding_mask"] = kpm
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with gpu_extras.tf32(tf32):
+    with checks.tf32(tf32):
         out = effattn.attention(*leaves, backend=backend, **kw)
         got = (out,) + torch.autograd.grad(out, leaves, go)
         ref = chunked_attention(q, k, v, go.double(), dtype=torch.float64, **kw)
@@ -259,7 +254,7 @@ def test_cuda_graph_replay_equals_eager(backend):
         out = effattn.attention(*leaves, causal=True, backend=backend)
         return (out,) + torch.autograd.grad(out, leaves, go)
 
-    same = gpu_extras.graph_replay_matches_eager(step)
+    same = checks.graph_replay_matches_eager(step)
     assert all(same), f"bitwise equal (out, dq, dk, dv): {same}"
 
 
@@ -272,7 +267,7 @@ def test_torch_compile_equals_eager(backend):
     def f(q, k, v):
         return effattn.attention(q, k, v, causal=True, layout=layout, backend=backend) * 2
 
-    same, diff = gpu_extras.compile_matches_eager(f, (q, k, v), backend="aot_eager" if SMOKE else "inductor")
+    same, diff = checks.compile_matches_eager(f, (q, k, v), backend="aot_eager" if SMOKE else "inductor")
     assert diff < 1e-2, f"compiled vs eager: max |diff| {diff:.3g} (bitwise {same})"
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from effattn.feature_maps import FavorFeatures
 from effattn.linear import LinearCall, linear_attention
-from oracle import feature_map
+from effattn.testing.oracle import feature_map
 from conftest import DEVICE, declared_dtypes, op_backends
 
 torch.set_num_threads(2)
@@ -55,7 +55,7 @@ def close_to(got, ref, dtype, what, grad=False):
 # ------------------------------------------------------------------------------------------ oracle
 
 def oracle_phi(name, favor=None, fn=None):
-    """Feature maps written independently of effattn.feature_maps (tests/oracle.py)."""
+    """Feature maps written independently of effattn.feature_maps (effattn/testing/oracle.py)."""
     return feature_map(name, favor, fn)
 
 

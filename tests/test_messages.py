@@ -48,16 +48,3 @@ def test_an_installed_backend_without_a_kernel_for_the_op_says_so():
         with pytest.raises(RuntimeError, match=f"backend '{name}' has no linear_attention kernel in this version"):
             effattn.linear_attention(*qkv(), backend=name)
         assert "not available" not in str(effattn.explain(*qkv(), op="linear_attention").reasons[name])
-
-
-def test_report_footnote_says_unsupported_once():
-    from benchmarks import report
-    rows = [dict(variant="dense", op="attention", impl=impl, kind=kind, mode="fwd", dtype="float32", B=1, H=1,
-                 L=64, D=8, status=status, time_ms=t, tflops=1.0 if t else None, peak_mem_mib=1.0 if t else None,
-                 flops=1, visible_frac=1.0)
-            for impl, kind, status, t in (("effattn-torch", "effattn", "ok", 1.0),
-                                          ("effattn-triton", "effattn", "unsupported: triton is not installed", None),
-                                          ("naive", "baseline", "ok", 2.0))]
-    text = report.summary_text(rows, dict(device="cpu", torch="x", triton=None))
-    assert "(not shown, unsupported: effattn-triton: triton is not installed)" in text
-    assert "unsupported: effattn-triton: unsupported" not in text

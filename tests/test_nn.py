@@ -14,7 +14,7 @@ import effattn
 from effattn import layouts
 from effattn.nn import (KVCache, MultiheadAttention, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                         TransformerEncoderLayer)
-from oracle import visibility
+from effattn.testing.oracle import visibility
 
 E, H = 32, 4
 

@@ -24,7 +24,7 @@ from conftest import DEVICE, random_qkv
 from effattn import splits
 from effattn._call import make_attn_call, make_linear_call
 from effattn.backends import base
-from oracle import chunked_linear_attention, feature_map, naive_attention
+from effattn.testing.oracle import chunked_linear_attention, feature_map, naive_attention
 
 OPS = ("attention", "linear_attention")
 EXTRA = [paths_example.PATH]             # test-only rows: one line each

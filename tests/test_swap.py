@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from effattn.nn import MultiheadAttention, swap_attention
-from oracle import visibility
+from effattn.testing.oracle import visibility
 
 E, H, FF = 32, 4, 48
 

@@ -12,7 +12,7 @@ import torch
 
 from effattn import tiles
 from effattn.layouts import BlockLayout
-from oracle import visibility
+from effattn.testing.oracle import visibility
 
 
 def rand_layout(H, Lq, Lk, bs, density, seed):

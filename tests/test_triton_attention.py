@@ -16,7 +16,7 @@ import effattn
 from conftest import DEVICE, random_qkv
 from effattn import tiles
 from effattn.layouts import BlockLayout
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")
@@ -515,7 +515,7 @@ def test_grids_are_one_dimensional(monkeypatch):
 
 
 def kernel_resources(*arg_sets):
-    """Runs benchmarks/kernel_resources.py (offline compiles for GPU targets, no interpreter) once per
+    """Runs tools/triton/kernel_resources.py (offline compiles for GPU targets, no interpreter) once per
     argument list, the processes in parallel. Returns its JSON rows."""
     import json
     import os
@@ -525,7 +525,7 @@ def kernel_resources(*arg_sets):
     root = os.path.dirname(os.path.dirname(effattn.__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.kernel_resources", "--json", "--processes", "1",
+    procs = [subprocess.Popen([sys.executable, "-m", "tools.triton.kernel_resources", "--json", "--processes", "1",
                                *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for args in arg_sets]
     rows = []
@@ -550,7 +550,7 @@ def test_kernels_compile_for_sm90_and_sm80_offline():
       spills (almost) no register inside its tile loops and keeps copies in flight across iterations
       in every tile loop (the one-launch backward's four included).
     The whole candidate matrix (both targets, every class and dtype) runs with EFFATTN_COMPILE_ALL=1
-    (several minutes); `python -m benchmarks.kernel_resources` prints the tables."""
+    (several minutes); `python -m tools.triton.kernel_resources` prints the tables."""
     import os
     if os.environ.get("EFFATTN_COMPILE_ALL") == "1":
         sets = [["--arch", str(arch), "--configs", "all", "--features", "all", "--kinds", "fwd,bwd",
@@ -594,7 +594,7 @@ def test_sass_loop_spill_counting():
     """The SASS reader behind the spill and prefetch checks: a spill between a backward branch and
     its target is inside a loop, one before or after is not; tile loops are the innermost loops, and
     one waits for all its copies when it holds a DEPBAR.LE SB0, 0x0 (the outer loop's does not count)."""
-    from benchmarks.kernel_resources import sass_stats
+    from tools.triton.kernel_resources import sass_stats
     sass = """
         /*0000*/                   STL [R1], R2 ;
         /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;

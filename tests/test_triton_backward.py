@@ -8,7 +8,7 @@ import torch
 
 from conftest import DEVICE
 from effattn import tiles
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")

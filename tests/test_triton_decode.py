@@ -10,7 +10,7 @@ import torch
 import effattn
 from conftest import DEVICE, random_qkv
 from effattn.layouts import BlockLayout
-from oracle import naive_attention
+from effattn.testing.oracle import naive_attention
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")
@@ -228,7 +228,7 @@ SMOKE = DEVICE.type == "cpu"           # reached only with EFFATTN_GPU_SMOKE=1: 
 def test_decode_at_real_sizes_within_the_naive_error_rule(Lq, kw):
     """B=4, H=32, Hkv=8, Lk=16k, D=128, bf16 (a toy shape in a smoke run): the automatic decode path,
     judged against float64 by the low-precision rule (2x the naive bf16 error + 8e-3)."""
-    from oracle import chunked_attention
+    from effattn.testing.oracle import chunked_attention
     B, H, Hkv, Lk, D = (2, 4, 2, 1100, 32) if SMOKE else (4, 32, 8, 16384, 128)
     kw = dict(kw)
     if SMOKE and "window" in kw:

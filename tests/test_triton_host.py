@@ -158,7 +158,7 @@ def test_lengths_do_not_multiply_compiled_kernels():
     arguments in ``do_not_specialize``. Without the list, a layout at 1024, 1536 and 2560 compiles 3 times."""
     from triton.runtime.jit import JITFunction
 
-    from benchmarks.specializations import count
+    from tools.triton.specializations import count
     from effattn.backends.triton.jit import UNSPECIALIZED_ARGS
 
     listing = [n for n, k in vars(ta.launch).items() if n.endswith("_kernel")

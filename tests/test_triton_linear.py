@@ -212,7 +212,7 @@ def test_kernels_compile_for_sm90_offline():
     """The interpreter skips Triton's compiler: compile the roles of the two linear kernels (and the
     step kernel) for sm_90 in the default bf16 config at F = Dv = 128, so a GPU-only compile error
     fails CI, and check they fit, use wgmma and spill nothing inside their loops
-    (`python -m benchmarks.linear_kernel_resources` prints the table of every role and dtype)."""
+    (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype)."""
     import json
     import os
     import subprocess
@@ -224,7 +224,7 @@ def test_kernels_compile_for_sm90_offline():
     # the roles whose flags are not a subset of another's (the committed table has all of them)
     roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
              "step"]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.linear_kernel_resources", "--json", "--processes", "2",
+    proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes", "2",
                            "--dtypes", "bf16", "--roles", ",".join(roles)], cwd=root, capture_output=True, text=True,
                           env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,7 @@ import torch
 
 from effattn.backends.triton.attention import launch
 from effattn.layouts import sliding_and_summary
-from oracle import chunked_attention
+from effattn.testing.oracle import chunked_attention
 
 # (B, H, Hkv, Lq, Lk, D, attention kwargs)
 CASES = {
@@ -43,7 +43,7 @@ def test_tma_needs_unit_stride_rows():
 
 
 def test_opcode_counts_of_the_trial_table():
-    from benchmarks.kernel_resources import opcode_counts
+    from tools.triton.kernel_resources import opcode_counts
     sass = """
         /*0000*/               @P0 UTMALDG.2D [UR8], [UR4] ;
         /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;

@@ -159,7 +159,7 @@ def packed_rows(G: int, Lq: int) -> int:
 def config(block_d: int, block_dv: int, rows: int, element_size: int) -> Tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` of the decode kernel for ``rows`` packed rows (no
     autotuning: one config, so a first call may be captured in a CUDA graph). Chosen from offline
-    sm_90 compiles (benchmarks/kernel_resources.py, kinds ``decode``): no spills with every feature
+    sm_90 compiles (tools/triton/kernel_resources.py, kinds ``decode``): no spills with every feature
     on, loads prefetched in flight (3 stages) for 16-bit inputs."""
     head = max(block_d, block_dv)
     big = element_size > 2 and head > 128            # fp32 at head dim 256

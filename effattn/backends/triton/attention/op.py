@@ -138,7 +138,7 @@ def _run_decode(call):
 _COMPILED = frozenset({"cuda"})
 # float32 with TF32 disallowed has no sound Triton path on a GPU: IEEE fp32 dots run as FMA loops that
 # spill (sm_90, D = 128: 7-9 KB of stack, ~30k spill instructions in the dK/dV loop) and 3xTF32 dots
-# spill in the dK/dV loop at every tile tried (benchmarks/results/offline-sm90/README.md). Such calls
+# spill in the dK/dV loop at every tile tried (docs/design/triton-configs.md). Such calls
 # rank after the torch backend (cuBLAS fp32), so "auto" takes it; named, the kernels still serve them
 # exactly (IEEE dots), slowly.
 IEEE_FP32_RANK = 200

@@ -34,7 +34,7 @@ if triton is not None:
 
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
-# benchmarks/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
+# tools/triton/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
 # fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
 CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
                      4: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},

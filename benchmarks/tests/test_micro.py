@@ -1,10 +1,9 @@
 """Micro-benchmarks of the effattn kernels (pytest-benchmark): one small forward call each.
 
-    python -m pytest benchmarks/test_micro.py --benchmark-enable      # real timings
-    python -m pytest benchmarks/test_micro.py --benchmark-disable     # each body once, as a test
+    python -m pytest benchmarks/tests/test_micro.py --benchmark-enable      # real timings
+    python -m pytest benchmarks/tests/test_micro.py                         # each body once, as a test
 
-tests/test_benchmarks.py imports these functions, so CI runs them as plain tests (the project's
-pytest addopts carry --benchmark-disable). backend="auto": Triton or CUDA on a GPU, the torch
+CI runs them as plain tests (the project's pytest addopts carry --benchmark-disable). backend="auto": Triton or CUDA on a GPU, the torch
 reference on CPU.
 """
 import pytest

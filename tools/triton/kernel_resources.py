@@ -18,9 +18,9 @@ It cannot say how fast a kernel runs; it says which configs cannot be fast (spil
 no wgmma) and which do not fit, so that autotuning on the GPU picks among sound candidates. The
 test suite runs it for the default configs on every CI run.
 
-    python -m benchmarks.kernel_resources                         # sm_90, bf16, causal, every candidate
-    python -m benchmarks.kernel_resources --arch 80 --configs first --features all
-    python -m benchmarks.kernel_resources --configs sweep --kinds bwd --head-dims 128 --out DIR
+    python -m tools.triton.kernel_resources                         # sm_90, bf16, causal, every candidate
+    python -m tools.triton.kernel_resources --arch 80 --configs first --features all
+    python -m tools.triton.kernel_resources --configs sweep --kinds bwd --head-dims 128 --out DIR
 
 Run it without ``TRITON_INTERPRET=1`` (Triton decides at import whether kernels are interpreted).
 """
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     jobs = [(args.arch, kind, int(hd), dt, i, cfg, feat, args.idx64)
             for feat in features for kind in kinds for hd in args.head_dims.split(",")
             for dt in args.dtypes.split(",") for i, cfg in configs_for(kind, int(hd), dt, args.configs)]
-    rows, meta = compile_all(measure, jobs, args, "benchmarks.kernel_resources", argv)
+    rows, meta = compile_all(measure, jobs, args, "tools.triton.kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)

@@ -1,10 +1,10 @@
 """Named benchmark suites: fixed shapes, in priority order, each section with a time budget.
 
-``python -m benchmarks.run --suite gpu`` runs the sections below through the ordinary runner
-(registry variants x implementations, run.sweep), with effattn's kernel backends and the baselines
-in the same run; benchmarks/gpu_extras.py adds what a suite has beyond a sweep (budgets, the
-output-difference column, capture / compile checks, decode). The shapes are those of
-docs/benchmarks.md:
+``python -m benchmarks.suite`` runs the sections below through the sweep's runner (registry
+variants x implementations, benchmarks.run.sweep), with effattn's kernel backends and the baselines
+in the same run; runner.py adds what a suite has beyond a sweep (budgets, the output-difference
+column), extra_sections.py the sections that are not a sweep (GQA, decode, host overhead, capture /
+compile checks). The shapes are those of docs/benchmarks.md:
 
 - ``anchors-d128`` / ``anchors-d64``: bf16, 16k tokens per batch (B = 16384 / L), H*D = 2048 (H = 16
   or 32), L = 4k and 16k, dense and causal, against SDPA flash, SDPA cuDNN and compiled
@@ -16,20 +16,20 @@ docs/benchmarks.md:
   its forward+backward rows carry the peak memory that is compared with SDPA flash.
 - ``linear``: causal linear attention (identity, elu+1, FAVOR+) at 1k..64k against fla's
   chunk_linear_attn, and causal softmax (SDPA flash) at the same shapes up to 16k.
-- ``gqa`` (gpu_extras): grouped-query attention, H=32 query heads on Hkv=8 KV heads, D=128, causal,
+- ``gqa`` (extra_sections.py): grouped-query attention, H=32 query heads on Hkv=8 KV heads, D=128, causal,
   L = 4k and 16k (B = 16384 / L), against SDPA flash and cuDNN with ``enable_gqa``.
-- ``decode`` (gpu_extras): one query row, H=32, Hkv=8, D=128, Lk=16k, B in {1, 4}, against the
+- ``decode`` (extra_sections.py): one query row, H=32, Hkv=8, D=128, Lk=16k, B in {1, 4}, against the
   memory-bound time (K and V bytes over the measured copy bandwidth).
-- ``host`` (gpu_extras): host overhead, the wall time per call of a tiny call issued back to back
+- ``host`` (extra_sections.py): host overhead, the wall time per call of a tiny call issued back to back
   (the GPU waits for the host), next to SDPA's.
 
-Around them (gpu_extras): ``precompile`` (every Triton kernel variant the suite launches, compiled
-first in a process pool: benchmarks/precompile.py), ``explore`` (autotuning of each kind of call with
-every candidate's timing saved) and, after the sections, ``recheck`` (the tuned configs against the
-float64 oracle) and ``checks`` (CUDA graphs, torch.compile): benchmarks/explore.py.
+Around them (runner.py): ``precompile`` (every Triton kernel variant the suite launches, compiled
+first in a process pool: kernels.py), ``explore`` (autotuning of each kind of call with every
+candidate's timing saved) and, after the sections, ``recheck`` (the tuned configs against the
+float64 oracle): explore.py; and ``checks`` (CUDA graphs, torch.compile): extra_sections.py.
 
 `plan` lists what a suite will run, with its visible pairs, FLOPs and a rough time estimate, from
-shapes alone (``--dry-run``); tests/test_gpu_suite.py checks its counts against the test oracle.
+shapes alone (``--dry-run``); benchmarks/tests/test_suite.py checks its counts against the oracle.
 """
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import registry, run
-from .registry import Case
+from .. import registry, run
+from ..registry import Case
+from . import explore, kernels
+from .kernels import Call
 
 EST_TFLOPS = 300.0                                  # rough throughput for the time estimate
 # first call per (impl, section, variant, mode): autotune (effattn: kernels precompiled) / compile
@@ -53,7 +55,7 @@ WIDTH = 2048            # H * D of the anchor shapes
 @dataclass(frozen=True)
 class Section:
     name: str
-    variants: Tuple[str, ...]           # registry.VARIANTS names ("decode": gpu_extras' own)
+    variants: Tuple[str, ...]           # registry.VARIANTS names ("decode", "host": extra_sections')
     lengths: Tuple[int, ...]
     head_dim: int
     baselines: Tuple[str, ...]          # registry baseline names
@@ -154,10 +156,9 @@ def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = Fal
     return out
 
 
-def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List["precompile.Call"]:
+def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List[Call]:
     """The effattn calls of a plan's entries (host-overhead rows left out: tiny, compiled by their
-    first call), forward+backward where the section times it, as `precompile.Call`s."""
-    from .precompile import Call
+    first call), forward+backward where the section times it, as `kernels.Call`s."""
     out = []
     for e in entries:
         if e["variant"] == "host":
@@ -176,16 +177,26 @@ def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List[
     return out
 
 
+def precompile_plan(entries, backends, smoke: bool, trials: bool = True):
+    """(the Triton kernel variants the suite's calls launch, the explore section's trial candidates
+    included unless not `trials`, {call: why not planned}); nothing when the Triton backend is not
+    run, in a --smoke run (the interpreter compiles nothing) or under TRITON_INTERPRET=1."""
+    from effattn.backends.triton.runtime import _INTERPRET
+    if "triton" not in backends or smoke or _INTERPRET:
+        return [], {}
+    with explore.trial_candidates(trials):
+        return kernels.plan_variants(calls(entries))
+
+
 def estimates(entries: Sequence[dict], budgets: Dict[str, float], n_variants: int, processes: int = 16) -> Dict[str, float]:
     """Estimated seconds per section, each capped by its budget (a section stops starting new work
     once its budget is spent), the precompile, explore and recheck sections included."""
-    from . import explore, precompile
     est: Dict[str, float] = {}
     for e in entries:
         est[e["section"]] = est.get(e["section"], 0.0) + e["est_s"]
     n_kinds = len(explore.distinct_calls(calls(entries)))
     n_be = len({i for e in entries for i in e["impls"] if i.startswith("effattn-")}) or 1
-    est["precompile"] = precompile.estimate_s(n_variants, processes) if n_variants else 0.0
+    est["precompile"] = kernels.estimate_s(n_variants, processes) if n_variants else 0.0
     est["explore"] = EST_EXPLORE_S * n_kinds * n_be
     est["recheck"] = EST_RECHECK_S * n_kinds * n_be
     est["checks"] = 2 * 15.0 * n_be

@@ -1,14 +1,14 @@
 """Offline GPU-target compiles of the linear-attention Triton kernels (no GPU needed).
 
-The companion of ``benchmarks/kernel_resources.py`` (whose measuring helpers it reuses) for
+The companion of ``tools/triton/kernel_resources.py`` (whose measuring helpers it reuses) for
 ``effattn/backends/triton/linear``: each of the two kernels is compiled once per role it plays in a
 call (forward state and output passes, the backward's reverse state pass and its dq / dk / dv output
 passes, the non-causal reduction and output, the decoding step) in its default config, for
 contiguous inputs, and reported with shared memory, registers, stack, spills (in loops / all) and
 the matrix instructions (HGMMA = Hopper wgmma).
 
-    python -m benchmarks.linear_kernel_resources                      # sm_90, F = Dv = 128, bf16 + fp16
-    python -m benchmarks.linear_kernel_resources --arch 80 --feature-dims 64,128 --out DIR
+    python -m tools.triton.linear_kernel_resources                      # sm_90, F = Dv = 128, bf16 + fp16
+    python -m tools.triton.linear_kernel_resources --arch 80 --feature-dims 64,128 --out DIR
 
 Run it without ``TRITON_INTERPRET=1``.
 """
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         ap.error(f"--roles takes {', '.join(ROLES)}")
     jobs = [(args.arch, role, int(f), dt) for f in args.feature_dims.split(",") for dt in args.dtypes.split(",")
             for role in roles]
-    rows, meta = compile_all(measure, jobs, args, "benchmarks.linear_kernel_resources", argv)
+    rows, meta = compile_all(measure, jobs, args, "tools.triton.linear_kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)

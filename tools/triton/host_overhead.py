@@ -12,8 +12,8 @@ launchers are called without the torch.library layer), and the same call through
 dispatch modes and the profiler), which adds torch's Python dispatch of custom ops.
 ``benchmarks/results/cpu/host_overhead.md`` has the numbers before and after the host-path work.
 
-    python -m benchmarks.host_overhead                  # forward and forward+backward, us per call
-    python -m benchmarks.host_overhead --json
+    python -m tools.triton.host_overhead                  # forward and forward+backward, us per call
+    python -m tools.triton.host_overhead --json
 """
 from __future__ import annotations
 

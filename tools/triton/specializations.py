@@ -10,8 +10,8 @@ configs) on CPU tensors with every ``@triton.jit`` kernel of the launch module r
 that computes the launch's specialization with Triton's own binder for an sm_90 target (what
 ``kernel[grid](...)`` computes before looking up its cache), then counts the distinct ones per kernel.
 
-    python -m benchmarks.specializations                  # causal, window and layout calls
-    python -m benchmarks.specializations --lengths 1000,1024,1 --json
+    python -m tools.triton.specializations                  # causal, window and layout calls
+    python -m tools.triton.specializations --lengths 1000,1024,1 --json
 
 Under ``TRITON_INTERPRET=1`` it reads the JIT functions the interpreted kernels would be on a GPU.
 """

@@ -14,29 +14,31 @@ they pick is correct at the suite's shapes.
   When such a candidate wins, the later sections run with it and the re-check checks it.
 - ``recheck``: each kind of call again, on fresh inputs at a smaller batch in the same length
   bucket (so with the same tuned configs), forward and backward against the float64 chunked
-  reference of tests/oracle.py by the project's rule (error at most 2x the naive computation's in
+  reference of effattn.testing.oracle by the project's rule (error at most 2x the naive computation's in
   the same dtype for the output, 3x for gradients, plus a small floor; no NaN), with the kernel
   configs each call actually launched.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
 
-from . import measure, precompile
+from effattn.testing import oracle
 
-ROOT = Path(__file__).resolve().parents[1]
-FLOOR = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}     # as tests/test_gpu.py
+from .. import measure
+from . import kernels
+
+FLOOR = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}     # as the GPU tests'
 RECHECK_MAX_TOKENS = 8192          # B * L of a re-check (B = 1 beyond it); H as planned, at most 8
 
 
-def tuning_key(c: precompile.Call) -> tuple:
+def tuning_key(c: kernels.Call) -> tuple:
     """What effattn's autotuners key a call on, roughly: op, mask mode, head dim, dtype, direction and
     the length buckets (powers of two capped at 8192); calls with equal keys share tuned configs.
     Whether the call is GQA is added: the autotuners do not key on it, the re-check does."""
@@ -47,9 +49,9 @@ def tuning_key(c: precompile.Call) -> tuple:
     return c.op, mode, c.D, str(c.dtype), c.backward, bucket(c.Lq), bucket(c.Lk), c.H != c.Hkv
 
 
-def distinct_calls(calls: Sequence[precompile.Call]) -> List[precompile.Call]:
+def distinct_calls(calls: Sequence[kernels.Call]) -> List[kernels.Call]:
     """The first call of each `tuning_key`; a backward call stands for its forward-only twin."""
-    out: Dict[tuple, precompile.Call] = {}
+    out: Dict[tuple, kernels.Call] = {}
     for c in sorted(calls, key=lambda c: not c.backward):
         k = tuning_key(c)
         if k[:4] + k[5:] in {key[:4] + key[5:] for key, o in out.items() if o.backward}:   # all but direction
@@ -84,12 +86,12 @@ def tuning_log():
     """Within: every ``do_bench`` of effattn's autotuners appends {module, kernels (the variants the
     timed function launched), ms} to the yielded list."""
     log: List[dict] = []
-    mods = [m for m in precompile.triton_modules() if hasattr(m, "do_bench")]
+    mods = [m for m in kernels.triton_modules() if hasattr(m, "do_bench")]
     saved = [(m, m.do_bench) for m in mods]
 
     def wrap(m, real):
         def timed(fn, *a, **k):
-            with precompile.spy(launch=True) as seen:
+            with kernels.spy(launch=True) as seen:
                 fn()                                       # one call to see what it launches
             entry = dict(module=m.__name__.rsplit(".", 2)[-2], kernels=[v.describe().strip() for v in seen])
             try:
@@ -114,7 +116,7 @@ def tuning_log():
 def tuned_configs() -> Dict[str, list]:
     """The autotuners' caches: {module: [[key..., config], ...]} (JSON-ready)."""
     out = {}
-    for m in precompile.triton_modules():
+    for m in kernels.triton_modules():
         tuned = getattr(m, "_TUNED", None)
         if isinstance(tuned, dict) and tuned:
             out[m.__name__] = [[repr(x) for x in k] + [list(v) if isinstance(v, tuple) else repr(v)]
@@ -122,7 +124,7 @@ def tuned_configs() -> Dict[str, list]:
     return out
 
 
-def tensors(c: precompile.Call, device, seed: int = 0):
+def tensors(c: kernels.Call, device, seed: int = 0):
     """q, k, v, dout for `c` on `device` (standard normal; q, k scaled down for linear identity /
     FAVOR+), and F (the features the kernels see)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -140,7 +142,7 @@ class NotServed(Exception):
     """The backend cannot serve the call; the message is `effattn.explain`'s reasons."""
 
 
-def run_call(c: precompile.Call, backend: str, q, k, v, dout):
+def run_call(c: kernels.Call, backend: str, q, k, v, dout):
     """effattn's output (and q, k, v gradients when ``c.backward``) for call `c`; NotServed when
     `effattn.explain` says the backend cannot serve it."""
     import effattn
@@ -160,7 +162,7 @@ def run_call(c: precompile.Call, backend: str, q, k, v, dout):
     return (out.detach(),) + tuple(grads)
 
 
-def explore(calls: Sequence[precompile.Call], backends: Sequence[str], device, deadline: float,
+def explore(calls: Sequence[kernels.Call], backends: Sequence[str], device, deadline: float,
             out_dir: Path) -> List[dict]:
     """Autotunes each distinct kind of call (see the module docstring) with every timing logged;
     writes ``explore.json``; returns one row per (backend, call)."""
@@ -193,11 +195,10 @@ def explore(calls: Sequence[precompile.Call], backends: Sequence[str], device, d
     return rows
 
 
-def recheck_call(c: precompile.Call) -> precompile.Call:
+def recheck_call(c: kernels.Call) -> kernels.Call:
     """`c` smaller with the same `tuning_key`: lengths past the last bucket (8192) cut to it (a
     layout to its top-left blocks: for sliding_and_summary the same pattern at that length), B * L
     <= RECHECK_MAX_TOKENS (B >= 1), H <= 8 (the GQA group kept)."""
-    import dataclasses
     Lq, Lk = (min(n, RECHECK_MAX_TOKENS) for n in (c.Lq, c.Lk))
     layout = c.layout
     if layout is not None:
@@ -210,16 +211,13 @@ def recheck_call(c: precompile.Call) -> precompile.Call:
                                Lq=Lq, Lk=Lk, layout=layout)
 
 
-def recheck(calls: Sequence[precompile.Call], backends: Sequence[str], device, deadline: float) -> List[dict]:
+def recheck(calls: Sequence[kernels.Call], backends: Sequence[str], device, deadline: float) -> List[dict]:
     """Each distinct kind of call at `recheck_call`'s size against the float64 chunked oracle, with
     the configs the autotuners picked (a kind not tuned yet is tuned here); one row per (backend,
     call): status ok / FAIL, the errors and the kernel configs launched."""
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import oracle
     rows = []
     for c in [recheck_call(x) for x in distinct_calls(calls)]:
-        c = c if c.backward else __import__("dataclasses").replace(c, backward=True)
+        c = c if c.backward else dataclasses.replace(c, backward=True)
         for b in backends:
             row = _row("recheck", c, b)
             if time.monotonic() > deadline:
@@ -227,9 +225,9 @@ def recheck(calls: Sequence[precompile.Call], backends: Sequence[str], device, d
                 continue
             try:
                 q, k, v, dout, F = tensors(c, device, seed=1)
-                with precompile.spy(launch=True) as seen:
+                with kernels.spy(launch=True) as seen:
                     got = run_call(c, b, q, k, v, dout)
-                ref, low = _oracle(oracle, c, q, k, v, dout)
+                ref, low = _oracle(c, q, k, v, dout)
                 problems, errs = judge(got, ref, low, c.dtype)
                 cfgs = sorted({v.describe().split("  ")[0] for v in seen})
                 row.update(status="FAIL: " + "; ".join(problems) if problems else "ok",
@@ -244,7 +242,7 @@ def recheck(calls: Sequence[precompile.Call], backends: Sequence[str], device, d
     return rows
 
 
-def _oracle(oracle, c, q, k, v, dout):
+def _oracle(c, q, k, v, dout):
     """(float64 reference, the naive computation in the input dtype): out, dq, dk, dv each."""
     if c.op == "attention":
         kw = dict(causal=c.causal, window=c.window, layout=c.layout)
@@ -274,7 +272,7 @@ def judge(got, ref, low, dtype, names=("out", "dq", "dk", "dv")):
     return problems, errs
 
 
-def _describe(c: precompile.Call) -> str:
+def _describe(c: kernels.Call) -> str:
     what = ("window" if c.window else "causal" if c.causal else "dense") if c.op == "attention" else c.feature_map
     if c.layout is not None:
         what = f"layout{c.layout.block_size}"
@@ -286,7 +284,7 @@ def _describe(c: precompile.Call) -> str:
             f"{' fwd+bwd' if c.backward else ' fwd'}")
 
 
-def _row(section: str, c: precompile.Call, backend: str) -> dict:
+def _row(section: str, c: kernels.Call, backend: str) -> dict:
     what = _describe(c).split(" B=")[0].split(" ", 1)[1]
     return dict(section=section, variant=what, op=c.op, impl=f"effattn-{backend}", kind="effattn",
                 mode="fwdbwd" if c.backward else "fwd", dtype=str(c.dtype).replace("torch.", ""), B=c.B, H=c.H,

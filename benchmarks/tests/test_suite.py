@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import effattn
+from benchmarks import registry
+from benchmarks.suite import explore, kernels, runner, sections
+from benchmarks.suite.__main__ import main as suite_main
+from effattn.testing.oracle import visibility
 
-import effattn  # noqa: E402
-from benchmarks import gpu_extras, registry, run, suites  # noqa: E402
-from oracle import visibility  # noqa: E402
-
-SECTIONS = suites.SUITES["gpu"]
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = sections.SUITES["gpu"]
 
 
 def _check_flops(e):
@@ -40,7 +39,7 @@ def _check_flops(e):
 def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     """The suite's own plan (its variants, windows and layouts) at toy sizes: every pair count is
     the number of True entries of the oracle's mask, written independently of effattn."""
-    entries = suites.plan(SECTIONS, ["torch"], smoke=True)
+    entries = sections.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host"}
     for e in entries:
@@ -63,7 +62,7 @@ def _fixed_pairs(L, bs=128, local=4, every=16):
 
 
 def test_plan_counts_match_closed_forms_at_real_shapes():
-    entries = suites.plan(SECTIONS, ["triton"])
+    entries = sections.plan(SECTIONS, ["triton"])
     seen = set()
     for e in entries:
         if e["variant"] == "decode":
@@ -103,26 +102,26 @@ def test_max_diff_flags_a_baseline_that_disagrees():
         b = naive.build(case)
         return registry.Bench(lambda: b.fn() * 1.1, b.leaves)
 
-    res = gpu_extras.output_diffs(case, [eff, naive, dataclasses.replace(naive, name="wrong", build=build_wrong)])
+    res = runner.output_diffs(case, [eff, naive, dataclasses.replace(naive, name="wrong", build=build_wrong)])
     assert max(float(x) for x in res["naive"]["max_diff"].split(",")) < 1e-5
     diffs, flag = res["wrong"]["max_diff"].split()
     assert flag == "MISMATCH" and all(abs(float(d) - 0.1 / 1.1) < 1e-3 for d in diffs.split(","))
 
 
 def test_dry_run_prints_every_section_with_budget_and_estimate(capsys):
-    assert run.main(["--suite", "gpu", "--dry-run", "--budget", "linear=5"]) == 0
+    assert suite_main(["--dry-run", "--budget", "linear=5"]) == 0
     text = capsys.readouterr().out
     for sec in SECTIONS:
         assert f"[{sec.name}] budget" in text
     assert "[linear] budget 5 s" in text and "estimated" in text
     assert "fixed            B=1   H=16  L=65536" in text
     with pytest.raises(SystemExit, match="unknown section"):
-        run.main(["--suite", "gpu", "--dry-run", "--budget", "nope=5"])
+        suite_main(["--dry-run", "--budget", "nope=5"])
 
 
 def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, capsys):
-    rc = run.main(["--suite", "gpu", "--smoke", "--sections", "anchors-d128,gqa,decode,host,anchors-d64", "--budget",
-                   "anchors-d64=0", "--out", str(tmp_path), "--no-plots", "--no-progress"])
+    rc = suite_main(["--smoke", "--sections", "anchors-d128,gqa,decode,host,anchors-d64", "--budget",
+                     "anchors-d64=0", "--out", str(tmp_path), "--no-plots"])
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
@@ -153,18 +152,19 @@ def test_smoke_run_writes_sections_diffs_budget_skips_and_summary(tmp_path, caps
 
 _PLAN_SCRIPT = """
 import contextlib, io, json
-from benchmarks import precompile, run
+from benchmarks.suite import kernels
+from benchmarks.suite.__main__ import main
 from effattn.backends.triton.attention import configs, launch
-bf = precompile.torch.bfloat16
-calls = [precompile.Call("attention", 4, 16, 16, 4096, 4096, 128, bf, True),
-         precompile.Call("attention", 4, 32, 8, 1, 16384, 128, bf, False)]
-variants, failed = precompile.plan_variants(calls)
-again, _ = precompile.plan_variants(calls + calls)
+bf = kernels.torch.bfloat16
+calls = [kernels.Call("attention", 4, 16, 16, 4096, 4096, 128, bf, True),
+         kernels.Call("attention", 4, 32, 8, 1, 16384, 128, bf, False)]
+variants, failed = kernels.plan_variants(calls)
+again, _ = kernels.plan_variants(calls + calls)
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
-    run.main(["--suite", "gpu", "--dry-run", "--sections", "gqa,decode"])
+    main(["--dry-run", "--sections", "gqa,decode"])
 delta = next(v for v in variants if v.name == "delta_kernel")       # the smallest: the worker's warmup path
-compiled = precompile._compile_one(delta, arch=90)
+compiled = kernels._compile_one(delta, arch=90)
 print(json.dumps(dict(compiled=compiled,
     variants=[[v.name, dict(v.kwargs)] for v in variants], failed=[str(f) for f in failed], again=len(again),
     tuned_left=len(launch._TUNED), candidates={k: configs.candidates(k, 128, 2) for k in ("fwd", "bwd")},
@@ -205,15 +205,14 @@ def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
 
 
 def test_recheck_shrinks_a_call_within_its_tuning_key_and_judges_by_the_rule():
-    from benchmarks import explore, precompile
     from effattn.layouts import sliding_and_summary
-    big = precompile.Call("attention", 1, 16, 16, 65536, 65536, 128, torch.bfloat16, True,
+    big = kernels.Call("attention", 1, 16, 16, 65536, 65536, 128, torch.bfloat16, True,
                           layout=sliding_and_summary(65536, 128, 4, 16))
     small = explore.recheck_call(big)
     assert (small.B, small.H, small.Lq, small.Lk) == (1, 8, 8192, 8192)
     assert explore.tuning_key(small) == explore.tuning_key(big)
     assert torch.equal(small.layout.mask, sliding_and_summary(8192, 128, 4, 16).mask)
-    gqa = explore.recheck_call(precompile.Call("attention", 4, 32, 8, 1, 16384, 128, torch.bfloat16, False))
+    gqa = explore.recheck_call(kernels.Call("attention", 4, 32, 8, 1, 16384, 128, torch.bfloat16, False))
     assert (gqa.B, gqa.H, gqa.Hkv, gqa.Lq, gqa.Lk) == (4, 8, 2, 1, 8192)
     # a forward-only call is covered by its forward+backward twin; decode (Lq = 1) is its own kind
     fwd_only = dataclasses.replace(big, backward=False)
@@ -224,6 +223,6 @@ def test_recheck_shrinks_a_call_within_its_tuning_key_and_judges_by_the_rule():
     bad, _ = explore.judge([torch.full((4,), 0.05), torch.full((4,), float("nan"))] + ref[:2], ref, low,
                            torch.float32)
     assert ok == [] and bad[0].startswith("out: error") and bad[1] == "dq: NaN"
-    tiny = precompile.Call("attention", 1, 2, 2, 16, 16, 16, torch.float32, False)
+    tiny = kernels.Call("attention", 1, 2, 2, 16, 16, 16, torch.float32, False)
     with pytest.raises(explore.NotServed, match="unknown backend"):       # a row "unsupported", not "error"
         explore.run_call(tiny, "nope", *explore.tensors(tiny, torch.device("cpu"))[:4])

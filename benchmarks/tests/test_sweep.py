@@ -1,6 +1,5 @@
-"""The benchmark suite (benchmarks/): the FLOP helper's exact counts, a --quick sweep end to end,
-failing configurations recorded without stopping the sweep, and the kernel micro-benchmarks (run
-once each here, under --benchmark-disable)."""
+"""The sweep (benchmarks/run.py and its core): the FLOP helper's exact counts, a --quick sweep end to
+end, failing configurations recorded without stopping the sweep."""
 import csv
 import io
 import json
@@ -12,21 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import registry, report, run
+from benchmarks.flops import attention_flops, linear_attention_flops, tflops, visible_pairs
+from benchmarks.progress import SimpleBar
+from effattn import layouts
+from effattn.layouts import BlockLayout
+from effattn.testing.oracle import visibility as oracle_visibility
+from effattn.visibility import Rule
 
-from benchmarks import registry, report, run  # noqa: E402
-from benchmarks.flops import attention_flops, linear_attention_flops, tflops, visible_pairs  # noqa: E402
-from benchmarks.progress import SimpleBar  # noqa: E402
-from effattn.layouts import BlockLayout  # noqa: E402
-from oracle import visibility as oracle_visibility  # noqa: E402
-
-try:  # the micro-benchmarks live in benchmarks/; imported here so CI runs them as plain tests
-    from benchmarks.test_micro import (test_micro_attention_fwd, test_micro_attention_layout_fwd,  # noqa: F401,E402
-                                       test_micro_attention_window_fwd, test_micro_linear_attention_fwd)
-except pytest.skip.Exception:  # pytest-benchmark not installed
-    pass
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------ FLOPs
@@ -184,3 +177,15 @@ def test_cpu_default_job_is_small_full_is_one_flag_and_output_is_ignored_by_git(
     assert res.returncode == 0, f"{out} is not ignored by git"
     assert subprocess.run(["git", "check-ignore", "-q", str(run.RESULTS_DIR / "cpu" / "results.csv")],
                           cwd=ROOT).returncode == 1                      # the curated results are tracked
+
+
+def test_report_footnote_says_unsupported_once():
+    rows = [dict(variant="dense", op="attention", impl=impl, kind=kind, mode="fwd", dtype="float32", B=1, H=1,
+                 L=64, D=8, status=status, time_ms=t, tflops=1.0 if t else None, peak_mem_mib=1.0 if t else None,
+                 flops=1, visible_frac=1.0)
+            for impl, kind, status, t in (("effattn-torch", "effattn", "ok", 1.0),
+                                          ("effattn-triton", "effattn", "unsupported: triton is not installed", None),
+                                          ("naive", "baseline", "ok", 2.0))]
+    text = report.summary_text(rows, dict(device="cpu", torch="x", triton=None))
+    assert "(not shown, unsupported: effattn-triton: triton is not installed)" in text
+    assert "unsupported: effattn-triton: unsupported" not in text

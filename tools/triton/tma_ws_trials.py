@@ -2,14 +2,14 @@
 
 Compiles the forward kernel for sm_90 with its trial switches (forward.py: ``KV_TMA`` loads K and V
 through tensor descriptors, ``WARP_SPEC`` warp-specializes the full-tile loop) off and on, for the
-backend's candidate configs, and reports per compile what benchmarks.kernel_resources reads from
+backend's candidate configs, and reports per compile what tools.triton.kernel_resources reads from
 the SASS, plus the copy instructions: ``UTMALDG`` (TMA loads), ``LDGSTS`` (cp.async) and
 ``USETMAXREG`` (the register hand-off of warp-specialized kernels). Run it once per triton version
 and merge the JSON lines into the table (benchmarks/results/offline-sm90/tma_ws_trials.md):
 
-    python -m benchmarks.tma_ws_trials --json > t39.jsonl
-    /path/to/triton-3.6/python -m benchmarks.tma_ws_trials --json > t36.jsonl
-    python -m benchmarks.tma_ws_trials --table t36.jsonl t39.jsonl
+    python -m tools.triton.tma_ws_trials --json > t39.jsonl
+    /path/to/triton-3.6/python -m tools.triton.tma_ws_trials --json > t36.jsonl
+    python -m tools.triton.tma_ws_trials --table t36.jsonl t39.jsonl
 
 Run it without ``TRITON_INTERPRET=1``.
 """
@@ -29,7 +29,7 @@ SWITCHES = {"default": {}, "tma": dict(KV_TMA=True), "ws": dict(WARP_SPEC=True),
 def jobs(arch: int) -> List[tuple]:
     """(arch, D, features, config index, config, switch name): every bf16 forward candidate at
     D = 64, 128 (causal, the hot path), the first candidate also with a window and a layout."""
-    from benchmarks import kernel_resources as kr
+    from tools.triton import kernel_resources as kr
     out = []
     for D in (64, 128):
         for i, cfg in kr.configs_for("fwd", D, "bf16", "all"):
@@ -41,7 +41,7 @@ def jobs(arch: int) -> List[tuple]:
 def measure(job: tuple) -> Dict[str, object]:
     import triton
 
-    from benchmarks import kernel_resources as kr
+    from tools.triton import kernel_resources as kr
     arch, D, feats, i, cfg, sw = job
     row = dict(triton=triton.__version__, arch=arch, head_dim=D, features=feats, index=i,
                config="x".join(map(str, cfg)), switches=sw)

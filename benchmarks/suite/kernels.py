@@ -1,8 +1,9 @@
-"""Every Triton kernel a suite will launch, compiled before any timing, in a pool of processes.
+"""Every Triton kernel a suite will launch, planned without a GPU and compiled before any timing, in
+a pool of processes.
 
-A GPU session is short and Triton compiles each (kernel, config, constexprs) variant on its first
-launch, one at a time, in the middle of the timed sections (the autotuner alone compiles every
-candidate config of every kind of call). This module moves that work to the start, in parallel:
+Triton compiles each (kernel, config, constexprs) variant on its first launch, one at a time, in the
+middle of the timed sections (the autotuner alone compiles every candidate config of every kind of
+call). This module moves that work to the start, in parallel:
 
 - `plan_variants(calls)` runs the launchers on ``meta`` tensors (no device, no memory) with every
   kernel launch recorded instead of run and every autotuner "timing" each of its candidates by one
@@ -15,8 +16,8 @@ candidate config of every kind of call). This module moves that work to the star
   own launches then load the binaries instead of compiling. With ``arch`` (e.g. 90) the workers
   compile for that target without a GPU (a stand-in driver answers Triton's device queries), the
   same binaries under the same cache keys as on such a GPU with the same triton and effattn
-  source: ``python -m benchmarks.precompile --arch 90`` on a CPU checks that every variant
-  compiles, and can fill a cache (``TRITON_CACHE_DIR``) to carry to the GPU machine.
+  source: ``python -m benchmarks.suite.precompile --arch 90`` on a CPU checks that every variant
+  compiles, and can fill a cache (``TRITON_CACHE_DIR``) to carry to a GPU machine.
 
 The calls are the softmax-attention launchers (forward, and the backward's kernels) and the causal
 linear-attention passes, called as their torch ops call them; a call that cannot be planned this way
@@ -284,37 +285,3 @@ def compile_all(variants: Sequence[Variant], processes: Optional[int] = None, de
 def estimate_s(n_variants: int, processes: int = 16) -> float:
     """Rough wall seconds of `compile_all` for `n_variants` on `processes` workers."""
     return 10.0 + EST_COMPILE_S * -(-n_variants // max(1, processes))
-
-
-def main(argv=None) -> int:
-    import argparse
-    import json
-
-    from . import gpu_extras, suites
-    ap = argparse.ArgumentParser(description="Plan and compile the Triton kernel variants of a benchmark suite.")
-    ap.add_argument("--suite", default="gpu", choices=sorted(suites.SUITES))
-    ap.add_argument("--sections", default=None, help="comma list (default: all of the suite)")
-    ap.add_argument("--arch", type=int, default=None, help="compile for sm_<arch> without a GPU (e.g. 90)")
-    ap.add_argument("--processes", type=int, default=None)
-    ap.add_argument("--limit", type=int, default=None, help="compile only the first N variants")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
-    ap.add_argument("--no-trials", action="store_true", help="without the explore section's trial candidates")
-    a = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
-    secs = [s for s in suites.SUITES[a.suite] if not a.sections or s.name in a.sections.split(",")]
-    entries = suites.plan(secs, ["triton"])
-    variants, failed = gpu_extras.precompile_plan(entries, ["triton"], smoke=False, trials=not a.no_trials)
-    for c, why in failed.items():
-        print(f"not planned: {c}: {why}", file=sys.stderr)
-    rows = compile_all(variants[:a.limit], a.processes, arch=a.arch, log=lambda m: print(m, file=sys.stderr))
-    if a.json:
-        print(json.dumps(rows))
-    bad = [r for r in rows if r["status"] != "ok"]
-    for r in bad:
-        print(f"{r['variant']}: {r['status']}", file=sys.stderr)
-    return 1 if bad or failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The suite's sections that are not a sweep of registry variants: ``gqa`` (grouped-query causal
+attention against SDPA with ``enable_gqa``), ``decode`` (one query row against a KV cache, beside
+the memory-bound time), ``host`` (the host's cost of a tiny call) and ``checks`` (CUDA-graph replay
+and torch.compile against eager with the tuned configs). Each returns result rows in the sweep's
+columns; a row not started before its section's deadline is ``skipped: section budget``.
+"""
+from __future__ import annotations
+
+import time
+from typing import List
+
+import torch
+
+from effattn.testing import checks
+
+from .. import measure, registry
+from ..flops import attention_flops, tflops
+from .sections import Section
+
+HOST_SHAPE = (1, 8, 256, 64)                      # B, H, L, D of the host-overhead rows
+
+
+def _sdpa_gqa(which: str, q, k, v):
+    """SDPA pinned to backend `which` (FLASH_ATTENTION, CUDNN_ATTENTION) with ``enable_gqa``, causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn():
+        with sdpa_kernel([getattr(SDPBackend, which)]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return fn
+
+
+def _time_row(row: dict, fn, leaves, dout, mode: str, device) -> dict:
+    """`row` with the median time of `fn` (under no_grad) or of `fn` plus its backward, or why not."""
+    try:
+        if mode == "fwd":
+            def step():
+                with torch.no_grad():
+                    return fn()
+        else:
+            def step():
+                return torch.autograd.grad(fn(), leaves, dout)
+        step()                                              # compile / autotune / one-time init
+        ms = measure.time_ms(step, device, budget_s=0.2 if device.type == "cuda" else 0.01,
+                             min_runs=1 if device.type != "cuda" else 3)
+        flops = row["flops"] * (3.5 if mode == "fwdbwd" else 1)
+        return {**row, "status": "ok", "time_ms": ms, "tflops": tflops(flops, ms), "flops": flops}
+    except registry.Unsupported as e:
+        return {**row, "status": f"unsupported: {e}"}
+    except Exception as e:                                  # noqa: BLE001 - recorded
+        if measure.is_oom(e):
+            return {**row, "status": "oom"}
+        kind = "unsupported" if row["kind"] == "baseline" else "error"
+        return {**row, "status": f"{kind}: {measure.one_line(e)}"}
+
+
+def _effattn_fn(b: str, q, k, v, **kw):
+    """effattn.attention on backend `b` (the registry's builder: Unsupported with explain's reasons)."""
+    from types import SimpleNamespace
+    case = SimpleNamespace(q=q, k=k, v=v, device=q.device, attention_kwargs=lambda: kw)
+    return registry._effattn(b, "attention")(case).fn
+
+
+def _unsupported(b):
+    def fn():
+        raise b
+    return fn
+
+
+def gqa_rows(sec: Section, backends, device, deadline: float, smoke: bool) -> List[dict]:
+    """Grouped-query causal attention (H query heads on ``sec.kv_heads`` KV heads) per length:
+    effattn's backends and SDPA (flash, cuDNN) with ``enable_gqa``, forward and forward+backward."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for L in sec.lengths:
+        B, H = sec.shape(L)
+        Hkv, D = sec.kv_heads, sec.head_dim
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B, H, L, D, generator=g, device=device, dtype=dtype).requires_grad_()
+        k, v = (torch.randn(B, Hkv, L, D, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(2))
+        dout = torch.randn(B, H, L, D, generator=g, device=device, dtype=dtype)
+        impls = [(f"effattn-{b}", "effattn", b) for b in backends] + \
+                [(n, "baseline", n) for n in sec.baselines if device.type == "cuda" or n == "sdpa-flash"]
+        for name, kind, what in impls:
+            try:
+                fn = _effattn_fn(what, q, k, v, causal=True) if kind == "effattn" else \
+                    _sdpa_gqa({"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}[what], q, k, v)
+            except registry.Unsupported as e:
+                fn = _unsupported(e)
+            for mode in sec.modes:
+                row = dict(variant=f"causal-gqa{H // Hkv}", op="attention", impl=name, kind=kind, mode=mode,
+                           dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=L, D=D, time_ms=None, tflops=None,
+                           peak_mem_mib=None, flops=attention_flops(B, H, D, L, L, causal=True),
+                           visible_frac=(L + 1) / (2 * L), max_diff=f"Hkv={Hkv}")
+                if time.monotonic() > deadline:
+                    rows.append({**row, "status": "skipped: section budget"})
+                    continue
+                rows.append(_time_row(row, fn, (q, k, v), dout, mode, device))
+        q = k = v = dout = None
+        measure.free_memory(device)
+    return rows
+
+
+def host_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
+    """Host overhead per call: a tiny causal call (B, H, L, D = HOST_SHAPE) issued back to back, wall
+    time per call over a batch of calls then one synchronize (the GPU is idle most of that time, so
+    this is the host's cost of a call), for forward and forward+backward; SDPA flash beside. The
+    GPU time of the same call (do_bench) is in ``max_diff``."""
+    B, H, L, D = HOST_SHAPE if device.type == "cuda" else (1, 2, sec.lengths[0], sec.head_dim)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v, dout = (torch.randn(B, H, L, D, device=device, dtype=dtype) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    impls = [(f"effattn-{b}", "effattn", b) for b in backends] + [(n, "baseline", n) for n in sec.baselines]
+    rows = []
+    for name, kind, what in impls:
+        for mode in sec.modes:
+            row = dict(variant="host-overhead", op="attention", impl=name, kind=kind, mode=mode,
+                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=L, D=D, time_ms=None, tflops=None,
+                       peak_mem_mib=None, flops=None, visible_frac=None, max_diff="")
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "skipped: section budget"})
+                continue
+            try:
+                fn = _effattn_fn(what, *leaves, causal=True) if kind == "effattn" else \
+                    _sdpa_gqa("FLASH_ATTENTION", *leaves)
+                step = (lambda: fn().detach()) if mode == "fwd" else \
+                    (lambda: torch.autograd.grad(fn(), leaves, dout))
+                if mode == "fwd":
+                    step = _no_grad(step)
+                us = per_call_us(step, device, 200 if device.type == "cuda" else 5)
+                gpu_ms = measure.time_ms(step, device, budget_s=0.1 if device.type == "cuda" else 0.01)
+                rows.append({**row, "status": "ok", "time_ms": us / 1e3, "max_diff": f"device {gpu_ms:.4f} ms"})
+            except registry.Unsupported as e:
+                rows.append({**row, "status": f"unsupported: {e}"})
+            except Exception as e:                          # noqa: BLE001 - recorded
+                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+    return rows
+
+
+def _no_grad(fn):
+    def wrapped():
+        with torch.no_grad():
+            return fn()
+    return wrapped
+
+
+def per_call_us(step, device, calls: int = 200) -> float:
+    """Median over 5 rounds of the wall microseconds per call of `calls` back-to-back calls and one
+    synchronize (after a warm-up round)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rounds = []
+    for i in range(6):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        sync()
+        if i:
+            rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def decode_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
+    """One query row (causal) against Lk keys, H=32 query heads on Hkv=8 KV heads: time per effattn
+    backend, next to the memory-bound time = bytes of K and V / measured copy bandwidth (in the
+    ``max_diff`` column: ``bound <ms>``)."""
+    Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
+    Hkv = sec.kv_heads or max(1, H // 4)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    buf = torch.empty(1 << (28 if device.type == "cuda" else 22), dtype=torch.uint8, device=device)
+    copy = torch.empty_like(buf)
+    ms_copy = measure.time_ms(lambda: copy.copy_(buf), device, budget_s=0.2)
+    bandwidth = 2 * buf.numel() / (ms_copy * 1e-3)                 # bytes read + written per second
+    buf = copy = None                                             # free before the KV tensors
+    rows = []
+    for B in (1, 4):
+        kv_bytes = 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8
+        q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
+        k, v = (torch.randn(B, Hkv, Lk, D, device=device, dtype=dtype) for _ in range(2))
+        for b in backends:
+            row = dict(variant="decode", op="attention", impl=f"effattn-{b}", kind="effattn", mode="fwd",
+                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None,
+                       peak_mem_mib=None, flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None,
+                       max_diff=f"bound {kv_bytes / bandwidth * 1e3:.4f}")
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "skipped: section budget"})
+                continue
+            try:                                  # explain() says what cannot run
+                fn = _effattn_fn(b, q, k, v, causal=True)
+                with torch.no_grad():
+                    fn()
+                    ms = measure.time_ms(fn, device, budget_s=0.2)
+                rows.append({**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms)})
+            except registry.Unsupported as e:
+                rows.append({**row, "status": f"unsupported: {e}"})
+            except Exception as e:                                 # noqa: BLE001 - recorded
+                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+    return rows
+
+
+def check_rows(backends, device, deadline: float) -> List[dict]:
+    """CUDA-graph replay and torch.compile against eager, with the configs the suite tuned (a
+    check not started by ``deadline`` is recorded as skipped)."""
+    import effattn
+    rows = []
+    for b in backends:
+        q, k, v, go = (torch.randn(1, 16, 4096, 128, device=device, dtype=torch.bfloat16) for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+
+        def step():
+            out = effattn.attention(*leaves, causal=True, backend=b)
+            return (out,) + torch.autograd.grad(out, leaves, go)
+
+        def f(q, k, v):
+            return effattn.attention(q, k, v, causal=True, backend=b)
+
+        for name, check in (("graph replay == eager", lambda: (checks.graph_replay_matches_eager(step), 0.0)),
+                            ("torch.compile == eager", lambda: checks.compile_matches_eager(f, leaves))):
+            row = dict(section="checks", variant=name, op="attention", impl=f"effattn-{b}", kind="effattn",
+                       mode="fwdbwd", dtype="bfloat16", B=1, H=16, L=4096, D=128)
+            if time.monotonic() > deadline:
+                rows.append({**row, "status": "skipped: section budget"})
+                continue
+            try:
+                same, diff = check()
+                ok = all(same) if name.startswith("graph") else diff < 1e-2
+                rows.append({**row, "status": "ok" if ok else "FAIL", "max_diff": f"bitwise {same} |diff| {diff:.2g}"})
+            except Exception as e:                                 # noqa: BLE001 - recorded
+                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+    return rows
