@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from .feature_maps import NAMED_FEATURE_MAPS, FavorFeatures, feature_map_name, resolve_feature_map
+from .layouts import BlockLayout
 from .numerics import compute_dtype, draw_seed
 from .visibility import Rule, clamp_window, normalize_window
 
@@ -177,7 +178,6 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         _fail(TypeError, f"attention: causal must be a bool, got {causal!r}")
     left, right = normalize_window(window, causal)
     if layout is not None:
-        from .layouts import BlockLayout
         if not isinstance(layout, BlockLayout):
             _fail(TypeError, f"attention: layout must be an effattn.layouts.BlockLayout, got {type(layout).__name__}")
         bs = layout.block_size

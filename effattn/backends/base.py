@@ -224,27 +224,6 @@ def select(op: str, call, backend: str) -> Path:
                        f"Backends that can: {', '.join(ok) if ok else 'none'}")
 
 
-def attention_autograd(bwd_op, prepare: Callable = lambda grad_out: grad_out):
-    """The autograd formula every backend's attention op shares. The forward op's inputs are
-    ``(q, k, v, layout_mask, layout_block, key_padding_mask, seed, *scalars)`` and it returns
-    ``(out, lse)``; ``bwd_op(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block,
-    key_padding_mask, seed, *scalars)`` returns ``(dq, dk, dv)``. ``prepare`` adapts grad_out (e.g.
-    makes it contiguous). Returns ``(setup_context, backward)`` for ``fwd_op.register_autograd`` (or an
-    ``autograd.Function`` that calls the launchers directly)."""
-    def setup_context(ctx, inputs, output):
-        q, k, v, layout_mask, layout_block, kpm, seed, *scalars = inputs
-        ctx.save_for_backward(q, k, v, *output, layout_mask, kpm, seed)
-        ctx.static = (layout_block, *scalars)     # read at the forward (e.g. TF32), not again
-
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-        dq, dk, dv = bwd_op(prepare(grad_out), grad_lse, q, k, v, out, lse, layout_mask, ctx.static[0], kpm, seed,
-                            *ctx.static[1:])
-        return (dq, dk, dv) + (None,) * (len(ctx.static) + 3)
-
-    return setup_context, backward
-
-
 def missing_reason(op: str, name: str) -> str:
     """Why backend `name` has no `op` registered: its import failed, or it has no kernel for op."""
     if name in UNAVAILABLE:

@@ -16,7 +16,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import Capabilities, Path, attention_autograd, register
+from ...autograd import attention_autograd
+from ...base import Capabilities, Path, register
 from .. import _ext
 from . import hopper
 from .tiling import layout_lists

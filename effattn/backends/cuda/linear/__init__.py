@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...._call import LINEAR, linear_features
-from ....feature_maps import KERNEL_MAPS, FavorFeatures
+from ....feature_maps import FMAP_IDENTITY, KERNEL_MAPS, FavorFeatures
 from ....numerics import compute_dtype
 from ...base import FEATURES, Capabilities, Path, register
 from ...linear_common import LinearKernels, run, run_step, step_reasons
@@ -46,7 +46,7 @@ def _features(call):
         q, k = linear_features(call, compute_dtype(call.q.dtype))
     if call.q.dtype == torch.bfloat16:                  # the kernels round them to bf16 anyway
         q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
-    return q, k, 0
+    return q, k, FMAP_IDENTITY                          # the features as they are
 
 
 def _step(q, k, v, S0, z0, fmap, normalize, eps):

@@ -25,21 +25,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ....feature_maps import KERNEL_MAPS as MAPS  # noqa: F401  (the kernels' codes)
+from ....feature_maps import FMAP_IDENTITY
 from ....splits import sm_count
-from ...linear_common import (
-    apply_bwd_fake,
-    apply_fake,
-    causal_bwd_fake,
-    causal_fwd_fake,
-    empty_den,
-    kv_state_fake,
-    state_grads,
-    step_fake,
-    zero_state_grads,
-)
-from ...linear_common import opt as _opt
-from ...linear_common import out_grads as _out_grads
+from ...linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake,
+                              empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads,
+                              step_fake, zero_state_grads)
 from .._ext import ops as kernels
 
 CHUNK = 64                                     # timeline positions per chunk (csrc/linear.h: kLinChunk)
@@ -56,7 +46,7 @@ class Rows:
     """A row operand ``x (B, H, L, F)`` read at row ``t + shift`` of the timeline through ``fmap``."""
     x: Tensor
     shift: int = 0
-    fmap: int = 0
+    fmap: int = FMAP_IDENTITY
 
 
 def _split(device: torch.device, blocks: int, n_chunks: int) -> int:
@@ -162,7 +152,7 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
     g, e = _out_grads(dout, out, den, normalize)
     fq, gr = Rows(q, 0, fmap), Rows(g)
     kr, vr = Rows(k, shift, fmap), Rows(v, shift)
-    mapped = fmap != 0
+    mapped = fmap != FMAP_IDENTITY
     st, stz, _, _ = state_pass(kr, vr, Lq, n, cx_ones=normalize)                       # the forward's states
     dh, dhz, dS0, dz0 = state_pass(fq, gr, Lq, n, reverse=True, cx=e)                  # per query head
     dq, _ = out_pass(gr, vr, kr, Lq, n, out_dtype=q.dtype, ga=G, ax=e, bx_ones=normalize,

@@ -23,6 +23,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ....numerics import compute_dtype
 from ....visibility import Rule
+from ...autograd import attention_autograd
 from ...base import FEATURES, Capabilities, Path, register
 from .. import threads
 
@@ -359,20 +360,7 @@ def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _blocks_setup(ctx, inputs, output):
-    q, k, v, layout_mask, layout_block, kpm, scale, wl, wr = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], layout_mask, kpm)
-    ctx.static = (layout_block, scale, wl, wr)
-
-
-def _blocks_grad(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, layout_mask, kpm = ctx.saved_tensors
-    layout_block, scale, wl, wr = ctx.static
-    dq, dk, dv = cpu_blocks_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask, layout_block,
-                                kpm, scale, wl, wr)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
+_blocks_setup, _blocks_grad = attention_autograd(cpu_blocks_bwd, prepare=lambda g: g.contiguous(), seeded=False)
 cpu_blocks_fwd.register_autograd(_blocks_grad, setup_context=_blocks_setup)
 
 

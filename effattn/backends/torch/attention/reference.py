@@ -21,7 +21,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ....numerics import chunk_generator_seed, compute_dtype as _compute_dtype
 from ....visibility import Rule
-from ...base import FEATURES, Capabilities, Path, attention_autograd, register
+from ...autograd import attention_autograd
+from ...base import FEATURES, Capabilities, Path, register
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23

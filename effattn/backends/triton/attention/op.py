@@ -15,7 +15,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, Capabilities, Path, attention_autograd, register
+from ...autograd import attention_autograd
+from ...base import FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:

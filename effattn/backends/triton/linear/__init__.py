@@ -33,25 +33,25 @@ from __future__ import annotations
 import torch
 
 from ...._call import LINEAR, linear_features
+from ....feature_maps import FMAP_IDENTITY, KERNEL_MAPS
 from ....numerics import compute_dtype
 from ...base import FEATURES, Capabilities, Path, register
 from ...linear_common import LinearKernels, run, run_step, step_reasons
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
-    from .launch import MAPS
     from .ops import triton_linear_apply, triton_linear_causal_fwd, triton_linear_kv_state, triton_linear_step
 
 
 def _features(call):
     """(q, k, fmap code): the raw inputs for a fused map, else the features computed in torch."""
     q, k = call.q, call.k
-    fmap = MAPS.get(call.feature_map_name)
+    fmap = KERNEL_MAPS.get(call.feature_map_name)
     if fmap is None:                                   # FAVOR+ / a callable: features in torch
         q, k = linear_features(call, compute_dtype(call.q.dtype))
         if call.q.dtype == torch.bfloat16:             # the kernels round them to bf16 anyway; fp16 keeps
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)  # fp32 (features can exceed its range)
-        fmap = 0
+        fmap = FMAP_IDENTITY                           # the features as they are
     return q, k, fmap
 
 

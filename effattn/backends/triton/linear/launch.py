@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ....feature_maps import KERNEL_MAPS as MAPS  # noqa: F401  (the kernels' codes)
+from ....feature_maps import FMAP_IDENTITY, KERNEL_MAPS as MAPS  # noqa: F401  (MAPS: the one table, under the name benchmarks read)
 from ....splits import sm_count
 from ..runtime import _INTERPRET, _log, _next_pow2, triton
 
@@ -54,7 +54,7 @@ class Rows:
     feature map ``fmap`` (MAPS code; 0: as is)."""
     x: Tensor
     shift: int = 0
-    fmap: int = 0
+    fmap: int = FMAP_IDENTITY
 
     @property
     def strides(self):

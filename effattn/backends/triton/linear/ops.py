@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ....feature_maps import FMAP_IDENTITY
 from ...linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake, empty_den, kv_state_fake,
                               opt as _opt, out_grads as _out_grads, state_grads, step_fake, zero_state_grads)
 from .launch import Numerics, Rows, out_pass, state_pass, step
@@ -79,7 +80,7 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
     g, e = _out_grads(dout, out, den, normalize)
     fq, gb = Rows(q, 0, fmap), Rows(g)
     kb, vb = Rows(k, shift, fmap), Rows(v, shift)
-    mapped = fmap != 0
+    mapped = fmap != FMAP_IDENTITY
     st, stz, _, _ = state_pass(kb, vb, Lq, num, cx_ones=normalize)               # the forward's states
     dh, dhz, dS0, dz0 = state_pass(fq, gb, Lq, num, reverse=True, cx=e, role="dh")   # per query head
     dq, _ = out_pass(gb, vb, kb, Lq, num, out_dtype=q.dtype, ga=G, ax=e, bx_ones=normalize,
@@ -112,7 +113,7 @@ def kv_state_bwd(dS, dz, k, v, fmap, tf32):
     kb = Rows(k, 0, fmap)
     dk, _ = out_pass(Rows(v), None, None, Lk, num, out_dtype=k.dtype, causal=False, fc=F, ax_ones=True,
                      state=_t(dS), state_z=_vec(dz, per_chunk=True), z_mode=2,
-                     grad_x=kb if fmap != 0 else None, role="dk")
+                     grad_x=kb if fmap != FMAP_IDENTITY else None, role="dk")
     dv, _ = out_pass(kb, None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
     return dk, dv
 
@@ -138,7 +139,7 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
     dq, _ = out_pass(Rows(g), None, None, Lq, num, out_dtype=q.dtype, causal=False, hb=Hkv, fc=F, ga=H // Hkv,
                      ax=e, state=_t(S), state_z=_vec(z, per_chunk=True) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
-                     grad_x=fq if fmap != 0 else None, role="dq")
+                     grad_x=fq if fmap != FMAP_IDENTITY else None, role="dq")
     _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
     return (dq,) + state_grads(dSq, dzq, S, z, normalize, q) + state_grads(dSq, dzq, base_s, base_z, normalize, q)
 
