@@ -140,7 +140,7 @@ def seen_keys(mask: Tensor, Hkv: int) -> Tensor:
     ignored key holds (NaN, inf in padding) gives 0 * 0, never 0 * NaN."""
     seen = mask.any(-2)
     if seen.shape[1] > 1:
-        seen = seen.reshape(seen.shape[0], Hkv, -1, seen.shape[-1]).any(2)
+        seen = seen.reshape(seen.shape[0], Hkv, seen.shape[1] // Hkv, seen.shape[-1]).any(2)
     return seen[..., None]
 
 
