@@ -25,7 +25,7 @@ from typing import Callable, List, NamedTuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, note, seed, settings, strategies as st
+from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings, strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 import effattn
@@ -35,8 +35,12 @@ from conftest import op_backends
 from oracle import feature_map, naive_attention, visibility
 from test_attention import FLOOR, judge
 
-DB = DirectoryBasedExampleDatabase(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hypothesis-db"))
-settings.register_profile("effattn", database=DB, deadline=None, print_blob=True,
+DB = DirectoryBasedExampleDatabase(os.environ.get("EFFATTN_FUZZ_DB") or
+                                   os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hypothesis-db"))
+# EFFATTN_FUZZ_SHRINK=0: report the first failing example as drawn (no shrinking: quick mutation checks)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink]
+                                                          if os.environ.get("EFFATTN_FUZZ_SHRINK") != "0" else [])
+settings.register_profile("effattn", database=DB, deadline=None, print_blob=True, phases=PHASES,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.filter_too_much, HealthCheck.differing_executors])
 CAMPAIGN = int(os.environ.get("EFFATTN_FUZZ_EXAMPLES", "0"))
@@ -276,6 +280,7 @@ def fuzz_attention(unit, n):
         note(repr({**c, "kw": {n: (x if n != "layout" else ("layout", x.block_size, x.mask.int().tolist()))
                                for n, x in c["kw"].items()}}))
         check_attention(unit, c)
+    run.hypothesis.inner_test._hypothesis_internal_add_digest = unit.name.encode()   # a database key per unit
     run()
 
 
@@ -425,6 +430,7 @@ def fuzz_linear(unit, n):
     def run(c):
         note(repr(c))
         check_linear(unit, c)
+    run.hypothesis.inner_test._hypothesis_internal_add_digest = b"linear-" + unit.name.encode()
     run()
 
 

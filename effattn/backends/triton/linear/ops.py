@@ -24,8 +24,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...linear_common import (apply_bwd_fake, apply_state_grads, apply_fake, causal_bwd_fake, causal_fwd_fake, empty_den, kv_state_fake,
-                              opt as _opt, out_grads as _out_grads, state_grads, step_fake, zero_state_grads)
+from ...linear_common import (apply_bwd_fake, apply_state_grads, apply_fake, causal_bwd_fake, causal_fwd_fake,
+                              empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads, step_fake,
+                              zero_state_grads)
 from .launch import Numerics, Rows, out_pass, state_pass, step
 
 
