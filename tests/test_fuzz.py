@@ -533,3 +533,36 @@ def test_invalid_arguments_name_the_argument(bad, B, L, D):
     with pytest.raises((TypeError, ValueError)) as info:
         effattn.attention(args[0], args[1], args[2], **args[3])
     assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
+
+
+LINEAR_BAD = {
+    "eps-negative": ("eps", lambda a: a[3].update(eps=-1e-6)),
+    "eps-nan": ("eps", lambda a: a[3].update(eps=float("nan"))),
+    "eps-str": ("eps", lambda a: a[3].update(eps="1e-6")),
+    "causal-int": ("causal", lambda a: a[3].update(causal=1)),
+    "normalize-none": ("normalize", lambda a: a[3].update(normalize=None)),
+    "return-state-int": ("return_state", lambda a: a[3].update(return_state=0)),
+    "feature-map-name": ("feature_map", lambda a: a[3].update(feature_map="softmax")),
+    "feature-map-width": ("feature_map", lambda a: a[3].update(feature_map=lambda x: x.sum(-1))),
+    "state-single": ("initial_state", lambda a: a[3].update(initial_state=torch.zeros(1))),
+    "state-shape": ("initial_state", lambda a: a[3].update(initial_state=(torch.zeros(1, 1, 1, 1), torch.zeros(1)))),
+    "state-int": ("initial_state", lambda a: a[3].update(
+        initial_state=(torch.zeros(a[0].shape[0], 2, a[0].shape[3], a[2].shape[3], dtype=torch.int32),
+                       torch.zeros(a[0].shape[0], 2, a[0].shape[3], dtype=torch.int32)))),
+    "backend-name": ("backend", lambda a: a[3].update(backend="cud")),
+    "unknown-keyword": ("window", lambda a: a[3].update(window=4)),
+    "v-batch": ("batch", lambda a: a.__setitem__(2, torch.zeros(a[2].shape[0] + 1, *a[2].shape[1:]))),
+}
+
+
+@settings(settings.get_profile("effattn"), max_examples=40)
+@seed(SEED)
+@given(bad=st.sampled_from(sorted(LINEAR_BAD)), B=st.integers(1, 2), L=st.integers(1, 20), D=st.sampled_from([4, 8]))
+def test_linear_invalid_arguments_name_the_argument(bad, B, L, D):
+    q, k, v = torch.randn(B, 2, L, D), torch.randn(B, 2, L, D), torch.randn(B, 2, L, D)
+    args = [q, k, v, {}]
+    name, corrupt = LINEAR_BAD[bad]
+    corrupt(args)
+    with pytest.raises((TypeError, ValueError)) as info:
+        effattn.linear_attention(args[0], args[1], args[2], **args[3])
+    assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
