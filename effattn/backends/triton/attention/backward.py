@@ -123,8 +123,8 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
     s, seen = mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
     if PARTIAL or HAS_KPM:        # keys no row sees: zero K and V, so NaN / inf in them give 0 * 0
-        kt = tl.where(seen[None, :], kt, 0.0)
-        vt = tl.where(seen[None, :], vt, 0.0)
+        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
+        vt = tl.where(seen[None, :], vt, tl.zeros_like(vt))
     if FOLD_SCALE:
         p = tl.exp2(s * qk_scale - lse[:, None])
     else:
@@ -181,8 +181,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     if HAS_KPM:
         pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
         keep_k = pad == 0
-        k = tl.where(keep_k[:, None], k, 0.0)    # padded keys: zeros, whatever they hold
-        v = tl.where(keep_k[:, None], v, 0.0)
+        k = tl.where(keep_k[:, None], k, tl.zeros_like(k))    # padded keys: zeros, whatever they hold
+        v = tl.where(keep_k[:, None], v, tl.zeros_like(v))
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     visits = pid * 0                                         # int32 counter (COUNT only)

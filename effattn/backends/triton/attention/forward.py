@@ -63,7 +63,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     else:
         v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
     if PARTIAL or HAS_KPM:        # keys no row sees: zero values, so NaN / inf in them give 0 * 0
-        v = tl.where(seen[:, None], v, 0.0)
+        v = tl.where(seen[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
     return acc, m_new, l_i
 
