@@ -97,7 +97,8 @@ setup(
         "triton": [TRITON],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.56"],
-        "test": ["pytest", "pytest-benchmark", TRITON, "numpy", "matplotlib", "tqdm", "transformers>=4.56",
+        "test": ["pytest", "pytest-benchmark", "hypothesis>=6.100", TRITON, "numpy", "matplotlib", "tqdm",
+                 "transformers>=4.56",
                  "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
                  # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
                  "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],

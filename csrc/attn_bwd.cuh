@@ -152,7 +152,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
             dp = keep ? dp * p.inv_keep : 0.f;
           }
           st[j][e] = pd;
-          dpt[j][e] = pt * (dp - s_delta[qr]);
+          dpt[j][e] = ok ? pt * (dp - s_delta[qr]) : 0.f;   // an ignored V row's NaN: 0, not 0 * NaN
         }
 
       // dV += P^T dO and dK += dS^T Q over this block's columns [c0, c0 + ACC)
@@ -251,6 +251,11 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
     mma_rows_rows<HD, BN, BF16>(dp, sdO, warp * 16, sV, kdv);
 
     const bool masked = sched.masked(it);
+    if (masked || kpm) {                                 // keys no row sees: zero K rows for dS K
+      prim::sync_block();                                // every warp is done reading sK for S
+      zero_unseen<HD, BN>(sK, n0, [&](int j) { return key_seen(p, lay, kpm, m0, m0 + BM, j); });
+      prim::sync_block();
+    }
 #pragma unroll
     for (int j = 0; j < NS; ++j)
 #pragma unroll
@@ -262,7 +267,7 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
         const float pr = ok ? prim::exp2(s[j][e] * p.qk_scale - lse2[r]) : 0.f;
         float d = dp[j][e];
         if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
-        s[j][e] = pr * (d - dlt[r]);                     // dS
+        s[j][e] = ok ? pr * (d - dlt[r]) : 0.f;          // dS (an ignored V row's NaN: 0, not 0 * NaN)
       }
 
     // dQ += dS K over columns [c0, c0 + ACC)

@@ -182,6 +182,35 @@ EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int 
   return true;
 }
 
+// Whether some query row in [i0, i1) sees key j: lengths, window, key padding (`kpm`: this batch
+// entry's flags, or null) and a layout checked per layout block of those rows (exact).
+EFFATTN_DEVICE bool key_seen(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int i0, int i1, int j) {
+  if (j >= p.Lk || (kpm && kpm[int64_t(j) * p.kpm_l])) return false;
+  int lo = i0, hi = imin(i1, p.Lq) - 1;               // rows whose window holds j: pos - left <= j <= pos + right
+  if (p.right >= 0) lo = imax(lo, j - p.off - p.right);
+  if (p.left >= 0) hi = imin(hi, j - p.off + p.left);
+  if (lo > hi) return false;
+  if (!p.lay_check) return true;
+  for (int qb = lo / p.lay_bs; qb <= hi / p.lay_bs; ++qb)
+    if (lay[int64_t(qb) * p.lay_nkb + j / p.lay_bs]) return true;
+  return false;
+}
+
+// Zeroes the rows (keys n0 + r) of a landed swizzled K or V tile for which `seen(key)` is false, so
+// that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product, never 0 * NaN.
+// Masked tiles only; all 128 threads, between two block syncs.
+template <int HD, int ROWS, class Lay = Tile<HD>, class Seen>
+EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
+  constexpr int C = HD / 8;
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+    const int r = idx / C, c = idx % C;
+    if (seen(n0 + r)) continue;
+    uint16_t* dst = tile + Lay::offset(r, c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dst[e] = 0;
+  }
+}
+
 // Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word.
 EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
 #pragma unroll

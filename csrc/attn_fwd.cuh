@@ -174,6 +174,10 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();
+    if (sched.masked(it) || kpm) {                       // keys no row sees: zero values (NaN-safe)
+      zero_unseen<HD, BN>(sV, n0, [&](int j) { return key_seen(p, lay, kpm, m0, m0 + BM, j); });
+      prim::sync_block();
+    }
     // O += P V: P's accumulator layout is the A-operand layout of the next mma
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {

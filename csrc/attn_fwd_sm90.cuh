@@ -117,6 +117,11 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::fence_proxy_async();
     prim::sync_block();
+    if (sched.masked(it) || fb.kpm) {                    // keys no row sees: zero values (NaN-safe)
+      zero_unseen<HD, BN, TKV>(sV, n0, [&](int j) { return key_seen(p, fb.lay, fb.kpm, fb.m0, fb.m0 + BM, j); });
+      prim::fence_proxy_async();                         // the zeros visible to wgmma's async proxy
+      prim::sync_block();
+    }
     // O += P V
     keep_all(acc);
     keep_all(pa);

@@ -102,6 +102,14 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
     prim::sync_block();                             // ... and every thread's
     const uint16_t* sK = sKV + (it & 1) * 2 * BN * HD;
     const uint16_t* sV = sK + BN * HD;
+    if (dp.mask_full || sched.masked(first + it) || kpm) {   // keys no packed row sees: zero values
+      zero_unseen<HD, BN>(sKV + (it & 1) * 2 * BN * HD + BN * HD, sched.tile(first + it) * BN, [&](int j) {
+        for (int h = hk * p.G; h < (hk + 1) * p.G; ++h)
+          if (key_seen(p, p.layout ? p.layout + h * p.lay_h : nullptr, kpm, 0, p.Lq, j)) return true;
+        return false;
+      });
+      prim::sync_block();
+    }
 
     // S = Q K^T on this warp's 16 keys (a 16-row shift keeps the tile's swizzle pattern)
     float s[2][4];

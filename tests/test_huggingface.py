@@ -213,3 +213,88 @@ def test_register_is_idempotent_and_names_backend():
     assert "effattn" in transformers.AttentionInterface._global_mapping
     with pytest.raises(ValueError, match="backend"):
         hf_effattn.register(backend="flash")
+
+
+# ------------------------------------------------------------------ keywords (issue 27)
+
+def _t5_pair():
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    cls = transformers.T5ForConditionalGeneration
+    eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation="effattn").eval()
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def test_t5_position_bias_served_not_dropped():
+    """T5 passes its relative position bias as position_bias=; the integration ignored it and
+    reported every call as fused (logits off by 0.2). It now takes the dense fallback with the bias,
+    counted as such; layers whose bias is all zeros (cross-attention) stay fused."""
+    eager, ours = _t5_pair()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    dec = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(4))
+    hf_effattn.stats.clear()
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert hf_effattn.stats["dense: position_bias"] == 4       # the encoder's and decoder's self-attention
+    assert hf_effattn.stats["fused"] == 2                      # cross-attention: a zero bias
+
+
+def _call_site_keywords():
+    """Every keyword the installed transformers passes to an attention function: the keywords of its
+    models' ``attention_interface(...)`` calls and the fields of the keyword dicts models forward."""
+    import glob
+    import os
+    import re
+    root = os.path.dirname(transformers.__file__)
+    names = set()
+    for f in glob.glob(os.path.join(root, "models", "**", "modeling_*.py"), recursive=True):
+        src = open(f, encoding="utf-8").read()
+        for m in re.finditer(r"attention_interface\(", src):
+            depth, j = 1, m.end()
+            while depth and j < len(src):
+                depth += {"(": 1, ")": -1}.get(src[j], 0)
+                j += 1
+            names.update(re.findall(r"(?<![\w.=!<>])(\w+)\s*=(?!=)", src[m.end():j - 1]))
+    from transformers.utils.generic import TransformersKwargs
+    names.update(TransformersKwargs.__annotations__)
+    try:
+        from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+        names.update(FlashAttentionKwargs.__annotations__)
+    except ImportError:
+        pass
+    return names - {"query", "key", "value", "attention_mask", "module"}
+
+
+def test_every_call_site_keyword_is_served_or_refused():
+    """A keyword the integration does not understand must be served or refused with an error naming
+    it, never dropped: each keyword transformers' call sites pass is in the integration's table, and
+    fed a value it is served (finite output) or refused (an error that names it)."""
+    names = _call_site_keywords()
+    assert len(names) > 15, sorted(names)
+    known = set().union(*hf_effattn.KEYWORDS.values())
+    assert names <= known, f"keywords transformers passes that the integration does not classify: {names - known}"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    values = {"dropout": 0.0, "scaling": 0.3, "is_causal": False, "sliding_window": 3, "softcap": 30.0,
+              "position_bias": torch.randn(1, 2, 6, 6, generator=g)}
+    for name in sorted(names):
+        value = values.get(name, torch.ones(3, dtype=torch.long))
+        if name in hf_effattn.KEYWORDS["refused"]:
+            with pytest.raises((NotImplementedError, TypeError), match=name):
+                hf_effattn.attention_forward(module, q, k, v, None, **{name: value})
+        else:
+            out, _ = hf_effattn.attention_forward(module, q, k, v, None, **{name: value})
+            assert torch.isfinite(out).all(), name
+    with pytest.raises(TypeError, match="'made_up_keyword'"):
+        hf_effattn.attention_forward(module, q, k, v, None, made_up_keyword=torch.ones(1))
+    out, _ = hf_effattn.attention_forward(module, q, k, v, None, made_up_keyword=None)   # None carries nothing
+    assert torch.isfinite(out).all()

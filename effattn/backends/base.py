@@ -220,8 +220,20 @@ def select(op: str, call, backend: str) -> Path:
     if backend not in table:
         raise RuntimeError(f"{op}: backend {backend!r} {missing_reason(op, backend)}. " + _describe(table))
     ok = [n for n, w in table.items() if not w]
-    raise RuntimeError(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(table[backend])}. "
-                       f"Backends that can: {', '.join(ok) if ok else 'none'}")
+    why = table[backend]
+    kind = DtypeNotServed if any(w.startswith("dtype ") for w in why) else CannotServe
+    raise kind(f"{op}: backend {backend!r} cannot serve this call: {'; '.join(why)}. "
+               f"Backends that can: {', '.join(ok) if ok else 'none'}")
+
+
+class CannotServe(ValueError, RuntimeError):
+    """A named backend cannot serve a call's arguments: a ValueError like every other bad argument
+    combination (and a RuntimeError, what earlier versions raised)."""
+
+
+class DtypeNotServed(TypeError, CannotServe):
+    """A named backend does not serve the inputs' dtype: a TypeError like the public functions'
+    own dtype errors."""
 
 
 def missing_reason(op: str, name: str) -> str:

@@ -137,6 +137,19 @@ def state_grads(dS: Tensor, dz: Optional[Tensor], S: Optional[Tensor], z: Option
     return gs, gz
 
 
+def apply_state_grads(dS: Tensor, dz: Optional[Tensor], S: Tensor, z: Tensor, base_s: Optional[Tensor],
+                      base_z: Optional[Tensor], normalize: bool, q: Tensor):
+    """The gradients of the non-causal output pass's two states, ``(S, z)`` (the keys' sums) and the
+    base ``(base_s, base_z)``: both enter every query's sums, so both get the same per-query-head
+    sums. A custom op may not return two views of one tensor (when ``S`` has H heads its group sum is a
+    view of ``dS``), so the base's gradients are copies when they would alias the first pair's."""
+    gs, gz = state_grads(dS, dz, S, z, normalize, q)
+    bs, bz = state_grads(dS, dz, base_s, base_z, normalize, q)
+    bs = bs.clone() if bs.numel() and bs.data_ptr() == gs.data_ptr() else bs
+    bz = bz.clone() if bz.numel() and gz.numel() and bz.data_ptr() == gz.data_ptr() else bz
+    return gs, gz, bs, bz
+
+
 def empty_den(den: Optional[Tensor], q: Tensor) -> Tensor:
     """``den`` or, when there is none (no normalize), the empty marker."""
     return den if den is not None and den.numel() else q.new_empty(EMPTY, dtype=torch.float32)

@@ -29,6 +29,14 @@ Which path ran is counted in :data:`stats` (``"fused"``, ``"dense: <why>"``) and
 is logged once at DEBUG level on the ``effattn.integrations.huggingface`` logger. Reading the mask is
 a device sync and, under ``torch.compile``, a graph break.
 
+Keywords. Besides the ones above, transformers passes the model's own keyword arguments through. Each
+keyword the installed transformers' attention call sites pass is one of three kinds (:data:`KEYWORDS`):
+served (``position_bias``, T5's relative position bias, is added to the scores on the dense fallback,
+counted as ``"dense: position_bias"``); carried elsewhere (positions already applied to q/k,
+packed-sequence metadata the mask already expresses, output flags: nothing for the attention to do);
+or refused with an error naming it (attention sinks, sparse top-k indices). A keyword not in the table
+with a value other than None raises TypeError instead of being dropped.
+
 Differences from ``"eager"``: a query row that may see no key at all (a left-padding position in a
 causal model) outputs 0 where eager outputs the mean of all values; such rows are padding, and no
 real token reads them. Attention weights are never returned (``output_attentions`` gives ``None``,
@@ -54,6 +62,37 @@ NAME = "effattn"
 #: how many calls took each path since import: ``"fused"`` or ``"dense: <why>"``
 stats: collections.Counter = collections.Counter()
 _logged = set()
+
+
+# What each keyword transformers passes to an attention function means here. "served": read by
+# attention_forward; "carried": nothing to do (the information is in q, k, v or the mask, or concerns
+# outputs or other implementations); "refused": an error naming the keyword when its value is not None.
+KEYWORDS = {
+    "served": frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias"}),
+    "carried": frozenset({
+        "position_ids", "cache_position",                    # positions: rotary embeddings already applied
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",   # packed sequences:
+        "max_seqlen_q", "max_seqlen_k", "cache_seqlens",     # transformers' mask function already masks them
+        "deterministic",                                     # effattn's kernels are always deterministic
+        "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",  # output flags
+        "num_items_in_batch", "use_cache", "past_key_values", "past_key_value", "layer_idx",
+        "use_top_left_mask", "supports_mapping", "block_table", "query_length", "key_length",
+        "softmax_scale"}),
+    "refused": frozenset({"s_aux", "sinks", "indices", "block_indices", "head_mask", "layer_head_mask"}),
+}
+
+
+def _check_keywords(kwargs) -> None:
+    """NotImplementedError for a refused keyword given a value, TypeError for an unknown one."""
+    for name, value in kwargs.items():
+        if value is None or name in KEYWORDS["carried"]:
+            continue
+        if name in KEYWORDS["refused"]:
+            what = "attention sinks" if name in ("s_aux", "sinks") else "this keyword"
+            raise NotImplementedError(f"effattn: {what} ({name}=) not supported; use attn_implementation='eager' "
+                                      "or 'sdpa' for this model")
+        raise TypeError(f"effattn (transformers): unknown attention keyword {name!r}; effattn does not know what "
+                        "it means and refuses to ignore it (use attn_implementation='eager' for this model)")
 
 
 def _record(path: str) -> None:
@@ -105,21 +144,22 @@ def _read_mask(mask: Tensor, B: int, Lq: int, Lk: int, causal: bool, window):
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
-                      softcap: Optional[float] = None, *, backend: str = "auto",
-                      **kwargs) -> Tuple[Tensor, None]:
+                      softcap: Optional[float] = None, position_bias: Optional[Tensor] = None, *,
+                      backend: str = "auto", **kwargs) -> Tuple[Tensor, None]:
     """The function registered with transformers' ``AttentionInterface``.
 
     Args:
         query: ``(B, H, L, D)``; key, value ``(B, Hkv, S, D)`` / ``(B, Hkv, S, Dv)``.
         attention_mask: 4-D ``(B or 1, 1 or H, L, S)``, bool (True = attend) or float (added), or None.
         dropout, scaling, is_causal, sliding_window, softcap: as transformers passes them.
+        position_bias: float, broadcastable to ``(B, H, L, S)``, added to the scaled scores (T5): the dense
+            fallback.
+        kwargs: the other keywords transformers passes (see :data:`KEYWORDS`); unknown ones raise.
 
     Returns:
         ``(out (B, L, H, Dv), None)``.
     """
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError("effattn: attention sinks (s_aux) are not supported; use attn_implementation="
-                                  "'eager' or 'sdpa' for this model")
+    _check_keywords(kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
@@ -134,6 +174,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # transformers' convention without a mask (a static cache's empty prefill): queries are the
         # first Lq positions and the keys after them are unused cache slots
         key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq
+        position_bias = position_bias[..., :Lq] if position_bias is not None else None
 
     if attention_mask is not None and attention_mask.dim() == 4:
         used = _used_keys(attention_mask, Lq)
@@ -141,13 +182,21 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             # a static cache's unused slots: masked for every query, and in the way of the bottom-right
             # alignment the fused kernel's causal / window rule uses; cutting them changes nothing
             key, value, attention_mask, Lk = key[:, :, :used], value[:, :, :used], attention_mask[..., :used], used
+            position_bias = position_bias[..., :used] if position_bias is not None else None
 
+    if position_bias is not None and not position_bias.requires_grad and not bool(position_bias.any()):
+        position_bias = None                            # T5's zero bias of layers without one: adds nothing
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
-    if softcap is not None:                             # no fused soft-capping: dense, same visibility
+    for why, given in (("softcap", softcap is not None), ("position_bias", position_bias is not None)):
+        if not given:                                   # no fused soft-capping or bias: dense, same visibility
+            continue
         if plan[0] == "fused":
-            plan = ("dense", _structure_and_padding(Lq, Lk, causal, window, plan[1], query.device), None, "softcap")
+            plan = ("dense", _structure_and_padding(Lq, Lk, causal, window, plan[1], query.device), None, why)
         else:
-            plan = ("dense", plan[1], plan[2], "softcap")
+            plan = ("dense", plan[1], plan[2], why)
+    if position_bias is not None:
+        bias = plan[2]
+        plan = plan[:2] + (position_bias if bias is None else bias + position_bias, plan[3])
 
     if plan[0] == "fused":
         out = attention(query, key, value, causal=causal, window=window, key_padding_mask=plan[1], scale=scaling,

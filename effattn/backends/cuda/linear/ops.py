@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ....feature_maps import FMAP_IDENTITY
 from ....splits import sm_count
-from ...linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake,
+from ...linear_common import (apply_bwd_fake, apply_fake, apply_state_grads, causal_bwd_fake, causal_fwd_fake,
                               empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads,
                               step_fake, zero_state_grads)
 from .._ext import ops as kernels
@@ -211,7 +211,7 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps):
                      base=_base(base_s, transpose=True), base_z=_base_z(base_z) if normalize else (None, 0),
                      grad_x=fq if fmap else None)
     _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, n, store=False, cx=e)                # (B*H, F, Dv)
-    return (dq,) + state_grads(dSq, dzq, S, z, normalize, q) + state_grads(dSq, dzq, base_s, base_z, normalize, q)
+    return (dq,) + apply_state_grads(dSq, dzq, S, z, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------------ ops

@@ -176,6 +176,13 @@ def _mask(g0: _Group, geo: _Geometry, wl: int, wr: int, kpm_pad: Optional[Tensor
     return vis
 
 
+def _seen_only(x: Tensor, vis: Tensor) -> Tensor:
+    """Gathered keys or values ``x (B, heads, g, K, X)`` with zeros for the keys no row of their query
+    block sees under ``vis`` (`_mask`), so that whatever an ignored key holds (NaN, inf in padding)
+    gives 0 * 0 in a product, never 0 * NaN."""
+    return torch.where(vis.any(-2)[..., None], x, 0.0)
+
+
 def _setup(q, k, v, layout_mask, layout_block, wl, wr):
     """(block size, per-head layout?, slices of the call run in parallel, the plan)."""
     B, H, Lq, _ = q.shape
@@ -241,13 +248,14 @@ def _forward_slice(q, k, v, kpm, scale, wl, wr, groups, bs, per_head):
     qc = q.to(cdt)
     for g0 in groups:
         s = torch.matmul(_arrange(qc, g0, geo), _gather(kb, g0, geo).transpose(-1, -2)).mul_(scale)
-        s.masked_fill_(~_mask(g0, geo, wl, wr, kpm_pad), -math.inf)
+        vis = _mask(g0, geo, wl, wr, kpm_pad)
+        s.masked_fill_(~vis, -math.inf)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)      # empty rows: exp(-inf - 0) = 0
         p = s.sub_(m).exp_()
         l = p.sum(-1, keepdim=True)
         p.div_(torch.where(l > 0, l, torch.ones_like(l)))
-        o = torch.matmul(p, _gather(vb, g0, geo))
+        o = torch.matmul(p, _seen_only(_gather(vb, g0, geo), vis))
         r0, n = g0.b0 * bs, min(g0.b1 * bs, Lq) - g0.b0 * bs
         out[:, :, r0:r0 + n] = _unarrange(o, g0, geo).to(q.dtype)
         lse[:, :, r0:r0 + n] = _unarrange(m + torch.log(l), g0, geo).squeeze(-1)
@@ -287,7 +295,9 @@ def _backward_slice(grad_out, grad_lse, q, k, v, out, lse, kpm, scale, wl, wr, g
         qg, dog = _arrange(qc, g0, geo), _arrange(doc, g0, geo)     # padded rows have dO = 0
         kg, vg = _gather(kb, g0, geo), _gather(vb, g0, geo)
         s = torch.matmul(qg, kg.transpose(-1, -2)).mul_(scale)
-        s.masked_fill_(~_mask(g0, geo, wl, wr, kpm_pad), -math.inf)
+        vis = _mask(g0, geo, wl, wr, kpm_pad)
+        s.masked_fill_(~vis, -math.inf)
+        kg, vg = _seen_only(kg, vis), _seen_only(vg, vis)
         p = s.sub_(_arrange(lse_safe[..., None], g0, geo)).exp_()    # masked and empty rows give 0
         ds = torch.matmul(dog, vg.transpose(-1, -2)).sub_(_arrange(delta[..., None], g0, geo)).mul_(p)
         r0, n = g0.b0 * bs, min(g0.b1 * bs, Lq) - g0.b0 * bs

@@ -75,6 +75,8 @@ def _admits(call) -> List[str]:
     why = cpu_reasons(call)
     if not why and call.causal and call.Lq != call.Lk:
         why.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
+    if not why and call.causal and call.scale <= 0:
+        why.append("causal with scale <= 0 (its causal mask then gives NaN)")
     return why
 
 

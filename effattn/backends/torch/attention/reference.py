@@ -125,9 +125,28 @@ def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, win
     for c in _plan(rule, rows, q.device):
         s, qc, kc = _scores(q, k, c, scale, _compute_dtype(q.dtype), H // Hkv)
         mask = rule.materialize((c.i0, c.i1), c.pos, key_padding_mask=key_padding_mask)
+        seen = None
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
-        yield c, s, qc, kc
+            seen = seen_keys(mask, Hkv)
+            kc = torch.where(seen, kc, 0.0)
+        yield c, s, qc, kc, seen
+
+
+def seen_keys(mask: Tensor, Hkv: int) -> Tensor:
+    """bool ``(B or 1, Hkv or 1, keys, 1)``: the keys some row of ``mask (B or 1, H or 1, rows, keys)``
+    sees, per kv head. The others' K and V rows are zeroed before the products, so that whatever an
+    ignored key holds (NaN, inf in padding) gives 0 * 0, never 0 * NaN."""
+    seen = mask.any(-2)
+    if seen.shape[1] > 1:
+        seen = seen.reshape(seen.shape[0], Hkv, seen.shape[1] // Hkv, seen.shape[-1]).any(2)
+    return seen[..., None]
+
+
+def _values(v: Tensor, c: _Chunk, seen: Optional[Tensor], cdt) -> Tensor:
+    """The chunk's values in the compute dtype, zero where no row of the chunk sees the key."""
+    vc = v[:, :, c.keys].to(cdt)
+    return vc if seen is None else torch.where(seen, vc, 0.0)
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -143,8 +162,8 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
     cdt = _compute_dtype(q.dtype)
     out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
-    for c, s, _, _ in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
-                                     window_right):
+    for c, s, _, _, seen in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
+                                           window_right):
         i0, i1 = c.i0, c.i1
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: exp(-inf - 0) = 0
@@ -154,7 +173,7 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
             p = p * _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
-        o = torch.matmul(_grouped(p, Hkv), v[:, :, c.keys].to(cdt))
+        o = torch.matmul(_grouped(p, Hkv), _values(v, c, seen, cdt))
         out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
     return out, lse.to(torch.float32) if cdt == torch.float32 else lse
 
@@ -182,15 +201,15 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
         delta = delta - grad_lse.to(cdt)
     lse = lse.to(cdt)
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    for c, s, qc, kc in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
-                                       window_right):
+    for c, s, qc, kc, seen in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
+                                             window_right):
         i0, i1 = c.i0, c.i1
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])           # masked and empty rows give 0
-        vc = v[:, :, c.keys].to(cdt)
+        vc = _values(v, c, seen, cdt)
         do = grad_out[:, :, i0:i1].to(cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
-            keep = _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            keep = _dropout_keep(seed, i0, p.shape, dropout_p, q.device).to(cdt) / (1.0 - dropout_p)
             pd, dp = p * keep, dp * keep
         else:
             pd = p

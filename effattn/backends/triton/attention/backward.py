@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..jit import UNSPECIALIZED_BWD_ARGS, cast, dot, i64, load_tile
-from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, query_tile_range, slice_tile,
-                       tile_index, visible)
+from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores, query_tile_range,
+                       slice_tile, tile_index, visible)
 
 
 @triton.jit
@@ -94,6 +94,8 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
         pdt = pt
     dv += dot(cast(pdt, do.dtype, INTERP_BF16), do, DOT_PREC, INTERP_BF16)         # dV += P_drop^T dO
     dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
+    if PARTIAL:                   # an invisible key's dP may be NaN (from its V): 0, not 0 * NaN
+        dst = tl.where(ok, dst, 0.0)
     dk += dot(cast(dst, q.dtype, INTERP_BF16), q, DOT_PREC, INTERP_BF16)           # dK += dS^T Q (scale later)
     return dk, dv
 
@@ -118,13 +120,11 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
     s = dot(q, kt, DOT_PREC, INTERP_BF16)
     if not FOLD_SCALE:
         s = s * qk_scale
-    if PARTIAL:
-        ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                      lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
-        s = tl.where(ok, s, float("-inf"))
-    if HAS_KPM:
-        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
-        s = tl.where(pad[None, :] == 0, s, float("-inf"))
+    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                          PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
+    if PARTIAL or HAS_KPM:        # keys no row sees: zero K and V, so NaN / inf in them give 0 * 0
+        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
+        vt = tl.where(seen[None, :], vt, tl.zeros_like(vt))
     if FOLD_SCALE:
         p = tl.exp2(s * qk_scale - lse[:, None])
     else:
@@ -181,6 +181,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     if HAS_KPM:
         pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
         keep_k = pad == 0
+        k = tl.where(keep_k[:, None], k, tl.zeros_like(k))    # padded keys: zeros, whatever they hold
+        v = tl.where(keep_k[:, None], v, tl.zeros_like(v))
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     visits = pid * 0                                         # int32 counter (COUNT only)

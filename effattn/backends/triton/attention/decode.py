@@ -110,6 +110,7 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
+        v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, tl.zeros_like(v))   # unseen keys: 0, not NaN
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     empty = l_i == 0.0

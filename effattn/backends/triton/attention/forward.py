@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from ..jit import UNSPECIALIZED_ARGS, cast, dot, i64, load_tile
-from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, tile_index,
-                       visible)
+from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores,
+                       program_tile, tile_index)
 
 
 @triton.jit
@@ -40,13 +40,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     s = dot(q, kt, DOT_PREC, INTERP_BF16)                       # S = Q K^T
     if not FOLD_SCALE:
         s = s * qk_scale                                        # in log2 units
-    if PARTIAL:
-        ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                      lay_bs, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, IDX64)
-        s = tl.where(ok, s, float("-inf"))
-    if HAS_KPM:
-        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
-        s = tl.where(pad[None, :] == 0, s, float("-inf"))
+    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                          PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
     # m_new = max(m_old, rowmax(S)); a row that has seen nothing yet keeps m = -inf, and the
     # shift m_ref = 0 keeps exp2(-inf - m_ref) = 0 instead of NaN
     # (with FOLD_SCALE, max(c S) = c max(S) for c = qk_scale > 0, and -inf stays -inf)
@@ -67,6 +62,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
         v = v_desc.load([start_n, 0])
     else:
         v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
+    if PARTIAL or HAS_KPM:        # keys no row sees: zero values, so NaN / inf in them give 0 * 0
+        v = tl.where(seen[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
     return acc, m_new, l_i
 

@@ -28,6 +28,28 @@ def visible(qi, kj, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
 
 
 @triton.jit
+def mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                HAS_KPM: tl.constexpr, IDX64: tl.constexpr):
+    """Scores ``s (BLOCK_M, BLOCK_N)`` of a key tile with invisible pairs at -inf (partial tiles:
+    elementwise; key padding: per key), and ``seen (BLOCK_N,)``: the keys some query row of the
+    tile sees. Where a tile is masked the kernels zero the K / V rows of the other keys, so that
+    whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product, never 0 * NaN."""
+    seen = offs_n < Lk
+    if HAS_KPM:
+        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        seen = pad == 0
+    if PARTIAL:
+        ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb,
+                     lay_bs, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64) & seen[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        seen = tl.max(ok.to(tl.int32), 0) > 0
+    elif HAS_KPM:
+        s = tl.where(seen[None, :], s, float("-inf"))
+    return s, seen
+
+
+@triton.jit
 def dropout_keep(seed, bh, qi, kj, drop_thresh):
     """Keep-mask from Philox(seed; counter = (i, j, b*H + h, 0)); keep with probability 1 - p."""
     c0 = (qi + kj * 0).to(tl.uint32)

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from ....feature_maps import FMAP_IDENTITY
-from ...linear_common import (apply_bwd_fake, apply_fake, causal_bwd_fake, causal_fwd_fake, empty_den, kv_state_fake,
-                              opt as _opt, out_grads as _out_grads, state_grads, step_fake, zero_state_grads)
+from ...linear_common import (apply_bwd_fake, apply_fake, apply_state_grads, causal_bwd_fake, causal_fwd_fake,
+                              empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads, step_fake,
+                              zero_state_grads)
 from .launch import Numerics, Rows, out_pass, state_pass, step
 
 
@@ -141,7 +142,7 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
                      grad_x=fq if fmap != FMAP_IDENTITY else None, role="dq")
     _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
-    return (dq,) + state_grads(dSq, dzq, S, z, normalize, q) + state_grads(dSq, dzq, base_s, base_z, normalize, q)
+    return (dq,) + apply_state_grads(dSq, dzq, S, z, base_s, base_z, normalize, q)
 
 
 # ------------------------------------------------------------------------------------ ops
