@@ -67,7 +67,10 @@ def path(request, registered, monkeypatch):
         request.getfixturevalue("emulation")
     # the split-KV decode's threshold lowered so that its rows admit a small call
     monkeypatch.setattr(splits, "DECODE_MIN_KEYS", 32)
-    return p
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))           # the slice-parallel CPU path needs two to split
+    yield p
+    torch.set_num_threads(threads)
 
 
 def _dtype(p):
