@@ -142,7 +142,8 @@ def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
 
 def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
     Trainer(small_cfg(tmp_path, cache), quiet=True).run(stop_after_steps=2)
-    with pytest.raises(ValueError, match=r"other settings: .*lr 0\.003 \(now 0\.001\).*variant 'softmax' \(now 'local'\)"):
+    with pytest.raises(ValueError,
+                       match=r"other settings: .*lr 0\.003 \(now 0\.001\).*variant 'softmax' \(now 'local'\)"):
         Trainer(small_cfg(tmp_path, cache, variant="local", lr=1e-3, resume=True), quiet=True).run()
     # settings that only steer the run may change
     row = Trainer(small_cfg(tmp_path, cache, resume=True, max_minutes=60, log_every=7), quiet=True).run()
@@ -172,16 +173,19 @@ def test_recipes_and_schedules():
     from benchmarks.lra.train import lr_at, resolve
     # the published Transformers: 1 layer d=128 8 heads on Image, 4 layers d=32 4 heads on Pathfinder
     assert (LRA["image"].model.layers, LRA["image"].model.d_model, LRA["image"].model.heads) == (1, 128, 8)
-    assert (LRA["pathfinder"].model.layers, LRA["pathfinder"].model.d_model, LRA["pathfinder"].model.heads) == (4, 32, 4)
+    pf = LRA["pathfinder"].model
+    assert (pf.layers, pf.d_model, pf.heads) == (4, 32, 4)
     assert LRA["image"].steps == 200 * (45000 // 256) and LRA["pathfinder"].batch_size == 512
     assert set(LRA) == set(SMALL) == set(tasks.TASKS)
     cfg = resolve(TrainConfig(task="listops", recipe="lra"))
     assert (cfg.steps, cfg.batch_size, cfg.warmup, cfg.weight_decay, cfg.schedule) == (5000, 32, 1000, 0.1, "rsqrt")
     # rsqrt: lr * min(1, s / warmup) / sqrt(max(s, warmup)), s = step + 1: peak lr / sqrt(warmup) at the warmup's end
-    assert lr_at(999, cfg) == pytest.approx(0.05 / 1000 ** 0.5) and lr_at(3999, cfg) == pytest.approx(0.05 / 4000 ** 0.5)
+    assert lr_at(999, cfg) == pytest.approx(0.05 / 1000 ** 0.5)
+    assert lr_at(3999, cfg) == pytest.approx(0.05 / 4000 ** 0.5)
     assert lr_at(499, cfg) == pytest.approx(0.5 * 0.05 / 1000 ** 0.5)
     img = resolve(TrainConfig(task="image", recipe="lra"))
-    assert lr_at(174, img) == pytest.approx(5e-4) and lr_at(175 + img.steps // 2, img) == pytest.approx(2.5e-4, rel=1e-3)
+    assert lr_at(174, img) == pytest.approx(5e-4)
+    assert lr_at(175 + img.steps // 2, img) == pytest.approx(2.5e-4, rel=1e-3)
     small = resolve(TrainConfig(task="retrieval", recipe="small", steps=100, warmup=10))
     assert lr_at(4, small) == pytest.approx(0.5e-4) and lr_at(55, small) == pytest.approx(0.5e-4)
     assert resolve(TrainConfig(task="listops", recipe="small", lr=0.5)).lr == 0.5      # an option overrides
@@ -339,3 +343,23 @@ def test_speed_row_on_cpu():
     from benchmarks.lra.speed import measure
     row = measure("linear", 64, 2, steps=1, warmup=0)
     assert row["status"] == "ok" and row["steps_per_s"] > 0 and row["peak_mib"] >= 0 and row["length"] == 64
+
+
+def test_gpu_plan_covers_every_variant_and_table_2(tmp_path, capsys):
+    from benchmarks.lra import gpu
+    steps = gpu.plan(str(tmp_path))
+    listops = [s for s in steps if s.argv[:3] == ["train", "--task", "listops"]]
+    assert {s.argv[s.argv.index("--variant") + 1] for s in listops} == set(VARIANTS)
+    assert all("--resume" in s.argv and s.argv[s.argv.index("--recipe") + 1] == "lra" for s in listops)
+    assert [s.target for s in listops if "softmax" in s.argv] == [0.36]
+    speeds = [s.argv for s in steps if s.argv[0] == "speed"]
+    assert any("4096" in a and "1024" in a and "text" in a for a in speeds) and any("16384" in a and "pathx" in a
+                                                                                      for a in speeds)
+    soft = next(s for s in listops if "softmax" in s.argv)
+    assert not gpu.finished(soft)
+    Path(soft.done_file).parent.mkdir(parents=True)
+    Path(soft.done_file).write_text(json.dumps([{"finished": False, "test_accuracy": 0.2}]))
+    assert not gpu.finished(soft)                 # stopped by its time budget: the next call resumes it
+    Path(soft.done_file).write_text(json.dumps([{"finished": True, "test_accuracy": 0.37}]))
+    assert gpu.finished(soft)
+    assert lra_main(["gpu-plan", "--out", str(tmp_path)]) == 0 and "test >= 36%" in capsys.readouterr().out

@@ -7,6 +7,7 @@
     python -m benchmarks.lra speed --lengths 1024 2048 3072 4096             # Table 2 rows
     python -m benchmarks.lra budget --task pathx                             # hours a recipe takes here
     python -m benchmarks.lra baselines                                       # stand-in shortcut baselines
+    python -m benchmarks.lra gpu-plan [--run]                                # the runs planned for a GPU
     python -m benchmarks.lra report --runs lra-runs --out lra-report         # Tables 1 and 2
     python -m benchmarks.lra generate --task pathfinder --workers 16         # fill the data cache
     python -m benchmarks.lra variants                                        # variants x backends
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
     bl.add_argument("--cache-dir")
     bl.add_argument("--workers", type=int, default=2)
     bl.add_argument("--skip-learnability", action="store_true", help="skip the Pathfinder* CNN (minutes)")
+    gpu = sub.add_parser("gpu-plan", help="the runs planned for a GPU: full ListOps per variant, Table 2")
+    gpu.add_argument("--out", default="lra-runs/gpu")
+    gpu.add_argument("--minutes", type=float, default=8.0, help="time budget of each training command")
+    gpu.add_argument("--run", action="store_true", help="run the unfinished steps (else only list them)")
     rp = sub.add_parser("report", help="Tables 1 and 2 from every results.json under --runs")
     rp.add_argument("--runs", default="lra-runs")
     rp.add_argument("--out", default="lra-report")
@@ -188,6 +193,12 @@ def _run(a) -> int:
         from .baselines import run_baselines
         run_baselines(Path(a.out), cache_dir=a.cache_dir, workers=a.workers, learnability=not a.skip_learnability)
         return 0
+    if a.cmd == "gpu-plan":
+        from .gpu import plan, plan_markdown, run_plan
+        _positive(minutes=a.minutes)
+        steps = plan(a.out, a.minutes)
+        print(plan_markdown(steps))
+        return run_plan(steps) if a.run else 0
     if a.cmd == "report":
         from .report import full_report, gather
         rows = gather(Path(a.runs))

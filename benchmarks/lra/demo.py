@@ -8,7 +8,8 @@ Each run (recipe ``demo``: 300 steps of batch 32, lr 3e-3) trains on the same 20
 on 1K dev trees every 100 steps and tested on 2K test trees with its best dev checkpoint. Runs go two
 at a time (``--jobs``), each in a fresh process with one torch thread, so the peak memory reported
 (the process's peak RSS) is its own. ``minutes`` bounds the whole demo: each run gets its share of
-what is left after the data is made, and a run that must stop early says so ("stopped early"). The report gives mean +- std over the seeds per variant, the
+what is left after the data is made, and a run that must stop early says so ("stopped early").
+The report gives mean +- std over the seeds per variant, the
 majority-class and chance rows, and the learning curves; the checkpoints are deleted afterwards.
 """
 from __future__ import annotations
@@ -51,7 +52,8 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
         r["demo_minutes"], r["demo_data_minutes"] = total, data_minutes
     md = ["# Long Range Arena CPU demo: short ListOps", "",
           f"`python -m benchmarks.lra demo`: ListOps trees of 16-128 tokens (LRA's generator), recipe `demo` "
-          f"({DEMO.summary()}), at most {minutes:g} minutes in all ({share:.2f} a run), {jobs} runs at a time with {threads} torch "
+          f"({DEMO.summary()}), at most {minutes:g} minutes in all ({share:.2f} a run), {jobs} runs at a time "
+          f"with {threads} torch "
           f"thread(s) each; test accuracy on the best dev checkpoint; seeds {', '.join(map(str, seeds))} (the "
           "model's initialization, batch order and dropout; the data is the same).", "",
           seeds_markdown(rows),

@@ -128,7 +128,8 @@ def seeds_markdown(rows: List[Dict]) -> str:
             lines.append(f"| {task} | *{name}* | | | {pct(v)} | | | | | |")
     lines += ["", "Mean ± sample std over the seeds (n). " + environment_line(acc) + ". Memory: "
               + (acc[0].get("memory", "") if acc else "") + ".",
-              "A task marked * is a stand-in or an unvalidated regeneration, not LRA's data (see benchmarks/lra/README.md)."]
+              "A task marked * is a stand-in or an unvalidated regeneration, not LRA's data "
+              "(see benchmarks/lra/README.md)."]
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +162,8 @@ def table2(rows: List[Dict]) -> str:
 
 def speed_markdown(rows: List[Dict], note: str = "") -> str:
     r = rows[0] if rows else {}
-    about = (f"{environment_line(rows)}. Byte-level classifier, recipe `{r.get('recipe')}` ({r.get('model_about')}), batch "
+    about = (f"{environment_line(rows)}. Byte-level classifier, recipe `{r.get('recipe')}` "
+             f"({r.get('model_about')}), batch "
              f"{r.get('batch_size')}, backend `{r.get('backend')}`; memory: {r.get('memory', '?')}.")
     title = "# Training speed and memory by sequence length (LRA Table 2 style)"
     return f"{title}\n\n{about}{' ' + note if note else ''}\n\n{table2(rows)}"

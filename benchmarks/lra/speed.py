@@ -135,7 +135,7 @@ def budget(task: str, recipe_name: str = "lra", variant: str = "softmax", steps:
     per_step = batch and r.batch_size / batch / row["steps_per_s"]
     hours = per_step * r.steps / 3600
     return (f"{task}, recipe {recipe_name} ({r.summary()}), {variant}: {per_step:.3g} s per step of batch "
-            f"{r.batch_size} at {MAX_LENGTH[task]} tokens" + (f" (timed at batch {batch}, scaled)" if batch != r.batch_size
-                                                                else "")
+            f"{r.batch_size} at {MAX_LENGTH[task]} tokens"
+            + (f" (timed at batch {batch}, scaled)" if batch != r.batch_size else "")
             + f" on {row['device']} -> {hours:.3g} hours for {r.steps} steps ({hours / 24:.3g} days), evaluations "
               "not counted")
