@@ -11,9 +11,11 @@ import hashlib
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -53,13 +55,30 @@ def load_arrays(path: Path) -> Dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def parallel_map(fn: Callable, jobs: List, workers: int) -> Iterable:
-    """``map(fn, jobs)`` in order, on ``workers`` processes when more than one is asked for."""
+def parallel_map(fn: Callable, jobs: List, workers: int, progress: Optional[str] = None) -> List:
+    """``[fn(j) for j in jobs]`` in order, on ``workers`` processes when more than one is asked for.
+    ``progress``: a name; a line on stderr every 30 s says how many jobs are done."""
+    t0 = last = time.monotonic()
+    out = []
+
+    def done(result):
+        nonlocal last
+        out.append(result)
+        if progress and time.monotonic() - last > 30:
+            last = time.monotonic()
+            rate = len(out) / (last - t0)
+            print(f"generating {progress}: {len(out)}/{len(jobs)} chunks, about "
+                  f"{(len(jobs) - len(out)) / rate / 60:.1f} min left", file=sys.stderr, flush=True)
+
     if workers <= 1 or len(jobs) <= 1:
-        return [fn(j) for j in jobs]
+        for j in jobs:
+            done(fn(j))
+        return out
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ctx.Pool(min(workers, len(jobs))) as pool:
-        return pool.map(fn, jobs, chunksize=1)
+        for r in pool.imap(fn, jobs, chunksize=1):
+            done(r)
+    return out
 
 
 def pack(seqs: List[np.ndarray]) -> Dict[str, np.ndarray]:

@@ -89,7 +89,8 @@ def draw_chunk(job: Tuple[int, int, Dict]) -> List[Tuple[str, int]]:
 
 
 def generate(seed: int = 0, sizes=(96000, 2000, 2000), min_length: int = 500, max_length: int = 2000,
-             max_depth: int = 10, max_args: int = 10, workers: int = 1) -> Dict[str, List[Tuple[str, int]]]:
+             max_depth: int = 10, max_args: int = 10, workers: int = 1,
+             progress: Optional[str] = None) -> Dict[str, List[Tuple[str, int]]]:
     """Train / dev / test lists of ``(source, label)``; see the module docstring."""
     from .cache import parallel_map
     p = dict(min_length=min_length, max_length=max_length, max_depth=max_depth, max_args=max_args)
@@ -99,7 +100,7 @@ def generate(seed: int = 0, sizes=(96000, 2000, 2000), min_length: int = 500, ma
         # a batch of chunks at a time; more than needed on average, the surplus is dropped
         jobs = [(seed, index + i, p) for i in range(max(workers, 1) * 4)]
         index += len(jobs)
-        for chunk in parallel_map(draw_chunk, jobs, workers):
+        for chunk in parallel_map(draw_chunk, jobs, workers, progress):
             for src, label in chunk:
                 if src not in seen and len(rows) < need:
                     seen.add(src)

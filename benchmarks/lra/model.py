@@ -3,12 +3,12 @@ with the chosen attention variant, CLS or mean pooling over the non-padding toke
 Retrieval encodes both documents with the same encoder (two towers, shared weights) and classifies
 ``[u, v, u * v, u - v]``.
 
-Configs: ``small`` is the published small setting the efficient-attention papers re-run
-(Nystromformer, Skyformer: 2 layers, d = 64, 2 heads, feed-forward 128, mean pooling); ``lra`` is
-LRA's own per task (its ``base_*_config.py``).
+Positions are learned (``pos="learned"``) or fixed sinusoids (``pos="sine"``, LRA's Pathfinder
+Transformer). The per-task sizes are in `recipes`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -29,27 +29,20 @@ class ModelConfig:
     ff: int = 128
     dropout: float = 0.1
     pooling: str = "mean"          # "mean" or "cls"
+    pos: str = "learned"           # "learned" or "sine"
 
     def as_dict(self):
         return asdict(self)
 
 
-SMALL = ModelConfig()
-LRA = {
-    "listops": ModelConfig(512, 8, 4, 1024, 0.1, "cls"),
-    "text": ModelConfig(256, 4, 4, 1024, 0.1, "cls"),
-    "retrieval": ModelConfig(128, 4, 4, 512, 0.1, "cls"),
-    "image": ModelConfig(32, 1, 1, 64, 0.3, "cls"),
-    "pathfinder": ModelConfig(32, 2, 1, 32, 0.1, "mean"),
-}
-
-
-def model_config(name: str, task: str) -> ModelConfig:
-    if name == "small":
-        return ModelConfig(**SMALL.as_dict())
-    if name == "lra":
-        return ModelConfig(**LRA[task].as_dict())
-    raise ValueError(f"config must be 'small' or 'lra', got {name!r}")
+def sinusoids(n: int, d: int) -> Tensor:
+    """``(n, d)`` fixed sine / cosine positions (Vaswani et al. 2017)."""
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    out = torch.zeros(n, d, dtype=torch.float64)
+    out[:, 0::2] = torch.sin(pos * freq)
+    out[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
+    return out.float()
 
 
 class Encoder(nn.Module):
@@ -60,7 +53,12 @@ class Encoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
-        self.pos = nn.Parameter(torch.randn(max_length + 1, cfg.d_model) * 0.02)
+        if cfg.pos == "sine":
+            self.register_buffer("pos", sinusoids(max_length + 1, cfg.d_model), persistent=False)
+        elif cfg.pos == "learned":
+            self.pos = nn.Parameter(torch.randn(max_length + 1, cfg.d_model) * 0.02)
+        else:
+            raise ValueError(f"ModelConfig.pos must be 'learned' or 'sine', got {cfg.pos!r}")
         layer = effattn.nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, cfg.ff, cfg.dropout, activation="gelu",
                                                    batch_first=True, norm_first=True, backend=backend,
                                                    **layer_kwargs(variant, block_size, window, max_length + 1,

@@ -22,6 +22,13 @@ long-range reasoning; with 2 pixels it does no better than chance (tests check b
 
 Images are drawn at 4x4 supersampling, so strokes are anti-aliased; coverage below
 ``1 / 4`` of a pixel is dropped so gaps stay empty. Values are ``uint8`` 0..255.
+
+This is a regeneration, not the released set: the first target's placement, the stroke rendering
+and the per-chunk label balancing are this module's, and its statistics have not been compared
+with the original generator's, so tables mark it "pathfinder*" ("pathx*" at 128x128).
+
+Path-X (``PATHX``) is the same algorithm at 128x128 with every length scaled by 4: paddles of 8 px,
+8-px gaps, strokes 2 px wide, 4-px margins, targets starting 28 px apart, markers of radius 6.
 """
 from __future__ import annotations
 
@@ -29,12 +36,11 @@ import functools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 SUPER = 4               # supersampling per pixel side
-STAMP = 7               # stamp window (pixels); strokes are placed with the stamp origin at pixel 3
 N_ANGLES = 64           # quantized paddle directions
 
 
@@ -54,6 +60,20 @@ class Params:
     max_turn_tries: int = 24
     max_single_failures: int = 40
 
+    @property
+    def origin(self) -> int:
+        """A stroke's stamp window is ``2 origin + 1`` pixels, the stroke starting in pixel ``origin``."""
+        return max(3, math.ceil(self.paddle_length + self.thickness))
+
+    @property
+    def stamp(self) -> int:
+        return 2 * self.origin + 1
+
+
+#: Path-X (LRA's 128x128 Pathfinder): the 32x32 geometry scaled by 4 (see the module docstring)
+PATHX = dict(size=128, padding=4, paddle_length=8.0, gap=8.0, thickness=2.0, margin=4, seed_distance=28.0,
+             marker_radius=6.0)
+
 
 @dataclass
 class Sample:
@@ -66,15 +86,17 @@ class Sample:
 
 
 @functools.lru_cache(maxsize=None)
-def _stamp(angle_index: int, fx: int, fy: int, length: float, thickness: float, margin: int):
-    """A stroke starting at pixel (3 + fx/4, 3 + fy/4) of a (STAMP, STAMP) window, pointing at
-    ``angle_index`` (x is the column, y the row): its coverage, the (STAMP + 2 margin)^2 mask of
-    pixels within ``margin`` of it, and the bounds (row min, row max, col min, col max) of its pixels."""
+def _stamp(angle_index: int, fx: int, fy: int, length: float, thickness: float, margin: int, origin: int):
+    """A stroke starting at pixel (origin + fx/4, origin + fy/4) of a (STAMP, STAMP) window (STAMP =
+    2 origin + 1), pointing at ``angle_index`` (x is the column, y the row): its coverage, the
+    (STAMP + 2 margin)^2 mask of pixels within ``margin`` of it, and the bounds (row min, row max, col
+    min, col max) of its pixels."""
+    STAMP = 2 * origin + 1
     a = 2 * math.pi * angle_index / N_ANGLES
     ux, uy = math.cos(a), math.sin(a)
     grid = (np.arange(STAMP * SUPER) + 0.5) / SUPER
     X, Y = np.meshgrid(grid, grid)
-    dx, dy = X - (3 + fx / SUPER), Y - (3 + fy / SUPER)
+    dx, dy = X - (origin + fx / SUPER), Y - (origin + fy / SUPER)
     along, across = dx * ux + dy * uy, -dx * uy + dy * ux
     inside = (along >= 0) & (along <= length) & (np.abs(across) <= thickness / 2)
     cov = inside.reshape(STAMP, SUPER, STAMP, SUPER).mean(axis=(1, 3))
@@ -90,19 +112,19 @@ def _stamp(angle_index: int, fx: int, fy: int, length: float, thickness: float, 
 
 class _Canvas:
     def __init__(self, p: Params):
-        self.p = p
-        self.image = np.zeros((p.size + 2 * STAMP, p.size + 2 * STAMP))     # framed, so stamps never clip
-        self.owner = np.zeros(self.image.shape, dtype=np.int32)           # paddle id per pixel, 0 = free
+        self.p, self.st, self.o = p, p.stamp, p.origin
+        self.image = np.zeros((p.size + 2 * self.st, p.size + 2 * self.st))     # framed, so stamps never clip
+        self.owner = np.zeros(self.image.shape, dtype=np.int32)               # paddle id per pixel, 0 = free
         self.n = 0
-        self.lo, self.hi = p.padding + STAMP, p.size - p.padding + STAMP
+        self.lo, self.hi = p.padding + self.st, p.size - p.padding + self.st
 
     def footprint(self, x: float, y: float, k: int):
         """(row, col, stamp) of a paddle starting at (x, y) with direction k, or None when it leaves
         the drawable area (inside ``padding``)."""
         ix, iy = math.floor(x), math.floor(y)
         st = _stamp(k % N_ANGLES, int((x - ix) * SUPER), int((y - iy) * SUPER), self.p.paddle_length,
-                    self.p.thickness, self.p.margin)
-        r0, c0 = iy - 3 + STAMP, ix - 3 + STAMP
+                    self.p.thickness, self.p.margin, self.o)
+        r0, c0 = iy - self.o + self.st, ix - self.o + self.st
         rmin, rmax, cmin, cmax = st[3]
         if r0 + rmin < self.lo or r0 + rmax >= self.hi or c0 + cmin < self.lo or c0 + cmax >= self.hi:
             return None
@@ -113,13 +135,13 @@ class _Canvas:
         snake's previous paddle, which the gap keeps apart anyway)."""
         r0, c0, st = fp
         m = self.p.margin
-        taken = self.owner[r0 - m:r0 + STAMP + m, c0 - m:c0 + STAMP + m][st[2]]
+        taken = self.owner[r0 - m:r0 + self.st + m, c0 - m:c0 + self.st + m][st[2]]
         return not np.any((taken != 0) & (taken != allowed))
 
     def put(self, fp) -> int:
         r0, c0, (cov, on, _, _) = fp
         self.n += 1
-        win = (slice(r0, r0 + STAMP), slice(c0, c0 + STAMP))
+        win = (slice(r0, r0 + self.st), slice(c0, c0 + self.st))
         self.image[win] = np.maximum(self.image[win], cov)
         self.owner[win][on] = self.n
         return self.n
@@ -160,7 +182,7 @@ def _grow(canvas: _Canvas, rng: random.Random, x: float, y: float, k: int, n_pad
 
 
 def _disk(canvas: _Canvas, cx: float, cy: float, r: float) -> None:
-    grid = (np.arange(canvas.image.shape[0] * SUPER) + 0.5) / SUPER - STAMP
+    grid = (np.arange(canvas.image.shape[0] * SUPER) + 0.5) / SUPER - canvas.st
     sub = ((grid[None, :] - cx) ** 2 + (grid[:, None] - cy) ** 2) <= r * r
     n = canvas.image.shape[0]
     cov = sub.reshape(n, SUPER, n, SUPER).mean(axis=(1, 3))
@@ -209,7 +231,7 @@ def draw_sample(rng: random.Random, label: int, p: Params = Params()) -> Sample:
     m0, m1 = targets[first][1][0], targets[second][1][1]
     for (cx, cy) in (m0, m1):
         _disk(canvas, cx, cy, p.marker_radius)
-    image = canvas.image[STAMP:STAMP + p.size, STAMP:STAMP + p.size]
+    image = canvas.image[canvas.st:canvas.st + p.size, canvas.st:canvas.st + p.size]
     return Sample(image=np.round(np.clip(image, 0, 1) * 255).astype(np.uint8), label=label,
                   snakes=[t[0] for t in targets], ends=[t[1] for t in targets], marker_snakes=(first, second))
 
@@ -229,11 +251,12 @@ def draw_chunk(job: Tuple[int, int, int, Dict]) -> Tuple[np.ndarray, np.ndarray]
     return images, np.array(labels, dtype=np.int64)
 
 
-def generate(seed: int = 0, n: int = 1000, workers: int = 1, **params) -> Tuple[np.ndarray, np.ndarray]:
+def generate(seed: int = 0, n: int = 1000, workers: int = 1, progress: Optional[str] = None,
+             **params) -> Tuple[np.ndarray, np.ndarray]:
     """``n`` images ``(n, size, size)`` uint8 and labels ``(n,)``, the same for any ``workers``."""
     from .cache import parallel_map
     jobs = [(seed, i, min(CHUNK, n - i * CHUNK), params) for i in range(math.ceil(n / CHUNK))]
-    parts = parallel_map(draw_chunk, jobs, workers)
+    parts = parallel_map(draw_chunk, jobs, workers, progress)
     size = Params(**params).size
     if not parts:
         return np.zeros((0, size, size), np.uint8), np.zeros(0, np.int64)

@@ -15,10 +15,12 @@ Stand-ins, generated when the files are absent (no registry ships them):
   (vote 0); the label is the majority vote. A word and its reversal have the same bytes, so the byte
   histogram, the length and any window of the document that misses most of the evidence say
   nothing about the label.
-- Retrieval*: two documents that share a latent topic (label 1) or not. A topic is a way of
-  spelling every word: a cyclic rotation of its letters by a topic-specific amount. All topics use
-  the same word distribution, so each document's byte histogram and length are the same whatever
-  its topic; only comparing word forms across the two documents tells the topics apart.
+- Retrieval*: two documents of common words, each carrying the same ``keys`` = 8 distinct *key
+  words* (upper-case words from `KEYS`) at random places spread over the whole document. In a
+  matching pair (label 1) both documents name the keys in the same order; otherwise the second
+  document has two of them swapped. Both documents always hold the same key words, so bags of words
+  (and of bytes) and lengths say nothing about the label; only comparing the order of the keys over
+  both whole documents does, and any prefix sees a key only where one happens to fall in it.
 """
 from __future__ import annotations
 
@@ -116,20 +118,35 @@ def text_standin(rng: random.Random, min_bytes: int, max_bytes: int, evidence: i
     return " ".join(words).encode()[:max_bytes], label
 
 
-def _rotate(word: str, k: int) -> str:
-    k %= len(word)
-    return word[k:] + word[:k]
+KEYS = tuple("AMBER BASALT CEDAR DELTA EMBER FJORD GRANITE HARBOR IVORY JASPER KELP LOTUS MAPLE NECTAR OPAL "
+             "QUARTZ".split())
 
 
-def retrieval_standin(rng: random.Random, min_bytes: int, max_bytes: int,
-                      topics: int = 8) -> Tuple[bytes, bytes, int]:
+def _with_keys(rng: random.Random, n_bytes: int, keys: List[str]) -> bytes:
+    """A document of about ``n_bytes`` (never more) with ``keys`` in this order at random word places."""
+    longest = max(len(w) for w in WORDS) + 1          # _document overshoots by at most one word
+    words = _document(rng, n_bytes - sum(len(k) + 1 for k in keys) - longest)
+    for k, pos in zip(keys, sorted(rng.sample(range(len(words) + len(keys)), len(keys)))):
+        words.insert(pos, k)
+    return " ".join(words).encode()
+
+
+def retrieval_standin(rng: random.Random, min_bytes: int, max_bytes: int, keys: int = 8) -> Tuple[bytes, bytes, int]:
     """One Retrieval* pair and its label (see the module docstring)."""
     label = rng.randrange(2)
-    t1 = rng.randrange(topics)
-    t2 = t1 if label else rng.choice([t for t in range(topics) if t != t1])
-    docs = [" ".join(_document(rng, rng.randint(min_bytes, max_bytes), lambda w, t=t: _rotate(w, t + 1)))
-            .encode()[:max_bytes] for t in (t1, t2)]
-    return docs[0], docs[1], label
+    first = rng.sample(KEYS, keys)
+    second = list(first)
+    if not label:
+        i, j = rng.sample(range(keys), 2)
+        second[i], second[j] = second[j], second[i]
+    return (_with_keys(rng, rng.randint(min_bytes, max_bytes), first),
+            _with_keys(rng, rng.randint(min_bytes, max_bytes), second), label)
+
+
+def key_order(doc: bytes) -> List[bytes]:
+    """The key words of a Retrieval* document, in order (the label's ground truth)."""
+    keys = {k.encode() for k in KEYS}
+    return [w for w in doc.split() if w in keys]
 
 
 CHUNK = 1000

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import math
 import os
 import platform
 import resource
+import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -28,26 +30,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cache import atomic_write
-from .model import Classifier, model_config
+from .model import Classifier, ModelConfig
+from .recipes import SCHEDULES, recipe
 from .tasks import PAD, Split, TaskData, load_task
+
+
+#: settings that only steer a run (where it writes, how long it may take, how it logs): a checkpoint
+#: resumes under other values of these; any other difference is refused
+RUN_CONTROL = ("out", "resume", "max_minutes", "workers", "threads", "log_every", "cache_dir", "eval_batch_size",
+               "save_first_grads", "kill_at_step")
 
 
 @dataclass
 class TrainConfig:
+    """A run. Fields left None come from the recipe (`recipes`): ``lra`` (the published LRA
+    Transformer per task), ``small`` (the small model of Nystromformer / Skyformer) or ``demo``."""
     task: str = "listops"
     variant: str = "softmax"
-    config: str = "small"                 # model config: "small" (published small) or "lra"
+    recipe: str = "lra"
     out: str = "lra-runs/run"
     data_dir: Optional[str] = None
-    preset: str = "full"                  # generated data size: "full" or "short"
-    seed: int = 0
-    steps: int = 5000
-    batch_size: int = 32                  # per process
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    warmup: int = 1000
-    clip: float = 1.0
-    eval_every: int = 500
+    preset: Optional[str] = None          # generated data size: "full" or "short" (default: the recipe's)
+    seed: int = 0                         # model initialization, batch order, dropout
+    data_seed: int = 0                    # generated data (the same set for every seed)
+    steps: Optional[int] = None
+    batch_size: Optional[int] = None      # per process
+    lr: Optional[float] = None
+    schedule: Optional[str] = None        # "linear", "cosine" or "rsqrt" (see lr_at)
+    weight_decay: Optional[float] = None
+    warmup: Optional[int] = None
+    clip: Optional[float] = None          # gradient-norm clip, 0 = none
+    eval_every: Optional[int] = None
     eval_batch_size: int = 64
     max_minutes: Optional[float] = None
     max_length: Optional[int] = None
@@ -56,7 +69,7 @@ class TrainConfig:
     backend: str = "auto"
     device: str = "auto"
     amp: str = "auto"                     # "auto" (bf16 on CUDA), "bf16", "off"
-    dropout: Optional[float] = None       # overrides the model config's
+    dropout: Optional[float] = None       # overrides the recipe's
     workers: int = 1                      # processes generating data
     threads: Optional[int] = None         # torch CPU threads (default: torch's)
     resume: bool = False
@@ -64,6 +77,57 @@ class TrainConfig:
     cache_dir: Optional[str] = None
     overrides: Dict = field(default_factory=dict)     # generated-set parameters (sizes, lengths)
     save_first_grads: Optional[str] = None            # write the first step's gradients there and stop
+    kill_at_step: Optional[int] = None                # SIGKILL every process after this step (resume tests)
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its None fields filled from its recipe, checked: a bad value is a ValueError
+    naming the command-line option."""
+    from .tasks import TASKS, check_overrides
+    from .variants import VARIANTS
+    if cfg.task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
+    if cfg.variant not in VARIANTS:
+        raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {cfg.variant!r}")
+    r = recipe(cfg.recipe, cfg.task)
+    filled = {k: getattr(r, k) for k in ("steps", "batch_size", "lr", "schedule", "weight_decay", "warmup", "clip",
+                                         "eval_every", "preset") if getattr(cfg, k) is None}
+    if cfg.dropout is None:
+        filled["dropout"] = r.model.dropout
+    cfg = replace(cfg, **filled)
+    for name in ("steps", "batch_size", "eval_every", "eval_batch_size", "log_every", "block_size", "window",
+                 "workers"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    for name, ok, what in (("warmup", cfg.warmup >= 0, ">= 0"), ("lr", cfg.lr > 0, "> 0"),
+                           ("weight_decay", cfg.weight_decay >= 0, ">= 0"), ("clip", cfg.clip >= 0, ">= 0"),
+                           ("dropout", 0 <= cfg.dropout < 1, "in [0, 1)"),
+                           ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "> 0"),
+                           ("max_length", cfg.max_length is None or cfg.max_length > 0, "> 0"),
+                           ("threads", cfg.threads is None or cfg.threads > 0, "> 0")):
+        if not ok:
+            raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {getattr(cfg, name)!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.preset not in ("full", "short"):
+        raise ValueError(f"--preset must be 'full' or 'short', got {cfg.preset!r}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device}: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
+    if cfg.data_dir is None:
+        check_overrides(cfg.task, cfg.overrides)
+    return cfg
+
+
+def config_differences(saved: Dict, cfg: TrainConfig) -> List[str]:
+    """The settings (other than `RUN_CONTROL`) in which a checkpoint's config and ``cfg`` differ."""
+    now = asdict(cfg)
+    return sorted(k for k in set(saved) | set(now) if k not in RUN_CONTROL and saved.get(k) != now.get(k))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The dropout stream of process ``rank`` (every process draws its own masks)."""
+    return int.from_bytes(hashlib.sha256(f"lra-dropout:{seed}:{rank}".encode()).digest()[:8], "little") >> 1
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -99,9 +163,20 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``steps``."""
+    """The learning rate of step ``step`` (0-based). ``linear``: warmup over ``warmup`` steps, then
+    linear decay to 0 at ``steps``. ``rsqrt`` (LRA's ListOps, Text, Retrieval):
+    ``lr * min(1, s / warmup) / sqrt(max(s, warmup))`` with ``s = step + 1``, so ``lr`` is the
+    constant and the peak is ``lr / sqrt(warmup)``. ``cosine`` (LRA's images): the warmup, then
+    ``0.5 (1 + cos(pi (step - warmup) / steps))``, as LRA's cycle of ``steps``."""
+    s = step + 1
+    warm = min(1.0, s / cfg.warmup) if cfg.warmup else 1.0
+    if cfg.schedule == "rsqrt":
+        return cfg.lr * warm / math.sqrt(max(s, cfg.warmup, 1))
+    if cfg.schedule == "cosine":
+        progress = max(0.0, (step - cfg.warmup) / cfg.steps)
+        return cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * (progress % 1.0)))
     if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+        return cfg.lr * warm
     return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
 
 
@@ -143,7 +218,7 @@ class Progress:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, data: Optional[TaskData] = None, quiet: bool = False):
-        self.cfg = cfg
+        cfg = self.cfg = resolve(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,35 +231,34 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.amp = cfg.amp == "bf16" or (cfg.amp == "auto" and self.device.type == "cuda")
         if data is None:
-            # rank 0 generates (and caches) a missing set while the others wait, then they read the cache
-            load = functools.partial(load_task, cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.seed,
-                                     cache_dir=cfg.cache_dir, workers=cfg.workers, max_length=cfg.max_length,
-                                     overrides=cfg.overrides)
-            data = load() if self.rank == 0 else None
-            self.barrier()
-            data = data or load()
+            # rank 0 generates (and caches) a missing set; the others wait for the cache file, not on a
+            # collective, so a generation of any length trips no process-group timeout
+            data = load_task(cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.data_seed, cache_dir=cfg.cache_dir,
+                             workers=cfg.workers, max_length=cfg.max_length, overrides=cfg.overrides,
+                             wait=self.rank > 0, progress=not quiet and self.rank == 0)
         self.data = data
         lengths = [len(s) for s in self.data.train.x[:2000]]
         self.max_length = cfg.max_length or max(max(len(s) for s in sp.x) for sp in
                                                 (self.data.train, self.data.dev, self.data.test))
-        mcfg = model_config(cfg.config, cfg.task)
-        if cfg.dropout is not None:
-            mcfg.dropout = cfg.dropout
-        self.model_cfg = mcfg
-        torch.manual_seed(cfg.seed)
+        self.recipe = recipe(cfg.recipe, cfg.task)
+        mcfg = self.model_cfg = ModelConfig(**dict(self.recipe.model.as_dict(), dropout=cfg.dropout))
+        torch.manual_seed(cfg.seed)         # the same initial weights on every process
         self.model = Classifier(self.data.vocab_size, self.max_length, self.data.num_classes, mcfg, cfg.variant,
                                 pair=self.data.pair, block_size=cfg.block_size, window=cfg.window,
                                 backend=cfg.backend).to(self.device)
+        torch.manual_seed(rank_seed(cfg.seed, self.rank))     # but each its own dropout masks
         self.net = self.model
         if self.world > 1:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        # weight decay on the weight matrices only: not on embeddings, positions, biases, norms
-        decay = [p for n, p in self.model.named_parameters()
-                 if p.dim() >= 2 and "embed" not in n and n != "encoder.pos"]
-        rest = [p for n, p in self.model.named_parameters() if not any(p is q for q in decay)]
+        if cfg.recipe == "lra":       # LRA: Adam(0.9, 0.98, eps 1e-9), decoupled decay on every parameter
+            decay, eps = list(self.model.parameters()), 1e-9
+        else:                         # decay on the weight matrices only: not embeddings, positions, biases, norms
+            decay, eps = [p for n, p in self.model.named_parameters()
+                          if p.dim() >= 2 and "embed" not in n and n != "encoder.pos"], 1e-8
+        rest = [p for p in self.model.parameters() if not any(p is q for q in decay)]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+                                      {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=eps)
         self.out = Path(cfg.out)
         self.state = dict(step=0, epoch=0, pos=0, best_dev=-1.0, best_step=-1, losses=[], evals=[],
                           train_seconds=0.0, timed_steps=0)
@@ -195,25 +269,45 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.out / "checkpoint.pt"
 
+    def rng_states(self) -> List[Dict]:
+        """Every process's RNG state (CPU, and CUDA on a GPU), in rank order."""
+        mine = {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        if self.world == 1:
+            return [mine]
+        states: List = [None] * self.world
+        dist.all_gather_object(states, mine)
+        return states
+
     def save_checkpoint(self) -> None:
+        rng = self.rng_states()
         if self.rank == 0:
             save_atomic({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "state": self.state,
-                         "rng": torch.get_rng_state(), "config": asdict(self.cfg),
-                         "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+                         "rng": rng, "world_size": self.world, "config": asdict(self.cfg)},
                         self.checkpoint_path())
         self.barrier()
 
     def load_checkpoint(self) -> bool:
+        """Restores the run folder's checkpoint; refuses one written under other settings (naming
+        them) or by another number of processes."""
         path = self.checkpoint_path()
         if not path.exists():
             return False
         ck = torch.load(path, map_location=self.device, weights_only=False)
+        diff = config_differences(ck["config"], self.cfg)
+        if diff:
+            raise ValueError(f"--resume: {path} was written with other settings: " + ", ".join(
+                f"{k} {ck['config'].get(k)!r} (now {getattr(self.cfg, k, None)!r})" for k in diff))
+        if ck["world_size"] != self.world:
+            raise ValueError(f"--resume: {path} was written by {ck['world_size']} process(es), this run has "
+                             f"{self.world}; the batches and dropout streams would differ")
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["opt"])
         self.state = ck["state"]
-        torch.set_rng_state(ck["rng"].cpu())
-        if ck.get("cuda_rng") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(ck["cuda_rng"].cpu(), self.device)
+        mine = ck["rng"][self.rank]
+        torch.set_rng_state(mine["cpu"].cpu())
+        if mine["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
         return True
 
     def barrier(self):
@@ -270,15 +364,19 @@ class Trainer:
             loss = F.cross_entropy(self.net(x, x2).float(), y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        logged = loss.detach().clone()
+        if self.world > 1:        # the logged loss is the global batch's: the mean over the processes
+            dist.all_reduce(logged)
+            logged /= self.world
         if self.cfg.save_first_grads:
             if self.rank == 0:
-                torch.save({n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None},
-                           self.cfg.save_first_grads)
+                grads = {n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+                torch.save({"grads": grads, "loss": float(logged)}, self.cfg.save_first_grads)
             raise _StopForGradients
         if self.cfg.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
         self.opt.step()
-        return float(loss.detach())
+        return float(logged)
 
     def run(self, stop_after_steps: Optional[int] = None) -> Dict:
         """Trains to ``cfg.steps`` (or until the time budget or ``stop_after_steps`` steps of this
@@ -331,6 +429,8 @@ class Trainer:
                     self.dev_eval()
                     self.save_checkpoint()
                     eval_cost = time.perf_counter() - t0
+                if s["step"] == cfg.kill_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
         except _StopForGradients:
             return {}
         if stopped:
@@ -381,14 +481,18 @@ def environment(device: torch.device) -> Dict:
 
 
 def result_row(tr: Trainer, test_acc: float, best_step: int, peak: float, peak_kind: str, finished: bool) -> Dict:
-    s, cfg = tr.state, tr.cfg
-    return dict(task=tr.data.label, variant=cfg.variant, test_accuracy=test_acc, dev_accuracy=s["best_dev"],
+    s, cfg, d = tr.state, tr.cfg, tr.data
+    majority = int(np.bincount(d.train.y, minlength=d.num_classes).argmax())
+    return dict(task=d.label, variant=cfg.variant, test_accuracy=test_acc, dev_accuracy=s["best_dev"],
                 best_step=best_step, steps=s["step"], target_steps=cfg.steps, finished=finished,
                 steps_per_s=s["timed_steps"] / max(s["train_seconds"], 1e-9), peak_mib=peak, memory=peak_kind,
                 train_minutes=s["train_seconds"] / 60, batch_size=cfg.batch_size * tr.world, world_size=tr.world,
-                config=cfg.config, model=tr.model_cfg.as_dict(), backend=cfg.backend, amp=tr.amp,
-                mean_train_length=tr.mean_length, max_length=tr.max_length, standin=tr.data.standin,
-                data=tr.data.source, seed=cfg.seed, **environment(tr.device))
+                recipe=cfg.recipe, recipe_source=tr.recipe.source, model=tr.model_cfg.as_dict(), lr=cfg.lr,
+                schedule=cfg.schedule, warmup=cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip,
+                backend=cfg.backend, amp=tr.amp, mean_train_length=tr.mean_length, max_length=tr.max_length,
+                standin=d.standin, data_kind=d.kind, data=d.source, seed=cfg.seed, data_seed=cfg.data_seed,
+                majority_test_accuracy=float(np.mean(d.test.y == majority)), chance=1.0 / d.num_classes,
+                evals=[list(e) for e in s["evals"]], **environment(tr.device))
 
 
 def train(cfg: TrainConfig, data: Optional[TaskData] = None, stop_after_steps: Optional[int] = None,

@@ -1,5 +1,6 @@
-"""Long Range Arena data: the ListOps and Pathfinder generators, the stand-ins, the cache and the
-loaders of the official file layouts (on tiny fixtures written in those formats)."""
+"""Long Range Arena data: the ListOps, Pathfinder and Path-X generators, the stand-ins and their
+shortcut baselines, the cache and the loaders of the official file layouts (on tiny fixtures written
+in those formats)."""
 import gzip
 import pickle
 import random
@@ -156,17 +157,47 @@ def test_text_standin_byte_histogram_and_length_at_chance():
     assert 0.4 <= _nearest_centroid_accuracy(lengths, labels) <= 0.6
 
 
-def test_retrieval_standin_histogram_distance_at_chance():
-    rows = text.standin_split("retrieval", seed=0, n=400, min_bytes=200, max_bytes=400)
+def test_retrieval_standin_needs_the_whole_documents():
+    """Both documents always hold the same key words; only their order over the whole documents
+    tells the label: prefix and bag-of-words regressions score at chance, comparing key orders 100%."""
+    from benchmarks.lra.baselines import Vocabulary, _pair_features, ridge_accuracy
+    rows = text.standin_split("retrieval", seed=0, n=600, min_bytes=200, max_bytes=400)
     labels = np.array([y for _, _, y in rows])
-    h1 = text.unigram_baseline_inputs([a for a, _, _ in rows])
-    h2 = text.unigram_baseline_inputs([b for _, b, _ in rows])
-    dist = np.abs(h1 - h2).sum(1, keepdims=True)
-    assert 0.38 <= _nearest_centroid_accuracy(dist, labels) <= 0.62
-    # ... while the words themselves tell: same-topic pairs share their spellings
-    jaccard = np.array([len(set(a.split()) & set(b.split())) / len(set(a.split()) | set(b.split()))
-                        for a, b, _ in rows])
-    assert ((jaccard > np.median(jaccard)) == labels.astype(bool)).mean() > 0.9
+    assert 0.4 <= labels.mean() <= 0.6
+    for a, b, y in rows:
+        ka, kb = text.key_order(a), text.key_order(b)
+        assert sorted(ka) == sorted(kb) and len(ka) == 8 and (ka == kb) == bool(y)
+        assert len(a) <= 400 and len(b) <= 400
+    A, B = [r[0] for r in rows], [r[1] for r in rows]
+    vocab = Vocabulary(A + B)
+    for first in (3, None):
+        f = _pair_features(vocab.bags(A, first), vocab.bags(B, first))
+        assert 0.38 <= ridge_accuracy(f[:400], labels[:400], f[400:], labels[400:], l2=10.0) <= 0.62, first
+    # the same regression is no dummy: it reads Text*'s votes off its bag of words
+    docs, ys = zip(*text.standin_split("text", seed=0, n=600, min_bytes=200, max_bytes=400))
+    bags, ys = Vocabulary(docs).bags(docs), np.array(ys)
+    assert ridge_accuracy(bags[:400], ys[:400], bags[400:], ys[400:], l2=10.0) > 0.65
+    # the key words are spread: on average the first key sits well into the document
+    first_key = [a.split().index(text.key_order(a)[0]) / len(a.split()) for a in A]
+    assert 0.05 < np.mean(first_key) < 0.2 and np.mean([text.key_order(a)[-1] in a.split()[-3:] for a in A]) < 0.5
+
+
+def test_image_standin_deterministic_balanced_and_not_linearly_easy():
+    x, y = images.shapes_split(0, 600)
+    x2, y2 = images.shapes_split(0, 600)
+    assert np.array_equal(x, x2) and np.array_equal(y, y2) and x.shape == (600, 32, 32) and x.dtype == np.uint8
+    assert np.bincount(y).tolist() == [60] * 10
+    assert not np.array_equal(images.shapes_split(1, 10)[0], x[:10])
+    # raw pixels do not give the class away (Fashion-MNIST gives a linear model 84%)
+    flat = x.reshape(600, -1).astype(float)
+    centroids = np.stack([flat[:400][y[:400] == c].mean(0) for c in range(10)])
+    nearest = np.linalg.norm(flat[400:, None] - centroids[None], axis=2).argmin(1)
+    assert (nearest == y[400:]).mean() < 0.3
+    # ... while the ten classes are ten distinct shapes
+    yy, xx = np.mgrid[0:32, 0:32] + 0.5
+    u, v = (xx - 16) / 9, (yy - 16) / 9
+    masks = np.stack([images._shape_mask(c, u, v) for c in range(10)]).astype(float)
+    assert len({m.tobytes() for m in masks}) == 10 and all(m.sum() > 20 for m in masks)
 
 
 # ----------------------------------------------------------------------------------- cache, tasks
@@ -181,7 +212,7 @@ def test_generated_sets_are_cached_under_their_fingerprint(tmp_path):
     tasks.load_task("listops", cache_dir=tmp_path, overrides=dict(over, max_length=41))
     assert len(list(tmp_path.glob("listops-*.npz"))) == 2
     assert fingerprint("x", 1, {"a": 1}) != fingerprint("x", 2, {"a": 1})
-    assert not a.standin and a.label == "listops (10-40 tokens)"
+    assert not a.standin and a.kind == "generated" and a.label == "listops (10-40 tokens)"
     t = tasks.load_task("retrieval", cache_dir=tmp_path, overrides={"sizes": [6, 2, 2], "min_bytes": 50,
                                                                      "max_bytes": 80})
     assert t.standin and t.label == "retrieval* (small set)" and t.pair and len(t.train.x2) == 6
@@ -191,7 +222,8 @@ def test_generated_sets_are_cached_under_their_fingerprint(tmp_path):
 
 def test_missing_layout_error_names_the_expected_files(tmp_path):
     for task, needle in (("listops", "listops-1000/basic_"), ("retrieval", "new_aan_pairs"),
-                         ("text", "aclImdb"), ("pathfinder", "curv_contour_length_14")):
+                         ("text", "aclImdb"), ("pathfinder", "pathfinder32/curv_contour_length_14"),
+                         ("pathx", "pathfinder128/curv_contour_length_14")):
         with pytest.raises(tasks.MissingData, match=needle):
             tasks.load_task(task, str(tmp_path))
 
@@ -271,7 +303,36 @@ def test_cifar_fashion_and_pathfinder_loaders(tmp_path):
     assert np.array_equal(p.train.x[3] - 2, imgs[3].reshape(-1)) and p.test.y[0] == labs[9]
 
 
-def test_fashion_dir_error_names_the_package(tmp_path, monkeypatch):
-    monkeypatch.setattr(images, "FASHION_SYSTEM_DIR", str(tmp_path / "none"))
-    with pytest.raises(tasks.MissingData, match="dataset-fashion-mnist"):
+def test_image_without_files_is_the_marked_standin_and_a_bad_dir_names_the_layout(tmp_path):
+    with pytest.raises(tasks.MissingData, match="cifar-10-batches-py"):
         tasks.load_task("image", str(tmp_path))
+    t = tasks.load_task("image", cache_dir=tmp_path, overrides={"sizes": [20, 10, 10]})
+    assert t.kind == "stand-in" and t.label == "image* (small set)" and len(t.train.x[0]) == 1024
+    assert "procedural" in t.source
+
+
+def test_pathx_generator_and_loader(tmp_path):
+    p = pathfinder.Params(**pathfinder.PATHX)
+    rng = random.Random(1)
+    for label in (0, 1):
+        s = pathfinder.draw_sample(rng, label, p)
+        assert s.image.shape == (128, 128) and (s.marker_snakes[0] == s.marker_snakes[1]) == bool(label)
+        for snake in s.snakes:          # 8-px paddles, 8-px gaps: the 32x32 geometry scaled by 4
+            seg = np.array(snake)
+            assert len(seg) == 14 and np.allclose(np.hypot(seg[:, 2] - seg[:, 0], seg[:, 3] - seg[:, 1]), 8.0)
+            assert np.allclose(np.hypot(seg[1:, 0] - seg[:-1, 2], seg[1:, 1] - seg[:-1, 3]), 8.0)
+        for (cx, cy) in pathfinder.marker_centres(s):
+            assert s.image[int(cy), int(cx)] > 128
+    t = tasks.load_task("pathx", cache_dir=tmp_path, overrides={"sizes": [2, 1, 1]})
+    assert t.label == "pathx* (small set)" and t.kind == "regenerated" and len(t.train.x[0]) == 128 * 128
+    from PIL import Image
+    root = tmp_path / "data" / "pathfinder128" / "curv_contour_length_14"
+    (root / "imgs" / "0").mkdir(parents=True)
+    (root / "metadata").mkdir()
+    imgs = np.random.default_rng(0).integers(0, 256, (10, 128, 128), dtype=np.uint8)
+    for i in range(10):
+        Image.fromarray(imgs[i]).save(root / "imgs" / "0" / f"sample_{i}.png")
+    (root / "metadata" / "0.npy").write_text("".join(f"imgs/0 sample_{i}.png {i} {i % 2}\n" for i in range(10)))
+    r = tasks.load_task("pathx", str(tmp_path / "data"))
+    assert r.kind == "real" and r.label == "pathx" and len(r.train) == 8
+    assert np.array_equal(r.test.x[0] - 2, imgs[9].reshape(-1)) and r.test.y[0] == 1

@@ -1,5 +1,7 @@
 """Long Range Arena harness: models with every variant, training (overfit, exact resume, best
-checkpoint tested, time budget), data parallelism over two gloo processes, and the reports."""
+checkpoint tested, time budget, refused resumes, bad arguments), recipes and schedules, data
+parallelism over two gloo processes (gradients, all-reduced loss, per-rank dropout, kill and exact
+resume), and the reports."""
 import json
 import os
 import socket
@@ -42,8 +44,8 @@ def tiny(cache):
 
 
 def small_cfg(tmp_path, cache, **kw):
-    base = dict(task="listops", out=str(tmp_path / "run"), steps=10, batch_size=8, warmup=3, eval_every=4, lr=3e-3,
-                log_every=1000, cache_dir=str(cache), overrides=TINY, threads=1)
+    base = dict(task="listops", recipe="demo", out=str(tmp_path / "run"), steps=10, batch_size=8, warmup=3,
+                eval_every=4, lr=3e-3, log_every=1000, cache_dir=str(cache), overrides=TINY, threads=1)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -138,6 +140,69 @@ def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
         (tmp_path / "run" / "results.md").read_text()
 
 
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
+    Trainer(small_cfg(tmp_path, cache), quiet=True).run(stop_after_steps=2)
+    with pytest.raises(ValueError,
+                       match=r"other settings: .*lr 0\.003 \(now 0\.001\).*variant 'softmax' \(now 'local'\)"):
+        Trainer(small_cfg(tmp_path, cache, variant="local", lr=1e-3, resume=True), quiet=True).run()
+    # settings that only steer the run may change
+    row = Trainer(small_cfg(tmp_path, cache, resume=True, max_minutes=60, log_every=7), quiet=True).run()
+    assert row["steps"] == 10
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--eval-every", "0"], "--eval-every must be a positive integer, got 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--set", "nodes=3"], "--set nodes: not a parameter of the listops generator"),
+    (["--set", "sizes=[1,2"], "--set 'sizes=[1,2': expected KEY=JSON"),
+    (["--set", "sizes=[5,5]"], "--set sizes: expected [train, dev, test] counts"),
+    (["--recipe", "demo", "--task", "image"], "recipe 'demo' is short ListOps only"),
+] + ([(["--device", "cuda"], "--device cuda: no CUDA GPU is visible")] if not torch.cuda.is_available() else []))
+def test_bad_arguments_are_one_line_errors(argv, needle, capsys, tmp_path):
+    assert lra_main(["train", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err and "Traceback" not in err, err
+    for argv in (["demo", "--jobs", "0"], ["speed", "--batch-size", "0"]):
+        assert lra_main(argv) == 2
+        assert "must be positive" in capsys.readouterr().err
+
+
+def test_recipes_and_schedules():
+    from benchmarks.lra.recipes import LRA, SMALL, recipe
+    from benchmarks.lra.train import lr_at, resolve
+    # the published Transformers: 1 layer d=128 8 heads on Image, 4 layers d=32 4 heads on Pathfinder
+    assert (LRA["image"].model.layers, LRA["image"].model.d_model, LRA["image"].model.heads) == (1, 128, 8)
+    pf = LRA["pathfinder"].model
+    assert (pf.layers, pf.d_model, pf.heads) == (4, 32, 4)
+    assert LRA["image"].steps == 200 * (45000 // 256) and LRA["pathfinder"].batch_size == 512
+    assert set(LRA) == set(SMALL) == set(tasks.TASKS)
+    cfg = resolve(TrainConfig(task="listops", recipe="lra"))
+    assert (cfg.steps, cfg.batch_size, cfg.warmup, cfg.weight_decay, cfg.schedule) == (5000, 32, 1000, 0.1, "rsqrt")
+    # rsqrt: lr * min(1, s / warmup) / sqrt(max(s, warmup)), s = step + 1: peak lr / sqrt(warmup) at the warmup's end
+    assert lr_at(999, cfg) == pytest.approx(0.05 / 1000 ** 0.5)
+    assert lr_at(3999, cfg) == pytest.approx(0.05 / 4000 ** 0.5)
+    assert lr_at(499, cfg) == pytest.approx(0.5 * 0.05 / 1000 ** 0.5)
+    img = resolve(TrainConfig(task="image", recipe="lra"))
+    assert lr_at(174, img) == pytest.approx(5e-4)
+    assert lr_at(175 + img.steps // 2, img) == pytest.approx(2.5e-4, rel=1e-3)
+    small = resolve(TrainConfig(task="retrieval", recipe="small", steps=100, warmup=10))
+    assert lr_at(4, small) == pytest.approx(0.5e-4) and lr_at(55, small) == pytest.approx(0.5e-4)
+    assert resolve(TrainConfig(task="listops", recipe="small", lr=0.5)).lr == 0.5      # an option overrides
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        recipe("paper", "listops")
+
+
+def test_tasks_command_lists_six_tasks_with_data_and_commands(capsys):
+    assert lra_main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    for task, kind in (("listops", "generated"), ("text", "stand-in*"), ("retrieval", "stand-in*"),
+                       ("image", "stand-in*"), ("pathfinder", "regenerated*"), ("pathx", "regenerated*")):
+        line = next(l for l in out.splitlines() if l.startswith(f"| {task} |"))
+        assert f"| {kind} |" in line and f"train --task {task} --recipe lra" in line
+    assert "| pathx | 16384 | 2 |" in out
+
+
 def test_max_minutes_stops_tests_and_resumes(tmp_path, cache, tiny):
     row = train(small_cfg(tmp_path, cache, max_minutes=1e-6), quiet=True)
     assert row["finished"] is False and row["steps"] < 10 and 0 <= row["test_accuracy"] <= 1
@@ -156,11 +221,9 @@ def _free_port() -> int:
 TIMEOUT = 300       # generous: two fresh interpreters import torch on a CPU other jobs may be loading
 
 
-def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
-    one = tmp_path / "one.pt"
-    train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, save_first_grads=str(one)), quiet=True)
-    two = tmp_path / "two.pt"
-    # the two workers dump their stacks and exit if they hang, so a failure says where
+def torchrun(tmp_path, cache, out, *args, expect_ok=True):
+    """``python -m benchmarks.lra train`` on two gloo processes over TINY ListOps; the workers dump
+    their stacks and exit if they hang, so a failure says where."""
     (tmp_path / "sitecustomize.py").write_text(
         "import faulthandler, os, sys\n"
         "if os.environ.get('LOCAL_RANK') is not None:\n"
@@ -171,34 +234,96 @@ def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, 
     for attempt in range(2):      # a port taken between choosing and binding it: try another
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(_free_port()), "-m", "benchmarks.lra", "train", "--task", "listops",
-               "--out", str(tmp_path / "ddp"), "--batch-size", "8", "--dropout", "0", "--cache-dir", str(cache),
+               "--recipe", "demo", "--out", str(out), "--batch-size", "8", "--cache-dir", str(cache),
                "--set", f"sizes={json.dumps(TINY['sizes'])}", "--set", "min_length=8", "--set", "max_length=40",
-               "--save-first-grads", str(two), "--steps", "10", "--warmup", "3", "--lr", "3e-3"]
+               "--steps", "10", "--warmup", "3", "--lr", "3e-3", "--eval-every", "4", "--threads", "1", *args]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
             pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-4000:]}")
-        if proc.returncode == 0:
-            break
+        if (proc.returncode == 0) == expect_ok and "EADDRINUSE" not in proc.stderr:
+            return proc
         print(f"torchrun attempt {attempt} failed:\n{proc.stderr[-4000:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    pytest.fail(f"torchrun returned {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
+    one = tmp_path / "one.pt"
+    train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, save_first_grads=str(one)), quiet=True)
+    two = tmp_path / "two.pt"
+    torchrun(tmp_path, cache, tmp_path / "ddp", "--dropout", "0", "--save-first-grads", str(two))
     g1, g2 = torch.load(one), torch.load(two)
-    assert g1.keys() == g2.keys() and len(g1) > 10
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert g1["grads"].keys() == g2["grads"].keys() and len(g1["grads"]) > 10
+    for name in g1["grads"]:
+        torch.testing.assert_close(g2["grads"][name], g1["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+    # the logged loss is the global batch's (averaged over the processes), not rank 0's own
+    assert g2["loss"] == pytest.approx(g1["loss"], rel=1e-5)
+
+
+def test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path, cache, tiny):
+    """With dropout: each process draws its own masks, every process's RNG state is checkpointed, so a
+    run SIGKILLed after step 6 (last checkpoint: step 4) and resumed takes the very same steps."""
+    torchrun(tmp_path, cache, tmp_path / "whole", "--dropout", "0.1")
+    torchrun(tmp_path, cache, tmp_path / "cut", "--dropout", "0.1", "--kill-at-step", "6", expect_ok=False)
+    cut = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert cut["state"]["step"] == 4 and not (tmp_path / "cut" / "results.json").exists()
+    # two processes, two different dropout streams (same seed, different rank)
+    assert len(cut["rng"]) == 2 and not torch.equal(cut["rng"][0]["cpu"], cut["rng"][1]["cpu"])
+    torchrun(tmp_path, cache, tmp_path / "cut", "--dropout", "0.1", "--resume")
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert len(a["state"]["losses"]) == 10 and a["state"]["losses"] == b["state"]["losses"]    # bitwise
+    for name, p in a["model"].items():
+        assert torch.equal(p, b["model"][name]), name
+    ra = json.loads((tmp_path / "whole" / "results.json").read_text())[0]
+    rb = json.loads((tmp_path / "cut" / "results.json").read_text())[0]
+    assert ra["test_accuracy"] == rb["test_accuracy"] and ra["world_size"] == 2 and ra["batch_size"] == 16
+
+
+def test_rank_dropout_streams_differ():
+    from benchmarks.lra.train import rank_seed
+    seeds = {rank_seed(s, r) for s in range(3) for r in range(4)}
+    assert len(seeds) == 12 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_other_ranks_wait_for_the_cache_file_not_a_collective(tmp_path, cache, tiny):
+    """Rank > 0 polls for rank 0's file however long the generation takes (no process-group
+    timeout), and never generates itself."""
+    import threading
+    over = dict(TINY, sizes=[20, 4, 4])
+    path = tasks.cache_path("listops", dict(tasks.PRESETS["listops"]["full"], **over, seed=0), tmp_path)
+    box = {}
+    waiter = threading.Thread(target=lambda: box.update(d=tasks.load_task(
+        "listops", cache_dir=tmp_path, overrides=over, wait=True)))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and not path.exists()      # still waiting, and generating nothing
+    first = tasks.load_task("listops", cache_dir=tmp_path, overrides=over)     # "rank 0" makes the file
+    assert path.exists()
+    waiter.join(30)
+    assert not waiter.is_alive() and np.array_equal(box["d"].test.y, first.test.y)
 
 
 # ----------------------------------------------------------------------------------- reports
 
 def test_tables_average_present_tasks_and_mark_standins(tmp_path):
-    rows = [dict(task="listops", variant="softmax", test_accuracy=0.4, steps_per_s=1.0, peak_mib=10.0),
-            dict(task="image*", variant="softmax", test_accuracy=0.8, steps_per_s=1.0, peak_mib=10.0),
-            dict(task="listops", variant="linear", test_accuracy=0.3, steps_per_s=2.0, peak_mib=5.0)]
+    ref = dict(majority_test_accuracy=0.17, chance=0.1)
+    rows = [dict(task="listops", variant="softmax", test_accuracy=0.4, steps_per_s=1.0, peak_mib=10.0, **ref),
+            dict(task="image*", variant="softmax", test_accuracy=0.8, steps_per_s=1.0, peak_mib=10.0, chance=0.1),
+            dict(task="listops", variant="linear", test_accuracy=0.3, steps_per_s=2.0, peak_mib=5.0, **ref)]
     t1 = report.table1(rows)
     assert "| listops | image* |" in t1
     assert "| softmax | 40.0 | 80.0 | 60.0 (2/2) |" in t1
     assert "| linear | 30.0 | - | 30.0 (1/2) |" in t1          # a missing task is not a 0
+    assert "| *majority class* | 17.0 | - | |" in t1 and "| *chance* | 10.0 | 10.0 | |" in t1
+    # seeds: mean +- sample std (n); a re-run of one seed replaces it
+    seeded = [dict(task="listops", variant="local", seed=s, test_accuracy=a, dev_accuracy=a, steps=10, steps_per_s=1.0,
+                   peak_mib=1.0, recipe="demo", **ref) for s, a in ((0, 0.3), (1, 0.4), (2, 0.9), (2, 0.35))]
+    assert "| local | 35.0 ± 5.0 (3) | 35.0 (1/1) |" in report.table1(seeded)
+    md = report.seeds_markdown(seeded)
+    assert "| listops | local | demo | 3 | 35.0 ± 5.0 (3) | 35.0 ± 5.0 (3) | 10 |" in md
+    assert "| listops | *majority class* | | | 17.0 |" in md
     speed = [dict(task="text (speed)", variant=v, length=L, steps_per_s=s, peak_mib=m, test_accuracy=None)
              for v, L, s, m in (("softmax", 1024, 2.0, 100.0), ("linear", 1024, 5.0, 25.0))]
     t2 = report.table2(speed)
@@ -218,3 +343,23 @@ def test_speed_row_on_cpu():
     from benchmarks.lra.speed import measure
     row = measure("linear", 64, 2, steps=1, warmup=0)
     assert row["status"] == "ok" and row["steps_per_s"] > 0 and row["peak_mib"] >= 0 and row["length"] == 64
+
+
+def test_gpu_plan_covers_every_variant_and_table_2(tmp_path, capsys):
+    from benchmarks.lra import gpu
+    steps = gpu.plan(str(tmp_path))
+    listops = [s for s in steps if s.argv[:3] == ["train", "--task", "listops"]]
+    assert {s.argv[s.argv.index("--variant") + 1] for s in listops} == set(VARIANTS)
+    assert all("--resume" in s.argv and s.argv[s.argv.index("--recipe") + 1] == "lra" for s in listops)
+    assert [s.target for s in listops if "softmax" in s.argv] == [0.36]
+    speeds = [s.argv for s in steps if s.argv[0] == "speed"]
+    assert any("4096" in a and "1024" in a and "text" in a for a in speeds) and any("16384" in a and "pathx" in a
+                                                                                      for a in speeds)
+    soft = next(s for s in listops if "softmax" in s.argv)
+    assert not gpu.finished(soft)
+    Path(soft.done_file).parent.mkdir(parents=True)
+    Path(soft.done_file).write_text(json.dumps([{"finished": False, "test_accuracy": 0.2}]))
+    assert not gpu.finished(soft)                 # stopped by its time budget: the next call resumes it
+    Path(soft.done_file).write_text(json.dumps([{"finished": True, "test_accuracy": 0.37}]))
+    assert gpu.finished(soft)
+    assert lra_main(["gpu-plan", "--out", str(tmp_path)]) == 0 and "test >= 36%" in capsys.readouterr().out

@@ -1,0 +1,214 @@
+"""Shortcut baselines of the generated sets, measured: what a stand-in must defeat to test long range.
+
+    python -m benchmarks.lra baselines --out benchmarks/results/cpu/lra-baselines
+
+- Retrieval*: a logistic regression on the words of each document's first 3 words ("prefix"), one
+  on the whole documents' bags of words ``[b1, b2, b1 * b2, |b1 - b2|]`` ("bag of words"), and the
+  ground truth read from the key order ("oracle": the label is the documents' content).
+- Text*: the same prefix and bag-of-words regressions on the one document, and the byte histogram.
+- Image*: a logistic regression on the raw pixels, the majority class, and the same small CNN as
+  below (the classes are learnable from the pixels).
+- Pathfinder*: a flood fill from one marker (at two thresholds) and the count of lit pixels, and a
+  learnability check: a small CNN trained a few epochs on the short set beats chance.
+
+Each regression is fitted on the train split and scored on the test split of the "short" sets.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import pathfinder, text
+from .tasks import load_task
+
+
+def logistic_accuracy(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, l2: float = 1e-3,
+                      iters: int = 200) -> float:
+    """Multinomial logistic regression (standardized features, L2 ``l2``, L-BFGS) fitted on train,
+    accuracy on test."""
+    torch.manual_seed(0)
+    xtr_t, xte_t = torch.as_tensor(xtr, dtype=torch.float64), torch.as_tensor(xte, dtype=torch.float64)
+    mu, sd = xtr_t.mean(0), xtr_t.std(0).clamp(min=1e-6)
+    xtr_t, xte_t = (xtr_t - mu) / sd, (xte_t - mu) / sd
+    y = torch.as_tensor(ytr, dtype=torch.long)
+    k = int(max(ytr.max(), yte.max())) + 1
+    w = torch.zeros(xtr_t.shape[1], k, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(k, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=iters, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(xtr_t @ w + b, y) + l2 * w.square().sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    with torch.no_grad():
+        return float(((xte_t @ w + b).argmax(1).numpy() == yte).mean())
+
+
+def ridge_accuracy(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, l2: float = 1.0) -> float:
+    """A linear least-squares classifier (one-hot targets, ridge ``l2``, standardized features): a
+    fast linear baseline for the tests."""
+    mu, sd = xtr.mean(0), np.maximum(xtr.std(0), 1e-6)
+    a, b = (xtr - mu) / sd, (xte - mu) / sd
+    a, b = np.hstack([a, np.ones((len(a), 1))]), np.hstack([b, np.ones((len(b), 1))])
+    k = int(max(ytr.max(), yte.max())) + 1
+    w = np.linalg.solve(a.T @ a + l2 * np.eye(a.shape[1]), a.T @ np.eye(k)[ytr])
+    return float(((b @ w).argmax(1) == yte).mean())
+
+
+class Vocabulary:
+    def __init__(self, docs: Sequence[bytes]):
+        self.index = {w: i for i, w in enumerate(sorted({w for d in docs for w in d.split()}))}
+
+    def bags(self, docs: Sequence[bytes], first: Optional[int] = None) -> np.ndarray:
+        out = np.zeros((len(docs), len(self.index)))
+        for i, d in enumerate(docs):
+            for w in d.split()[:first]:
+                j = self.index.get(w)
+                if j is not None:
+                    out[i, j] += 1
+        return out
+
+
+def _pair_features(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.concatenate([a, b, a * b, np.abs(a - b)], axis=1)
+
+
+def _rows(split, pair: bool):
+    docs = [bytes((x - 2).astype(np.uint8)) for x in split.x]
+    docs2 = [bytes((x - 2).astype(np.uint8)) for x in split.x2] if pair else None
+    return docs, docs2, split.y
+
+
+def text_baselines(task: str, cache_dir=None, workers: int = 1) -> Dict[str, float]:
+    d = load_task(task, preset="short", cache_dir=cache_dir, workers=workers)
+    pair = task == "retrieval"
+    tr, tr2, ytr = _rows(d.train, pair)
+    te, te2, yte = _rows(d.test, pair)
+    vocab = Vocabulary(tr + (tr2 or []))
+    out = {"majority class": float(np.mean(yte == np.bincount(ytr).argmax()))}
+    for name, first in (("prefix (first 3 words), logistic", 3), ("bag of words, logistic", None)):
+        ftr, fte = vocab.bags(tr, first), vocab.bags(te, first)
+        if pair:
+            ftr, fte = _pair_features(ftr, vocab.bags(tr2, first)), _pair_features(fte, vocab.bags(te2, first))
+        out[name] = logistic_accuracy(ftr, ytr, fte, yte)
+    htr, hte = text.unigram_baseline_inputs(tr), text.unigram_baseline_inputs(te)
+    if pair:
+        htr = _pair_features(htr, text.unigram_baseline_inputs(tr2))
+        hte = _pair_features(hte, text.unigram_baseline_inputs(te2))
+    out["byte histogram, logistic"] = logistic_accuracy(htr, ytr, hte, yte)
+    if pair:
+        out["oracle (key order compared)"] = float(np.mean(
+            [int(text.key_order(a) == text.key_order(b)) == y for a, b, y in zip(te, te2, yte)]))
+    return out
+
+
+def image_baselines(cache_dir=None) -> Dict[str, float]:
+    d = load_task("image", preset="short", cache_dir=cache_dir)
+    xtr, xte = np.stack(d.train.x).astype(float), np.stack(d.test.x).astype(float)
+    return {"majority class": float(np.mean(d.test.y == np.bincount(d.train.y).argmax())),
+            "raw pixels, logistic": logistic_accuracy(xtr, d.train.y, xte, d.test.y, l2=1e-2)}
+
+
+def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
+    """Flood fill and pixel count on ``n`` fresh Pathfinder* samples (they need the markers'
+    positions, which only the generator knows)."""
+    rng = random.Random(f"baselines:{seed}")
+    ss = [pathfinder.draw_sample(rng, i % 2) for i in range(n)]
+    labels = np.array([s.label for s in ss])
+    out = {}
+    for thr in (1, 128):
+        pred = np.array([pathfinder.flood_fill_predicts(s.image, *pathfinder.marker_centres(s), thr) for s in ss])
+        out[f"flood fill from a marker (pixels >= {thr})"] = float(np.mean(pred == labels))
+    counts = np.array([(s.image > 0).sum() for s in ss], dtype=float)[:, None]
+    half = n // 2
+    out["lit-pixel count, logistic"] = logistic_accuracy(counts[:half], labels[:half], counts[half:], labels[half:])
+    return out
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self, width: int = 32, classes: int = 2):
+        super().__init__()
+        c = width
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, c, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2), torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(2 * c, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1, epochs: int = 12,
+                     minutes: float = 15.0, seed: int = 0) -> Dict:
+    """A small CNN on the task's short generated set (Pathfinder*: 8K train; Image*: 9K): the best
+    dev epoch's test accuracy."""
+    d = load_task(task, preset="short", cache_dir=cache_dir, workers=workers, progress=True)
+
+    def tensors(split):
+        x = torch.as_tensor(np.stack(split.x) - 2, dtype=torch.float32).view(-1, 1, 32, 32) / 255
+        return x, torch.as_tensor(split.y)
+    (xtr, ytr), (xdv, ydv), (xte, yte) = map(tensors, (d.train, d.dev, d.test))
+    torch.manual_seed(seed)
+    model = SmallCNN(classes=d.num_classes)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+    acc = lambda x, y: float((torch.cat([model(x[i:i + 500]) for i in range(0, len(x), 500)]).argmax(1)  # noqa: E731
+                              == y).float().mean())
+    best, curve, t0 = (-1.0, 0.0, 0), [], time.perf_counter()
+    g = torch.Generator().manual_seed(seed)
+    for epoch in range(1, epochs + 1):
+        model.train()
+        for idx in torch.randperm(len(xtr), generator=g).split(64):
+            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            dev = acc(xdv, ydv)
+            if dev > best[0]:
+                best = (dev, acc(xte, yte), epoch)
+        curve.append((epoch, dev))
+        if time.perf_counter() - t0 > minutes * 60:
+            break
+    return {"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
+            "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
+            "minutes": (time.perf_counter() - t0) / 60}
+
+
+def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: bool = True) -> Dict:
+    torch.set_num_threads(max(1, workers))
+    res = {"retrieval*": text_baselines("retrieval", cache_dir, workers),
+           "text*": text_baselines("text", cache_dir, workers),
+           "image*": image_baselines(cache_dir), "pathfinder*": pathfinder_shortcuts()}
+    if learnability:
+        res["pathfinder* learnability"] = cnn_learnability("pathfinder", cache_dir, workers)
+        res["image* learnability"] = cnn_learnability("image", cache_dir, workers)
+    res["chance"] = {"retrieval*": 0.5, "text*": 0.5, "image*": 0.1, "pathfinder*": 0.5}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    md = ["# Shortcut baselines of the generated sets", "",
+          "`python -m benchmarks.lra baselines`: fitted on the train split, accuracy (%) on the test split of the "
+          "`short` sets (Retrieval*, Text*: 8K / 1K / 1K, 200-512 bytes; Image*: 9K / 1K / 2K; Pathfinder*: 400 "
+          "fresh samples for the shortcuts, the 8K / 1K / 1K set for the CNN).", "",
+          "| task | baseline | accuracy (%) |", "|---|---|---|"]
+    for task, vals in res.items():
+        if task == "chance":
+            continue
+        for name, v in vals.items():
+            if isinstance(v, float):
+                md.append(f"| {task} | {name} | {100 * v:.1f} |")
+        md.append(f"| {task.split(' ')[0]} | *chance* | {100 * res['chance'][task.split(' ')[0]]:.1f} |")
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return res
