@@ -69,6 +69,16 @@ def lsh_layout(length: int, chunk_len: int, chunks_before: int = 1, chunks_after
     return BlockLayout(mask, chunk_len)
 
 
+def draw_rotations(H: int, D: int, n_hashes: int, n_buckets: int, generator: Optional[torch.Generator], device,
+                   dtype) -> Tensor:
+    """The random rotations of `lsh_hash`: ``(H, D, n_hashes, n_buckets / 2)``. A caller that replays
+    buckets but must consume the same random numbers (a reversible recomputation, where dropout
+    follows the hashing) draws them again with this."""
+    gen_device = generator.device if generator is not None else device
+    rot = torch.randn((H, D, n_hashes, n_buckets // 2), generator=generator, device=gen_device, dtype=dtype)
+    return rot.to(device)
+
+
 def lsh_hash(qk: Tensor, n_hashes: int, n_buckets: int, generator: Optional[torch.Generator] = None) -> Tensor:
     """Angular LSH of ``qk (B, H, L, D)``: int64 buckets ``(B, H, n_hashes, L)``, round r's ids in
     ``[r * n_buckets, (r + 1) * n_buckets)`` (offset per round so ids never collide across rounds).
@@ -80,9 +90,7 @@ def lsh_hash(qk: Tensor, n_hashes: int, n_buckets: int, generator: Optional[torc
                          f"[xR, -xR]), got {n_buckets!r}")
     B, H, L, D = qk.shape
     dt = compute_dtype(qk.dtype)
-    gen_device = generator.device if generator is not None else qk.device
-    rot = torch.randn((H, D, n_hashes, n_buckets // 2), generator=generator, device=gen_device, dtype=dt)
-    rot = rot.to(qk.device)
+    rot = draw_rotations(H, D, n_hashes, n_buckets, generator, qk.device, dt)
     with torch.no_grad():
         x = torch.einsum("bhld,hdrk->bhrlk", qk.detach().to(dt), rot)
         buckets = torch.cat([x, -x], dim=-1).argmax(dim=-1)
