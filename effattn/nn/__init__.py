@@ -3,6 +3,7 @@
 from .attention import ForwardExplanation, MultiheadAttention, dense_attention
 from .cache import KVCache
 from .lsh import LSHSelfAttention
+from .relative import RelPositionMultiheadAttention
 from ..reversible import ReversibleSequence
 from ..paged import PagedKVCache
 from .swap import swap_attention
@@ -10,4 +11,5 @@ from .transformer import TransformerDecoder, TransformerDecoderLayer, Transforme
 
 __all__ = ["MultiheadAttention", "ForwardExplanation", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention",
-           "LSHSelfAttention", "ReversibleSequence", "PagedKVCache"]
+           "LSHSelfAttention", "ReversibleSequence", "PagedKVCache",
+           "RelPositionMultiheadAttention"]
