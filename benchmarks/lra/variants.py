@@ -81,10 +81,22 @@ def _favor(bs, window, L, head_dim=64):
     return {"linear": FavorFeatures(head_dim, num_features=features, seed=0)}
 
 
+@_variant("reformer", "Reformer (Kitaev et al. 2020): LSH attention, 2 hashes, chunks of `block_size`, reversible layers")
+def _reformer(bs, window, L):
+    from .encoders import ReformerEncoder
+    return {"encoder": functools.partial(ReformerEncoder, chunk_len=bs, n_hashes=2)}
+
+
+@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; unfused torch path")
+def _transformer_xl(bs, window, L):
+    from .encoders import TransformerXLEncoder
+    return {"encoder": TransformerXLEncoder}
+
+
 def layer_kwargs(variant: str, block_size: int = 64, window: int = 128, max_length: int = 4096,
                  head_dim: int = 64) -> Dict:
     """Keyword arguments for `effattn.nn.TransformerEncoderLayer` (``max_length``: the longest input,
-    CLS included)."""
+    CLS included), or ``{"encoder": build(cfg)}`` for a variant with its own encoder (benchmarks.lra.encoders)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     if variant == "favor":
@@ -98,6 +110,8 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     import torch
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
+    if "encoder" in kw:                  # Reformer / Transformer-XL: torch paths (effattn.explain_lsh, relative)
+        return {name: "" if name == "torch" else "served by a torch path only" for name in ("triton", "cuda", "torch")}
     q = torch.zeros(1, 2, length, head_dim, device=device)
     pad = torch.zeros(1, length, dtype=torch.bool, device=device)
     if "linear" in kw:

@@ -21,6 +21,9 @@ class LSHSelfAttention(nn.Module):
         dropout: dropout on the attention probabilities (training mode only).
         bias: biases in the projections.
         batch_first: inputs ``(N, L, E)`` when True (default), ``(L, N, E)`` otherwise.
+        hash_seed: in eval mode, hash every call with rotations from a generator seeded with it, so
+            evaluation is deterministic; None (default): fresh rotations from torch's default
+            generator in every call, as in training (the Reformer's stochastic hashing).
 
     Parameters: ``qk_proj`` and ``v_proj`` (E -> E), ``out_proj`` (E -> E).
 
@@ -34,7 +37,7 @@ class LSHSelfAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, *, n_hashes: int = 4, chunk_len: int = 64,
                  chunks_before: int = 1, chunks_after: int = 0, n_buckets: Optional[int] = None,
                  causal: bool = False, dropout: float = 0.0, bias: bool = True, batch_first: bool = True,
-                 device=None, dtype=None):
+                 hash_seed: Optional[int] = None, device=None, dtype=None):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"LSHSelfAttention: num_heads={num_heads} must divide embed_dim={embed_dim}")
@@ -47,7 +50,7 @@ class LSHSelfAttention(nn.Module):
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.n_hashes, self.chunk_len, self.n_buckets = n_hashes, chunk_len, n_buckets
         self.chunks_before, self.chunks_after, self.causal = chunks_before, chunks_after, causal
-        self.dropout, self.batch_first = dropout, batch_first
+        self.dropout, self.batch_first, self.hash_seed = dropout, batch_first, hash_seed
         self.qk_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
@@ -84,7 +87,10 @@ class LSHSelfAttention(nn.Module):
             buckets = self.reversible_replay.pop(0).to(torch.int64)
             # the forward drew its rotations before its dropout: draw them again so dropout replays
             draw_rotations(H, Dh, self.n_hashes, nb, None, x.device, compute_dtype(x.dtype))
-        out, used = lsh_attention(qk, v, n_hashes=self.n_hashes, chunk_len=self.chunk_len,
+        generator = None
+        if buckets is None and not self.training and self.hash_seed is not None:
+            generator = torch.Generator(device=x.device).manual_seed(self.hash_seed)
+        out, used = lsh_attention(qk, v, n_hashes=self.n_hashes, chunk_len=self.chunk_len, generator=generator,
                                   chunks_before=self.chunks_before, chunks_after=self.chunks_after, n_buckets=nb,
                                   causal=self.causal, key_padding_mask=key_padding_mask, buckets=buckets,
                                   return_buckets=True, dropout_p=self.dropout if self.training else 0.0)
