@@ -18,11 +18,18 @@ depends on the data (causal and padding on the original positions, the self scor
 elementwise from the gathered positions. Un-sorting is a gather by the inverse permutation, so the
 backward is deterministic.
 
-The torch path below computes each round's chunks as one batched product over the gathered
-neighbour chunks: ``O(n_hashes * L * n_neighbours * chunk_len)`` memory (linear in ``L``), the scores
-kept for autograd. effattn's fused block-sparse kernels take a layout, causal/window bounds on the
-sorted indices and a per-key padding mask, but not per-pair masks on gathered positions, so they
-cannot serve this call yet; `explain_lsh` says which path runs.
+Two paths (`explain_lsh` says which one runs and why):
+
+- Triton (``effattn.lsh_triton``): the chunk + neighbours pattern as fused forward and backward
+  kernels that gather the rows through the permutation in-kernel and mask on the loaded positions;
+  O(L) memory, deterministic backward. Taken by ``backend="auto"`` on CUDA (on a CPU only by name,
+  in Triton's interpreter); ``chunk_len`` a power of two in 16..128, no dropout.
+- torch: each round's chunks as one batched product over gathered neighbour chunks,
+  ``O(n_hashes * L * n_neighbours * chunk_len)`` memory (linear in ``L``), the scores kept for
+  autograd. Serves everything (dropout, float64, any ``chunk_len``).
+
+effattn's general block-sparse attention kernels take a layout, bounds on the sorted indices and a
+per-key padding mask, but no per-pair masks on gathered positions, hence the kernels of their own.
 """
 from __future__ import annotations
 
@@ -150,10 +157,28 @@ def _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buc
         raise TypeError(f"{FN}: scale must be a finite float, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"{FN}: backend must be 'auto' or 'torch' (the fused block-sparse kernels do not "
-                         f"serve per-pair position masks yet; see effattn.explain_lsh), got {backend!r}")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     return n_buckets, float(scale)
+
+
+def _path(qk: Tensor, chunk_len: int, dropout_p: float, backend: str) -> Tuple[str, List[str]]:
+    """("triton" | "torch", why not triton). "auto" takes Triton on CUDA when it can serve; on a
+    CPU only when named (it runs in Triton's interpreter there)."""
+    if backend == "torch":
+        return "torch", ["torch asked for"]
+    try:
+        from .lsh_triton import triton_reasons
+        why = triton_reasons(qk, chunk_len, dropout_p)
+    except ImportError as e:                        # triton not installed
+        why = [f"triton unavailable ({e})"]
+    if backend == "triton":
+        if why:
+            raise ValueError(f"{FN}: backend='triton' cannot serve this call: {'; '.join(why)}")
+        return "triton", []
+    if not why and qk.device.type != "cuda":
+        why = ["on cpu only when asked for by name (Triton's interpreter)"]
+    return ("torch", why) if why else ("triton", [])
 
 
 def _neighbours(x: Tensor, offsets: List[int]) -> Tensor:
@@ -261,29 +286,37 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
         x = x.to(dt).unsqueeze(2).expand(B, H, R, L, x.shape[-1])
         return x.gather(3, perm.unsqueeze(-1).expand(B, H, R, L, x.shape[-1])).reshape(B * H * R, L, -1)
 
-    q_s = gathered(qk)
-    k_s = F.normalize(q_s, dim=-1)
-    v_s = gathered(v)
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask.view(B, 1, 1, L).expand(B, H, R, L).gather(3, perm).reshape(B * H * R, L)
     offsets = chunk_offsets(L // chunk_len, chunks_before, chunks_after)
-    out_s, lse_s = chunk_attention(q_s, k_s, v_s, perm.reshape(B * H * R, L), pad, chunk_len, offsets, causal,
-                                   scale, float(dropout_p))
-    out_r = out_s.view(B, H, R, L, Dv).gather(3, inv.unsqueeze(-1).expand(B, H, R, L, Dv))
-    lse_r = lse_s.view(B, H, R, L).gather(3, inv)
+    if _path(qk, chunk_len, dropout_p, backend)[0] == "triton":
+        from .lsh_triton import lsh_rounds
+        out_r, lse_r = lsh_rounds(qk, F.normalize(qk, dim=-1), v, perm, key_padding_mask, offsets, chunk_len,
+                                  causal, scale)
+    else:
+        q_s = gathered(qk)
+        k_s = F.normalize(q_s, dim=-1)
+        v_s = gathered(v)
+        pad = None
+        if key_padding_mask is not None:
+            pad = key_padding_mask.view(B, 1, 1, L).expand(B, H, R, L).gather(3, perm).reshape(B * H * R, L)
+        out_s, lse_s = chunk_attention(q_s, k_s, v_s, perm.reshape(B * H * R, L), pad, chunk_len, offsets, causal,
+                                       scale, float(dropout_p))
+        out_r = out_s.view(B, H, R, L, Dv).gather(3, inv.unsqueeze(-1).expand(B, H, R, L, Dv))
+        lse_r = lse_s.view(B, H, R, L).gather(3, inv)
     out, _ = merge_rounds(out_r, lse_r, dim=2)
     out = out.to(qk.dtype)
     return (out, buckets) if return_buckets else out
 
 
 def explain_lsh(qk: Tensor, v: Tensor, **kwargs) -> str:
-    """Which path `lsh_attention` takes for these arguments, and why not a fused one."""
+    """Which path `lsh_attention` takes for these arguments, and why not the Triton kernels."""
     kwargs.pop("return_buckets", None)
-    _check_inputs(qk, v, kwargs.get("n_hashes", 4), kwargs.get("chunk_len", 64), kwargs.get("chunks_before", 1),
+    chunk_len, dropout_p, backend = kwargs.get("chunk_len", 64), kwargs.get("dropout_p", 0.0), kwargs.get("backend", "auto")
+    _check_inputs(qk, v, kwargs.get("n_hashes", 4), chunk_len, kwargs.get("chunks_before", 1),
                   kwargs.get("chunks_after", 0), kwargs.get("n_buckets"), kwargs.get("causal", False),
-                  kwargs.get("key_padding_mask"), kwargs.get("buckets"), kwargs.get("scale"),
-                  kwargs.get("dropout_p", 0.0), kwargs.get("backend", "auto"))
-    return ("effattn.lsh_attention: torch path (per-round chunk attention over gathered neighbour chunks, "
-            "memory linear in L); the fused block-sparse kernels cannot serve it: they mask by sorted "
-            "indices and per-key padding, not by the gathered original positions (causal, self score)")
+                  kwargs.get("key_padding_mask"), kwargs.get("buckets"), kwargs.get("scale"), dropout_p, backend)
+    path, why = _path(qk, chunk_len, dropout_p, backend)
+    if path == "triton":
+        return ("effattn.lsh_attention: triton (fused chunk + neighbours kernels, rows gathered through the sort "
+                "permutation, O(L) memory)")
+    return ("effattn.lsh_attention: torch path (per-round chunk attention over gathered neighbour chunks, scores kept "
+            "for autograd, memory linear in L); triton not taken: " + "; ".join(why))

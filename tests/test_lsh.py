@@ -145,7 +145,8 @@ def test_layout_is_chunk_and_neighbours():
     (dict(buckets=torch.zeros(1, 2, 3, 16, dtype=torch.long)), ValueError, "buckets must have shape"),
     (dict(buckets=torch.zeros(1, 2, 2, 16)), TypeError, "buckets must be an integer"),
     (dict(key_padding_mask=torch.zeros(1, 15, dtype=torch.bool)), ValueError, "key_padding_mask"),
-    (dict(backend="triton"), ValueError, "backend"),
+    (dict(backend="cuda"), ValueError, "backend must be"),
+    (dict(backend="triton"), ValueError, "chunk_len=4: the kernels take a power of two"),
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
 ])
 def test_errors_name_the_argument(kwargs, err, match):
@@ -159,3 +160,46 @@ def test_errors_name_the_argument(kwargs, err, match):
 def test_explain_lsh_names_the_path():
     qk, v = torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)
     assert "torch path" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=4)
+
+
+TRITON_CASES = [  # (B, H, L, D, n_hashes, chunk_len, before, after, causal, padding)
+    (1, 2, 64, 8, 2, 16, 1, 0, False, False),
+    (2, 1, 48, 12, 2, 16, 1, 1, True, True),
+    (1, 1, 32, 16, 3, 32, 1, 0, True, False),      # one chunk
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "B{}-H{}-L{}-D{}-R{}-cl{}-b{}a{}{}{}".format(
+    *c[:8], "-causal" if c[8] else "", "-pad" if c[9] else ""))
+def test_triton_kernels_match_reference(case):
+    B, H, L, D, R, cl, before, after, causal, padded = case
+    g = torch.Generator().manual_seed(7 + sum(case[:8]))
+    qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    v = torch.randn(B, H, L, D + 3, generator=g, requires_grad=True)
+    kpm = None
+    if padded:
+        kpm = torch.zeros(B, L, dtype=torch.bool)
+        kpm[-1, L - 9:] = True
+    nb = 4
+    buckets = torch.randint(0, nb, (B, H, R, L), generator=g) + torch.arange(R).view(1, 1, R, 1) * nb
+    kw = dict(n_hashes=R, chunk_len=cl, chunks_before=before, chunks_after=after, causal=causal, key_padding_mask=kpm,
+              buckets=buckets)
+    assert "triton (fused" in effattn.explain_lsh(qk, v, backend="triton", **kw)
+    out = effattn.lsh_attention(qk, v, backend="triton", **kw)
+    q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    ref = reference_lsh(q64, v64, buckets, cl, before, after, causal, kpm)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    dout = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (qk, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q64, v64), dout.double())
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+    again = torch.autograd.grad(effattn.lsh_attention(qk, v, backend="triton", **kw), (qk, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))        # deterministic
+
+
+def test_auto_takes_torch_on_cpu_and_says_why():
+    qk, v = torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+    text = effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16)
+    assert "torch path" in text and "when asked for by name" in text
+    assert "dropout" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16, dropout_p=0.1)
