@@ -106,12 +106,13 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
           [ 10] triton  cannot serve: runs on cuda tensors, got cpu
           [100] torch   can serve
     """
+    if op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs):
+        from .paged import explain_paged
+        check_keywords("explain(op='attention')", kwargs, ATTENTION_KEYWORDS)
+        return explain_paged(q, k, v, **kwargs)
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
         check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)
-    if op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs):
-        from .paged import explain_paged
-        return explain_paged(q, k, v, **kwargs)
     if op == "attention":
         call = make_attn_call(q, k, v, **kwargs)
     elif op == "linear_attention":

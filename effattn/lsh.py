@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._call import compute_dtype
+from ._kernel_choice import choose
 
 SELF_SCORE = -1e5        # the score of a token against itself (trax's self-attention penalty)
 FN = "lsh_attention"
@@ -163,22 +164,11 @@ def _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buc
 
 
 def _path(qk: Tensor, chunk_len: int, dropout_p: float, backend: str) -> Tuple[str, List[str]]:
-    """("triton" | "torch", why not triton). "auto" takes Triton on CUDA when it can serve; on a
-    CPU only when named (it runs in Triton's interpreter there)."""
-    if backend == "torch":
-        return "torch", ["torch asked for"]
-    try:
+    """("triton" | "torch", why not triton); see `effattn._kernel_choice`."""
+    def reasons():
         from .lsh_triton import triton_reasons
-        why = triton_reasons(qk, chunk_len, dropout_p)
-    except ImportError as e:                        # triton not installed
-        why = [f"triton unavailable ({e})"]
-    if backend == "triton":
-        if why:
-            raise ValueError(f"{FN}: backend='triton' cannot serve this call: {'; '.join(why)}")
-        return "triton", []
-    if not why and qk.device.type != "cuda":
-        why = ["on cpu only when asked for by name (Triton's interpreter)"]
-    return ("torch", why) if why else ("triton", [])
+        return triton_reasons(qk, chunk_len, dropout_p)
+    return choose(FN, backend, qk.device, reasons, "torch")
 
 
 def _neighbours(x: Tensor, offsets: List[int]) -> Tensor:

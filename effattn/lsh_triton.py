@@ -26,7 +26,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from .backends.triton.runtime import _available
+from ._kernel_choice import basic_triton_reasons
 from .lsh import SELF_SCORE
 
 
@@ -185,18 +185,11 @@ def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
 
 def triton_reasons(qk: Tensor, chunk_len: int, dropout_p: float) -> List[str]:
     """Why the Triton kernels cannot serve an `lsh_attention` call (empty: they can)."""
-    why = []
-    problem = _available(qk.device)
-    if problem:
-        why.append(problem)
+    why = basic_triton_reasons(qk)
     if chunk_len < 16 or chunk_len & (chunk_len - 1) or chunk_len > 128:
         why.append(f"chunk_len={chunk_len}: the kernels take a power of two in 16..128")
     if dropout_p > 0:
         why.append("dropout (the kernels have none yet)")
-    if qk.dtype == torch.float64:
-        why.append("float64 (torch path only)")
-    if max(qk.shape[-1], 1) > 256:
-        why.append("head dim > 256")
     return why
 
 

@@ -11,12 +11,15 @@ Queries are aligned bottom-right **per sequence**: query i of a call with ``Lq``
 position ``seqlens[b] - Lq + i``, so ``causal`` / ``window`` mean the same as in one contiguous call
 over sequence b's keys (decode: ``Lq = 1``; chunked prefill: ``Lq > 1``). Forward only.
 
-Path: the pages a call uses are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
-copy, **right-aligned** per row (row b's keys end at the last slot, the slots before them are masked
-as padding), and handed to :func:`effattn.attention`, whose bottom-right alignment then places every
-row's queries exactly; any backend serves that call (the split-KV decode kernels included). No
-kernel reads the pages in place yet: the gather costs one copy of the used keys per call, and
-``effattn.explain(q, k_pages, v_pages, block_table=..., seqlens=...)`` says so.
+Paths (``effattn.explain(q, k_pages, v_pages, block_table=..., seqlens=...)`` says which):
+
+- ``triton`` (``effattn.paged_triton``): one kernel for decode and prefill that reads every key row
+  from its page in place (any page size). ``backend="auto"`` takes it on CUDA; on a CPU only by
+  name (Triton's interpreter).
+- gather: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
+  copy, **right-aligned** per row (row b's keys end at the last slot, the slots before them are
+  masked as padding), and handed to :func:`effattn.attention` with the given ``backend``, whose
+  bottom-right alignment then places every row's queries exactly. One copy of the keys per call.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._kernel_choice import choose
+
 FN = "attention (paged)"
 GATHER_NOTE = ("paged KV: the used pages are first gathered into a contiguous right-aligned copy (torch "
-               "gather, one copy of the keys per call); no kernel reads pages in place yet")
+               "gather, one copy of the keys per call)")
 
 
 def _check_paged(q, k_pages, v_pages, block_table, seqlens):
@@ -97,6 +102,14 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table:
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
         raise ValueError(f"{FN}: paged attention is forward only; call it under torch.no_grad() (q, k_pages "
                          f"or v_pages requires grad)")
+    if paged_path(q, backend)[0] == "triton":
+        import math
+        from .paged_triton import paged_forward
+        from .visibility import normalize_window
+        left, right = normalize_window(window, causal)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, lse = paged_forward(q, k_pages, v_pages, block_table, seqlens, left, right, scale)
+        return (out, lse) if return_lse else out
     k = gather_pages(k_pages, block_table, seqlens)
     v = gather_pages(v_pages, block_table, seqlens)
     kpm = right_aligned_padding(seqlens, k.shape[2])
@@ -104,19 +117,34 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table:
                      return_lse=return_lse, backend=backend)
 
 
+def paged_path(q: Tensor, backend: str):
+    """("triton" | "gather", why not triton): "auto" takes the in-place Triton kernel on CUDA when it
+    can serve; "triton" must be served by it; other names gather, then run that backend."""
+    def reasons():
+        from .paged_triton import triton_reasons
+        return triton_reasons(q)
+    return choose(FN, backend, q.device, reasons, "gather")
+
+
 def explain_paged(q, k_pages, v_pages, *, block_table, seqlens, **kwargs):
-    """`effattn.explain` of a paged call: the explanation of the contiguous call it becomes, each
-    backend noting the gather."""
-    from .functional import explain
+    """`effattn.explain` of a paged call: with the in-place Triton kernel, that; otherwise the
+    explanation of the contiguous call the gather makes, each backend noting the gather."""
+    from .functional import Explanation, explain
     _check_paged(q, k_pages, v_pages, block_table, seqlens)
+    path, why = paged_path(q, kwargs.pop("backend", "auto"))
+    if path == "triton":
+        return Explanation("attention (paged)", "triton", {"triton": []},
+                           {"triton": "paged kernel: reads the key/value pages in place"})
     S = block_table.shape[1] * k_pages.shape[1]
     B, Hkv = q.shape[0], k_pages.shape[2]
     k = k_pages.new_zeros(1).expand(B, Hkv, S, k_pages.shape[3])     # shapes only, nothing gathered
     v = v_pages.new_zeros(1).expand(B, Hkv, S, v_pages.shape[3])
     report = explain(q, k, v, key_padding_mask=right_aligned_padding(seqlens, S), **kwargs)
-    for name, why in report.reasons.items():
-        if not why:
+    for name, reasons in report.reasons.items():
+        if not reasons:
             report.notes[name] = "; ".join(x for x in (GATHER_NOTE, report.notes.get(name)) if x)
+    report.notes["triton"] = "; ".join(x for x in (f"paged kernel not taken: {'; '.join(why)}",
+                                                   report.notes.get("triton")) if x)
     return report
 
 

@@ -6,7 +6,7 @@ import effattn
 from effattn.nn import PagedKVCache
 
 
-def paged_setup(lens, page_size=4, num_pages=40, H=4, Hkv=2, D=8, Lq=1, seed=0, dtype=torch.float32):
+def paged_setup(lens, page_size=4, num_pages=60, H=4, Hkv=2, D=8, Lq=1, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
     k_pages = torch.randn(num_pages, page_size, Hkv, D, generator=g, dtype=dtype)
@@ -29,13 +29,17 @@ def contiguous(pages, table, n, page_size):
     return pages[table[t // page_size].long(), t % page_size].permute(1, 0, 2)[None]
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("Lq, causal, window", [(1, False, None), (1, True, 5), (3, True, None), (3, False, (2, 1))],
                          ids=["decode", "decode-window", "prefill-causal", "prefill-window"])
-def test_paged_equals_contiguous(Lq, causal, window):
-    lens = [7, 13, 3, 16]
+def test_paged_equals_contiguous(Lq, causal, window, backend):
+    lens = [7, 13, 3, 16] if backend == "auto" else [7, 70, 2, 16]       # 70: two key tiles of the kernel
     q, kp, vp, table, seqlens = paged_setup(lens, Lq=Lq)
+    if backend == "triton":
+        assert "reads the key/value pages in place" in str(effattn.explain(q, kp, vp, block_table=table,
+                                                                            seqlens=seqlens, backend="triton"))
     out, lse = effattn.attention(q, kp, vp, block_table=table, seqlens=seqlens, causal=causal, window=window,
-                                 return_lse=True)
+                                 return_lse=True, backend=backend)
     for b, n in enumerate(lens):
         k, v = contiguous(kp, table[b], n, 4), contiguous(vp, table[b], n, 4)
         ref, ref_lse = effattn.attention(q[b:b + 1].double(), k.double(), v.double(), causal=causal, window=window,
@@ -69,8 +73,8 @@ def test_paged_kv_cache_decoding_loop_matches_contiguous():
 def test_paged_errors_name_the_argument():
     q, kp, vp, table, seqlens = paged_setup([5, 9])
     bad = table.clone()
-    bad[1, 1] = 40
-    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 40 points past the pool"):
+    bad[1, 1] = 60
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 60 points past the pool"):
         effattn.attention(q, kp, vp, block_table=bad, seqlens=seqlens)
     with pytest.raises(ValueError, match="seqlens must lie in"):
         effattn.attention(q, kp, vp, block_table=table, seqlens=torch.tensor([5, 99], dtype=torch.int32))
@@ -92,4 +96,4 @@ def test_explain_paged_names_the_gather():
     q, kp, vp, table, seqlens = paged_setup([5, 9])
     rep = effattn.explain(q, kp, vp, block_table=table, seqlens=seqlens, causal=True)
     assert rep.chosen is not None
-    assert "gathered into a contiguous" in str(rep)
+    assert "gathered into a contiguous" in str(rep) and "paged kernel not taken" in str(rep)
