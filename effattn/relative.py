@@ -12,11 +12,15 @@ With effattn's bottom-right alignment query i sits at ``pos(i) = i + Lk - Lq`` a
 Transformer-XL's ``(q + u) . k + (q + v) . R_{i-j}`` is ``q <- q + u`` with ``query = q + v``
 (`RelPositionMultiheadAttention` does this).
 
-The position term is ``(query @ r^T)`` of shape ``(B, H, Lq, n_dist)`` read through a skewed gather
-(the "relative shift", without Transformer-XL's pad-and-reshape). This module's path is an
-**unfused torch reference**: it materializes the ``(B, H, Lq, Lk)`` scores (O(L^2) memory) and
-differentiates with autograd; no fused kernel serves the term yet (`explain_relative` says so).
-`relative_scores` is the piece a fused bias term can wrap.
+The position term is ``(query @ r^T)`` of shape ``(rows, n_dist)`` read through a skewed gather
+(the "relative shift", without Transformer-XL's pad-and-reshape). The path here is torch, **not
+fused**: a block of query rows at a time, the backward recomputing each block's probabilities from
+the saved lse, so memory is one ``(B, H, rows, max(Lk, n_dist))`` block, not ``(Lq, Lk)``; the
+gradients of ``query`` and ``r`` come from band sums of the score gradient (a gather for the
+interior distances, prefix/suffix sums for the clamped ends: no scatter, deterministic). With
+dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. No Triton or CUDA
+kernel serves the term yet (`explain_relative` says so). `relative_scores` is the piece a fused
+bias term can wrap.
 """
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._call import compute_dtype
-from .visibility import normalize_window
+from .lsh import softmax_lse
+from .visibility import Rule, normalize_window
 
 FN = "relative_attention"
-UNFUSED_NOTE = ("relative keys: unfused torch reference (dense (B, H, Lq, Lk) scores, O(L^2) memory, autograd); "
-                "no fused kernel serves the position term yet")
+UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
+                "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
+                "no Triton or CUDA kernel serves the position term yet")
 
 
 def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
@@ -91,7 +97,7 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
         max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
         causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
 
-    Every input receives its gradient (r and query included). Unfused torch reference: O(L^2) memory.
+    Every input receives its gradient (r and query included). Torch path, not fused (module docstring).
 
     Returns:
         ``out (B, H, Lq, Dv)``, or ``(out, lse)`` with ``return_lse=True``.
@@ -102,25 +108,143 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
     check_relative(q, r, query, max_distance, causal, window)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    from .lsh import softmax_lse
-    from .visibility import Rule
+    query = q if query is None else query
+    if dropout_p > 0:
+        out, lse = _dense(q, k, v, r, query, max_distance, call, float(dropout_p))
+    else:
+        out, lse = _Relative.apply(q, k, v, r, query, max_distance, call.window_left, call.window_right,
+                                   key_padding_mask, call.scale)
+    out = out.to(q.dtype)
+    return (out, lse.to(torch.float32) if lse.dtype == torch.float32 else lse) if return_lse else out
+
+
+def _dense(q, k, v, r, query, max_distance, call, dropout_p):
+    """The whole ``(B, H, Lq, Lk)`` score matrix under autograd: the path with dropout."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     dt = compute_dtype(q.dtype)
     kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
     vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
-    query = q if query is None else query
     s = torch.matmul(q.to(dt), kk.transpose(-1, -2)) + relative_scores(query.to(dt), r.to(dt), Lk, max_distance)
     s = s * call.scale
-    mask = Rule(Lq, Lk, call.window_left, call.window_right).materialize(key_padding_mask=key_padding_mask,
+    mask = Rule(Lq, Lk, call.window_left, call.window_right).materialize(key_padding_mask=call.key_padding_mask,
                                                                           device=q.device)
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf)
     p, lse = softmax_lse(s, dim=-1)
-    if dropout_p > 0:
-        p = F.dropout(p, dropout_p)
-    out = torch.matmul(p, vv).to(q.dtype)
-    return (out, lse.to(torch.float32) if dt == torch.float32 else lse) if return_lse else out
+    return torch.matmul(F.dropout(p, dropout_p), vv), lse
+
+
+# Elements of one (B, H, rows, max(Lk, n_dist)) block: the row chunk of the memory-bounded path.
+SCORE_BUDGET = 1 << 22
+
+
+def _row_chunks(B: int, H: int, Lq: int, width: int):
+    rows = max(1, SCORE_BUDGET // max(1, B * H * width))
+    return [(i0, min(i0 + rows, Lq)) for i0 in range(0, Lq, rows)]
+
+
+def _distance_of_row(n: int, max_distance: Optional[int]) -> Tensor:
+    """The distance each row m of r stands for (the clamped ends stand for all beyond)."""
+    return torch.arange(n) - (0 if max_distance is None else max_distance)
+
+
+def _band_sums(dT: Tensor, i0: int, Lq: int, n: int, max_distance: Optional[int]) -> Tensor:
+    """``g[..., i, m] = sum over keys j with idx(d_ij) = m of dT[..., i, j]`` for the rows
+    ``i0 ..`` of ``dT (B, H, rows, Lk)``: the gradient of the position term's ``query . r`` products.
+    Interior rows of r are one key per query row (a gather); the two clamped ends are a prefix and a
+    suffix sum over the keys (cumsum): no scatter, deterministic on every device."""
+    B, H, rows, Lk = dT.shape
+    dev = dT.device
+    pos = torch.arange(i0, i0 + rows, device=dev)[:, None] + (Lk - Lq)            # (rows, 1)
+    dist = _distance_of_row(n, max_distance).to(dev)[None, :]                      # (1, n)
+    if n == 1:
+        return dT.sum(-1, keepdim=True)
+    j = pos - dist                                                                 # the key at distance d(m)
+    inside = (j >= 0) & (j < Lk)
+    g = torch.where(inside, dT.gather(-1, j.clamp(0, Lk - 1).expand(B, H, rows, n)), torch.zeros((), dtype=dT.dtype,
+                                                                                                   device=dev))
+    pre = F.pad(dT.cumsum(-1), (1, 0))                                             # pre[x] = sum_{j < x}
+
+    def before(x):                                                                 # sum over keys j < x
+        return pre.gather(-1, x.clamp(0, Lk).expand(B, H, rows, 1)).squeeze(-1)
+
+    total = pre[..., -1]
+    near, far = pos[:, 0] - dist[0, 0], pos[:, 0] - dist[0, -1]                   # j of the two ends
+    g[..., 0] = total - before(near[:, None])                                       # j >= near (d <= d(0))
+    g[..., -1] = before(far[:, None] + 1)                                           # j <= far (d >= d(n-1))
+    return g
+
+
+class _Relative(torch.autograd.Function):
+    """Relative attention a block of query rows at a time: forward keeps ``out`` and ``lse``, backward
+    recomputes each block's probabilities (FlashAttention-2, Alg. 2), so the extra memory is one
+    ``(B, H, rows, max(Lk, n_dist))`` block, never ``(Lq, Lk)``."""
+
+    @staticmethod
+    def _blocks(q, kk, r, query, M, left, right, kpm, scale):
+        B, H, Lq, D = q.shape
+        Lk, n = kk.shape[2], r.shape[1]
+        rule = Rule(Lq, Lk, left, right)
+        for i0, i1 in _row_chunks(B, H, Lq, max(Lk, n)):
+            qr = torch.matmul(query[:, :, i0:i1], r.transpose(-1, -2).unsqueeze(0))           # (B, H, rows, n)
+            idx = relative_index(Lq, Lk, n, M, q.device)[i0:i1]
+            s = (torch.matmul(q[:, :, i0:i1], kk.transpose(-1, -2)) + qr.gather(-1, idx.expand(B, H, i1 - i0, Lk)))
+            s = s * scale
+            mask = rule.materialize((i0, i1), key_padding_mask=kpm, device=q.device)
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
+            yield i0, i1, s
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
+        B, H, Lq, D = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        dt = compute_dtype(q.dtype)
+        qc, rc, queryc = q.to(dt), r.to(dt), query.to(dt)
+        kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
+        vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
+        out = torch.zeros(B, H, Lq, Dv, dtype=dt, device=q.device)
+        lse = torch.full((B, H, Lq), -math.inf, dtype=dt, device=q.device)
+        for i0, i1, s in _Relative._blocks(qc, kk, rc, queryc, M, left, right, kpm, scale):
+            p, lse[:, :, i0:i1] = softmax_lse(s, dim=-1)
+            out[:, :, i0:i1] = torch.matmul(p, vv)
+        ctx.save_for_backward(q, k, v, r, query, out, lse)
+        ctx.args = (M, left, right, kpm, scale)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, r, query, out, lse = ctx.saved_tensors
+        M, left, right, kpm, scale = ctx.args
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        dt = out.dtype
+        qc, rc, queryc = q.to(dt), r.to(dt), query.to(dt)
+        kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
+        vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
+        dout = torch.zeros_like(out) if dout is None else dout.to(dt)
+        delta = (dout * out).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(dt)
+        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        dq, dquery = torch.zeros_like(qc), torch.zeros_like(queryc)
+        dk, dv, dr = torch.zeros_like(kk), torch.zeros_like(vv), torch.zeros_like(rc)
+        for i0, i1, s in _Relative._blocks(qc, kk, rc, queryc, M, left, right, kpm, scale):
+            p = torch.exp(s - lse_safe[:, :, i0:i1, None])                   # 0 where masked
+            do = dout[:, :, i0:i1]
+            dv += torch.matmul(p.transpose(-1, -2), do)
+            dT = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta[:, :, i0:i1, None]) * scale
+            dq[:, :, i0:i1] = torch.matmul(dT, kk)
+            dk += torch.matmul(dT.transpose(-1, -2), qc[:, :, i0:i1])
+            g = _band_sums(dT, i0, Lq, r.shape[1], M)                         # (B, H, rows, n)
+            dquery[:, :, i0:i1] = torch.matmul(g, rc)
+            dr += torch.einsum("bhim,bhid->hmd", g, queryc[:, :, i0:i1])
+        G = H // Hkv
+        dk = dk.view(B, Hkv, G, Lk, -1).sum(2)
+        dv = dv.view(B, Hkv, G, Lk, -1).sum(2)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dr.to(r.dtype), dquery.to(query.dtype),
+                None, None, None, None, None)
 
 
 def explain_relative() -> str:

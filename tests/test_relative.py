@@ -38,7 +38,8 @@ def explicit_relative(q, k, v, r, query, max_distance, causal, window, kpm, scal
     return torch.softmax(s.masked_fill(~vis, -math.inf), -1) @ v
 
 
-CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding)
+CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding); n_dist = 6 without max_distance
+    (1, 2, 2, 3, 5, 4, 0, False, None, True),                 # one distance row: everything clamped
     (2, 2, 2, 5, 5, 4, 2, False, None, False),
     (1, 4, 2, 3, 7, 4, None, True, None, False),             # Transformer-XL with memory, GQA
     (2, 2, 1, 6, 6, 3, 8, False, (2, 1), True),               # M larger than every distance
@@ -46,9 +47,17 @@ CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding)
 ]
 
 
+@pytest.fixture(params=["one-block", "row-blocks"])
+def row_blocks(request, monkeypatch):
+    """The memory-bounded path in one block of rows, and in blocks of 2 rows."""
+    if request.param == "row-blocks":
+        monkeypatch.setattr(effattn.relative, "SCORE_BUDGET", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-H{}-Hkv{}-Lq{}-Lk{}-D{}-M{}".format(*c[:7]) +
                          ("-causal" if c[7] else "") + ("-window" if c[8] else "") + ("-pad" if c[9] else ""))
-def test_relative_matches_explicit_formula(case):
+def test_relative_matches_explicit_formula(case, row_blocks):
     B, H, Hkv, Lq, Lk, D, M, causal, window, padded = case
     g = torch.Generator().manual_seed(Lq * Lk + D)
     f64 = dict(dtype=torch.float64, generator=g)
@@ -70,6 +79,18 @@ def test_relative_matches_explicit_formula(case):
     inputs = (q, k, v, r, query)
     for a, b in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_dropout_path_runs_and_is_reproducible():
+    q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+    r = torch.randn(2, 6, 4, requires_grad=True)
+    torch.manual_seed(0)
+    a = effattn.relative_attention(q, k, v, r, causal=True, dropout_p=0.3)
+    torch.manual_seed(0)
+    b = effattn.relative_attention(q, k, v, r, causal=True, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.allclose(a, effattn.relative_attention(q, k, v, r, causal=True))
+    a.sum().backward()
+    assert torch.isfinite(r.grad).all()
 
 
 def test_query_defaults_to_q():
@@ -149,7 +170,7 @@ def test_module_trains_and_non_causal_runs():
     assert m.r_r_bias.grad is not None and m.r_net.weight.grad is not None and torch.isfinite(x.grad).all()
     bi = RelPositionMultiheadAttention(16, 2, causal=False)
     assert bi(x).shape == x.shape
-    assert "unfused torch reference" in m.explain()
+    assert "not fused" in m.explain()
 
 
 @pytest.mark.parametrize("kwargs, err, match", [

@@ -48,7 +48,8 @@ class TransformerXLEncoder(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.attn = nn.ModuleList([
-            effattn.nn.RelPositionMultiheadAttention(cfg.d_model, cfg.heads, dropout=cfg.dropout, dropatt=cfg.dropout,
+            # no attention dropout (dropatt): with it the relative path differentiates dense (L, L) scores
+            effattn.nn.RelPositionMultiheadAttention(cfg.d_model, cfg.heads, dropout=cfg.dropout, dropatt=0.0,
                                                      pre_lnorm=True, causal=False) for _ in range(cfg.layers)])
         self.ff = nn.ModuleList([feed_forward(cfg) for _ in range(cfg.layers)])
         self.norm = nn.LayerNorm(cfg.d_model)
