@@ -25,6 +25,7 @@ bias term can wrap.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -56,6 +57,30 @@ def relative_scores(query: Tensor, r: Tensor, Lk: int, max_distance: Optional[in
     qr = torch.matmul(query, r.transpose(-1, -2).unsqueeze(0))                     # (B, H, Lq, n_dist)
     idx = relative_index(Lq, Lk, r.shape[1], max_distance, query.device)
     return qr.gather(-1, idx.expand(B, H, Lq, Lk))
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeKeys:
+    """The relative-keys score term as a value: ``query_i . r[h, idx(d_ij)]`` (module docstring).
+
+    Args:
+        r: ``(H, n_dist, D)``.
+        query: ``(B, H, Lq, D)`` query of the term, or None for the call's q.
+        max_distance: None (past distances ``0..n_dist-1``) or M (``n_dist = 2M + 1``).
+
+    ``scores(q, Lk)`` gives the unscaled ``(B, H, Lq, Lk)`` term (small shapes, tests), ``attention(q,
+    k, v, **kw)`` runs :func:`relative_attention` with it. A score-terms module can hold and
+    dispatch it like its other terms.
+    """
+    r: Tensor
+    query: Optional[Tensor] = None
+    max_distance: Optional[int] = None
+
+    def scores(self, q: Tensor, Lk: int) -> Tensor:
+        return relative_scores(q if self.query is None else self.query, self.r, Lk, self.max_distance)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kwargs):
+        return relative_attention(q, k, v, self.r, query=self.query, max_distance=self.max_distance, **kwargs)
 
 
 def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: str = FN) -> None:

@@ -93,6 +93,15 @@ def test_dropout_path_runs_and_is_reproducible():
     assert torch.isfinite(r.grad).all()
 
 
+def test_relative_keys_term():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 3, dtype=torch.float64, generator=g) for _ in range(3))
+    r = torch.randn(2, 3, 3, dtype=torch.float64, generator=g)
+    term = effattn.relative.RelativeKeys(r, max_distance=1)
+    s = (q @ k.transpose(-1, -2) + term.scores(q, 4)) / math.sqrt(3)
+    torch.testing.assert_close(term.attention(q, k, v), torch.softmax(s, -1) @ v)
+
+
 def test_query_defaults_to_q():
     q, k, v = (torch.randn(1, 2, 4, 4, dtype=torch.float64) for _ in range(3))
     r = torch.randn(2, 3, 4, dtype=torch.float64)
