@@ -38,7 +38,9 @@ def _program(PERM, spn, H, R, CL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV:
     rows = tl.arange(0, CL)
     perm = PERM + n.to(tl.int64) * spn
     idx = tl.load(perm + c * CL + rows)
-    return c, n, n // (H * R), (n // R) % H, n % R, rows, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), perm, idx
+    n64 = n.to(tl.int64)                  # b * stride may pass 2^31 on large inputs
+    return (c, n, n64 // (H * R), (n64 // R) % H, n64 % R, rows, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), perm,
+            idx)
 
 
 @triton.jit

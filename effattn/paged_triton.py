@@ -28,7 +28,7 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LOW: tl.constexpr):
     m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)        # b * stride may pass 2^31 on large inputs
     b, h = bh // H, bh % H
     hk = h // G
     n_keys = tl.load(LENS + b).to(tl.int32)
