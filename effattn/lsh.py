@@ -23,7 +23,8 @@ Two paths (`explain_lsh` says which one runs and why):
 - Triton (``effattn.lsh_triton``): the chunk + neighbours pattern as fused forward and backward
   kernels that gather the rows through the permutation in-kernel and mask on the loaded positions;
   O(L) memory, deterministic backward. Taken by ``backend="auto"`` on CUDA (on a CPU only by name,
-  in Triton's interpreter); ``chunk_len`` a power of two in 16..128, no dropout.
+  in Triton's interpreter); ``chunk_len`` a power of two in 16..128. Dropout from Philox counters
+  (positions, slice), seeded from torch's default generator.
 - torch: each round's chunks as one batched product over gathered neighbour chunks,
   ``O(n_hashes * L * n_neighbours * chunk_len)`` memory (linear in ``L``), the scores kept for
   autograd. Serves everything (dropout, float64, any ``chunk_len``).
@@ -167,7 +168,7 @@ def _path(qk: Tensor, chunk_len: int, dropout_p: float, backend: str) -> Tuple[s
     """("triton" | "torch", why not triton); see `effattn._kernel_choice`."""
     def reasons():
         from .lsh_triton import triton_reasons
-        return triton_reasons(qk, chunk_len, dropout_p)
+        return triton_reasons(qk, chunk_len)
     return choose(FN, backend, qk.device, reasons, "torch")
 
 
@@ -280,7 +281,7 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
     if _path(qk, chunk_len, dropout_p, backend)[0] == "triton":
         from .lsh_triton import lsh_rounds
         out_r, lse_r = lsh_rounds(qk, F.normalize(qk, dim=-1), v, perm, key_padding_mask, offsets, chunk_len,
-                                  causal, scale)
+                                  causal, scale, float(dropout_p))
     else:
         q_s = gathered(qk)
         k_s = F.normalize(q_s, dim=-1)

@@ -61,6 +61,17 @@ def _row_stats(LSE, DELTA, DO, row, offs_dv, Dv):
 
 
 @triton.jit
+def _dropped(x, seed, n, qidx, kidx, drop_thresh, drop_scale):
+    """Dropout of ``x (queries, keys)``: kept entries scaled by ``1 / (1 - p)``, from Philox with the
+    counter (query position, key position, (b, h, r), 0): forward and backward draw the same mask."""
+    c0 = (qidx[:, None] + kidx[None, :] * 0).to(tl.uint32)
+    c1 = (kidx[None, :] + qidx[:, None] * 0).to(tl.uint32)
+    c2 = c0 * 0 + n.to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, c0, c1, c2, c0 * 0)
+    return tl.where((bits >> 8).to(tl.int32) >= drop_thresh, x * drop_scale, 0.0)
+
+
+@triton.jit
 def _scores(q, k_base, kidx, qidx, offs_d, skl, skd, kpm_base, skpl, D, scale,
             SELF_SCORE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, BLOCK_D: tl.constexpr,
             PREC: tl.constexpr):
@@ -82,9 +93,10 @@ def _scores(q, k_base, kidx, qidx, offs_d, skl, skd, kpm_base, skpl, D, scale,
 def _lsh_fwd(Q, K, V, PERM, KPM, OFFS, OUT, LSE,
              sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, spn, skpb, skpl,
              sob, soh, sor, sol, sod, slb, slh, slr, sll,
-             H, R, D, Dv, n_chunks, n_offs, scale,
+             H, R, D, Dv, n_chunks, n_offs, scale, seed, drop_thresh, drop_scale,
              CL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SELF_SCORE: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
+             CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+             DROPOUT: tl.constexpr):
     c, n, b, h, r, rows, offs_d, offs_dv, perm, qidx = _program(PERM, spn, H, R, CL, BLOCK_D, BLOCK_DV)
     q = _load_rows(Q + b * sqb + h * sqh, qidx, sql, offs_d, sqd, D)
     if not LOW:                                   # float32 scores (half inputs on a GPU: native dots)
@@ -106,7 +118,10 @@ def _lsh_fwd(Q, K, V, PERM, KPM, OFFS, OUT, LSE,
         alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_rows(v_base, kidx, svl, offs_dv, svd, Dv)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+        pv = p
+        if DROPOUT:
+            pv = _dropped(p, seed, n, qidx, kidx, drop_thresh, drop_scale)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -119,9 +134,10 @@ def _lsh_fwd(Q, K, V, PERM, KPM, OFFS, OUT, LSE,
 @triton.jit
 def _lsh_bwd_dq(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DQ,
                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, spn, skpb, skpl,
-                H, R, D, Dv, n_chunks, n_offs, scale,
+                H, R, D, Dv, n_chunks, n_offs, scale, seed, drop_thresh, drop_scale,
                 CL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SELF_SCORE: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
+                CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+             DROPOUT: tl.constexpr):
     """dQ of one query chunk. LSE, DELTA: contiguous (N, L); DO (N, L, Dv), DQ (N, L, D) contiguous fp32."""
     c, n, b, h, r, rows, offs_d, offs_dv, perm, qidx = _program(PERM, spn, H, R, CL, BLOCK_D, BLOCK_DV)
     L = n_chunks * CL
@@ -143,6 +159,8 @@ def _lsh_bwd_dq(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DQ,
         vt = tl.load(v_base + kidx[None, :].to(tl.int64) * svl + offs_dv[:, None] * svd,
                      mask=offs_dv[:, None] < Dv, other=0.0)
         dp = tl.dot(do, vt.to(tl.float32), input_precision="ieee")
+        if DROPOUT:
+            dp = _dropped(dp, seed, n, qidx, kidx, drop_thresh, drop_scale)
         ds = tl.where(is_self, 0.0, p * (dp - delta[:, None]))
         k = _load_rows(k_base, kidx, skl, offs_d, skd, D)
         dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee")
@@ -152,9 +170,10 @@ def _lsh_bwd_dq(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DQ,
 @triton.jit
 def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
                  sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, spn, skpb, skpl,
-                 H, R, D, Dv, n_chunks, n_offs, scale,
+                 H, R, D, Dv, n_chunks, n_offs, scale, seed, drop_thresh, drop_scale,
                  CL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SELF_SCORE: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
+                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+             DROPOUT: tl.constexpr):
     """dK, dV of one key chunk: the query chunks (c - o) % n_chunks that see it. DK (N, L, D) and
     DV (N, L, Dv) contiguous fp32."""
     c, n, b, h, r, rows, offs_d, offs_dv, perm, kidx = _program(PERM, spn, H, R, CL, BLOCK_D, BLOCK_DV)
@@ -176,8 +195,12 @@ def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
                              HAS_KPM, BLOCK_D, PREC)
         lse, delta, do = _row_stats(LSE, DELTA, DO, n.to(tl.int64) * L + qidx, offs_dv, Dv)
         p = tl.exp(s - lse[:, None])                                  # (CL queries, CL keys)
-        dv += tl.dot(tl.trans(p), do, input_precision="ieee")
         dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision="ieee")
+        pv = p
+        if DROPOUT:
+            pv = _dropped(p, seed, n, qidx, kidx, drop_thresh, drop_scale)
+            dp = _dropped(dp, seed, n, qidx, kidx, drop_thresh, drop_scale)
+        dv += tl.dot(tl.trans(pv), do, input_precision="ieee")
         ds = tl.where(is_self, 0.0, p * (dp - delta[:, None]))
         dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
     rk = n.to(tl.int64) * L + kidx
@@ -185,13 +208,11 @@ def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
     tl.store(DV + rk[:, None] * Dv + offs_dv[None, :], dv, mask=offs_dv[None, :] < Dv)
 
 
-def triton_reasons(qk: Tensor, chunk_len: int, dropout_p: float) -> List[str]:
+def triton_reasons(qk: Tensor, chunk_len: int) -> List[str]:
     """Why the Triton kernels cannot serve an `lsh_attention` call (empty: they can)."""
     why = basic_triton_reasons(qk)
     if chunk_len < 16 or chunk_len & (chunk_len - 1) or chunk_len > 128:
         why.append(f"chunk_len={chunk_len}: the kernels take a power of two in 16..128")
-    if dropout_p > 0:
-        why.append("dropout (the kernels have none yet)")
     return why
 
 
@@ -212,7 +233,7 @@ class _LSHRounds(torch.autograd.Function):
     """``(q, k, v) -> out_r (B, H, R, L, Dv), lse_r (B, H, R, L)`` float32, per round, original order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, perm, kpm, offsets, chunk_len, causal, scale):
+    def forward(ctx, q, k, v, perm, kpm, offsets, chunk_len, causal, scale, dropout_p, seed):
         B, H, L, D, R, kpm_arg, strides = _common(q, k, v, perm, kpm, offsets)
         Dv = v.shape[-1]
         out = torch.empty(B, H, R, L, Dv, dtype=torch.float32, device=q.device)
@@ -220,11 +241,11 @@ class _LSHRounds(torch.autograd.Function):
         nc = L // chunk_len
         low = q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
         meta = dict(CL=chunk_len, BLOCK_D=_next_pow2(D), BLOCK_DV=_next_pow2(Dv), SELF_SCORE=SELF_SCORE, CAUSAL=causal,
-                    HAS_KPM=kpm is not None, PREC="ieee", LOW=low)
+                    HAS_KPM=kpm is not None, PREC="ieee", LOW=low, DROPOUT=dropout_p > 0)
         _lsh_fwd[(nc, B * H * R)](q, k, v, perm, kpm_arg, offsets, out, lse, *strides, *out.stride(), *lse.stride(),
-                                  H, R, D, Dv, nc, offsets.numel(), scale, **meta)
+                                  H, R, D, Dv, nc, offsets.numel(), scale, *_dropout_args(dropout_p, seed), **meta)
         ctx.save_for_backward(q, k, v, perm, kpm, offsets, out, lse)
-        ctx.meta, ctx.scale = meta, scale
+        ctx.meta, ctx.scale, ctx.dropout = meta, scale, _dropout_args(dropout_p, seed)
         return out, lse
 
     @staticmethod
@@ -241,7 +262,7 @@ class _LSHRounds(torch.autograd.Function):
         dk = torch.empty_like(dq)
         dv = torch.empty(B, H, R, L, Dv, dtype=torch.float32, device=q.device)
         nc = L // ctx.meta["CL"]
-        args = (H, R, D, Dv, nc, offsets.numel(), ctx.scale)
+        args = (H, R, D, Dv, nc, offsets.numel(), ctx.scale, *ctx.dropout)
         lse = lse.contiguous()
         _lsh_bwd_dq[(nc, B * H * R)](q, k, v, perm, kpm_arg, offsets, lse, delta, dout, dq, *strides, *args,
                                      **ctx.meta)
@@ -249,15 +270,43 @@ class _LSHRounds(torch.autograd.Function):
                                       **ctx.meta)
         # rounds summed in a fixed order
         return (dq.sum(2).to(q.dtype), dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype), None, None, None, None, None,
-                None)
+                None, None, None)
+
+
+def _dropout_args(p: float, seed: int):
+    """(seed, threshold on 24 random bits, 1 / (1 - p)) of the kernels' dropout."""
+    return seed, int(p * (1 << 24)), 1.0 / (1.0 - p)
+
+
+def draw_seed() -> int:
+    """The kernels' dropout seed, drawn from torch's default generator (so ``torch.manual_seed`` and a
+    reversible layer's random-state replay reproduce the mask)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)))
+
+
+@triton.jit
+def _keep_mask_kernel(OUT, seed, drop_thresh, L: tl.constexpr):
+    n = tl.program_id(0)
+    i = tl.arange(0, L)
+    kept = _dropped(tl.full([L, L], 1.0, tl.float32), seed, n, i, i, drop_thresh, 1.0)
+    tl.store(OUT + n.to(tl.int64) * L * L + i[:, None] * L + i[None, :], kept)
+
+
+def keep_mask(seed: int, n_slices: int, length: int, dropout_p: float, device="cpu") -> Tensor:
+    """bool ``(n_slices, L, L)``: which (query position, key position) pairs of slice ``(b, h, r)`` the
+    kernels keep under dropout with ``seed`` (``L`` a power of two >= 16; for tests)."""
+    out = torch.empty(n_slices, length, length, dtype=torch.float32, device=device)
+    _keep_mask_kernel[(n_slices,)](out, seed, _dropout_args(dropout_p, seed)[1], L=length)
+    return out > 0
 
 
 def lsh_rounds(q: Tensor, k: Tensor, v: Tensor, perm: Tensor, key_padding_mask: Optional[Tensor], offsets: List[int],
-               chunk_len: int, causal: bool, scale: float):
+               chunk_len: int, causal: bool, scale: float, dropout_p: float = 0.0):
     """Per-round outputs and lse of the sorted chunk pattern: ``q, k (B, H, L, D)`` (k normalized),
     ``v (B, H, L, Dv)``, ``perm (B, H, R, L)`` the sort. Differentiable in q, k, v."""
     B, H, R, L = perm.shape
     perm32 = perm.reshape(B * H * R, L).to(torch.int32).contiguous()
     kpm = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else None
     offs = torch.tensor(offsets, dtype=torch.int32, device=q.device)
-    return _LSHRounds.apply(q, k, v, perm32, kpm, offs, chunk_len, causal, float(scale))
+    seed = draw_seed() if dropout_p > 0 else 0
+    return _LSHRounds.apply(q, k, v, perm32, kpm, offs, chunk_len, causal, float(scale), float(dropout_p), seed)

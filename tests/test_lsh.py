@@ -198,8 +198,65 @@ def test_triton_kernels_match_reference(case):
     assert all(torch.equal(a, b) for a, b in zip(grads, again))        # deterministic
 
 
+def reference_rounds_with_dropout(qk, v, buckets, chunk_len, before, causal, kpm, keep, p):
+    """Per round: softmax over the round's visible keys, dropout of the probabilities by ``keep``
+    (slices (b, h, r), query position, key position), then the rounds merged by their lse."""
+    B, H, L, D = qk.shape
+    R = buckets.shape[2]
+    nc = L // chunk_len
+    offs = {o % nc for o in range(-before, 1)}
+    k = qk / qk.norm(dim=-1, keepdim=True)
+    out = torch.zeros(B, H, L, v.shape[-1], dtype=qk.dtype)
+    for b in range(B):
+        for h in range(H):
+            s = (qk[b, h] @ k[b, h].T) / math.sqrt(D)
+            s = torch.where(torch.eye(L, dtype=torch.bool), torch.full_like(s, SELF_SCORE), s)
+            outs, lses = [], []
+            for r in range(R):
+                order = sorted(range(L), key=lambda t: (int(buckets[b, h, r, t]), t))
+                chunk = torch.empty(L, dtype=torch.long)
+                chunk[torch.tensor(order)] = torch.arange(L) // chunk_len
+                vis = torch.tensor([[(int(chunk[j]) - int(chunk[i])) % nc in offs for j in range(L)] for i in range(L)])
+                if causal:
+                    vis &= ~torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
+                if kpm is not None:
+                    vis &= ~kpm[b][None, :]
+                sr = s.masked_fill(~vis, -math.inf)
+                lse = torch.logsumexp(sr, -1)
+                prob = torch.exp(sr - lse[:, None]) * keep[(b * H + h) * R + r] / (1 - p)
+                outs.append(prob @ v[b, h])
+                lses.append(lse)
+            w = torch.softmax(torch.stack(lses), 0)
+            out[b, h] = (w[:, :, None] * torch.stack(outs)).sum(0)
+    return out
+
+
+def test_triton_dropout_matches_reference_with_the_kernels_mask():
+    from effattn.lsh_triton import draw_seed, keep_mask
+    B, H, L, D, R, cl, p = 1, 2, 32, 8, 2, 16, 0.25
+    g = torch.Generator().manual_seed(11)
+    qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    v = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, -3:] = True
+    buckets = torch.randint(0, 4, (B, H, R, L), generator=g) + torch.arange(R).view(1, 1, R, 1) * 4
+    torch.manual_seed(5)
+    seed = draw_seed()
+    keep = keep_mask(seed, B * H * R, L, p)
+    assert 0.6 < keep.float().mean() < 0.9
+    torch.manual_seed(5)
+    out = effattn.lsh_attention(qk, v, n_hashes=R, chunk_len=cl, causal=True, key_padding_mask=kpm, buckets=buckets,
+                                dropout_p=p, backend="triton")
+    q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    ref = reference_rounds_with_dropout(q64, v64, buckets, cl, 1, True, kpm, keep.double(), p)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    dout = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (qk, v), dout), torch.autograd.grad(ref, (q64, v64), dout.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
 def test_auto_takes_torch_on_cpu_and_says_why():
     qk, v = torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
     text = effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16)
     assert "torch path" in text and "when asked for by name" in text
-    assert "dropout" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16, dropout_p=0.1)
+    assert "chunk_len=8" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=8)

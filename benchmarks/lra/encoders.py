@@ -19,9 +19,8 @@ class PreNormLSH(nn.Module):
     def __init__(self, cfg, chunk_len: int, n_hashes: int):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.d_model)
-        # no dropout on the attention probabilities: the Triton kernels have none yet (GPU runs stay fused)
         self.attn = effattn.nn.LSHSelfAttention(cfg.d_model, cfg.heads, n_hashes=n_hashes, chunk_len=chunk_len,
-                                                hash_seed=0)
+                                                dropout=cfg.dropout, hash_seed=0)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, key_padding_mask=None) -> Tensor:

@@ -87,7 +87,7 @@ def _reformer(bs, window, L):
     return {"encoder": functools.partial(ReformerEncoder, chunk_len=bs, n_hashes=2)}
 
 
-@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; unfused torch path")
+@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; torch path, not fused")
 def _transformer_xl(bs, window, L):
     from .encoders import TransformerXLEncoder
     return {"encoder": TransformerXLEncoder}
@@ -110,8 +110,14 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     import torch
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
-    if "encoder" in kw:                  # Reformer / Transformer-XL: torch paths (effattn.explain_lsh, relative)
-        return {name: "" if name == "torch" else "served by a torch path only" for name in ("triton", "cuda", "torch")}
+    if "encoder" in kw:                  # Reformer: torch or its Triton kernels (effattn.explain_lsh); TXL: torch
+        why = {"torch": "", "cuda": "no CUDA C++ kernel for this variant",
+               "triton": "no Triton kernel for relative attention"}
+        if variant == "reformer":
+            import effattn.lsh as lsh
+            path, reasons = lsh._path(torch.zeros(1, 1, 1, head_dim, device=device), kw["encoder"].keywords["chunk_len"], 0.0, "auto")
+            why["triton"] = "" if path == "triton" else "; ".join(reasons)
+        return why
     q = torch.zeros(1, 2, length, head_dim, device=device)
     pad = torch.zeros(1, length, dtype=torch.bool, device=device)
     if "linear" in kw:
