@@ -26,6 +26,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from .online_softmax import finish, online_step
 from ._kernel_choice import basic_triton_reasons
 from .lsh import SELF_SCORE
 
@@ -112,20 +113,14 @@ def _lsh_fwd(Q, K, V, PERM, KPM, OFFS, OUT, LSE,
         kidx = tl.load(perm + kc * CL + rows)
         s, _ = _scores(q, k_base, kidx, qidx, offs_d, skl, skd, kpm_base, skpl, D, scale, SELF_SCORE, CAUSAL,
                        HAS_KPM, BLOCK_D, PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)       # rows with nothing seen yet stay at 0
-        p = tl.exp(s - m_ref[:, None])
-        alpha = tl.exp(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(m_i, l_i, s)
         v = _load_rows(v_base, kidx, svl, offs_dv, svd, Dv)
         pv = p
         if DROPOUT:
             pv = _dropped(p, seed, n, qidx, kidx, drop_thresh, drop_scale)
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     base = b * sob + h * soh + r * sor
     tl.store(OUT + base + qidx[:, None].to(tl.int64) * sol + offs_dv[None, :] * sod, out, mask=offs_dv[None, :] < Dv)
     tl.store(LSE + b * slb + h * slh + r * slr + qidx.to(tl.int64) * sll, lse)

@@ -17,6 +17,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from .online_softmax import finish, key_range, online_step
 from ._kernel_choice import basic_triton_reasons
 
 
@@ -40,13 +41,8 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D), other=0.0)
     if not LOW:
         q = q.to(tl.float32)
-    lo = 0
-    hi = n_keys
     first = n_keys - Lq + m * BLOCK_M
-    if HAS_LEFT:
-        lo = tl.maximum(first - left, 0) // BLOCK_N * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(first + BLOCK_M - 1 + right + 1, n_keys)
+    lo, hi = key_range(first, first + BLOCK_M - 1, n_keys, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -64,18 +60,12 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
         if HAS_RIGHT:
             ok = ok & (offs_n[None, :] <= pos[:, None] + right)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_ref[:, None])
-        alpha = tl.exp(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(m_i, l_i, s)
         v = tl.load(VP + page[:, None] * svp + slot[:, None] * svs + hk * svh + offs_dv[None, :] * svd,
                     mask=live[:, None] & (offs_dv[None, :] < Dv), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod, out.to(OUT.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
     tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)

@@ -18,9 +18,10 @@ fused**: a block of query rows at a time, the backward recomputing each block's 
 the saved lse, so memory is one ``(B, H, rows, max(Lk, n_dist))`` block, not ``(Lq, Lk)``; the
 gradients of ``query`` and ``r`` come from band sums of the score gradient (a gather for the
 interior distances, prefix/suffix sums for the clamped ends: no scatter, deterministic). With
-dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. No Triton or CUDA
-kernel serves the term yet (`explain_relative` says so). `relative_scores` is the piece a fused
-bias term can wrap.
+dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. A Triton forward
+(`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift) serves calls without
+dropout (``backend="auto"`` on CUDA); its backward is the torch path's. No CUDA C++ kernel yet
+(`explain_relative` says which path runs). `relative_scores` is the piece a fused bias term can wrap.
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._call import compute_dtype
+from ._kernel_choice import choose
 from .lsh import softmax_lse
 from .visibility import Rule, normalize_window
 
 FN = "relative_attention"
 UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
                 "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
-                "no Triton or CUDA kernel serves the position term yet")
+                "a Triton forward serves CUDA calls without dropout (backward still torch); no CUDA C++ kernel")
 
 
 def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
@@ -112,7 +114,7 @@ def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: 
 def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Optional[Tensor] = None,
                        max_distance: Optional[int] = None, causal: bool = False, window=None,
                        key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                       dropout_p: float = 0.0, return_lse: bool = False):
+                       dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto"):
     r"""Softmax attention with relative-position keys: ``s_ij = scale (q_i . k_j + query_i . r[h, idx(d_ij)])``.
 
     Args:
@@ -121,6 +123,8 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
         query: ``(B, H, Lq, D)`` query of the position term; default ``q``.
         max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
         causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
+        backend: ``"auto"``, ``"triton"`` (fused forward, see `effattn.relative_triton`) or ``"torch"``;
+            `explain_relative` says which runs.
 
     Every input receives its gradient (r and query included). Torch path, not fused (module docstring).
 
@@ -134,11 +138,13 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     query = q if query is None else query
+    path = _path(q, dropout_p, backend)[0]
     if dropout_p > 0:
         out, lse = _dense(q, k, v, r, query, max_distance, call, float(dropout_p))
     else:
-        out, lse = _Relative.apply(q, k, v, r, query, max_distance, call.window_left, call.window_right,
-                                   key_padding_mask, call.scale)
+        fn = _RelativeTriton if path == "triton" else _Relative
+        out, lse = fn.apply(q, k, v, r, query, max_distance, call.window_left, call.window_right, key_padding_mask,
+                            call.scale)
     out = out.to(q.dtype)
     return (out, lse.to(torch.float32) if lse.dtype == torch.float32 else lse) if return_lse else out
 
@@ -272,6 +278,34 @@ class _Relative(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def explain_relative() -> str:
-    """Which path relative attention takes (one so far)."""
-    return "effattn.relative_attention: " + UNFUSED_NOTE
+def _path(q: Tensor, dropout_p: float, backend: str):
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+
+    def reasons():
+        from .relative_triton import triton_reasons
+        return triton_reasons(q, dropout_p)
+    return choose(FN, backend, q.device, reasons, "torch")
+
+
+class _RelativeTriton(_Relative):
+    """The Triton forward (`effattn.relative_triton`) with `_Relative`'s backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
+        from .relative_triton import relative_forward
+        out, lse = relative_forward(q, k, v, r, query, M, left, right, kpm, scale)
+        ctx.save_for_backward(q, k, v, r, query, out, lse)
+        ctx.args = (M, left, right, kpm, scale)
+        return out, lse
+
+
+def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend: str = "auto") -> str:
+    """Which path `relative_attention` takes for queries like ``q`` (all paths when None)."""
+    if q is None:
+        return "effattn.relative_attention: " + UNFUSED_NOTE
+    path, why = _path(q, dropout_p, backend)
+    if path == "triton":
+        return ("effattn.relative_attention: triton forward (position term per tile, no (Lq, Lk) matrix); backward "
+                "by the torch path (query rows in blocks, recomputed; not fused)")
+    return "effattn.relative_attention: " + UNFUSED_NOTE + "; triton not taken: " + "; ".join(why)

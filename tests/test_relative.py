@@ -39,6 +39,8 @@ def explicit_relative(q, k, v, r, query, max_distance, causal, window, kpm, scal
 
 
 CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding); n_dist = 6 without max_distance
+    (1, 2, 1, 20, 45, 5, None, True, (30, 0), True),          # several tiles of 16 and a window
+    (1, 1, 1, 37, 37, 4, 20, False, None, False),
     (1, 2, 2, 3, 5, 4, 0, False, None, True),                 # one distance row: everything clamped
     (2, 2, 2, 5, 5, 4, 2, False, None, False),
     (1, 4, 2, 3, 7, 4, None, True, None, False),             # Transformer-XL with memory, GQA
@@ -47,9 +49,9 @@ CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding); n_di
 ]
 
 
-@pytest.fixture(params=["one-block", "row-blocks"])
+@pytest.fixture(params=["one-block", "row-blocks", "triton"])
 def row_blocks(request, monkeypatch):
-    """The memory-bounded path in one block of rows, and in blocks of 2 rows."""
+    """The torch path in one block of rows and in blocks of 1 row; the Triton forward (tiles of 16)."""
     if request.param == "row-blocks":
         monkeypatch.setattr(effattn.relative, "SCORE_BUDGET", 1)
     return request.param
@@ -71,14 +73,23 @@ def test_relative_matches_explicit_formula(case, row_blocks):
     if padded:
         kpm = torch.zeros(B, Lk, dtype=torch.bool)
         kpm[-1, 1] = True
-    out = effattn.relative_attention(q, k, v, r, query=query, max_distance=M, causal=causal, window=window,
-                                     key_padding_mask=kpm, scale=0.7)
+    kw = dict(query=query, max_distance=M, causal=causal, window=window, key_padding_mask=kpm, scale=0.7)
     ref = explicit_relative(q, k, v, r, query, M, causal, window, kpm, 0.7)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    dout = torch.randn_like(out)
     inputs = (q, k, v, r, query)
-    for a, b in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    tol = dict(rtol=1e-10, atol=1e-10)
+    if row_blocks == "triton":                 # float32 kernel, judged against the float64 formula
+        inputs = tuple(t.detach().float().requires_grad_() for t in inputs)
+        kw["query"] = inputs[4]
+        assert "triton forward" in effattn.relative.explain_relative(inputs[0], backend="triton")
+        out = effattn.relative_attention(*inputs[:4], backend="triton", **kw)
+        tol = dict(rtol=2e-5, atol=2e-5)
+    else:
+        out = effattn.relative_attention(q, k, v, r, **kw)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, r, query), dout)
+    for a, b in zip(torch.autograd.grad(out, inputs, dout.to(out.dtype)), ref_grads):
+        torch.testing.assert_close(a.double(), b, **{k: 10 * x for k, x in tol.items()})
 
 
 def test_dropout_path_runs_and_is_reproducible():

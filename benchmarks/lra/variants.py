@@ -87,7 +87,7 @@ def _reformer(bs, window, L):
     return {"encoder": functools.partial(ReformerEncoder, chunk_len=bs, n_hashes=2)}
 
 
-@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; torch path, not fused")
+@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; Triton forward on a GPU, torch backward")
 def _transformer_xl(bs, window, L):
     from .encoders import TransformerXLEncoder
     return {"encoder": TransformerXLEncoder}
@@ -111,13 +111,15 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
     if "encoder" in kw:                  # Reformer: torch or its Triton kernels (effattn.explain_lsh); TXL: torch
-        why = {"torch": "", "cuda": "no CUDA C++ kernel for this variant",
-               "triton": "no Triton kernel for relative attention"}
+        probe = torch.zeros(1, 1, 1, head_dim, device=device)
         if variant == "reformer":
             import effattn.lsh as lsh
-            path, reasons = lsh._path(torch.zeros(1, 1, 1, head_dim, device=device), kw["encoder"].keywords["chunk_len"], 0.0, "auto")
-            why["triton"] = "" if path == "triton" else "; ".join(reasons)
-        return why
+            path, reasons = lsh._path(probe, kw["encoder"].keywords["chunk_len"], 0.0, "auto")
+        else:
+            import effattn.relative as relative
+            path, reasons = relative._path(probe, 0.0, "auto")
+        return {"torch": "", "cuda": "no CUDA C++ kernel for this variant",
+                "triton": "" if path == "triton" else "; ".join(reasons)}
     q = torch.zeros(1, 2, length, head_dim, device=device)
     pad = torch.zeros(1, length, dtype=torch.bool, device=device)
     if "linear" in kw:
