@@ -18,10 +18,11 @@ fused**: a block of query rows at a time, the backward recomputing each block's 
 the saved lse, so memory is one ``(B, H, rows, max(Lk, n_dist))`` block, not ``(Lq, Lk)``; the
 gradients of ``query`` and ``r`` come from band sums of the score gradient (a gather for the
 interior distances, prefix/suffix sums for the clamped ends: no scatter, deterministic). With
-dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. A Triton forward
-(`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift) serves calls without
-dropout (``backend="auto"`` on CUDA); its backward is the torch path's. No CUDA C++ kernel yet
-(`explain_relative` says which path runs). `relative_scores` is the piece a fused bias term can wrap.
+dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
+(`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift; a deterministic
+backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
+CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). `relative_scores` is the
+piece a fused bias term can wrap.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from .visibility import Rule, normalize_window
 FN = "relative_attention"
 UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
                 "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
-                "a Triton forward serves CUDA calls without dropout (backward still torch); no CUDA C++ kernel")
+                "Triton kernels serve CUDA calls without dropout; no CUDA C++ kernel")
 
 
 def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
@@ -288,8 +289,8 @@ def _path(q: Tensor, dropout_p: float, backend: str):
     return choose(FN, backend, q.device, reasons, "torch")
 
 
-class _RelativeTriton(_Relative):
-    """The Triton forward (`effattn.relative_triton`) with `_Relative`'s backward."""
+class _RelativeTriton(torch.autograd.Function):
+    """The Triton kernels of `effattn.relative_triton`, forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
@@ -299,6 +300,15 @@ class _RelativeTriton(_Relative):
         ctx.args = (M, left, right, kpm, scale)
         return out, lse
 
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from .relative_triton import relative_backward
+        q, k, v, r, query, out, lse = ctx.saved_tensors
+        M, left, right, kpm, scale = ctx.args
+        dout = torch.zeros_like(out) if dout is None else dout
+        grads = relative_backward(dout, dlse, q, k, v, r, query, out, lse, M, left, right, kpm, scale)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, r, query))) + (None,) * 5
+
 
 def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend: str = "auto") -> str:
     """Which path `relative_attention` takes for queries like ``q`` (all paths when None)."""
@@ -306,6 +316,6 @@ def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend
         return "effattn.relative_attention: " + UNFUSED_NOTE
     path, why = _path(q, dropout_p, backend)
     if path == "triton":
-        return ("effattn.relative_attention: triton forward (position term per tile, no (Lq, Lk) matrix); backward "
-                "by the torch path (query rows in blocks, recomputed; not fused)")
+        return ("effattn.relative_attention: triton forward and backward (position term per tile, no (Lq, Lk) matrix; "
+                "r's gradient by a distance-band pass, no atomics)")
     return "effattn.relative_attention: " + UNFUSED_NOTE + "; triton not taken: " + "; ".join(why)

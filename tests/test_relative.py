@@ -51,7 +51,7 @@ CASES = [  # (B, H, Hkv, Lq, Lk, D, max_distance, causal, window, padding); n_di
 
 @pytest.fixture(params=["one-block", "row-blocks", "triton"])
 def row_blocks(request, monkeypatch):
-    """The torch path in one block of rows and in blocks of 1 row; the Triton forward (tiles of 16)."""
+    """The torch path in one block of rows and in blocks of 1 row; the Triton kernels (tiles of 16)."""
     if request.param == "row-blocks":
         monkeypatch.setattr(effattn.relative, "SCORE_BUDGET", 1)
     return request.param

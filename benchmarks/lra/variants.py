@@ -87,7 +87,7 @@ def _reformer(bs, window, L):
     return {"encoder": functools.partial(ReformerEncoder, chunk_len=bs, n_hashes=2)}
 
 
-@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; Triton forward on a GPU, torch backward")
+@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; Triton kernels on a GPU")
 def _transformer_xl(bs, window, L):
     from .encoders import TransformerXLEncoder
     return {"encoder": TransformerXLEncoder}

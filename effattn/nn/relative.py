@@ -43,8 +43,8 @@ class RelPositionMultiheadAttention(nn.Module):
     ``forward(x, memory=None, key_padding_mask=None)``: ``memory (N, M, E)`` is the previous segment
     (attended to, typically detached); ``key_padding_mask`` bool ``(N, M + L)``, True = padding.
 
-    Path: :func:`effattn.relative_attention` (a Triton forward on CUDA, the torch path's backward;
-    with ``dropatt`` the dense scores); `explain` says so.
+    Path: :func:`effattn.relative_attention` (Triton kernels on CUDA, a torch path elsewhere; with
+    ``dropatt`` the dense scores); `explain` says so.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: Optional[int] = None, dropout: float = 0.0,
