@@ -8,6 +8,8 @@ import torch
 import effattn
 from effattn.lsh import SELF_SCORE
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def reference_lsh(qk, v, buckets, chunk_len, chunks_before, chunks_after, causal=False, key_padding_mask=None,
                   scale=None):

@@ -5,6 +5,8 @@ import torch
 import effattn
 from effattn.nn import PagedKVCache
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def paged_setup(lens, page_size=4, num_pages=60, H=4, Hkv=2, D=8, Lq=1, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import effattn
 from effattn.nn import RelPositionMultiheadAttention
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def explicit_relative(q, k, v, r, query, max_distance, causal, window, kpm, scale):
     """Loops over (i, j) for the position term; dense masks from the conventions."""
@@ -88,8 +90,12 @@ def test_relative_matches_explicit_formula(case, row_blocks):
     torch.testing.assert_close(out.double(), ref, **tol)
     dout = torch.randn(out.shape, dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, (q, k, v, r, query), dout)
-    for a, b in zip(torch.autograd.grad(out, inputs, dout.to(out.dtype)), ref_grads):
+    grads = torch.autograd.grad(out, inputs, dout.to(out.dtype))
+    for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a.double(), b, **{k: 10 * x for k, x in tol.items()})
+    if row_blocks == "triton":                 # no atomics: bitwise the same again
+        again = effattn.relative_attention(*inputs[:4], backend="triton", **kw)
+        assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(again, inputs, dout.to(out.dtype))))
 
 
 def test_dropout_path_runs_and_is_reproducible():

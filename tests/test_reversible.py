@@ -9,6 +9,8 @@ from effattn.nn import LSHSelfAttention, ReversibleSequence
 
 E, HEADS = 16, 2
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def make_blocks(depth, dtype=torch.float64, dropout=0.1, seed=0):
     torch.manual_seed(seed)
@@ -76,7 +78,7 @@ def saved_bytes(run):
 def test_memory_flat_in_depth():
     x = torch.randn(2, 64, E, requires_grad=True)
     rev_bytes, ord_bytes = [], []
-    for depth in (1, 2, 4, 6):
+    for depth in (1, 2, 6):
         blocks = make_blocks(depth, dtype=torch.float32)
         rev = ReversibleSequence(blocks)
         rev_bytes.append(saved_bytes(lambda: rev(x))[0])
@@ -86,7 +88,7 @@ def test_memory_flat_in_depth():
     # reversible: the two output streams plus each LSH layer's int16 buckets (B*H*n_hashes*L*2 bytes)
     streams = 2 * x.numel() * 4
     buckets = 2 * HEADS * 2 * 64 * 2
-    for depth, b in zip((1, 2, 4, 6), rev_bytes):
+    for depth, b in zip((1, 2, 6), rev_bytes):
         assert b == streams + depth * buckets, (depth, b)
     assert rev_bytes[-1] < ord_bytes[-1] / 20
 
