@@ -21,6 +21,7 @@ class LSHSelfAttention(nn.Module):
         dropout: dropout on the attention probabilities (training mode only).
         bias: biases in the projections.
         batch_first: inputs ``(N, L, E)`` when True (default), ``(L, N, E)`` otherwise.
+        backend: of :func:`effattn.lsh_attention` (``"auto"``, ``"torch"``, ``"triton"``).
         hash_seed: in eval mode, hash every call with rotations from a generator seeded with it, so
             evaluation is deterministic; None (default): fresh rotations from torch's default
             generator in every call, as in training (the Reformer's stochastic hashing).
@@ -37,7 +38,7 @@ class LSHSelfAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, *, n_hashes: int = 4, chunk_len: int = 64,
                  chunks_before: int = 1, chunks_after: int = 0, n_buckets: Optional[int] = None,
                  causal: bool = False, dropout: float = 0.0, bias: bool = True, batch_first: bool = True,
-                 hash_seed: Optional[int] = None, device=None, dtype=None):
+                 hash_seed: Optional[int] = None, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"LSHSelfAttention: num_heads={num_heads} must divide embed_dim={embed_dim}")
@@ -50,7 +51,7 @@ class LSHSelfAttention(nn.Module):
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.n_hashes, self.chunk_len, self.n_buckets = n_hashes, chunk_len, n_buckets
         self.chunks_before, self.chunks_after, self.causal = chunks_before, chunks_after, causal
-        self.dropout, self.batch_first, self.hash_seed = dropout, batch_first, hash_seed
+        self.dropout, self.batch_first, self.hash_seed, self.backend = dropout, batch_first, hash_seed, backend
         self.qk_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
@@ -93,7 +94,8 @@ class LSHSelfAttention(nn.Module):
         out, used = lsh_attention(qk, v, n_hashes=self.n_hashes, chunk_len=self.chunk_len, generator=generator,
                                   chunks_before=self.chunks_before, chunks_after=self.chunks_after, n_buckets=nb,
                                   causal=self.causal, key_padding_mask=key_padding_mask, buckets=buckets,
-                                  return_buckets=True, dropout_p=self.dropout if self.training else 0.0)
+                                  return_buckets=True, dropout_p=self.dropout if self.training else 0.0,
+                                  backend=self.backend)
         if self.reversible_record is not None:
             # bucket ids < n_hashes * n_buckets: stored in the smallest integer type that holds them
             small = torch.int16 if self.n_hashes * nb < 2 ** 15 else torch.int32
