@@ -230,7 +230,8 @@ def _rel_bwd_dr(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, GD,
     r_blk = _load2(RR + h * srh, _ridx(dd, n_dist, max_distance, PAST_ONLY), n_dist, srn, offs_d, D, srd)  # (BD, D)
     u_of = (tl.arange(0, BM)[:, None] - tl.arange(0, BD)[None, :] + BD - 1).to(tl.int32)
     gd = tl.zeros([BD, BLOCK_D], tl.float32)
-    for b in range(0, B):
+    for bb in range(0, B):
+        b = h * 0 + bb                            # int64 like h: b * stride may pass 2^31 on large inputs
         bh = b * H + h
         k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
         for i0 in range(0, Lq, BM):
