@@ -12,8 +12,9 @@ gives ``dquery`` (the score gradient gathered into the tile's band, times the ba
 program per key tile, per query head (GQA groups summed in torch); and a distance-band pass for
 ``r``: one program per (block of distances, head) sums ``dT[i, pos(i) - d] query_i`` over the batch
 and the query tiles in a fixed order, and torch folds the distances onto the rows of r (the
-clamped ends summed). Products are float32 (``ieee``) for now; the dK/dV and distance passes visit
-every query tile (masks remove what a window hides).
+clamped ends summed). Products are float32 (``ieee``) for now. The dK/dV programs visit only the
+query tiles the window lets see their key tile, the distance pass skips blocks of distances the
+window hides.
 """
 from __future__ import annotations
 
@@ -191,7 +192,14 @@ def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
     v = _load2(v_b, offs_n, Lk, svl, offs_dv, Dv, svd)
     dk = tl.zeros([BN, BLOCK_D], tl.float32)
     dv = tl.zeros([BN, BLOCK_DV], tl.float32)
-    for i0 in range(0, Lq, BM):
+    # the query tiles that may see this key tile: pos(i) - left <= j <= pos(i) + right
+    q_lo = 0
+    q_hi = Lq
+    if HAS_RIGHT:
+        q_lo = tl.maximum(j0 - right - off, 0) // BM * BM
+    if HAS_LEFT:
+        q_hi = tl.minimum(j0 + BN - 1 + left - off + 1, Lq)
+    for i0 in range(q_lo, q_hi, BM):
         offs_m = i0 + tl.arange(0, BM)
         rows_ok = offs_m < Lq
         q = _load2(Q + b * sqb + h * sqh, offs_m, Lq, sql, offs_d, D, sqd)
@@ -230,7 +238,13 @@ def _rel_bwd_dr(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, GD,
     r_blk = _load2(RR + h * srh, _ridx(dd, n_dist, max_distance, PAST_ONLY), n_dist, srn, offs_d, D, srd)  # (BD, D)
     u_of = (tl.arange(0, BM)[:, None] - tl.arange(0, BD)[None, :] + BD - 1).to(tl.int32)
     gd = tl.zeros([BD, BLOCK_D], tl.float32)
-    for bb in range(0, B):
+    # a block of distances the window hides entirely (-right <= d <= left) has nothing to sum
+    n_b = B
+    if HAS_RIGHT:
+        n_b = tl.where(d0 + BD - 1 < -right, 0, n_b)
+    if HAS_LEFT:
+        n_b = tl.where(d0 > left, 0, n_b)
+    for bb in range(0, n_b):
         b = h * 0 + bb                            # int64 like h: b * stride may pass 2^31 on large inputs
         bh = b * H + h
         k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
