@@ -45,7 +45,7 @@ def _fail(kind, msg):
 
 # The keyword arguments of the public functions (explain takes those of its op, without backend).
 ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
-                      "backend")
+                      "backend", "block_table", "seqlens")
 LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
 
 

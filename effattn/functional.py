@@ -8,7 +8,7 @@ from .backends import base
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-              dropout_p=0.0, return_lse=False, backend="auto", **unknown):
+              dropout_p=0.0, return_lse=False, backend="auto", block_table=None, seqlens=None, **unknown):
     r"""Softmax attention ``softmax(q k^T * scale + mask) v`` with fused, O(L)-memory backends.
 
     Args:
@@ -32,6 +32,10 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
             for float64 inputs); ``-inf`` for a row that sees no key.
         backend: ``"auto"`` (fastest that can serve; see :func:`explain`), ``"torch"``, ``"triton"``
             or ``"cuda"``.
+        block_table, seqlens: a paged KV cache (forward only): ``k``/``v`` are then page pools
+            ``(num_pages, page_size, Hkv, D)``, ``block_table (B, max_pages)`` maps sequence b's key
+            t to page ``block_table[b, t // page_size]`` and ``seqlens (B,)`` counts its keys; queries
+            are aligned bottom-right per sequence. See :mod:`effattn.paged`.
 
     Every constraint given must allow a pair (logical AND). Alignment for ``Lq=2, Lk=4``::
 
@@ -51,6 +55,13 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     """
     if unknown:
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
+    if block_table is not None or seqlens is not None:
+        from .paged import paged_attention
+        if layout is not None or key_padding_mask is not None or dropout_p:
+            raise ValueError("attention: a paged call (block_table=, seqlens=) takes causal, window, scale, "
+                             "return_lse and backend only (no layout, key_padding_mask or dropout_p)")
+        return paged_attention(q, k, v, block_table=block_table, seqlens=seqlens, causal=causal, window=window,
+                               scale=scale, return_lse=return_lse, backend=backend)
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse)
@@ -132,6 +143,10 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
           [ 90] torch/cpu-flash      can serve
           [100] torch/reference      can serve
     """
+    if op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs):
+        from .paged import explain_paged
+        check_keywords("explain(op='attention')", kwargs, ATTENTION_KEYWORDS)
+        return explain_paged(q, k, v, **kwargs)
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
         check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)

@@ -59,10 +59,12 @@ class Encoder(nn.Module):
             self.pos = nn.Parameter(torch.randn(max_length + 1, cfg.d_model) * 0.02)
         else:
             raise ValueError(f"ModelConfig.pos must be 'learned' or 'sine', got {cfg.pos!r}")
+        kw = layer_kwargs(variant, block_size, window, max_length + 1, cfg.d_model // cfg.heads)
+        if "encoder" in kw:                  # a variant with its own encoder (Reformer, Transformer-XL)
+            self.encoder = kw["encoder"](cfg)
+            return
         layer = effattn.nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, cfg.ff, cfg.dropout, activation="gelu",
-                                                   batch_first=True, norm_first=True, backend=backend,
-                                                   **layer_kwargs(variant, block_size, window, max_length + 1,
-                                                                  cfg.d_model // cfg.heads))
+                                                   batch_first=True, norm_first=True, backend=backend, **kw)
         self.encoder = effattn.nn.TransformerEncoder(layer, cfg.layers, norm=nn.LayerNorm(cfg.d_model))
 
     def forward(self, tokens: Tensor) -> Tensor:

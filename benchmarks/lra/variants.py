@@ -81,10 +81,22 @@ def _favor(bs, window, L, head_dim=64):
     return {"linear": FavorFeatures(head_dim, num_features=features, seed=0)}
 
 
+@_variant("reformer", "Reformer (Kitaev et al. 2020): LSH attention, 2 hashes, chunks of `block_size`, reversible layers")
+def _reformer(bs, window, L):
+    from .encoders import ReformerEncoder
+    return {"encoder": functools.partial(ReformerEncoder, chunk_len=bs, n_hashes=2)}
+
+
+@_variant("transformer-xl", "Transformer-XL relative attention (Dai et al. 2019), bidirectional; Triton kernels on a GPU")
+def _transformer_xl(bs, window, L):
+    from .encoders import TransformerXLEncoder
+    return {"encoder": TransformerXLEncoder}
+
+
 def layer_kwargs(variant: str, block_size: int = 64, window: int = 128, max_length: int = 4096,
                  head_dim: int = 64) -> Dict:
     """Keyword arguments for `effattn.nn.TransformerEncoderLayer` (``max_length``: the longest input,
-    CLS included)."""
+    CLS included), or ``{"encoder": build(cfg)}`` for a variant with its own encoder (benchmarks.lra.encoders)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     if variant == "favor":
@@ -98,6 +110,16 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     import torch
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
+    if "encoder" in kw:                  # Reformer: torch or its Triton kernels (effattn.explain_lsh); TXL: torch
+        probe = torch.zeros(1, 1, 1, head_dim, device=device)
+        if variant == "reformer":
+            import effattn.lsh as lsh
+            path, reasons = lsh._path(probe, kw["encoder"].keywords["chunk_len"], 0.0, "auto")
+        else:
+            import effattn.relative as relative
+            path, reasons = relative._path(probe, 0.0, "auto")
+        return {"torch": "", "cuda": "no CUDA C++ kernel for this variant",
+                "triton": "" if path == "triton" else "; ".join(reasons)}
     q = torch.zeros(1, 2, length, head_dim, device=device)
     pad = torch.zeros(1, length, dtype=torch.bool, device=device)
     if "linear" in kw:

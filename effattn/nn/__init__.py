@@ -2,8 +2,14 @@
 `swap_attention` to put them under an existing model."""
 from .attention import ForwardExplanation, MultiheadAttention, dense_attention
 from .cache import KVCache
+from .lsh import LSHSelfAttention
+from .relative import RelPositionMultiheadAttention
+from ..reversible import ReversibleSequence
+from ..paged import PagedKVCache
 from .swap import swap_attention
 from .transformer import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["MultiheadAttention", "ForwardExplanation", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention"]
+           "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention",
+           "LSHSelfAttention", "ReversibleSequence", "PagedKVCache",
+           "RelPositionMultiheadAttention"]

@@ -1,0 +1,252 @@
+"""Paged KV cache (vLLM's layout): `paged_attention` and `PagedKVCache`.
+
+Keys and values live in a pool of fixed-size pages shared by the sequences of a batch::
+
+    k_pages (num_pages, page_size, Hkv, D),  v_pages (num_pages, page_size, Hkv, Dv)
+    block_table (B, max_pages) int: sequence b's logical key position t is in page
+        block_table[b, t // page_size], slot t % page_size
+    seqlens (B,) int: sequence b holds keys 0 .. seqlens[b] - 1 (those of the current queries included)
+
+Queries are aligned bottom-right **per sequence**: query i of a call with ``Lq`` queries sits at
+position ``seqlens[b] - Lq + i``, so ``causal`` / ``window`` mean the same as in one contiguous call
+over sequence b's keys (decode: ``Lq = 1``; chunked prefill: ``Lq > 1``). Forward only.
+
+Paths (``effattn.explain(q, k_pages, v_pages, block_table=..., seqlens=...)`` says which):
+
+- ``triton`` (``effattn.paged_triton``): one kernel for decode and prefill that reads every key row
+  from its page in place (any page size). ``backend="auto"`` takes it on CUDA; on a CPU only by
+  name (Triton's interpreter).
+- gather: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
+  copy, **right-aligned** per row (row b's keys end at the last slot, the slots before them are
+  masked as padding), and handed to :func:`effattn.attention` with the given ``backend``, whose
+  bottom-right alignment then places every row's queries exactly. One copy of the keys per call.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._kernel_choice import choose
+
+FN = "attention (paged)"
+GATHER_NOTE = ("paged KV: the used pages are first gathered into a contiguous right-aligned copy (torch "
+               "gather, one copy of the keys per call)")
+
+
+def _check_paged(q, k_pages, v_pages, block_table, seqlens):
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
+                    ("seqlens", seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{FN}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"{FN}: q must be 4-D (B, H, Lq, D), got shape {tuple(q.shape)}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dim() != 4:
+            raise ValueError(f"{FN}: {name} must be 4-D (num_pages, page_size, Hkv, D), got shape {tuple(t.shape)}")
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"{FN}: k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} must agree in "
+                         f"(num_pages, page_size, Hkv)")
+    if k_pages.shape[3] != q.shape[3]:
+        raise ValueError(f"{FN}: q has head dim {q.shape[3]}, k_pages {k_pages.shape[3]}")
+    B = q.shape[0]
+    if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"{FN}: block_table must be an int32/int64 tensor (B={B}, max_pages), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if seqlens.dtype not in (torch.int32, torch.int64) or tuple(seqlens.shape) != (B,):
+        raise ValueError(f"{FN}: seqlens must be an int32/int64 tensor (B={B},), got {seqlens.dtype} "
+                         f"{tuple(seqlens.shape)}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table), ("seqlens", seqlens)):
+        if t.device != q.device:
+            raise ValueError(f"{FN}: {name} is on {t.device}, q on {q.device}")
+    num_pages, page_size = k_pages.shape[:2]
+    capacity = block_table.shape[1] * page_size
+    lens = seqlens.tolist()                                       # host read: the checks need the values
+    if any(n < 0 or n > capacity for n in lens):
+        raise ValueError(f"{FN}: seqlens must lie in [0, max_pages * page_size = {capacity}], got {lens}")
+    used = torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size < seqlens[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, p = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"{FN}: block_table[{b}, {p}] = {int(block_table[b, p])} points past the pool of "
+                         f"num_pages={num_pages} pages (sequence {b} uses its first "
+                         f"{-(-lens[b] // page_size)} entries)")
+
+
+def gather_pages(pages: Tensor, block_table: Tensor, seqlens: Tensor) -> Tensor:
+    """``pages (num_pages, page_size, Hkv, D)`` -> contiguous ``(B, Hkv, max_pages * page_size, D)``,
+    row b's ``seqlens[b]`` keys right-aligned (ending at the last slot); the slots before them hold
+    page 0's data and must be masked (`right_aligned_padding`)."""
+    page_size = pages.shape[1]
+    S = block_table.shape[1] * page_size
+    slot = torch.arange(S, device=pages.device)[None, :]
+    logical = (slot - (S - seqlens.to(torch.int64)[:, None])).clamp_min(0)          # (B, S)
+    page = block_table.to(torch.int64).gather(1, logical // page_size)
+    page = torch.where(slot >= S - seqlens.to(torch.int64)[:, None], page, torch.zeros_like(page))
+    return pages[page, logical % page_size].permute(0, 2, 1, 3)
+
+
+def right_aligned_padding(seqlens: Tensor, slots: int) -> Tensor:
+    """bool ``(B, slots)``, True on the slots before each row's right-aligned keys."""
+    return torch.arange(slots, device=seqlens.device)[None, :] < (slots - seqlens.to(torch.int64)[:, None])
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table: Tensor, seqlens: Tensor,
+                    causal: bool = False, window=None, scale: Optional[float] = None, return_lse: bool = False,
+                    backend: str = "auto"):
+    """Attention of ``q (B, H, Lq, D)`` over paged keys/values (see the module docstring); what
+    ``effattn.attention(q, k_pages, v_pages, block_table=, seqlens=)`` runs. Forward only."""
+    from .functional import attention
+    _check_paged(q, k_pages, v_pages, block_table, seqlens)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        raise ValueError(f"{FN}: paged attention is forward only; call it under torch.no_grad() (q, k_pages "
+                         f"or v_pages requires grad)")
+    if paged_path(q, backend)[0] == "triton":
+        import math
+        from .paged_triton import paged_forward
+        from .visibility import normalize_window
+        left, right = normalize_window(window, causal)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, lse = paged_forward(q, k_pages, v_pages, block_table, seqlens, left, right, scale)
+        return (out, lse) if return_lse else out
+    k = gather_pages(k_pages, block_table, seqlens)
+    v = gather_pages(v_pages, block_table, seqlens)
+    kpm = right_aligned_padding(seqlens, k.shape[2])
+    return attention(q, k, v, causal=causal, window=window, key_padding_mask=kpm, scale=scale,
+                     return_lse=return_lse, backend=backend)
+
+
+def paged_path(q: Tensor, backend: str):
+    """("triton" | "gather", why not triton): "auto" takes the in-place Triton kernel on CUDA when it
+    can serve; "triton" must be served by it; other names gather, then run that backend."""
+    def reasons():
+        from .paged_triton import triton_reasons
+        return triton_reasons(q)
+    return choose(FN, backend, q.device, reasons, "gather")
+
+
+def explain_paged(q, k_pages, v_pages, *, block_table, seqlens, **kwargs):
+    """`effattn.explain` of a paged call: with the in-place Triton kernel, that; otherwise the
+    explanation of the contiguous call the gather makes, each backend noting the gather."""
+    from .functional import Explanation, explain
+    _check_paged(q, k_pages, v_pages, block_table, seqlens)
+    path, why = paged_path(q, kwargs.pop("backend", "auto"))
+    if path == "triton":
+        return Explanation("attention (paged)", "triton", {"triton": []},
+                           {"triton": "paged kernel: reads the key/value pages in place"})
+    S = block_table.shape[1] * k_pages.shape[1]
+    B, Hkv = q.shape[0], k_pages.shape[2]
+    k = k_pages.new_zeros(1).expand(B, Hkv, S, k_pages.shape[3])     # shapes only, nothing gathered
+    v = v_pages.new_zeros(1).expand(B, Hkv, S, v_pages.shape[3])
+    report = explain(q, k, v, key_padding_mask=right_aligned_padding(seqlens, S), **kwargs)
+    for name, reasons in report.reasons.items():
+        if not reasons:
+            report.notes[name] = "; ".join(x for x in (GATHER_NOTE, report.notes.get(name)) if x)
+    report.notes["triton"] = "; ".join(x for x in (f"paged kernel not taken: {'; '.join(why)}",
+                                                   report.notes.get("triton")) if x)
+    return report
+
+
+class PagedKVCache:
+    r"""A pool of key/value pages shared by many sequences, with vLLM's block-table layout.
+
+    Args:
+        num_pages: pages in the pool.
+        page_size: key slots per page.
+        num_kv_heads, head_dim: ``Hkv`` and ``D`` of the keys (values: ``head_dim_v``, default ``D``).
+        dtype, device: of the pool.
+
+    Attributes:
+        k_pages, v_pages: ``(num_pages, page_size, Hkv, D)`` / ``(..., Dv)`` pools.
+
+    Sequences are integer ids from `new_sequence`; `append` writes a step's keys/values of several
+    sequences (allocating pages from the free list), `block_table` / `seqlens` give the tensors of
+    :func:`effattn.attention`'s paged call and `attention` runs it; `free` returns a sequence's pages.
+
+    Examples::
+
+        >>> cache = PagedKVCache(64, 16, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cuda")
+        >>> seqs = [cache.new_sequence() for _ in range(3)]
+        >>> cache.append(seqs, k, v)                   # k, v (3, 2, T, 64): T new tokens per sequence
+        >>> out = cache.attention(q, seqs, causal=True)   # q (3, H, T, 64)
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                 head_dim_v: Optional[int] = None, dtype=torch.float32, device=None):
+        for name, val in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                          ("head_dim", head_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {val!r}")
+        Dv = head_dim if head_dim_v is None else head_dim_v
+        self.page_size = page_size
+        self.k_pages = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, Dv, dtype=dtype, device=device)
+        self._free: List[int] = list(range(num_pages))
+        self._pages: Dict[int, List[int]] = {}
+        self._lens: Dict[int, int] = {}
+        self._next_id = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def new_sequence(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self._pages[sid], self._lens[sid] = [], 0
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(self._pages.pop(self._seq(seq_id)))
+        del self._lens[seq_id]
+
+    def __len__(self) -> int:
+        return len(self._lens)
+
+    def _seq(self, seq_id: int) -> int:
+        if seq_id not in self._lens:
+            raise KeyError(f"PagedKVCache: unknown sequence id {seq_id!r}")
+        return seq_id
+
+    def append(self, seq_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """Writes ``k (B, Hkv, T, D)``, ``v (B, Hkv, T, Dv)`` after the keys of sequences ``seq_ids``."""
+        seq_ids = [self._seq(s) for s in seq_ids]
+        if k.dim() != 4 or k.shape[0] != len(seq_ids) or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != \
+                (self.k_pages.shape[2], self.k_pages.shape[3]) or v.shape[:3] != k.shape[:3] or \
+                v.shape[3] != self.v_pages.shape[3]:
+            raise ValueError(f"PagedKVCache.append: k, v must be (B={len(seq_ids)}, Hkv={self.k_pages.shape[2]}, T, "
+                             f"D={self.k_pages.shape[3]} / Dv={self.v_pages.shape[3]}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        T = k.shape[2]
+        need = sum(-(-(self._lens[s] + T) // self.page_size) - len(self._pages[s]) for s in seq_ids)
+        if need > len(self._free):
+            raise RuntimeError(f"PagedKVCache.append: needs {need} more pages, {len(self._free)} free")
+        for b, s in enumerate(seq_ids):
+            n0 = self._lens[s]
+            while len(self._pages[s]) * self.page_size < n0 + T:
+                self._pages[s].append(self._free.pop(0))
+            pos = torch.arange(n0, n0 + T)
+            pages = torch.tensor(self._pages[s], dtype=torch.int64)[pos // self.page_size].to(self.k_pages.device)
+            slots = (pos % self.page_size).to(self.k_pages.device)
+            self.k_pages[pages, slots] = k[b].transpose(0, 1).to(self.k_pages.dtype)
+            self.v_pages[pages, slots] = v[b].transpose(0, 1).to(self.v_pages.dtype)
+            self._lens[s] = n0 + T
+
+    def block_table(self, seq_ids: Sequence[int]) -> Tensor:
+        """int32 ``(B, max pages of these sequences)``, unused entries 0."""
+        rows = [self._pages[self._seq(s)] for s in seq_ids]
+        width = max(1, max(len(r) for r in rows))
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for b, r in enumerate(rows):
+            table[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        return table.to(self.k_pages.device)
+
+    def seqlens(self, seq_ids: Sequence[int]) -> Tensor:
+        return torch.tensor([self._lens[self._seq(s)] for s in seq_ids], dtype=torch.int32,
+                            device=self.k_pages.device)
+
+    def attention(self, q: Tensor, seq_ids: Sequence[int], **kwargs):
+        """:func:`effattn.attention` of ``q (B, H, Lq, D)`` over these sequences' cached keys."""
+        return paged_attention(q, self.k_pages, self.v_pages, block_table=self.block_table(seq_ids),
+                               seqlens=self.seqlens(seq_ids), **kwargs)

@@ -1,0 +1,321 @@
+"""Relative-position keys (Shaw et al. 2018; Music Transformer; Transformer-XL, Dai et al. 2019):
+the score term ``query_i . r[h, idx(d_ij)]`` and attention with it.
+
+With effattn's bottom-right alignment query i sits at ``pos(i) = i + Lk - Lq`` and
+``d_ij = pos(i) - j`` (>= 0 for past keys). The scores are::
+
+    s_ij = scale * (q_i . k_j + query_i . r[h, idx(d_ij)])       query defaults to q
+    idx(d) = clamp(d, 0, n_dist - 1)                  max_distance=None: r holds distances 0, 1, ...
+                                                      (Transformer-XL; future keys must be invisible)
+    idx(d) = clamp(d, -M, M) + M,  n_dist = 2M + 1    max_distance=M (Shaw, Music Transformer, Conformer)
+
+Transformer-XL's ``(q + u) . k + (q + v) . R_{i-j}`` is ``q <- q + u`` with ``query = q + v``
+(`RelPositionMultiheadAttention` does this).
+
+The position term is ``(query @ r^T)`` of shape ``(rows, n_dist)`` read through a skewed gather
+(the "relative shift", without Transformer-XL's pad-and-reshape). The path here is torch, **not
+fused**: a block of query rows at a time, the backward recomputing each block's probabilities from
+the saved lse, so memory is one ``(B, H, rows, max(Lk, n_dist))`` block, not ``(Lq, Lk)``; the
+gradients of ``query`` and ``r`` come from band sums of the score gradient (a gather for the
+interior distances, prefix/suffix sums for the clamped ends: no scatter, deterministic). With
+dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
+(`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift; a deterministic
+backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
+CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). `relative_scores` is the
+piece a fused bias term can wrap.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._call import compute_dtype
+from ._kernel_choice import choose
+from .lsh import softmax_lse
+from .visibility import Rule, normalize_window
+
+FN = "relative_attention"
+UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
+                "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
+                "Triton kernels serve CUDA calls without dropout; no CUDA C++ kernel")
+
+
+def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
+    """int64 ``(Lq, Lk)``: the row of ``r`` that query i reads for key j (see the module docstring)."""
+    d = torch.arange(Lq, device=device)[:, None] + (Lk - Lq) - torch.arange(Lk, device=device)[None, :]
+    if max_distance is None:
+        return d.clamp(0, n_dist - 1)
+    return d.clamp(-max_distance, max_distance) + max_distance
+
+
+def relative_scores(query: Tensor, r: Tensor, Lk: int, max_distance: Optional[int] = None) -> Tensor:
+    """``query_i . r[h, idx(d_ij)]`` for ``query (B, H, Lq, D)``, ``r (H, n_dist, D)``: ``(B, H, Lq, Lk)``
+    (unscaled), computed as ``query @ r^T`` followed by a skewed gather."""
+    B, H, Lq, _ = query.shape
+    qr = torch.matmul(query, r.transpose(-1, -2).unsqueeze(0))                     # (B, H, Lq, n_dist)
+    idx = relative_index(Lq, Lk, r.shape[1], max_distance, query.device)
+    return qr.gather(-1, idx.expand(B, H, Lq, Lk))
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeKeys:
+    """The relative-keys score term as a value: ``query_i . r[h, idx(d_ij)]`` (module docstring).
+
+    Args:
+        r: ``(H, n_dist, D)``.
+        query: ``(B, H, Lq, D)`` query of the term, or None for the call's q.
+        max_distance: None (past distances ``0..n_dist-1``) or M (``n_dist = 2M + 1``).
+
+    ``scores(q, Lk)`` gives the unscaled ``(B, H, Lq, Lk)`` term (small shapes, tests), ``attention(q,
+    k, v, **kw)`` runs :func:`relative_attention` with it. A score-terms module can hold and
+    dispatch it like its other terms.
+    """
+    r: Tensor
+    query: Optional[Tensor] = None
+    max_distance: Optional[int] = None
+
+    def scores(self, q: Tensor, Lk: int) -> Tensor:
+        return relative_scores(q if self.query is None else self.query, self.r, Lk, self.max_distance)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kwargs):
+        return relative_attention(q, k, v, self.r, query=self.query, max_distance=self.max_distance, **kwargs)
+
+
+def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: str = FN) -> None:
+    """Errors naming the argument for a malformed relative-keys term."""
+    if not isinstance(r, torch.Tensor):
+        raise TypeError(f"{fn}: r must be a torch.Tensor (H, n_dist, D), got {type(r).__name__}")
+    B, H, Lq, D = q.shape
+    if r.dim() != 3 or r.shape[0] != H or r.shape[2] != D:
+        raise ValueError(f"{fn}: r must have shape (H={H}, n_dist, D={D}), got {tuple(r.shape)}")
+    if r.dtype != q.dtype or r.device != q.device:
+        raise TypeError(f"{fn}: r must share q's dtype and device ({q.dtype}, {q.device}), got {r.dtype}, {r.device}")
+    if query is not None and (not isinstance(query, torch.Tensor) or query.shape != q.shape):
+        got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"{fn}: query must be a tensor shaped like q {tuple(q.shape)}, got {got}")
+    if max_distance is None:
+        if r.shape[1] < 1:
+            raise ValueError(f"{fn}: r must hold at least one distance, got n_dist=0")
+        if normalize_window(window, causal)[1] != 0:
+            raise ValueError(f"{fn}: r without max_distance holds past distances only (Transformer-XL): pass "
+                             f"causal=True (or a window with right=0), or max_distance=M with r of 2M + 1 rows")
+    else:
+        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
+            raise ValueError(f"{fn}: max_distance must be an int >= 0, got {max_distance!r}")
+        if r.shape[1] != 2 * max_distance + 1:
+            raise ValueError(f"{fn}: with max_distance={max_distance}, r must hold 2 * max_distance + 1 = "
+                             f"{2 * max_distance + 1} distances (-M..M), got n_dist={r.shape[1]}")
+
+
+def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Optional[Tensor] = None,
+                       max_distance: Optional[int] = None, causal: bool = False, window=None,
+                       key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+                       dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto"):
+    r"""Softmax attention with relative-position keys: ``s_ij = scale (q_i . k_j + query_i . r[h, idx(d_ij)])``.
+
+    Args:
+        q: ``(B, H, Lq, D)``; k ``(B, Hkv, Lk, D)``; v ``(B, Hkv, Lk, Dv)`` (``H % Hkv == 0``).
+        r: ``(H, n_dist, D)`` relative keys (see the module docstring for the index).
+        query: ``(B, H, Lq, D)`` query of the position term; default ``q``.
+        max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
+        causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
+        backend: ``"auto"``, ``"triton"`` (fused forward, see `effattn.relative_triton`) or ``"torch"``;
+            `explain_relative` says which runs.
+
+    Every input receives its gradient (r and query included). Torch path, not fused (module docstring).
+
+    Returns:
+        ``out (B, H, Lq, Dv)``, or ``(out, lse)`` with ``return_lse=True``.
+    """
+    from ._call import make_attn_call
+    call = make_attn_call(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, scale=scale,
+                          dropout_p=0.0, return_lse=return_lse)            # the shared checks
+    check_relative(q, r, query, max_distance, causal, window)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    query = q if query is None else query
+    path = _path(q, dropout_p, backend)[0]
+    if dropout_p > 0:
+        out, lse = _dense(q, k, v, r, query, max_distance, call, float(dropout_p))
+    else:
+        fn = _RelativeTriton if path == "triton" else _Relative
+        out, lse = fn.apply(q, k, v, r, query, max_distance, call.window_left, call.window_right, key_padding_mask,
+                            call.scale)
+    out = out.to(q.dtype)
+    return (out, lse.to(torch.float32) if lse.dtype == torch.float32 else lse) if return_lse else out
+
+
+def _dense(q, k, v, r, query, max_distance, call, dropout_p):
+    """The whole ``(B, H, Lq, Lk)`` score matrix under autograd: the path with dropout."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    dt = compute_dtype(q.dtype)
+    kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
+    vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(q.to(dt), kk.transpose(-1, -2)) + relative_scores(query.to(dt), r.to(dt), Lk, max_distance)
+    s = s * call.scale
+    mask = Rule(Lq, Lk, call.window_left, call.window_right).materialize(key_padding_mask=call.key_padding_mask,
+                                                                          device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    p, lse = softmax_lse(s, dim=-1)
+    return torch.matmul(F.dropout(p, dropout_p), vv), lse
+
+
+# Elements of one (B, H, rows, max(Lk, n_dist)) block: the row chunk of the memory-bounded path.
+SCORE_BUDGET = 1 << 22
+
+
+def _row_chunks(B: int, H: int, Lq: int, width: int):
+    rows = max(1, SCORE_BUDGET // max(1, B * H * width))
+    return [(i0, min(i0 + rows, Lq)) for i0 in range(0, Lq, rows)]
+
+
+def _distance_of_row(n: int, max_distance: Optional[int]) -> Tensor:
+    """The distance each row m of r stands for (the clamped ends stand for all beyond)."""
+    return torch.arange(n) - (0 if max_distance is None else max_distance)
+
+
+def _band_sums(dT: Tensor, i0: int, Lq: int, n: int, max_distance: Optional[int]) -> Tensor:
+    """``g[..., i, m] = sum over keys j with idx(d_ij) = m of dT[..., i, j]`` for the rows
+    ``i0 ..`` of ``dT (B, H, rows, Lk)``: the gradient of the position term's ``query . r`` products.
+    Interior rows of r are one key per query row (a gather); the two clamped ends are a prefix and a
+    suffix sum over the keys (cumsum): no scatter, deterministic on every device."""
+    B, H, rows, Lk = dT.shape
+    dev = dT.device
+    pos = torch.arange(i0, i0 + rows, device=dev)[:, None] + (Lk - Lq)            # (rows, 1)
+    dist = _distance_of_row(n, max_distance).to(dev)[None, :]                      # (1, n)
+    if n == 1:
+        return dT.sum(-1, keepdim=True)
+    j = pos - dist                                                                 # the key at distance d(m)
+    inside = (j >= 0) & (j < Lk)
+    g = torch.where(inside, dT.gather(-1, j.clamp(0, Lk - 1).expand(B, H, rows, n)), torch.zeros((), dtype=dT.dtype,
+                                                                                                   device=dev))
+    pre = F.pad(dT.cumsum(-1), (1, 0))                                             # pre[x] = sum_{j < x}
+
+    def before(x):                                                                 # sum over keys j < x
+        return pre.gather(-1, x.clamp(0, Lk).expand(B, H, rows, 1)).squeeze(-1)
+
+    total = pre[..., -1]
+    near, far = pos[:, 0] - dist[0, 0], pos[:, 0] - dist[0, -1]                   # j of the two ends
+    g[..., 0] = total - before(near[:, None])                                       # j >= near (d <= d(0))
+    g[..., -1] = before(far[:, None] + 1)                                           # j <= far (d >= d(n-1))
+    return g
+
+
+class _Relative(torch.autograd.Function):
+    """Relative attention a block of query rows at a time: forward keeps ``out`` and ``lse``, backward
+    recomputes each block's probabilities (FlashAttention-2, Alg. 2), so the extra memory is one
+    ``(B, H, rows, max(Lk, n_dist))`` block, never ``(Lq, Lk)``."""
+
+    @staticmethod
+    def _blocks(q, kk, r, query, M, left, right, kpm, scale):
+        B, H, Lq, D = q.shape
+        Lk, n = kk.shape[2], r.shape[1]
+        rule = Rule(Lq, Lk, left, right)
+        for i0, i1 in _row_chunks(B, H, Lq, max(Lk, n)):
+            qr = torch.matmul(query[:, :, i0:i1], r.transpose(-1, -2).unsqueeze(0))           # (B, H, rows, n)
+            idx = relative_index(Lq, Lk, n, M, q.device)[i0:i1]
+            s = (torch.matmul(q[:, :, i0:i1], kk.transpose(-1, -2)) + qr.gather(-1, idx.expand(B, H, i1 - i0, Lk)))
+            s = s * scale
+            mask = rule.materialize((i0, i1), key_padding_mask=kpm, device=q.device)
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
+            yield i0, i1, s
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
+        B, H, Lq, D = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        dt = compute_dtype(q.dtype)
+        qc, rc, queryc = q.to(dt), r.to(dt), query.to(dt)
+        kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
+        vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
+        out = torch.zeros(B, H, Lq, Dv, dtype=dt, device=q.device)
+        lse = torch.full((B, H, Lq), -math.inf, dtype=dt, device=q.device)
+        for i0, i1, s in _Relative._blocks(qc, kk, rc, queryc, M, left, right, kpm, scale):
+            p, lse[:, :, i0:i1] = softmax_lse(s, dim=-1)
+            out[:, :, i0:i1] = torch.matmul(p, vv)
+        ctx.save_for_backward(q, k, v, r, query, out, lse)
+        ctx.args = (M, left, right, kpm, scale)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, r, query, out, lse = ctx.saved_tensors
+        M, left, right, kpm, scale = ctx.args
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        dt = out.dtype
+        qc, rc, queryc = q.to(dt), r.to(dt), query.to(dt)
+        kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)
+        vv = v.to(dt).repeat_interleave(H // Hkv, dim=1)
+        dout = torch.zeros_like(out) if dout is None else dout.to(dt)
+        delta = (dout * out).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(dt)
+        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        dq, dquery = torch.zeros_like(qc), torch.zeros_like(queryc)
+        dk, dv, dr = torch.zeros_like(kk), torch.zeros_like(vv), torch.zeros_like(rc)
+        for i0, i1, s in _Relative._blocks(qc, kk, rc, queryc, M, left, right, kpm, scale):
+            p = torch.exp(s - lse_safe[:, :, i0:i1, None])                   # 0 where masked
+            do = dout[:, :, i0:i1]
+            dv += torch.matmul(p.transpose(-1, -2), do)
+            dT = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta[:, :, i0:i1, None]) * scale
+            dq[:, :, i0:i1] = torch.matmul(dT, kk)
+            dk += torch.matmul(dT.transpose(-1, -2), qc[:, :, i0:i1])
+            g = _band_sums(dT, i0, Lq, r.shape[1], M)                         # (B, H, rows, n)
+            dquery[:, :, i0:i1] = torch.matmul(g, rc)
+            dr += torch.einsum("bhim,bhid->hmd", g, queryc[:, :, i0:i1])
+        G = H // Hkv
+        dk = dk.view(B, Hkv, G, Lk, -1).sum(2)
+        dv = dv.view(B, Hkv, G, Lk, -1).sum(2)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dr.to(r.dtype), dquery.to(query.dtype),
+                None, None, None, None, None)
+
+
+def _path(q: Tensor, dropout_p: float, backend: str):
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+
+    def reasons():
+        from .relative_triton import triton_reasons
+        return triton_reasons(q, dropout_p)
+    return choose(FN, backend, q.device, reasons, "torch")
+
+
+class _RelativeTriton(torch.autograd.Function):
+    """The Triton kernels of `effattn.relative_triton`, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
+        from .relative_triton import relative_forward
+        out, lse = relative_forward(q, k, v, r, query, M, left, right, kpm, scale)
+        ctx.save_for_backward(q, k, v, r, query, out, lse)
+        ctx.args = (M, left, right, kpm, scale)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from .relative_triton import relative_backward
+        q, k, v, r, query, out, lse = ctx.saved_tensors
+        M, left, right, kpm, scale = ctx.args
+        dout = torch.zeros_like(out) if dout is None else dout
+        grads = relative_backward(dout, dlse, q, k, v, r, query, out, lse, M, left, right, kpm, scale)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, r, query))) + (None,) * 5
+
+
+def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend: str = "auto") -> str:
+    """Which path `relative_attention` takes for queries like ``q`` (all paths when None)."""
+    if q is None:
+        return "effattn.relative_attention: " + UNFUSED_NOTE
+    path, why = _path(q, dropout_p, backend)
+    if path == "triton":
+        return ("effattn.relative_attention: triton forward and backward (position term per tile, no (Lq, Lk) matrix; "
+                "r's gradient by a distance-band pass, no atomics)")
+    return "effattn.relative_attention: " + UNFUSED_NOTE + "; triton not taken: " + "; ".join(why)
