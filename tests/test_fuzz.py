@@ -5,7 +5,7 @@ Each example draws every argument (shapes with 0 and 1, head dims 1..256, Lq != 
 non-contiguous views, windows, layouts, key padding, dropout, scales 0 / negative / tiny / huge,
 magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares) and checks:
 
-- against the float64 oracle (tests/oracle.py) by the project's rule (test_attention.judge: at most
+- against the float64 oracle (effattn/testing/oracle.py) by the project's rule (test_attention.judge: at most
   2x the error of the same computation done naively in the dtype, 3x for gradients, plus a floor),
   here relative to the reference's magnitude; lse against the oracle's, -inf exactly where it is;
 - properties that need no oracle: bitwise determinism; invariance to the content of keys / values
