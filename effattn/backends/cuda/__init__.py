@@ -2,19 +2,19 @@
 mma.sync / ldmatrix / cp.async, sm_80 and newer), forward and backward, every mask kind.
 
 On a GPU of compute capability 9.0 the forward at head dims 33..128 runs the Hopper kernel
-(csrc/attn_fwd_sm90.cuh, wgmma) when the extension has sm_90a code (``hopper.py`` decides; explain
+(csrc/attention/fwd_sm90.cuh, wgmma) when the extension has sm_90a code (``hopper.py`` decides; explain
 says which forward runs).
 
-Layers: the kernels (csrc/attn_fwd.cuh, csrc/attn_fwd_sm90.cuh, csrc/attn_bwd.cuh) -> launchers
-(csrc/attention.cu, attention_bwd.cu, attention_sm90.cu) -> the C++ ops
-(csrc/binding/attention_op.cpp) -> the autograd ops (``ops.py``) -> this registration.
+Layers: the kernels (csrc/attention/fwd.cuh, fwd_sm90.cuh, bwd.cuh) -> launchers
+(csrc/attention/fwd.cu, bwd.cu, fwd_sm90.cu) -> the C++ ops (csrc/binding/attention.cpp) -> the
+autograd ops (``ops.py``) -> this registration.
 
 CUDA tensors use ``effattn._C`` (built by setup.py). CPU tensors are served only with
 ``EFFATTN_CUDA_EMU=1``, and only when the backend is named (``backend="cuda"``): the same kernel
 source runs through a host emulation of the GPU primitives, built on first use with the host
 compiler. That is a test vehicle (thousands of emulated warp mma per second), not a CPU backend.
 
-Linear attention's registration (its own kernels, csrc/linear_*.cuh) lives in ``linear.py``.
+Linear attention's registration (its own kernels, csrc/linear/) lives in ``linear.py``.
 
 Inputs whose last dimension is not contiguous, whose head dims are not multiples of 8, or whose
 rows are not 16-byte aligned are copied (zero-padded) once per call: the kernels load 16-byte rows
@@ -34,12 +34,7 @@ def _available(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
         return _ext.emu_problem()
     if device.type == "cuda":
-        why = _ext.cuda_problem()
-        if why:
-            return why
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"needs a GPU of compute capability >= 8.0 (Ampere or newer), got {major}.{minor}"
+        return _ext.device_problem(device)
     return None
 
 

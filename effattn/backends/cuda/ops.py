@@ -20,7 +20,7 @@ from ..base import attention_autograd
 from ...tiles import layout_tile_lists  # the shared tile plan (packed full/partial lists)
 from . import _ext, hopper
 
-BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBlockM)
+BLOCK_M = 64          # query rows per tile, every pass (csrc/attention/attention.h: kBlockM)
 BUCKETS = (32, 64, 128, 256)
 
 
@@ -32,7 +32,7 @@ def bucket(D: int, Dv: int) -> int:
 
 def tiles(D: int, Dv: int, by_key: bool) -> Tuple[int, int]:
     """(query tile, key tile) of the forward and dQ passes, or with `by_key` of the dK/dV pass
-    (csrc/attention.h; FwdConfig / BwdConfig)."""
+    (csrc/attention/attention.h; FwdConfig / BwdConfig)."""
     hd = bucket(D, Dv)
     if by_key:
         return (32 if hd >= 128 else 64), 64
@@ -40,7 +40,8 @@ def tiles(D: int, Dv: int, by_key: bool) -> Tuple[int, int]:
 
 
 def _norm_window(left: int, right: int, Lq: int, Lk: int) -> Tuple[int, int]:
-    """A window wider than the sequences is no constraint (the C++ side applies the same rule)."""
+    """A window wider than the sequences is no constraint (the C++ ops take only the normalized
+    window: they check it)."""
     return (-1 if left >= max(Lk - 1, 0) else left), (-1 if right >= max(Lq - 1, 0) else right)
 
 
@@ -91,7 +92,7 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
-               window_left, window_right)
+               *_norm_window(window_left, window_right, q.shape[2], k.shape[2]))
 
 
 @cuda_attention_fwd.register_fake
@@ -109,7 +110,7 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     klists, kwf, _ = _plan(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
-                                           window_left, window_right)
+                                           *_norm_window(window_left, window_right, q.shape[2], k.shape[2]))
 
 
 @cuda_attention_bwd.register_fake

@@ -1,0 +1,122 @@
+// Pieces shared by the softmax-attention kernels (forward, backward, decode): the tile schedule
+// (analytic causal/window runs or the packed layout lists), the elementwise visibility of a
+// partial tile, and the dropout keep-mask (Philox, as Triton's). Tiles and warp products are in
+// common/tiles.cuh.
+#pragma once
+
+#include "attention/attention.h"
+#include "common/tiles.cuh"
+
+namespace effattn {
+
+// The key tiles a query tile visits (forward and dQ) or the query tiles a key tile visits (dK/dV):
+// `n_full` unmasked tiles then `n_part` masked ones. Without a layout they are analytic: full
+// [t1, t2), partial [t0, t1) and [t2, t3); with one, read from the packed lists.
+struct Schedule {
+  const int32_t* row;
+  int n_full, n_part, wf, t0, t1, t2;
+  EFFATTN_DEVICE int count() const { return n_full + n_part; }
+  EFFATTN_DEVICE bool masked(int it) const { return it >= n_full; }
+  EFFATTN_DEVICE int tile(int it) const {
+    if (row) return it < n_full ? row[2 + it] : row[2 + wf + it - n_full];
+    if (it < n_full) return t1 + it;
+    int j = it - n_full;
+    return j < t1 - t0 ? t0 + j : t2 + j - (t1 - t0);
+  }
+};
+
+// Key tiles of query rows [m0, m0 + BM) (port of the Triton backend's `_key_tile_range`).
+EFFATTN_DEVICE Schedule key_schedule(const AttnParams& p, int h, int mt, int BM, int BN) {
+  Schedule s{};
+  if (p.lists) {
+    s.row = p.lists + h * p.list_h + mt * p.list_t;
+    s.n_full = s.row[0];
+    s.n_part = s.row[1];
+    s.wf = p.list_wf;
+    return s;
+  }
+  int m0 = mt * BM;
+  int r1 = imin(m0 + BM, p.Lq) - 1;
+  int lo = 0, hi = p.Lk, flo = 0, fhi = p.Lk;
+  if (p.left >= 0) {
+    lo = imax(m0 + p.off - p.left, 0);
+    flo = imax(r1 + p.off - p.left, 0);
+  }
+  if (p.right >= 0) {
+    hi = imax(imin(r1 + p.off + p.right + 1, p.Lk), 0);
+    fhi = imax(imin(m0 + p.off + p.right + 1, p.Lk), 0);
+  }
+  int t0 = imin(lo, p.Lk) / BN;
+  int t3 = hi > lo ? (hi + BN - 1) / BN : t0;
+  int t1 = imin(imax((imin(flo, p.Lk) + BN - 1) / BN, t0), t3);
+  int t2 = imin(imax(fhi / BN, t1), t3);
+  s.t0 = t0, s.t1 = t1, s.t2 = t2;
+  s.n_full = t2 - t1;
+  s.n_part = (t1 - t0) + (t3 - t2);
+  return s;
+}
+
+// Query tiles that see keys [n0, n0 + BN) (port of `_query_tile_range`); `lists` are the by-key ones.
+EFFATTN_DEVICE Schedule query_schedule(const AttnParams& p, const int32_t* lists, int h, int nt, int BM, int BN) {
+  Schedule s{};
+  if (lists) {
+    s.row = lists + h * p.list_h + nt * p.list_t;
+    s.n_full = s.row[0];
+    s.n_part = s.row[1];
+    s.wf = p.list_wf;
+    return s;
+  }
+  int n0 = nt * BN;
+  int n1 = imin(n0 + BN, p.Lk) - 1;
+  int lo = 0, hi = p.Lq, flo = 0, fhi = p.Lq;
+  if (p.right >= 0) {
+    lo = imax(n0 - p.off - p.right, 0);
+    flo = imax(n1 - p.off - p.right, 0);
+  }
+  if (p.left >= 0) {
+    hi = imax(imin(n1 - p.off + p.left + 1, p.Lq), 0);
+    fhi = imax(imin(n0 - p.off + p.left + 1, p.Lq), 0);
+  }
+  if (n0 + BN > p.Lk) fhi = 0;
+  int t0 = imin(lo, p.Lq) / BM;
+  int t3 = hi > lo ? (hi + BM - 1) / BM : t0;
+  int t1 = imin(imax((imin(flo, p.Lq) + BM - 1) / BM, t0), t3);
+  int t2 = fhi == p.Lq ? (fhi + BM - 1) / BM : fhi / BM;
+  t2 = imin(imax(t2, t1), t3);
+  s.t0 = t0, s.t1 = t1, s.t2 = t2;
+  s.n_full = t2 - t1;
+  s.n_part = (t1 - t0) + (t3 - t2);
+  return s;
+}
+
+// Elementwise visibility inside a partial tile (window, lengths, layout when tiles straddle its
+// blocks). Key padding is applied separately, on every tile.
+EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int j) {
+  if (i >= p.Lq || j >= p.Lk) return false;
+  int pos = i + p.off;
+  if (p.left >= 0 && j < pos - p.left) return false;
+  if (p.right >= 0 && j > pos + p.right) return false;
+  if (p.lay_check && !lay[int64_t(i / p.lay_bs) * p.lay_nkb + j / p.lay_bs]) return false;
+  return true;
+}
+
+// Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word.
+EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    uint32_t a0 = c0, a2 = c2;
+    c0 = prim::umulhi(0xCD9E8D57u, a2) ^ c1 ^ k0;
+    c2 = prim::umulhi(0xD2511F53u, a0) ^ c3 ^ k1;
+    c1 = 0xCD9E8D57u * a2;
+    c3 = 0xD2511F53u * a0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+EFFATTN_DEVICE bool dropout_keep(const AttnParams& p, int bh, int i, int j) {
+  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(i), uint32_t(j), uint32_t(bh), 0u) >> 8) >= p.drop_thresh;
+}
+
+}  // namespace effattn
