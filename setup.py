@@ -27,14 +27,53 @@ def nvcc_version(cuda_home):
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
+def find_toolkit():
+    """Sets CUDA_HOME to nvcc's own toolkit where torch's guess (nvcc's grandparent folder) has no CUDA
+    headers, as when `nvcc` on PATH is a wrapper script in /usr/local/bin; must run before
+    torch.utils.cpp_extension is imported (it reads CUDA_HOME once)."""
+    import re
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or nvcc is None:
+        return
+    guess = os.path.dirname(os.path.dirname(nvcc))
+    if os.path.exists(os.path.join(guess, "include", "cuda_runtime_api.h")):
+        return
+    try:    # nvcc names its root in a dry run (no compilation)
+        out = subprocess.run([nvcc, "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    except OSError:
+        return
+    m = re.search(r"^#\$ TOP=(.+)$", out, re.M)
+    if m:
+        top = os.path.realpath(m.group(1).strip())
+        if os.path.exists(os.path.join(top, "include", "cuda_runtime_api.h")):
+            print(f"effattn: CUDA_HOME={top} (nvcc's toolkit; {guess} has no CUDA headers)")
+            os.environ["CUDA_HOME"] = top
+
+
+def load_targets():
+    """effattn/backends/cuda/targets.py, loaded by path (effattn itself imports torch)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "effattn_targets", os.path.join(HERE, "effattn", "backends", "cuda", "targets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cuda_build():
     """(ext_modules, cmdclass) for the CUDA extension, or ([], {}) with the reason printed."""
     want = os.environ.get("EFFATTN_BUILD_CUDA", "auto")
     if want == "0":
         return [], {}
-    kernels = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    bindings = sorted(glob.glob(os.path.join("csrc", "binding", "*.cpp")))   # the only torch-including sources
+    # one folder per op (csrc/attention, csrc/linear) holds its kernels' .cu files; csrc/binding the
+    # torch glue, the only sources that include torch
+    kernels = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
+    bindings = sorted(glob.glob(os.path.join("csrc", "binding", "*.cpp")))
     why = None
+    find_toolkit()
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
@@ -52,17 +91,18 @@ def cuda_build():
             raise RuntimeError(f"EFFATTN_BUILD_CUDA=1 but the CUDA extension cannot be built: {why}")
         print(f"effattn: building without the CUDA extension: {why}")
         return [], {}
+    targets = load_targets()
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    nvcc = ["-O3", "--use_fast_math", "-std=c++17", "--expt-relaxed-constexpr"]
-    cxx = ["-O3", "-std=c++17"]
-    if arch:    # torch's format: "8.0;9.0a" or "8.0 9.0a+PTX"
-        sm90a = any(a.startswith("9.0a") for a in arch.replace(";", " ").split())
-    else:
-        sm90a = nvcc_version(CUDA_HOME) >= (12, 0)
     if not arch:
-        nvcc += ["-gencode=arch=compute_80,code=sm_80"]
-        nvcc += ["-gencode=arch=compute_90a,code=sm_90a"] if sm90a else []
-    if sm90a:    # the Hopper forward (csrc/attention_sm90.cu) has device code: the launcher may run it
+        arch = targets.DEFAULT_ARCH_LIST if nvcc_version(CUDA_HOME) >= (12, 0) else "8.0"
+    # our own -gencode list (torch then adds none): PTX of the highest architecture rides along
+    gencode, built = targets.gencode(arch)
+    print(f"effattn: building the CUDA extension for {' '.join(built)}")
+    # the C++ standard of the host compiler is torch's choice (C++20 from torch 2.14); the .cu files
+    # include no torch and keep nvcc's C++17
+    nvcc = ["-O3", "--use_fast_math", "-std=c++17", "--expt-relaxed-constexpr", *gencode]
+    cxx = ["-O3", f"-DEFFATTN_CUDA_TARGETS={','.join(built)}"]
+    if "sm_90a" in built:    # the Hopper forward (csrc/attention/fwd_sm90.cu) has device code
         nvcc.append("-DEFFATTN_SM90A_BUILT")
         cxx.append("-DEFFATTN_SM90A_BUILT")
     else:
@@ -101,7 +141,8 @@ setup(
                  "transformers>=4.56",
                  "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
                  # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
-                 "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],
+                 "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm",
+                 "build"],  # the source distribution's contents (tests/test_cuda_package.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

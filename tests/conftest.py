@@ -26,6 +26,8 @@ GPU_SMOKE = os.environ.get("EFFATTN_GPU_SMOKE") == "1"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere)")
     config.addinivalue_line("markers", "toy: a gpu test that EFFATTN_GPU_SMOKE=1 runs on the CPU at toy sizes")
+    config.addinivalue_line("markers", "cuda_torch_build: builds the CUDA extension against the CUDA torch that "
+                            "EFFATTN_CUDA_TORCH_PYTHON names (skipped without it; minutes)")
 
 
 def pytest_collection_modifyitems(config, items):

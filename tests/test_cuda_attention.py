@@ -129,6 +129,24 @@ def test_rows_seeing_no_key_and_empty_sequences():
 
 # --------------------------------------------------------------------------------- determinism
 
+def test_ops_take_only_the_normalized_window(emulation):
+    """The window rule has one home (effattn/visibility.py: a window wider than the sequences is no
+    window, -1): the C++ ops only check it and name the argument; the public call normalizes."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, L, 16, generator=g).half() for L in (5, 7, 7))
+    assert torch.equal(effattn.attention(q, k, v, window=(100, 100), backend="cuda"),
+                       effattn.attention(q, k, v, backend="cuda"))
+    fwd_args = (None, None, 0, 0, None, 0, None, 0.25, 0.0)       # no mask, layout or dropout
+    dec_args = (None, None, 0, 0, None, 0, 0.25)
+    for left, right, name in ((6, -1, "window_left"), (-1, 4, "window_right"), (-2, -1, "window_left")):
+        with pytest.raises(RuntimeError, match=f"{name} must be -1 \\(no window\\) or in"):
+            emulation.attention_fwd(q, k, v, *fwd_args, left, right)
+        with pytest.raises(RuntimeError, match=name):
+            emulation.attention_decode(q, k, v, *dec_args, left, right, 1)
+    out, _ = emulation.attention_fwd(q, k, v, *fwd_args, 5, 3)      # the widest windows that still bound
+    assert torch.equal(out, effattn.attention(q, k, v, window=(5, 3), backend="cuda"))
+
+
 def test_schedules_give_bitwise_identical_results(emulation):
     """No result depends on the order threads run in (a race would): forward and backward under
     lockstep, warp-serial and reversed warp-serial agree bit for bit, with every feature on."""

@@ -1,6 +1,6 @@
 """Offline checks of the CUDA kernels' build (no GPU needed, only nvcc):
 
-- every csrc/*.cu compiles on its own (no torch) for sm_80 and sm_90a;
+- every csrc/{attention,linear}/*.cu compiles on its own (no torch) for sm_80 and sm_90a;
 - ptxas reports no spills, registers under the cap, and a kernel count within the budget (the
   templates are over head-dim bucket and dtype only; masks are runtime data);
 - the SASS uses the tensor-core and async-copy instructions the source asks for (HMMA, LDSM,
@@ -19,20 +19,25 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per .cu and arch; attention.cu + attention_bwd.cu: 4 head-dim buckets x 2 dtypes
+KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu + bwd.cu: 4 head-dim buckets x 2 dtypes
                              # x 3 kernels + 2 Delta = 26 (8 forward, 18 backward)
-SOFTMAX = ("attention.cu", "attention_bwd.cu")   # the forward's and the backward's translation units
-DECODE_KERNELS = 10          # decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
+SOFTMAX = ("attention/fwd.cu", "attention/bwd.cu")   # the forward's and the backward's translation units
+DECODE_KERNELS = 10          # attention/decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
 DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
-# attention_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
+# attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
 HOPPER_KERNELS = 4
 HOPPER_MAX_REGISTERS = 192
-# linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
+# linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
 LINEAR_KERNELS = 9
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+
+
+def kernel_sources():
+    """The .cu files setup.py compiles with nvcc: one folder per op under csrc/."""
+    return sorted(glob.glob(os.path.join(CSRC, "*", "*.cu")))
 
 
 def find_tool(name):
@@ -53,16 +58,17 @@ def find_tool(name):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """{source: (ptxas report, object path)}, each .cu built once for both architectures."""
+    """{source relative to csrc/: (ptxas report, object path)}, each .cu built once for both
+    architectures."""
     out = {}
-    for src in sorted(glob.glob(os.path.join(CSRC, "*.cu"))):
+    for src in kernel_sources():
         obj = str(tmp_path_factory.mktemp("nvcc") / (os.path.basename(src) + ".o"))
         cmd = [NVCC, "-c", "-std=c++17", "-O3", "--threads", "2", "-Xptxas", "-v", "-I", CSRC, src, "-o", obj]
         for arch in ARCHS:
             cmd.append(f"-gencode=arch=compute_{arch[3:]},code={arch}")
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-4000:]
-        out[os.path.basename(src)] = (res.stdout + res.stderr, obj)
+        out[os.path.relpath(src, CSRC)] = (res.stdout + res.stderr, obj)
     assert out, "no .cu sources in csrc/"
     return out
 
@@ -124,7 +130,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
 def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
     """The Hopper forward's sm_90a SASS multiplies on HGMMA (64x64 for S, 64xHD for P V) between
     warpgroup arrive / wait, loads with LDGSTS and uses no HMMA; its sm_80 build is empty stubs."""
-    report, obj = compiled["attention_sm90.cu"]
+    report, obj = compiled["attention/fwd_sm90.cu"]
     entries = [e for e in ptxas_entries(report) if "attn_fwd_sm90_kernel" in e[1]]
     for arch in ARCHS:
         assert len([e for e in entries if e[0] == arch]) == HOPPER_KERNELS, arch
@@ -149,11 +155,11 @@ if __name__ == "__main__":
 
 
 def test_decode_kernels_counts_register_caps_and_sass(compiled):
-    """csrc/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
+    """csrc/attention/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
     split kernels up to head dim 128 keep 3 blocks per SM by registers (their shared memory allows
     3 at head dim 128); the split kernels' SASS has tensor-core mma, ldmatrix (.trans for V) and
     async copies."""
-    report, obj = compiled["decode.cu"]
+    report, obj = compiled["attention/decode.cu"]
     entries = ptxas_entries(report)
     for arch in ARCHS:
         mine = [e for e in entries if e[0] == arch]
@@ -179,11 +185,11 @@ def test_decode_kernels_counts_register_caps_and_sass(compiled):
 
 
 def test_linear_kernels_counts_and_sass(compiled):
-    """csrc/linear.cu: the chunk-state and output passes per operand split, the step and the FAVOR+
+    """csrc/linear/linear.cu: the chunk-state and output passes per operand split, the step and the FAVOR+
     kernels; both passes and the FAVOR+ prologue multiply on bf16 tensor cores through ldmatrix
     (.trans for the reduction-major tiles); their loads are plain (the feature map is applied
     between global and shared memory)."""
-    report, obj = compiled["linear.cu"]
+    report, obj = compiled["linear/linear.cu"]
     entries = ptxas_entries(report)
     for arch in ARCHS:
         mine = [e[1] for e in entries if e[0] == arch]
@@ -208,8 +214,8 @@ def test_header_the_binding_includes_is_host_cpp(tmp_path):
     if gxx is None:
         pytest.skip("needs g++")
     src = tmp_path / "uses_header.cpp"
-    src.write_text('#include "attention.h"\n#include "decode.h"\nint main() { effattn::DecodeParams d{}; '
-                   'return effattn::head_dim_bucket(d.a.D + 1); }\n')
+    src.write_text('#include "attention/attention.h"\n#include "attention/decode.h"\n'
+                   'int main() { effattn::DecodeParams d{}; return effattn::head_dim_bucket(d.a.D + 1); }\n')
     res = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", CSRC, str(src)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import effattn
-from conftest import need_cuda_extension, random_qkv
+from conftest import CSRC, need_cuda_extension, random_qkv
 from effattn._call import make_attn_call
 from effattn import splits as split_plan
 from effattn.backends import base
@@ -193,7 +193,7 @@ def test_split_plan_fills_two_waves_with_a_minimum_per_split():
     assert decode.num_splits(1, 8, 1, 7, 132) == 1
     assert decode.num_splits(64, 8, 1, 256, 132) == 1             # enough blocks without splitting
     assert decode.num_splits(1, 1, 1, 10 ** 6, 132) == decode.MAX_SPLITS
-    header = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "decode.h")).read()
+    header = open(os.path.join(CSRC, "attention", "decode.h")).read()
     for name, value in (("kDecodeRows", decode.ROWS), ("kDecodeBlockN", decode.BLOCK_N),
                         ("kDecodeMaxQueries", decode.MAX_QUERIES)):
         assert f"constexpr int {name} = {value};" in header, name      # the Python plan's tile sizes

@@ -1,5 +1,5 @@
 // The host emulation of a CUDA thread block, for compiling effattn's kernels with g++
-// (EFFATTN_CUDA_EMU). Only csrc/prims.cuh includes this file.
+// (EFFATTN_CUDA_EMU). Only csrc/common/prims.cuh includes this file.
 //
 // A block's threads run as fibers (ucontext) on one OS thread. A fiber gives up the CPU only at a
 // block barrier or inside a warp collective (shuffle, ldmatrix, mma), so every run is deterministic.

@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <random>
 
-#include "../linear.cu"
+#include "linear/linear.cu"
 #include "selftest_util.h"
 
 using namespace effattn;

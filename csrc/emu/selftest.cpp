@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "../attention_sm90.cu"   // the Hopper forward (its launcher and kernels)
-#include "../attn_launch.cuh"
-#include "../decode_kernels.cuh"
+#include "attention/fwd_sm90.cu"   // the Hopper forward (its launcher and kernels)
+#include "attention/decode_kernels.cuh"
+#include "attention/launch.cuh"
 #include "selftest_util.h"
 
 using namespace effattn;

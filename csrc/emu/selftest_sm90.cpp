@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "../attn_fwd_sm90.cuh"
+#include "attention/fwd_sm90.cuh"
 #include "selftest_util.h"
 
 using namespace effattn;

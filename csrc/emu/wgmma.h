@@ -1,5 +1,5 @@
 // The host emulation of Hopper's warpgroup MMA (wgmma.mma_async m64nNk16, 16-bit inputs, fp32
-// accumulators) and its shared-memory matrix descriptors. Only csrc/prims.cuh includes this file.
+// accumulators) and its shared-memory matrix descriptors. Only csrc/common/prims.cuh includes this file.
 //
 // Descriptors are decoded by the PTX ISA's rules ("Matrix Descriptor Format", "Shared Memory Matrix
 // Layout"): bits 0-13 start address >> 4, 16-29 leading-dimension byte offset (LBO) >> 4, 32-45

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from . import targets
+
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
                      "csrc")
 _lock = threading.Lock()
@@ -66,7 +68,9 @@ def emu_problem() -> Optional[str]:
 
 
 def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
-    """Compiles csrc/binding/attention_op.cpp with EFFATTN_CUDA_EMU and loads it (cached)."""
+    """Compiles csrc/binding/*.cpp with EFFATTN_CUDA_EMU (each op's binding then compiles its kernels
+    into itself) and loads it (cached). The C++ standard is torch's own choice (C++17 up to torch
+    2.13, C++20 from 2.14): the kernel sources compile under both."""
     from torch.utils import cpp_extension
     digest = hashlib.sha1()
     for f in sources():
@@ -77,9 +81,9 @@ def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
     root = os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
     build_dir = os.path.join(root, f"{name}-{digest.hexdigest()[:16]}")
     os.makedirs(build_dir, exist_ok=True)
-    cpp_extension.load(name=name, sources=[os.path.join(_CSRC, "binding", "attention_op.cpp")],
+    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(_CSRC, "binding", "*.cpp"))),
                        extra_include_paths=[_CSRC], build_directory=build_dir, is_python_module=False,
-                       extra_cflags=["-O2", "-std=c++17", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
+                       extra_cflags=["-O2", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
 
 
 _cuda_problem = ["unchecked"]
@@ -96,6 +100,20 @@ def cuda_problem() -> Optional[str]:
     return _cuda_problem[0]
 
 
+def device_problem(device: torch.device) -> Optional[str]:
+    """None if effattn._C has code that `device` runs (SASS of its architecture or PTX of an older
+    one, see targets.py), else why not."""
+    why = cuda_problem()
+    if why:
+        return why
+    return targets.runs_on(built_targets(), torch.cuda.get_device_capability(device))
+
+
+def built_targets():
+    """The nvcc targets effattn._C carries (``["sm_80", "sm_90a", "compute_90"]``)."""
+    return torch.ops.effattn_cuda.built_targets().split(",")
+
+
 def ops(device: torch.device):
     """The op namespace serving tensors on `device`."""
     return torch.ops.effattn_cuda if device.type == "cuda" else torch.ops.effattn_cuda_emu
@@ -106,10 +124,5 @@ def available(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
         return emu_problem()
     if device.type == "cuda":
-        why = cuda_problem()
-        if why:
-            return why
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"needs a GPU of compute capability >= 8.0 (Ampere or newer), got {major}.{minor}"
+        return device_problem(device)
     return None

@@ -1,5 +1,5 @@
 """The CUDA backend's split-KV decode path: a few query rows (Lq <= 16) against a long key/value
-cache, forward only (kernels in csrc/decode_kernels.cuh, work split in csrc/decode.h).
+cache, forward only (kernels in csrc/attention/decode_kernels.cuh, work split in csrc/attention/decode.h).
 
 One thread block per (batch, KV head, 16-row tile of packed rows, split of the key range): the
 G = H / Hkv query heads sharing a KV head and their Lq rows fill the rows of one tensor-core tile
@@ -114,7 +114,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layo
     if splits == 0:
         splits = _plan(q, k, lists, window_left, window_right)[2]
     return kernels(q.device).attention_decode(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf,
-                                              scale, window_left, window_right, splits)
+                                              scale, *clamp_window(window_left, window_right, q.shape[2], k.shape[2]), splits)
 
 
 # the same as a custom op, opaque to torch.compile; eager calls skip its wrapper (a decode step is

@@ -1,5 +1,5 @@
-"""Which forward kernel the CUDA backend runs: the Hopper one (csrc/attn_fwd_sm90.cuh: wgmma from
-128-byte-swizzled shared memory, sm_90a) or the FA2-class mma.sync one (csrc/attn_fwd.cuh).
+"""Which forward kernel the CUDA backend runs: the Hopper one (csrc/attention/fwd_sm90.cuh: wgmma from
+128-byte-swizzled shared memory, sm_90a) or the FA2-class mma.sync one (csrc/attention/fwd.cuh).
 
 The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128), bf16 and fp16,
 every mask, on a GPU of compute capability 9.0 when the extension was built with sm_90a code

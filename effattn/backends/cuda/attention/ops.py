@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ....visibility import clamp_window
 from ...autograd import attention_autograd
 from ...base import Capabilities, Path, register
 from .. import _ext
@@ -57,7 +58,7 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
-               window_left, window_right)
+               *clamp_window(window_left, window_right, q.shape[2], k.shape[2]))
 
 
 @cuda_attention_fwd.register_fake
@@ -75,7 +76,7 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
-                                           window_left, window_right)
+                                           *clamp_window(window_left, window_right, q.shape[2], k.shape[2]))
 
 
 @cuda_attention_bwd.register_fake

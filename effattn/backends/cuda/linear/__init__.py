@@ -17,7 +17,7 @@ A call is composed as follows (``off = Lk - Lq``, bottom-right alignment):
 
 Feature maps: ``elu`` (elu + 1), ``relu`` and ``identity`` are applied by the kernels on each loaded
 element (their derivative in the backward's epilogue). FAVOR+ features are computed by a CUDA
-kernel (csrc/linear_step.cuh) as a prologue, with the backward in torch (a rank-one correction of
+kernel (csrc/linear/step.cuh) as a prologue, with the backward in torch (a rank-one correction of
 a matmul with the projection), then fed to the passes like any features; any other callable runs
 in torch. The features are then plain fp32 operands (rounded to bf16 for bf16 calls).
 """

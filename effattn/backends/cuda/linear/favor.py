@@ -1,4 +1,4 @@
-"""FAVOR+ features as a CUDA prologue (csrc/linear_step.cuh, ``lin_favor_kernel``): the forward of
+"""FAVOR+ features as a CUDA prologue (csrc/linear/step.cuh, ``lin_favor_kernel``): the forward of
 :class:`effattn.FavorFeatures` in one kernel, the backward in torch.
 
 ``phi(x)_i = exp(min(u_i, cap)) / sqrt(F)``, ``u_i = w_i . x' - |x'|^2 / 2``, ``x' = sqrt(scale) x``;

@@ -1,6 +1,6 @@
-"""torch.library ops of the CUDA linear attention (kernels in csrc/linear_*.cuh).
+"""torch.library ops of the CUDA linear attention (kernels in csrc/linear/*.cuh).
 
-Two C++ passes (see csrc/linear.h) do all the work: the chunk-state pass ``state_pass`` and the
+Two C++ passes (see csrc/linear/linear.h) do all the work: the chunk-state pass ``state_pass`` and the
 output pass ``out_pass``, over row operands ``Rows(x, shift, fmap)`` on a timeline of query
 positions. The custom ops here compose them, forward and backward, with this notation (one query
 head, ``f = phi(q)``, ``p = phi(k)``, base state ``(S0, z0)``)::
@@ -37,7 +37,7 @@ FAVOR_CAP = 30.0                               # effattn.feature_maps.FAVOR_MAX_
 
 
 def parts(dtype: torch.dtype) -> int:
-    """bf16 parts per operand in every product (csrc/linear_common.cuh): 1 bf16, 2 fp16, 3 fp32."""
+    """bf16 parts per operand in every product (csrc/linear/common.cuh): 1 bf16, 2 fp16, 3 fp32."""
     return {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
 
 
@@ -117,7 +117,7 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, np_: int, *,
              state=(None, []), state_z=(None, []), z_mode=0, base=(None, []), base_z=(None, 0),
              grad_x: Optional[Rows] = None, with_den=False, normalize=False, eps=0.0):
     """``out (B, Ha, La, FC)`` in ``out_dtype`` and ``den (B*Ha, La)`` fp32 (empty without ``with_den``);
-    see csrc/linear.h for the formula."""
+    see csrc/linear/linear.h for the formula."""
     FC = fc or c.x.shape[3]
     Hb = hb or (b.x.shape[1] if b is not None else a.x.shape[1])
     gx = grad_x if grad_x is not None and grad_x.fmap else None

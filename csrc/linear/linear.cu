@@ -1,9 +1,9 @@
 // Entry points of the linear-attention kernels: grids, shared memory, dispatch on the number of
-// bf16 parts of each operand (1: bf16 calls, 2: fp16, 3: fp32; see linear_common.cuh). Compiled by
+// bf16 parts of each operand (1: bf16 calls, 2: fp16, 3: fp32; see common.cuh). Compiled by
 // nvcc for the GPU, or by a host compiler with EFFATTN_CUDA_EMU for the emulation.
-#include "linear_out.cuh"
-#include "linear_state.cuh"
-#include "linear_step.cuh"
+#include "linear/out.cuh"
+#include "linear/state.cuh"
+#include "linear/step.cuh"
 
 namespace effattn {
 namespace {

@@ -1,9 +1,9 @@
 // Entry point of the softmax-attention forward: dispatch on dtype and head-dim bucket to the
-// launchers of attn_launch.cuh (the backward's is attention_bwd.cu: two translation units, so that
+// launchers of launch.cuh (the backward's is bwd.cu: two translation units, so that
 // nvcc builds them in parallel and each in about half the time). Compiled by nvcc for the GPU, or by
-// a host compiler with EFFATTN_CUDA_EMU for the emulation (the same code; prims.cuh hides the
+// a host compiler with EFFATTN_CUDA_EMU for the emulation (the same code; common/prims.cuh hides the
 // difference).
-#include "attn_launch.cuh"
+#include "attention/launch.cuh"
 
 namespace effattn {
 namespace {

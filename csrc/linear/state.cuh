@@ -7,7 +7,7 @@
 // column, combined in a fixed order: deterministic).
 #pragma once
 
-#include "linear_common.cuh"
+#include "linear/common.cuh"
 
 namespace effattn {
 

@@ -14,7 +14,7 @@
 // the accumulators fit in registers; S and dP are computed by both halves.
 #pragma once
 
-#include "attn_common.cuh"
+#include "attention/common.cuh"
 
 namespace effattn {
 

@@ -7,7 +7,7 @@
 // while the softmax and P V(t) run.
 #pragma once
 
-#include "attn_common.cuh"
+#include "attention/common.cuh"
 
 namespace effattn {
 

@@ -9,8 +9,8 @@
 //   2^(lse_s - max), in split order. Both are deterministic (no atomics).
 #pragma once
 
-#include "attn_common.cuh"
-#include "decode.h"
+#include "attention/common.cuh"
+#include "attention/decode.h"
 
 namespace effattn {
 

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) forward: the FA2 forward of attn_fwd.cuh with its two products on warpgroup MMA.
+// Hopper (sm_90a) forward: the FA2 forward of fwd.cuh with its two products on warpgroup MMA.
 //
 // One block = one warpgroup (4 warps, 128 threads) per (query tile of 64 rows, b, h), the same grid,
 // tile plan (key tiles of 64), mask code, online softmax and epilogue as the mma.sync forward. Per
@@ -10,8 +10,8 @@
 // TMA, mbarriers and producer/consumer warp specialization are later steps.
 #pragma once
 
-#include "attn_fwd.cuh"
-#include "prims_sm90.cuh"
+#include "attention/fwd.cuh"
+#include "common/prims_sm90.cuh"
 
 namespace effattn {
 

@@ -11,8 +11,8 @@
 
 #include <cstring>
 
-#include "attn_common.cuh"
-#include "linear.h"
+#include "common/tiles.cuh"
+#include "linear/linear.h"
 
 // Kernels of 128 threads; minBlocksPerSM = 1 leaves ptxas the whole register file (without it,
 // ptxas 13 aims some of them at 32 or 128 registers and spills a few bytes to get there)

@@ -1,11 +1,11 @@
 // Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype): grid,
-// shared memory, launch. attention.cu / attention_bwd.cu dispatch to them; the host self-test
+// shared memory, launch. fwd.cu / bwd.cu dispatch to them; the host self-test
 // instantiates a few directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
 #pragma once
 
-#include "attention.h"
-#include "attn_bwd.cuh"
-#include "attn_fwd.cuh"
+#include "attention/attention.h"
+#include "attention/bwd.cuh"
+#include "attention/fwd.cuh"
 
 namespace effattn {
 namespace detail {

@@ -4,18 +4,18 @@
 // Everything is phrased, as in the Triton backend, with row operands on a timeline t of query
 // positions: an operand's row r = t + shift (rows outside [0, L) read as zero). Two kernels:
 //
-// - the chunk-state pass (linear_state.cuh): for each chunk of kChunk timeline positions, the state
+// - the chunk-state pass (state.cuh): for each chunk of kChunk timeline positions, the state
 //   S_c = sum_{t in earlier chunks} b_t^T c_t (Fb x Fc) and z_c = sum b_t cx_t (Fb), "earlier" meaning
 //   later with `reverse`; and the total (the final state). Without `store` only the total, over a
 //   range of chunks per block (a reduction split over the sequence);
-// - the output pass (linear_out.cuh): for each chunk and a tile of Fc columns,
+// - the output pass (out.cuh): for each chunk and a tile of Fc columns,
 //   out_t = sum_{s in chunk, s <= t} (a_t . b_s + ax_t bx_s) c_s + a_t (S_c + base) + ax_t (zc_c + base_z)
 //   (s >= t with `reverse`; no in-chunk term without `causal`), an optional denominator
 //   den_t = a_t . (z_c + base_z) + sum_{s} a_t . b_s, normalization, and the feature map's derivative.
 //
 // The forward is (state pass on (phi(k), v); output pass), the backward more launches of the same
 // two kernels with the operands permuted (effattn/backends/cuda/linear_ops.py). Two small kernels
-// (linear_step.cuh) are the one-token recurrent step and the FAVOR+ feature prologue.
+// (step.cuh) are the one-token recurrent step and the FAVOR+ feature prologue.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,8 @@
 // Entry point of the split-KV decode kernels (decode_kernels.cuh): dispatch on dtype and head-dim
 // bucket, the split kernel's grid, then the combine kernel when the key range was split. Compiled
 // by nvcc, or by a host compiler with EFFATTN_CUDA_EMU (the binding includes it).
-#include "attn_launch.cuh"
-#include "decode_kernels.cuh"
+#include "attention/launch.cuh"
+#include "attention/decode_kernels.cuh"
 
 namespace effattn {
 namespace {

@@ -1,6 +1,6 @@
 // Entry point of the softmax-attention backward (Delta, dK/dV, dQ): dispatch on dtype and head-dim
-// bucket to the launchers of attn_launch.cuh; the forward's is attention.cu.
-#include "attn_launch.cuh"
+// bucket to the launchers of launch.cuh; the forward's is fwd.cu.
+#include "attention/launch.cuh"
 
 namespace effattn {
 namespace {

@@ -1,95 +1,13 @@
-// Pieces shared by the forward and backward kernels: swizzled shared-memory tiles and their
-// cp.async loads, the tile schedule (analytic causal/window runs or the packed layout lists), the
-// elementwise visibility of a partial tile, and the dropout keep-mask (Philox, as Triton's).
+// Pieces shared by the softmax-attention kernels (forward, backward, decode): the tile schedule
+// (analytic causal/window runs or the packed layout lists), the elementwise visibility of a
+// partial tile, and the dropout keep-mask (Philox, as Triton's). Tiles and warp products are in
+// common/tiles.cuh.
 #pragma once
 
-#include "attention.h"
-#include "prims.cuh"
+#include "attention/attention.h"
+#include "common/tiles.cuh"
 
 namespace effattn {
-
-// A tile of `ROWS` rows of `HD` 16-bit elements in shared memory. Row r's 16-byte chunk c sits at
-// chunk c ^ swz(r): the 8 rows an ldmatrix phase reads then fall in 8 different bank groups
-// (without it, rows 128 bytes apart share one and the phase takes 8 wavefronts).
-template <int HD>
-struct Tile {
-  static constexpr int kChunks = HD / 8;
-  // rows per 128 bytes share a bank window; XOR with the row's 128-byte line index
-  static constexpr int kRowsPerLine = kChunks >= 8 ? 1 : 8 / kChunks;
-  static constexpr int kXorMask = kChunks >= 8 ? 7 : kChunks - 1;
-  EFFATTN_DEVICE static int offset(int row, int chunk) {
-    return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);
-  }
-};
-
-// Loads rows [r0, r0 + ROWS) of a (L, width) matrix (row stride `ld` elements, width a multiple
-// of 8) into a swizzled tile (layout `Lay`: offset(row, 16-byte chunk)), zero-filling rows >= L and
-// columns >= width. All 128 threads.
-template <int HD, int ROWS, class Lay = Tile<HD>>
-EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) {
-  constexpr int C = HD / 8;
-  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
-    int r = idx / C, c = idx % C;
-    int gr = r0 + r;
-    bool ok = gr < L && c * 8 < width;
-    const uint16_t* src = ok ? base + int64_t(gr) * ld + c * 8 : base;
-    prim::cp_async_16(tile + Lay::offset(r, c), src, ok ? 16 : 0);
-  }
-}
-
-// Warp-level products on m16n8k16 tensor cores. Fragment order follows the PTX ISA: an x4
-// ldmatrix of a 16 x 16 A block gives a0..a3 (rows 0-7 / 8-15 x columns 0-7 / 8-15); the A
-// operand of a product whose left side comes from accumulators reuses their layout (P in P V).
-
-// acc (16 x NB) += A B^T: A = rows [ra, ra + 16) of tile `sa`, B = rows [0, NB) of tile `sb`, both
-// row-major over the reduction; only the first `k16` 16-wide steps (the rest is zero padding).
-template <int HD, int NB, bool BF16>
-EFFATTN_DEVICE void mma_rows_rows(float (&acc)[NB / 8][4], const uint16_t* sa, int ra, const uint16_t* sb, int k16) {
-  const int lane = prim::thread_x() & 31;
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
-    if (kk >= k16) break;
-    uint32_t a[4];
-    prim::ldmatrix_x4(a, sa + Tile<HD>::offset(ra + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * kk + (lane >> 4)));
-#pragma unroll
-    for (int nn = 0; nn < NB / 16; ++nn) {
-      uint32_t b[4];
-      prim::ldmatrix_x4(b, sb + Tile<HD>::offset(nn * 16 + (lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1)));
-      prim::mma_16816<BF16>(acc[2 * nn], a, b[0], b[1]);
-      prim::mma_16816<BF16>(acc[2 * nn + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// The A operand for reduction step kk from fp32 accumulators x (16 x K, K = 8 * subtiles).
-template <bool BF16, int NS>
-EFFATTN_DEVICE void acc_to_a(uint32_t (&a)[4], const float (&x)[NS][4], int kk) {
-  a[0] = prim::pack2<BF16>(x[2 * kk][0], x[2 * kk][1]);
-  a[1] = prim::pack2<BF16>(x[2 * kk][2], x[2 * kk][3]);
-  a[2] = prim::pack2<BF16>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-  a[3] = prim::pack2<BF16>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-}
-
-// acc (16 x 8 NA) += a (16 x 16, reduction step kk) B, B = rows [16 kk, 16 kk + 16) of tile `sb`
-// at columns [8 c0, 8 c0 + 8 NA) (ldmatrix.trans: B is stored reduction-major); only columns below
-// `width` (zero padding beyond).
-template <int HD, int NA, bool BF16>
-EFFATTN_DEVICE void mma_a_rows(float (&acc)[NA][4], const uint32_t (&a)[4], const uint16_t* sb, int kk, int c0,
-                               int width) {
-  const int lane = prim::thread_x() & 31;
-#pragma unroll
-  for (int dd = 0; dd < NA / 2; ++dd) {
-    if (8 * c0 + 16 * dd >= width) break;
-    uint32_t b[4];
-    const int row = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-    prim::ldmatrix_x4_trans(b, sb + Tile<HD>::offset(row, c0 + 2 * dd + (lane >> 4)));
-    prim::mma_16816<BF16>(acc[2 * dd], a, b[0], b[1]);
-    prim::mma_16816<BF16>(acc[2 * dd + 1], a, b[2], b[3]);
-  }
-}
-
-EFFATTN_DEVICE int imin(int a, int b) { return a < b ? a : b; }
-EFFATTN_DEVICE int imax(int a, int b) { return a > b ? a : b; }
 
 // The key tiles a query tile visits (forward and dQ) or the query tiles a key tile visits (dK/dV):
 // `n_full` unmasked tiles then `n_part` masked ones. Without a layout they are analytic: full

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) primitives on top of prims.cuh: warpgroup MMA (wgmma) with shared-memory matrix
+// Hopper (sm_90a) primitives on top of common/prims.cuh: warpgroup MMA (wgmma) with shared-memory matrix
 // descriptors, and the proxy fence its shared-memory operands need. Inline PTX under nvcc when
 // compiling for sm_90a (elsewhere the bodies are empty and EFFATTN_SM90A is 0: kernels built on
 // these compile to stubs that the launcher never starts); the exact emulation of emu/wgmma.h
@@ -16,7 +16,7 @@
 // d: the m64nN accumulator fragment as [N / 8][4] floats per thread (emu/fragments.h).
 #pragma once
 
-#include "prims.cuh"
+#include "common/prims.cuh"
 
 #if defined(EFFATTN_CUDA_EMU)
 #include "emu/wgmma.h"

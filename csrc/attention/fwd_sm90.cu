@@ -1,10 +1,10 @@
 // Entry point of the Hopper (sm_90a, wgmma) softmax-attention forward: dispatch on dtype and head
-// dim (64 and 128 only) to the kernel of attn_fwd_sm90.cuh. Its device code exists only in the
+// dim (64 and 128 only) to the kernel of fwd_sm90.cuh. Its device code exists only in the
 // sm_90a part of a build (EFFATTN_SM90A); setup.py defines EFFATTN_SM90A_BUILT when the build has
 // that part, and without it the launcher refuses (the part-1 forward serves instead). Under
 // EFFATTN_CUDA_EMU the kernel runs through the emulation.
-#include "attn_fwd_sm90.cuh"
-#include "attn_launch.cuh"
+#include "attention/fwd_sm90.cuh"
+#include "attention/launch.cuh"
 
 namespace effattn {
 namespace {

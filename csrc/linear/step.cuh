@@ -6,7 +6,7 @@
 //   / sqrt(F), x' = sqrt(scale) x; the projection on tensor cores.
 #pragma once
 
-#include "linear_common.cuh"
+#include "linear/common.cuh"
 
 namespace effattn {
 

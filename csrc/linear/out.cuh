@@ -10,7 +10,7 @@
 // Epilogue: ax_t z terms, normalization, the feature map's derivative, the store.
 #pragma once
 
-#include "linear_common.cuh"
+#include "linear/common.cuh"
 
 namespace effattn {
 

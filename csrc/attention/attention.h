@@ -64,11 +64,11 @@ inline int head_dim_bucket(int d) {
   return -1;
 }
 
-// Launchers (attention.cu: forward, attention_bwd.cu: backward). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
+// Launchers (fwd.cu: forward, bwd.cu: backward). `bf16`: the element type (else fp16); `stream`: a cudaStream_t (null
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
-// The Hopper forward (attention_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
+// The Hopper forward (fwd_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
 // no sm_90a code). Only for devices of compute capability 9.0.
 int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);
 bool attention_fwd_sm90_built();

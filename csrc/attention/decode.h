@@ -11,7 +11,7 @@
 // first kernel writes the output directly.
 #pragma once
 
-#include "attention.h"
+#include "attention/attention.h"
 
 namespace effattn {
 

@@ -1,0 +1,123 @@
+// The torch glue of the softmax-attention kernels (csrc/attention/: forward, Hopper forward,
+// backward): argument preparation (attention_args.h), allocation, the ops' schemas. See common.h
+// for the two builds.
+#include "binding/attention_args.h"
+
+#if defined(EFFATTN_CUDA_EMU)
+#include "attention/bwd.cu"
+#include "attention/fwd.cu"
+#include "attention/fwd_sm90.cu"
+#endif
+
+namespace {
+
+using namespace effattn::binding;
+
+using FwdLauncher = int (*)(const effattn::AttnParams&, bool, void*);
+
+std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const optional<Tensor>& kpm, const optional<Tensor>& layout, int64_t layout_block,
+                                   int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+                                   const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
+                                   int64_t right) {
+  EFFATTN_GUARD(q);
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
+                       dropout_p, left, right);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  poison(out);
+  poison(lse);
+  effattn::AttnParams& p = r.p;
+  p.o = out.data_ptr();
+  p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  run_checked(launch(p, r.bf16, EFFATTN_STREAM), "forward");
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                         int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                         int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                         double dropout_p, int64_t left, int64_t right) {
+  return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
+                 dropout_p, left, right);
+}
+
+// The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
+std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                              int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                              int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                              double dropout_p, int64_t left, int64_t right) {
+  const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
+  check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
+  check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
+  return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
+                 scale, dropout_p, left, right);
+}
+
+bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(
+    const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
+    int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+    const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
+    double dropout_p, int64_t left, int64_t right) {
+  EFFATTN_GUARD(q);
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
+                       scale, dropout_p, left, right);
+  effattn::AttnParams& p = r.p;
+  Tensor dout = aligned(dout0.to(q.scalar_type()));
+  Tensor out = out0.contiguous();
+  Tensor lse = lse0.contiguous();
+  Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
+  Tensor dk = at::empty({p.B, p.H / p.G, p.Lk, p.D}, q.options());
+  Tensor dv = at::empty({p.B, p.H / p.G, p.Lk, p.Dv}, q.options());
+  Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  if (p.Lq == 0 || p.B * p.H == 0) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+  } else {
+    poison(dq), poison(dk), poison(dv), poison(delta);
+    Tensor dl;
+    if (dlse.has_value()) {
+      dl = dlse->to(at::kFloat);
+      p.dlse = dl.data_ptr<float>();
+      p.dl_b = dl.stride(0), p.dl_h = dl.stride(1), p.dl_l = dl.stride(2);
+    }
+    p.dout = dout.data_ptr();
+    p.do_b = stride_or_0(dout, 0), p.do_h = stride_or_0(dout, 1), p.do_l = dout.stride(2);
+    p.o = out.data_ptr();
+    p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
+    p.lse = lse.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    p.delta_out = delta.data_ptr<float>();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
+  }
+  auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
+  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3))};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
+        "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
+        "int window_right) -> (Tensor, Tensor)");
+  m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
+        "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
+        "int window_right) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
+        "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
+        "int window_left, int window_right) -> (Tensor, Tensor)");
+  m.def("has_sm90a() -> bool", has_sm90a);
+}
+
+TORCH_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
+  m.impl("attention_fwd", attention_fwd);
+  m.impl("attention_bwd", attention_bwd);
+  m.impl("attention_fwd_sm90", attention_fwd_sm90);
+}

@@ -1,0 +1,110 @@
+// The softmax-attention ops' arguments as an AttnParams (attention_args.h).
+#include "binding/attention_args.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace effattn {
+namespace binding {
+
+// A tensor the kernels can read with 16-byte cp.async rows: last dim contiguous and a multiple of
+// 8, row/head/batch strides multiples of 8 elements, 16-byte aligned base. Otherwise a zero-padded
+// contiguous copy (explain() names it).
+Tensor aligned(const Tensor& t) {
+  bool ok = t.stride(3) == 1 && t.size(3) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3 && ok; ++d) ok = t.stride(d) % 8 == 0 || t.size(d) <= 1;
+  if (ok) return t;
+  int64_t pad = (8 - t.size(3) % 8) % 8;
+  return at::constant_pad_nd(t, {0, pad}).contiguous();
+}
+
+// Fills everything but the output / gradient pointers.
+Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const optional<Tensor>& kpm,
+                 const optional<Tensor>& layout, int64_t layout_block, int64_t lay_check,
+                 const optional<Tensor>& lists, int64_t list_wf, const optional<Tensor>& lists_by_key,
+                 int64_t listk_wf, const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
+                 int64_t right) {
+  check(q0.dim() == 4 && k0.dim() == 4 && v0.dim() == 4, "q, k, v must be 4-D (B, H, L, D)");
+  check(q0.scalar_type() == k0.scalar_type() && q0.scalar_type() == v0.scalar_type(), "q, k, v must share a dtype");
+  check(q0.scalar_type() == at::kBFloat16 || q0.scalar_type() == at::kHalf, "dtype must be bfloat16 or float16");
+  Prepared r;
+  r.bf16 = q0.scalar_type() == at::kBFloat16;
+  r.q = aligned(q0);
+  r.k = aligned(k0);
+  r.v = aligned(v0);
+  effattn::AttnParams& p = r.p;
+  p.B = int(q0.size(0));
+  p.H = int(q0.size(1));
+  const int Hkv = int(k0.size(1));
+  check(Hkv > 0 && p.H % Hkv == 0, "H must be a multiple of Hkv");
+  p.G = p.H / Hkv;
+  p.Lq = int(q0.size(2));
+  p.Lk = int(k0.size(2));
+  p.D = int(r.q.size(3));
+  p.Dv = int(r.v.size(3));
+  p.Dv_out = int(v0.size(3));
+  check(effattn::head_dim_bucket(std::max(p.D, p.Dv)) > 0, "head dims must be at most 256");
+  p.q = r.q.data_ptr();
+  p.k = r.k.data_ptr();
+  p.v = r.v.data_ptr();
+  p.q_b = stride_or_0(r.q, 0), p.q_h = stride_or_0(r.q, 1), p.q_l = r.q.stride(2);
+  p.k_b = stride_or_0(r.k, 0), p.k_h = stride_or_0(r.k, 1), p.k_l = r.k.stride(2);
+  p.v_b = stride_or_0(r.v, 0), p.v_h = stride_or_0(r.v, 1), p.v_l = r.v.stride(2);
+  p.off = p.Lk - p.Lq;
+  // The caller sends the normalized window (effattn/visibility.py: a window wider than the sequences
+  // is no window, -1); the bounds are only checked here (and then fit in int32).
+  check(left == -1 || (left >= 0 && left < std::max(p.Lk - 1, 0)),
+        "window_left must be -1 (no window) or in [0, Lk - 1): the caller normalizes a wider window to -1");
+  check(right == -1 || (right >= 0 && right < std::max(p.Lq - 1, 0)),
+        "window_right must be -1 (no window) or in [0, Lq - 1): the caller normalizes a wider window to -1");
+  p.left = int(left);
+  p.right = int(right);
+  p.scale = float(scale);
+  p.qk_scale = float(scale * 1.4426950408889634);
+  if (kpm.has_value()) {
+    check(kpm->scalar_type() == at::kBool && kpm->dim() == 2, "key_padding_mask must be bool (B, Lk)");
+    r.kpm = kpm->view(at::kByte);
+    p.kpm = r.kpm.data_ptr<uint8_t>();
+    p.kpm_b = r.kpm.stride(0);
+    p.kpm_l = r.kpm.stride(1);
+  }
+  if (layout.has_value()) {
+    r.layout = layout->to(at::kByte).contiguous();
+    p.layout = r.layout.data_ptr<uint8_t>();
+    p.lay_h = r.layout.size(0) > 1 ? r.layout.stride(0) : 0;
+    p.lay_nkb = int(r.layout.size(2));
+    p.lay_bs = int(layout_block);
+    p.lay_check = int(lay_check);
+    check(lists.has_value(), "a layout needs its tile lists");
+  }
+  if (lists.has_value()) {
+    r.lists = lists->contiguous();
+    p.lists = r.lists.data_ptr<int32_t>();
+    p.list_h = r.lists.size(0) > 1 ? r.lists.stride(0) : 0;
+    p.list_t = r.lists.stride(1);
+    p.list_wf = int(list_wf);
+  }
+  if (lists_by_key.has_value()) {
+    r.lists_by_key = lists_by_key->contiguous();
+    p.lists_by_key = r.lists_by_key.data_ptr<int32_t>();
+    p.listk_h = r.lists_by_key.size(0) > 1 ? r.lists_by_key.stride(0) : 0;
+    p.listk_t = r.lists_by_key.stride(1);
+    p.listk_wf = int(listk_wf);
+  }
+  if (dropout_p > 0) {
+    check(seed.has_value() && seed->numel() == 2, "dropout needs a seed tensor of 2 int64");
+    Tensor s = seed->to(at::kCPU).to(at::kLong);
+    const uint64_t s0 = uint64_t(s[0].item<int64_t>()), s1 = uint64_t(s[1].item<int64_t>());
+    // one 64-bit Philox key, the same as the Triton backend's for the same seed tensor
+    const uint64_t key = ((s0 << 31) ^ s1) | (uint64_t(1) << 62);
+    p.dropout = 1;
+    p.seed_lo = uint32_t(key & 0xffffffffu);
+    p.seed_hi = uint32_t(key >> 32);
+    p.drop_thresh = int(std::min<double>(std::nearbyint(dropout_p * (1 << 24)), (1 << 24) - 1));
+    p.inv_keep = float(1.0 / (1.0 - dropout_p));
+  }
+  return r;
+}
+
+}  // namespace binding
+}  // namespace effattn

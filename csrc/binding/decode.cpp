@@ -1,0 +1,63 @@
+// The torch glue of the split-KV decode kernels (csrc/attention/decode.cu): the same argument
+// preparation as the softmax-attention ops (attention_args.h), the split buffers, the op's schema.
+#include "attention/decode.h"
+#include "binding/attention_args.h"
+
+#if defined(EFFATTN_CUDA_EMU)
+#include "attention/decode.cu"
+#endif
+
+namespace {
+
+using namespace effattn::binding;
+
+// Split-KV decode (Lq <= 16, forward only): `lists` are the tile lists of query tile 0 (16 rows)
+// against key tiles of kDecodeBlockN, per KV head; layout_check 2 masks their full tiles too (lists
+// of a per-head layout OR-ed over each GQA group).
+std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                            int64_t layout_block, int64_t layout_check, const optional<Tensor>& lists,
+                                            int64_t list_wf, double scale, int64_t left, int64_t right,
+                                            int64_t splits) {
+  EFFATTN_GUARD(q);
+  check(q.dim() == 4 && q.size(2) <= effattn::kDecodeMaxQueries, "decode takes at most 16 query rows");
+  check(splits >= 1, "decode needs at least one split");
+  Prepared r = prepare(q, k, v, kpm, layout, layout_block, layout.has_value() ? 1 : 0, lists, list_wf,
+                       c10::nullopt, 0, c10::nullopt, scale, 0.0, left, right);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  poison(out);
+  poison(lse);
+  effattn::DecodeParams d{};
+  d.a = r.p;
+  d.a.o = out.data_ptr();
+  d.a.o_b = out.stride(0), d.a.o_h = out.stride(1), d.a.o_l = out.stride(2);
+  d.a.lse = lse.data_ptr<float>();
+  d.splits = int(splits);
+  d.rows = d.a.G * d.a.Lq;
+  d.row_tiles = (d.rows + effattn::kDecodeRows - 1) / effattn::kDecodeRows;
+  d.mask_full = layout_check == 2;
+  Tensor part_o, part_lse;
+  if (splits > 1) {
+    part_o = at::empty({q.size(0) * q.size(1) * q.size(2), splits, v.size(3)}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({q.size(0) * q.size(1) * q.size(2), splits}, q.options().dtype(at::kFloat));
+    poison(part_o);
+    poison(part_lse);
+    d.part_o = part_o.data_ptr<float>();
+    d.part_lse = part_lse.data_ptr<float>();
+  }
+  run_checked(effattn::attention_decode(d, r.bf16, EFFATTN_STREAM), "decode");
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
+  m.def("attention_decode(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
+        "int layout_block, int layout_check, Tensor? lists, int list_wf, float scale, int window_left, "
+        "int window_right, int splits) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
+  m.impl("attention_decode", attention_decode);
+}
