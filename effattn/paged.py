@@ -129,12 +129,12 @@ def paged_path(q: Tensor, backend: str):
 def explain_paged(q, k_pages, v_pages, *, block_table, seqlens, **kwargs):
     """`effattn.explain` of a paged call: with the in-place Triton kernel, that; otherwise the
     explanation of the contiguous call the gather makes, each backend noting the gather."""
-    from .functional import Explanation, explain
+    from .functional import Explanation, Row, explain
     _check_paged(q, k_pages, v_pages, block_table, seqlens)
     path, why = paged_path(q, kwargs.pop("backend", "auto"))
     if path == "triton":
-        return Explanation("attention (paged)", "triton", {"triton": []},
-                           {"triton": "paged kernel: reads the key/value pages in place"})
+        row = Row("triton/paged", "triton", 0, [], [], "paged kernel: reads the key/value pages in place")
+        return Explanation("attention (paged)", [row], row.path, {}, {"triton": [row.path]})
     S = block_table.shape[1] * k_pages.shape[1]
     B, Hkv = q.shape[0], k_pages.shape[2]
     k = k_pages.new_zeros(1).expand(B, Hkv, S, k_pages.shape[3])     # shapes only, nothing gathered
