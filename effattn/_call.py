@@ -46,7 +46,7 @@ def _fail(kind, msg):
 
 # The keyword arguments of the public functions (explain takes those of its op, without backend).
 ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
-                      "backend")
+                      "softcap", "sinks", "bias", "backend")
 LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
 
 
@@ -110,6 +110,7 @@ class AttnCall:
     dropout_p: float
     return_lse: bool
     seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+    score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
 
     @property
     def B(self): return self.q.shape[0]
@@ -138,11 +139,12 @@ class AttnCall:
         if self.Lq != self.Lk: f.add("lq_ne_lk")
         if self.D != self.Dv: f.add("dv_ne_d")
         if self.return_lse: f.add("return_lse")
+        if self.score is not None: f |= self.score.features()
         return f
 
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
-                   scale=None, dropout_p=0.0, return_lse=False) -> AttnCall:
+                   scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None) -> AttnCall:
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -177,12 +179,14 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         _fail(TypeError, f"attention: scale must be a finite float, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    from .score import make_score_terms
+    score = make_score_terms("attention", q, k, softcap=softcap, sinks=sinks, bias=bias)
     seed = None
     if dropout_p > 0:
         # drawn from torch's default generator so torch.manual_seed makes dropout reproducible
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
     return AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
-                    bool(return_lse), seed)
+                    bool(return_lse), seed, score)
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -22,6 +22,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..base import FEATURES, Backend, Capabilities, attention_autograd, register
 from . import cpu_fused
 from ..._call import compute_dtype as _compute_dtype
+from ...score import backward_setup
 from ...visibility import Rule
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
@@ -172,17 +173,9 @@ def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
                        seed, scale, dropout_p, window_left, window_right) -> Tuple[Tensor, Tensor, Tensor]:
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    cdt = _compute_dtype(q.dtype)
-    dq = torch.zeros(B, H, Lq, D, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(B, Hkv, Lk, D, dtype=cdt, device=q.device)
-    dv = torch.zeros(B, Hkv, Lk, Dv, dtype=cdt, device=q.device)
+    Hkv = k.shape[1]
     # Delta_i = sum_j P_ij dP_ij = rowsum(dO * O); a gradient into lse enters as dS += dlse * P.
-    delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(cdt)
-    lse = lse.to(cdt)
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    cdt, dq, dk, dv, delta, lse, lse_safe = backward_setup(grad_out, grad_lse, q, k, v, out, lse)
     for c, s, qc, kc in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
                                        window_right):
         i0, i1 = c.i0, c.i1
@@ -242,6 +235,9 @@ ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _run(call):
+    if call.score is not None:              # softcap, sinks, bias: the score-terms reference (effattn.score)
+        from ...score import reference
+        return reference(call)
     path, _ = cpu_fused.cpu_path(call)
     if path != "reference":                 # CPU: torch's flash kernel or the batched blocks path
         return cpu_fused.run(call, path)
@@ -252,6 +248,9 @@ def _run(call):
 
 
 def _describe(call):
+    if call.score is not None:
+        return ("score terms (" + ", ".join(sorted(call.score.features())) + "): the chunked score-terms reference "
+                "(effattn.score), several times slower than the fused CPU paths")
     return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.q.device.type == "cpu" else None
 
 

@@ -1,0 +1,273 @@
+"""Score terms (softcap, sinks, bias: ALiBi, Relative tables, adaptive span, dense tensors) against
+the float64 oracle (tests/oracle.py: score_attention), forward and backward including the terms'
+parameter gradients, alone and combined with causal / window / layout / GQA / padding; their
+determinism, validation and what `explain` says for backends that lack them."""
+import math
+
+import pytest
+import torch
+
+import effattn
+from effattn import score as score_mod
+from effattn.bias import ALiBi, Relative, Span, alibi_slopes, t5_bucket_index
+from effattn.layouts import BlockLayout
+from conftest import DEVICE, random_qkv
+from oracle import score_attention
+
+FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _terms(kind, B, H, Lq, Lk, g):
+    """(kwargs of attention, the leaf tensors whose gradients are checked) for a term kind."""
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    if kind == "softcap":
+        return dict(softcap=1.5), {}
+    if kind == "sinks":
+        return dict(sinks=r(H)), {"sinks": None}
+    if kind == "alibi":
+        return dict(bias=ALiBi(alibi_slopes(H).double() + 0.05 * r(H))), {"slopes": None}
+    if kind == "alibi-BH":
+        return dict(bias=ALiBi(torch.rand(B, H, generator=g, dtype=torch.float64))), {"slopes": None}
+    if kind == "relative":
+        return dict(bias=Relative(r(H, 2 * 6 + 1), max_distance=6)), {"table": None}
+    if kind == "relative-past":
+        return dict(bias=Relative(r(H, 5 + 3), max_distance=5, bidirectional=False)), {"table": None}
+    if kind == "span":
+        z = torch.tensor([2.3, 7.6, 0.4, 11.1], dtype=torch.float64)[:H]
+        return dict(bias=Span(z, ramp=4, max_span=12.0)), {"z": None}
+    if kind == "dense":
+        return dict(bias=r(1, H, Lq, Lk)), {"dense": None}
+    if kind == "dense-bcast":
+        return dict(bias=r(Lk)), {"dense": None}
+    if kind == "all":
+        z = torch.full((H,), 5.5, dtype=torch.float64)
+        return dict(softcap=3.0, sinks=r(H), bias=[ALiBi(0.1 * torch.rand(H, generator=g, dtype=torch.float64)),
+                                                   Relative(r(H, 9), max_distance=4), Span(z, ramp=3, max_span=9),
+                                                   r(B, 1, Lq, 1)]), {}
+    raise KeyError(kind)
+
+
+def _leaves(kw, dtype):
+    """Detached copies of every tensor in kw (score terms rebuilt over them) that require grad, in
+    float32 for the kernel call (the parameters' dtype) and float64 for the oracle."""
+    def conv(x, dt, out):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to(dt).to(DEVICE).requires_grad_()
+            out.append(t)
+            return t
+        if isinstance(x, (list, tuple)):
+            return [conv(y, dt, out) for y in x]
+        if hasattr(x, "params"):
+            return x.with_params(*[conv(p, dt, out) for p in x.params()])
+        return x
+    a, b = [], []
+    kw32 = {n: conv(x, torch.float32 if dtype != torch.float64 else torch.float64, a) for n, x in kw.items()}
+    kw64 = {n: conv(x, torch.float64, b) for n, x in kw.items()}
+    return kw32, a, kw64, b
+
+
+def judge(got, ref, naive, mult, dtype, what):
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    err = (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
+    nerr = (naive.double() - ref.double()).abs().max().item() if got.numel() else 0.0
+    assert err <= mult * nerr + FLOOR[dtype], f"{what}: error {err:.3g} > {mult}x naive {nerr:.3g} + floor"
+
+
+def check(shape, kind, base_kw, dtype, backend="torch", seed=0):
+    B, H, Hkv, Lq, Lk, D = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, D, g, dtype)
+    terms, _ = _terms(kind, B, H, Lq, Lk, g)
+    kw = dict(base_kw)
+    if "key_padding_mask" in kw:
+        kw["key_padding_mask"] = kw["key_padding_mask"].to(DEVICE)
+    kw32, p32, kw64, p64 = _leaves(terms, dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = effattn.attention(*leaves, return_lse=True, backend=backend, **kw, **kw32)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = score_attention(*ref_leaves, **kw, **kw64)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    grads = torch.autograd.grad(out, leaves + p32, go)
+    ref_grads = torch.autograd.grad(ref, ref_leaves + p64, go.double())
+    if dtype == torch.float64:
+        for name, a, b in zip(["out", "dq", "dk", "dv"] + [f"dparam{i}" for i in range(len(p32))],
+                              (out,) + grads, (ref,) + ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=name)
+    else:
+        low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        kwl, pl, _, _ = _leaves(terms, dtype)
+        low, _ = score_attention(*low_leaves, dtype=dtype, **kw, **kwl)
+        low_grads = torch.autograd.grad(low, low_leaves + pl, go)
+        judge(out, ref, low, 2, dtype, "out")
+        for i, (a, b, c) in enumerate(zip(grads, ref_grads, low_grads)):
+            judge(a, b, c, 3, dtype, f"grad {i}")
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(ref_lse).cpu())
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= (1e-9 if dtype == torch.float64 else 1e-3)
+    for p, gp in zip(p32, grads[3:]):
+        assert gp.dtype == p.dtype and gp.shape == p.shape
+
+
+KINDS = ["softcap", "sinks", "alibi", "alibi-BH", "relative", "relative-past", "span", "dense", "dense-bcast", "all"]
+MODES = {
+    "dense": ((2, 2, 2, 21, 21, 8), {}),
+    "causal": ((1, 2, 2, 19, 19, 8), dict(causal=True)),
+    "causal-Lq<Lk": ((1, 2, 2, 7, 23, 8), dict(causal=True)),
+    "causal-Lq>Lk-empty": ((1, 2, 2, 20, 9, 8), dict(causal=True)),
+    "window": ((1, 2, 2, 24, 24, 8), dict(window=(5, 3))),
+    "gqa": ((2, 4, 2, 17, 17, 8), dict(causal=True)),
+    "kpm": ((2, 2, 2, 16, 16, 8), dict(key_padding_mask=torch.tensor([[False] * 10 + [True] * 6, [True] * 16]))),
+    "layout": ((1, 2, 2, 32, 32, 8), dict(layout=BlockLayout(torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0],
+                                                                             [0, 0, 1, 0], [1, 0, 1, 1]]]).bool(),
+                                                                8))),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_float64_matches_oracle(kind, mode):
+    shape, kw = MODES[mode]
+    check(shape, kind, kw, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["all", "relative", "span", "sinks"])
+def test_torch_low_precision_rule(kind, dtype):
+    check((2, 4, 2, 19, 23, 16), kind, dict(causal=True), dtype)
+
+
+def test_many_blocks_match(monkeypatch):
+    """Several query blocks (the relative table's diagonal sums and the dense gradient per block)."""
+    monkeypatch.setattr(score_mod, "SCORE_BUDGET", 64)
+    for kind in ("all", "relative", "relative-past", "dense", "span"):
+        check((1, 2, 2, 37, 41, 8), kind, dict(window=(9, 2)), torch.float64, seed=3)
+
+
+def test_parameter_gradients_bitwise_repeatable():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = random_qkv(2, 4, 2, 33, 33, 16, 16, g, torch.float32)
+    terms, _ = _terms("all", 2, 4, 33, 33, g)
+
+    def run():
+        kw, ps, _, _ = _leaves(terms, torch.float32)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = effattn.attention(*leaves, causal=True, **kw)
+        return torch.autograd.grad(out.square().sum(), leaves + ps)
+
+    a, b = run(), run()
+    assert len(a) == 3 + 5                   # q, k, v, sinks, slopes, table, z, dense
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        assert x.dtype == torch.float32
+
+
+def test_sinks_rows_seeing_nothing():
+    """With sinks a row that sees no key outputs 0 and its lse is its sink logit; sink gradients there."""
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, device=DEVICE) for _ in range(3))
+    kpm = torch.ones(1, 6, dtype=torch.bool, device=DEVICE)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, device=DEVICE, requires_grad=True)
+    out, lse = effattn.attention(q, k, v, key_padding_mask=kpm, sinks=sinks, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sinks.detach()[None, :, None].expand(1, 2, 6))
+    (gs,) = torch.autograd.grad(lse.sum(), sinks)
+    assert torch.equal(gs, torch.full_like(gs, 6.0))
+
+
+def test_span_hides_keys_and_softcap_bounds_scores():
+    L = 40
+    q, k, v = (torch.randn(1, 2, L, 8, device=DEVICE) for _ in range(3))
+    z = torch.tensor([0.0, 3.0], device=DEVICE)
+    v_eye = torch.eye(L, device=DEVICE).expand(1, 2, L, L)
+    p = effattn.attention(q, k, v_eye, causal=True, bias=Span(z, ramp=2, max_span=10))
+    d = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+    assert (p[0, 0][(d >= 2) | (d < 0)] == 0).all() and (p[0, 0][(d >= 0) & (d < 2)] > 0).all()
+    assert (p[0, 1][(d >= 5) | (d < 0)] == 0).all() and (p[0, 1][(d >= 0) & (d < 5)] > 0).all()
+    big = effattn.attention(q * 100, k * 100, v_eye, softcap=2.0)
+    assert big.max() <= math.exp(4.0) / (math.exp(4.0) + (L - 1) * math.exp(-4.0)) + 1e-6
+
+
+def test_dropout_with_terms_matches_recovered_mask():
+    B, H, L, p = 1, 2, 24, 0.3
+    q, k = (torch.randn(B, H, L, 8, dtype=torch.float64) for _ in range(2))
+    eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L).contiguous()
+    kw = dict(causal=True, softcap=2.0, sinks=torch.randn(H, dtype=torch.float64),
+              bias=Relative(torch.randn(H, 9, dtype=torch.float64), max_distance=4))
+    torch.manual_seed(5)
+    a = effattn.attention(q, k, eye, dropout_p=p, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(a, effattn.attention(q, k, eye, dropout_p=p, **kw))
+    probs, _ = score_attention(q, k, eye, **kw)
+    keep = a != 0
+    assert 0.55 < keep[probs > 0].double().mean().item() < 0.85
+    v = torch.randn(B, H, L, 8, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    out = effattn.attention(*leaves, dropout_p=p, **kw)
+    rl = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = score_attention(*rl, dropout_keep=keep, dropout_p=p, **kw)
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(out)
+    for x, y in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go)):
+        torch.testing.assert_close(x, y)
+
+
+def test_t5_bucket_index_reproduces_transformers():
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    for bidirectional in (True, False):
+        for nb, M in ((32, 128), (8, 20)):
+            idx = t5_bucket_index(nb, M, bidirectional)
+            L = M + 30
+            d = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+            want = t5.T5Attention._relative_position_bucket(-d, bidirectional=bidirectional, num_buckets=nb,
+                                                            max_distance=M)
+            col = d.clamp(-M, M) + M if bidirectional else d.clamp(0, M)
+            assert torch.equal(idx[col], want)
+
+
+def test_alibi_slopes_are_the_papers():
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    for n in (1, 3, 6, 12):
+        mask = torch.ones(1, 5)
+        ref = bloom.build_alibi_tensor(mask, n, torch.float32).view(n, 5)[:, 1]
+        assert torch.allclose(alibi_slopes(n), ref), n
+
+
+def _err(match, **kw):
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    with pytest.raises((ValueError, TypeError), match=match):
+        effattn.attention(q, k, v, **kw)
+
+
+def test_validation_errors_name_the_argument():
+    _err("softcap must be a finite float > 0", softcap=0.0)
+    _err("softcap must be a finite float > 0", softcap=float("inf"))
+    _err("softcap must be a float", softcap="1")
+    _err(r"sinks must have shape \(H,\)=\(2,\)", sinks=torch.zeros(3))
+    _err("sinks must be a floating-point tensor", sinks=torch.zeros(2, dtype=torch.long))
+    _err("sinks must be a", sinks=[0.0, 1.0])
+    _err(r"ALiBi.slopes must have shape", bias=ALiBi(torch.ones(3)))
+    _err("Relative.table has 5 entries per head, shorter than 2 \\* max_distance \\+ 1 = 9",
+         bias=Relative(torch.zeros(2, 5), max_distance=4))
+    _err("Relative.table has 4 entries per head, shorter than max_distance \\+ 1 = 5",
+         bias=Relative(torch.zeros(2, 4), max_distance=4, bidirectional=False))
+    _err("does not broadcast to", bias=torch.zeros(3, 8))
+    _err("does not broadcast to", bias=torch.zeros(1, 2, 2, 8, 8))
+    _err(r"Span.z must lie in \[0, max_span=4", bias=Span(torch.tensor([1.0, 5.0]), ramp=2, max_span=4))
+    _err(r"Span.z must lie in", bias=Span(torch.tensor([-0.5, 1.0]), ramp=2, max_span=4))
+    _err("Span.ramp must be > 0", bias=Span(torch.tensor([1.0, 1.0]), ramp=0, max_span=4))
+    _err("bias must be a tensor, an effattn.bias term", bias=3.0)
+    _err("bias is an empty list", bias=[])
+
+
+def test_explain_names_the_missing_term():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    e = effattn.explain(q, k, v, softcap=1.0, bias=ALiBi(torch.ones(2)))
+    assert e.can_serve("torch")
+    assert "score terms" in e.paths["torch"]
+    for name in ("triton", "cuda"):
+        if name in e.reasons and e.reasons[name]:
+            text = "; ".join(e.reasons[name])
+            if "does not support" in text:
+                assert "softcap" in text or "bias=alibi" in text
