@@ -115,13 +115,17 @@ def _chunk_rows(B: int, H: int, Lq: int, Lk: int) -> int:
     return min(max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1))), max(Lq, 1))
 
 
-def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> Rule:
-    """The call's visibility rule, its left bound tightened to the span's horizon (keys beyond it
-    are invisible to every head), so blocks skip those keys."""
+def span_left(left: int, score: ScoreTerms) -> int:
+    """The call's left window bound tightened to the span's horizon (keys beyond it are invisible to
+    every head), so that blocks and tiles beyond it are skipped."""
     hz = score.horizon()
     if hz is not None:
         left = hz - 1 if left < 0 else min(left, hz - 1)
-    return Rule(Lq, Lk, left, right, layout_mask, layout_block)
+    return left
+
+
+def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> Rule:
+    return Rule(Lq, Lk, span_left(left, score), right, layout_mask, layout_block)
 
 
 def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms):
@@ -270,15 +274,18 @@ def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_bl
 
 
 class ScoreAttention(torch.autograd.Function):
-    """The torch reference of a call with score terms: inputs (q, k, v, *score.tensors()) after a
-    tuple of the call's static arguments; returns (out, lse)."""
+    """A call with score terms as an autograd function: inputs (static, q, k, v, *score.tensors())
+    with ``static = (impl, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
+    score)``; ``impl.forward(q, k, v, *static[1:])`` gives (out, lse) and ``impl.backward(grad_out,
+    grad_lse, q, k, v, out, lse, *static[1:])`` (dq, dk, dv, *the tensors' gradients). Returns
+    (out, lse). The torch reference is one impl (`Reference`), the Triton kernels another."""
 
     @staticmethod
     def forward(ctx, static, q, k, v, *tensors):
-        layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score = static
+        impl, *args, score = static
         score = score.with_tensors([t.detach() for t in tensors])
-        out, lse = score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score)
-        ctx.static = (layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score)
+        out, lse = impl.forward(q, k, v, *args, score)
+        ctx.static = (impl, *args, score)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -286,20 +293,24 @@ class ScoreAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score = ctx.static
+        impl, *args, score = ctx.static
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        score = score.with_tensors(tensors)
-        gs = score_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm,
-                            seed, scale, dropout_p, left, right, score)
+        gs = impl.backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *args, score.with_tensors(tensors))
         return (None, *gs)
 
 
-def reference(call):
-    """(out, lse) of a call with score terms on the torch reference; differentiable in q, k, v and
-    every term's tensors."""
+class Reference:
+    """The torch reference as an implementation of `ScoreAttention`."""
+    forward = staticmethod(score_forward)
+    backward = staticmethod(score_backward)
+
+
+def run(call, impl=Reference):
+    """(out, lse) of a call with score terms on `impl`; differentiable in q, k, v and every term's
+    tensors."""
     lay = call.layout
-    static = (lay.mask if lay is not None else None, lay.block_size if lay is not None else 0,
+    static = (impl, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0,
               call.key_padding_mask, call.seed, call.scale, call.dropout_p, call.window_left, call.window_right,
               call.score)
     return ScoreAttention.apply(static, call.q, call.k, call.v, *call.score.tensors())

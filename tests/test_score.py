@@ -11,7 +11,7 @@ import effattn
 from effattn import score as score_mod
 from effattn.bias import ALiBi, Relative, Span, alibi_slopes, t5_bucket_index
 from effattn.layouts import BlockLayout
-from conftest import DEVICE, random_qkv
+from conftest import DEVICE, op_backends, random_qkv
 from oracle import score_attention
 
 FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -124,6 +124,10 @@ MODES = {
 }
 
 
+# the kernels under test besides the float64 torch reference (Triton in its interpreter on the CPU)
+KERNELS = [b for b in op_backends("attention") if b in ("triton",)]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_float64_matches_oracle(kind, mode):
@@ -137,6 +141,19 @@ def test_torch_low_precision_rule(kind, dtype):
     check((2, 4, 2, 19, 23, 16), kind, dict(causal=True), dtype)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("kind,mode", [(k, "causal") for k in KINDS] + [("all", m) for m in MODES if m != "causal"])
+def test_kernels_match_oracle(backend, kind, mode):
+    shape, kw = MODES[mode]
+    check(shape, kind, kw, torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernels_low_precision(backend, dtype):
+    check((1, 4, 2, 19, 23, 16), "all", dict(causal=True), dtype, backend=backend)
+
+
 def test_many_blocks_match(monkeypatch):
     """Several query blocks (the relative table's diagonal sums and the dense gradient per block)."""
     monkeypatch.setattr(score_mod, "SCORE_BUDGET", 64)
@@ -144,7 +161,8 @@ def test_many_blocks_match(monkeypatch):
         check((1, 2, 2, 37, 41, 8), kind, dict(window=(9, 2)), torch.float64, seed=3)
 
 
-def test_parameter_gradients_bitwise_repeatable():
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_parameter_gradients_bitwise_repeatable(backend):
     g = torch.Generator().manual_seed(0)
     q, k, v = random_qkv(2, 4, 2, 33, 33, 16, 16, g, torch.float32)
     terms, _ = _terms("all", 2, 4, 33, 33, g)
@@ -152,7 +170,7 @@ def test_parameter_gradients_bitwise_repeatable():
     def run():
         kw, ps, _, _ = _leaves(terms, torch.float32)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = effattn.attention(*leaves, causal=True, **kw)
+        out = effattn.attention(*leaves, causal=True, backend=backend, **kw)
         return torch.autograd.grad(out.square().sum(), leaves + ps)
 
     a, b = run(), run()
@@ -187,29 +205,33 @@ def test_span_hides_keys_and_softcap_bounds_scores():
     assert big.max() <= math.exp(4.0) / (math.exp(4.0) + (L - 1) * math.exp(-4.0)) + 1e-6
 
 
-def test_dropout_with_terms_matches_recovered_mask():
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_dropout_with_terms_matches_recovered_mask(backend):
     B, H, L, p = 1, 2, 24, 0.3
-    q, k = (torch.randn(B, H, L, 8, dtype=torch.float64) for _ in range(2))
-    eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L).contiguous()
-    kw = dict(causal=True, softcap=2.0, sinks=torch.randn(H, dtype=torch.float64),
-              bias=Relative(torch.randn(H, 9, dtype=torch.float64), max_distance=4))
+    dt = torch.float64 if backend == "torch" else torch.float32
+    q, k = (torch.randn(B, H, L, 8, dtype=dt, device=DEVICE) for _ in range(2))
+    eye = torch.eye(L, dtype=dt, device=DEVICE).expand(B, H, L, L).contiguous()
+    kw = dict(causal=True, softcap=2.0, sinks=torch.randn(H, dtype=dt, device=DEVICE),
+              bias=Relative(torch.randn(H, 9, dtype=dt, device=DEVICE), max_distance=4), backend=backend)
     torch.manual_seed(5)
     a = effattn.attention(q, k, eye, dropout_p=p, **kw)
     torch.manual_seed(5)
     assert torch.equal(a, effattn.attention(q, k, eye, dropout_p=p, **kw))
-    probs, _ = score_attention(q, k, eye, **kw)
+    okw = {n: x for n, x in kw.items() if n != "backend"}
+    probs, _ = score_attention(q, k, eye, **okw)
     keep = a != 0
     assert 0.55 < keep[probs > 0].double().mean().item() < 0.85
-    v = torch.randn(B, H, L, 8, dtype=torch.float64)
+    torch.testing.assert_close(a[keep].double(), probs[keep].double() / (1 - p), atol=1e-5, rtol=1e-4)
+    v = torch.randn(B, H, L, 8, dtype=dt, device=DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(5)
     out = effattn.attention(*leaves, dropout_p=p, **kw)
-    rl = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref, _ = score_attention(*rl, dropout_keep=keep, dropout_p=p, **kw)
-    torch.testing.assert_close(out, ref)
+    rl = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = score_attention(*rl, dropout_keep=keep, dropout_p=p, **okw)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
     go = torch.randn_like(out)
-    for x, y in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go)):
-        torch.testing.assert_close(x, y)
+    for x, y in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        torch.testing.assert_close(x.double(), y, atol=1e-4, rtol=1e-4)
 
 
 def test_t5_bucket_index_reproduces_transformers():
@@ -262,12 +284,19 @@ def test_validation_errors_name_the_argument():
 
 
 def test_explain_names_the_missing_term():
+    """The CUDA backend declares no score term: explain says which it lacks; Triton takes one term of
+    each kind and says so for two."""
+    from effattn.backends import base
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     e = effattn.explain(q, k, v, softcap=1.0, bias=ALiBi(torch.ones(2)))
-    assert e.can_serve("torch")
-    assert "score terms" in e.paths["torch"]
-    for name in ("triton", "cuda"):
-        if name in e.reasons and e.reasons[name]:
-            text = "; ".join(e.reasons[name])
-            if "does not support" in text:
-                assert "softcap" in text or "bias=alibi" in text
+    assert e.can_serve("torch") and "score terms" in e.paths["torch"]
+    cuda = base._REGISTRY["attention"].get("cuda")
+    if cuda is not None:
+        assert "does not support bias=alibi, softcap" in "; ".join(cuda.reasons(effattn._call.make_attn_call(
+            q, k, v, softcap=1.0, bias=ALiBi(torch.ones(2)))))
+    if KERNELS:
+        two = [ALiBi(torch.ones(2)), ALiBi(torch.ones(2))]
+        e = effattn.explain(q, k, v, bias=two)
+        assert any("2 bias terms of kind ALiBi" in r for r in e.reasons["triton"])
+        with pytest.raises(RuntimeError, match="2 bias terms of kind ALiBi"):
+            effattn.attention(q, k, v, bias=two, backend="triton")

@@ -236,8 +236,8 @@ ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _run(call):
     if call.score is not None:              # softcap, sinks, bias: the score-terms reference (effattn.score)
-        from ...score import reference
-        return reference(call)
+        from ... import score
+        return score.run(call)
     path, _ = cpu_fused.cpu_path(call)
     if path != "reference":                 # CPU: torch's flash kernel or the batched blocks path
         return cpu_fused.run(call, path)

@@ -15,11 +15,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, SCORE_FEATURES, Backend, Capabilities, attention_autograd, register
+from ...base import FEATURES, Backend, Capabilities, attention_autograd, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
     from . import decode, launch
+    from . import score as score_path
 
 if triton is not None:
 
@@ -113,6 +114,9 @@ def _direct(*tensors) -> bool:
 def _run(call):
     """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
     read here, once per call; the backward reuses it."""
+    if call.score is not None:                  # softcap, sinks, bias: the score-terms kernels
+        from .... import score
+        return score.run(call, score_path)
     lay = call.layout
     q, k, v, kpm = call.q, call.k, call.v, call.key_padding_mask
     tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
@@ -152,10 +156,12 @@ BACKEND = register(Backend(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_dim=256,
-        features=FEATURES["attention"] - SCORE_FEATURES,
+        features=FEATURES["attention"],
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
-    describe=lambda call: decode.describe(call) if triton is not None else None,
+    describe=lambda call: (None if triton is None else score_path.describe(call) if call.score is not None
+                           else decode.describe(call)),
+    extra_reasons=lambda call: score_path.reasons(call) if triton is not None and call.score is not None else [],
     notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
     # the interpreter is correct but far slower than the torch reference: CPU only when named
     explicit_only_devices=frozenset({"cpu"})))
