@@ -300,3 +300,79 @@ def test_explain_names_the_missing_term():
         assert any("2 bias terms of kind ALiBi" in r for r in e.reasons["triton"])
         with pytest.raises(RuntimeError, match="2 bias terms of kind ALiBi"):
             effattn.attention(q, k, v, bias=two, backend="triton")
+
+
+# ----------------------------------------------------------------------------------------- modules
+
+def test_adaptive_span_trains_on_a_toy_task():
+    """Copy the token `lag` positions back: the spans shrink from max_span under the span loss to
+    about what the task needs, and the task is learned; the kernels honour the learned spans."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        L, H, D, lag, B = 32, 2, 8, 5, 4
+        span = effattn.nn.AdaptiveSpan(H, max_span=24, ramp=4, init=1.0, loss_coeff=0.01)
+        pos = torch.nn.Parameter(torch.randn(L, D) * 0.5)
+        wq, wk = torch.nn.Linear(D, D * H), torch.nn.Linear(D, D * H)
+        opt = torch.optim.Adam([pos, *wq.parameters(), *wk.parameters()], lr=0.03)
+        opt_span = torch.optim.Adam(span.parameters(), lr=0.01)
+        losses = []
+        for _ in range(150):
+            x = torch.randn(B, L, D)
+            h = x + pos
+            q = wq(h).view(B, L, H, D).transpose(1, 2)
+            k = wk(h).view(B, L, H, D).transpose(1, 2)
+            out = effattn.attention(q, k, x[:, None].expand(B, H, L, D), causal=True, bias=span())
+            task = ((out.mean(1) - torch.roll(x, lag, 1))[:, lag:] ** 2).mean()
+            opt.zero_grad()
+            opt_span.zero_grad()
+            (task + span.loss()).backward()
+            opt.step()
+            opt_span.step()
+            span.clamp_()
+            losses.append(task.item())
+    finally:
+        torch.set_num_threads(prev)
+    spans = span.spans
+    assert (spans < 8).all() and (spans + span.ramp > lag).all(), spans
+    assert sum(losses[-10:]) / 10 < 0.3 * sum(losses[:10]) / 10
+    # the learned spans are what the kernels apply: no weight beyond z + ramp
+    eye = torch.eye(L).expand(1, H, L, L)
+    with torch.no_grad():
+        p = effattn.attention(torch.randn(1, H, L, D), torch.randn(1, H, L, D), eye, causal=True, bias=span())
+    d = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+    for h in range(H):
+        assert (p[0, h][d >= float(spans[h]) + span.ramp] == 0).all()
+
+
+def test_t5_relative_bias_module_matches_transformers():
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    from transformers import T5Config
+    cfg = T5Config(d_model=16, d_kv=4, num_heads=2, relative_attention_num_buckets=8,
+                   relative_attention_max_distance=20)
+    for decoder in (False, True):
+        cfg.is_decoder = decoder
+        hf = t5.T5Attention(cfg, has_relative_attention_bias=True)
+        mine = effattn.nn.T5RelativeBias(2, 8, 20, bidirectional=not decoder)
+        mine.load_state_dict({"relative_attention_bias.weight": hf.relative_attention_bias.weight.detach()})
+        L = 30
+        want = hf.compute_bias(L, L)                                     # (1, H, L, L)
+        term = mine()
+        d = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+        col = d.clamp(-20, 20) + 20 if not decoder else d.clamp(0, 20)
+        torch.testing.assert_close(term.table[:, col][None], want)
+        q, k, v = (torch.randn(1, 2, L, 4) for _ in range(3))
+        out = effattn.attention(q, k, v, scale=1.0, causal=decoder, bias=term)
+        vis = torch.ones(L, L, dtype=torch.bool) if not decoder else d >= 0
+        ref = torch.softmax((q @ k.transpose(-1, -2) + want).masked_fill(~vis, -math.inf), -1) @ v
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+        assert mine.relative_attention_bias.weight.grad is not None
+
+
+def test_alibi_module():
+    m = effattn.nn.ALiBi(4)
+    assert not list(m.parameters()) and torch.equal(m().slopes, alibi_slopes(4))
+    m = effattn.nn.ALiBi(4, learnable=True)
+    assert list(m.parameters())[0].shape == (4,)

@@ -2,8 +2,9 @@
 `swap_attention` to put them under an existing model."""
 from .attention import ForwardExplanation, MultiheadAttention, dense_attention
 from .cache import KVCache
+from .position import ALiBi, AdaptiveSpan, T5RelativeBias
 from .swap import swap_attention
 from .transformer import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["MultiheadAttention", "ForwardExplanation", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention"]
+           "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention", "ALiBi", "T5RelativeBias", "AdaptiveSpan"]
