@@ -21,9 +21,14 @@ padding suffices. Then:
   are cut off; of the rest, keys that no query may see are taken as padding. If the mask then equals
   "causal/window structure AND NOT padding" exactly (bottom-right aligned), the fused kernel runs with
   that key padding mask. Anything else (packed sequences, image-token bidirectional blocks,
-  non-binary float masks such as T5's position bias, ...) takes the **dense fallback**: a softmax over
-  the materialized ``(L, S)`` scores, the same math as the eager implementation, O(L^2) memory.
-  ``softcap`` (Gemma 2) always takes the dense fallback.
+  non-binary float masks, ...) takes the **dense fallback**: a softmax over the materialized ``(L, S)``
+  scores, the same math as the eager implementation, O(L^2) memory; with score terms, the fused
+  kernel with that mask as a dense additive bias instead.
+
+Score terms run fused (``effattn.attention``'s ``softcap``, ``sinks``, ``bias``): ``softcap`` (Gemma 2 /
+3), attention sinks ``s_aux`` (gpt-oss, differentiable), and T5's ``position_bias`` (T5, LongT5,
+Pix2Struct: a dense ``(1, H, L, S)`` bias, whose gradient flows back to the relative-attention
+embedding).
 
 Which path ran is counted in :data:`stats` (``"fused"``, ``"dense: <why>"``) and each fallback reason
 is logged once at DEBUG level on the ``effattn.integrations.huggingface`` logger. Reading the mask is
@@ -32,7 +37,7 @@ a device sync and, under ``torch.compile``, a graph break.
 Differences from ``"eager"``: a query row that may see no key at all (a left-padding position in a
 causal model) outputs 0 where eager outputs the mean of all values; such rows are padding, and no
 real token reads them. Attention weights are never returned (``output_attentions`` gives ``None``,
-as with ``"sdpa"``). Attention sinks (``s_aux``, gpt-oss) are not supported and raise.
+as with ``"sdpa"``).
 """
 from __future__ import annotations
 
@@ -117,9 +122,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Returns:
         ``(out (B, L, H, Dv), None)``.
     """
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError("effattn: attention sinks (s_aux) are not supported; use attn_implementation="
-                                  "'eager' or 'sdpa' for this model")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    position_bias = kwargs.get("position_bias")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
@@ -142,17 +146,27 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             # alignment the fused kernel's causal / window rule uses; cutting them changes nothing
             key, value, attention_mask, Lk = key[:, :, :used], value[:, :, :used], attention_mask[..., :used], used
 
+    if position_bias is not None and position_bias.shape[-1] > Lk:
+        position_bias = position_bias[..., :Lk]
+    terms = dict(softcap=softcap, sinks=sinks, bias=position_bias)
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
-    if softcap is not None:                             # no fused soft-capping: dense, same visibility
-        if plan[0] == "fused":
-            plan = ("dense", _structure_and_padding(Lq, Lk, causal, window, plan[1], query.device), None, "softcap")
-        else:
-            plan = ("dense", plan[1], plan[2], "softcap")
 
     if plan[0] == "fused":
         out = attention(query, key, value, causal=causal, window=window, key_padding_mask=plan[1], scale=scaling,
-                        dropout_p=float(dropout), backend=backend)
+                        dropout_p=float(dropout), backend=backend, **terms)
         _record("fused")
+    elif softcap is not None or sinks is not None or position_bias is not None:
+        # a mask the visibility rule cannot express, with score terms: the fused kernel with the mask as a
+        # dense additive bias (O(L^2) for the bias, as the mask itself; the attention stays fused)
+        _, visible, bias, why = plan
+        if bias is None:
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=query.device).masked_fill(~visible,
+                                                                                                  float("-inf"))
+        if position_bias is not None:
+            bias = bias + position_bias
+        out = attention(query, key, value, scale=scaling, dropout_p=float(dropout), backend=backend,
+                        softcap=softcap, sinks=sinks, bias=bias)
+        _record("fused, mask as a dense bias: " + why)
     else:
         _, visible, bias, why = plan
         out, _ = dense_attention(query, key, value, visible=visible, bias=bias, scale=scaling,
@@ -170,11 +184,6 @@ def _used_keys(mask: Tensor, Lq: int) -> int:
     idx = torch.nonzero(seen)
     last = int(idx[-1]) + 1 if idx.numel() else 0
     return max(last, min(Lq, Lk))
-
-
-def _structure_and_padding(Lq, Lk, causal, window, kpm, device) -> Optional[Tensor]:
-    """bool (B or 1, 1, Lq, Lk) visibility of causal/window AND NOT key padding, or None (all visible)."""
-    return Rule.of(Lq, Lk, causal=causal, window=window).materialize(key_padding_mask=kpm, device=device)
 
 
 def register(name: str = NAME, *, backend: str = "auto") -> str:
