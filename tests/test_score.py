@@ -73,10 +73,10 @@ def judge(got, ref, naive, mult, dtype, what):
     assert err <= mult * nerr + FLOOR[dtype], f"{what}: error {err:.3g} > {mult}x naive {nerr:.3g} + floor"
 
 
-def check(shape, kind, base_kw, dtype, backend="torch", seed=0):
+def check(shape, kind, base_kw, dtype, backend="torch", seed=0, transposed=False):
     B, H, Hkv, Lq, Lk, D = shape
     g = torch.Generator().manual_seed(seed)
-    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, D, g, dtype)
+    q, k, v = random_qkv(B, H, Hkv, Lq, Lk, D, D, g, dtype, transposed=transposed)
     terms, _ = _terms(kind, B, H, Lq, Lk, g)
     kw = dict(base_kw)
     if "key_padding_mask" in kw:
@@ -87,8 +87,15 @@ def check(shape, kind, base_kw, dtype, backend="torch", seed=0):
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = score_attention(*ref_leaves, **kw, **kw64)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    grads = torch.autograd.grad(out, leaves + p32, go)
-    ref_grads = torch.autograd.grad(ref, ref_leaves + p64, go.double())
+    # a gradient into lse too (rows with a finite lse): it enters the backward as -dlse in Delta
+    gl = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    fin_l = torch.isfinite(ref_lse)
+
+    def loss(o, l, g_o):
+        return (o * g_o).sum() + (torch.where(fin_l, l, torch.zeros_like(l)) * gl.to(l.dtype)).sum()
+
+    grads = torch.autograd.grad(loss(out, lse, go), leaves + p32)
+    ref_grads = torch.autograd.grad(loss(ref, ref_lse, go.double()), ref_leaves + p64)
     if dtype == torch.float64:
         for name, a, b in zip(["out", "dq", "dk", "dv"] + [f"dparam{i}" for i in range(len(p32))],
                               (out,) + grads, (ref,) + ref_grads):
@@ -96,8 +103,8 @@ def check(shape, kind, base_kw, dtype, backend="torch", seed=0):
     else:
         low_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         kwl, pl, _, _ = _leaves(terms, dtype)
-        low, _ = score_attention(*low_leaves, dtype=dtype, **kw, **kwl)
-        low_grads = torch.autograd.grad(low, low_leaves + pl, go)
+        low, low_lse = score_attention(*low_leaves, dtype=dtype, **kw, **kwl)
+        low_grads = torch.autograd.grad(loss(low, low_lse, go), low_leaves + pl)
         judge(out, ref, low, 2, dtype, "out")
         for i, (a, b, c) in enumerate(zip(grads, ref_grads, low_grads)):
             judge(a, b, c, 3, dtype, f"grad {i}")
@@ -146,6 +153,28 @@ def test_torch_low_precision_rule(kind, dtype):
 def test_kernels_match_oracle(backend, kind, mode):
     shape, kw = MODES[mode]
     check(shape, kind, kw, torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_transposed_views(backend):
+    """(B, L, H, D) tensors seen as (B, H, L, D): non-contiguous q, k, v."""
+    check((2, 4, 2, 18, 18, 8), "all", dict(causal=True), torch.float32, backend=backend, transposed=True)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_empty_shapes(backend):
+    for Lq, Lk in ((0, 5), (5, 0)):
+        q = torch.randn(1, 2, Lq, 4, device=DEVICE, requires_grad=True)
+        k, v = (torch.randn(1, 2, Lk, 4, device=DEVICE, requires_grad=True) for _ in range(2))
+        sinks = torch.zeros(2, device=DEVICE, requires_grad=True)
+        tab = torch.zeros(2, 5, device=DEVICE, requires_grad=True)
+        out, lse = effattn.attention(q, k, v, sinks=sinks, softcap=1.0, bias=Relative(tab, max_distance=2),
+                                     return_lse=True, backend=backend)
+        assert out.shape == (1, 2, Lq, 4) and torch.equal(out, torch.zeros_like(out))
+        assert torch.equal(lse, torch.zeros_like(lse))                   # the sink logit, 0
+        grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, sinks, tab), allow_unused=True)
+        assert all(g is None or not torch.isnan(g).any() for g in grads)
+        assert torch.equal(grads[3], torch.full((2,), float(Lq), device=DEVICE))
 
 
 @pytest.mark.parametrize("backend", KERNELS)
