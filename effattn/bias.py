@@ -223,7 +223,8 @@ class Span(_Term):
     """Adaptive attention span (Sukhbaatar et al. 2019) as an additive term:
     ``log clamp((ramp + z[h] - d) / ramp, 0, 1)``: 0 for ``d <= z[h]``, a log ramp over the next
     ``ramp`` distances, and keys with ``d >= z[h] + ramp`` invisible (``-inf``; backends skip them).
-    ``z`` (H,) in tokens, within ``[0, max_span]``; differentiable:
+    ``z`` (H,) in tokens, within ``[0, max_span]`` (checked at each call: reading z back is a device
+    sync on a GPU); differentiable:
     ``dz[h] = (1 / ramp) * sum over z[h] <= d < z[h] + ramp of exp(s - lse) (dP - Delta)``, with
     ``s`` the score before this term (the one-sided derivative at the ramp's far end, where keys are
     invisible; at ``d == z`` the ramp's slope, as torch's clamp)."""

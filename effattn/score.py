@@ -31,16 +31,15 @@ from .visibility import Rule
 # Elements of one (B, H, rows, keys) score block; a handful of those live at once in the backward.
 SCORE_BUDGET = 1 << 22
 # Rows per block at most: blocks of a causal or windowed call then compute little beyond the visible
-# keys, and each block's temporaries stay in cache (the fastest of 64 / 128 / 256 / 512 rows on a CPU).
+# keys, and each block's temporaries stay small (at L = 1024, H = 8 on one CPU thread, 128-row blocks
+# took about half the time of 512-row ones, forward and backward).
 ROWS_MAX = 128
-
-# The feature names of the terms (in base.FEATURES["attention"]); a backend declares those it serves.
-FEATURE_NAMES = ("softcap", "sinks", "bias=alibi", "bias=relative", "bias=span", "bias=dense")
 
 
 @dataclass(frozen=True, eq=False)
 class ScoreTerms:
-    """The validated score terms of a call: one field of `AttnCall` (``call.score``)."""
+    """The validated score terms of a call: one field of `AttnCall` (``call.score``). Their feature
+    names (`features`) are ``base.SCORE_FEATURES``; a backend declares those it serves."""
     softcap: Optional[float]
     sinks: Optional[Tensor]                 # (H,)
     terms: Tuple                            # effattn.bias terms, summed

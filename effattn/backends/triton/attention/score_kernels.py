@@ -20,7 +20,7 @@ import triton.language as tl
 from ..jit import cast, dot, i64, load_tile
 from .schedule import dropout_keep, key_tile_range, query_tile_range, visible
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -118,12 +118,12 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    t0, _, _, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for tile in range(t0, t3):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
         kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
-        s, _, _, _ = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+        s, _t, _d, _ok = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                              kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
                              sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
                              REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
@@ -227,7 +227,7 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-        t0, _, _, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for g in range(0, G):
             h = hk * G + g
             bh = b * H + h
@@ -264,7 +264,7 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         slots = tl.arange(0, BLOCK_P)
         part = tl.zeros((BLOCK_P,), tl.float32)
-        t0, _, _, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for tile in range(t0, t3):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             on = i64(offs_n, IDX64)
