@@ -40,11 +40,19 @@ def describe(call) -> str:
             "visited tile masked elementwise, fixed tiles (no autotuning)")
 
 
-def _blocks(D, Dv):
-    """(BLOCK_M, BLOCK_N, warps) of the score kernels."""
+def _blocks(D, Dv, backward, score):
+    """(BLOCK_M, BLOCK_N, warps) of the score kernels, chosen from offline sm_90 compiles
+    (`benchmarks.score_kernel_resources`; not timed on a GPU yet): the forward's 64 x 64 tiles with 4
+    warps spill nothing with any one term; the backward's need 8 warps for that, and with several
+    terms only 32 x 32 tiles keep spills out of the tile loops."""
     if _INTERPRET:
         return 16, 16, 4
-    return (64, 64, 4) if max(D, Dv) <= 128 else (32, 32, 4)
+    if max(D, Dv) > 128:
+        return 32, 32, 4
+    if not backward:
+        return 64, 64, 4
+    heavy = len(score.terms) + (score.softcap is not None)
+    return (64, 64, 8) if heavy <= 1 else (32, 32, 4)
 
 
 def _term_args(score, q, B, H, Lq, Lk):
@@ -72,9 +80,9 @@ def _term_args(score, q, B, H, Lq, Lk):
     return ptrs, strides, scalars, flags, tab
 
 
-def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score):
+def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False):
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right)
-    bm, bn, warps = _blocks(p.D, p.Dv)
+    bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
                 DROPOUT=dropout_p > 0, DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, IDX64=p.idx64,
@@ -105,7 +113,7 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
              left, right, score):
     """(dq, dk, dv, *gradients of score.tensors()); the terms' gradients are fp32 sums of per-program
     partials taken in a fixed order, cast to each tensor's dtype."""
-    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score)
+    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)
