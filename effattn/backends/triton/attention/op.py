@@ -116,7 +116,7 @@ def _run(call):
     read here, once per call; the backward reuses it."""
     if call.score is not None:                  # softcap, sinks, bias: the score-terms kernels
         from .... import score
-        return score.run(call, score_path)
+        return score.run(call, score_path.Kernels(call.q.dtype == torch.float32 and _tf32_enabled()))
     lay = call.layout
     q, k, v, kpm = call.q, call.k, call.v, call.key_padding_mask
     tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter

@@ -80,8 +80,9 @@ def _term_args(score, q, B, H, Lq, Lk):
     return ptrs, strides, scalars, flags, tab
 
 
-def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False):
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right)
+def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False,
+            tf32=False):
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32)
     bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
@@ -91,8 +92,9 @@ def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, rig
     return p, meta, geo
 
 
-def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score):
-    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score)
+def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False):
+    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score,
+                           tf32=tf32)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     if p.Lq == 0 or p.B * p.H == 0:
@@ -110,10 +112,11 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p,
-             left, right, score):
+             left, right, score, tf32=False):
     """(dq, dk, dv, *gradients of score.tensors()); the terms' gradients are fp32 sums of per-program
     partials taken in a fixed order, cast to each tensor's dtype."""
-    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True)
+    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True,
+                           tf32)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)
@@ -166,3 +169,17 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
             grads.append(g.reshape(t.tensor.shape))
     params = score.tensors()
     return (dq, dk.to(k.dtype), dv.to(v.dtype), *[g.to(x.dtype) for g, x in zip(grads, params)])
+
+
+class Kernels:
+    """These launchers as an implementation of `effattn.score.ScoreAttention`, with the call's TF32
+    setting (read once, at the forward, as the main kernels do) bound for its backward."""
+
+    def __init__(self, tf32: bool):
+        self.tf32 = tf32
+
+    def forward(self, *args):
+        return forward(*args, tf32=self.tf32)
+
+    def backward(self, *args):
+        return backward(*args, tf32=self.tf32)
