@@ -111,6 +111,18 @@ def make_score_terms(fn: str, q: Tensor, k: Tensor, softcap=None, sinks=None, bi
     return ScoreTerms(softcap, sinks, terms)
 
 
+def dense_values(bias, B: int, H: int, Lq: int, Lk: int, device) -> Tensor:
+    """The sum of the bias terms ``bias`` (as `attention` takes them) at every (query, key): float32
+    ``(B or 1, H or 1, Lq, Lk)``, ``-inf`` where a span hides a key. For dense paths (O(Lq x Lk))."""
+    q = torch.empty(B, H, Lq, 0, device=device)
+    score = make_score_terms("attention", q, torch.empty(B, H, Lk, 0, device=device), bias=bias)
+    d = torch.arange(Lk - Lq, Lk, device=device)[:, None] - torch.arange(Lk, device=device)[None, :]
+    total = torch.zeros((), device=device)
+    for term in score.terms:
+        total = total + term.values(d, (Lk - Lq, 0, Lq, 0, Lk), torch.float32)
+    return total
+
+
 # ------------------------------------------------------------------------------------ the reference
 
 def _chunk_rows(B: int, H: int, Lq: int, Lk: int) -> int:

@@ -427,3 +427,29 @@ def test_score_kernels_compile_for_sm90_offline():
         pytest.skip("offline compilation not available with this triton")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("fwd ") and "\nbwd " in proc.stdout
+
+
+def test_multihead_attention_position_bias():
+    """MultiheadAttention(position_bias=...): the fused path (score terms) equals the dense reference
+    path (need_weights=True, the terms' values materialized); the terms' parameters train; decoding
+    with a cache token by token equals the full call (bottom-right positions)."""
+    torch.manual_seed(0)
+    E, H, L = 16, 4, 12
+    pb = torch.nn.ModuleList([effattn.nn.ALiBi(H, learnable=True), effattn.nn.T5RelativeBias(H, 8, 10, False)])
+    mha = effattn.nn.MultiheadAttention(E, H, batch_first=True, position_bias=pb).double()
+    x = torch.randn(2, L, E, dtype=torch.float64)
+    fused, _ = mha(x, x, x, is_causal=True, need_weights=False, attn_mask=None)
+    assert mha.last_path == "fused"
+    mask = torch.ones(L, L, dtype=torch.bool).triu(1)
+    ref, w = mha(x, x, x, attn_mask=mask, need_weights=True)
+    assert mha.last_path.startswith("reference")
+    torch.testing.assert_close(fused, ref)
+    fused.sum().backward()
+    assert pb[0].slopes.grad is not None and pb[1].relative_attention_bias.weight.grad.abs().sum() > 0
+    cache = effattn.KVCache()
+    with torch.no_grad():
+        steps = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, need_weights=False, cache=cache)[0]
+                 for t in range(L)]
+    torch.testing.assert_close(torch.cat(steps, 1), fused.detach())
+    with pytest.raises(TypeError, match="position_bias must be an nn.Module"):
+        effattn.nn.MultiheadAttention(E, H, position_bias=effattn.bias.ALiBi(torch.ones(H)))
