@@ -240,8 +240,12 @@ def test_dropout_with_terms_matches_recovered_mask(backend):
     dt = torch.float64 if backend == "torch" else torch.float32
     q, k = (torch.randn(B, H, L, 8, dtype=dt, device=DEVICE) for _ in range(2))
     eye = torch.eye(L, dtype=dt, device=DEVICE).expand(B, H, L, L).contiguous()
-    kw = dict(causal=True, softcap=2.0, sinks=torch.randn(H, dtype=dt, device=DEVICE),
-              bias=Relative(torch.randn(H, 9, dtype=dt, device=DEVICE), max_distance=4), backend=backend)
+    kpm = torch.zeros(B, L, dtype=torch.bool, device=DEVICE)
+    kpm[:, 3:5] = True
+    r = lambda *shape: torch.randn(*shape, dtype=dt, device=DEVICE)
+    kw = dict(causal=True, softcap=2.0, sinks=r(H), key_padding_mask=kpm, backend=backend,
+              bias=[Relative(r(H, 9), max_distance=4), ALiBi(0.1 * r(H).abs()), r(1, H, L, L),
+                    Span(torch.tensor([6.5, 20.0], dtype=dt, device=DEVICE), ramp=3, max_span=20)])
     torch.manual_seed(5)
     a = effattn.attention(q, k, eye, dropout_p=p, **kw)
     torch.manual_seed(5)
