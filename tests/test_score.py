@@ -457,3 +457,22 @@ def test_multihead_attention_position_bias():
     torch.testing.assert_close(torch.cat(steps, 1), fused.detach())
     with pytest.raises(TypeError, match="position_bias must be an nn.Module"):
         effattn.nn.MultiheadAttention(E, H, position_bias=effattn.bias.ALiBi(torch.ones(H)))
+
+
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_strided_term_tensors(backend):
+    """Term tensors that are strided views (a column of a matrix, a transposed table) give the
+    results of their contiguous copies."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = random_qkv(1, 2, 2, 10, 10, 8, 8, g, torch.float32)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    sinks, slopes, z = r(2, 3)[:, 1], r(2, 2)[:, 0].abs(), (r(2, 2)[:, 1].abs() * 3)
+    table = r(9, 2).t()
+    dense = r(10, 1, 10).transpose(0, 1)                                 # (1, 10, 10), strided
+    def run(c):
+        t = (lambda x: x.contiguous()) if c else (lambda x: x)
+        return effattn.attention(q, k, v, causal=True, sinks=t(sinks), backend=backend,
+                                 bias=[ALiBi(t(slopes)), Relative(t(table), max_distance=4),
+                                       Span(t(z), ramp=2, max_span=8), t(dense)])
+    assert not sinks.is_contiguous() and not table.is_contiguous()
+    torch.testing.assert_close(run(False), run(True), atol=0, rtol=0)

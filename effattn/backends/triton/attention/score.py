@@ -100,7 +100,7 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
     if p.Lq == 0 or p.B * p.H == 0:
         return out, lse
     ptrs, strides, scalars, flags, _ = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
-    sinks = score.sinks
+    sinks = score.sinks.contiguous() if score.sinks is not None else None        # the kernel reads SINKS + h
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     grid = (cdiv(p.Lq, meta["BLOCK_M"]) * p.B * p.H,)
     with _on_device(q.device):
