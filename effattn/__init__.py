@@ -1,5 +1,5 @@
 """effattn: fused efficient attention for PyTorch (Triton and CUDA kernels, torch reference)."""
-from . import backends, layouts  # noqa: F401  (registers the backends)
+from . import backends, bias, layouts  # noqa: F401  (registers the backends)
 from .functional import attention, explain
 from .feature_maps import FavorFeatures
 from .linear import linear_attention
@@ -9,5 +9,5 @@ from . import nn  # noqa: E402  (uses the functions above)
 from .nn import KVCache, swap_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "linear_attention", "explain", "FavorFeatures", "layouts", "nn", "swap_attention",
+__all__ = ["attention", "linear_attention", "explain", "FavorFeatures", "layouts", "bias", "nn", "swap_attention",
            "KVCache", "lsh_attention", "explain_lsh", "relative_attention", "__version__"]

@@ -18,6 +18,7 @@ import torch
 from .feature_maps import NAMED_FEATURE_MAPS, FavorFeatures, feature_map_name, resolve_feature_map
 from .layouts import BlockLayout
 from .numerics import compute_dtype, draw_seed
+from .score import make_score_terms
 from .visibility import Rule, clamp_window, normalize_window
 
 SOFTMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -45,7 +46,7 @@ def _fail(kind, msg):
 
 # The keyword arguments of the public functions (explain takes those of its op, without backend).
 ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
-                      "backend", "block_table", "seqlens")
+                      "softcap", "sinks", "bias", "backend", "block_table", "seqlens")
 LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
 
 
@@ -124,6 +125,7 @@ class AttnCall:
     dropout_p: float
     return_lse: bool
     seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+    score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
 
     @property
     def window_left(self) -> int:         # -1: unbounded
@@ -167,11 +169,12 @@ class AttnCall:
         if self.Lq != self.Lk: f.add("lq_ne_lk")
         if self.D != self.Dv: f.add("dv_ne_d")
         if self.return_lse: f.add("return_lse")
+        if self.score is not None: f |= self.score.features()
         return f
 
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
-                   scale=None, dropout_p=0.0, return_lse=False) -> AttnCall:
+                   scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None) -> AttnCall:
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -205,13 +208,14 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         _fail(TypeError, f"attention: scale must be a finite float, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    score = make_score_terms("attention", q, k, softcap=softcap, sinks=sinks, bias=bias)
     seed = None
     if dropout_p > 0:
         seed = draw_seed()
     rule = Rule(Lq, Lk, *clamp_window(left, right, Lq, Lk), layout.mask if layout is not None else None,
                 layout.block_size if layout is not None else 0)
     return AttnCall(q, k, v, causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
-                    bool(return_lse), seed)
+                    bool(return_lse), seed, score)
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -8,7 +8,8 @@ from .backends import base
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-              dropout_p=0.0, return_lse=False, backend="auto", block_table=None, seqlens=None, **unknown):
+              dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, backend="auto",
+              block_table=None, seqlens=None, **unknown):
     r"""Softmax attention ``softmax(q k^T * scale + mask) v`` with fused, O(L)-memory backends.
 
     Args:
@@ -28,8 +29,15 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         scale: score scale, default ``1/sqrt(D)``.
         dropout_p: dropout on the attention probabilities (applied whenever > 0, as in SDPA; pass 0 in
             eval). Reproducible under ``torch.manual_seed``.
-        return_lse: also return the log-sum-exp of the scaled scores, ``(B, H, Lq)`` float32 (float64
+        return_lse: also return the log-sum-exp of the scores (with every score term), ``(B, H, Lq)`` float32 (float64
             for float64 inputs); ``-inf`` for a row that sees no key.
+        softcap: float > 0: scores become ``softcap * tanh(s / softcap)`` after the scale (Gemma 2).
+        sinks: ``(H,)`` float tensor, one extra logit per query head that takes probability mass but
+            has no value (gpt-oss); a row that sees no key then has ``lse = sinks[h]``. Differentiable.
+        bias: additive score terms: an :mod:`effattn.bias` term (``ALiBi``, ``Relative``, ``Span``), a
+            float tensor broadcastable to ``(B, H, Lq, Lk)``, or a list of them (summed), evaluated at
+            the distance ``d = pos(i) - j``. Any of their tensors that requires grad gets a
+            deterministic gradient. Order of operations: docs/conventions.md, "Scores".
         backend: ``"auto"`` (fastest that can serve; see :func:`explain`), ``"torch"``, ``"triton"``
             or ``"cuda"``.
         block_table, seqlens: a paged KV cache (forward only): ``k``/``v`` are then page pools
@@ -64,7 +72,7 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
                                scale=scale, return_lse=return_lse, backend=backend)
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
-                          return_lse=return_lse)
+                          return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias)
     out, lse = base.select("attention", call, backend).run(call)
     return (out, lse) if return_lse else out
 

@@ -51,7 +51,14 @@ def _config(name):
             pytest.skip("this transformers' Gemma3 has no bidirectional attention")
         cfg.use_bidirectional_attention = True
         return transformers.Gemma3TextModel, cfg
-    if name == "gemma2-softcap":                     # attention logit soft-capping: the dense fallback
+    if name == "gpt-oss-sinks":                      # attention sinks (s_aux), sliding and full layers, MoE
+        if not hasattr(transformers, "GptOssConfig"):
+            pytest.skip("this transformers has no gpt-oss")
+        cfg = transformers.GptOssConfig(**TINY, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                        num_local_experts=2, num_experts_per_tok=1,
+                                        layer_types=["sliding_attention", "full_attention"])
+        return transformers.GptOssModel, cfg
+    if name == "gemma2-softcap":                     # attention logit soft-capping
         if not hasattr(transformers, "Gemma2Config"):
             pytest.skip("this transformers has no Gemma2")
         return transformers.Gemma2Model, transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=8,
@@ -85,9 +92,15 @@ def _batch(B=3, L=12, left=True):
 
 @pytest.mark.parametrize("padding", ["left", "right", "none"])
 @pytest.mark.parametrize("name", ["bert", "gpt2", "mistral-sliding", "qwen2-alternating", "modernbert-sliding",
-                                  "gemma3-bidirectional", "gemma2-softcap"])
+                                  "gemma3-bidirectional", "gemma2-softcap", "gpt-oss-sinks"])
 def test_same_outputs_as_eager(name, padding):
     eager, ours = _pair(name)
+    if name == "gpt-oss-sinks":                      # random sinks: the default init leaves them empty
+        for a, b in zip(eager.modules(), ours.modules()):
+            if hasattr(a, "sinks"):
+                with torch.no_grad():
+                    a.sinks.copy_(torch.linspace(-1, 2, a.sinks.numel()))
+                    b.sinks.copy_(a.sinks)
     ids, mask = _batch(left=padding == "left")
     if padding == "none":
         mask = torch.ones_like(mask)
@@ -99,10 +112,63 @@ def test_same_outputs_as_eager(name, padding):
     assert not torch.isnan(b).any()
     torch.testing.assert_close(b[real], a[real], atol=2e-5, rtol=2e-5)
     n_layers = ours.config.num_hidden_layers
-    if name == "gemma2-softcap":
-        assert hf_effattn.stats == {"dense: softcap": n_layers}
-    else:
-        assert hf_effattn.stats == {"fused": n_layers}, dict(hf_effattn.stats)
+    assert hf_effattn.stats == {"fused": n_layers}, dict(hf_effattn.stats)
+
+
+def test_sinks_and_softcap_training_gradients_match_eager():
+    """gpt-oss's sinks and Gemma 2's soft-capping train on the fused path: every parameter's gradient,
+    the sinks' included, equals eager's."""
+    for name in ("gpt-oss-sinks", "gemma2-softcap"):
+        eager, ours = _pair(name)
+        ids, mask = _batch(left=False)
+        for model in (eager, ours):
+            model.train()
+            for m in model.modules():
+                if hasattr(m, "sinks"):
+                    with torch.no_grad():
+                        m.sinks.copy_(torch.linspace(-1, 2, m.sinks.numel()))
+                if hasattr(m, "attention_dropout"):
+                    m.attention_dropout = 0.0
+            out = model(input_ids=ids, attention_mask=mask)[0]
+            # a fixed random projection: not invariant under the final norm (sum(out^2) nearly is)
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+            (out * w)[mask.bool()].sum().backward()
+        for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+            if p.grad is None:
+                assert q.grad is None, n
+                continue
+            # fp32 sums of large gradients (up to ~30 here): judged relative to the largest entry
+            tol = 2e-5 * p.grad.abs().max().item() + 1e-6
+            torch.testing.assert_close(q.grad, p.grad, atol=tol, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("padding", ["right", "none"])
+def test_t5_relative_position_bias_is_fused(padding):
+    """T5 (encoder self-attention with padding, causal decoder self-attention, cross-attention):
+    its relative position bias is a dense bias of the fused kernel, forward and backward as eager."""
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    eager = transformers.T5Model._from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = transformers.T5Model._from_config(copy.deepcopy(cfg), attn_implementation="effattn")
+    ours.load_state_dict(eager.state_dict())
+    ids, mask = _batch(left=False)
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    dec = ids[:, :7]
+    hf_effattn.stats.clear()
+    outs = []
+    for model in (eager, ours):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state
+        (out ** 2).sum().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4, msg=n)
+    assert set(hf_effattn.stats) == {"fused"}, dict(hf_effattn.stats)
 
 
 def test_fallback_for_masks_that_are_not_causal_plus_padding():

@@ -28,11 +28,16 @@ UNAVAILABLE: Dict[str, str] = {}
 # backend's declaration is checked against this vocabulary at registration, so a typo fails at import.
 FEATURES: Dict[str, FrozenSet[str]] = {
     "attention": frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
-                            "dv_ne_d", "return_lse"}),
+                            "dv_ne_d", "return_lse",
+                            "softcap", "sinks", "bias=alibi", "bias=relative", "bias=span", "bias=dense"}),
     "linear_attention": frozenset({"causal", "gqa", "state", "no_normalize", "feature_map=elu",
                                    "feature_map=relu", "feature_map=identity", "feature_map=favor",
                                    "feature_map=callable"}),
 }
+
+# The attention features of score terms (effattn.score): a backend that lacks one says so in explain.
+SCORE_FEATURES: FrozenSet[str] = frozenset({"softcap", "sinks", "bias=alibi", "bias=relative", "bias=span",
+                                            "bias=dense"})
 
 
 @dataclass(frozen=True)

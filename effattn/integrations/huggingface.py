@@ -21,9 +21,14 @@ padding suffices. Then:
   are cut off; of the rest, keys that no query may see are taken as padding. If the mask then equals
   "causal/window structure AND NOT padding" exactly (bottom-right aligned), the fused kernel runs with
   that key padding mask. Anything else (packed sequences, image-token bidirectional blocks,
-  non-binary float masks such as T5's position bias, ...) takes the **dense fallback**: a softmax over
-  the materialized ``(L, S)`` scores, the same math as the eager implementation, O(L^2) memory.
-  ``softcap`` (Gemma 2) always takes the dense fallback.
+  non-binary float masks, ...) takes the **dense fallback**: a softmax over the materialized ``(L, S)``
+  scores, the same math as the eager implementation, O(L^2) memory; with score terms, the fused
+  kernel with that mask as a dense additive bias instead.
+
+Score terms run fused (``effattn.attention``'s ``softcap``, ``sinks``, ``bias``): ``softcap`` (Gemma 2 /
+3), attention sinks ``s_aux`` (gpt-oss, differentiable), and T5's ``position_bias`` (T5, LongT5,
+Pix2Struct: a dense ``(1, H, L, S)`` bias, whose gradient flows back to the relative-attention
+embedding).
 
 Which path ran is counted in :data:`stats` (``"fused"``, ``"dense: <why>"``) and each fallback reason
 is logged once at DEBUG level on the ``effattn.integrations.huggingface`` logger. Reading the mask is
@@ -31,16 +36,15 @@ a device sync and, under ``torch.compile``, a graph break.
 
 Keywords. Besides the ones above, transformers passes the model's own keyword arguments through. Each
 keyword the installed transformers' attention call sites pass is one of three kinds (:data:`KEYWORDS`):
-served (``position_bias``, T5's relative position bias, is added to the scores on the dense fallback,
-counted as ``"dense: position_bias"``); carried elsewhere (positions already applied to q/k,
+served (``softcap``, ``s_aux`` / ``sinks`` and ``position_bias``, the score terms above); carried elsewhere (positions already applied to q/k,
 packed-sequence metadata the mask already expresses, output flags: nothing for the attention to do);
-or refused with an error naming it (attention sinks, sparse top-k indices). A keyword not in the table
+or refused with an error naming it (sparse top-k indices, head masks). A keyword not in the table
 with a value other than None raises TypeError instead of being dropped.
 
 Differences from ``"eager"``: a query row that may see no key at all (a left-padding position in a
 causal model) outputs 0 where eager outputs the mean of all values; such rows are padding, and no
 real token reads them. Attention weights are never returned (``output_attentions`` gives ``None``,
-as with ``"sdpa"``). Attention sinks (``s_aux``, gpt-oss) are not supported and raise.
+as with ``"sdpa"``).
 """
 from __future__ import annotations
 
@@ -68,7 +72,8 @@ _logged = set()
 # attention_forward; "carried": nothing to do (the information is in q, k, v or the mask, or concerns
 # outputs or other implementations); "refused": an error naming the keyword when its value is not None.
 KEYWORDS = {
-    "served": frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias"}),
+    "served": frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias", "s_aux",
+                         "sinks"}),
     "carried": frozenset({
         "position_ids", "cache_position",                    # positions: rotary embeddings already applied
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",   # packed sequences:
@@ -78,7 +83,7 @@ KEYWORDS = {
         "num_items_in_batch", "use_cache", "past_key_values", "past_key_value", "layer_idx",
         "use_top_left_mask", "supports_mapping", "block_table", "query_length", "key_length",
         "softmax_scale"}),
-    "refused": frozenset({"s_aux", "sinks", "indices", "block_indices", "head_mask", "layer_head_mask"}),
+    "refused": frozenset({"indices", "block_indices", "head_mask", "layer_head_mask"}),
 }
 
 
@@ -88,8 +93,7 @@ def _check_keywords(kwargs) -> None:
         if value is None or name in KEYWORDS["carried"]:
             continue
         if name in KEYWORDS["refused"]:
-            what = "attention sinks" if name in ("s_aux", "sinks") else "this keyword"
-            raise NotImplementedError(f"effattn: {what} ({name}=) not supported; use attn_implementation='eager' "
+            raise NotImplementedError(f"effattn: this keyword ({name}=) is not supported; use attn_implementation='eager' "
                                       "or 'sdpa' for this model")
         raise TypeError(f"effattn (transformers): unknown attention keyword {name!r}; effattn does not know what "
                         "it means and refuses to ignore it (use attn_implementation='eager' for this model)")
@@ -152,14 +156,15 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         query: ``(B, H, L, D)``; key, value ``(B, Hkv, S, D)`` / ``(B, Hkv, S, Dv)``.
         attention_mask: 4-D ``(B or 1, 1 or H, L, S)``, bool (True = attend) or float (added), or None.
         dropout, scaling, is_causal, sliding_window, softcap: as transformers passes them.
-        position_bias: float, broadcastable to ``(B, H, L, S)``, added to the scaled scores (T5): the dense
-            fallback.
+        position_bias: float, broadcastable to ``(B, H, L, S)``, added to the scaled scores (T5): a fused
+            score term (``bias=``).
         kwargs: the other keywords transformers passes (see :data:`KEYWORDS`); unknown ones raise.
 
     Returns:
         ``(out (B, L, H, Dv), None)``.
     """
     _check_keywords(kwargs)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
@@ -186,22 +191,27 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
     if position_bias is not None and not position_bias.requires_grad and not bool(position_bias.any()):
         position_bias = None                            # T5's zero bias of layers without one: adds nothing
+    if position_bias is not None and position_bias.shape[-1] > Lk:
+        position_bias = position_bias[..., :Lk]
+    terms = dict(softcap=softcap, sinks=sinks, bias=position_bias)
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
-    for why, given in (("softcap", softcap is not None), ("position_bias", position_bias is not None)):
-        if not given:                                   # no fused soft-capping or bias: dense, same visibility
-            continue
-        if plan[0] == "fused":
-            plan = ("dense", _structure_and_padding(Lq, Lk, causal, window, plan[1], query.device), None, why)
-        else:
-            plan = ("dense", plan[1], plan[2], why)
-    if position_bias is not None:
-        bias = plan[2]
-        plan = plan[:2] + (position_bias if bias is None else bias + position_bias, plan[3])
 
     if plan[0] == "fused":
         out = attention(query, key, value, causal=causal, window=window, key_padding_mask=plan[1], scale=scaling,
-                        dropout_p=float(dropout), backend=backend)
+                        dropout_p=float(dropout), backend=backend, **terms)
         _record("fused")
+    elif softcap is not None or sinks is not None or position_bias is not None:
+        # a mask the visibility rule cannot express, with score terms: the fused kernel with the mask as a
+        # dense additive bias (O(L^2) for the bias, as the mask itself; the attention stays fused)
+        _, visible, bias, why = plan
+        if bias is None:
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=query.device).masked_fill(~visible,
+                                                                                                  float("-inf"))
+        if position_bias is not None:
+            bias = bias + position_bias
+        out = attention(query, key, value, scale=scaling, dropout_p=float(dropout), backend=backend,
+                        softcap=softcap, sinks=sinks, bias=bias)
+        _record("fused, mask as a dense bias: " + why)
     else:
         _, visible, bias, why = plan
         out, _ = dense_attention(query, key, value, visible=visible, bias=bias, scale=scaling,
@@ -219,11 +229,6 @@ def _used_keys(mask: Tensor, Lq: int) -> int:
     idx = torch.nonzero(seen)
     last = int(idx[-1]) + 1 if idx.numel() else 0
     return max(last, min(Lq, Lk))
-
-
-def _structure_and_padding(Lq, Lk, causal, window, kpm, device) -> Optional[Tensor]:
-    """bool (B or 1, 1, Lq, Lk) visibility of causal/window AND NOT key padding, or None (all visible)."""
-    return Rule.of(Lq, Lk, causal=causal, window=window).materialize(key_padding_mask=kpm, device=device)
 
 
 def register(name: str = NAME, *, backend: str = "auto") -> str:

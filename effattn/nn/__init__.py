@@ -3,6 +3,7 @@
 from .attention import ForwardExplanation, MultiheadAttention, dense_attention
 from .cache import KVCache
 from .lsh import LSHSelfAttention
+from .position import ALiBi, AdaptiveSpan, T5RelativeBias
 from .relative import RelPositionMultiheadAttention
 from ..reversible import ReversibleSequence
 from ..paged import PagedKVCache
@@ -11,5 +12,5 @@ from .transformer import TransformerDecoder, TransformerDecoderLayer, Transforme
 
 __all__ = ["MultiheadAttention", "ForwardExplanation", "KVCache", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "swap_attention", "dense_attention",
-           "LSHSelfAttention", "ReversibleSequence", "PagedKVCache",
-           "RelPositionMultiheadAttention"]
+           "LSHSelfAttention", "ReversibleSequence", "PagedKVCache", "RelPositionMultiheadAttention",
+           "ALiBi", "T5RelativeBias", "AdaptiveSpan"]

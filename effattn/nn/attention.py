@@ -117,6 +117,10 @@ class MultiheadAttention(nn.Module):
             no probability matrix: ``dropout`` does not apply to it, ``attn_mask`` and
             ``need_weights=True`` are errors.
         backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or ``"cuda"``.
+        position_bias: a module whose ``forward()`` returns score terms for :func:`effattn.attention`'s
+            ``bias`` (:class:`effattn.nn.ALiBi`, :class:`effattn.nn.T5RelativeBias`,
+            :class:`effattn.nn.AdaptiveSpan`, or a list of them in an ``nn.ModuleList``), evaluated at
+            each call; a submodule, so its parameters train with the attention. Softmax only.
 
     Positions are aligned bottom-right (query i sits at ``i + Lk - Lq``), as in
     :func:`effattn.attention`. For ``Lq == Lk`` that is torch's convention; for ``Lq != Lk`` torch
@@ -156,7 +160,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
-                 window=None, layout=None, linear=None, backend="auto"):
+                 window=None, layout=None, linear=None, backend="auto", position_bias=None):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
@@ -166,6 +170,12 @@ class MultiheadAttention(nn.Module):
         if isinstance(linear, FavorFeatures) and linear.head_dim != embed_dim // num_heads:
             raise ValueError(f"MultiheadAttention: linear=FavorFeatures(head_dim={linear.head_dim}) does not match "
                              f"head_dim = embed_dim // num_heads = {embed_dim // num_heads}")
+        if position_bias is not None and not isinstance(position_bias, nn.Module):
+            raise TypeError(f"MultiheadAttention: position_bias must be an nn.Module returning score terms (e.g. "
+                            f"effattn.nn.ALiBi), got {type(position_bias).__name__}")
+        if position_bias is not None and linear is not None:
+            raise ValueError("MultiheadAttention: position_bias adds to the softmax scores; linear attention forms "
+                             "none")
         if linear is not None and (add_bias_kv or add_zero_attn):
             raise ValueError("MultiheadAttention: add_bias_kv / add_zero_attn are not defined for linear attention")
         factory = {"device": device, "dtype": dtype}
@@ -216,6 +226,7 @@ class MultiheadAttention(nn.Module):
         if linear is not None and dropout > 0:
             logger.debug("MultiheadAttention: dropout=%s does not apply to linear attention (no attention "
                          "probabilities are formed)", dropout)
+        self.position_bias = position_bias
         self.last_path: Optional[str] = None
         self._logged = set()
         self.register_forward_pre_hook(_blocks_torch_fast_path)
@@ -223,6 +234,7 @@ class MultiheadAttention(nn.Module):
     def __setstate__(self, state):
         # modules pickled (torch.save(model)) by an earlier effattn lack the attributes added since
         state.setdefault("last_path", None)
+        state["_modules"].setdefault("position_bias", None)
         state.setdefault("_logged", set())
         state.pop("_explaining", None)         # effattn < 0.2 stopped forward with it to explain a call
         super().__setstate__(state)
@@ -514,7 +526,15 @@ class MultiheadAttention(nn.Module):
 
     def _fused_kwargs(self, plan: _Plan, step: _Step, kpm: Optional[Tensor], window) -> dict:
         return dict(causal=step.causal, window=window, layout=self._layout_for(plan.Lq, plan.Lk),
-                    key_padding_mask=kpm, dropout_p=self.dropout if self.training else 0.0)
+                    key_padding_mask=kpm, dropout_p=self.dropout if self.training else 0.0,
+                    bias=self._position_terms())
+
+    def _position_terms(self):
+        """The ``position_bias`` module's score terms for this call (a ModuleList's as a list), or None."""
+        m = self.position_bias
+        if m is None:
+            return None
+        return [x() for x in m] if isinstance(m, nn.ModuleList) else m()
 
     def _cached(self, step: _Step, k, v, cache: Optional[KVCache], left: int):
         """``(k, v, kpm, window)`` the attention reads: with a cache, this step's keys written into it
@@ -623,6 +643,10 @@ class MultiheadAttention(nn.Module):
             else:
                 add = kpm[:, None, None, :]
                 bias = add if bias is None else bias + add
+        if self.position_bias is not None:             # the terms' values at every (query, key)
+            from ..score import dense_values
+            add = dense_values(self._position_terms(), B, H, Lq, Lk, q.device)
+            bias = add if bias is None else bias + add
         extra = 0
         if self.bias_k is not None:                   # torch appends them after the keys, for every query
             k = torch.cat([k, self.bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)

@@ -149,3 +149,76 @@ def chunked_linear_attention(q, k, v, dout, phi, *, causal=False, normalize=True
         return o / (a.sum(-1, keepdim=True) + eps) if normalize else o
 
     return _by_row_chunks(q, k, v, dout, dtype, chunk, rows)
+
+
+def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu"):
+    """The additive score terms of docs/conventions.md ("Scores") as a dense (B, H, Lq, Lk) tensor
+    in `dtype`, and the adaptive-span weights m (or None): distance d = (i + Lk - Lq) - j; ALiBi
+    ``-slope * |d|``; Relative ``table[h, clamp(d, -M, M) + M]`` (past only: ``clamp(d, 0, M)``);
+    a dense tensor broadcast. Adaptive span is returned as its multiplicative mask
+    ``m = clamp((ramp + z - d) / ramp, 0, 1)``, applied after the exponential (the paper's form)."""
+    i = torch.arange(Lq, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    d = (i + Lk - Lq) - j
+    total = torch.zeros(B, H, Lq, Lk, dtype=dtype, device=device)
+    span = None
+    items = bias if isinstance(bias, (list, tuple)) else ([] if bias is None else [bias])
+    for term in items:
+        kind = type(term).__name__
+        if isinstance(term, torch.Tensor):
+            total = total + term.to(dtype)
+        elif kind == "ALiBi":
+            sl = term.slopes.to(dtype)
+            sl = sl[None, :] if sl.dim() == 1 else sl
+            total = total - sl[:, :, None, None] * d.abs().to(dtype)
+        elif kind == "Relative":
+            M = term.max_distance
+            col = (torch.clamp(d, -M, M) + M) if term.bidirectional else torch.clamp(d, 0, M)
+            total = total + term.table.to(dtype)[:, col][None]
+        elif kind == "Span":
+            m = torch.clamp((term.ramp + term.z.to(dtype)[:, None, None] - d.to(dtype)) / term.ramp, 0, 1)[None]
+            span = m if span is None else span * m
+        else:
+            raise TypeError(kind)
+    return total, span
+
+
+def score_attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
+                    softcap=None, sinks=None, bias=None, dtype=torch.float64, dropout_keep=None, dropout_p=0.0):
+    """Dense attention with the score terms, from docs/conventions.md ("Scores"), in `dtype`:
+    ``s = scale q.k``; ``softcap tanh(s / softcap)``; ``+`` the bias terms; invisible pairs dropped;
+    the weights ``exp(s)`` (times the adaptive-span mask) normalized together with ``exp(sinks[h])``.
+    Returns (out, lse) in `dtype`; a row with no visible key gives 0 (lse -inf, or its sink logit)."""
+    dev = q.device
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    add, span = score_bias(B, H, Lq, Lk, bias, dtype, dev)
+    s = s + add
+    vis = visibility(Lq, Lk, causal=causal, window=window, layout=layout, key_padding_mask=key_padding_mask,
+                     B=B, H=H).to(dev)
+    if span is not None:
+        vis = vis & (span > 0)
+    s = s.masked_fill(~vis, -math.inf)
+    top = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        sk = sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)
+        top = torch.maximum(top, sk)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    w = torch.exp(s - top)
+    if span is not None:
+        w = w * torch.where(vis, span, torch.zeros_like(span))
+    total = w.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sk - top)
+    lse = (torch.log(total) + top).squeeze(-1)
+    p = w / torch.where(total > 0, total, torch.ones_like(total))
+    if dropout_keep is not None:
+        p = p * dropout_keep.to(p.dtype) / (1.0 - dropout_p)
+    return torch.matmul(p, v), lse

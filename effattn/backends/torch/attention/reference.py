@@ -22,7 +22,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ....numerics import chunk_generator_seed, compute_dtype as _compute_dtype
 from ....visibility import Rule
 from ...autograd import attention_autograd
-from ...base import FEATURES, Capabilities, Path, register
+from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
+from ....score import backward_setup
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23
@@ -190,17 +191,9 @@ def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
                        seed, scale, dropout_p, window_left, window_right) -> Tuple[Tensor, Tensor, Tensor]:
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    cdt = _compute_dtype(q.dtype)
-    dq = torch.zeros(B, H, Lq, D, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(B, Hkv, Lk, D, dtype=cdt, device=q.device)
-    dv = torch.zeros(B, Hkv, Lk, Dv, dtype=cdt, device=q.device)
+    Hkv = k.shape[1]
     # Delta_i = sum_j P_ij dP_ij = rowsum(dO * O); a gradient into lse enters as dS += dlse * P.
-    delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(cdt)
-    lse = lse.to(cdt)
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    cdt, dq, dk, dv, delta, lse, lse_safe = backward_setup(grad_out, grad_lse, q, k, v, out, lse)
     for c, s, qc, kc, seen in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
                                              window_right):
         i0, i1 = c.i0, c.i1
@@ -269,5 +262,5 @@ PATH = register(Path(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         max_head_dim=256,
-        features=FEATURES["attention"]),
+        features=FEATURES["attention"] - SCORE_FEATURES),
     run=_run))

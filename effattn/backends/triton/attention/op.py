@@ -10,17 +10,21 @@ launchers with the same autograd formula (`_Eager`), so results are bitwise thos
 transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .... import score
 from ...autograd import attention_autograd
-from ...base import FEATURES, Capabilities, Path, register
+from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
     from . import decode, launch
+    from . import score as score_path
 
 if triton is not None:
 
@@ -157,18 +161,35 @@ def _rank(base_rank: int):
     return lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else base_rank
 
 
-_CAPS = Capabilities(
+_SCORE_CAPS = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
     features=FEATURES["attention"],
     min_compute_capability=(8, 0))           # mma on bf16 tensor cores: Ampere or newer
-_COMMON = dict(backend="triton", op="attention", caps=_CAPS, available=_available,
+# the plain kernels take no score terms: the triton/score row's kernels do
+_CAPS = dataclasses.replace(_SCORE_CAPS, features=FEATURES["attention"] - SCORE_FEATURES)
+_COMMON = dict(backend="triton", op="attention", available=_available,
                notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
                # the interpreter is correct but far slower than the torch paths: CPU only when named
                explicit_only_devices=frozenset({"cpu"}))
 
-DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode,
+def _run_score(call):
+    """Softcap, sinks, bias: the score-terms kernels (backends/triton/attention/score.py), through the
+    score-terms composition of effattn.score."""
+    return score.run(call, score_path.Kernels(_tf32(call)))
+
+
+def _admits_score(call):
+    if call.score is None:
+        return ["no score terms (triton/prefill serves the call)"]
+    return score_path.reasons(call)
+
+
+DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode, caps=_CAPS,
                        admits=lambda call: decode.admits(call), describe=lambda call: decode.describe(call),
                        **_COMMON))
-BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill, **_COMMON))
+BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill, caps=_CAPS,
+                                  **_COMMON))
+SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score, caps=_SCORE_CAPS,
+                      admits=_admits_score, describe=lambda call: score_path.describe(call), **_COMMON))

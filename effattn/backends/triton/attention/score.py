@@ -1,0 +1,185 @@
+"""The Triton backend's path for calls with score terms (`score_kernels`): launchers, the reasons a
+call's terms are not served, and the implementation `effattn.score.ScoreAttention` runs.
+
+Served: softcap, sinks and at most one term of each kind (ALiBi, Relative, Span, a dense tensor),
+with causal / window / layout / key padding / GQA / dropout. Tile sizes are fixed (no autotuning):
+the result is bitwise the same on every run. The dense bias's gradient goes through a fp32
+(B, H, Lq, Lk) buffer (the bias itself is that large before broadcasting)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .... import bias as _bias
+from ....score import span_left
+from ....tiles import cdiv
+from ..runtime import _INTERPRET, _next_pow2
+from .backward import delta_kernel
+from .configs import delta_block
+from .launch import _on_device, _or_dummy, philox_key, plan_for
+from .score_kernels import score_bwd_kernel, score_fwd_kernel
+
+_KINDS = (_bias.ALiBi, _bias.Relative, _bias.Span, _bias.Dense)
+
+
+def reasons(call) -> List[str]:
+    """Why the score-terms kernels cannot serve `call` (beyond the declared features)."""
+    if call.score is None:
+        return []
+    why = []
+    for kind in _KINDS:
+        n = sum(isinstance(t, kind) for t in call.score.terms)
+        if n > 1:
+            why.append(f"{n} bias terms of kind {kind.__name__} (the kernels take one of each; sum them first)")
+    return why
+
+
+def describe(call) -> str:
+    return ("score terms (" + ", ".join(sorted(call.score.features())) + "): the score-terms kernels, every "
+            "visited tile masked elementwise, fixed tiles (no autotuning)")
+
+
+def _blocks(D, Dv, backward, score):
+    """(BLOCK_M, BLOCK_N, warps) of the score kernels, chosen from offline sm_90 compiles
+    (`tools.triton.score_kernel_resources`; not timed on a GPU yet): the forward's 64 x 64 tiles with 4
+    warps spill nothing with any one term; the backward's need 8 warps for that, and with several
+    terms only 32 x 32 tiles keep spills out of the tile loops."""
+    if _INTERPRET:
+        return 16, 16, 4
+    if max(D, Dv) > 128:
+        return 32, 32, 4
+    if not backward:
+        return 64, 64, 4
+    heavy = len(score.terms) + (score.softcap is not None)
+    return (64, 64, 8) if heavy <= 1 else (32, 32, 4)
+
+
+def _term_args(score, q, B, H, Lq, Lk):
+    """(pointer arguments SL, TAB, Z, BIAS; strides; scalars; flags) of the terms."""
+    dummy = q
+    sl = tab = z = dense = None
+    for t in score.terms:
+        if isinstance(t, _bias.ALiBi):
+            sl = t.slopes
+        elif isinstance(t, _bias.Relative):
+            tab = t
+        elif isinstance(t, _bias.Span):
+            z = t
+        else:
+            dense = t._full().expand(B, H, Lq, Lk)
+    sl_strides = (0, 0) if sl is None else ((0, sl.stride(0)) if sl.dim() == 1 else tuple(sl.stride()))
+    table = tab.table.contiguous() if tab is not None else None
+    ptrs = (_or_dummy(sl, dummy), _or_dummy(table, dummy), _or_dummy(z.z.contiguous() if z else None, dummy),
+            _or_dummy(dense, dummy))
+    strides = (*sl_strides, table.stride(0) if table is not None else 0,
+               *(dense.stride() if dense is not None else (0, 0, 0, 0)))
+    scalars = (score.softcap or 1.0, tab.max_distance if tab else 0, float(z.ramp) if z else 1.0)
+    flags = dict(SOFTCAP=score.softcap is not None, ALIBI=sl is not None, REL=tab is not None,
+                 REL_BIDIR=bool(tab.bidirectional) if tab else True, SPAN=z is not None, DENSE=dense is not None)
+    return ptrs, strides, scalars, flags, tab
+
+
+def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False,
+            tf32=False):
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32)
+    bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
+                HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
+                DROPOUT=dropout_p > 0, DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, IDX64=p.idx64,
+                num_warps=warps)
+    geo = (p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(layout_block, 1))
+    return p, meta, geo
+
+
+def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False):
+    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score,
+                           tf32=tf32)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    if p.Lq == 0 or p.B * p.H == 0:
+        return out, lse
+    ptrs, strides, scalars, flags, _ = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
+    sinks = score.sinks.contiguous() if score.sinks is not None else None        # the kernel reads SINKS + h
+    kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
+    grid = (cdiv(p.Lq, meta["BLOCK_M"]) * p.B * p.H,)
+    with _on_device(q.device):
+        score_fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(sinks, q), *ptrs,
+                               *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides, *strides, *geo, scale,
+                               scalars[0], scalars[1], scalars[2], philox_key(seed) if dropout_p > 0 else 0,
+                               p.drop_thresh, p.inv_keep, SINKS_ON=sinks is not None, **flags, **meta)
+    return out, lse
+
+
+def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p,
+             left, right, score, tf32=False):
+    """(dq, dk, dv, *gradients of score.tensors()); the terms' gradients are fp32 sums of per-program
+    partials taken in a fixed order, cast to each tensor's dtype."""
+    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True,
+                           tf32)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
+    dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)
+    ptrs, strides, scalars, flags, tab = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
+    n_mt = cdiv(p.Lq, meta["BLOCK_M"]) if p.Lq else 0
+    n_part = 2 + (tab.width if tab is not None else 0)
+    part = torch.zeros((p.B * p.H, n_mt, n_part), dtype=torch.float32, device=q.device)
+    dbias = (torch.zeros((p.B, p.H, p.Lq, p.Lk), dtype=torch.float32, device=q.device) if flags["DENSE"]
+             else None)
+    out, lse = out.contiguous(), lse.contiguous()
+    delta = torch.zeros((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
+    if p.Lq > 0 and p.B * p.H > 0:
+        kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
+        with _on_device(q.device):
+            block = delta_block(p.block_dv)
+            dl_strides = grad_lse.stride() if grad_lse is not None else (0, 0, 0)
+            delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
+                out, grad_out, _or_dummy(grad_lse, lse), delta, *grad_out.stride(), *dl_strides, p.H, p.Lq, p.Dv,
+                BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=grad_lse is not None, IDX64=p.idx64)
+            n_kv = cdiv(p.Lk, meta["BLOCK_N"]) * p.B * p.Hkv
+            grid = (n_kv + n_mt * p.B * p.H,)
+            score_bwd_kernel[grid](q, k, v, grad_out, lse, delta, dq, dk, dv, kpm_u8, _or_dummy(p.lay, q), *ptrs,
+                                   part, _or_dummy(dbias, q), *q.stride(), *k.stride(), *v.stride(),
+                                   *grad_out.stride(), *p.kpm_strides, *strides, p.B, p.H, p.Hkv, *geo[1:], scale,
+                                   scalars[0], scalars[1], scalars[2], philox_key(seed) if dropout_p > 0 else 0,
+                                   p.drop_thresh, p.inv_keep, n_part, BLOCK_P=max(16, _next_pow2(n_part)),
+                                   **flags, **meta)
+    else:
+        dq.zero_()
+    grads = []
+    if score.sinks is not None:
+        psink = torch.exp(score.sinks.detach().float()[None, :, None] - lse)
+        grads.append(-(psink * delta).sum((0, 2)))
+    sums = part.view(p.B, p.H, n_mt, n_part).sum(2)              # (B, H, n_part): a fixed-order reduction
+    for t in score.terms:
+        if isinstance(t, _bias.ALiBi):
+            g = sums[..., 0]
+            grads.append(g.sum(0) if t.slopes.dim() == 1 else g)
+        elif isinstance(t, _bias.Span):
+            grads.append(sums[..., 1].sum(0))
+        elif isinstance(t, _bias.Relative):
+            g = sums[..., 2:].sum(0)
+            if t.table.shape[1] > t.width:
+                g = torch.nn.functional.pad(g, (0, t.table.shape[1] - t.width))
+            grads.append(g)
+        else:
+            full = t._full()
+            dims = tuple(a for a in range(4) if full.shape[a] == 1 and dbias.shape[a] != 1)
+            g = dbias.sum(dims, keepdim=True) if dims else dbias
+            grads.append(g.reshape(t.tensor.shape))
+    params = score.tensors()
+    return (dq, dk.to(k.dtype), dv.to(v.dtype), *[g.to(x.dtype) for g, x in zip(grads, params)])
+
+
+class Kernels:
+    """These launchers as an implementation of `effattn.score.ScoreAttention`, with the call's TF32
+    setting (read once, at the forward, as the main kernels do) bound for its backward."""
+
+    def __init__(self, tf32: bool):
+        self.tf32 = tf32
+
+    def forward(self, *args):
+        return forward(*args, tf32=self.tf32)
+
+    def backward(self, *args):
+        return backward(*args, tf32=self.tf32)

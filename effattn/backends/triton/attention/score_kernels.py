@@ -1,0 +1,304 @@
+"""Kernels for calls with score terms (softcap, sinks, ALiBi, a relative table, adaptive span, a
+dense bias): FlashAttention-2's forward and backward (Dao 2023, Alg. 1 and 2) with the terms
+evaluated in the tile after the scale (`_scores`), in the order of docs/conventions.md ("Scores").
+
+Every visited tile is masked elementwise (causal / window bounds choose the tiles: `key_tile_range`,
+`query_tile_range`; a layout is read per element); the adaptive span's horizon is folded into the
+left window bound by the launcher, so key tiles beyond every head's span are skipped.
+
+Deterministic, no atomics: `score_bwd_kernel` is one launch of dK/dV programs (one per key tile of a
+(b, kv head), looping over the group's query heads) and dQ programs (one per query tile of a (b, h)).
+The dQ programs also reduce the gradient of the biased scores ``dT = P o (dP - Delta)`` to the terms'
+parameters: per program fp32 partial sums (ALiBi: one number, span: one number, relative table: one
+per table entry, via the tile's distinct clamped distances) written to their own slots, which the
+launcher sums in a fixed order; the dense bias's gradient is ``dT`` itself, written by the program
+that owns the row block. The sinks' gradient needs only lse and Delta (the launcher computes it).
+"""
+import triton
+import triton.language as tl
+
+from ..jit import cast, dot, i64, load_tile
+from .schedule import dropout_keep, key_tile_range, query_tile_range, visible
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp, saturating to +-1 without overflow to NaN."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, skpn,
+            scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
+            SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
+            IDX64: tl.constexpr):
+    """(s, tanh, d, ok) of a (BLOCK_M, BLOCK_N) tile in natural units: the scaled scores with the
+    soft-cap and every bias term, -inf where invisible; tanh of the soft-capped scores (for the
+    backward; s itself without softcap); the distances d = pos(i) - j; the visibility."""
+    s = dot(q, kt, DOT_PREC, INTERP_BF16) * scale
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = t * softcap
+    d = (offs_m[:, None] + off) - offs_n[None, :]
+    if ALIBI:
+        slope = tl.load(SL + b * sl_b + h * sl_h).to(tl.float32)
+        s = s - slope * tl.abs(d).to(tl.float32)
+    if REL:
+        if REL_BIDIR:
+            idx = tl.minimum(tl.maximum(d, -max_dist), max_dist) + max_dist
+        else:
+            idx = tl.minimum(tl.maximum(d, 0), max_dist)
+        s = s + tl.load(TAB + h * tab_h + idx).to(tl.float32)
+    ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                 HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
+    if SPAN:
+        zh = tl.load(Z + h).to(tl.float32)
+        ratio = (ramp + zh - d.to(tl.float32)) / ramp
+        ok = ok & (ratio > 0)
+        s = s + tl.log(tl.minimum(tl.maximum(ratio, 1e-30), 1.0))
+    if DENSE:
+        bias = tl.load(BIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + i64(offs_m, IDX64)[:, None] * sbm
+                       + i64(offs_n, IDX64)[None, :] * sbn, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
+                       other=0.0)
+        s = s + bias.to(tl.float32)
+    if HAS_KPM:
+        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        ok = ok & (pad[None, :] == 0)
+    s = tl.where(ok, s, float("-inf"))
+    return s, t, d, ok
+
+
+@triton.jit
+def _query_tile(pid, Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                IDX64: tl.constexpr):
+    """Query tile `pid` of cdiv(Lq, BLOCK_M) x B * H (tiles fastest): (bh, b, h, kv head, its rows,
+    the rows as offsets, the Q tile)."""
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    pid_m = pid % n_mt
+    bh = pid // n_mt
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    om = i64(offs_m, IDX64)
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + om[:, None] * sqm + offs_d[None, :] * sqd,
+                  offs_m, Lq, offs_d, D, True, True)
+    return pid_m, bh, b, h, h // G, offs_m, om, q
+
+
+@triton.jit
+def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
+                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
+                     sl_b, sl_h, tab_h, sbb, sbh, sbm, sbn,
+                     H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS_ON: tl.constexpr,
+                     ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
+                     DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """O (B, H, Lq, Dv) and LSE (B, H, Lq) natural log, for one query tile of one (b, h); grid
+    cdiv(Lq, BLOCK_M) * B * H, query tiles fastest."""
+    pid_m, bh, b, h, hk, offs_m, _, q = _query_tile(tl.program_id(0), Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M,
+                                                    BLOCK_D, IDX64)
+    m0 = pid_m * BLOCK_M
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    kpm_base = KPM + b.to(tl.int64) * skpb
+    lay_ptr = LAY + h.to(tl.int64) * lay_h
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for tile in range(t0, t3):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        on = i64(offs_n, IDX64)
+        kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
+        s, _t, _d, _ok = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                             kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+                             sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
+                             REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+        s = s * LOG2E
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p * inv_keep, 0.0)
+        v = load_tile(v_base + on[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, True, True)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
+        m_i = m_new
+    if SINKS_ON:        # the sink's exp joins the normalizer: lse = log(sum exp(s) + exp(sink))
+        sink = tl.load(SINKS + h).to(tl.float32) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        scale_old = tl.exp2(m_i - m_fin)
+        l_i = l_i * scale_old + tl.exp2(sink - m_fin)
+        acc = acc * scale_old[:, None]
+        m_i = m_fin
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / LOG2E)
+    row_ok = offs_m < Lq
+    tl.store(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], cast(out, O.dtype.element_ty,
+             INTERP_BF16), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+           kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn,
+           seed, drop_thresh, inv_keep,
+           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+           DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
+           REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
+           INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """The backward's recomputation for a (BLOCK_M, BLOCK_N) tile: (P with dropout applied, dT the
+    gradient of the biased scores, dS the gradient of the scaled scores, d, ok)."""
+    s, t, d, ok = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                          kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+                          sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
+                          REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+    p = tl.exp2(s * LOG2E - lse[:, None])
+    dp = dot(do, vt, DOT_PREC, INTERP_BF16)
+    pd = p
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+        pd = tl.where(keep, p * inv_keep, 0.0)
+    dt = p * (dp - delta[:, None])
+    ds = dt
+    if SOFTCAP:
+        ds = dt * (1.0 - t * t)
+    return pd, dt, ds, d, ok
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, bh, offs_m, Lq):
+    """lse (log2 units; +inf where no row or no key, so P = 0) and Delta of a query tile."""
+    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    return lse, tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+
+
+@triton.jit
+def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS,
+                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, skpb, skpn,
+                     sl_b, sl_h, tab_h, sbb, sbh, sbm, sbn,
+                     B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, n_part,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_P: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                     ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
+                     DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """The first ``cdiv(Lk, BLOCK_N) * B * Hkv`` programs: dK, dV of one key tile of one (b, kv head);
+    the remaining ``cdiv(Lq, BLOCK_M) * B * H``: dQ of one query tile of one (b, h) and its partial
+    parameter sums, written to ``PART[bh, tile, :]`` (slot 0 ALiBi, 1 span, 2.. the table), and
+    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32."""
+    pid = tl.program_id(0)
+    n_nt = tl.cdiv(Lk, BLOCK_N)
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    n_kv = n_nt * B * Hkv
+    offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
+    offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
+    if pid < n_kv:
+        pid_n = pid % n_nt
+        bhk = pid // n_nt
+        b = bhk // Hkv
+        hk = bhk % Hkv
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        on = i64(offs_n, IDX64)
+        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
+        vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+        t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for g in range(0, G):
+            h = hk * G + g
+            bh = b * H + h
+            q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+            do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+            for tile in range(t0, t3):
+                offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+                om = i64(offs_m, IDX64)
+                q = load_tile(q_base + om[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, True)
+                do = load_tile(do_base + om[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv,
+                               True, True)
+                lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
+                pd, dt, ds, d, ok = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
+                                           right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
+                                           KPM + b.to(tl.int64) * skpb, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
+                                           tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, seed, drop_thresh,
+                                           inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
+                                           ALIBI, REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+                dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
+                dk += dot(tl.trans(cast(ds, q.dtype, INTERP_BF16)), q, DOT_PREC, INTERP_BF16)
+        ok_k = offs_n[:, None] < Lk
+        rows = (bhk.to(tl.int64) * Lk + offs_n[:, None])
+        tl.store(DK + rows * D + offs_d[None, :], dk * scale, mask=ok_k & (offs_d[None, :] < D))
+        tl.store(DV + rows * Dv + offs_dv[None, :], dv, mask=ok_k & (offs_dv[None, :] < Dv))
+    else:
+        pid_m, bh, b, h, hk, offs_m, om, q = _query_tile(pid - n_kv, Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M,
+                                                         BLOCK_D, IDX64)
+        m0 = pid_m * BLOCK_M
+        do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + om[:, None] * sdom
+                       + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, True)
+        lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
+        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        slots = tl.arange(0, BLOCK_P)
+        part = tl.zeros((BLOCK_P,), tl.float32)
+        t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for tile in range(t0, t3):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            on = i64(offs_n, IDX64)
+            kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
+            vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
+            pd, dt, ds, d, ok = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right,
+                                       LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs, KPM + b.to(tl.int64) * skpb,
+                                       skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+                                       sbb, sbh, sbm, sbn, seed, drop_thresh, inv_keep, HAS_LEFT, HAS_RIGHT,
+                                       HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
+                                       DOT_PREC, INTERP_BF16, IDX64)
+            dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
+            dt = tl.where(ok, dt, 0.0)
+            if ALIBI:
+                part += tl.where(slots == 0, -tl.sum(tl.sum(dt * tl.abs(d).to(tl.float32), 1), 0), 0.0)
+            if SPAN:
+                zh = tl.load(Z + h).to(tl.float32)
+                ratio = (ramp + zh - d.to(tl.float32)) / ramp
+                on_ramp = (ratio > 0) & (ratio <= 1)
+                g_sp = tl.where(on_ramp, dt / tl.where(on_ramp, ratio, 1.0), 0.0)
+                part += tl.where(slots == 1, tl.sum(tl.sum(g_sp, 1), 0) / ramp, 0.0)
+            if REL:
+                if REL_BIDIR:
+                    idx = tl.minimum(tl.maximum(d, -max_dist), max_dist) + max_dist
+                else:
+                    idx = tl.minimum(tl.maximum(d, 0), max_dist)
+                # the tile's table entries form one run [lo, hi]: one masked sum per entry
+                lo = tl.min(tl.min(idx, 1), 0)
+                hi = tl.max(tl.max(idx, 1), 0)
+                for c in range(lo, hi + 1):
+                    part += tl.where(slots == c + 2, tl.sum(tl.sum(tl.where(idx == c, dt, 0.0), 1), 0), 0.0)
+            if DENSE:
+                tl.store(DBIAS + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Lk + offs_n[None, :], dt,
+                         mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+        tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * D + offs_d[None, :], cast(dq * scale,
+                 DQ.dtype.element_ty, INTERP_BF16), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        tl.store(PART + (bh.to(tl.int64) * n_mt + pid_m) * n_part + slots, part, mask=slots < n_part)

@@ -1,0 +1,330 @@
+"""Score terms of a softmax-attention call (``softcap``, ``sinks``, ``bias``): their validation, the
+feature names a backend declares for them, and the torch reference that defines their math.
+
+Order of operations (docs/conventions.md, "Scores"), with ``d = pos(i) - j`` and
+``pos(i) = i + Lk - Lq``::
+
+    s = scale * q_i . k_j
+    s = softcap * tanh(s / softcap)                 softcap
+    s = s + sum of the bias terms at (b, h, d)       bias
+    s = -inf where (i, j) is not visible            causal, window, layout, padding
+    lse = log(sum_j exp(s) + exp(sinks[h]))          sinks (the sink term only with sinks)
+    out = sum_j exp(s - lse) v_j
+
+The reference (`ScoreAttention`) walks blocks of query rows over the key range they may see, like
+the torch backend's chunked reference, so its memory is O(rows x keys) per block; its backward
+recomputes the probabilities from the saved lse and reduces the gradient of the biased scores
+``dT = P o (dP - Delta)`` to every term's tensors block by block, in a fixed order (deterministic).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import bias as _bias
+from .visibility import Rule
+
+# Elements of one (B, H, rows, keys) score block; a handful of those live at once in the backward.
+SCORE_BUDGET = 1 << 22
+# Rows per block at most: blocks of a causal or windowed call then compute little beyond the visible
+# keys, and each block's temporaries stay small (at L = 1024, H = 8 on one CPU thread, 128-row blocks
+# took about half the time of 512-row ones, forward and backward).
+ROWS_MAX = 128
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreTerms:
+    """The validated score terms of a call: one field of `AttnCall` (``call.score``). Their feature
+    names (`features`) are ``base.SCORE_FEATURES``; a backend declares those it serves."""
+    softcap: Optional[float]
+    sinks: Optional[Tensor]                 # (H,)
+    terms: Tuple                            # effattn.bias terms, summed
+
+    def features(self):
+        f = {t.feature for t in self.terms}
+        if self.softcap is not None:
+            f.add("softcap")
+        if self.sinks is not None:
+            f.add("sinks")
+        return f
+
+    def tensors(self) -> Tuple[Tensor, ...]:
+        """Every tensor of the terms, sinks first (the inputs whose gradients the backward returns)."""
+        ts = (self.sinks,) if self.sinks is not None else ()
+        for t in self.terms:
+            ts += t.params()
+        return ts
+
+    def with_tensors(self, tensors) -> "ScoreTerms":
+        """The same terms over other tensors (the ones an autograd function sees), in `tensors()` order."""
+        it = iter(tensors)
+        sinks = next(it) if self.sinks is not None else None
+        terms = tuple(t.with_params(*[next(it) for _ in t.params()]) for t in self.terms)
+        return ScoreTerms(self.softcap, sinks, terms)
+
+    def horizon(self) -> Optional[int]:
+        """Keys at a distance >= this are invisible to every head (adaptive span), or None."""
+        hs = [t.horizon for t in self.terms if isinstance(t, _bias.Span)]
+        return min(hs) if hs else None
+
+
+def make_score_terms(fn: str, q: Tensor, k: Tensor, softcap=None, sinks=None, bias=None) -> Optional[ScoreTerms]:
+    """Validates ``softcap``, ``sinks`` and ``bias`` of a call with q (B, H, Lq, D), k (B, Hkv, Lk, D);
+    None when none is given. Errors name the argument."""
+    if softcap is None and sinks is None and bias is None:
+        return None
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"{fn}: softcap must be a float > 0 or None, got {softcap!r}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"{fn}: softcap must be a finite float > 0, got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"{fn}: sinks must be a (H,) floating-point tensor, got {type(sinks).__name__}")
+        if not sinks.is_floating_point():
+            raise TypeError(f"{fn}: sinks must be a floating-point tensor, got {sinks.dtype}")
+        if tuple(sinks.shape) != (H,):
+            raise ValueError(f"{fn}: sinks must have shape (H,)=({H},), one logit per query head, got "
+                             f"{tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"{fn}: sinks is on {sinks.device}, q on {q.device}")
+    terms = ()
+    if bias is not None:
+        items = list(bias) if isinstance(bias, (list, tuple)) else [bias]
+        if not items:
+            raise ValueError(f"{fn}: bias is an empty list; pass None for no bias")
+        for x in items:
+            if isinstance(x, torch.Tensor):
+                x = _bias.Dense(x)
+            elif not isinstance(x, (_bias.ALiBi, _bias.Relative, _bias.Span, _bias.Dense)):
+                raise TypeError(f"{fn}: bias must be a tensor, an effattn.bias term (ALiBi, Relative, Span) or a "
+                                f"list of them, got {type(x).__name__}")
+            x.validate(fn, B, H, Lq, Lk, q.device)
+            terms += (x,)
+    return ScoreTerms(softcap, sinks, terms)
+
+
+def dense_values(bias, B: int, H: int, Lq: int, Lk: int, device) -> Tensor:
+    """The sum of the bias terms ``bias`` (as `attention` takes them) at every (query, key): float32
+    ``(B or 1, H or 1, Lq, Lk)``, ``-inf`` where a span hides a key. For dense paths (O(Lq x Lk))."""
+    q = torch.empty(B, H, Lq, 0, device=device)
+    score = make_score_terms("attention", q, torch.empty(B, H, Lk, 0, device=device), bias=bias)
+    d = torch.arange(Lk - Lq, Lk, device=device)[:, None] - torch.arange(Lk, device=device)[None, :]
+    total = torch.zeros((), device=device)
+    for term in score.terms:
+        total = total + term.values(d, (Lk - Lq, 0, Lq, 0, Lk), torch.float32)
+    return total
+
+
+# ------------------------------------------------------------------------------------ the reference
+
+def _chunk_rows(B: int, H: int, Lq: int, Lk: int) -> int:
+    return min(max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1))), max(Lq, 1), ROWS_MAX)
+
+
+def span_left(left: int, score: ScoreTerms) -> int:
+    """The call's left window bound tightened to the span's horizon (keys beyond it are invisible to
+    every head), so that blocks and tiles beyond it are skipped."""
+    hz = score.horizon()
+    if hz is not None:
+        left = hz - 1 if left < 0 else min(left, hz - 1)
+    return left
+
+
+def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> Rule:
+    return Rule(Lq, Lk, span_left(left, score), right, layout_mask, layout_block)
+
+
+def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms):
+    """For each block of query rows with a visible key: (block, raw scaled scores, tanh of the
+    soft-capped scores or None, final scores with the terms and -inf where invisible, grouped
+    queries, keys). ``block = (d0, i0, i1, k0, k1)``: rows [i0, i1), keys [k0, k1), d0 the distance
+    of (i0, k0). Forward and backward walk the same blocks."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rule = _rule(Lq, Lk, left, right, layout_mask, layout_block, score)
+    rows = _chunk_rows(B, H, Lq, Lk)
+    off = Lk - Lq
+    for i0 in range(0, Lq, rows):
+        i1 = min(i0 + rows, Lq)
+        k0, k1 = rule.key_range(i0, i1)
+        if k1 <= k0:
+            continue
+        qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
+        kc = k[:, :, k0:k1].to(cdt)
+        raw = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale).view(B, H, i1 - i0, k1 - k0)
+        block = (i0 + off - k0, i0, i1, k0, k1)
+        d = (torch.arange(i0 + off, i1 + off, device=q.device)[:, None]
+             - torch.arange(k0, k1, device=q.device)[None, :])
+        t = None
+        s = raw                                          # a fresh tensor: the terms add in place
+        if score.softcap is not None:
+            t = torch.tanh(raw / score.softcap)
+            s = t * score.softcap
+        for term in score.terms:
+            s.add_(term.values(d, block, cdt))
+        mask = rule.materialize((i0, i1), torch.arange(k0, k1, device=q.device), key_padding_mask=kpm)
+        if mask is not None:
+            s.masked_fill_(~mask, -math.inf)
+        yield block, d, t, s, qc, kc
+
+
+def _keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
+    """Dropout keep-mask of one block, from a generator seeded by (call seed, block start), so that
+    the backward regenerates the forward's."""
+    s0, s1 = (int(x) for x in seed.tolist())
+    g = torch.Generator(device=device)
+    g.manual_seed((s0 * 1_000_003 + s1 * 7919 + i0 * 31 + 17) % (2**63 - 1))
+    return torch.rand(shape, generator=g, device=device) >= p
+
+
+def _grouped(x: Tensor, Hkv: int) -> Tensor:
+    B, H, r, n = x.shape
+    return x.reshape(B, Hkv, (H // Hkv) * r, n)
+
+
+def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
+                  score: ScoreTerms):
+    B, H, Lq, _ = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+    if score.sinks is not None:          # a row that sees no key: lse = its sink logit
+        lse = score.sinks.detach().to(cdt)[None, :, None].expand(B, H, Lq).clone()
+        sink = score.sinks.detach().to(cdt)[None, :, None, None]
+    else:
+        lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
+        sink = None
+    for (_, i0, i1, k0, k1), _, _, s, _, _ in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right,
+                                                       score):
+        m = s.amax(-1, keepdim=True)
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)           # no finite score: exp(-inf) = 0
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        if sink is not None:
+            l = l + torch.exp(sink - m)
+        lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)
+        p = p / torch.where(l > 0, l, torch.ones_like(l))
+        if dropout_p > 0:
+            p = p * _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+        o = torch.matmul(_grouped(p, Hkv), v[:, :, k0:k1].to(cdt))
+        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
+    return out, lse
+
+
+def backward_setup(grad_out, grad_lse, q, k, v, out, lse):
+    """What a chunked backward starts from: (compute dtype, dq zeros in q's dtype, dk / dv zeros in
+    the compute dtype, Delta = rowsum(dO * O) - dlse, lse in the compute dtype, lse with -inf rows
+    at 0). A gradient into lse enters as dS += dlse * P, i.e. as -dlse in Delta."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(B, H, Lq, D, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(B, Hkv, Lk, D, dtype=cdt, device=q.device)
+    dv = torch.zeros(B, Hkv, Lk, Dv, dtype=cdt, device=q.device)
+    delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(cdt)
+    lse = lse.to(cdt)
+    return cdt, dq, dk, dv, delta, lse, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale,
+                   dropout_p, left, right, score: ScoreTerms):
+    """(dq, dk, dv, *gradients of score.tensors()), the last in float32 (float64 for float64 inputs)
+    before the cast to each tensor's dtype."""
+    B, H, Lq, D = q.shape
+    Hkv = k.shape[1]
+    cdt, dq, dk, dv, delta, lse, lse_safe = backward_setup(grad_out, grad_lse, q, k, v, out, lse)
+    grads = []
+    if score.sinks is not None:
+        # d lse_i / d sink = exp(sink - lse_i); d L / d lse_i = -Delta_i (via out) + dlse_i
+        psink = torch.exp(score.sinks.detach().to(cdt)[None, :, None] - lse)
+        grads.append(-(psink * delta).sum((0, 2)))
+    bufs = []
+    for t in score.terms:
+        bufs.append([torch.zeros(p.shape, dtype=cdt, device=q.device) if not isinstance(t, _bias.Dense)
+                     else torch.zeros(t._full().shape, dtype=cdt, device=q.device) for p in t.params()])
+    for block, d, tanh, s, qc, kc in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
+        _, i0, i1, k0, k1 = block
+        p = torch.exp(s - lse_safe[:, :, i0:i1, None])
+        do = grad_out[:, :, i0:i1].to(cdt)
+        vc = v[:, :, k0:k1].to(cdt)
+        dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
+        if dropout_p > 0:
+            keep = _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            pd, dp = p * keep, dp * keep
+        else:
+            pd = p
+        dv[:, :, k0:k1] += torch.matmul(_grouped(pd, Hkv).transpose(-1, -2), _grouped(do, Hkv))
+        dT = p * (dp - delta[:, :, i0:i1, None])                 # gradient of the biased scores
+        for t, buf in zip(score.terms, bufs):
+            for b_, g in zip(buf, t.grads(dT, d, block, cdt)):
+                if isinstance(g, tuple):                         # a dense bias: its block of the tensor
+                    rows, keys, g = g
+                    b_[:, :, rows, keys] += g
+                else:
+                    b_ += g
+        ds = dT if tanh is None else dT * (1 - tanh * tanh)     # d(c tanh(x / c)) / dx = 1 - tanh^2
+        dsg = _grouped(ds, Hkv)
+        dq[:, :, i0:i1] = (torch.matmul(dsg, kc) * scale).view(B, H, i1 - i0, D).to(q.dtype)
+        dk[:, :, k0:k1] += torch.matmul(dsg.transpose(-1, -2), qc) * scale
+    for t, buf in zip(score.terms, bufs):
+        for p, b_ in zip(t.params(), buf):
+            grads.append(b_.reshape(p.shape) if isinstance(t, _bias.Dense) else b_)
+    params = score.tensors()
+    return (dq, dk.to(k.dtype), dv.to(v.dtype), *[g.to(p.dtype) for g, p in zip(grads, params)])
+
+
+class ScoreAttention(torch.autograd.Function):
+    """A call with score terms as an autograd function: inputs (static, q, k, v, *score.tensors())
+    with ``static = (impl, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
+    score)``; ``impl.forward(q, k, v, *static[1:])`` gives (out, lse) and ``impl.backward(grad_out,
+    grad_lse, q, k, v, out, lse, *static[1:])`` (dq, dk, dv, *the tensors' gradients). Returns
+    (out, lse). The torch reference is one impl (`Reference`), the Triton kernels another."""
+
+    @staticmethod
+    def forward(ctx, static, q, k, v, *tensors):
+        impl, *args, score = static
+        score = score.with_tensors([t.detach() for t in tensors])
+        out, lse = impl.forward(q, k, v, *args, score)
+        ctx.static = (impl, *args, score)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        impl, *args, score = ctx.static
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        gs = impl.backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *args, score.with_tensors(tensors))
+        return (None, *gs)
+
+
+class Reference:
+    """The torch reference as an implementation of `ScoreAttention`."""
+    forward = staticmethod(score_forward)
+    backward = staticmethod(score_backward)
+
+
+def run(call, impl=Reference):
+    """(out, lse) of a call with score terms on `impl`; differentiable in q, k, v and every term's
+    tensors."""
+    lay = call.layout
+    static = (impl, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0,
+              call.key_padding_mask, call.seed, call.scale, call.dropout_p, call.window_left, call.window_right,
+              call.score)
+    return ScoreAttention.apply(static, call.q, call.k, call.v, *call.score.tensors())
