@@ -145,7 +145,7 @@ def explain_paged(q, k_pages, v_pages, *, block_table, seqlens, **kwargs):
             report.notes[name] = "; ".join(x for x in (GATHER_NOTE, report.notes.get(name)) if x)
     report.notes["triton"] = "; ".join(x for x in (f"paged kernel not taken: {'; '.join(why)}",
                                                    report.notes.get("triton")) if x)
-    report.rows = [Row("triton/paged", "triton", 0, list(why), [], None)] + [
+    report.rows = [Row("triton/paged", "triton", 0, [f"paged kernel not taken: {w}" for w in why], [], None)] + [
         r._replace(notes=r.notes + [GATHER_NOTE]) if not r.reasons else r for r in report.rows]
     return report
 

@@ -24,7 +24,7 @@ from conftest import DEVICE, random_qkv
 from effattn import splits
 from effattn._call import make_attn_call, make_linear_call
 from effattn.backends import base
-from effattn.testing.oracle import chunked_linear_attention, feature_map, naive_attention
+from effattn.testing.oracle import chunked_linear_attention, feature_map, naive_attention, score_attention
 
 OPS = ("attention", "linear_attention")
 EXTRA = [paths_example.PATH]             # test-only rows: one line each
@@ -45,7 +45,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfl
 CANDIDATES = {
     "attention": [(1, 2, 2, 9, 9, 8, 8, dict(causal=True)),
                   (1, 4, 2, 2, 40, 16, 16, dict(causal=True)),            # decode-shaped
-                  (1, 2, 2, 9, 12, 8, 8, dict(causal=True, window=(3, 0)))],
+                  (1, 2, 2, 9, 12, 8, 8, dict(causal=True, window=(3, 0))),
+                  (1, 2, 2, 9, 12, 8, 8, dict(causal=True, softcap=4.0))],     # a score term
     "linear_attention": [(1, 2, 2, 9, 9, 8, 8, dict(causal=True)),
                          (1, 4, 2, 1, 1, 8, 8, dict(causal=True))],       # one token
 }
@@ -94,7 +95,8 @@ def _admitted(p, seed=0):
 
 def _oracle(op, q, k, v, kw):
     if op == "attention":
-        return naive_attention(q.double(), k.double(), v.double(), **kw)
+        fn = score_attention if any(t in kw for t in ("softcap", "sinks", "bias")) else naive_attention
+        return fn(q.double(), k.double(), v.double(), **kw)
     out = chunked_linear_attention(q.double(), k.double(), v.double(), torch.zeros(*q.shape[:3], v.shape[3]),
                                    feature_map("elu"), causal=kw.get("causal", False))[0]
     return out, None

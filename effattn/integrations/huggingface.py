@@ -90,7 +90,7 @@ KEYWORDS = {
 def _check_keywords(kwargs) -> None:
     """NotImplementedError for a refused keyword given a value, TypeError for an unknown one."""
     for name, value in kwargs.items():
-        if value is None or name in KEYWORDS["carried"]:
+        if value is None or name in KEYWORDS["carried"] or name in KEYWORDS["served"]:
             continue
         if name in KEYWORDS["refused"]:
             raise NotImplementedError(f"effattn: this keyword ({name}=) is not supported; use attn_implementation='eager' "
