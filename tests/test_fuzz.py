@@ -235,13 +235,13 @@ def _admits(unit, q, k, v, kw):
 
 
 def _rel_judge(got, ref, low, mult, dtype, what, cond=1.0):
-    """`judge` on values divided by the reference's magnitude, with the floor times `cond` (the
+    """`judge` on values divided by the reference's largest magnitude, with the floor times `cond` (the
     largest |score|: exp's relative error grows with it); when the naive computation in `dtype`
     overflows, its yardstick is the float64 result rounded to `dtype`."""
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
     if not ref.numel():
         return
-    s = max(1.0, ref.abs().max().item())
+    s = ref.abs().max().item() or 1.0
     if not torch.isfinite(low).all():
         low = ref.to(dtype)
     judge(got.double() / (s * cond), ref.double() / (s * cond), low.double() / (s * cond), mult, dtype, what)
