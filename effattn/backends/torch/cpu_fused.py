@@ -76,7 +76,9 @@ def cpu_path(call) -> Tuple[str, str]:
     if call.H != call.Hkv and not _FLASH_GQA:
         blockers.append(f"grouped-query attention before torch 2.5 (this is {torch.__version__})")
     if not blockers:
-        return "flash", "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+        copied = [n for n, t in (("q", call.q), ("k", call.k), ("v", call.v)) if t.stride(-1) != 1 and t.shape[-1] > 1]
+        return "flash", ("torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+                         + (f"; {', '.join(copied)} copied (last dimension not contiguous)" if copied else ""))
     return "blocks", ("visible key blocks only, one batched matmul per group of query blocks "
                       f"(torch's flash CPU kernel does not serve {', '.join(blockers)})")
 
@@ -472,7 +474,10 @@ cpu_flash_fwd.register_autograd(_flash_grad, setup_context=_flash_setup)
 def run(call, path: str):
     """Runs an AttnCall on the "flash" or "blocks" path: (out, lse)."""
     if path == "flash":
-        return cpu_flash_fwd(call.q, call.k, call.v, call.causal, call.scale)
+        # the flash kernel reads rows as if their last dimension were contiguous (a strided view such
+        # as x[..., ::2] gives wrong results): such inputs are copied
+        q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (call.q, call.k, call.v))
+        return cpu_flash_fwd(q, k, v, call.causal, call.scale)
     lm = call.layout.mask if call.layout is not None else None
     lb = call.layout.block_size if call.layout is not None else 0
     return cpu_blocks_fwd(call.q, call.k, call.v, lm, lb, call.key_padding_mask, call.scale,
