@@ -269,14 +269,16 @@ def _admits(unit, q, k, v, kw):
     return ex.can_serve(unit.backend)
 
 
-def _rel_judge(got, ref, low, mult, dtype, what, cond=1.0):
-    """`judge` on values divided by the reference's largest magnitude, with the floor times `cond` (the
-    largest |score|: exp's relative error grows with it); when the naive computation in `dtype`
-    overflows, its yardstick is the float64 result rounded to `dtype`."""
+def _rel_judge(got, ref, low, mult, dtype, what, cond=1.0, terms=None):
+    """`judge` on values divided by the magnitude of the terms they sum (`terms`, e.g. max |v| for
+    out: a result near 0 by cancellation is judged on its terms' scale; default the reference's
+    largest magnitude), with the floor times `cond` (the largest |score|: exp's relative error grows
+    with it); when the naive computation in `dtype` overflows, its yardstick is the float64 result
+    rounded to `dtype`."""
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
     if not ref.numel():
         return
-    s = ref.abs().max().item() or 1.0
+    s = (terms if terms is not None else ref.abs().max().item()) or 1.0
     if not torch.isfinite(low).all():
         low = ref.to(dtype)
     judge(got.double() / (s * cond), ref.double() / (s * cond), low.double() / (s * cond), mult, dtype, what)
@@ -362,7 +364,9 @@ def check_attention(unit, c):
     low_leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
     low, _ = naive_attention(*low_leaves, **okw, dtype=dtype, dropout_keep=keep, dropout_p=drop)
     cond = _score_size(q, k, kw)
-    _rel_judge(out, ref, low, 2, dtype, "out", cond)
+    amax = {n: (t.double().abs().max().item() if t.numel() else 0.0) for n, t in zip("qkv", (q, k, v))}
+    inv_keep = 1.0 / (1.0 - drop)
+    _rel_judge(out, ref, low, 2, dtype, "out", cond, terms=amax["v"] * inv_keep)
     # lse: -inf exactly where the oracle's is; close elsewhere (relative to the scores' size)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs from the oracle's"
     fin = torch.isfinite(ref_lse)
@@ -381,7 +385,11 @@ def check_attention(unit, c):
             rg = torch.zeros_like(ref_leaves[0 if name == "q" else 1 if name == "k" else 2]) if rg is None else rg
             g_ = torch.zeros_like(rg) if g_ is None else g_
             lg = torch.zeros_like(rg) if lg is None else lg
-            _rel_judge(g_, rg, lg, 3, dtype, f"d{name}", cond)
+            gmax = go.abs().max().item()
+            sc = abs(kw.get("scale", 1.0 / math.sqrt(D)))
+            terms = {"q": 2 * sc * gmax * amax["v"] * amax["k"] * inv_keep,
+                     "k": 2 * sc * gmax * amax["v"] * amax["q"] * inv_keep, "v": gmax * inv_keep}[name]
+            _rel_judge(g_, rg, lg, 3, dtype, f"d{name}", cond, terms=terms)
     with torch.no_grad():
         check_properties(unit, c, q, k, v, kw)
 
