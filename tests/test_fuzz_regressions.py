@@ -168,3 +168,23 @@ def test_empty_batch_per_head_layout_and_padding(unit):
     assert out.shape == (0, 2, 3, 4) and lse.shape == (0, 2, 3)
     grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
     assert all(gr is None or gr.numel() == 0 for gr in grads)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_flash_path_strided_last_dim(name):
+    """Found by the fuzz: torch's fused flash CPU kernel reads rows as if their last dimension were
+    contiguous; a view such as x[..., ::2] gave wrong results (errors of order 1) on the default CPU
+    path. Such inputs are now copied first, and explain says so."""
+    g = torch.Generator().manual_seed(0)
+    t = {n: torch.randn(1, 2, 5, 16, generator=g) for n in "qkv"}
+    t[name] = torch.randn(1, 2, 5, 32, generator=g)[..., ::2]
+    path = effattn.explain(t["q"], t["k"], t["v"]).paths["torch"]
+    assert "flash" in path and f"{name} copied" in path
+    leaves = [t[n].requires_grad_() for n in "qkv"]
+    out = effattn.attention(*leaves, backend="torch")
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref, _ = naive_attention(*ref_leaves)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    go = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)

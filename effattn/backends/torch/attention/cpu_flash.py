@@ -80,8 +80,24 @@ def _admits(call) -> List[str]:
     return why
 
 
+def _copied(call) -> List[str]:
+    """The inputs whose last dimension is not contiguous: the flash kernel reads rows as if it were
+    (a strided view such as x[..., ::2] gave errors of order 1), so they are copied first."""
+    return [n for n, t in (("q", call.q), ("k", call.k), ("v", call.v)) if t.stride(-1) != 1 and t.shape[-1] > 1]
+
+
+def _run(call):
+    q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (call.q, call.k, call.v))
+    return cpu_flash_fwd(q, k, v, call.causal, call.scale)
+
+
+def _describe(call) -> str:
+    copied = _copied(call)
+    return ("torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+            + (f"; {', '.join(copied)} copied (last dimension not contiguous)" if copied else ""))
+
+
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-flash", priority=90,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
-    run=lambda call: cpu_flash_fwd(call.q, call.k, call.v, call.causal, call.scale), admits=_admits,
-    describe=lambda call: "torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"))
+    run=_run, admits=_admits, describe=_describe))
