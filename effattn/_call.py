@@ -46,8 +46,9 @@ def _fail(kind, msg):
 
 # The keyword arguments of the public functions (explain takes those of its op, without backend).
 ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
-                      "backend")
-LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
+                      "cu_seqlens", "max_seqlen", "positions", "out_dtype", "backend")
+LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "cu_seqlens",
+                   "max_seqlen", "backend")
 
 
 def check_keywords(fn: str, given, valid) -> None:
@@ -110,6 +111,12 @@ class AttnCall:
     dropout_p: float
     return_lse: bool
     seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+    # packed sequences / context-parallel chunks (effattn.packed): the (q0, q1, k0, k1, q_offset) work list
+    # of a call with cu_seqlens or positions, the int32 cu_seqlens pair, the positions, an fp32 output
+    segments: Optional[tuple] = None
+    cu_seqlens: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    positions: Optional[Tuple[int, int]] = None
+    out_dtype: Optional[torch.dtype] = None
 
     @property
     def B(self): return self.q.shape[0]
@@ -138,11 +145,15 @@ class AttnCall:
         if self.Lq != self.Lk: f.add("lq_ne_lk")
         if self.D != self.Dv: f.add("dv_ne_d")
         if self.return_lse: f.add("return_lse")
+        if self.cu_seqlens is not None: f.add("varlen")
+        if self.positions is not None: f.add("positions")
+        if self.out_dtype is not None: f.add("out_fp32")
         return f
 
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
-                   scale=None, dropout_p=0.0, return_lse=False) -> AttnCall:
+                   scale=None, dropout_p=0.0, return_lse=False, cu_seqlens=None, max_seqlen=None, positions=None,
+                   out_dtype=None) -> AttnCall:
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -181,8 +192,12 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     if dropout_p > 0:
         # drawn from torch's default generator so torch.manual_seed makes dropout reproducible
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
-    return AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
+    call = AttnCall(q, k, v, causal, left, right, layout, key_padding_mask, float(scale), float(dropout_p),
                     bool(return_lse), seed)
+    if cu_seqlens is not None or max_seqlen is not None or positions is not None or out_dtype is not None:
+        from .packed import add_segments
+        add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype)
+    return call
 
 
 # ----------------------------------------------------------------------------- linear attention

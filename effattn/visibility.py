@@ -67,6 +67,8 @@ class Rule:
         left, right: window reach in keys, ``-1`` = unbounded (causal is ``right = 0``).
         layout_mask: bool ``(Hl, ceil(Lq/bs), ceil(Lk/bs))`` block mask, or None.
         layout_block: the layout's block size ``bs`` (ignored without a mask).
+        q_offset: the key position of query 0, ``q_start - k_start`` of ``attention(positions=...)``;
+            None (default) for bottom-right alignment, ``Lk - Lq``.
     """
     Lq: int
     Lk: int
@@ -74,6 +76,7 @@ class Rule:
     right: int = UNBOUNDED
     layout_mask: Optional[Tensor] = None
     layout_block: int = 0
+    q_offset: Optional[int] = None        # pos(i) - i; None: Lk - Lq (bottom-right). Set by `positions`
 
     @classmethod
     def of(cls, Lq: int, Lk: int, *, causal: bool = False, window=None, layout=None) -> "Rule":
@@ -85,8 +88,8 @@ class Rule:
 
     @property
     def offset(self) -> int:
-        """``Lk - Lq``: query i sits at key position ``i + offset``."""
-        return self.Lk - self.Lq
+        """``Lk - Lq`` (or ``q_offset`` when given): query i sits at key position ``i + offset``."""
+        return self.Lk - self.Lq if self.q_offset is None else self.q_offset
 
     @property
     def has_window(self) -> bool:

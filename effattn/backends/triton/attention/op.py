@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, Backend, Capabilities, attention_autograd, register
+from ...base import FEATURES, SEGMENT_FEATURES, Backend, Capabilities, attention_autograd, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -152,7 +152,7 @@ BACKEND = register(Backend(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_dim=256,
-        features=FEATURES["attention"],
+        features=FEATURES["attention"] - SEGMENT_FEATURES,
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
     describe=lambda call: decode.describe(call) if triton is not None else None,

@@ -1,0 +1,197 @@
+"""Packed variable-length sequences (``cu_seqlens``) and absolute chunk positions (``positions``).
+
+A packed call concatenates N sequences along the length axis: ``q (1, H, Tq, D)``, ``k, v (1, Hkv,
+Tk, D)``, with int32 ``cu_seqlens (N + 1,)`` marking where each starts (``cu[0] = 0``, ``cu[N] = T``).
+Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys ``cu_k[n]:cu_k[n+1]``, aligned bottom-right
+inside the segment; causal, window, GQA and dropout apply with segment-local positions and no pair
+crosses a segment. ``positions=(q_start, k_start)`` places a plain call's queries and keys at
+absolute positions (query i at ``q_start + i``, key j at ``k_start + j``), so a chunk pair of a longer
+sequence (context parallelism, cascade attention) sees exactly what the whole sequence would.
+
+Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
+(``q_offset`` = the key position of the segment's first query, relative to its first key). The torch
+backend walks it with its chunked reference, forward and backward (``run_segments``); the Triton and
+CUDA kernels do not declare the features ``varlen`` / ``positions`` / ``out_fp32`` yet, so
+``effattn.explain`` names them as the reason those backends cannot serve such a call.
+
+The torch backend reads ``cu_seqlens`` to the host once per call (validation and its work list);
+``max_seqlen``, when given, is checked against it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._call import _fail
+
+
+def _pair(x, name: str):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x, x)
+
+
+def _check_cu(cu, name: str, T: int, device, fn: str) -> List[int]:
+    """The offsets of one ``cu_seqlens`` tensor as host ints, after checking it."""
+    if not isinstance(cu, Tensor):
+        _fail(TypeError, f"{fn}: {name} must be an int32 tensor of shape (N + 1,), got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        _fail(TypeError, f"{fn}: {name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        _fail(ValueError, f"{fn}: {name} must be 1-D (N + 1,) with N >= 0 segments, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        _fail(ValueError, f"{fn}: {name} is on {cu.device}, q on {device}; it must be on q's device")
+    offs = cu.tolist()
+    if offs[0] != 0:
+        _fail(ValueError, f"{fn}: {name}[0] must be 0, got {offs[0]}")
+    bad = next((n for n in range(len(offs) - 1) if offs[n + 1] < offs[n]), None)
+    if bad is not None:
+        _fail(ValueError, f"{fn}: {name} must be non-decreasing, but {name}[{bad + 1}]={offs[bad + 1]} < "
+                          f"{name}[{bad}]={offs[bad]}")
+    if offs[-1] != T:
+        _fail(ValueError, f"{fn}: the last entry of {name} must equal the packed length {T}, got {offs[-1]}")
+    return offs
+
+
+def check_cu_seqlens(cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str = "attention"):
+    """Validates ``cu_seqlens`` (a tensor, or a ``(cu_q, cu_k)`` pair) and ``max_seqlen`` (None, an int
+    or a ``(max_q, max_k)`` pair) against packed lengths ``Tq`` / ``Tk``. Returns the host offsets
+    ``(offs_q, offs_k)``."""
+    cross = isinstance(cu_seqlens, (tuple, list))
+    if cross and len(cu_seqlens) != 2:
+        _fail(TypeError, f"{fn}: cu_seqlens must be a tensor or a (cu_seqlens_q, cu_seqlens_k) pair")
+    cu_q, cu_k = _pair(cu_seqlens, "cu_seqlens")
+    offs_q = _check_cu(cu_q, "cu_seqlens_q" if cross else "cu_seqlens", Tq, device, fn)
+    offs_k = offs_q if cu_k is cu_q and Tq == Tk else _check_cu(cu_k, "cu_seqlens_k" if cross else "cu_seqlens",
+                                                               Tk, device, fn)
+    if len(offs_q) != len(offs_k):
+        _fail(ValueError, f"{fn}: cu_seqlens_q has {len(offs_q) - 1} segments, cu_seqlens_k {len(offs_k) - 1}")
+    if max_seqlen is not None:
+        for side, m, offs in zip("qk", _pair(max_seqlen, "max_seqlen"), (offs_q, offs_k)):
+            if isinstance(m, bool) or not isinstance(m, int):
+                _fail(TypeError, f"{fn}: max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair of ints, "
+                                 f"got {max_seqlen!r}")
+            longest = max((b - a for a, b in zip(offs, offs[1:])), default=0)
+            if m < longest:
+                _fail(ValueError, f"{fn}: max_seqlen{'_' + side if isinstance(max_seqlen, (tuple, list)) else ''}"
+                                  f"={m} is smaller than the longest segment ({longest} {'queries' if side == 'q' else 'keys'})")
+    return offs_q, offs_k
+
+
+def _check_positions(positions, fn: str) -> Tuple[int, int]:
+    ok = (isinstance(positions, (tuple, list)) and len(positions) == 2
+          and all(isinstance(p, int) and not isinstance(p, bool) for p in positions))
+    if not ok:
+        _fail(TypeError, f"{fn}: positions must be a (q_start, k_start) pair of ints, got {positions!r}")
+    if min(positions) < 0:
+        _fail(ValueError, f"{fn}: positions must be non-negative, got {positions!r}")
+    return int(positions[0]), int(positions[1])
+
+
+def add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype) -> None:
+    """Validates the packed / positioned arguments of an attention call and sets its work list
+    (``call.segments``, longest segments first), ``cu_seqlens``, ``positions`` and ``out_dtype``."""
+    fn = "attention"
+    if out_dtype is not None:
+        if out_dtype not in (torch.float32, call.q.dtype):
+            _fail(TypeError, f"{fn}: out_dtype must be torch.float32 (fp32 partial outputs) or None, got {out_dtype}")
+        call.out_dtype = None if out_dtype == call.q.dtype else out_dtype
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            _fail(ValueError, f"{fn}: max_seqlen is given without cu_seqlens")
+        if positions is not None:
+            call.positions = _check_positions(positions, fn)
+            call.segments = ((0, call.Lq, 0, call.Lk, call.positions[0] - call.positions[1]),)
+        elif call.out_dtype is not None:
+            call.segments = ((0, call.Lq, 0, call.Lk, call.Lk - call.Lq),)
+        return
+    if positions is not None:
+        _fail(ValueError, f"{fn}: positions cannot be combined with cu_seqlens (each segment starts at position 0)")
+    if call.key_padding_mask is not None:
+        _fail(ValueError, f"{fn}: key_padding_mask cannot be combined with cu_seqlens (the segments replace "
+                          "padding: pack only the real tokens)")
+    if call.layout is not None:
+        _fail(ValueError, f"{fn}: layout cannot be combined with cu_seqlens (not served yet)")
+    if call.B != 1:
+        _fail(ValueError, f"{fn}: with cu_seqlens, q, k, v must be packed as (1, H, T, D), got batch size {call.B}")
+    offs_q, offs_k = check_cu_seqlens(cu_seqlens, max_seqlen, call.Lq, call.Lk, call.q.device, fn)
+    segs = [(a, b, c, d, (d - c) - (b - a)) for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])]
+    segs.sort(key=lambda s: -(s[1] - s[0]) * max(s[3] - s[2], 1))        # longest first
+    call.segments = tuple(s for s in segs if s[1] > s[0])
+    cu_q, cu_k = _pair(cu_seqlens, "cu_seqlens")
+    call.cu_seqlens = (cu_q, cu_k)
+
+
+class _SegmentAttention(torch.autograd.Function):
+    """The torch backend's chunked reference over a segment work list, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seed, segments, scale, dropout_p, left, right, out_dtype):
+        from .backends.torch.attention import attention_forward
+        out, lse = attention_forward(q, k, v, None, 0, None, seed, scale, dropout_p, left, right,
+                                     segments=segments, out_dtype=out_dtype)
+        ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.static = (segments, scale, dropout_p, left, right)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        from .backends.torch.attention import attention_backward
+        q, k, v, out, lse, seed = ctx.saved_tensors
+        segments, scale, dropout_p, left, right = ctx.static
+        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, None, 0, None, seed,
+                                        scale, dropout_p, left, right, segments=segments)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def run_segments(call):
+    """(out, lse) of a call with a segment work list (packed sequences, positions or an fp32 output)."""
+    return _SegmentAttention.apply(call.q, call.k, call.v, call.seed, call.segments, call.scale, call.dropout_p,
+                                   call.window_left, call.window_right, call.out_dtype)
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tuple[Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of a packed batch from its ``position_ids`` ``(1, T)`` or ``(T,)``:
+    a new sequence starts at token 0 and wherever the position does not continue the previous one
+    (``position_ids[i] != position_ids[i - 1] + 1``; Hugging Face's packing restarts them at 0).
+    ``cu_seqlens`` is int32 on the ids' device; ``max_seqlen`` is read back once."""
+    if not isinstance(position_ids, Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+        _fail(TypeError, "cu_seqlens_from_position_ids: position_ids must be an integer tensor (1, T) or (T,)")
+    if position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        position_ids = position_ids[0]
+    if position_ids.dim() != 1:
+        _fail(ValueError, "cu_seqlens_from_position_ids: position_ids must have shape (1, T) or (T,) (one packed "
+                          f"row), got {tuple(position_ids.shape)}")
+    T = position_ids.shape[0]
+    start = torch.ones(T, dtype=torch.bool, device=position_ids.device)
+    if T > 1:
+        start[1:] = position_ids[1:] != position_ids[:-1] + 1
+    idx = start.nonzero().flatten()
+    cu = torch.cat([idx, torch.tensor([T], device=idx.device)]).to(torch.int32)
+    max_seqlen = int((cu[1:] - cu[:-1]).max()) if T > 0 else 0
+    return cu, max_seqlen
+
+
+def linear_attention_packed(q, k, v, cu_seqlens, max_seqlen, **kwargs):
+    """``linear_attention`` over packed sequences: the state restarts at each segment (each segment
+    is one call of the chosen backend, on views of q, k, v)."""
+    from .linear import linear_attention
+    fn = "linear_attention"
+    for name in ("initial_state", "return_state"):
+        if kwargs.get(name) not in (None, False):
+            _fail(ValueError, f"{fn}: {name} cannot be combined with cu_seqlens (the state restarts at each segment)")
+    if isinstance(cu_seqlens, (tuple, list)):
+        _fail(TypeError, f"{fn}: cu_seqlens must be one int32 tensor (self-attention over packed sequences)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or t.shape[0] != 1:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            _fail(ValueError, f"{fn}: with cu_seqlens, {name} must be packed as (1, H, T, D), got {got}")
+    if q.shape[2] != k.shape[2]:
+        _fail(ValueError, f"{fn}: with cu_seqlens, q and k must have the same packed length, got {q.shape[2]} "
+                          f"and {k.shape[2]}")
+    offs, _ = check_cu_seqlens(cu_seqlens, max_seqlen, q.shape[2], k.shape[2], q.device, fn)
+    outs = [linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **kwargs)
+            for a, b in zip(offs, offs[1:]) if b > a]
+    if not outs:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    return torch.cat(outs, dim=2)
