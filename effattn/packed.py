@@ -88,6 +88,24 @@ def _check_positions(positions, fn: str) -> Tuple[int, int]:
     return int(positions[0]), int(positions[1])
 
 
+def _plain(call, offset: int) -> bool:
+    """Whether positions with this offset leave a plain call (made so in place): the bottom-right
+    offset ``Lk - Lq``, or a window that hides no pair at this offset (then dense). Such chunk pairs
+    (a ring's diagonal and fully visible steps) take the backends' usual paths."""
+    if offset == call.Lk - call.Lq:
+        return True
+    if call.layout is not None or call.Lq == 0 or call.Lk == 0:
+        return False
+    from .visibility import Rule
+    rule = Rule(call.Lq, call.Lk, call.window_left, call.window_right, q_offset=offset)
+    first, last = rule.first_key(call.Lq - 1), rule.last_key(0)     # the last row's first key, row 0's last
+    if (first is None or first <= 0) and (last is None or last >= call.Lk - 1):
+        call.window_left = call.window_right = -1
+        call.causal = False
+        return True
+    return False
+
+
 def add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype) -> None:
     """Validates the packed / positioned arguments of an attention call and sets its work list
     (``call.segments``, longest segments first), ``cu_seqlens``, ``positions`` and ``out_dtype``."""
@@ -100,9 +118,11 @@ def add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype) -> None:
         if max_seqlen is not None:
             _fail(ValueError, f"{fn}: max_seqlen is given without cu_seqlens")
         if positions is not None:
-            call.positions = _check_positions(positions, fn)
-            call.segments = ((0, call.Lq, 0, call.Lk, call.positions[0] - call.positions[1]),)
-        elif call.out_dtype is not None:
+            qs, ks = _check_positions(positions, fn)
+            if not _plain(call, qs - ks):
+                call.positions = (qs, ks)
+                call.segments = ((0, call.Lq, 0, call.Lk, qs - ks),)
+        if call.segments is None and call.out_dtype is not None:
             call.segments = ((0, call.Lq, 0, call.Lk, call.Lk - call.Lq),)
         return
     if positions is not None:

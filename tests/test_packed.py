@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import effattn
-from oracle import naive_attention
+from oracle import naive_attention, visibility
 
 
 def _packed(offs_q, offs_k, H, Hkv, D, Dv, dtype=torch.float64, seed=0):
@@ -263,3 +263,28 @@ def test_linear_attention_packed_restarts_the_state(causal):
         effattn.linear_attention(q, k, v, cu_seqlens=cu, return_state=True)
     with pytest.raises(ValueError, match="max_seqlen=3 is smaller"):
         effattn.linear_attention(q, k, v, cu_seqlens=cu, max_seqlen=3)
+
+
+def test_positions_that_change_nothing_take_the_plain_paths():
+    """A chunk pair at the bottom-right offset, or one whose window hides no pair, is a plain call
+    (the CPU fast paths, the kernels); others keep their positions."""
+    q = torch.randn(1, 2, 8, 4)
+    e = effattn.explain(q, q, q, causal=True, positions=(16, 16))
+    assert "segment work list" not in e.paths["torch"]
+    e = effattn.explain(q, q, q, causal=True, positions=(16, 0))          # every key is in the past: dense
+    assert "flash" in e.paths["torch"]
+    e = effattn.explain(q, q, q, causal=True, window=10, positions=(16, 8))  # the window cuts: positioned
+    assert "segment work list" in e.paths["torch"]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    for qs, ks in ((16, 0), (16, 8), (8, 16)):
+        for kw in (dict(causal=True), dict(causal=True, window=10), dict(window=(3, 9))):
+            part, plse = effattn.attention(q[:, :, qs:qs + 8], k[:, :, ks:ks + 8], v[:, :, ks:ks + 8],
+                                           positions=(qs, ks), return_lse=True, **kw)
+            # the oracle's rows qs..qs+8 of the whole sequence against keys ks..ks+8 only
+            s = q[:, :, qs:qs + 8] @ k[:, :, ks:ks + 8].transpose(-1, -2) / 2.0
+            m = visibility(24, 24, **kw)[0, 0, qs:qs + 8, ks:ks + 8]
+            s = s.masked_fill(~m, float("-inf"))
+            p = torch.where(m.any(-1, keepdim=True), torch.softmax(s, -1), torch.zeros_like(s))
+            torch.testing.assert_close(plse, torch.logsumexp(s, -1), rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(part, p @ v[:, :, ks:ks + 8], rtol=1e-10, atol=1e-10)
