@@ -561,3 +561,45 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: boo
     z0 = init[B * H * Fdim * Dv:].reshape(B, H, Fdim)
     return local_linear(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
                         initial_state=(S0, z0), backend=backend)
+
+
+# ------------------------------------------------------------------------------------------ modules
+
+class ContextParallel:
+    """Context parallelism for `effattn.swap_attention(model, context_parallel=ContextParallel(group))`
+    (or ``effattn.nn.MultiheadAttention(..., context_parallel=...)``): every swapped self-attention
+    module then receives this rank's shard of the sequence (``(B, L/W, E)`` batch-first, as `shard`
+    cuts it along the sequence dim with the same ``balance``) and attends over the whole sequence with
+    `attention` (``method``) or, for modules built with ``linear=``, `linear_attention` (contiguous
+    shards). Projections are per token, so the rest of the model runs on the shard unchanged;
+    parameter gradients are this rank's share (sum them over the group, as DDP does)."""
+
+    def __init__(self, group=None, method: str = "ring", balance: str = "contiguous"):
+        if method not in METHODS:
+            _fail(ValueError, f"ContextParallel: method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+        _check_balance(balance, "ContextParallel")
+        self.group, self.method, self.balance = group, method, balance
+
+    def __repr__(self):
+        return f"ContextParallel(method={self.method!r}, balance={self.balance!r})"
+
+    def module_attention(self, module, plan, step, q, k, v, cache) -> Tensor:
+        """The attention of an effattn.nn.MultiheadAttention call on this rank's shard."""
+        fn = "MultiheadAttention(context_parallel=...)"
+        if cache is not None:
+            _fail(ValueError, f"{fn}: a KV cache cannot be combined with context parallelism")
+        if plan.op is None:
+            _fail(ValueError, f"{fn}: serves the fused paths only, this call needs {plan.reasons[0]} "
+                              "(call with need_weights=False, no attn_mask)")
+        if step.kpm is not None:
+            _fail(ValueError, f"{fn}: key_padding_mask cannot be combined with context parallelism")
+        if plan.op == "linear_attention":
+            if self.balance != "contiguous":
+                _fail(ValueError, f"{fn}: linear attention needs balance='contiguous'")
+            phi = module._modules["feature_map"] if "feature_map" in module._modules else module._linear_spec
+            out = linear_attention(q, k, v, group=self.group, causal=step.causal, feature_map=phi,
+                                   backend=module.backend)
+            return out.to(step.query.dtype)
+        return attention(q, k, v, group=self.group, method=self.method, balance=self.balance, causal=step.causal,
+                         window=module.window, dropout_p=module.dropout if module.training else 0.0,
+                         backend=module.backend)

@@ -43,15 +43,22 @@ from .cache import KVCache
 
 logger = logging.getLogger("effattn.nn")
 
-VARIANT_KEYS = ("window", "layout", "linear", "backend")
+VARIANT_KEYS = ("window", "layout", "linear", "backend", "context_parallel")
 MAX_FEATURES = 256    # linear attention's head-dim limit, met by precomputed features (padding path)
 
 
 # ----------------------------------------------------------------------------------------------
 # variant checks, shared with swap_attention
 
-def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="auto") -> None:
+def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="auto", context_parallel=None) -> None:
     """Raises a ValueError/TypeError naming ``fn`` for an impossible or malformed variant."""
+    if context_parallel is not None:
+        from ..distributed import ContextParallel
+        if not isinstance(context_parallel, ContextParallel):
+            raise TypeError(f"{fn}: context_parallel must be an effattn.distributed.ContextParallel, got "
+                            f"{type(context_parallel).__name__}")
+        if layout is not None:
+            raise ValueError(f"{fn}: a layout cannot be combined with context_parallel")
     if window is not None:
         try:
             normalize_window(window, False)
@@ -231,13 +238,14 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
-                 window=None, layout=None, linear=None, backend="auto"):
+                 window=None, layout=None, linear=None, backend="auto", context_parallel=None):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
-        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend)
+        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend,
+                      context_parallel=context_parallel)
         if isinstance(linear, FavorFeatures) and linear.head_dim != embed_dim // num_heads:
             raise ValueError(f"MultiheadAttention: linear=FavorFeatures(head_dim={linear.head_dim}) does not match "
                              f"head_dim = embed_dim // num_heads = {embed_dim // num_heads}")
@@ -281,6 +289,7 @@ class MultiheadAttention(nn.Module):
         self.window = window
         self.layout = layout
         self.backend = backend
+        self.context_parallel = context_parallel
         # a feature map with state (FavorFeatures' projection) is the submodule `feature_map`
         self._linear_spec = None if isinstance(linear, nn.Module) else linear
         if linear == "favor":
@@ -384,8 +393,9 @@ class MultiheadAttention(nn.Module):
     def variant(self) -> dict:
         """The extras this module was built with (only those that differ from the defaults)."""
         out = {}
-        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto")):
-            val = getattr(self, key)
+        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto"),
+                             ("context_parallel", None)):
+            val = getattr(self, key, default)
             if val is not default and val != default:
                 out[key] = val
         return out
@@ -602,6 +612,8 @@ class MultiheadAttention(nn.Module):
 
     def _attend(self, plan: _Plan, step: _Step, q, k, v, cache) -> Tuple[Tensor, Optional[Tensor]]:
         """Runs the planned path: ``(out (B, H, Lq, D), weights (B, H, Lq, Lk) or None)``."""
+        if getattr(self, "context_parallel", None) is not None:
+            return self.context_parallel.module_attention(self, plan, step, q, k, v, cache), None
         if plan.op == "linear_attention":
             q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
             res = linear_attention(q, k, v, causal=step.causal, feature_map=phi, initial_state=state,
