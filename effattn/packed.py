@@ -10,9 +10,10 @@ sequence (context parallelism, cascade attention) sees exactly what the whole se
 
 Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
 (``q_offset`` = the key position of the segment's first query, relative to its first key). The torch
-backend walks it with its chunked reference, forward and backward (``run_segments``); the Triton and
-CUDA kernels do not declare the features ``varlen`` / ``positions`` / ``out_fp32`` yet, so
-``effattn.explain`` names them as the reason those backends cannot serve such a call.
+backend walks it with its chunked reference, forward and backward (``run_segments``). The Triton
+kernels serve ``positions`` and ``out_fp32`` (one segment: their offset is the segment's) but not
+``varlen`` yet, the CUDA kernels none of them: ``effattn.explain`` names the missing feature as the
+reason such a backend cannot serve a call.
 
 The torch backend reads ``cu_seqlens`` to the host once per call (validation and its work list);
 ``max_seqlen``, when given, is checked against it.
@@ -27,7 +28,8 @@ from torch import Tensor
 from ._call import _fail
 
 
-def _pair(x, name: str):
+def _pair(x):
+    """``(a, b)`` of a pair argument, or ``(x, x)``."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x, x)
 
 
@@ -60,14 +62,14 @@ def check_cu_seqlens(cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str =
     cross = isinstance(cu_seqlens, (tuple, list))
     if cross and len(cu_seqlens) != 2:
         _fail(TypeError, f"{fn}: cu_seqlens must be a tensor or a (cu_seqlens_q, cu_seqlens_k) pair")
-    cu_q, cu_k = _pair(cu_seqlens, "cu_seqlens")
+    cu_q, cu_k = _pair(cu_seqlens)
     offs_q = _check_cu(cu_q, "cu_seqlens_q" if cross else "cu_seqlens", Tq, device, fn)
     offs_k = offs_q if cu_k is cu_q and Tq == Tk else _check_cu(cu_k, "cu_seqlens_k" if cross else "cu_seqlens",
                                                                Tk, device, fn)
     if len(offs_q) != len(offs_k):
         _fail(ValueError, f"{fn}: cu_seqlens_q has {len(offs_q) - 1} segments, cu_seqlens_k {len(offs_k) - 1}")
     if max_seqlen is not None:
-        for side, m, offs in zip("qk", _pair(max_seqlen, "max_seqlen"), (offs_q, offs_k)):
+        for side, m, offs in zip("qk", _pair(max_seqlen), (offs_q, offs_k)):
             if isinstance(m, bool) or not isinstance(m, int):
                 _fail(TypeError, f"{fn}: max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair of ints, "
                                  f"got {max_seqlen!r}")
@@ -119,6 +121,9 @@ def add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype) -> None:
             _fail(ValueError, f"{fn}: max_seqlen is given without cu_seqlens")
         if positions is not None:
             qs, ks = _check_positions(positions, fn)
+            if call.layout is not None:
+                _fail(ValueError, f"{fn}: positions cannot be combined with layout (a layout indexes the call's "
+                                  "own query and key blocks)")
             if not _plain(call, qs - ks):
                 call.positions = (qs, ks)
                 call.segments = ((0, call.Lq, 0, call.Lk, qs - ks),)
@@ -138,7 +143,7 @@ def add_segments(call, cu_seqlens, max_seqlen, positions, out_dtype) -> None:
     segs = [(a, b, c, d, (d - c) - (b - a)) for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])]
     segs.sort(key=lambda s: -(s[1] - s[0]) * max(s[3] - s[2], 1))        # longest first
     call.segments = tuple(s for s in segs if s[1] > s[0])
-    cu_q, cu_k = _pair(cu_seqlens, "cu_seqlens")
+    cu_q, cu_k = _pair(cu_seqlens)
     call.cu_seqlens = (cu_q, cu_k)
 
 
@@ -146,27 +151,29 @@ class _SegmentAttention(torch.autograd.Function):
     """The torch backend's chunked reference over a segment work list, forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seed, segments, scale, dropout_p, left, right, out_dtype):
+    def forward(ctx, q, k, v, kpm, seed, segments, scale, dropout_p, left, right, out_dtype):
         from .backends.torch.attention import attention_forward
-        out, lse = attention_forward(q, k, v, None, 0, None, seed, scale, dropout_p, left, right,
+        out, lse = attention_forward(q, k, v, None, 0, kpm, seed, scale, dropout_p, left, right,
                                      segments=segments, out_dtype=out_dtype)
-        ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
         ctx.static = (segments, scale, dropout_p, left, right)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         from .backends.torch.attention import attention_backward
-        q, k, v, out, lse, seed = ctx.saved_tensors
+        q, k, v, out, lse, kpm, seed = ctx.saved_tensors
         segments, scale, dropout_p, left, right = ctx.static
-        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, None, 0, None, seed,
+        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, None, 0, kpm, seed,
                                         scale, dropout_p, left, right, segments=segments)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def run_segments(call):
     """(out, lse) of a call with a segment work list (packed sequences, positions or an fp32 output)."""
-    return _SegmentAttention.apply(call.q, call.k, call.v, call.seed, call.segments, call.scale, call.dropout_p,
+    # a key padding mask comes only with positions (one segment starting at key 0), never with cu_seqlens
+    return _SegmentAttention.apply(call.q, call.k, call.v, call.key_padding_mask, call.seed, call.segments,
+                                   call.scale, call.dropout_p,
                                    call.window_left, call.window_right, call.out_dtype)
 
 

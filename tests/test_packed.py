@@ -288,3 +288,56 @@ def test_positions_that_change_nothing_take_the_plain_paths():
             p = torch.where(m.any(-1, keepdim=True), torch.softmax(s, -1), torch.zeros_like(s))
             torch.testing.assert_close(plse, torch.logsumexp(s, -1), rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(part, p @ v[:, :, ks:ks + 8], rtol=1e-10, atol=1e-10)
+
+
+def test_positions_with_key_padding_and_layout():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    out = effattn.attention(q, k, v, causal=True, window=2, key_padding_mask=pad, positions=(10, 7))
+    s = (q @ k.transpose(-1, -2)) / 2.0
+    i, j = torch.arange(6)[:, None] + 10, torch.arange(6)[None, :] + 7
+    vis = (j <= i) & (j >= i - 2) & ~pad[:, None, None, :]
+    p = torch.where(vis.any(-1, keepdim=True), torch.softmax(s.masked_fill(~vis, float("-inf")), -1), 0.0)
+    torch.testing.assert_close(out, torch.nan_to_num(p) @ v, rtol=1e-10, atol=1e-10)
+    lay = effattn.layouts.local(6, 2, 1, causal=True)
+    with pytest.raises(ValueError, match="positions cannot be combined with layout"):
+        effattn.attention(q, k, v, layout=lay, positions=(10, 7))
+
+
+def _positions_backends():
+    from conftest import op_backends
+    from effattn.backends import base
+    return [n for n in op_backends("attention") if "positions" in base._REGISTRY["attention"][n].caps.features]
+
+
+@pytest.mark.parametrize("backend", _positions_backends())
+@pytest.mark.parametrize("kw,dtype", [(dict(causal=True, window=5), torch.float32), (dict(window=(2, 3)), torch.float32),
+                                      (dict(causal=True), torch.float32), (dict(causal=True, window=5), torch.bfloat16)],
+                         ids=["causal-window", "window", "causal", "causal-window-bf16"])
+def test_positions_and_fp32_output_on_every_backend(backend, kw, dtype):
+    """A chunk pair with positions and an fp32 output on each backend that declares them: equal to the
+    oracle's rows of the whole sequence against the chunk's keys, forward and backward."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(dtype) for _ in range(3))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    k, v = k[:, :1], v[:, :1]
+    qs, ks = 24, 16
+    qc, kc, vc = (t[:, :, s:s + 16].clone().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+    out, lse = effattn.attention(qc, kc, vc, positions=(qs, ks), out_dtype=torch.float32, return_lse=True,
+                                 backend=backend, **kw)
+    assert out.dtype == torch.float32
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qc, kc, vc))
+    m = visibility(40, 40, **kw)[0, 0, qs:qs + 16, ks:ks + 16]
+    s = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) / 4.0).masked_fill(~m, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1))
+    ref = p @ v64.repeat_interleave(2, 1)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=tol, atol=tol)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (qc, kc, vc), dout.float())
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    for a, b in zip(grads, refs):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=10 * tol, atol=10 * tol)

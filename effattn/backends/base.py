@@ -35,11 +35,6 @@ FEATURES: Dict[str, FrozenSet[str]] = {
 }
 
 
-# attention features of packed sequences and context-parallel chunks (effattn.packed), served by the
-# torch backend's segment work list; a kernel that serves them adds them to its declaration
-SEGMENT_FEATURES = frozenset({"varlen", "positions", "out_fp32"})
-
-
 @dataclass(frozen=True)
 class Capabilities:
     devices: FrozenSet[str]                 # torch device types, e.g. {"cuda"}

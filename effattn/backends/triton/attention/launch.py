@@ -91,17 +91,19 @@ def _wide(*tensors) -> bool:
     return any(t is not None and _span(t.shape, t.stride(), range(2, t.dim())) > _I32_MAX for t in tensors)
 
 
-def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False) -> "LaunchPlan":
+def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False,
+             q_offset=None) -> "LaunchPlan":
     """The cached `LaunchPlan` of a call: a repeated kind of call (same shapes, strides, dtype,
     layout, flags) reuses it, so its host work is a dictionary lookup."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, layout_block,
-           None if kpm is None else (kpm.shape, kpm.stride()), scale, dropout_p, left, right, tf32)
+           None if kpm is None else (kpm.shape, kpm.stride()), scale, dropout_p, left, right, tf32, q_offset)
     cache = layout_plan(layout_mask).backend_cache if layout_mask is not None else _PLANS
     p = cache.get(key)
     if p is None:
         if len(cache) >= _MAX_PLANS:
             cache.clear()
-        p = cache[key] = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
+        p = cache[key] = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32,
+                                    q_offset)
     return p
 
 
@@ -117,16 +119,18 @@ class LaunchPlan:
     """Sizes, flags and kernel arguments of a kind of call (no tensors of the call: those are
     passed at each launch). Cheap to build (no device work) and cached by `plan_for`."""
 
-    def __init__(self, q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False):
+    def __init__(self, q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False,
+                 q_offset=None):
         self.B, self.H, self.Lq, self.D = q.shape
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.H // self.Hkv
-        self.off = self.Lk - self.Lq
+        # query i sits at key position i + off: bottom-right, or the call's positions (q_start - k_start)
+        self.off = self.Lk - self.Lq if q_offset is None else q_offset
         # a window wider than the sequences is no constraint: -1 keeps the kernels' int32 bound
         # arithmetic (pos + right + 1, ...) from overflowing for huge windows, and skips masking
-        if left >= max(self.Lk - 1, 0):
+        if left >= max(self.Lq - 1 + self.off, 0):
             left = -1
-        if right >= max(self.Lq - 1, 0):
+        if right >= max(self.Lk - 1 - self.off, 0):
             right = -1
         self.left, self.right = left, right
         self.block_d = max(16, _next_pow2(self.D))
@@ -286,12 +290,13 @@ def sm_count(device) -> int:
 # Launchers
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
-        config=None, counts=False):
+        q_offset=None, out_fp32=False, config=None, counts=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
     (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
-    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
-    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf.
+    ``q_offset``: query i at key position ``i + q_offset`` (``positions``); ``out_fp32``: out in float32."""
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     seed_key = philox_key(seed) if dropout_p > 0 else 0
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
@@ -316,15 +321,17 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
 
 
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-        tf32=False, config=None, counts=False, n_split=None):
+        tf32=False, q_offset=None, out_fp32=False, config=None, counts=False, n_split=None):
     """dq, dk, dv (same shapes and dtypes as q, k, v): the Delta pre-pass, then one launch of
     `bwd_kernel` (dK/dV and dQ programs), then, if the group's query heads were split (GQA with
     few key tiles per SM; ``n_split`` forces a split count, None: `gqa_splits`), the partial dK, dV
     added in a fixed order. With ``counts``, also the int32 (B*Hkv, n_key_tiles) numbers of query
     tiles each key tile visited (all G heads) and the (B*H, n_query_tiles) numbers of key tiles
     each query tile visited. `tf32` must be the forward's (the op's autograd passes it on)."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if out_fp32:                                        # an fp32 output's gradient: the kernels' dtype
+        dout = dout.to(q.dtype)
     visits = [None, None]
     if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
         for t in (dq, dk, dv):

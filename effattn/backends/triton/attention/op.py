@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...base import FEATURES, SEGMENT_FEATURES, Backend, Capabilities, attention_autograd, register
+from ...base import FEATURES, Backend, Capabilities, attention_autograd, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -27,24 +27,27 @@ if triton is not None:
     def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
+                             allow_tf32: bool = False, q_offset: Optional[int] = None,
+                             out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
         return launch.fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                          window_left, window_right, allow_tf32)
+                          window_left, window_right, allow_tf32, q_offset, out_fp32)
 
     @triton_attention_fwd.register_fake
     def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left,
-          window_right, allow_tf32=False):
+          window_right, allow_tf32=False, q_offset=None, out_fp32=False):
         B, H, Lq, _ = q.shape
-        return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+                q.new_empty(B, H, Lq, dtype=torch.float32))
 
     @torch.library.custom_op("effattn::triton_attention_bwd", mutates_args=())
     def triton_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                              out: Tensor, lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                             allow_tf32: bool = False, q_offset: Optional[int] = None,
+                             out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
         return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask, seed,
-                    scale, dropout_p, window_left, window_right, allow_tf32)
+                    scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32)
 
     @triton_attention_bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
@@ -118,7 +121,9 @@ def _run(call):
     tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
     args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
             call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
-    if decode.decode_reason(call) is None:      # a few query rows against a long key range (no grad, no dropout)
+    if call.segments is not None:               # positions and / or an fp32 output (never cu_seqlens: no varlen)
+        args += (call.segments[0][4], call.out_dtype is not None)
+    elif decode.decode_reason(call) is None:    # a few query rows against a long key range (no grad, no dropout)
         dargs = args[:6] + args[7:8] + args[9:]
         return decode.fwd(*dargs) if _direct(q, k, v, kpm, args[3]) else triton_attention_decode(*dargs)
     if not _direct(q, k, v, kpm, args[3]):
@@ -152,7 +157,7 @@ BACKEND = register(Backend(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_dim=256,
-        features=FEATURES["attention"] - SEGMENT_FEATURES,
+        features=FEATURES["attention"] - {"varlen"},          # positions, out_fp32: yes; cu_seqlens: not yet
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
     run=_run, available=_available,
     describe=lambda call: decode.describe(call) if triton is not None else None,
