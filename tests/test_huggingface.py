@@ -242,3 +242,19 @@ def test_packed_sequences_run_fused_with_cu_seqlens(name, monkeypatch):
     ref = torch.autograd.grad(alone.square().sum(), [p for p in eager.parameters() if p.requires_grad])
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_flash_attention_keywords_cu_seq_lens_take_the_packed_path():
+    """transformers' flash-attention keywords (DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+    without a mask: the segments are read from cu_seq_lens_q / cu_seq_lens_k."""
+    module = _pair("mistral-sliding")[1].model.layers[0].self_attn
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    hf_effattn.stats.clear()
+    out, _ = hf_effattn.attention_forward(module, q, k, v, None, scaling=0.3, is_causal=True, cu_seq_lens_q=cu,
+                                          cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    ref = torch.cat([hf_effattn.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, scale=0.3)
+                     for a, b in ((0, 4), (4, 9))], 2).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert hf_effattn.stats == {"fused": 1}
