@@ -160,6 +160,9 @@ def unshard(x: Tensor, group=None, dim: int = 1, balance: str = "contiguous") ->
     local = x.shape[dim]
     if balance == "zigzag" and local % 2:
         _fail(ValueError, f"unshard: a zigzag shard has an even length, got {local} along dim {dim}")
+    dims = list(x.shape) + [0] * (8 - x.dim())
+    _agree([x.dim(), dim % max(x.dim(), 1), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1] + dims[:8] +
+           [BALANCES.index(balance), 0], group, world, "unshard", x.device, _SHARD_FIELDS)
     full = _all_gather(x, dim, group, world)
     if world == 1 and balance == "contiguous":
         return full
@@ -174,7 +177,10 @@ _FIELDS = ("B", "H", "Hkv", "local length", "D", "Dv", "dtype", "causal", "windo
            "method", "balance", "scale (x1e6)")
 
 
-def _agree(sig: List[int], group, world: int, fn: str, device) -> None:
+_SHARD_FIELDS = ("dims", "dim", "dtype") + tuple(f"size {i}" for i in range(8)) + ("balance", "-")
+
+
+def _agree(sig: List[int], group, world: int, fn: str, device, fields=_FIELDS) -> None:
     """All-gathers this rank's signature and raises on every rank if the ranks disagree."""
     if world == 1:
         return
@@ -184,7 +190,7 @@ def _agree(sig: List[int], group, world: int, fn: str, device) -> None:
     bad = (allsig != allsig[0]).any(0).nonzero().flatten().tolist()
     if bad:
         rows = allsig.tolist()
-        what = "; ".join(f"{_FIELDS[i]}: " + ", ".join(f"rank {r}={rows[r][i]}" for r in range(world)) for i in bad)
+        what = "; ".join(f"{fields[i]}: " + ", ".join(f"rank {r}={rows[r][i]}" for r in range(world)) for i in bad)
         _fail(ValueError, f"{fn}: the ranks disagree on the call ({what})")
 
 

@@ -120,6 +120,8 @@ def _extras_worker(rank, world):
     bad = qs[:, :, :4] if rank == 1 else qs[:, :, :6]
     with pytest.raises(ValueError, match="ranks disagree on the call"):
         ecp.attention(bad, bad[:, :2], bad[:, :2], causal=True)
+    with pytest.raises(ValueError, match=r"unshard: the ranks disagree on the call \(size 2: rank 0=6, rank 1=4"):
+        ecp.unshard(bad, dim=2)
     with pytest.raises(ValueError, match="not divisible by 4"):
         ecp.shard(torch.zeros(1, 6), dim=1, balance="zigzag")
     with pytest.raises(ValueError, match="dropout_p"):
