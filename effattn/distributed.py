@@ -46,6 +46,7 @@ from torch import Tensor
 
 from ._call import _fail, make_attn_call
 from .merge import merge_attention
+from .packed import public_window
 from .visibility import Rule
 
 METHODS = ("ring", "ulysses", "allgather")
@@ -334,11 +335,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _window(plan) -> Optional[Tuple[int, int]]:
-    """The call's window as the public (left, right) pair for a chunk call (``-1`` sides are large)."""
-    if plan.left < 0 and plan.right < 0:
-        return None
-    big = 1 << 40
-    return (plan.left if plan.left >= 0 else big, plan.right if plan.right >= 0 else big)
+    """The call's bounds as the public window of a chunk call (causal folded in as ``right = 0``)."""
+    return _window_of(plan.left, plan.right)
 
 
 # ------------------------------------------------------------------------------------------ halo
@@ -516,7 +514,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
 
 
 def _window_of(left: int, right: int):
-    return _window(_RingPlan(None, 0, 1, 0, "", left, right, 1.0, "", 1))
+    return public_window(left, right, False)[1]
 
 
 def _halo_attention(q, k, v, call, group, rank, world, return_lse, backend):

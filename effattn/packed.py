@@ -169,8 +169,52 @@ class _SegmentAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+def public_window(left: int, right: int, causal: bool):
+    """``(causal, window)`` arguments of `effattn.attention` giving the normalized bounds ``left``,
+    ``right`` (``-1`` = unbounded; a one-sided bound gets a reach no sequence has on the other side)."""
+    if causal:
+        return True, (None if left < 0 else (left, 0))
+    if left < 0 and right < 0:
+        return False, None
+    return False, (left if left >= 0 else 1 << 40, right if right >= 0 else 1 << 40)
+
+
+def cpu_segments_reason(call) -> Optional[str]:
+    """Why a packed call on the CPU cannot run segment by segment on the torch backend's CPU fast
+    paths (`cpu_fused`: torch's flash kernel for causal / dense segments, the visible-blocks path for
+    windows), or None when it can."""
+    from .backends.torch import cpu_fused
+    if call.cu_seqlens is None or call.q.device.type != "cpu" or not cpu_fused.ENABLED:
+        return "not a packed call on the CPU with the fast paths enabled"
+    if call.dropout_p > 0:
+        return "dropout (served by the chunked reference only)"
+    if call.out_dtype is not None:
+        return "an fp32 output"
+    return None
+
+
+def _run_cpu_segments(call):
+    """Each segment as its own call of the torch backend's CPU paths, concatenated in place order."""
+    from .functional import attention
+    B, H, _, _ = call.q.shape
+    outs, lses = [], []
+    causal, window = public_window(call.window_left, call.window_right, call.causal)
+    for q0, q1, k0, k1, _ in sorted(call.segments):
+        o, l = attention(call.q[:, :, q0:q1], call.k[:, :, k0:k1], call.v[:, :, k0:k1], causal=causal, window=window,
+                         scale=call.scale, return_lse=True, backend="torch")
+        outs.append(o)
+        lses.append(l)
+    if not outs:
+        cdt = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+        return (call.q.new_zeros(B, H, call.Lq, call.Dv),
+                torch.full((B, H, call.Lq), float("-inf"), dtype=cdt, device=call.q.device))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
 def run_segments(call):
     """(out, lse) of a call with a segment work list (packed sequences, positions or an fp32 output)."""
+    if cpu_segments_reason(call) is None:
+        return _run_cpu_segments(call)
     # a key padding mask comes only with positions (one segment starting at key 0), never with cu_seqlens
     return _SegmentAttention.apply(call.q, call.k, call.v, call.key_padding_mask, call.seed, call.segments,
                                    call.scale, call.dropout_p,

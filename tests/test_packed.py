@@ -25,6 +25,15 @@ def _per_segment(fn, q, k, v, offs_q, offs_k):
                       for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])], dim=2)
 
 
+@pytest.fixture(params=["cpu-paths", "work-list"])
+def path(request, monkeypatch):
+    """Packed calls on the CPU run segment by segment on the CPU fast paths, or (fast paths disabled,
+    as on other devices) on the chunked reference's segment work list: both are tested."""
+    from effattn.backends.torch import cpu_fused
+    monkeypatch.setattr(cpu_fused, "ENABLED", request.param == "cpu-paths")
+    return request.param
+
+
 CASES = [
     dict(causal=True),
     dict(),
@@ -38,7 +47,7 @@ SELF = [0, 3, 3, 4, 13, 19]
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "dense")
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_packed_self_matches_oracle_per_segment(kw, heads):
+def test_packed_self_matches_oracle_per_segment(kw, heads, path):
     H, Hkv = heads
     q, k, v, cu, _ = _packed(SELF, SELF, H, Hkv, 8, 6)
     out, lse = effattn.attention(q, k, v, cu_seqlens=cu, max_seqlen=9, return_lse=True, **kw)
@@ -50,7 +59,7 @@ def test_packed_self_matches_oracle_per_segment(kw, heads):
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(2, 1))], ids=["causal", "window"])
-def test_packed_cross_forward_backward_equal_per_segment(kw):
+def test_packed_cross_forward_backward_equal_per_segment(kw, path):
     offs_q, offs_k = [0, 2, 2, 7, 8], [0, 5, 6, 9, 9]          # Lq > Lk, Lk = 0, Lq = 0 segments
     q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 8, 8)
     for t in (q, k, v):
@@ -65,7 +74,7 @@ def test_packed_cross_forward_backward_equal_per_segment(kw):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
-def test_one_segment_is_the_plain_call_and_gradcheck():
+def test_one_segment_is_the_plain_call_and_gradcheck(path):
     q, k, v, cu, _ = _packed([0, 7], [0, 7], 2, 1, 4, 4)
     plain = effattn.attention(q, k, v, causal=True, window=3)
     packed = effattn.attention(q, k, v, causal=True, window=3, cu_seqlens=cu)
@@ -95,7 +104,7 @@ def test_packed_dropout_is_reproducible_and_its_gradient_matches():
     assert torch.autograd.gradcheck(f, inputs)
 
 
-def test_packed_float32_backward_against_float64():
+def test_packed_float32_backward_against_float64(path):
     q, k, v, cu, _ = _packed(SELF, SELF, 4, 2, 8, 8, dtype=torch.float32)
     for t in (q, k, v):
         t.requires_grad_()
@@ -126,6 +135,8 @@ def test_explain_names_varlen_for_backends_without_it():
     assert e.chosen == "torch"
     for name in ("triton", "cuda"):
         assert any("varlen" in r for r in e.reasons[name]), e.reasons[name]
+    assert "packed segments one by one" in e.paths["torch"]
+    e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1)
     assert "segment work list" in e.paths["torch"]
     with pytest.raises(RuntimeError, match="varlen"):
         effattn.attention(q, k, v, cu_seqlens=cu, backend="triton")

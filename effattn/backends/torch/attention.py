@@ -276,6 +276,9 @@ def _run(call):
 
 def _describe(call):
     if call.segments is not None:
+        from ...packed import cpu_segments_reason
+        if cpu_segments_reason(call) is None:
+            return "CPU path: packed segments one by one on the CPU paths (torch's flash kernel, visible blocks)"
         return "segment work list of the chunked reference (packed sequences / positions)"
     return "CPU path: " + cpu_fused.cpu_path(call)[1] if call.q.device.type == "cpu" else None
 
