@@ -70,6 +70,17 @@ def packed_table(B=8, Lmax=1024, H=4, D=64, runs=3, device="cpu", dtype=torch.fl
         "packed (cu_seqlens)": (lambda: effattn.attention(qp, kp, vp, causal=True, cu_seqlens=cu, max_seqlen=max(lens)),
                                 (qp, kp, vp)),
     }
+    if device == "cpu":
+        from effattn.backends.torch import cpu_fused
+
+        def work_list():
+            cpu_fused.ENABLED = False
+            try:
+                return effattn.attention(qp, kp, vp, causal=True, cu_seqlens=cu, max_seqlen=max(lens))
+            finally:
+                cpu_fused.ENABLED = True
+
+        cases["packed, reference work list (fast paths off)"] = (work_list, (qp, kp, vp))
     for name, (f, inputs) in cases.items():
         fwd = _median_ms(lambda: f(), runs)
 
@@ -84,8 +95,9 @@ def packed_table(B=8, Lmax=1024, H=4, D=64, runs=3, device="cpu", dtype=torch.fl
             torch.cuda.reset_peak_memory_stats()
             fb()
             peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f}"
-        rows.append((name, fwd, both, held / 2**20, peak, effattn.explain(*inputs, causal=True, **(
-            {"cu_seqlens": cu} if "packed" in name else {"key_padding_mask": pad})).paths.get("torch", "")))
+        path = effattn.explain(*inputs, causal=True, **(
+            {"cu_seqlens": cu} if "packed" in name else {"key_padding_mask": pad})).paths.get("torch", "")
+        rows.append((name, fwd, both, held / 2**20, peak, "chunked reference" if "work list" in name else path))
     head = (f"B={B} documents, Lmax={Lmax}, {T} real tokens of {B * Lmax} ({100 * (1 - T / (B * Lmax)):.0f}% padding), "
             f"H={H}, D={D}, causal, {dtype}, {device}, torch threads {torch.get_num_threads()}\n\n"
             "| layout | fwd ms | fwd+bwd ms | q/k/v/out MiB | peak MiB | torch path |\n|---|---|---|---|---|---|\n")

@@ -16,9 +16,10 @@ Methods:
   ``batch_isend_irecv`` while the current step computes. Each (query piece, key piece) pair is one
   ``effattn.attention`` call with its absolute ``positions`` and an fp32 partial output; pairs whose
   key range is empty (causal, window) are skipped, and steps no rank needs are not taken. The partials
-  are merged in a fixed order (``effattn.merge_attention``). The backward re-rotates K/V, calls
-  ``effattn.ops.attention_backward`` per pair with the global out / lse, and passes fp32 dK/dV around
-  the ring back to their owners: deterministic, bitwise repeatable.
+  are merged in a fixed order (``effattn.merge_attention``). The backward re-rotates K/V, recomputes
+  each pair and runs its backward with the merge's chain rule against the global out / lse
+  (`_pair_grads`; ``effattn.ops.attention_backward`` is the same gradient in one reference call), and
+  passes fp32 dK/dV around the ring back to their owners: deterministic, bitwise repeatable.
   With ``balance="contiguous"`` and a window reaching at most one shard to each side, the ring becomes
   a **halo exchange**: each rank receives only the ``left`` keys before its shard and the ``right``
   keys after it, and computes one call; gradients of the halo keys go back to their owners.
@@ -278,7 +279,7 @@ class _RingAttention(torch.autograd.Function):
                 a, b = p.kp.local + p.k0, p.kp.local + p.k1
                 qi = 0 if p.qp.local == 0 else 1
                 parts[qi].append(attention(q[:, :, p.qp.local:p.qp.local + p.qp.length], kv[0][:, :, a:b],
-                                           kv[1][:, :, a:b], causal=False, window=_window(plan),
+                                           kv[1][:, :, a:b], **_mask_args(plan.left, plan.right),
                                            scale=plan.scale, positions=(p.qp.start, p.kp.start + p.k0),
                                            return_lse=True, out_dtype=torch.float32, backend=plan.backend))
             _wait(reqs)
@@ -300,7 +301,6 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        from .backends.torch.attention import attention_backward
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -313,12 +313,10 @@ class _RingAttention(torch.autograd.Function):
             for p in _pairs(plan.rank, src, plan.world, plan.local, plan.balance, plan.left, plan.right):
                 a, b = p.kp.local + p.k0, p.kp.local + p.k1
                 rows = slice(p.qp.local, p.qp.local + p.qp.length)
-                seg = ((0, p.qp.length, 0, b - a, p.qp.start - (p.kp.start + p.k0)),)
                 g_lse = grad_lse[:, :, rows] if grad_lse is not None else None
-                pdq, pdk, pdv = attention_backward(grad_out[:, :, rows], g_lse, q[:, :, rows], kv[0][:, :, a:b],
-                                                   kv[1][:, :, a:b], out[:, :, rows], lse[:, :, rows], None, 0, None,
-                                                   None, plan.scale, 0.0, plan.left, plan.right, segments=seg,
-                                                   keep_fp32=True)
+                pdq, pdk, pdv = _pair_grads(plan, q[:, :, rows], kv[0][:, :, a:b], kv[1][:, :, a:b],
+                                            (p.qp.start, p.kp.start + p.k0), out[:, :, rows], lse[:, :, rows],
+                                            grad_out[:, :, rows], g_lse)
                 dq[:, :, rows] += pdq
                 dk[:, :, a:b] += pdk
                 dv[:, :, a:b] += pdv
@@ -334,9 +332,26 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _window(plan) -> Optional[Tuple[int, int]]:
-    """The call's bounds as the public window of a chunk call (causal folded in as ``right = 0``)."""
-    return _window_of(plan.left, plan.right)
+
+
+def _pair_grads(plan, q, k, v, positions, out, lse, dout, dlse):
+    """dq, dk, dv (float32) of one ring pair: its forward recomputed on the call's backend and its
+    backward through the merge's chain rule. With ``w = exp(lse_r - lse)`` the merged output is
+    ``sum_r w_r o_r``, so the pair's output receives ``w dout`` and its lse
+    ``w (rowsum(dout * (o_r - out)) + dlse)``; the pair's own backward (flash on the CPU, Triton on a
+    GPU) then gives exactly its share of the whole call's gradients."""
+    from .functional import attention
+    with torch.enable_grad():
+        qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
+        o, l = attention(qp, kp, vp, **_mask_args(plan.left, plan.right), scale=plan.scale, positions=positions,
+                         return_lse=True, out_dtype=torch.float32, backend=plan.backend)
+        seen = ~torch.isinf(l)
+        w = torch.where(seen, torch.exp(torch.where(seen, l.detach(), lse) - lse), torch.zeros_like(l))
+        g_l = (dout.float() * (o.detach().float() - out)).sum(-1)
+        if dlse is not None:
+            g_l = g_l + dlse
+        grads = torch.autograd.grad((o, l), (qp, kp, vp), (w[..., None] * dout.float(), w * g_l))
+    return tuple(g.float() for g in grads)
 
 
 # ------------------------------------------------------------------------------------------ halo
@@ -505,7 +520,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         rows = slice(p.local, p.local + p.length)
         k0, k1 = Rule(p.length, kf.shape[2], left, right, q_offset=p.start).key_range(0, p.length)
         k0, k1 = (0, 0) if k1 <= k0 else (k0, k1)
-        o, l = local_attention(q[:, :, rows], kf[:, :, k0:k1], vf[:, :, k0:k1], window=_window_of(left, right),
+        o, l = local_attention(q[:, :, rows], kf[:, :, k0:k1], vf[:, :, k0:k1], **_mask_args(left, right),
                                scale=call.scale, positions=(p.start, k0), return_lse=True, backend=backend)
         outs.append(o)
         lses.append(l)
@@ -513,8 +528,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
     return (out, lse) if return_lse else out
 
 
-def _window_of(left: int, right: int):
-    return public_window(left, right, False)[1]
+def _mask_args(left: int, right: int) -> dict:
+    """``causal`` / ``window`` of a chunk call with the normalized bounds (``right = 0`` is causal, so
+    that a causal chunk takes the backends' causal paths)."""
+    causal, window = public_window(left, right, right == 0)
+    return dict(causal=causal, window=window)
 
 
 def _halo_attention(q, k, v, call, group, rank, world, return_lse, backend):
@@ -522,7 +540,7 @@ def _halo_attention(q, k, v, call, group, rank, world, return_lse, backend):
     local, left, right = call.Lq, call.window_left, call.window_right
     ke, ve = _Halo.apply(k, v, group, rank, world, left, right)
     before = left if rank > 0 else 0
-    out, lse = local_attention(q, ke, ve, window=_window_of(left, right), scale=call.scale,
+    out, lse = local_attention(q, ke, ve, **_mask_args(left, right), scale=call.scale,
                                positions=(rank * local, rank * local - before), return_lse=True, backend=backend)
     return (out, lse) if return_lse else out
 
