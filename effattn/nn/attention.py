@@ -199,6 +199,8 @@ class MultiheadAttention(nn.Module):
             no probability matrix: ``dropout`` does not apply to it, ``attn_mask`` and
             ``need_weights=True`` are errors.
         backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or ``"cuda"``.
+        context_parallel: an :class:`effattn.distributed.ContextParallel`: inputs are this rank's shard
+            of the sequence and self-attention runs over the whole sequence (see effattn.distributed).
 
     Positions are aligned bottom-right (query i sits at ``i + Lk - Lq``), as in
     :func:`effattn.attention`. For ``Lq == Lk`` that is torch's convention; for ``Lq != Lk`` torch
@@ -353,7 +355,7 @@ class MultiheadAttention(nn.Module):
                 new module holds ``mha``'s own ``Parameter`` objects, so that an optimizer, a frozen
                 (``requires_grad=False``) weight or a weight tied elsewhere stays as it is and nothing is
                 copied; what :func:`effattn.swap_attention` does.
-            **variant: ``window``, ``layout``, ``linear``, ``backend``.
+            **variant: ``window``, ``layout``, ``linear``, ``backend``, ``context_parallel``.
         """
         unknown = sorted(set(variant) - set(VARIANT_KEYS))
         if unknown:
