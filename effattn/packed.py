@@ -10,10 +10,11 @@ sequence (context parallelism, cascade attention) sees exactly what the whole se
 
 Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
 (``q_offset`` = the key position of the segment's first query, relative to its first key). The torch
-backend walks it with its chunked reference, forward and backward (``run_segments``). The Triton
-kernels serve ``positions`` and ``out_fp32`` (one segment: their offset is the segment's) but not
-``varlen`` yet, the CUDA kernels none of them: ``effattn.explain`` names the missing feature as the
-reason such a backend cannot serve a call.
+backend walks it with its chunked reference, forward and backward (``run_segments``), or on the CPU
+runs each segment on its CPU fast paths. The Triton kernels serve ``positions`` and ``out_fp32`` (one
+segment: their offset is the segment's) and ``varlen`` through (segment, tile) work lists
+(``launch.fwd_varlen``, ``launch.bwd(segments=...)``), the CUDA kernels none of them:
+``effattn.explain`` names the missing feature as the reason such a backend cannot serve a call.
 
 The torch backend reads ``cu_seqlens`` to the host once per call (validation and its work list);
 ``max_seqlen``, when given, is checked against it.

@@ -133,13 +133,13 @@ def test_explain_names_varlen_for_backends_without_it():
     q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4, dtype=torch.float16)
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu)
     assert e.chosen == "torch"
-    for name in ("triton", "cuda"):
-        assert any("varlen" in r for r in e.reasons[name]), e.reasons[name]
+    assert any("does not support varlen" in r for r in e.reasons["cuda"]), e.reasons["cuda"]
     assert "packed segments one by one" in e.paths["torch"]
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1)
     assert "segment work list" in e.paths["torch"]
+    assert any("varlen (cu_seqlens) is not served with dropout" in r for r in e.reasons["triton"]), e.reasons
     with pytest.raises(RuntimeError, match="varlen"):
-        effattn.attention(q, k, v, cu_seqlens=cu, backend="triton")
+        effattn.attention(q, k, v, cu_seqlens=cu, dropout_p=0.1, backend="triton")
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -352,3 +352,33 @@ def test_positions_and_fp32_output_on_every_backend(backend, kw, dtype):
     for a, b in zip(grads, refs):
         assert a.dtype == dtype
         torch.testing.assert_close(a.double(), b, rtol=10 * tol, atol=10 * tol)
+
+
+def _feature_backends(feature):
+    from conftest import op_backends
+    from effattn.backends import base
+    return [n for n in op_backends("attention") if feature in base._REGISTRY["attention"][n].caps.features]
+
+
+@pytest.mark.parametrize("backend", _feature_backends("varlen"))
+@pytest.mark.parametrize("kw,dtype", [(dict(causal=True), torch.float32), (dict(window=(3, 2)), torch.float32),
+                                      (dict(causal=True, window=9), torch.float32), (dict(), torch.bfloat16)],
+                         ids=["causal", "window", "causal-window", "dense-bf16"])
+def test_packed_on_every_backend_against_the_oracle(backend, kw, dtype):
+    """Cross-attention segments (Lq > Lk, Lq < Lk, no keys, no queries, length 1, one longer than a
+    tile) with GQA and Dv != D on each backend that declares varlen: forward and backward equal the
+    float64 oracle run on each segment alone."""
+    offs_q, offs_k = [0, 2, 2, 7, 8, 48, 49], [0, 5, 6, 9, 9, 50, 51]
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 16, 8, dtype=torch.float32, seed=7)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = effattn.attention(q, k, v, cu_seqlens=(cu_q, cu_k), max_seqlen=(40, 41), backend=backend, **kw)
+    assert out.dtype == dtype
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _per_segment(lambda a, b, c: naive_attention(a, b, c, **kw)[0], q64, k64, v64, offs_q, offs_k)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g.double(), r, rtol=5 * tol, atol=5 * tol)

@@ -113,6 +113,36 @@ def _direct(*tensors) -> bool:
             and all(t is None or type(t) in _PLAIN for t in tensors))
 
 
+def _varlen_reason(call):
+    """Packed sequences (cu_seqlens) run on the kernels' (segment, tile) work lists, without dropout
+    and fp32 outputs yet."""
+    if call.cu_seqlens is None:
+        return []
+    why = [w for w, bad in (("dropout", call.dropout_p > 0), ("an fp32 output", call.out_dtype is not None)) if bad]
+    return [f"varlen (cu_seqlens) is not served with {' or '.join(why)} by the Triton kernels yet"] if why else []
+
+
+if triton is not None:
+
+    class _Varlen(torch.autograd.Function):
+        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, segments, scale, left, right, tf32):
+            out, lse = launch.fwd_varlen(q, k, v, segments, scale, left, right, tf32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.static = (segments, scale, left, right, tf32)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            q, k, v, out, lse = ctx.saved_tensors
+            segments, scale, left, right, tf32 = ctx.static
+            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, None, scale, 0.0, left,
+                                    right, tf32, segments=segments)
+            return dq, dk, dv, None, None, None, None, None
+
+
 def _run(call):
     """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32. The TF32 setting is
     read here, once per call; the backward reuses it."""
@@ -121,7 +151,12 @@ def _run(call):
     tf32 = q.dtype == torch.float32 and _tf32_enabled()      # ignored by the interpreter
     args = (q, k, v, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0, kpm, call.seed,
             call.scale, call.dropout_p, call.window_left, call.window_right, tf32)
-    if call.segments is not None:               # positions and / or an fp32 output (never cu_seqlens: no varlen)
+    if call.cu_seqlens is not None:             # packed sequences: the (segment, tile) work lists
+        static = (call.segments, call.scale, call.window_left, call.window_right, tf32)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _Varlen.apply(q, k, v, *static)
+        return launch.fwd_varlen(q, k, v, *static)
+    if call.segments is not None:               # positions and / or an fp32 output
         args += (call.segments[0][4], call.out_dtype is not None)
     elif decode.decode_reason(call) is None:    # a few query rows against a long key range (no grad, no dropout)
         dargs = args[:6] + args[7:8] + args[9:]
@@ -157,9 +192,9 @@ BACKEND = register(Backend(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_dim=256,
-        features=FEATURES["attention"] - {"varlen"},          # positions, out_fp32: yes; cu_seqlens: not yet
+        features=FEATURES["attention"],
         min_compute_capability=(8, 0)),           # mma on bf16 tensor cores: Ampere or newer
-    run=_run, available=_available,
+    run=_run, available=_available, extra_reasons=lambda call: _varlen_reason(call),
     describe=lambda call: decode.describe(call) if triton is not None else None,
     notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
     # the interpreter is correct but far slower than the torch reference: CPU only when named
