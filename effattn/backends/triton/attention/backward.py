@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..jit import UNSPECIALIZED_BWD_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, query_tile_range, slice_tile,
-                       tile_index, visible)
+                       tile_index, visible, work_item)
 
 
 @triton.jit
@@ -168,13 +168,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     g1 = tl.minimum(g0 + g_run, G)
     q_row0, k_row0 = pid_n * 0, pid_n * 0
     if VARLEN:                   # (segment, key tile) work list, as the forward's (forward.py)
-        item = ITEMS + pid_n * 5
-        q_row0 = tl.load(item)
-        k_row0 = tl.load(item + 2)
-        Lq = tl.load(item + 1) - q_row0
-        Lk = tl.load(item + 3) - k_row0
+        q_row0, k_row0, Lq, Lk, pid_n = work_item(ITEMS, pid_n)
         off = Lk - Lq
-        pid_n = tl.load(item + 4)
     n0 = pid_n * BLOCK_N
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = n0 + rel_n
@@ -263,13 +258,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
     hk = h // G
     q_row0, k_row0 = pid_m * 0, pid_m * 0
     if VARLEN:                   # (segment, query tile) work list, as the forward's
-        item = ITEMS + pid_m * 5
-        q_row0 = tl.load(item)
-        k_row0 = tl.load(item + 2)
-        Lq = tl.load(item + 1) - q_row0
-        Lk = tl.load(item + 3) - k_row0
+        q_row0, k_row0, Lq, Lk, pid_m = work_item(ITEMS, pid_m)
         off = Lk - Lq
-        pid_m = tl.load(item + 4)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)

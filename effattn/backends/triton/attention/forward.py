@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..jit import UNSPECIALIZED_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, program_tile, tile_index,
-                       visible)
+                       visible, work_item)
 
 
 @triton.jit
@@ -100,13 +100,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
     q_row0 = pid_m * 0                                        # the segment's first query / key row
     k_row0 = pid_m * 0
     if VARLEN:
-        item = ITEMS + pid_m * 5
-        q_row0 = tl.load(item)
-        k_row0 = tl.load(item + 2)
-        Lq = tl.load(item + 1) - q_row0
-        Lk = tl.load(item + 3) - k_row0
+        q_row0, k_row0, Lq, Lk, pid_m = work_item(ITEMS, pid_m)
         off = Lk - Lq
-        pid_m = tl.load(item + 4)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
