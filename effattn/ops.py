@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from ._call import _fail, make_attn_call

@@ -4,9 +4,7 @@ forward and backward, bitwise repeatable; the halo's bytes; errors instead of ha
 
 Each test spawns its processes once and runs a list of scenarios in them (process start-up dominates)."""
 import datetime
-import os
 import socket
-import sys
 
 import pytest
 import torch
