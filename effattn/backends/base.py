@@ -28,7 +28,7 @@ UNAVAILABLE: Dict[str, str] = {}
 # backend's declaration is checked against this vocabulary at registration, so a typo fails at import.
 FEATURES: Dict[str, FrozenSet[str]] = {
     "attention": frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
-                            "dv_ne_d", "return_lse"}),
+                            "dv_ne_d", "return_lse", "varlen", "positions", "out_fp32"}),
     "linear_attention": frozenset({"causal", "gqa", "state", "no_normalize", "feature_map=elu",
                                    "feature_map=relu", "feature_map=identity", "feature_map=favor",
                                    "feature_map=callable"}),

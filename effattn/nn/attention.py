@@ -117,6 +117,8 @@ class MultiheadAttention(nn.Module):
             no probability matrix: ``dropout`` does not apply to it, ``attn_mask`` and
             ``need_weights=True`` are errors.
         backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or ``"cuda"``.
+        context_parallel: an :class:`effattn.distributed.ContextParallel`: inputs are this rank's shard
+            of the sequence and self-attention runs over the whole sequence (see effattn.distributed).
 
     Positions are aligned bottom-right (query i sits at ``i + Lk - Lq``), as in
     :func:`effattn.attention`. For ``Lq == Lk`` that is torch's convention; for ``Lq != Lk`` torch
@@ -156,13 +158,14 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
-                 window=None, layout=None, linear=None, backend="auto"):
+                 window=None, layout=None, linear=None, backend="auto", context_parallel=None):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
-        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend)
+        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend,
+                      context_parallel=context_parallel)
         if isinstance(linear, FavorFeatures) and linear.head_dim != embed_dim // num_heads:
             raise ValueError(f"MultiheadAttention: linear=FavorFeatures(head_dim={linear.head_dim}) does not match "
                              f"head_dim = embed_dim // num_heads = {embed_dim // num_heads}")
@@ -206,6 +209,7 @@ class MultiheadAttention(nn.Module):
         self.window = window
         self.layout = layout
         self.backend = backend
+        self.context_parallel = context_parallel
         # a feature map with state (FavorFeatures' projection) is the submodule `feature_map`
         self._linear_spec = None if isinstance(linear, nn.Module) else linear
         if linear == "favor":
@@ -269,7 +273,7 @@ class MultiheadAttention(nn.Module):
                 new module holds ``mha``'s own ``Parameter`` objects, so that an optimizer, a frozen
                 (``requires_grad=False``) weight or a weight tied elsewhere stays as it is and nothing is
                 copied; what :func:`effattn.swap_attention` does.
-            **variant: ``window``, ``layout``, ``linear``, ``backend``.
+            **variant: ``window``, ``layout``, ``linear``, ``backend``, ``context_parallel``.
         """
         unknown = sorted(set(variant) - set(VARIANT_KEYS))
         if unknown:
@@ -309,8 +313,9 @@ class MultiheadAttention(nn.Module):
     def variant(self) -> dict:
         """The extras this module was built with (only those that differ from the defaults)."""
         out = {}
-        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto")):
-            val = getattr(self, key)
+        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto"),
+                             ("context_parallel", None)):
+            val = getattr(self, key, default)
             if val is not default and val != default:
                 out[key] = val
         return out
@@ -527,6 +532,8 @@ class MultiheadAttention(nn.Module):
 
     def _attend(self, plan: _Plan, step: _Step, q, k, v, cache) -> Tuple[Tensor, Optional[Tensor]]:
         """Runs the planned path: ``(out (B, H, Lq, D), weights (B, H, Lq, Lk) or None)``."""
+        if getattr(self, "context_parallel", None) is not None:
+            return self.context_parallel.module_attention(self, plan, step, q, k, v, cache), None
         if plan.op == "linear_attention":
             q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
             res = linear_attention(q, k, v, causal=step.causal, feature_map=phi, initial_state=state,

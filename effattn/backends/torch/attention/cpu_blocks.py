@@ -382,6 +382,7 @@ def _run(call):
 
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-blocks", priority=95,
-    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES["attention"] - {"dropout"}),
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES,
+                      features=FEATURES["attention"] - {"dropout", "varlen", "positions", "out_fp32"}),
     run=_run, admits=cpu_reasons,
     describe=lambda call: "visible key blocks only, one batched matmul per group of query blocks"))
