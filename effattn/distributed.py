@@ -51,7 +51,7 @@ from .linear import linear_attention as local_linear
 from .merge import merge_attention
 from .numerics import compute_dtype
 from .packed import public_window
-from .visibility import Rule
+from .visibility import Rule, normalize_window
 
 METHODS = ("ring", "ulysses", "allgather")
 BALANCES = ("contiguous", "zigzag")
@@ -483,6 +483,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
                           "random stream would not be the single-device one); use dropout_p=0")
     group, rank, world = _group(group)
     call = make_attn_call(q, k, v, causal=causal, window=window, scale=scale)
+    # the whole sequence's window bounds (the shard-sized call clamps a window wider than a shard away)
+    left, right = normalize_window(window, causal)
     if call.Lq != call.Lk:
         _fail(ValueError, f"{fn}: q and k must hold the same tokens (self-attention shards), got Lq={call.Lq}, "
                           f"Lk={call.Lk}")
@@ -493,13 +495,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         _fail(ValueError, f"{fn}: method='ulysses' needs the number of heads H={call.H} divisible by the world "
                           f"size {world}")
     sig = [call.B, call.H, call.Hkv, call.Lq, call.D, call.Dv, _DTYPES.index(q.dtype), int(causal),
-           call.window_left, call.window_right, METHODS.index(method), BALANCES.index(balance),
+           left, right, METHODS.index(method), BALANCES.index(balance),
            round(call.scale * 1e6)]
     _agree(sig, group, world, fn, q.device)
-    left, right, local = call.window_left, call.window_right, call.Lq
+    local = call.Lq
     if method == "ring":
         if balance == "contiguous" and world > 1 and 0 <= left <= local and 0 <= right <= local:
-            return _halo_attention(q, k, v, call, group, rank, world, return_lse, backend)
+            return _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend)
         plan = _ring_plan(group, rank, world, local, balance, left, right, call.scale, backend)
         out, lse = _RingAttention.apply(q, k, v, plan)
         return (out, lse) if return_lse else out
@@ -535,8 +537,8 @@ def _mask_args(left: int, right: int) -> dict:
     return dict(causal=causal, window=window)
 
 
-def _halo_attention(q, k, v, call, group, rank, world, return_lse, backend):
-    local, left, right = call.Lq, call.window_left, call.window_right
+def _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend):
+    local = call.Lq
     ke, ve = _Halo.apply(k, v, group, rank, world, left, right)
     before = left if rank > 0 else 0
     out, lse = local_attention(q, ke, ve, **_mask_args(left, right), scale=call.scale,

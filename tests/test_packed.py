@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import effattn
-from oracle import naive_attention, visibility
+from effattn.testing.oracle import naive_attention, visibility
 
 
 def _packed(offs_q, offs_k, H, Hkv, D, Dv, dtype=torch.float64, seed=0):
@@ -29,8 +29,8 @@ def _per_segment(fn, q, k, v, offs_q, offs_k):
 def path(request, monkeypatch):
     """Packed calls on the CPU run segment by segment on the CPU fast paths, or (fast paths disabled,
     as on other devices) on the chunked reference's segment work list: both are tested."""
-    from effattn.backends.torch import cpu_fused
-    monkeypatch.setattr(cpu_fused, "ENABLED", request.param == "cpu-paths")
+    from effattn.backends.torch.attention import cpu_blocks
+    monkeypatch.setattr(cpu_blocks, "ENABLED", request.param == "cpu-paths")
     return request.param
 
 
