@@ -18,6 +18,7 @@ import torch
 from .feature_maps import NAMED_FEATURE_MAPS, FavorFeatures, feature_map_name, resolve_feature_map
 from .layouts import BlockLayout
 from .numerics import compute_dtype, draw_seed
+from .packed import packing
 from .score import make_score_terms
 from .visibility import Rule, clamp_window, normalize_window
 
@@ -46,8 +47,10 @@ def _fail(kind, msg):
 
 # The keyword arguments of the public functions (explain takes those of its op, without backend).
 ATTENTION_KEYWORDS = ("causal", "window", "layout", "key_padding_mask", "scale", "dropout_p", "return_lse",
-                      "softcap", "sinks", "bias", "backend", "block_table", "seqlens")
-LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "backend")
+                      "softcap", "sinks", "bias", "cu_seqlens", "max_seqlen", "positions", "out_dtype", "backend",
+                      "block_table", "seqlens")
+LINEAR_KEYWORDS = ("causal", "feature_map", "normalize", "eps", "initial_state", "return_state", "cu_seqlens",
+                   "max_seqlen", "backend")
 
 
 def check_keywords(fn: str, given, valid) -> None:
@@ -125,6 +128,13 @@ class AttnCall:
     dropout_p: float
     return_lse: bool
     seed: Optional[torch.Tensor] = None   # int64 CPU tensor (2,), drawn from torch's default generator when dropout_p > 0
+    # packed sequences / context-parallel chunks (effattn.packed.packing): the (q0, q1, k0, k1, q_offset)
+    # work list of a call with cu_seqlens, positions or an fp32 output, the int32 cu_seqlens pair, the
+    # positions (their offset is the rule's q_offset), an fp32 output dtype
+    segments: Optional[tuple] = None
+    cu_seqlens: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    positions: Optional[Tuple[int, int]] = None
+    out_dtype: Optional[torch.dtype] = None
     score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
 
     @property
@@ -169,12 +179,16 @@ class AttnCall:
         if self.Lq != self.Lk: f.add("lq_ne_lk")
         if self.D != self.Dv: f.add("dv_ne_d")
         if self.return_lse: f.add("return_lse")
+        if self.cu_seqlens is not None: f.add("varlen")
+        if self.positions is not None: f.add("positions")
+        if self.out_dtype is not None: f.add("out_fp32")
         if self.score is not None: f |= self.score.features()
         return f
 
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
-                   scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None) -> AttnCall:
+                   scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
+                   max_seqlen=None, positions=None, out_dtype=None) -> AttnCall:
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -212,10 +226,13 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     seed = None
     if dropout_p > 0:
         seed = draw_seed()
-    rule = Rule(Lq, Lk, *clamp_window(left, right, Lq, Lk), layout.mask if layout is not None else None,
-                layout.block_size if layout is not None else 0)
-    return AttnCall(q, k, v, causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
-                    bool(return_lse), seed, score)
+    pk = packing(q, k, causal=causal, left=left, right=right, layout=layout, key_padding_mask=key_padding_mask,
+                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
+    rule = Rule(Lq, Lk, *clamp_window(pk.left, pk.right, Lq, Lk, pk.q_offset),
+                layout.mask if layout is not None else None, layout.block_size if layout is not None else 0,
+                q_offset=pk.q_offset)
+    return AttnCall(q, k, v, pk.causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
+                    bool(return_lse), seed, pk.segments, pk.cu_seqlens, pk.positions, pk.out_dtype, score)
 
 
 # ----------------------------------------------------------------------------- linear attention

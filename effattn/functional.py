@@ -5,11 +5,13 @@ from typing import Dict, List, NamedTuple, Optional
 
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
+from .packed import check_linear_packed
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-              dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, backend="auto",
-              block_table=None, seqlens=None, **unknown):
+              dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
+              max_seqlen=None, positions=None, out_dtype=None, backend="auto", block_table=None, seqlens=None,
+              **unknown):
     r"""Softmax attention ``softmax(q k^T * scale + mask) v`` with fused, O(L)-memory backends.
 
     Args:
@@ -38,6 +40,16 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
             float tensor broadcastable to ``(B, H, Lq, Lk)``, or a list of them (summed), evaluated at
             the distance ``d = pos(i) - j``. Any of their tensors that requires grad gets a
             deterministic gradient. Order of operations: docs/conventions.md, "Scores".
+        cu_seqlens: packed variable-length sequences (see :mod:`effattn.packed`): int32 ``(N + 1,)``
+            offsets (self-attention) or a ``(cu_seqlens_q, cu_seqlens_k)`` pair, with q, k, v packed as
+            ``(1, H, T, D)``. Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys
+            ``cu_k[n]:cu_k[n+1]``, bottom-right aligned inside it; nothing crosses a segment.
+        max_seqlen: the longest segment (an int or a ``(max_q, max_k)`` pair), checked when given.
+        positions: ``(q_start, k_start)``, the absolute positions of query 0 and key 0 (a chunk of a
+            longer sequence, context parallelism): query i sits at ``q_start + i``, key j at
+            ``k_start + j``, and causal / window compare those positions.
+        out_dtype: ``torch.float32`` for an fp32 output (partial results merged with
+            :func:`effattn.merge_attention` without a round trip through the input dtype).
         backend: ``"auto"`` (fastest that can serve; see :func:`explain`), ``"torch"``, ``"triton"``
             or ``"cuda"``.
         block_table, seqlens: a paged KV cache (forward only): ``k``/``v`` are then page pools
@@ -65,14 +77,17 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
     if block_table is not None or seqlens is not None:
         from .paged import paged_attention
-        if layout is not None or key_padding_mask is not None or dropout_p:
+        if (layout is not None or key_padding_mask is not None or dropout_p or cu_seqlens is not None
+                or max_seqlen is not None or positions is not None or out_dtype is not None):
             raise ValueError("attention: a paged call (block_table=, seqlens=) takes causal, window, scale, "
-                             "return_lse and backend only (no layout, key_padding_mask or dropout_p)")
+                             "return_lse and backend only (no layout, key_padding_mask, dropout_p, cu_seqlens, "
+                             "max_seqlen, positions or out_dtype)")
         return paged_attention(q, k, v, block_table=block_table, seqlens=seqlens, causal=causal, window=window,
                                scale=scale, return_lse=return_lse, backend=backend)
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
-                          return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias)
+                          return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,
+                          max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
     out, lse = base.select("attention", call, backend).run(call)
     return (out, lse) if return_lse else out
 
@@ -161,6 +176,12 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     if op == "attention":
         call = make_attn_call(q, k, v, **kwargs)
     elif op == "linear_attention":
+        packed = {n: kwargs.pop(n) for n in ("cu_seqlens", "max_seqlen") if n in kwargs}
+        if packed.get("cu_seqlens") is not None:    # each segment is one call of the same backend
+            check_linear_packed(q, k, v, packed["cu_seqlens"], packed.get("max_seqlen"),
+                                kwargs.get("initial_state"), kwargs.get("return_state", False))
+        elif packed.get("max_seqlen") is not None:
+            raise ValueError("linear_attention: max_seqlen is given without cu_seqlens")
         call = make_linear_call(q, k, v, **kwargs)
     else:
         raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")

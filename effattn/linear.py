@@ -7,12 +7,16 @@ taken before the queries arrive:  ``out_i = phi(q_i) S / (phi(q_i) . z + eps)`` 
 """
 from __future__ import annotations
 
+import torch
+
 from ._call import LINEAR, LINEAR_KEYWORDS, LinearCall, check_keywords, make_linear_call  # noqa: F401
 from .backends.base import select
+from .packed import check_linear_packed
 
 
 def linear_attention(q, k, v, *, causal=False, feature_map="elu", normalize=True, eps=1e-6,
-                     initial_state=None, return_state=False, backend="auto", **unknown):
+                     initial_state=None, return_state=False, cu_seqlens=None, max_seqlen=None, backend="auto",
+                     **unknown):
     r"""Linear attention ``out_i = phi(q_i) S / (phi(q_i) . z + eps)`` in O(L) time and memory.
 
     ``S = sum_j phi(k_j)^T v_j`` and ``z = sum_j phi(k_j)`` run over all keys, or over ``j <= i``
@@ -46,6 +50,9 @@ def linear_attention(q, k, v, *, causal=False, feature_map="elu", normalize=True
             along, gives the same outputs (causal) and final state as one call. States are per query
             head (for GQA, heads of one group hold the same sums unless their ``S0`` differ) and are
             float32 (float64 for float64 inputs).
+        cu_seqlens: int32 ``(N + 1,)`` offsets of packed sequences (q, k, v packed as ``(1, H, T, D)``):
+            each segment is attended alone, its state starting from zero (see :mod:`effattn.packed`).
+        max_seqlen: the longest segment, checked when given.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``.
 
     Returns:
@@ -63,6 +70,15 @@ def linear_attention(q, k, v, *, causal=False, feature_map="elu", normalize=True
     """
     if unknown:
         check_keywords(LINEAR, unknown, LINEAR_KEYWORDS)
+    if cu_seqlens is not None or max_seqlen is not None:
+        if cu_seqlens is None:
+            raise ValueError(f"{LINEAR}: max_seqlen is given without cu_seqlens")
+        offs = check_linear_packed(q, k, v, cu_seqlens, max_seqlen, initial_state, return_state)
+        # each segment is one call of the chosen backend, on views of q, k, v, its state from zero
+        outs = [linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=causal, feature_map=feature_map,
+                                 normalize=normalize, eps=eps, backend=backend)
+                for a, b in zip(offs, offs[1:]) if b > a]
+        return torch.cat(outs, dim=2) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
     call = make_linear_call(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
                             initial_state=initial_state, return_state=return_state)
     out, state = select(LINEAR, call, backend).run(call)

@@ -58,12 +58,16 @@ def normalize_window(window, causal: bool) -> Tuple[int, int]:
     return left, right
 
 
-def clamp_window(left: int, right: int, Lq: int, Lk: int) -> Tuple[int, int]:
-    """A window wider than the sequence is no window: ``left >= Lk - 1`` reaches key 0 from every
-    query and ``right >= Lq - 1`` reaches key ``Lk - 1``, so either becomes ``-1`` (unbounded). The
-    kernels then need no bound on that side (and their int32 bounds never see a huge window). The one
-    statement of this rule; the C++ binding checks that the windows it gets obey it."""
-    return (UNBOUNDED if left >= max(Lk - 1, 0) else left), (UNBOUNDED if right >= max(Lq - 1, 0) else right)
+def clamp_window(left: int, right: int, Lq: int, Lk: int, q_offset: Optional[int] = None) -> Tuple[int, int]:
+    """A window wider than the sequence is no window: with query i at key ``i + off`` (``off = Lk - Lq``
+    bottom-right, or ``q_offset``), ``left >= Lq - 1 + off`` (``Lk - 1`` bottom-right) reaches key 0
+    from every query and ``right >= Lk - 1 - off`` (``Lq - 1``) reaches key ``Lk - 1``, so either
+    becomes ``-1`` (unbounded). The kernels then need no bound on that side (and their int32 bounds
+    never see a huge window). The one statement of this rule; the C++ binding checks that the windows
+    it gets obey it."""
+    off = Lk - Lq if q_offset is None else q_offset
+    return ((UNBOUNDED if left >= max(Lq - 1 + off, 0) else left),
+            (UNBOUNDED if right >= max(Lk - 1 - off, 0) else right))
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +79,8 @@ class Rule:
         left, right: window reach in keys, ``-1`` = unbounded (causal is ``right = 0``).
         layout_mask: bool ``(Hl, ceil(Lq/bs), ceil(Lk/bs))`` block mask, or None.
         layout_block: the layout's block size ``bs`` (ignored without a mask).
+        q_offset: the key position of query 0, ``q_start - k_start`` of ``attention(positions=...)``;
+            None (default) for bottom-right alignment, ``Lk - Lq``.
     """
     Lq: int
     Lk: int
@@ -82,6 +88,7 @@ class Rule:
     right: int = UNBOUNDED
     layout_mask: Optional[Tensor] = None
     layout_block: int = 0
+    q_offset: Optional[int] = None        # pos(i) - i; None: Lk - Lq (bottom-right). Set by `positions`
 
     @classmethod
     def of(cls, Lq: int, Lk: int, *, causal: bool = False, window=None, layout=None) -> "Rule":
@@ -93,8 +100,8 @@ class Rule:
 
     @property
     def offset(self) -> int:
-        """``Lk - Lq``: query i sits at key position ``i + offset``."""
-        return self.Lk - self.Lq
+        """``Lk - Lq`` (or ``q_offset`` when given): query i sits at key position ``i + offset``."""
+        return self.Lk - self.Lq if self.q_offset is None else self.q_offset
 
     @property
     def kind(self) -> str:

@@ -352,7 +352,10 @@ def test_every_call_site_keyword_is_served_or_refused():
     module = torch.nn.Module()
     module.is_causal = True
     values = {"dropout": 0.0, "scaling": 0.3, "is_causal": False, "sliding_window": 3, "softcap": 30.0,
-              "position_bias": torch.randn(1, 2, 6, 6, generator=g), "s_aux": torch.zeros(2), "sinks": torch.zeros(2)}
+              "position_bias": torch.randn(1, 2, 6, 6, generator=g), "s_aux": torch.zeros(2), "sinks": torch.zeros(2),
+              # packed-sequence offsets of this call's 6 tokens (two sequences of 3)
+              "cu_seq_lens_q": torch.tensor([0, 3, 6], dtype=torch.int32),
+              "cu_seq_lens_k": torch.tensor([0, 3, 6], dtype=torch.int32)}
     for name in sorted(names):
         value = values.get(name, torch.ones(3, dtype=torch.long))
         if name in hf_effattn.KEYWORDS["refused"]:
@@ -365,3 +368,48 @@ def test_every_call_site_keyword_is_served_or_refused():
         hf_effattn.attention_forward(module, q, k, v, None, made_up_keyword=torch.ones(1))
     out, _ = hf_effattn.attention_forward(module, q, k, v, None, made_up_keyword=None)   # None carries nothing
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-alternating"])
+def test_packed_sequences_run_fused_with_cu_seqlens(name, monkeypatch):
+    """One row of three packed sequences (position_ids restarting at 0, no cache): the fused path with
+    cu_seqlens, equal to running each sequence alone, forward and backward."""
+    eager, ours = _pair(name)
+    ids = torch.randint(1, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    bounds = [(0, 5), (5, 8), (8, 12)]
+    pos = torch.cat([torch.arange(b - a) for a, b in bounds])[None]
+    seen = []
+    real = hf_effattn.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("cu_seqlens"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_effattn, "attention", spy)
+    hf_effattn.stats.clear()
+    out = ours(input_ids=ids, position_ids=pos, use_cache=False)[0]
+    assert hf_effattn.stats == {"fused": ours.config.num_hidden_layers}, dict(hf_effattn.stats)
+    assert all(cu is not None and cu.tolist() == [0, 5, 8, 12] for cu in seen)
+    alone = torch.cat([eager(input_ids=ids[:, a:b], use_cache=False)[0] for a, b in bounds], 1)
+    torch.testing.assert_close(out, alone, atol=2e-5, rtol=2e-5)
+    params = [p for p in ours.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.square().sum(), params)
+    ref = torch.autograd.grad(alone.square().sum(), [p for p in eager.parameters() if p.requires_grad])
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_flash_attention_keywords_cu_seq_lens_take_the_packed_path():
+    """transformers' flash-attention keywords (DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+    without a mask: the segments are read from cu_seq_lens_q / cu_seq_lens_k."""
+    module = _pair("mistral-sliding")[1].model.layers[0].self_attn
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    hf_effattn.stats.clear()
+    out, _ = hf_effattn.attention_forward(module, q, k, v, None, scaling=0.3, is_causal=True, cu_seq_lens_q=cu,
+                                          cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    ref = torch.cat([hf_effattn.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, scale=0.3)
+                     for a, b in ((0, 4), (4, 9))], 2).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert hf_effattn.stats == {"fused": 1}

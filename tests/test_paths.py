@@ -46,7 +46,9 @@ CANDIDATES = {
     "attention": [(1, 2, 2, 9, 9, 8, 8, dict(causal=True)),
                   (1, 4, 2, 2, 40, 16, 16, dict(causal=True)),            # decode-shaped
                   (1, 2, 2, 9, 12, 8, 8, dict(causal=True, window=(3, 0))),
-                  (1, 2, 2, 9, 12, 8, 8, dict(causal=True, softcap=4.0))],     # a score term
+                  (1, 2, 2, 9, 12, 8, 8, dict(causal=True, softcap=4.0)),      # a score term
+                  # packed sequences: segments of 4 and 6 tokens (and an empty one)
+                  (1, 2, 2, 10, 10, 8, 8, dict(causal=True, cu_seqlens=torch.tensor([0, 4, 4, 10], dtype=torch.int32)))],
     "linear_attention": [(1, 2, 2, 9, 9, 8, 8, dict(causal=True)),
                          (1, 4, 2, 1, 1, 8, 8, dict(causal=True))],       # one token
 }
@@ -94,6 +96,12 @@ def _admitted(p, seed=0):
 
 
 def _oracle(op, q, k, v, kw):
+    if op == "attention" and kw.get("cu_seqlens") is not None:       # each segment alone
+        rest = {n: x for n, x in kw.items() if n != "cu_seqlens"}
+        offs = kw["cu_seqlens"].tolist()
+        parts = [naive_attention(q[:, :, a:b].double(), k[:, :, a:b].double(), v[:, :, a:b].double(), **rest)
+                 for a, b in zip(offs, offs[1:])]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
     if op == "attention":
         fn = score_attention if any(t in kw for t in ("softcap", "sinks", "bias")) else naive_attention
         return fn(q.double(), k.double(), v.double(), **kw)
@@ -180,6 +188,14 @@ def test_empty_shapes(path, empty):
         k, v = k[:, :, :0], v[:, :, :0]
     else:
         q, k, v = q[:0], k[:0], v[:0]
+    cu = kw.get("cu_seqlens")
+    if cu is not None:                              # packed: the emptied side's segments are all empty
+        if empty == "B=0":
+            with pytest.raises(ValueError, match="packed as"):
+                _make(path.op, q, k, v, kw)
+            return
+        none = torch.zeros_like(cu)
+        kw = dict(kw, cu_seqlens=(none, cu) if empty == "Lq=0" else (cu, none))
     call = _make(path.op, q, k, v, kw)
     why = path.reasons(call)
     if why:                                         # refused: explain says why on the row's line

@@ -28,7 +28,7 @@ UNAVAILABLE: Dict[str, str] = {}
 # backend's declaration is checked against this vocabulary at registration, so a typo fails at import.
 FEATURES: Dict[str, FrozenSet[str]] = {
     "attention": frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk",
-                            "dv_ne_d", "return_lse",
+                            "dv_ne_d", "return_lse", "varlen", "positions", "out_fp32",
                             "softcap", "sinks", "bias=alibi", "bias=relative", "bias=span", "bias=dense"}),
     "linear_attention": frozenset({"causal", "gqa", "state", "no_normalize", "feature_map=elu",
                                    "feature_map=relu", "feature_map=identity", "feature_map=favor",
@@ -36,6 +36,8 @@ FEATURES: Dict[str, FrozenSet[str]] = {
 }
 
 # The attention features of score terms (effattn.score): a backend that lacks one says so in explain.
+# The features of packed sequences and context-parallel chunks (effattn.packed).
+PACKED_FEATURES: FrozenSet[str] = frozenset({"varlen", "positions", "out_fp32"})
 SCORE_FEATURES: FrozenSet[str] = frozenset({"softcap", "sinks", "bias=alibi", "bias=relative", "bias=span",
                                             "bias=dense"})
 

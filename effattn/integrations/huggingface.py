@@ -24,6 +24,10 @@ padding suffices. Then:
   non-binary float masks, ...) takes the **dense fallback**: a softmax over the materialized ``(L, S)``
   scores, the same math as the eager implementation, O(L^2) memory; with score terms, the fused
   kernel with that mask as a dense additive bias instead.
+- packed sequences (one row, ``position_ids`` restarting at 0 with ``use_cache=False``, as transformers'
+  ``DataCollatorWithFlattening`` makes them, or the flash-attention keywords ``cu_seq_lens_q/k``): when the
+  mask transformers built is exactly "same sequence AND causal/window", the fused kernel runs with
+  ``cu_seqlens`` (``effattn.attention``'s packed sequences), in O(L) memory (without score terms).
 
 Score terms run fused (``effattn.attention``'s ``softcap``, ``sinks``, ``bias``): ``softcap`` (Gemma 2 /
 3), attention sinks ``s_aux`` (gpt-oss, differentiable), and T5's ``position_bias`` (T5, LongT5,
@@ -36,7 +40,8 @@ a device sync and, under ``torch.compile``, a graph break.
 
 Keywords. Besides the ones above, transformers passes the model's own keyword arguments through. Each
 keyword the installed transformers' attention call sites pass is one of three kinds (:data:`KEYWORDS`):
-served (``softcap``, ``s_aux`` / ``sinks`` and ``position_bias``, the score terms above); carried elsewhere (positions already applied to q/k,
+served (``softcap``, ``s_aux`` / ``sinks`` and ``position_bias``, the score terms above;
+``position_ids`` and ``cu_seq_lens_q/k`` give packed sequences' segments); carried elsewhere (positions already applied to q/k,
 packed-sequence metadata the mask already expresses, output flags: nothing for the attention to do);
 or refused with an error naming it (sparse top-k indices, head masks). A keyword not in the table
 with a value other than None raises TypeError instead of being dropped.
@@ -56,6 +61,7 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
+from ..packed import cu_seqlens_from_position_ids
 from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
 from ..visibility import Rule
@@ -73,11 +79,13 @@ _logged = set()
 # outputs or other implementations); "refused": an error naming the keyword when its value is not None.
 KEYWORDS = {
     "served": frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias", "s_aux",
-                         "sinks"}),
+                         "sinks",
+                         # packed sequences (one row): the fused path with cu_seqlens (`_packed_segments`)
+                         "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}),
     "carried": frozenset({
-        "position_ids", "cache_position",                    # positions: rotary embeddings already applied
-        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",   # packed sequences:
-        "max_seqlen_q", "max_seqlen_k", "cache_seqlens",     # transformers' mask function already masks them
+        "cache_position",                                    # positions: rotary embeddings already applied
+        "max_length_q", "max_length_k", "seq_idx",           # packed sequences: the segments come from
+        "max_seqlen_q", "max_seqlen_k", "cache_seqlens",     # cu_seq_lens_q/k or the mask
         "deterministic",                                     # effattn's kernels are always deterministic
         "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",  # output flags
         "num_items_in_batch", "use_cache", "past_key_values", "past_key_value", "layer_idx",
@@ -194,6 +202,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if position_bias is not None and position_bias.shape[-1] > Lk:
         position_bias = position_bias[..., :Lk]
     terms = dict(softcap=softcap, sinks=sinks, bias=position_bias)
+    packed = (_packed_segments(attention_mask, kwargs, B, Lq, Lk, causal, window)
+              if softcap is None and position_bias is None and sinks is None else None)
+    if packed is not None:                              # packed sequences: the fused segment work list
+        out = attention(query, key, value, causal=causal, window=window, cu_seqlens=packed[0], max_seqlen=packed[1],
+                        scale=scaling, dropout_p=float(dropout), backend=backend)
+        _record("fused")
+        return out.transpose(1, 2).contiguous(), None
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)
 
     if plan[0] == "fused":
@@ -218,6 +233,42 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                  dropout_p=float(dropout), softcap=softcap)
         _record("dense: " + why)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_segments(mask: Optional[Tensor], kwargs, B: int, Lq: int, Lk: int, causal: bool, window):
+    """``(cu_seqlens, max_seqlen)`` when the call is a packed batch that the segment work list serves
+    exactly, else None. The segments come from the flash-attention keywords ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` when given, else from ``position_ids`` restarting (transformers' packing); a given
+    mask must then equal "same segment AND causal/window inside it" (as transformers builds it when it
+    detects packing), otherwise the usual mask reading decides."""
+    if B != 1 or Lq != Lk:
+        return None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and (cu_k is None or torch.equal(cu_k, cu_q)):
+        cu = cu_q.to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    elif kwargs.get("position_ids") is not None and mask is not None:
+        pos = kwargs["position_ids"]
+        if pos.dim() != 2 or pos.shape[-1] != Lq or pos.shape[0] != 1:
+            return None
+        cu, longest = cu_seqlens_from_position_ids(pos.to(mask.device))
+    else:
+        return None
+    if cu.numel() <= 2 and mask is None:
+        return None
+    if mask is not None:
+        keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        if keep.dim() != 4 or keep.shape[-2:] != (Lq, Lk):
+            return None
+        seg = torch.searchsorted(cu[1:].to(keep.device), torch.arange(Lq, device=keep.device, dtype=torch.int32),
+                                 right=True)                          # segment of each token
+        expected = (seg[:, None] == seg[None, :])[None, None]
+        struct = Rule.of(Lq, Lk, causal=causal, window=window).materialize(device=keep.device)
+        if struct is not None:
+            expected = expected & struct
+        if not bool(torch.all(keep == expected)):
+            return None
+    return cu.to(mask.device if mask is not None else cu.device), longest
 
 
 def _used_keys(mask: Tensor, Lq: int) -> int:

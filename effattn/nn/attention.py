@@ -121,6 +121,8 @@ class MultiheadAttention(nn.Module):
             ``bias`` (:class:`effattn.nn.ALiBi`, :class:`effattn.nn.T5RelativeBias`,
             :class:`effattn.nn.AdaptiveSpan`, or a list of them in an ``nn.ModuleList``), evaluated at
             each call; a submodule, so its parameters train with the attention. Softmax only.
+        context_parallel: an :class:`effattn.distributed.ContextParallel`: inputs are this rank's shard
+            of the sequence and self-attention runs over the whole sequence (see effattn.distributed).
 
     Positions are aligned bottom-right (query i sits at ``i + Lk - Lq``), as in
     :func:`effattn.attention`. For ``Lq == Lk`` that is torch's convention; for ``Lq != Lk`` torch
@@ -160,19 +162,23 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
-                 window=None, layout=None, linear=None, backend="auto", position_bias=None):
+                 window=None, layout=None, linear=None, backend="auto", position_bias=None, context_parallel=None):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
-        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend)
+        check_variant("MultiheadAttention", window=window, layout=layout, linear=linear, backend=backend,
+                      context_parallel=context_parallel)
         if isinstance(linear, FavorFeatures) and linear.head_dim != embed_dim // num_heads:
             raise ValueError(f"MultiheadAttention: linear=FavorFeatures(head_dim={linear.head_dim}) does not match "
                              f"head_dim = embed_dim // num_heads = {embed_dim // num_heads}")
         if position_bias is not None and not isinstance(position_bias, nn.Module):
             raise TypeError(f"MultiheadAttention: position_bias must be an nn.Module returning score terms (e.g. "
                             f"effattn.nn.ALiBi), got {type(position_bias).__name__}")
+        if position_bias is not None and context_parallel is not None:
+            raise ValueError("MultiheadAttention: position_bias and context_parallel cannot be combined yet "
+                             "(the context-parallel attention takes no score terms)")
         if position_bias is not None and linear is not None:
             raise ValueError("MultiheadAttention: position_bias adds to the softmax scores; linear attention forms "
                              "none")
@@ -216,6 +222,7 @@ class MultiheadAttention(nn.Module):
         self.window = window
         self.layout = layout
         self.backend = backend
+        self.context_parallel = context_parallel
         # a feature map with state (FavorFeatures' projection) is the submodule `feature_map`
         self._linear_spec = None if isinstance(linear, nn.Module) else linear
         if linear == "favor":
@@ -281,7 +288,7 @@ class MultiheadAttention(nn.Module):
                 new module holds ``mha``'s own ``Parameter`` objects, so that an optimizer, a frozen
                 (``requires_grad=False``) weight or a weight tied elsewhere stays as it is and nothing is
                 copied; what :func:`effattn.swap_attention` does.
-            **variant: ``window``, ``layout``, ``linear``, ``backend``.
+            **variant: ``window``, ``layout``, ``linear``, ``backend``, ``context_parallel``.
         """
         unknown = sorted(set(variant) - set(VARIANT_KEYS))
         if unknown:
@@ -321,8 +328,9 @@ class MultiheadAttention(nn.Module):
     def variant(self) -> dict:
         """The extras this module was built with (only those that differ from the defaults)."""
         out = {}
-        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto")):
-            val = getattr(self, key)
+        for key, default in (("window", None), ("layout", None), ("linear", None), ("backend", "auto"),
+                             ("context_parallel", None)):
+            val = getattr(self, key, default)
             if val is not default and val != default:
                 out[key] = val
         return out
@@ -547,6 +555,8 @@ class MultiheadAttention(nn.Module):
 
     def _attend(self, plan: _Plan, step: _Step, q, k, v, cache) -> Tuple[Tensor, Optional[Tensor]]:
         """Runs the planned path: ``(out (B, H, Lq, D), weights (B, H, Lq, Lk) or None)``."""
+        if getattr(self, "context_parallel", None) is not None:
+            return self.context_parallel.module_attention(self, plan, step, q, k, v, cache), None
         if plan.op == "linear_attention":
             q, k, v, phi, state = self._linear_inputs(step, q, k, v, cache)
             res = linear_attention(q, k, v, causal=step.causal, feature_map=phi, initial_state=state,

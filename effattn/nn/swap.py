@@ -42,7 +42,7 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
             e.g. ``select=lambda name, m: name.endswith("self_attn")`` to leave cross-attention as is.
         verbose: print one line ``name: old -> new`` per swapped module.
         return_changes: return ``(model, changes)`` instead of ``model``.
-        **variant: ``window``, ``layout``, ``linear``, ``backend`` (see
+        **variant: ``window``, ``layout``, ``linear``, ``backend``, ``context_parallel`` (see
             :class:`effattn.nn.MultiheadAttention`). None given: plain softmax attention, and the
             model's outputs are unchanged up to rounding.
 

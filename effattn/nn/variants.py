@@ -1,18 +1,25 @@
 """The variant arguments of `effattn.nn.MultiheadAttention` and `swap_attention` (``window``,
-``layout``, ``linear``, ``backend``) and their checks, shared by both."""
+``layout``, ``linear``, ``backend``, ``context_parallel``) and their checks, shared by both."""
 from __future__ import annotations
 
 from ..backends import base as backend_registry
+from ..distributed import ContextParallel
 from ..feature_maps import NAMED_FEATURE_MAPS
 from ..layouts import BlockLayout
 from ..visibility import normalize_window
 
-VARIANT_KEYS = ("window", "layout", "linear", "backend")
+VARIANT_KEYS = ("window", "layout", "linear", "backend", "context_parallel")
 
 
 
-def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="auto") -> None:
+def check_variant(fn: str, *, window=None, layout=None, linear=None, backend="auto", context_parallel=None) -> None:
     """Raises a ValueError/TypeError naming ``fn`` for an impossible or malformed variant."""
+    if context_parallel is not None:
+        if not isinstance(context_parallel, ContextParallel):
+            raise TypeError(f"{fn}: context_parallel must be an effattn.distributed.ContextParallel, got "
+                            f"{type(context_parallel).__name__}")
+        if layout is not None:
+            raise ValueError(f"{fn}: a layout cannot be combined with context_parallel")
     if window is not None:
         try:
             normalize_window(window, False)

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...autograd import attention_autograd
-from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
+from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from .. import threads
 
 BLOCK = 64               # query/key block of the blocks path when the call has no layout
@@ -382,6 +382,7 @@ def _run(call):
 
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-blocks", priority=95,
-    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES["attention"] - {"dropout"} - SCORE_FEATURES),
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES,
+                      features=FEATURES["attention"] - {"dropout"} - PACKED_FEATURES - SCORE_FEATURES),
     run=_run, admits=cpu_reasons,
     describe=lambda call: "visible key blocks only, one batched matmul per group of query blocks"))

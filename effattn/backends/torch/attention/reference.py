@@ -115,17 +115,34 @@ def _scores(q, k, c: _Chunk, scale, cdt, G):
     return s.view(B, H, c.i1 - c.i0, kc.shape[2]), qc, kc
 
 
-def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right):
+def _work(q, k, layout_mask, layout_block, window_left, window_right, segments):
+    """(rule, chunk in the rule's coordinates, chunk in the call's coordinates) of every chunk: the
+    call's plan, or with ``segments`` ((q0, q1, k0, k1, q_offset) of packed sequences or a
+    context-parallel chunk, effattn.packed) each segment's plan under its own rule, shifted."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    if segments is None:
+        rule = Rule(Lq, Lk, window_left, window_right, layout_mask, layout_block)
+        rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
+        for c in _plan(rule, rows, q.device):
+            yield rule, c, c
+        return
+    for q0, q1, k0, k1, off in segments:
+        rule = Rule(q1 - q0, k1 - k0, window_left, window_right, q_offset=off)
+        for c in _plan(rule, _chunk_rows(B, H, q1 - q0, k1 - k0, 0, window_left, window_right), q.device):
+            keys = slice(c.keys.start + k0, c.keys.stop + k0)
+            yield rule, c, _Chunk(c.i0 + q0, c.i1 + q0, keys, c.pos + k0)
+
+
+def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right,
+                   segments=None):
     """For each chunk of the call's plan: (chunk, scaled scores with invisible pairs at -inf
     (B, H, rows, keys), the chunk's grouped queries, its keys), in the compute dtype. Forward and
     backward both walk this, so they see the same chunks, keys and masks."""
-    B, H, Lq, _ = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    rule = Rule(Lq, Lk, window_left, window_right, layout_mask, layout_block)
-    rows = _chunk_rows(B, H, Lq, Lk, layout_block if layout_mask is not None else 0, window_left, window_right)
-    for c in _plan(rule, rows, q.device):
+    H, Hkv = q.shape[1], k.shape[1]
+    for rule, local, c in _work(q, k, layout_mask, layout_block, window_left, window_right, segments):
         s, qc, kc = _scores(q, k, c, scale, _compute_dtype(q.dtype), H // Hkv)
-        mask = rule.materialize((c.i0, c.i1), c.pos, key_padding_mask=key_padding_mask)
+        mask = rule.materialize((local.i0, local.i1), local.pos, key_padding_mask=key_padding_mask)
         seen = None
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
@@ -157,14 +174,14 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 
 
 def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                      window_left, window_right) -> Tuple[Tensor, Tensor]:
+                      window_left, window_right, segments=None, out_dtype=None) -> Tuple[Tensor, Tensor]:
     B, H, Lq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     cdt = _compute_dtype(q.dtype)
-    out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+    out = torch.zeros(B, H, Lq, Dv, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
     for c, s, _, _, seen in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
-                                           window_right):
+                                           window_right, segments):
         i0, i1 = c.i0, c.i1
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty rows: exp(-inf - 0) = 0
@@ -175,7 +192,7 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
         if dropout_p > 0:
             p = p * _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
         o = torch.matmul(_grouped(p, Hkv), _values(v, c, seen, cdt))
-        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
+        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(out.dtype)
     return out, lse.to(torch.float32) if cdt == torch.float32 else lse
 
 
@@ -189,13 +206,18 @@ def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
-                       seed, scale, dropout_p, window_left, window_right) -> Tuple[Tensor, Tensor, Tensor]:
+                       seed, scale, dropout_p, window_left, window_right, segments=None,
+                       keep_fp32=False) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one call; with ``keep_fp32`` dk, dv stay in the compute dtype (context-parallel
+    partial gradients, summed over ring steps before the cast)."""
     B, H, Lq, D = q.shape
     Hkv = k.shape[1]
     # Delta_i = sum_j P_ij dP_ij = rowsum(dO * O); a gradient into lse enters as dS += dlse * P.
     cdt, dq, dk, dv, delta, lse, lse_safe = backward_setup(grad_out, grad_lse, q, k, v, out, lse)
+    if keep_fp32:
+        dq = dq.to(cdt)
     for c, s, qc, kc, seen in _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, window_left,
-                                             window_right):
+                                             window_right, segments):
         i0, i1 = c.i0, c.i1
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])           # masked and empty rows give 0
         vc = _values(v, c, seen, cdt)
@@ -209,9 +231,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
         _accumulate(dv, c.keys, torch.matmul(_grouped(pd, Hkv).transpose(-1, -2), _grouped(do, Hkv)))
         ds = p * (dp - delta[:, :, i0:i1, None])
         dsg = _grouped(ds, Hkv)
-        dq[:, :, i0:i1] = (torch.matmul(dsg, kc) * scale).view(B, H, i1 - i0, D).to(q.dtype)
+        dq[:, :, i0:i1] = (torch.matmul(dsg, kc) * scale).view(B, H, i1 - i0, D).to(dq.dtype)
         _accumulate(dk, c.keys, torch.matmul(dsg.transpose(-1, -2), qc) * scale)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return (dq, dk, dv) if keep_fp32 else (dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +274,40 @@ _setup_context, _backward = attention_autograd(ref_attention_bwd, prepare=lambda
 ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _SegmentAttention(torch.autograd.Function):
+    """The chunked reference over a segment work list (``call.segments``: packed sequences, positions,
+    an fp32 output), forward and backward. A key padding mask comes only with positions (one segment
+    starting at key 0), never with cu_seqlens."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kpm, seed, segments, scale, dropout_p, left, right, out_dtype):
+        out, lse = attention_forward(q, k, v, None, 0, kpm, seed, scale, dropout_p, left, right,
+                                     segments=segments, out_dtype=out_dtype)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
+        ctx.static = (segments, scale, dropout_p, left, right)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, kpm, seed = ctx.saved_tensors
+        segments, scale, dropout_p, left, right = ctx.static
+        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, None, 0, kpm, seed,
+                                        scale, dropout_p, left, right, segments=segments)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
 def _run(call):
+    if call.segments is not None:           # packed sequences / positions / an fp32 output: the work list
+        a = call.op_args()
+        return _SegmentAttention.apply(a.q, a.k, a.v, a.key_padding_mask, a.seed, call.segments, a.scale,
+                                       a.dropout_p, a.window_left, a.window_right, call.out_dtype)
     return ref_attention_fwd(**call.op_args()._asdict())
+
+
+def _describe(call):
+    if call.segments is not None:
+        return "segment work list of the chunked reference (packed sequences / positions / an fp32 output)"
+    return None
 
 
 PATH = register(Path(
@@ -263,4 +317,4 @@ PATH = register(Path(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         max_head_dim=256,
         features=FEATURES["attention"] - SCORE_FEATURES),
-    run=_run))
+    run=_run, describe=_describe))

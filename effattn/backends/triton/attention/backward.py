@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..jit import UNSPECIALIZED_BWD_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores, query_tile_range,
-                       slice_tile, tile_index, visible)
+                       slice_tile, tile_index, visible, work_item)
 
 
 @triton.jit
@@ -141,6 +141,7 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
 
 @triton.jit
 def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
+                  ITEMS, rows_out,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                   sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                   H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
@@ -150,7 +151,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                   HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                   DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                   DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
+                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr):
     """dK, dV of one key tile of one (b, kv head) over its share of the group's G query heads and
     their visible query tiles, accumulated in registers (no atomics: deterministic). The
     ``n_slices = B * Hkv * n_split`` slices are (b, kv head, split): with ``n_split > 1`` the G
@@ -165,12 +166,16 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     g_run = tl.cdiv(G, n_split)
     g0 = split * g_run
     g1 = tl.minimum(g0 + g_run, G)
+    q_row0, k_row0 = pid_n * 0, pid_n * 0
+    if VARLEN:                   # (segment, key tile) work list, as the forward's (forward.py)
+        q_row0, k_row0, Lq, Lk, pid_n = work_item(ITEMS, pid_n)
+        off = Lk - Lq
     n0 = pid_n * BLOCK_N
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = n0 + rel_n
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
-    n0_64 = n0.to(tl.int64)
+    n0_64 = (k_row0 + n0).to(tl.int64)
     k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
               + offs_d[None, :] * skd)
     v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
@@ -193,10 +198,10 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     for g in range(g0, g1):
         h = hk * G + g
         bh = b * H + h
-        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
-        lse_base = LSE + bh.to(tl.int64) * Lq
-        delta_base = DELTA + bh.to(tl.int64) * Lq
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqm
+        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + q_row0.to(tl.int64) * sdom
+        lse_base = LSE + bh.to(tl.int64) * rows_out + q_row0
+        delta_base = DELTA + bh.to(tl.int64) * rows_out + q_row0
         lay_ptr = LAY + h.to(tl.int64) * lay_h
         if HAS_LAYOUT:
             row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
@@ -234,7 +239,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
 
 
 @triton.jit
-def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS,
+def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS, ITEMS, rows_out,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                 sdqb, sdqh, sdqm, sdqd, skpb, skpn,
                 H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
@@ -245,7 +250,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
                 HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                 DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                 DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr):
+                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr):
     """dQ of one query tile of one (b, h) over its visible key tiles, like the forward; its
     ``n_slices = B * H`` slices are ordered as the forward's."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
@@ -253,18 +258,26 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
     b = bh // H
     h = bh % H
     hk = h // G
+    q_row0, k_row0 = pid_m * 0, pid_m * 0
+    if VARLEN:                   # (segment, query tile) work list, as the forward's
+        q_row0, k_row0, Lq, Lk, pid_m = work_item(ITEMS, pid_m)
+        off = Lk - Lq
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
-    m0_64 = m0.to(tl.int64)
+    m0_64 = (q_row0 + m0).to(tl.int64)
     q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
                   + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
     do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
                    + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
-    lse, delta = _row_stats(LSE + bh.to(tl.int64) * Lq, DELTA + bh.to(tl.int64) * Lq, offs_m, Lq)
+    lse, delta = _row_stats(LSE + bh.to(tl.int64) * rows_out + q_row0, DELTA + bh.to(tl.int64) * rows_out + q_row0,
+                            offs_m, Lq)
     k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    if VARLEN:
+        k_base += k_row0.to(tl.int64) * skn
+        v_base += k_row0.to(tl.int64) * svn
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -295,18 +308,18 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
 
 
 @triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_BWD_ARGS)
-def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS,
+def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                sdqb, sdqh, sdqm, sdqd, sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                lists1_head_stride, lists1_row_stride, full_slots1, lists2_head_stride, lists2_row_stride,
-               full_slots2, scale, qk_scale, seed, drop_thresh, inv_keep, n_split, group1, group2,
+               full_slots2, scale, qk_scale, seed, drop_thresh, inv_keep, n_split, group1, group2, rows_out,
                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK1: tl.constexpr, LAYOUT_MASK2: tl.constexpr,
                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr,
                PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr, VARLEN: tl.constexpr = False):
     """The whole backward but Delta in one launch (as FlexAttention's): a 1-D grid whose first
     ``cdiv(Lk, BLOCK_N1) * B * Hkv * n_split`` programs each compute dK, dV of one key tile
     (`_dkdv_program`, tiles BLOCK_M1 x BLOCK_N1, tile lists LISTS1 by key) and whose remaining
@@ -314,25 +327,28 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
     BLOCK_M2 x BLOCK_N2, LISTS2 by query). The two kinds share no output, so no program waits for
     another and none uses atomics. The heavier dK/dV programs (a loop over a group's query heads)
     come first, each kind heaviest first within itself (ORDER1 / ORDER2). COUNTS (COUNT only): the
-    tiles each program visited, dK/dV programs' first."""
+    tiles each program visited, dK/dV programs' first. ``VARLEN``: ``Lk`` / ``Lq`` count the key /
+    query work lists ITEMS1 / ITEMS2 (in tiles of BLOCK_N1 / BLOCK_M2), as in the forward."""
     pid = tl.program_id(0)
     n_slices1 = B * Hkv * n_split
     n_kv = tl.cdiv(Lk, BLOCK_N1) * n_slices1
     if pid < n_kv:
         _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS1, COUNTS,
+                      ITEMS1, rows_out,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                       sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                       H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                       lists1_head_stride, lists1_row_stride, full_slots1, scale, qk_scale, seed, drop_thresh,
                       inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                       LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                      FOLD_SCALE, ORDER1)
+                      FOLD_SCALE, ORDER1, VARLEN)
     else:
         _dq_program(pid - n_kv, B * H, group2, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS2, COUNTS + n_kv,
+                    ITEMS2, rows_out,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                     sdqb, sdqh, sdqm, sdqd, skpb, skpn,
                     H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                     lists2_head_stride, lists2_row_stride, full_slots2, scale, qk_scale, seed, drop_thresh,
                     inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                     LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                    FOLD_SCALE, ORDER2)
+                    FOLD_SCALE, ORDER2, VARLEN)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..jit import UNSPECIALIZED_ARGS, cast, dot, i64, load_tile
 from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores,
-                       program_tile, tile_index)
+                       program_tile, tile_index, work_item)
 
 
 @triton.jit
@@ -69,35 +69,48 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
 
 
 @triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
+def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                lists_head_stride, lists_row_stride, full_slots,
-               qk_scale, seed, drop_thresh, out_scale, heads_per_group,
+               qk_scale, seed, drop_thresh, out_scale, heads_per_group, rows_out,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, KV_TMA: tl.constexpr = False,
-               WARP_SPEC: tl.constexpr = False):
+               WARP_SPEC: tl.constexpr = False, VARLEN: tl.constexpr = False):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
     1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
-    are limited to 65535, B * H is not)."""
+    are limited to 65535, B * H is not). ``rows_out``: the rows of O and LSE per (b, h).
+
+    ``VARLEN`` (packed sequences, B = 1): the launcher passes ``Lq = n_items * BLOCK_M`` and ITEMS, an
+    int32 (n_items, 5) work list of (first query, end query, first key, end key, query tile) of a
+    segment, longest segments first; a program reads its item and then works in the segment's own
+    coordinates (its lengths, bottom-right offset and rows), so no program is empty."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
     pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H
     h = bh % H
     hk = h // G                                               # GQA: the kv head of this q head
+    q_row0 = pid_m * 0                                        # the segment's first query / key row
+    k_row0 = pid_m * 0
+    if VARLEN:
+        q_row0, k_row0, Lq, Lk, pid_m = work_item(ITEMS, pid_m)
+        off = Lk - Lq
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
-    q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm + rel_m[:, None] * sqm
-              + offs_d[None, :] * sqd)
+    q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (q_row0 + m0).to(tl.int64) * sqm
+              + rel_m[:, None] * sqm + offs_d[None, :] * sqd)
     q = load_tile(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
     k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    if VARLEN:
+        k_base += k_row0.to(tl.int64) * skn
+        v_base += k_row0.to(tl.int64) * svn
     if KV_TMA:      # one (Lk, D) view per (b, kv head): its bounds zero-fill the last tile's rows
         k_desc = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[skn, 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_base, shape=[Lk, Dv], strides=[svn, 1],
@@ -134,8 +147,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS,
     out = acc * (out_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     row_ok = offs_m < Lq
-    o_ptrs = O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :]
+    o_ptrs = O + (bh.to(tl.int64) * rows_out + q_row0 + offs_m[:, None]) * Dv + offs_dv[None, :]
     tl.store(o_ptrs, cast(out, O.dtype.element_ty, INTERP_BF16), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * rows_out + q_row0 + offs_m, lse, mask=row_ok)
     if COUNT:
         tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)

@@ -93,17 +93,19 @@ def _wide(*tensors) -> bool:
     return any(t is not None and _span(t.shape, t.stride(), range(2, t.dim())) > _I32_MAX for t in tensors)
 
 
-def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False) -> "LaunchPlan":
+def plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False,
+             q_offset=None) -> "LaunchPlan":
     """The cached `LaunchPlan` of a call: a repeated kind of call (same shapes, strides, dtype,
     layout, flags) reuses it, so its host work is a dictionary lookup."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, layout_block,
-           None if kpm is None else (kpm.shape, kpm.stride()), scale, dropout_p, left, right, tf32)
+           None if kpm is None else (kpm.shape, kpm.stride()), scale, dropout_p, left, right, tf32, q_offset)
     cache = layout_plan(layout_mask).backend_cache if layout_mask is not None else _PLANS
     p = cache.get(key)
     if p is None:
         if len(cache) >= _MAX_PLANS:
             cache.clear()
-        p = cache[key] = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
+        p = cache[key] = LaunchPlan(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32,
+                                    q_offset)
     return p
 
 
@@ -111,14 +113,16 @@ class LaunchPlan:
     """Sizes, flags and kernel arguments of a kind of call (no tensors of the call: those are
     passed at each launch). Cheap to build (no device work) and cached by `plan_for`."""
 
-    def __init__(self, q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False):
+    def __init__(self, q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32=False,
+                 q_offset=None):
         self.B, self.H, self.Lq, self.D = q.shape
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.H // self.Hkv
-        self.off = self.Lk - self.Lq
+        # query i sits at key position i + off: bottom-right, or the call's positions (q_start - k_start)
+        self.off = self.Lk - self.Lq if q_offset is None else q_offset
         # a window wider than the sequences is no window (the op may be called with any window):
         # -1 keeps the kernels' int32 bound arithmetic (pos + right + 1, ...) from overflowing
-        self.left, self.right = clamp_window(left, right, self.Lq, self.Lk)
+        self.left, self.right = clamp_window(left, right, self.Lq, self.Lk, q_offset)
         self.block_d = max(16, _next_pow2(self.D))
         self.block_dv = max(16, _next_pow2(self.Dv))
         self.scale = scale
@@ -205,7 +209,7 @@ class LaunchPlan:
             pre = (*q.stride(), *k.stride(), *v.stride(), *self.kpm_strides, self.H, self.G, self.Lq, self.Lk,
                    self.D, self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb,
                    max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.qk_scale)
-            post = (self.drop_thresh, self.inv_keep, group)
+            post = (self.drop_thresh, self.inv_keep, group, self.Lq)
             grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
             trials = {}
             if len(cfg) > 4:        # trial switches of the forward (forward.py): "tma", "ws"
@@ -234,7 +238,7 @@ class LaunchPlan:
                    *split_strides[1], *self.kpm_strides, self.B, self.H, self.Hkv, self.G, self.Lq, self.Lk, self.D,
                    self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb, max(self.layout_block, 1),
                    hs1, rs1, fs1, hs2, rs2, fs2, self.scale, self.qk_scale)
-            post = (self.drop_thresh, self.inv_keep, n_split, group1, group2)
+            post = (self.drop_thresh, self.inv_keep, n_split, group1, group2, self.Lq)
             n_kv = cdiv(self.Lk, n1) * self.B * self.Hkv * n_split
             n = n_kv + cdiv(self.Lq, m2) * self.B * self.H
             meta = self.flags((m1, n1, warps, stages), idx64)
@@ -263,12 +267,13 @@ def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
 # Launchers
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
-        config=None, counts=False):
+        q_offset=None, out_fp32=False, config=None, counts=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
     (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
-    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
-    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf.
+    ``q_offset``: query i at key position ``i + q_offset`` (``positions``); ``out_fp32``: out in float32."""
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     seed_key = philox_key(seed) if dropout_p > 0 else 0
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
@@ -280,7 +285,7 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
         grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, counts)
         cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
         fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
-                         *pre, seed_key, *post, **meta)
+                         q, *pre, seed_key, *post, **meta)
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
@@ -292,16 +297,53 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     return (out, lse, visits[0]) if counts else (out, lse)
 
 
+# index of Lq in `LaunchPlan.fwd_args`' arguments before the seed: after the q, k, v, padding strides, H and G
+_PRE_LQ = 14 + 2
+
+
+def fwd_varlen(q, k, v, segments, scale, left, right, tf32=False, config=None):
+    """Packed sequences (`effattn.packed`), forward only: out (1, H, Tq, Dv) and lse (1, H, Tq) fp32 for
+    the segment work list ``segments`` ((q0, q1, k0, k1, offset), longest first). One program per
+    (segment, query tile) and head, the tiles of a segment heaviest first; rows outside every segment
+    (none: the segments tile Tq) and segments without keys give out = 0, lse = -inf."""
+    p = plan_for(q, k, v, None, 0, None, scale, 0.0, left, right, tf32)
+    out = torch.zeros((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((p.B, p.H, p.Lq), float("-inf"), dtype=torch.float32, device=q.device)
+
+    def launch(cfg):
+        grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, False)
+        items = _work_items(segments, cfg[0], False, p.right >= 0)     # causal: the last tile is heaviest
+        if not items:
+            return
+        table = torch.tensor(items, dtype=torch.int32).to(q.device)
+        pre = pre[:_PRE_LQ] + (len(items) * cfg[0],) + pre[_PRE_LQ + 1:]
+        fwd_kernel[(len(items) * p.B * p.H,)](q, k, v, out, lse, q, q, q, q, table, *pre, 0, *post,
+                                              **dict(meta, ORDER=0, VARLEN=True))
+
+    if p.Lq > 0 and p.B * p.H > 0 and segments:
+        with _on_device(q.device):
+            if config is not None:
+                launch(config)
+            else:
+                _launch_tuned("fwd", p, launch, q.device)
+    return out, lse
+
+
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-        tf32=False, config=None, counts=False, n_split=None):
+        tf32=False, q_offset=None, out_fp32=False, config=None, counts=False, n_split=None, segments=None):
     """dq, dk, dv (same shapes and dtypes as q, k, v): the Delta pre-pass, then one launch of
     `bwd_kernel` (dK/dV and dQ programs), then, if the group's query heads were split (GQA with
     few key tiles per SM; ``n_split`` forces a split count, None: `gqa_splits`), the partial dK, dV
     added in a fixed order. With ``counts``, also the int32 (B*Hkv, n_key_tiles) numbers of query
     tiles each key tile visited (all G heads) and the (B*H, n_query_tiles) numbers of key tiles
-    each query tile visited. `tf32` must be the forward's (the op's autograd passes it on)."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    each query tile visited. `tf32` must be the forward's (the op's autograd passes it on).
+    ``segments``: packed sequences (`fwd_varlen`'s work list): dK/dV programs per (segment, key tile)
+    and dQ programs per (segment, query tile); rows of no segment get zero gradients."""
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
+    alloc = torch.empty_like if segments is None else torch.zeros_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    if out_fp32:                                        # an fp32 output's gradient: the kernels' dtype
+        dout = dout.to(q.dtype)
     visits = [None, None]
     if p.Lq == 0 or p.Lk == 0 or p.B * p.H == 0:       # no grid of size 0: nothing is launched
         for t in (dq, dk, dv):
@@ -317,14 +359,19 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         n_kv_tiles = cdiv(p.Lk, cfg[1]) * p.B * p.Hkv
         splits = n_split if n_split is not None else gqa_splits(n_kv_tiles, p.G, sm_count(q.device))
         if splits > 1:
-            dk_out = torch.empty((splits, *dk.shape), dtype=torch.float32, device=q.device)
-            dv_out = torch.empty((splits, *dv.shape), dtype=torch.float32, device=q.device)
+            new = torch.empty if segments is None else torch.zeros
+            dk_out = new((splits, *dk.shape), dtype=torch.float32, device=q.device)
+            dv_out = new((splits, *dv.shape), dtype=torch.float32, device=q.device)
         else:
             dk_out, dv_out = dk, dv
         grid, n_kv, lists, pre, post, meta = p.bwd_args(cfg, q, k, v, dout, dq, dk_out, dv_out, dlse, counts, splits)
+        items = (q, q)
+        if segments is not None:
+            grid, n_kv, items, pre, meta = _varlen_bwd_launch(p, cfg, segments, splits, pre, meta, q.device)
         cnt = torch.zeros(grid[0], dtype=torch.int32, device=q.device) if counts else None
-        bwd_kernel[grid](q, k, v, dout, lse, delta, dq, dk_out, dv_out, kpm_u8, lay, _or_dummy(lists[0], q),
-                         _or_dummy(lists[1], q), _or_dummy(cnt, q), *pre, seed_key, *post, **meta)
+        if grid[0] > 0:
+            bwd_kernel[grid](q, k, v, dout, lse, delta, dq, dk_out, dv_out, kpm_u8, lay, _or_dummy(lists[0], q),
+                             _or_dummy(lists[1], q), _or_dummy(cnt, q), *items, *pre, seed_key, *post, **meta)
         if splits > 1:                                 # fixed order: bitwise the same every run
             for part, grad in ((dk_out, dk), (dv_out, dv)):
                 acc = part[0]
@@ -347,6 +394,34 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         else:
             _launch_tuned("bwd", p, launch, q.device)
     return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
+
+
+# indices of B and Lq in `LaunchPlan.bwd_args`' arguments before the seed (after the strides of q, k, v,
+# dout, dq, the split dk / dv and the padding mask)
+_BWD_PRE_B = 5 * 4 + 2 * 5 + 2
+_BWD_PRE_LQ = _BWD_PRE_B + 4
+
+
+def _work_items(segments, block: int, by_key: bool, descending: bool):
+    """The (q0, q1, k0, k1, tile) work list of packed `segments` (longest first) in tiles of `block`
+    queries (or keys, ``by_key``), each segment's tiles heaviest first."""
+    items = []
+    for q0, q1, k0, k1, _ in segments:
+        n = cdiv((k1 - k0) if by_key else (q1 - q0), block)
+        items.extend((q0, q1, k0, k1, t) for t in (range(n - 1, -1, -1) if descending else range(n)))
+    return items
+
+
+def _varlen_bwd_launch(p, cfg, segments, splits, pre, meta, device):
+    """(grid, n_kv, (ITEMS1, ITEMS2), pre, meta) of a packed backward: the key tiles' and the query
+    tiles' work lists, Lk / Lq replaced by their lengths in tiles (see `bwd_kernel`)."""
+    m1, n1, m2, n2 = cfg[:4]
+    kv = _work_items(segments, n1, True, False)            # causal key tiles: work shrinks with the tile
+    qi = _work_items(segments, m2, False, p.right >= 0)    # causal query tiles: work grows with the tile
+    tables = tuple(torch.tensor(t or [(0, 0, 0, 0, 0)], dtype=torch.int32).to(device) for t in (kv, qi))
+    pre = pre[:_BWD_PRE_LQ] + (len(qi) * m2, len(kv) * n1) + pre[_BWD_PRE_LQ + 2:]
+    n_kv = len(kv) * p.B * p.Hkv * splits
+    return (n_kv + len(qi) * p.B * p.H,), n_kv, tables, pre, dict(meta, ORDER1=0, ORDER2=0, VARLEN=True)
 
 
 def kv_tma_check(k, v) -> None:

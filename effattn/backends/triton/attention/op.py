@@ -10,7 +10,6 @@ launchers with the same autograd formula (`_Eager`), so results are bitwise thos
 transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
 
-import dataclasses
 
 from typing import Optional, Tuple
 
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from .... import score
 from ...autograd import attention_autograd
-from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
+from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
 if triton is not None:
@@ -32,24 +31,27 @@ if triton is not None:
     def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
+                             allow_tf32: bool = False, q_offset: Optional[int] = None,
+                             out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
         return launch.fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                          window_left, window_right, allow_tf32)
+                          window_left, window_right, allow_tf32, q_offset, out_fp32)
 
     @triton_attention_fwd.register_fake
     def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left,
-          window_right, allow_tf32=False):
+          window_right, allow_tf32=False, q_offset=None, out_fp32=False):
         B, H, Lq, _ = q.shape
-        return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+                q.new_empty(B, H, Lq, dtype=torch.float32))
 
     @torch.library.custom_op("effattn::triton_attention_bwd", mutates_args=())
     def triton_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                              out: Tensor, lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                             allow_tf32: bool = False, q_offset: Optional[int] = None,
+                             out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
         return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask, seed,
-                    scale, dropout_p, window_left, window_right, allow_tf32)
+                    scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32)
 
     @triton_attention_bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
@@ -120,10 +122,47 @@ def _tf32(call) -> bool:
     return call.q.dtype == torch.float32 and _tf32_enabled()
 
 
+def _varlen_reason(call):
+    """Packed sequences (cu_seqlens) run on the kernels' (segment, tile) work lists, without dropout
+    and fp32 outputs yet."""
+    if call.cu_seqlens is None:
+        return []
+    why = [w for w, bad in (("dropout", call.dropout_p > 0), ("an fp32 output", call.out_dtype is not None)) if bad]
+    return [f"varlen (cu_seqlens) is not served with {' or '.join(why)} by the Triton kernels yet"] if why else []
+
+
+if triton is not None:
+
+    class _Varlen(torch.autograd.Function):
+        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, segments, scale, left, right, tf32):
+            out, lse = launch.fwd_varlen(q, k, v, segments, scale, left, right, tf32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.static = (segments, scale, left, right, tf32)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            q, k, v, out, lse = ctx.saved_tensors
+            segments, scale, left, right, tf32 = ctx.static
+            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, None, scale, 0.0, left,
+                                    right, tf32, segments=segments)
+            return dq, dk, dv, None, None, None, None, None
+
+
 def _run_prefill(call):
-    """(out, lse): out (B, H, Lq, Dv) in the input dtype, lse (B, H, Lq) fp32."""
+    """(out, lse): out (B, H, Lq, Dv) in the input dtype (float32 with ``out_dtype``), lse (B, H, Lq) fp32."""
     a = call.op_args()
-    args = (*a, _tf32(call))                   # the op's parameters, in its schema's order
+    tf32 = _tf32(call)
+    if call.cu_seqlens is not None:             # packed sequences: the (segment, tile) work lists
+        static = (call.segments, a.scale, a.window_left, a.window_right, tf32)
+        if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
+            return _Varlen.apply(a.q, a.k, a.v, *static)
+        return launch.fwd_varlen(a.q, a.k, a.v, *static)
+    # the op's parameters, in its schema's order: positions give the kernels' offset (the rule's)
+    args = (*a, tf32, call.rule.q_offset, call.out_dtype is not None)
     if not _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask):
         return triton_attention_fwd(*args)
     if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
@@ -161,14 +200,19 @@ def _rank(base_rank: int):
     return lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else base_rank
 
 
-_SCORE_CAPS = Capabilities(
-    devices=frozenset({"cuda", "cpu"}),
-    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    max_head_dim=256,
-    features=FEATURES["attention"],
-    min_compute_capability=(8, 0))           # mma on bf16 tensor cores: Ampere or newer
-# the plain kernels take no score terms: the triton/score row's kernels do
-_CAPS = dataclasses.replace(_SCORE_CAPS, features=FEATURES["attention"] - SCORE_FEATURES)
+# what the split-KV decode leaves to the prefill kernels: packed sequences, positions, fp32 outputs
+PREFILL_ONLY = PACKED_FEATURES
+
+
+def _caps(features) -> Capabilities:
+    return Capabilities(
+        devices=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_head_dim=256,
+        features=features,
+        min_compute_capability=(8, 0))           # mma on bf16 tensor cores: Ampere or newer
+
+
 _COMMON = dict(backend="triton", op="attention", available=_available,
                notes=lambda call: [IEEE_FP32_NOTE] if _ieee_fp32(call) else [],
                # the interpreter is correct but far slower than the torch paths: CPU only when named
@@ -186,10 +230,15 @@ def _admits_score(call):
     return score_path.reasons(call)
 
 
-DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode, caps=_CAPS,
+# the plain kernels take no score terms (the triton/score row's kernels do); the split-KV decode leaves
+# packed sequences, positions and fp32 outputs to the prefill kernels; the score kernels take none of those
+DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode,
+                       caps=_caps(FEATURES["attention"] - PREFILL_ONLY - SCORE_FEATURES),
                        admits=lambda call: decode.admits(call), describe=lambda call: decode.describe(call),
                        **_COMMON))
-BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill, caps=_CAPS,
+BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill,
+                                  caps=_caps(FEATURES["attention"] - SCORE_FEATURES), admits=_varlen_reason,
                                   **_COMMON))
-SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score, caps=_SCORE_CAPS,
-                      admits=_admits_score, describe=lambda call: score_path.describe(call), **_COMMON))
+SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score,
+                      caps=_caps(FEATURES["attention"] - PACKED_FEATURES), admits=_admits_score,
+                      describe=lambda call: score_path.describe(call), **_COMMON))

@@ -60,6 +60,16 @@ def dropout_keep(seed, bh, qi, kj, drop_thresh):
 
 
 @triton.jit
+def work_item(ITEMS, i):
+    """Item ``i`` of a packed call's work list (int32 rows of first query, end query, first key, end
+    key, tile): (first query row, first key row, the segment's Lq and Lk, the tile)."""
+    item = ITEMS + i * 5
+    q_row0 = tl.load(item)
+    k_row0 = tl.load(item + 2)
+    return q_row0, k_row0, tl.load(item + 1) - q_row0, tl.load(item + 3) - k_row0, tl.load(item + 4)
+
+
+@triton.jit
 def program_tile(pid, n_tiles, heads_per_group, ORDER: tl.constexpr):
     """`slice_tile` on a grid that holds only this kernel's ``n_tiles`` x ``n_slices`` programs."""
     return slice_tile(pid, n_tiles, tl.num_programs(0) // n_tiles, heads_per_group, ORDER)

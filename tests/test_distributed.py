@@ -1,0 +1,182 @@
+"""Context parallelism (effattn.distributed) on spawned gloo processes on the CPU, against the
+single-process call: ring (contiguous, zigzag), halo exchange, Ulysses, all-gather, linear attention,
+forward and backward, bitwise repeatable; the halo's bytes; errors instead of hangs.
+
+Each test spawns its processes once and runs a list of scenarios in them (process start-up dominates)."""
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import effattn
+import effattn.distributed as ecp
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world, *args):
+    port = _free_port()
+    mp.start_processes(_entry, args=(world, port, fn, args), nprocs=world, start_method="fork", join=True)
+
+
+def _entry(rank, world, port, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(B, H, Hkv, L, D, Dv, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, D, generator=g, dtype=dtype), torch.randn(B, Hkv, L, D, generator=g, dtype=dtype),
+            torch.randn(B, Hkv, L, Dv, generator=g, dtype=dtype))
+
+
+def _run_cp(q, k, v, balance, fn, dout):
+    """Shards q, k, v, runs fn on the shards, returns (out shard, grads of the shards)."""
+    shards = [ecp.shard(t, dim=2, balance=balance).detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*shards)
+    grads = torch.autograd.grad(out, shards, ecp.shard(dout, dim=2, balance=balance))
+    return out, grads
+
+
+def _check_against_single(rank, q, k, v, balance, fn, single, tol, label):
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = single(*ref_in)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout)
+    out, grads = _run_cp(q, k, v, balance, fn, dout)
+    full = ecp.unshard(out.detach(), dim=2, balance=balance)
+    torch.testing.assert_close(full, ref.detach(), rtol=tol, atol=tol, msg=lambda m: f"{label} out, rank {rank}: {m}")
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g, ecp.shard(r, dim=2, balance=balance), rtol=tol, atol=tol,
+                                   msg=lambda m: f"{label} d{name}, rank {rank}: {m}")
+    out2, grads2 = _run_cp(q, k, v, balance, fn, dout)                 # bitwise repeatable
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), label
+
+
+SOFTMAX = [
+    # method, balance, attention kwargs
+    ("ring", "contiguous", dict(causal=True)),
+    ("ring", "zigzag", dict(causal=True)),
+    ("ring", "contiguous", dict()),
+    ("ring", "zigzag", dict(causal=True, window=5)),              # zigzag + window: ring with skipped pairs
+    ("ring", "contiguous", dict(causal=True, window=3)),          # halo exchange
+    ("ring", "contiguous", dict(window=(2, 3))),                  # halo both ways
+    ("ring", "contiguous", dict(causal=True, window=20)),         # a window past one shard: ring, fewer steps
+    ("ulysses", "zigzag", dict(causal=True)),
+    ("ulysses", "contiguous", dict(window=(3, 1))),
+    ("allgather", "zigzag", dict(causal=True, window=6)),
+    ("allgather", "contiguous", dict()),
+]
+
+
+def _softmax_worker(rank, world, cases, L):
+    q, k, v = _inputs(2, 4, 2, L, 8, 6)
+    for method, balance, kw in cases:
+        label = f"{method}/{balance}/{kw}"
+        _check_against_single(
+            rank, q, k, v, balance,
+            lambda a, b, c: ecp.attention(a, b, c, method=method, balance=balance, **kw),
+            lambda a, b, c: effattn.attention(a, b, c, **kw), 2e-5, label)
+
+
+def _extras_worker(rank, world):
+    # linear attention, causal and not, GQA
+    q, k, v = _inputs(1, 4, 2, 16, 4, 3, seed=1)
+    for causal in (True, False):
+        _check_against_single(rank, q, k, v, "contiguous",
+                              lambda a, b, c: ecp.linear_attention(a, b, c, causal=causal),
+                              lambda a, b, c: effattn.linear_attention(a, b, c, causal=causal), 2e-5,
+                              f"linear causal={causal}")
+    # the halo: a causal window of 3 sends 3 keys and 3 values to the next rank, nothing else
+    q, k, v = _inputs(1, 2, 2, 32, 8, 8, seed=2)
+    ks, vs, qs = (ecp.shard(t, dim=2) for t in (k, v, q))
+    ecp.reset_bytes_sent()
+    with torch.no_grad():
+        ecp.attention(qs, ks, vs, causal=True, window=3)
+    want = 2 * (1 * 2 * 3 * 8 * 4) if rank < world - 1 else 0
+    assert ecp.bytes_sent() == want, (rank, ecp.bytes_sent(), want)
+    ecp.reset_bytes_sent()
+    with torch.no_grad():
+        ecp.attention(qs, ks, vs, causal=True)                      # the full ring sends whole shards
+    assert ecp.bytes_sent() == (world - 1) * (ks.numel() + vs.numel()) * 4 or world == 1
+    # ranks disagreeing on the call: a ValueError on every rank, not a hang
+    bad = qs[:, :, :4] if rank == 1 else qs[:, :, :6]
+    with pytest.raises(ValueError, match="ranks disagree on the call"):
+        ecp.attention(bad, bad[:, :2], bad[:, :2], causal=True)
+    with pytest.raises(ValueError, match=r"unshard: the ranks disagree on the call \(size 2: rank 0=6, rank 1=4"):
+        ecp.unshard(bad, dim=2)
+    with pytest.raises(ValueError, match="not divisible by 4"):
+        ecp.shard(torch.zeros(1, 6), dim=1, balance="zigzag")
+    with pytest.raises(ValueError, match="dropout_p"):
+        ecp.attention(qs, ks, vs, dropout_p=0.1)
+
+
+def test_world2_softmax_methods_and_extras():
+    def work(rank, world):
+        _softmax_worker(rank, world, SOFTMAX, 24)
+        _extras_worker(rank, world)
+    _spawn(work, 2)
+
+
+def test_world4_ring_zigzag_halo_ulysses():
+    cases = [SOFTMAX[1], SOFTMAX[4], SOFTMAX[7], SOFTMAX[9], ("ring", "contiguous", dict(causal=True, window=10))]
+
+    def work(rank, world):
+        _softmax_worker(rank, world, cases, 32)
+        # a causal window of 10 over shards of 8 reaches two shards back: 3 of the 4 ring steps,
+        # so K/V are passed on twice
+        q, k, v = (ecp.shard(t, dim=2) for t in _inputs(1, 2, 2, 32, 8, 8, seed=2))
+        ecp.reset_bytes_sent()
+        with torch.no_grad():
+            ecp.attention(q, k, v, causal=True, window=10)
+        assert ecp.bytes_sent() == 2 * (k.numel() + v.numel()) * 4, ecp.bytes_sent()
+        q, k, v = _inputs(1, 4, 2, 16, 4, 3, seed=1)
+        _check_against_single(rank, q, k, v, "contiguous",
+                              lambda a, b, c: ecp.linear_attention(a, b, c, causal=True),
+                              lambda a, b, c: effattn.linear_attention(a, b, c, causal=True), 2e-5, "linear")
+    _spawn(work, 4)
+
+
+def test_not_initialized_is_an_error():
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ecp.attention(*_inputs(1, 2, 2, 4, 4, 4))
+
+
+def _swap_worker(rank, world):
+    """swap_attention(context_parallel=...): a causal encoder layer on zigzag shards equals the model
+    on the whole sequence; parameter gradients summed over the ranks equal the single-process ones."""
+    from torch import nn
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    single = effattn.swap_attention(layer)
+    import copy
+    cp = effattn.swap_attention(copy.deepcopy(layer), context_parallel=ecp.ContextParallel(balance="zigzag"))
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    ref = single(x, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(16))
+    out = cp(ecp.shard(x, balance="zigzag"), is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(8))
+    torch.testing.assert_close(out, ecp.shard(ref, balance="zigzag"), rtol=2e-5, atol=2e-5)
+    g_ref = torch.autograd.grad(ref.square().sum(), list(single.parameters()))
+    g = torch.autograd.grad(out.square().sum(), list(cp.parameters()))
+    for a, b in zip(g, g_ref):
+        dist.all_reduce(a)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert cp.self_attn.last_path == "fused"
+
+
+def test_world2_swap_attention_context_parallel():
+    _spawn(_swap_worker, 2)
