@@ -12,7 +12,7 @@ import torch
 from ...._call import AttnCall
 from ....numerics import compute_dtype
 from ....visibility import Rule, clamp_window
-from ...base import FEATURES, Capabilities, Path, register, select
+from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register, select
 from . import cpu_blocks
 from .cpu_blocks import CPU_DTYPES
 
@@ -50,7 +50,7 @@ def _run(call):
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-segments", priority=97,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES,
-                      features=FEATURES["attention"] - {"dropout", "out_fp32", "positions", "layout",
+                      features=FEATURES["attention"] - SCORE_FEATURES - {"dropout", "out_fp32", "positions", "layout",
                                                         "key_padding_mask"}),
     run=_run, admits=_admits,
     describe=lambda call: "packed segments one by one on the CPU rows (torch's flash kernel, visible blocks)"))
