@@ -155,6 +155,8 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         from .paged import explain_paged
         check_keywords("explain(op='attention')", kwargs, ATTENTION_KEYWORDS)
         return explain_paged(q, k, v, **kwargs)
+    if op in base.CALL_MAKERS:                       # the ops with kernels of their own (lsh, relative)
+        return explain_call(op, base.CALL_MAKERS[op](q, k, v, **kwargs))
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
         check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)
@@ -163,7 +165,13 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     elif op == "linear_attention":
         call = make_linear_call(q, k, v, **kwargs)
     else:
-        raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
+        ops = ", ".join(repr(o) for o in ("attention", "linear_attention", *base.CALL_MAKERS))
+        raise ValueError(f"explain: op must be one of {ops}; got {op!r}")
+    return explain_call(op, call)
+
+
+def explain_call(op: str, call) -> Explanation:
+    """The `Explanation` of a call already built: every row of ``op`` with its reasons."""
     found, chosen = [], None
     for p in base.rows(op, call):
         why = p.reasons(call)
