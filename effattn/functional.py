@@ -141,7 +141,10 @@ class Explanation:
 def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     """Reports, for each registered path (one line each, in the order ``backend="auto"`` tries them),
     whether it can serve ``op(q, k, v, **kwargs)`` and why not, and which one ``"auto"`` takes.
-    ``op`` is ``"attention"`` or ``"linear_attention"``.
+    ``op`` is ``"attention"``, ``"linear_attention"``, ``"lsh_attention"`` (``k`` is ``q`` or None,
+    kwargs as `effattn.lsh_attention`) or ``"relative_attention"`` (``r=`` and the kwargs of
+    `effattn.relative_attention`); a paged call (``block_table=``, ``seqlens=``; ``op`` "attention"
+    or "paged_attention") lists the rows of ``"paged_attention"``, then, when the gather serves it, those of the contiguous call.
 
     Examples::
 
@@ -152,7 +155,7 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
           [ 90] torch/cpu-flash      can serve
           [100] torch/reference      can serve
     """
-    if op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs):
+    if op == PAGED_OP or (op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs)):
         check_keywords("explain(op='attention')", kwargs, ATTENTION_KEYWORDS)
         return explain_paged(q, k, v, **kwargs)
     if op in base.CALL_MAKERS:                       # the ops with kernels of their own (lsh, relative)
@@ -165,7 +168,7 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     elif op == "linear_attention":
         call = make_linear_call(q, k, v, **kwargs)
     else:
-        ops = ", ".join(repr(o) for o in ("attention", "linear_attention", *base.CALL_MAKERS))
+        ops = ", ".join(repr(o) for o in ("attention", "linear_attention", PAGED_OP, *base.CALL_MAKERS))
         raise ValueError(f"explain: op must be one of {ops}; got {op!r}")
     return explain_call(op, call)
 
