@@ -9,8 +9,6 @@ pointer per row, so any page size works. FlashAttention-2's online softmax (Dao 
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import Tensor
 

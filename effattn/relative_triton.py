@@ -18,7 +18,7 @@ window hides.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
