@@ -6,6 +6,7 @@ from typing import Dict, List, NamedTuple, Optional
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
 from .packed import check_linear_packed
+from .paged import GATHER_NOTE, OP as PAGED_OP, contiguous_keys, make_paged_call, paged_attention, paged_row
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
@@ -76,7 +77,6 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     if unknown:
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
     if block_table is not None or seqlens is not None:
-        from .paged import paged_attention
         if (layout is not None or key_padding_mask is not None or dropout_p or cu_seqlens is not None
                 or max_seqlen is not None or positions is not None or out_dtype is not None):
             raise ValueError("attention: a paged call (block_table=, seqlens=) takes causal, window, scale, "
@@ -111,6 +111,7 @@ class Explanation:
     def __init__(self, op: str, rows: List[Row], chosen_path: Optional[str], missing: Dict[str, List[str]],
                  groups: Dict[str, List[str]]):
         self.op, self.rows, self.chosen_path = op, rows, chosen_path
+        self.missing, self.groups = missing, groups
         self.chosen = chosen_path.split("/")[0] if chosen_path else None
         self.reasons: Dict[str, List[str]] = {}
         self.notes: Dict[str, str] = {}
@@ -155,7 +156,10 @@ class Explanation:
 def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     """Reports, for each registered path (one line each, in the order ``backend="auto"`` tries them),
     whether it can serve ``op(q, k, v, **kwargs)`` and why not, and which one ``"auto"`` takes.
-    ``op`` is ``"attention"`` or ``"linear_attention"``.
+    ``op`` is ``"attention"``, ``"linear_attention"``, ``"lsh_attention"`` (``k`` is ``q`` or None,
+    kwargs as `effattn.lsh_attention`) or ``"relative_attention"`` (``r=`` and the kwargs of
+    `effattn.relative_attention`); a paged call (``block_table=``, ``seqlens=``; ``op`` "attention"
+    or "paged_attention") lists the rows of ``"paged_attention"``, then, when the gather serves it, those of the contiguous call.
 
     Examples::
 
@@ -166,10 +170,11 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
           [ 90] torch/cpu-flash      can serve
           [100] torch/reference      can serve
     """
-    if op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs):
-        from .paged import explain_paged
+    if op == PAGED_OP or (op == "attention" and ("block_table" in kwargs or "seqlens" in kwargs)):
         check_keywords("explain(op='attention')", kwargs, ATTENTION_KEYWORDS)
         return explain_paged(q, k, v, **kwargs)
+    if op in base.CALL_MAKERS:                       # the ops with kernels of their own (lsh, relative)
+        return explain_call(op, base.CALL_MAKERS[op](q, k, v, **kwargs))
     kwargs.pop("backend", None)
     if op in ("attention", "linear_attention"):
         check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)
@@ -184,7 +189,13 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
             raise ValueError("linear_attention: max_seqlen is given without cu_seqlens")
         call = make_linear_call(q, k, v, **kwargs)
     else:
-        raise ValueError(f"explain: op must be 'attention' or 'linear_attention', got {op!r}")
+        ops = ", ".join(repr(o) for o in ("attention", "linear_attention", PAGED_OP, *base.CALL_MAKERS))
+        raise ValueError(f"explain: op must be one of {ops}; got {op!r}")
+    return explain_call(op, call)
+
+
+def explain_call(op: str, call) -> Explanation:
+    """The `Explanation` of a call already built: every row of ``op`` with its reasons."""
     found, chosen = [], None
     for p in base.rows(op, call):
         why = p.reasons(call)
@@ -197,3 +208,26 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
     missing = {name: [base.missing_reason(op, name)] for name in base.BACKENDS if name not in base._REGISTRY[op]}
     groups = {b.name: [p.name for p in b.ordered(call)] for b in base.backends_for(op)}
     return Explanation(op, found, chosen, missing, groups)
+
+
+def explain_paged(q, k_pages, v_pages, **kwargs) -> Explanation:
+    """`explain` of a paged call: the rows of op ``"paged_attention"`` (``triton/paged``,
+    ``torch/paged-gather``) with their reasons; when the gather serves it, the rows of the contiguous
+    call it makes follow, each that can serve noting the gather."""
+    call = make_paged_call(q, k_pages, v_pages, **kwargs)
+    report = explain_call(PAGED_OP, call)
+    chosen = paged_row(call) if call.backend != "triton" else None
+    if chosen is None or chosen.backend == "triton":
+        return report
+    k, v, kpm = contiguous_keys(call, shapes_only=True)
+    inner = explain(q, k, v, causal=call.causal, window=call.window, key_padding_mask=kpm, scale=call.scale,
+                    return_lse=call.return_lse)
+    paged = [r._replace(notes=["paged kernel not taken"] + r.notes) if r.backend == "triton" else
+             r._replace(detail=f"then effattn.attention(backend={call.backend!r}) on the copy: "
+                               f"{inner.chosen_path or 'no row can serve'}") if r.path == chosen.name else r
+             for r in report.rows]
+    rows = paged + [r._replace(notes=r.notes + [GATHER_NOTE]) if not r.reasons else r for r in inner.rows]
+    groups = {name: report.groups.get(name, []) + inner.groups.get(name, [])
+              for name in dict.fromkeys([*report.groups, *inner.groups])}
+    out = Explanation("attention (paged)", rows, chosen.name, inner.missing, groups)
+    return out

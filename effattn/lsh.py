@@ -18,14 +18,14 @@ depends on the data (causal and padding on the original positions, the self scor
 elementwise from the gathered positions. Un-sorting is a gather by the inverse permutation, so the
 backward is deterministic.
 
-Two paths (`explain_lsh` says which one runs and why):
+Two registry rows of the op ``"lsh_attention"`` (`explain_lsh` says which one runs and why):
 
-- Triton (``effattn.lsh_triton``): the chunk + neighbours pattern as fused forward and backward
+- ``triton/lsh`` (``effattn.lsh_triton``): the chunk + neighbours pattern as fused forward and backward
   kernels that gather the rows through the permutation in-kernel and mask on the loaded positions;
   O(L) memory, deterministic backward. Taken by ``backend="auto"`` on CUDA (on a CPU only by name,
   in Triton's interpreter); ``chunk_len`` a power of two in 16..128. Dropout from Philox counters
   (positions, slice), seeded from torch's default generator.
-- torch: each round's chunks as one batched product over gathered neighbour chunks,
+- ``torch/lsh``: each round's chunks as one batched product over gathered neighbour chunks,
   ``O(n_hashes * L * n_neighbours * chunk_len)`` memory (linear in ``L``), the scores kept for
   autograd. Serves everything (dropout, float64, any ``chunk_len``).
 
@@ -34,6 +34,7 @@ per-key padding mask, but no per-pair masks on gathered positions, hence the ker
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional, Tuple
 
@@ -42,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._call import compute_dtype
-from ._kernel_choice import choose
+from .backends import base
+from .functional import explain
 
 SELF_SCORE = -1e5        # the score of a token against itself (trax's self-attention penalty)
 FN = "lsh_attention"
@@ -164,12 +166,39 @@ def _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buc
     return n_buckets, float(scale)
 
 
-def _path(qk: Tensor, chunk_len: int, dropout_p: float, backend: str) -> Tuple[str, List[str]]:
-    """("triton" | "torch", why not triton); see `effattn._kernel_choice`."""
-    def reasons():
-        from .lsh_triton import triton_reasons
-        return triton_reasons(qk, chunk_len)
-    return choose(FN, backend, qk.device, reasons, "torch")
+@dataclasses.dataclass(frozen=True)
+class LshCall:
+    """One `lsh_attention` call, checked once; the rows of op ``"lsh_attention"`` read it. ``perm``
+    and ``inv`` (the sort of each round's positions by bucket, and its inverse) are set once the
+    hashing ran (None while `explain_lsh` only asks which row serves)."""
+    q: Tensor                            # qk (B, H, L, D)
+    v: Tensor
+    chunk_len: int
+    offsets: List[int]
+    causal: bool
+    key_padding_mask: Optional[Tensor]
+    scale: float
+    dropout_p: float
+    n_hashes: int
+    n_buckets: int
+    perm: Optional[Tensor] = None        # (B, H, n_hashes, L)
+    inv: Optional[Tensor] = None
+
+    def features(self) -> frozenset:
+        return frozenset(name for name, on in (("causal", self.causal), ("dropout", self.dropout_p > 0),
+                                               ("key_padding_mask", self.key_padding_mask is not None)) if on)
+
+
+def make_lsh_call(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 64, chunks_before: int = 1,
+                  chunks_after: int = 0, n_buckets: Optional[int] = None, causal: bool = False,
+                  key_padding_mask: Optional[Tensor] = None, buckets: Optional[Tensor] = None,
+                  scale: Optional[float] = None, dropout_p: float = 0.0, backend: str = "auto",
+                  generator: Optional[torch.Generator] = None, return_buckets: bool = False) -> LshCall:
+    """Checks `lsh_attention`'s arguments (errors name the argument) and builds its call."""
+    n_buckets, scale = _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buckets, causal,
+                                     key_padding_mask, buckets, scale, dropout_p, backend)
+    offsets = chunk_offsets(qk.shape[2] // chunk_len, chunks_before, chunks_after)
+    return LshCall(qk, v, chunk_len, offsets, causal, key_padding_mask, scale, float(dropout_p), n_hashes, n_buckets)
 
 
 def _neighbours(x: Tensor, offsets: List[int]) -> Tensor:
@@ -260,54 +289,57 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
         >>> out, buckets = effattn.lsh_attention(qk, v, n_hashes=2, chunk_len=64, return_buckets=True)
         >>> again = effattn.lsh_attention(qk, v, n_hashes=2, chunk_len=64, buckets=buckets)
     """
-    n_buckets, scale = _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buckets, causal,
-                                     key_padding_mask, buckets, scale, dropout_p, backend)
-    B, H, L, D = qk.shape
-    Dv = v.shape[-1]
-    R = n_hashes
+    call = make_lsh_call(qk, v, n_hashes=n_hashes, chunk_len=chunk_len, chunks_before=chunks_before,
+                         chunks_after=chunks_after, n_buckets=n_buckets, causal=causal,
+                         key_padding_mask=key_padding_mask, buckets=buckets, scale=scale, dropout_p=dropout_p,
+                         backend=backend)
+    path = base.select(FN, call, backend)
+    L = qk.shape[2]
     if buckets is None:
-        buckets = lsh_hash(qk, R, n_buckets, generator)
-    dt = compute_dtype(qk.dtype)
+        buckets = lsh_hash(qk, n_hashes, call.n_buckets, generator)
     pos = torch.arange(L, device=qk.device)
     # stable sort by (bucket, position): the key is unique, so any sort is stable
     perm = torch.argsort(buckets.to(torch.int64) * L + pos, dim=-1)          # (B, H, R, L)
-    inv = torch.argsort(perm, dim=-1)
-
-    def gathered(x: Tensor) -> Tensor:                                       # (B, H, L, E) -> (B*H*R, L, E)
-        x = x.to(dt).unsqueeze(2).expand(B, H, R, L, x.shape[-1])
-        return x.gather(3, perm.unsqueeze(-1).expand(B, H, R, L, x.shape[-1])).reshape(B * H * R, L, -1)
-
-    offsets = chunk_offsets(L // chunk_len, chunks_before, chunks_after)
-    if _path(qk, chunk_len, dropout_p, backend)[0] == "triton":
-        from .lsh_triton import lsh_rounds
-        out_r, lse_r = lsh_rounds(qk, F.normalize(qk, dim=-1), v, perm, key_padding_mask, offsets, chunk_len,
-                                  causal, scale, float(dropout_p))
-    else:
-        q_s = gathered(qk)
-        k_s = F.normalize(q_s, dim=-1)
-        v_s = gathered(v)
-        pad = None
-        if key_padding_mask is not None:
-            pad = key_padding_mask.view(B, 1, 1, L).expand(B, H, R, L).gather(3, perm).reshape(B * H * R, L)
-        out_s, lse_s = chunk_attention(q_s, k_s, v_s, perm.reshape(B * H * R, L), pad, chunk_len, offsets, causal,
-                                       scale, float(dropout_p))
-        out_r = out_s.view(B, H, R, L, Dv).gather(3, inv.unsqueeze(-1).expand(B, H, R, L, Dv))
-        lse_r = lse_s.view(B, H, R, L).gather(3, inv)
+    out_r, lse_r = path.run(dataclasses.replace(call, perm=perm, inv=torch.argsort(perm, dim=-1)))
     out, _ = merge_rounds(out_r, lse_r, dim=2)
     out = out.to(qk.dtype)
     return (out, buckets) if return_buckets else out
 
 
+def torch_rounds(call: LshCall) -> Tuple[Tensor, Tensor]:
+    """The ``torch/lsh`` row: each round's rows gathered in sorted order, `chunk_attention`, and
+    un-sorted; ``out (B, H, R, L, Dv)``, ``lse (B, H, R, L)``."""
+    qk, v, perm = call.q, call.v, call.perm
+    B, H, R, L = perm.shape
+    Dv = v.shape[-1]
+    dt = compute_dtype(qk.dtype)
+
+    def gathered(x: Tensor) -> Tensor:                                       # (B, H, L, E) -> (B*H*R, L, E)
+        x = x.to(dt).unsqueeze(2).expand(B, H, R, L, x.shape[-1])
+        return x.gather(3, perm.unsqueeze(-1).expand(B, H, R, L, x.shape[-1])).reshape(B * H * R, L, -1)
+
+    q_s = gathered(qk)
+    k_s = F.normalize(q_s, dim=-1)
+    v_s = gathered(v)
+    pad = None
+    if call.key_padding_mask is not None:
+        pad = call.key_padding_mask.view(B, 1, 1, L).expand(B, H, R, L).gather(3, perm).reshape(B * H * R, L)
+    out_s, lse_s = chunk_attention(q_s, k_s, v_s, perm.reshape(B * H * R, L), pad, call.chunk_len, call.offsets,
+                                   call.causal, call.scale, call.dropout_p)
+    out_r = out_s.view(B, H, R, L, Dv).gather(3, call.inv.unsqueeze(-1).expand(B, H, R, L, Dv))
+    return out_r, lse_s.view(B, H, R, L).gather(3, call.inv)
+
+
 def explain_lsh(qk: Tensor, v: Tensor, **kwargs) -> str:
-    """Which path `lsh_attention` takes for these arguments, and why not the Triton kernels."""
-    kwargs.pop("return_buckets", None)
-    chunk_len, dropout_p, backend = kwargs.get("chunk_len", 64), kwargs.get("dropout_p", 0.0), kwargs.get("backend", "auto")
-    _check_inputs(qk, v, kwargs.get("n_hashes", 4), chunk_len, kwargs.get("chunks_before", 1),
-                  kwargs.get("chunks_after", 0), kwargs.get("n_buckets"), kwargs.get("causal", False),
-                  kwargs.get("key_padding_mask"), kwargs.get("buckets"), kwargs.get("scale"), dropout_p, backend)
-    path, why = _path(qk, chunk_len, dropout_p, backend)
-    if path == "triton":
-        return ("effattn.lsh_attention: triton (fused chunk + neighbours kernels, rows gathered through the sort "
-                "permutation, O(L) memory)")
-    return ("effattn.lsh_attention: torch path (per-round chunk attention over gathered neighbour chunks, scores kept "
-            "for autograd, memory linear in L); triton not taken: " + "; ".join(why))
+    """The text of `effattn.explain` for an `lsh_attention` call: its rows (``triton/lsh``,
+    ``torch/lsh``) with their reasons, and the one ``backend="auto"`` takes."""
+    return str(explain(qk, qk, v, op=FN, **kwargs))
+
+
+def _explain_call(qk: Tensor, k, v: Tensor, **kwargs) -> LshCall:
+    if k is not None and k is not qk:
+        raise ValueError(f"explain(op={FN!r}): keys are the queries (pass qk as q and k, or k=None)")
+    return make_lsh_call(qk, v, **kwargs)
+
+
+base.CALL_MAKERS[FN] = _explain_call

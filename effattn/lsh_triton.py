@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .online_softmax import finish, online_step
-from ._kernel_choice import basic_triton_reasons
 from .lsh import SELF_SCORE
 
 
@@ -201,14 +200,6 @@ def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
     rk = n.to(tl.int64) * L + kidx
     tl.store(DK + rk[:, None] * D + offs_d[None, :], dk * scale, mask=offs_d[None, :] < D)
     tl.store(DV + rk[:, None] * Dv + offs_dv[None, :], dv, mask=offs_dv[None, :] < Dv)
-
-
-def triton_reasons(qk: Tensor, chunk_len: int) -> List[str]:
-    """Why the Triton kernels cannot serve an `lsh_attention` call (empty: they can)."""
-    why = basic_triton_reasons(qk)
-    if chunk_len < 16 or chunk_len & (chunk_len - 1) or chunk_len > 128:
-        why.append(f"chunk_len={chunk_len}: the kernels take a power of two in 16..128")
-    return why
 
 
 def _next_pow2(n: int) -> int:

@@ -11,26 +11,31 @@ Queries are aligned bottom-right **per sequence**: query i of a call with ``Lq``
 position ``seqlens[b] - Lq + i``, so ``causal`` / ``window`` mean the same as in one contiguous call
 over sequence b's keys (decode: ``Lq = 1``; chunked prefill: ``Lq > 1``). Forward only.
 
-Paths (``effattn.explain(q, k_pages, v_pages, block_table=..., seqlens=...)`` says which):
+Rows of the op ``"paged_attention"`` (``effattn.explain(q, k_pages, v_pages, block_table=...,
+seqlens=...)`` lists them with their reasons):
 
-- ``triton`` (``effattn.paged_triton``): one kernel for decode and prefill that reads every key row
+- ``triton/paged`` (``effattn.paged_triton``): one kernel for decode and prefill that reads every key row
   from its page in place (any page size). ``backend="auto"`` takes it on CUDA; on a CPU only by
   name (Triton's interpreter).
-- gather: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
+- ``torch/paged-gather``: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
   copy, **right-aligned** per row (row b's keys end at the last slot, the slots before them are
   masked as padding), and handed to :func:`effattn.attention` with the given ``backend``, whose
   bottom-right alignment then places every row's queries exactly. One copy of the keys per call.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ._kernel_choice import choose
+from .backends import base
+from .visibility import normalize_window
 
 FN = "attention (paged)"
+OP = "paged_attention"
 GATHER_NOTE = ("paged KV: the used pages are first gathered into a contiguous right-aligned copy (torch "
                "gather, one copy of the keys per call)")
 
@@ -92,62 +97,78 @@ def right_aligned_padding(seqlens: Tensor, slots: int) -> Tensor:
     return torch.arange(slots, device=seqlens.device)[None, :] < (slots - seqlens.to(torch.int64)[:, None])
 
 
+@dataclass(frozen=True)
+class PagedCall:
+    """One paged call, checked once; the rows of op ``"paged_attention"`` read it. ``backend`` is the
+    name the caller gave: the gather row hands the contiguous copy to `effattn.attention` with it."""
+    q: Tensor
+    k_pages: Tensor
+    v: Tensor                          # v_pages (num_pages, page_size, Hkv, Dv)
+    block_table: Tensor
+    seqlens: Tensor
+    causal: bool
+    window: object
+    left: int                          # the normalized window, -1 = unbounded (causal: right = 0)
+    right: int
+    scale: Optional[float]             # as given (None: 1/sqrt(D))
+    return_lse: bool
+    backend: str
+
+    def features(self) -> frozenset:
+        f = {"causal"} if self.causal else set()
+        if self.left >= 0 or (self.right >= 0 and not self.causal):
+            f.add("window")
+        if self.return_lse:
+            f.add("return_lse")
+        return frozenset(f)
+
+
+def make_paged_call(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table: Tensor, seqlens: Tensor,
+                    causal: bool = False, window=None, scale: Optional[float] = None, return_lse: bool = False,
+                    backend: str = "auto") -> PagedCall:
+    """Checks a paged call's arguments (errors name the argument) and builds its call."""
+    _check_paged(q, k_pages, v_pages, block_table, seqlens)
+    left, right = normalize_window(window, causal)
+    return PagedCall(q, k_pages, v_pages, block_table, seqlens, causal, window, left, right, scale, return_lse,
+                     backend)
+
+
+def paged_row(call: PagedCall) -> "base.Path":
+    """The row serving a paged call: ``"auto"`` the first that admits it; ``"triton"`` the in-place
+    kernel (or an error saying why not); any other backend name the gather row, which then runs
+    that backend's attention on the contiguous copy."""
+    return base.select(OP, call, call.backend if call.backend in ("auto", "triton") else "torch")
+
+
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table: Tensor, seqlens: Tensor,
                     causal: bool = False, window=None, scale: Optional[float] = None, return_lse: bool = False,
                     backend: str = "auto"):
     """Attention of ``q (B, H, Lq, D)`` over paged keys/values (see the module docstring); what
     ``effattn.attention(q, k_pages, v_pages, block_table=, seqlens=)`` runs. Forward only."""
-    from .functional import attention
-    _check_paged(q, k_pages, v_pages, block_table, seqlens)
+    call = make_paged_call(q, k_pages, v_pages, block_table=block_table, seqlens=seqlens, causal=causal,
+                           window=window, scale=scale, return_lse=return_lse, backend=backend)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
         raise ValueError(f"{FN}: paged attention is forward only; call it under torch.no_grad() (q, k_pages "
                          f"or v_pages requires grad)")
-    if paged_path(q, backend)[0] == "triton":
-        import math
-        from .paged_triton import paged_forward
-        from .visibility import normalize_window
-        left, right = normalize_window(window, causal)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, lse = paged_forward(q, k_pages, v_pages, block_table, seqlens, left, right, scale)
-        return (out, lse) if return_lse else out
-    k = gather_pages(k_pages, block_table, seqlens)
-    v = gather_pages(v_pages, block_table, seqlens)
-    kpm = right_aligned_padding(seqlens, k.shape[2])
-    return attention(q, k, v, causal=causal, window=window, key_padding_mask=kpm, scale=scale,
-                     return_lse=return_lse, backend=backend)
+    return paged_row(call).run(call)
 
 
-def paged_path(q: Tensor, backend: str):
-    """("triton" | "gather", why not triton): "auto" takes the in-place Triton kernel on CUDA when it
-    can serve; "triton" must be served by it; other names gather, then run that backend."""
-    def reasons():
-        from .paged_triton import triton_reasons
-        return triton_reasons(q)
-    return choose(FN, backend, q.device, reasons, "gather")
+def kernel_scale(call: PagedCall) -> float:
+    return 1.0 / math.sqrt(call.q.shape[-1]) if call.scale is None else float(call.scale)
 
 
-def explain_paged(q, k_pages, v_pages, *, block_table, seqlens, **kwargs):
-    """`effattn.explain` of a paged call: with the in-place Triton kernel, that; otherwise the
-    explanation of the contiguous call the gather makes, each backend noting the gather."""
-    from .functional import Explanation, Row, explain
-    _check_paged(q, k_pages, v_pages, block_table, seqlens)
-    path, why = paged_path(q, kwargs.pop("backend", "auto"))
-    if path == "triton":
-        row = Row("triton/paged", "triton", 0, [], [], "paged kernel: reads the key/value pages in place")
-        return Explanation("attention (paged)", [row], row.path, {}, {"triton": [row.path]})
-    S = block_table.shape[1] * k_pages.shape[1]
-    B, Hkv = q.shape[0], k_pages.shape[2]
-    k = k_pages.new_zeros(1).expand(B, Hkv, S, k_pages.shape[3])     # shapes only, nothing gathered
-    v = v_pages.new_zeros(1).expand(B, Hkv, S, v_pages.shape[3])
-    report = explain(q, k, v, key_padding_mask=right_aligned_padding(seqlens, S), **kwargs)
-    for name, reasons in report.reasons.items():
-        if not reasons:
-            report.notes[name] = "; ".join(x for x in (GATHER_NOTE, report.notes.get(name)) if x)
-    report.notes["triton"] = "; ".join(x for x in (f"paged kernel not taken: {'; '.join(why)}",
-                                                   report.notes.get("triton")) if x)
-    report.rows = [Row("triton/paged", "triton", 0, [f"paged kernel not taken: {w}" for w in why], [], None)] + [
-        r._replace(notes=r.notes + [GATHER_NOTE]) if not r.reasons else r for r in report.rows]
-    return report
+def contiguous_keys(call: PagedCall, shapes_only: bool = False):
+    """``(k, v, key_padding_mask)`` of the contiguous right-aligned call the gather row makes (with
+    ``shapes_only``: zero-stride tensors of the shapes, for explain; nothing gathered)."""
+    S = call.block_table.shape[1] * call.k_pages.shape[1]
+    if shapes_only:
+        B, Hkv = call.q.shape[0], call.k_pages.shape[2]
+        k = call.k_pages.new_zeros(1).expand(B, Hkv, S, call.k_pages.shape[3])
+        v = call.v.new_zeros(1).expand(B, Hkv, S, call.v.shape[3])
+    else:
+        k = gather_pages(call.k_pages, call.block_table, call.seqlens)
+        v = gather_pages(call.v, call.block_table, call.seqlens)
+    return k, v, right_aligned_padding(call.seqlens, S)
 
 
 class PagedKVCache:

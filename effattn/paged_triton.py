@@ -9,8 +9,6 @@ pointer per row, so any page size works. FlashAttention-2's online softmax (Dao 
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import Tensor
 
@@ -18,7 +16,6 @@ import triton
 import triton.language as tl
 
 from .online_softmax import finish, key_range, online_step
-from ._kernel_choice import basic_triton_reasons
 
 
 @triton.jit
@@ -69,11 +66,6 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
     tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod, out.to(OUT.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
     tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)
-
-
-def triton_reasons(q: Tensor) -> List[str]:
-    """Why the paged kernel cannot serve a call on q (empty: it can)."""
-    return basic_triton_reasons(q)
 
 
 def _pow2(n: int) -> int:

@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._call import compute_dtype
-from ._kernel_choice import choose
+from ._call import compute_dtype, make_attn_call
+from .backends import base
+from .functional import explain
 from .lsh import softmax_lse
 from .visibility import Rule, normalize_window
 
@@ -132,22 +133,55 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
     Returns:
         ``out (B, H, Lq, Dv)``, or ``(out, lse)`` with ``return_lse=True``.
     """
-    from ._call import make_attn_call
-    call = make_attn_call(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, scale=scale,
+    call = make_relative_call(q, k, v, r, query=query, max_distance=max_distance, causal=causal, window=window,
+                              key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
+                              return_lse=return_lse, backend=backend)
+    out, lse = base.select(FN, call, backend).run(call)
+    out = out.to(q.dtype)
+    return (out, lse.to(torch.float32) if lse.dtype == torch.float32 else lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class RelativeCall:
+    """One `relative_attention` call, checked once; the rows of op ``"relative_attention"`` read it.
+    ``attn`` is the `AttnCall` of the shared part (window, scale, key padding), built without dropout."""
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    r: Tensor
+    query: Tensor                      # q when not given
+    max_distance: Optional[int]
+    attn: Any
+    dropout_p: float
+
+    def features(self) -> frozenset:
+        f = self.attn.features() & base.FEATURES[FN]
+        return f | {"dropout"} if self.dropout_p > 0 else f
+
+
+def make_relative_call(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Optional[Tensor] = None,
+                       max_distance: Optional[int] = None, causal: bool = False, window=None,
+                       key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+                       dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto") -> RelativeCall:
+    """Checks `relative_attention`'s arguments (errors name the argument) and builds its call."""
+    attn = make_attn_call(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask, scale=scale,
                           dropout_p=0.0, return_lse=return_lse)            # the shared checks
     check_relative(q, r, query, max_distance, causal, window)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    query = q if query is None else query
-    path = _path(q, dropout_p, backend)[0]
-    if dropout_p > 0:
-        out, lse = _dense(q, k, v, r, query, max_distance, call, float(dropout_p))
-    else:
-        fn = _RelativeTriton if path == "triton" else _Relative
-        out, lse = fn.apply(q, k, v, r, query, max_distance, call.window_left, call.window_right, key_padding_mask,
-                            call.scale)
-    out = out.to(q.dtype)
-    return (out, lse.to(torch.float32) if lse.dtype == torch.float32 else lse) if return_lse else out
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return RelativeCall(q, k, v, r, q if query is None else query, max_distance, attn, float(dropout_p))
+
+
+def torch_relative(call: RelativeCall):
+    """The ``torch/relative`` row: with dropout the dense scores under autograd, otherwise blocks of
+    query rows with a recomputing backward; ``(out, lse)``."""
+    a = call.attn
+    if call.dropout_p > 0:
+        return _dense(call.q, call.k, call.v, call.r, call.query, call.max_distance, a, call.dropout_p)
+    return _Relative.apply(call.q, call.k, call.v, call.r, call.query, call.max_distance, a.window_left,
+                           a.window_right, a.key_padding_mask, a.scale)
 
 
 def _dense(q, k, v, r, query, max_distance, call, dropout_p):
@@ -208,6 +242,18 @@ def _band_sums(dT: Tensor, i0: int, Lq: int, n: int, max_distance: Optional[int]
     return g
 
 
+def stash(ctx, q, k, v, r, query, out, lse, *args):
+    """Keeps what the backward of a relative-keys forward needs; returns ``(out, lse)``."""
+    ctx.save_for_backward(q, k, v, r, query, out, lse)
+    ctx.args = args                                    # max_distance, left, right, key_padding_mask, scale
+    return out, lse
+
+
+def stashed(ctx):
+    """``q, k, v, r, query, out, lse, max_distance, left, right, key_padding_mask, scale`` of `stash`."""
+    return tuple(ctx.saved_tensors) + tuple(ctx.args)
+
+
 class _Relative(torch.autograd.Function):
     """Relative attention a block of query rows at a time: forward keeps ``out`` and ``lse``, backward
     recomputes each block's probabilities (FlashAttention-2, Alg. 2), so the extra memory is one
@@ -241,14 +287,11 @@ class _Relative(torch.autograd.Function):
         for i0, i1, s in _Relative._blocks(qc, kk, rc, queryc, M, left, right, kpm, scale):
             p, lse[:, :, i0:i1] = softmax_lse(s, dim=-1)
             out[:, :, i0:i1] = torch.matmul(p, vv)
-        ctx.save_for_backward(q, k, v, r, query, out, lse)
-        ctx.args = (M, left, right, kpm, scale)
-        return out, lse
+        return stash(ctx, q, k, v, r, query, out, lse, M, left, right, kpm, scale)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, r, query, out, lse = ctx.saved_tensors
-        M, left, right, kpm, scale = ctx.args
+        q, k, v, r, query, out, lse, M, left, right, kpm, scale = stashed(ctx)
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         dt = out.dtype
@@ -279,43 +322,19 @@ class _Relative(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def _path(q: Tensor, dropout_p: float, backend: str):
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-
-    def reasons():
-        from .relative_triton import triton_reasons
-        return triton_reasons(q, dropout_p)
-    return choose(FN, backend, q.device, reasons, "torch")
-
-
-class _RelativeTriton(torch.autograd.Function):
-    """The Triton kernels of `effattn.relative_triton`, forward and backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
-        from .relative_triton import relative_forward
-        out, lse = relative_forward(q, k, v, r, query, M, left, right, kpm, scale)
-        ctx.save_for_backward(q, k, v, r, query, out, lse)
-        ctx.args = (M, left, right, kpm, scale)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from .relative_triton import relative_backward
-        q, k, v, r, query, out, lse = ctx.saved_tensors
-        M, left, right, kpm, scale = ctx.args
-        dout = torch.zeros_like(out) if dout is None else dout
-        grads = relative_backward(dout, dlse, q, k, v, r, query, out, lse, M, left, right, kpm, scale)
-        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, r, query))) + (None,) * 5
-
-
 def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend: str = "auto") -> str:
-    """Which path `relative_attention` takes for queries like ``q`` (all paths when None)."""
+    """The text of `effattn.explain` for a `relative_attention` call with queries like ``q`` (keys and
+    values shaped alike, past distances): its rows with their reasons (all paths when None)."""
     if q is None:
         return "effattn.relative_attention: " + UNFUSED_NOTE
-    path, why = _path(q, dropout_p, backend)
-    if path == "triton":
-        return ("effattn.relative_attention: triton forward and backward (position term per tile, no (Lq, Lk) matrix; "
-                "r's gradient by a distance-band pass, no atomics)")
-    return "effattn.relative_attention: " + UNFUSED_NOTE + "; triton not taken: " + "; ".join(why)
+    r = q.new_zeros(q.shape[1], 1, q.shape[-1])
+    return str(explain(q, q, q, op=FN, r=r, causal=True, dropout_p=dropout_p, backend=backend))
+
+
+def _explain_call(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> RelativeCall:
+    if "r" not in kwargs:
+        raise TypeError(f"explain(op={FN!r}): needs r= (the relative keys)")
+    return make_relative_call(q, k, v, kwargs.pop("r"), **kwargs)
+
+
+base.CALL_MAKERS[FN] = _explain_call

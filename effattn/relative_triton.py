@@ -18,7 +18,7 @@ window hides.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .online_softmax import finish, key_range, online_step
-from ._kernel_choice import basic_triton_reasons
 
 
 @triton.jit
@@ -268,13 +267,6 @@ def _rel_bwd_dr(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, GD,
     n_d = Lq + Lk - 1
     tl.store(GD + (h * n_d + (dd - (1 - Lq))[:, None]) * D + offs_d[None, :], gd,
              mask=(dd[:, None] <= Lk - 1) & (offs_d[None, :] < D))
-
-
-def triton_reasons(q: Tensor, dropout_p: float) -> List[str]:
-    why = basic_triton_reasons(q)
-    if dropout_p > 0:
-        why.append("dropout (served by the dense torch path)")
-    return why
 
 
 def _pow2(n: int) -> int:

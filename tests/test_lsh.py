@@ -262,3 +262,7 @@ def test_auto_takes_torch_on_cpu_and_says_why():
     text = effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16)
     assert "torch path" in text and "when asked for by name" in text
     assert "chunk_len=8" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=8)
+    rep = effattn.explain(qk, qk, v, op="lsh_attention", n_hashes=2, chunk_len=16, dropout_p=0.1)
+    assert [r.path for r in rep.rows] == ["triton/lsh", "torch/lsh"] and rep.chosen_path == "torch/lsh"
+    rep = effattn.explain(qk.double(), None, v.double(), op="lsh_attention", n_hashes=2, chunk_len=16)
+    assert "dtype float64 not served" in "; ".join(rep.row("triton/lsh").reasons)

@@ -111,15 +111,19 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
     if "encoder" in kw:                  # Reformer: torch or its Triton kernels (effattn.explain_lsh); TXL: torch
-        probe = torch.zeros(1, 1, 1, head_dim, device=device)
         if variant == "reformer":
-            import effattn.lsh as lsh
-            path, reasons = lsh._path(probe, kw["encoder"].keywords["chunk_len"], 0.0, "auto")
+            cl = kw["encoder"].keywords["chunk_len"]
+            probe = torch.zeros(1, 1, cl, head_dim, device=device)
+            rep = effattn.explain(probe, probe, probe, op="lsh_attention", chunk_len=cl)
         else:
-            import effattn.relative as relative
-            path, reasons = relative._path(probe, 0.0, "auto")
+            probe = torch.zeros(1, 1, 1, head_dim, device=device)
+            rep = effattn.explain(probe, probe, probe, op="relative_attention", causal=True,
+                                  r=probe.new_zeros(1, 1, head_dim))
+        triton = [r for r in rep.rows if r.backend == "triton"]
+        reasons = rep.reasons.get("triton", []) if not triton else \
+            triton[0].reasons or [n for n in triton[0].notes if "only when asked for by name" in n]
         return {"torch": "", "cuda": "no CUDA C++ kernel for this variant",
-                "triton": "" if path == "triton" else "; ".join(reasons)}
+                "triton": "; ".join(reasons)}
     q = torch.zeros(1, 2, length, head_dim, device=device)
     pad = torch.zeros(1, length, dtype=torch.bool, device=device)
     if "linear" in kw:

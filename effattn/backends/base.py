@@ -33,7 +33,15 @@ FEATURES: Dict[str, FrozenSet[str]] = {
     "linear_attention": frozenset({"causal", "gqa", "state", "no_normalize", "feature_map=elu",
                                    "feature_map=relu", "feature_map=identity", "feature_map=favor",
                                    "feature_map=callable"}),
+    # the ops with kernels of their own beside a torch path (effattn.lsh, effattn.paged, effattn.relative)
+    "lsh_attention": frozenset({"causal", "key_padding_mask", "dropout"}),
+    "paged_attention": frozenset({"causal", "window", "return_lse"}),
+    "relative_attention": frozenset({"causal", "window", "key_padding_mask", "dropout", "gqa", "return_lse"}),
 }
+
+# op -> the function building its call from `effattn.explain`'s ``(q, k, v, **kwargs)``, for the ops
+# whose call lives beside their public function (effattn.lsh, effattn.relative register theirs).
+CALL_MAKERS: Dict[str, Callable] = {}
 
 # The attention features of score terms (effattn.score): a backend that lacks one says so in explain.
 # The features of packed sequences and context-parallel chunks (effattn.packed).
@@ -64,7 +72,7 @@ class Path:
     few query rows against a long key range). ``backend="auto"`` takes the first row in priority
     order whose reasons are empty; ``backend="triton"`` the first such row of that backend."""
     backend: str                             # a name in BACKENDS
-    op: str                                  # "attention" | "linear_attention"
+    op: str                                  # a key of FEATURES: "attention", "linear_attention", ...
     name: str                                # "<backend>/<path>", e.g. "triton/decode"
     # lower is tried first. An int, or a function of the call (None: asked without a call) when the
     # path's speed against the other backends' depends on the shape
@@ -169,7 +177,7 @@ class Backend:
 
 
 # op -> backend name -> its rows
-_REGISTRY: Dict[str, Dict[str, Backend]] = {"attention": {}, "linear_attention": {}}
+_REGISTRY: Dict[str, Dict[str, Backend]] = {op: {} for op in FEATURES}
 
 
 def register(path: Path) -> Path:

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..base import Capabilities, Path, register
+
 try:
     import triton
 except ImportError:  # pragma: no cover - exercised where triton is absent
@@ -66,3 +68,14 @@ def _available(device: torch.device) -> Optional[str]:
             return "CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter), set before triton is imported"
         return _INTERPRETER_PROBLEM
     return None
+
+
+def own_kernel_row(op: str, name: str, run, features, **more):
+    """A row of an op whose Triton kernels live beside its public function (``lsh_attention``, the
+    paged KV cache, ``relative_attention``): CUDA, or a CPU in Triton's interpreter when named,
+    float16/bfloat16/float32, head dim <= 256."""
+    caps = Capabilities(devices=frozenset({"cuda", "cpu"}),
+                        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                        max_head_dim=256, features=frozenset(features))
+    return register(Path(backend="triton", op=op, name=name, priority=10, caps=caps, run=run,
+                         available=_available, explicit_only_devices=frozenset({"cpu"}), **more))
