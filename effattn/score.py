@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import bias as _bias
-from .visibility import Rule
+from .visibility import Rule, seen_keys
 
 # Elements of one (B, H, rows, keys) score block; a handful of those live at once in the backward.
 SCORE_BUDGET = 1 << 22
@@ -143,10 +143,13 @@ def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> 
 
 
 def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms):
-    """For each block of query rows with a visible key: (block, raw scaled scores, tanh of the
-    soft-capped scores or None, final scores with the terms and -inf where invisible, grouped
-    queries, keys). ``block = (d0, i0, i1, k0, k1)``: rows [i0, i1), keys [k0, k1), d0 the distance
-    of (i0, k0). Forward and backward walk the same blocks."""
+    """For each block of query rows with a visible key: (block, distances, tanh of the soft-capped
+    scores or None, final scores with the terms and -inf where invisible, grouped queries, keys,
+    seen). ``block = (d0, i0, i1, k0, k1)``: rows [i0, i1), keys [k0, k1), d0 the distance of (i0, k0).
+    With a mask, ``seen`` (`seen_keys`) marks the keys some row of the block sees; the others' K rows
+    are zeroed before the product (and the callers zero their V rows), so that whatever an ignored
+    key holds (NaN, inf in padding) gives 0 * 0 and a finite tanh, never 0 * NaN; else None. Forward
+    and backward walk the same blocks."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -161,6 +164,11 @@ def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: Sco
             continue
         qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
         kc = k[:, :, k0:k1].to(cdt)
+        mask = rule.materialize((i0, i1), torch.arange(k0, k1, device=q.device), key_padding_mask=kpm)
+        seen = None
+        if mask is not None:
+            seen = seen_keys(mask, Hkv)
+            kc = torch.where(seen, kc, 0.0)
         raw = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale).view(B, H, i1 - i0, k1 - k0)
         block = (i0 + off - k0, i0, i1, k0, k1)
         d = (torch.arange(i0 + off, i1 + off, device=q.device)[:, None]
@@ -172,10 +180,15 @@ def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: Sco
             s = t * score.softcap
         for term in score.terms:
             s.add_(term.values(d, block, cdt))
-        mask = rule.materialize((i0, i1), torch.arange(k0, k1, device=q.device), key_padding_mask=kpm)
         if mask is not None:
             s.masked_fill_(~mask, -math.inf)
-        yield block, d, t, s, qc, kc
+        yield block, d, t, s, qc, kc, seen
+
+
+def _values(v: Tensor, k0: int, k1: int, seen: Optional[Tensor], cdt) -> Tensor:
+    """The block's values in the compute dtype, zero where no row of the block sees the key."""
+    vc = v[:, :, k0:k1].to(cdt)
+    return vc if seen is None else torch.where(seen, vc, 0.0)
 
 
 def _keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
@@ -204,8 +217,8 @@ def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_
     else:
         lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
         sink = None
-    for (_, i0, i1, k0, k1), _, _, s, _, _ in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right,
-                                                       score):
+    for (_, i0, i1, k0, k1), _, _, s, _, _, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left,
+                                                             right, score):
         m = s.amax(-1, keepdim=True)
         if sink is not None:
             m = torch.maximum(m, sink)
@@ -218,7 +231,7 @@ def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
             p = p * _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
-        o = torch.matmul(_grouped(p, Hkv), v[:, :, k0:k1].to(cdt))
+        o = torch.matmul(_grouped(p, Hkv), _values(v, k0, k1, seen, cdt))
         out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
     return out, lse
 
@@ -256,11 +269,11 @@ def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_bl
     for t in score.terms:
         bufs.append([torch.zeros(p.shape, dtype=cdt, device=q.device) if not isinstance(t, _bias.Dense)
                      else torch.zeros(t._full().shape, dtype=cdt, device=q.device) for p in t.params()])
-    for block, d, tanh, s, qc, kc in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
+    for block, d, tanh, s, qc, kc, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
         _, i0, i1, k0, k1 = block
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])
         do = grad_out[:, :, i0:i1].to(cdt)
-        vc = v[:, :, k0:k1].to(cdt)
+        vc = _values(v, k0, k1, seen, cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
             keep = _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)

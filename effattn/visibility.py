@@ -70,6 +70,16 @@ def clamp_window(left: int, right: int, Lq: int, Lk: int, q_offset: Optional[int
             (UNBOUNDED if right >= max(Lk - 1 - off, 0) else right))
 
 
+def seen_keys(mask: Tensor, Hkv: int) -> Tensor:
+    """bool ``(B or 1, Hkv or 1, keys, 1)``: the keys some row of ``mask (B or 1, H or 1, rows, keys)``
+    sees, per kv head. The others' K and V rows are zeroed before the products, so that whatever an
+    ignored key holds (NaN, inf in padding) gives 0 * 0, never 0 * NaN."""
+    seen = mask.any(-2)
+    if seen.shape[1] > 1:
+        seen = seen.reshape(seen.shape[0], Hkv, seen.shape[1] // Hkv, seen.shape[-1]).any(2)
+    return seen[..., None]
+
+
 @dataclass(frozen=True, eq=False)
 class Rule:
     """The visibility rule of one call's shape (see the module docstring).

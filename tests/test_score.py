@@ -267,6 +267,38 @@ def test_dropout_with_terms_matches_recovered_mask(backend):
         torch.testing.assert_close(x.double(), y, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nan_in_unseen_key_with_every_term(backend, poison):
+    """NaN / inf in the K and V rows of keys no query sees (beyond every head's span, padded) leave
+    the output and every gradient (q, k, v, each term's tensor) as with finite values there, with
+    every term on (softcap's tanh, the dense bias's and the table's gradients); those keys' own
+    gradients are 0."""
+    B, H, Lq, Lk, D = 1, 2, 6, 24, 8
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEVICE) for n in (Lq, Lk, Lk))
+    terms, _ = _terms("all", B, H, Lq, Lk, g)                  # span 5.5 + ramp 3: keys 0..9 unseen
+    kpm = torch.zeros(B, Lk, dtype=torch.bool, device=DEVICE)
+    kpm[:, 20] = True
+    bad = torch.zeros(Lk, dtype=torch.bool)
+    bad[[5, 20]] = True
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, bad], vp[:, :, bad] = poison, poison
+    res = []
+    for kk, vv in ((k, v), (kp, vp)):
+        kw, ps, _, _ = _leaves(terms, torch.float32)
+        leaves = [t.detach().requires_grad_() for t in (q, kk, vv)]
+        out = effattn.attention(*leaves, causal=True, key_padding_mask=kpm, backend=backend, **kw)
+        res.append((out,) + torch.autograd.grad(out.square().sum(), leaves + ps))
+    assert len(res[1]) == 1 + 3 + 5
+    for a, b in zip(*res):
+        assert not b.isnan().any()
+        assert torch.equal(a if a.shape[-2:] != (Lk, D) else a[:, :, ~bad], b if b.shape[-2:] != (Lk, D)
+                           else b[:, :, ~bad])
+    for gr in res[1][2:4]:
+        assert bool((gr[:, :, bad] == 0).all())
+
+
 def test_t5_bucket_index_reproduces_transformers():
     t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
     for bidirectional in (True, False):

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ....numerics import chunk_generator_seed, compute_dtype as _compute_dtype
-from ....visibility import Rule
+from ....visibility import Rule, seen_keys
 from ...autograd import attention_autograd
 from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ....score import backward_setup
@@ -149,16 +149,6 @@ def _masked_scores(q, k, layout_mask, layout_block, key_padding_mask, scale, win
             seen = seen_keys(mask, Hkv)
             kc = torch.where(seen, kc, 0.0)
         yield c, s, qc, kc, seen
-
-
-def seen_keys(mask: Tensor, Hkv: int) -> Tensor:
-    """bool ``(B or 1, Hkv or 1, keys, 1)``: the keys some row of ``mask (B or 1, H or 1, rows, keys)``
-    sees, per kv head. The others' K and V rows are zeroed before the products, so that whatever an
-    ignored key holds (NaN, inf in padding) gives 0 * 0, never 0 * NaN."""
-    seen = mask.any(-2)
-    if seen.shape[1] > 1:
-        seen = seen.reshape(seen.shape[0], Hkv, seen.shape[1] // Hkv, seen.shape[-1]).any(2)
-    return seen[..., None]
 
 
 def _values(v: Tensor, c: _Chunk, seen: Optional[Tensor], cdt) -> Tensor:

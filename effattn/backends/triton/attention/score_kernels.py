@@ -38,15 +38,32 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
             SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
             IDX64: tl.constexpr):
-    """(s, tanh, d, ok) of a (BLOCK_M, BLOCK_N) tile in natural units: the scaled scores with the
-    soft-cap and every bias term, -inf where invisible; tanh of the soft-capped scores (for the
-    backward; s itself without softcap); the distances d = pos(i) - j; the visibility."""
+    """(s, tanh, d, ok, kt, seen) of a (BLOCK_M, BLOCK_N) tile in natural units: the scaled scores with
+    the soft-cap and every bias term, -inf where invisible; tanh of the soft-capped scores (for the
+    backward; s itself without softcap); the distances d = pos(i) - j; the visibility; the keys
+    ``kt`` with the columns of keys no row of the tile sees zeroed, and ``seen (BLOCK_N,)`` those
+    keys some row sees. With a mask (window, layout, padding, span) the callers zero the V rows of
+    the unseen keys too, so that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in
+    a product (and a finite tanh), never 0 * NaN."""
+    d = (offs_m[:, None] + off) - offs_n[None, :]
+    ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                 HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
+    if SPAN:
+        zh = tl.load(Z + h).to(tl.float32)
+        ratio = (ramp + zh - d.to(tl.float32)) / ramp
+        ok = ok & (ratio > 0)
+    if HAS_KPM:
+        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        ok = ok & (pad[None, :] == 0)
+    seen = offs_n < Lk                  # without a mask every key in bounds is seen (the others load as 0)
+    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
+        seen = tl.max(ok.to(tl.int32), 0) > 0
+        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
     s = dot(q, kt, DOT_PREC, INTERP_BF16) * scale
     t = s
     if SOFTCAP:
         t = _tanh(s / softcap)
         s = t * softcap
-    d = (offs_m[:, None] + off) - offs_n[None, :]
     if ALIBI:
         slope = tl.load(SL + b * sl_b + h * sl_h).to(tl.float32)
         s = s - slope * tl.abs(d).to(tl.float32)
@@ -56,23 +73,25 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
         else:
             idx = tl.minimum(tl.maximum(d, 0), max_dist)
         s = s + tl.load(TAB + h * tab_h + idx).to(tl.float32)
-    ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                 HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
     if SPAN:
-        zh = tl.load(Z + h).to(tl.float32)
-        ratio = (ramp + zh - d.to(tl.float32)) / ramp
-        ok = ok & (ratio > 0)
         s = s + tl.log(tl.minimum(tl.maximum(ratio, 1e-30), 1.0))
     if DENSE:
         bias = tl.load(BIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + i64(offs_m, IDX64)[:, None] * sbm
                        + i64(offs_n, IDX64)[None, :] * sbn, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
                        other=0.0)
         s = s + bias.to(tl.float32)
-    if HAS_KPM:
-        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
-        ok = ok & (pad[None, :] == 0)
     s = tl.where(ok, s, float("-inf"))
-    return s, t, d, ok
+    return s, t, d, ok, kt, seen
+
+
+@triton.jit
+def _zero_unseen(x, seen, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                 HAS_KPM: tl.constexpr, SPAN: tl.constexpr):
+    """A V tile ``x`` with the keys no row of the tile sees zeroed (with a mask); ``seen`` from
+    `_scores`, shaped to broadcast along the tile's key axis."""
+    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
+        x = tl.where(seen, x, tl.zeros_like(x))
+    return x
 
 
 @triton.jit
@@ -123,10 +142,11 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
         kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
-        s, _t, _d, _ok = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                             kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
-                             sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
-                             REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+        s, _t, _d, _ok, _kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr,
+                                            lay_nkb, lay_bs, kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
+                                            tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT,
+                                            HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
+                                            DOT_PREC, INTERP_BF16, IDX64)
         s = s * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -136,6 +156,7 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
         if DROPOUT:
             p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p * inv_keep, 0.0)
         v = load_tile(v_base + on[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, True, True)
+        v = _zero_unseen(v, seen[:, None], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     if SINKS_ON:        # the sink's exp joins the normalizer: lse = log(sum exp(s) + exp(sink))
@@ -164,12 +185,14 @@ def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, lef
            REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
            INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """The backward's recomputation for a (BLOCK_M, BLOCK_N) tile: (P with dropout applied, dT the
-    gradient of the biased scores, dS the gradient of the scaled scores, d, ok)."""
-    s, t, d, ok = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                          kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+    gradient of the biased scores, dS the gradient of the scaled scores, d, ok, the keys ``kt`` with
+    those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there."""
+    s, t, d, ok, kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb,
+                          lay_bs, kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
                           sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
                           REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
     p = tl.exp2(s * LOG2E - lse[:, None])
+    vt = _zero_unseen(vt, seen[None, :], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     pd = p
     if DROPOUT:
@@ -180,7 +203,7 @@ def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, lef
     ds = dt
     if SOFTCAP:
         ds = dt * (1.0 - t * t)
-    return pd, dt, ds, d, ok
+    return pd, dt, ds, d, ok, kt
 
 
 @triton.jit
@@ -240,8 +263,8 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                 do = load_tile(do_base + om[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv,
                                True, True)
                 lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
-                pd, dt, ds, d, ok = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
-                                           right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
+                pd, dt, ds, d, ok, _kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off,
+                                           left, right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
                                            KPM + b.to(tl.int64) * skpb, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
                                            tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, seed, drop_thresh,
                                            inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
@@ -270,13 +293,13 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
             on = i64(offs_n, IDX64)
             kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
             vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
-            pd, dt, ds, d, ok = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right,
-                                       LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs, KPM + b.to(tl.int64) * skpb,
-                                       skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
-                                       sbb, sbh, sbm, sbn, seed, drop_thresh, inv_keep, HAS_LEFT, HAS_RIGHT,
-                                       HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
-                                       DOT_PREC, INTERP_BF16, IDX64)
-            dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
+            pd, dt, ds, d, ok, kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
+                                       right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
+                                       KPM + b.to(tl.int64) * skpb, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
+                                       tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, seed, drop_thresh,
+                                       inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI,
+                                       REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+            dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
             dt = tl.where(ok, dt, 0.0)
             if ALIBI:
                 part += tl.where(slots == 0, -tl.sum(tl.sum(dt * tl.abs(d).to(tl.float32), 1), 0), 0.0)
