@@ -102,6 +102,12 @@ class Row(NamedTuple):
     detail: Optional[str]     # detail inside the path (splits, which forward kernel), or None
 
 
+def _undeclared(why: List[str]) -> bool:
+    """Whether a row's reasons say it does not declare some feature of the call (so the call is not
+    for that row; `base.Backend.take` prefers the reasons of a row that declares them all)."""
+    return any(w.startswith("does not support ") for w in why)
+
+
 class Explanation:
     """What `explain` found: one `Row` per registered path (in the order "auto" tries them) with
     its reasons, and the pick. Per backend (``reasons``, ``notes``, ``paths``, ``ranks``, keyed by
@@ -121,6 +127,9 @@ class Explanation:
         for r in (by_name[n] for names in groups.values() for n in names):   # each backend's own order
             if r.backend in self.ranks and not self.reasons[r.backend]:
                 continue                                   # the backend already takes an earlier row
+            if (r.backend in self.ranks and r.reasons and _undeclared(r.reasons)
+                    and not _undeclared(self.reasons[r.backend])):
+                continue                                   # keep the reasons of the row the call is for
             self.reasons[r.backend], self.ranks[r.backend] = r.reasons, r.rank
             self.notes.pop(r.backend, None)
             if r.notes:

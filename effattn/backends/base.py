@@ -163,14 +163,19 @@ class Backend:
         return sorted(self.paths, key=lambda p: p.rank(call))
 
     def take(self, call) -> Tuple[Optional[Path], List[str]]:
-        """(the first row that admits `call`, []) or (None, the reasons of the backend's most general
-        row, its last)."""
-        why: List[str] = []
+        """(the first row that admits `call`, []) or (None, the reasons of the last row that declares
+        every feature of the call (the row the call is for: its own admission check says why not), or
+        of the backend's last, most general row when none declares them all)."""
+        refused: List[List[str]] = []
         for p in self.ordered(call):
             why = p.reasons(call)
             if not why:
                 return p, []
-        return None, why
+            refused.append(why)
+        for why in reversed(refused):
+            if not any(w.startswith("does not support ") for w in why):
+                return None, why
+        return None, refused[-1] if refused else []
 
     def reasons(self, call) -> List[str]:
         return self.take(call)[1]
