@@ -71,14 +71,14 @@ def packed_table(B=8, Lmax=1024, H=4, D=64, runs=3, device="cpu", dtype=torch.fl
                                 (qp, kp, vp)),
     }
     if device == "cpu":
-        from effattn.backends.torch import cpu_fused
+        from effattn.backends.torch.attention import cpu_blocks
 
         def work_list():
-            cpu_fused.ENABLED = False
+            cpu_blocks.ENABLED = False          # the CPU rows (torch/cpu-segments included) step aside
             try:
                 return effattn.attention(qp, kp, vp, causal=True, cu_seqlens=cu, max_seqlen=max(lens))
             finally:
-                cpu_fused.ENABLED = True
+                cpu_blocks.ENABLED = True
 
         cases["packed, reference work list (fast paths off)"] = (work_list, (qp, kp, vp))
     for name, (f, inputs) in cases.items():

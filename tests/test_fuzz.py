@@ -190,6 +190,25 @@ def attention_calls(draw, unit):
     if draw(st.booleans()):
         g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
         kw["key_padding_mask"] = torch.rand(B, Lk, generator=g) < draw(st.floats(0.0, 1.0))
+    # issue 23's arguments: packed sequences (B = 1, no padding or layout), positions, fp32 outputs
+    extra = draw(st.sampled_from(["none", "none", "none", "positions", "packed"]))
+    if extra == "positions" and "layout" not in kw:
+        kw["positions"] = (draw(st.integers(0, 2 * Lmax)), draw(st.integers(0, 2 * Lmax)))
+    if extra == "packed":                 # packed as one row, without padding or layout
+        B = 1
+        kw.pop("layout", None)
+        kw.pop("key_padding_mask", None)
+        def offsets(T):
+            cuts = sorted(draw(st.lists(st.integers(0, T), min_size=n - 1, max_size=n - 1)))
+            return torch.tensor([0, *cuts, T], dtype=torch.int32)
+        n = draw(st.integers(1, 3))
+        cu_q = offsets(Lq)
+        kw["cu_seqlens"] = cu_q if Lq == Lk and draw(st.booleans()) else (cu_q, offsets(Lk))
+        if draw(st.booleans()):
+            cq, ck = kw["cu_seqlens"] if isinstance(kw["cu_seqlens"], tuple) else (cu_q, cu_q)
+            kw["max_seqlen"] = (int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()))
+    if draw(st.integers(0, 3)) == 0 and dtype != torch.float64:
+        kw["out_dtype"] = torch.float32
     kind = draw(st.sampled_from(["default", "default", "value", "zero", "negative", "tiny", "huge"]))
     kw["scale"] = {"default": None, "value": draw(st.floats(0.01, 2.0)), "zero": 0.0,
                    "negative": -draw(st.floats(0.01, 2.0)), "tiny": 1e-30, "huge": 1e4}[kind]
@@ -232,7 +251,8 @@ def _unseen_keys(c):
     B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
     kw = c["kw"]
     vis = visibility(Lq, Lk, causal=kw.get("causal", False), window=kw.get("window"), layout=kw.get("layout"),
-                     key_padding_mask=kw.get("key_padding_mask"), B=B, H=H)
+                     key_padding_mask=kw.get("key_padding_mask"), B=B, H=H, positions=kw.get("positions"),
+                     cu_seqlens=kw.get("cu_seqlens"))
     return ~vis.any(2).reshape(B, Hkv, H // Hkv, Lk).any(2)
 
 
@@ -328,7 +348,7 @@ def check_attention(unit, c):
     ctx = contextlib.nullcontext() if c["grad"] else torch.no_grad()
     with ctx:
         out, lse = _call(unit, *leaves, kw, return_lse=True)
-    assert out.dtype == dtype and tuple(out.shape) == (B, H, Lq, Dv) and lse.shape == (B, H, Lq)
+    assert out.dtype == kw.get("out_dtype", dtype) and tuple(out.shape) == (B, H, Lq, Dv) and lse.shape == (B, H, Lq)
     torch.manual_seed(c["seed"])
     with ctx:
         out2, lse2 = _call(unit, *leaves, kw, return_lse=True)
@@ -353,7 +373,7 @@ def check_attention(unit, c):
     assert bool((out[empty] == 0).all()), "a row that sees no key is not exactly 0"
     if c["grad"] and out.numel():
         go = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"] + 1), dtype=torch.float64)
-        grads = torch.autograd.grad(out, leaves, go.to(dtype), allow_unused=True)
+        grads = torch.autograd.grad(out, leaves, go.to(out.dtype), allow_unused=True)
         ref_grads = torch.autograd.grad(ref, ref_leaves, go, allow_unused=True)
         low_grads = torch.autograd.grad(low, low_leaves, go.to(low.dtype), allow_unused=True)
         for name, g_, rg, lg in zip("qkv", grads, ref_grads, low_grads):
@@ -499,7 +519,7 @@ def check_linear(unit, c):
     _rel_judge(out, ref, low, 2, dtype, "out")
     if c["grad"] and out.numel():
         go = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"] + 1), dtype=torch.float64)
-        grads = torch.autograd.grad(out, leaves, go.to(dtype), allow_unused=True)
+        grads = torch.autograd.grad(out, leaves, go.to(out.dtype), allow_unused=True)
         ref_grads = torch.autograd.grad(ref, ref_leaves, go, allow_unused=True)
         low_grads = torch.autograd.grad(low, low_leaves, go.to(low.dtype), allow_unused=True)
         for name, g_, rg, lg in zip("qkv", grads, ref_grads, low_grads):

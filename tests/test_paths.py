@@ -96,12 +96,6 @@ def _admitted(p, seed=0):
 
 
 def _oracle(op, q, k, v, kw):
-    if op == "attention" and kw.get("cu_seqlens") is not None:       # each segment alone
-        rest = {n: x for n, x in kw.items() if n != "cu_seqlens"}
-        offs = kw["cu_seqlens"].tolist()
-        parts = [naive_attention(q[:, :, a:b].double(), k[:, :, a:b].double(), v[:, :, a:b].double(), **rest)
-                 for a, b in zip(offs, offs[1:])]
-        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
     if op == "attention":
         fn = score_attention if any(t in kw for t in ("softcap", "sinks", "bias")) else naive_attention
         return fn(q.double(), k.double(), v.double(), **kw)

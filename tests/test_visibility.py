@@ -71,24 +71,28 @@ def test_window_convention():
 
 
 @pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 9), (9, 1), (7, 7), (5, 12), (12, 5)])
-def test_a_window_wider_than_the_sequence_is_no_window(Lq, Lk):
+@pytest.mark.parametrize("q_offset", [None, 0, 3, -2], ids=lambda o: f"q_offset={o}")
+def test_a_window_wider_than_the_sequence_is_no_window(Lq, Lk, q_offset):
     """clamp_window drops exactly the bounds that remove no pair: the clamped rule sees the same
     pairs as the given one, for every window up to past both lengths, and keeps every bound that
-    removes one."""
-    for left in range(-1, Lk + 2):
-        for right in range(-1, Lq + 2):
-            cl, cr = clamp_window(left, right, Lq, Lk)
-            given, clamped = Rule(Lq, Lk, left, right), Rule(Lq, Lk, cl, cr)
-            m_given, m_clamped = given.materialize(), clamped.materialize()
-            full = torch.ones(1, 1, Lq, Lk, dtype=torch.bool)
-            assert torch.equal(full if m_given is None else m_given, full if m_clamped is None else m_clamped)
+    removes one; with positions (``q_offset``, query i at key i + q_offset) as well."""
+    o = q_offset
+    full = torch.ones(1, 1, Lq, Lk, dtype=torch.bool)
+
+    def mask(left, right=-1):
+        m = Rule(Lq, Lk, left, right, q_offset=o).materialize()
+        return full if m is None else m
+    for left in range(-1, Lk + Lq + 4):
+        for right in range(-1, Lk + Lq + 4):
+            cl, cr = clamp_window(left, right, Lq, Lk, o)
+            assert torch.equal(mask(left, right), mask(cl, cr))
             assert cl in (left, -1) and cr in (right, -1)
             if cl == -1 and left >= 0:
-                assert torch.equal(Rule(Lq, Lk, left).materialize(), full)    # the left bound removed nothing
+                assert torch.equal(mask(left), full)          # the left bound removed nothing
             if cl >= 0 and Lq > 0:
-                assert not torch.equal(Rule(Lq, Lk, cl).materialize(), full)  # a kept bound removes a pair
-            if cr >= 0:
-                assert not torch.equal(Rule(Lq, Lk, -1, cr).materialize(), full)
+                assert not torch.equal(mask(cl), full)        # a kept bound removes a pair
+            if cr >= 0 and Lq > 0:
+                assert not torch.equal(mask(-1, cr), full)
 
 
 def test_kind():

@@ -37,17 +37,40 @@ def visible_rows(Lq, Lk, i0, i1, *, causal=False, window=None, layout=None, key_
     return vis
 
 
-def visibility(Lq, Lk, *, causal=False, window=None, layout=None, key_padding_mask=None, B=1, H=1):
-    """bool (B, H, Lq, Lk) on the CPU: True where query i may see key j (see `visible_rows`)."""
-    vis = visible_rows(Lq, Lk, 0, Lq, causal=causal, window=window, layout=layout,
-                       key_padding_mask=None if key_padding_mask is None else key_padding_mask.cpu())
+def visibility(Lq, Lk, *, causal=False, window=None, layout=None, key_padding_mask=None, B=1, H=1,
+               positions=None, cu_seqlens=None):
+    """bool (B, H, Lq, Lk) on the CPU: True where query i may see key j (see `visible_rows`).
+
+    ``positions=(q_start, k_start)``: query i sits at key position ``i + q_start - k_start`` (the
+    rows of a longer bottom-right call, cut to these keys). ``cu_seqlens`` (a tensor or a
+    ``(cu_q, cu_k)`` pair, B = 1): segment n's queries see its keys only, bottom-right inside it."""
+    kpm = None if key_padding_mask is None else key_padding_mask.cpu()
+    if cu_seqlens is not None:
+        cu_q, cu_k = cu_seqlens if isinstance(cu_seqlens, (tuple, list)) else (cu_seqlens, cu_seqlens)
+        oq, ok = cu_q.tolist(), cu_k.tolist()
+        vis = torch.zeros(1, 1, Lq, Lk, dtype=torch.bool)
+        for a, b, c, d in zip(oq, oq[1:], ok, ok[1:]):
+            vis[..., a:b, c:d] = visibility(b - a, d - c, causal=causal, window=window)
+    elif positions is not None:
+        off = positions[0] - positions[1]
+        if off >= Lk - Lq:                 # a longer key range, cut after the call's keys
+            vis = visible_rows(Lq, Lq + off, 0, Lq, causal=causal, window=window)[..., :Lk]
+        else:                              # the first Lq of Lk - off queries (row i at i + off)
+            vis = visible_rows(Lk - off, Lk, 0, Lq, causal=causal, window=window)
+        if kpm is not None:
+            vis = vis & ~kpm[:, None, None, :]
+    else:
+        vis = visible_rows(Lq, Lk, 0, Lq, causal=causal, window=window, layout=layout, key_padding_mask=kpm)
     return vis.expand(B, H, Lq, Lk).clone()
 
 
 def naive_attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-                    dtype=torch.float64, dropout_keep=None, dropout_p=0.0):
+                    dtype=torch.float64, dropout_keep=None, dropout_p=0.0, positions=None, cu_seqlens=None,
+                    max_seqlen=None, out_dtype=None):
     """Dense attention computed in `dtype` (float64 for the oracle; fp16/bf16 for the 'naive
-    low-precision' error the kernels are judged against). Returns (out, lse) in `dtype`."""
+    low-precision' error the kernels are judged against). Returns (out, lse) in `dtype`.
+    ``positions`` / ``cu_seqlens`` as `effattn.attention` takes them (see `visibility`);
+    ``max_seqlen`` and ``out_dtype`` change no value and are accepted for the same keywords."""
     dev = q.device
     q, k, v = (t.to(dtype) for t in (q, k, v))
     B, H, Lq, D = q.shape
@@ -58,7 +81,7 @@ def naive_attention(q, k, v, *, causal=False, window=None, layout=None, key_padd
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     vis = visibility(Lq, Lk, causal=causal, window=window, layout=layout, key_padding_mask=key_padding_mask,
-                     B=B, H=H).to(dev)
+                     B=B, H=H, positions=positions, cu_seqlens=cu_seqlens).to(dev)
     s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s.to(torch.float64), dim=-1)
     p = torch.softmax(s, dim=-1)
