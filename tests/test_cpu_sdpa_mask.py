@@ -171,3 +171,21 @@ def test_dispatch_at_the_issue_lengths():
     assert ex.chosen_path == ROW, str(ex)
     ex = effattn.explain(x, x, x, causal=True, window=256)
     assert ex.chosen_path == "torch/cpu-blocks" and ex.row(ROW).reasons, str(ex)
+
+
+@pytest.mark.parametrize("row", ["torch/cpu-flash", ROW])
+def test_head_dim_stride_two(row):
+    """torch's kernel reads a head dim with stride != 1 wrongly (errors of order 1, found by the fuzz
+    on this row; torch/cpu-flash had it too): both rows pass it views of stride 1 along the head dim.
+    Output and gradients equal the contiguous call's."""
+    from effattn.backends import base
+    path = next(p for p in base.rows("attention") if p.name == row)
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)[..., ::2].requires_grad_() for _ in range(3)]
+    xc = [t.detach().contiguous().requires_grad_() for t in x]
+    kw = dict(causal=True) if row == "torch/cpu-flash" else dict(causal=True, window=2)
+    a, b = path.run(make_attn_call(*x, **kw))[0], path.run(make_attn_call(*xc, **kw))[0]
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, naive_attention(*xc, **kw)[0], atol=1e-12, rtol=1e-12)
+    for ga, gb in zip(torch.autograd.grad(a.sum(), x), torch.autograd.grad(b.sum(), xc)):
+        assert torch.equal(ga, gb)

@@ -30,7 +30,7 @@ from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
-from .cpu_flash import _FLASH, _FLASH_BWD, FEATURES as _FLASH_FEATURES
+from .cpu_flash import _FLASH, _FLASH_BWD, FEATURES as _FLASH_FEATURES, unit_stride
 
 FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
 
@@ -171,6 +171,7 @@ def cpu_sdpa_mask_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Ten
                       key_padding_mask: Optional[Tensor], scale: float, window_left: int,
                       window_right: int) -> Tuple[Tensor, Tensor]:
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
+    q, k, v = unit_stride(q, k, v)
     out, lse = _FLASH(q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), 0.0, False, attn_mask=m.add,
                       scale=scale)
     if m.empty is not None:                  # the kernel's lse there is 0; effattn's -inf
@@ -197,6 +198,7 @@ def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
     if m.empty is not None:
         lse = lse.masked_fill(torch.isinf(lse), 0.0)     # the kernel's own lse of rows seeing no key
+    grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
     dq, dk, dv = _FLASH_BWD(grad_out, q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), out, lse, 0.0, False,
                             attn_mask=m.add, scale=scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
