@@ -128,35 +128,37 @@ class _Mask(NamedTuple):
     unseen: Optional[Tensor]  # bool (1 or B, 1 or Hkv, Lk, 1): keys no query sees, or None when none
 
 
-_RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, dtype) -> visible (1, 1, Lq, Lk)
-_LAYOUT_MASKS = WeakTensorKeyDictionary()       # layout mask -> {(Lq, Lk, wl, wr, bs): visible}
+_RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, bs, H, Hkv, dtype) -> _Mask
+_LAYOUT_MASKS = WeakTensorKeyDictionary()       # layout mask -> {the same key: _Mask}
 
 
-def _visible(Lq, Lk, wl, wr, layout_mask, layout_block) -> Optional[Tensor]:
-    """The rule's bool mask (1, 1 or Hl, Lq, Lk), True = visible, cached; None: all visible."""
-    key = (Lq, Lk, wl, wr, layout_block)
-    cache = _RULE_MASKS if layout_mask is None else _LAYOUT_MASKS.setdefault(layout_mask, {})
-    if key not in cache:
-        if len(cache) > 16:
-            cache.clear()
-        cache[key] = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
-    return cache[key]
-
-
-def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
-    Lq, Lk, H, Hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
-    vis = _visible(Lq, Lk, wl, wr, layout_mask, layout_block)
-    if kpm is not None:
-        keep = ~kpm[:, None, None, :]
-        vis = keep if vis is None else vis & keep
+def _build(vis: Optional[Tensor], H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
+    """The kernel's mask and the rows / keys to fix, from the bool mask ``vis`` (True = visible)."""
     if vis is None:
         return _Mask(None, None, None)
-    add = torch.zeros(vis.shape, dtype=q.dtype).masked_fill_(~vis, -math.inf)
+    add = torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, -math.inf)
     empty = ~vis.any(-1)
     seen = vis.any(-2)                                               # (1 or B, 1 or H, Lk)
     if seen.shape[1] == H and H != Hkv:                              # a per-head layout, GQA
-        seen = seen.view(seen.shape[0], Hkv, H // Hkv, Lk).any(2)
+        seen = seen.view(seen.shape[0], Hkv, H // Hkv, -1).any(2)
     return _Mask(add, empty if bool(empty.any()) else None, None if bool(seen.all()) else ~seen[..., None])
+
+
+def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
+    """The call's masks: the rule's built once per shape and kept (key padding, per call, added)."""
+    Lq, Lk, H, Hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    key = (Lq, Lk, wl, wr, layout_block, H, Hkv, q.dtype)
+    cache = _RULE_MASKS if layout_mask is None else _LAYOUT_MASKS.setdefault(layout_mask, {})
+    if kpm is None and key in cache:
+        return cache[key]
+    vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
+    if kpm is not None:
+        keep = ~kpm[:, None, None, :]
+        return _build(keep if vis is None else vis & keep, H, Hkv, q.dtype)
+    if len(cache) > 16:
+        cache.clear()
+    cache[key] = _build(vis, H, Hkv, q.dtype)
+    return cache[key]
 
 
 def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
