@@ -162,6 +162,17 @@ def test_poison_in_keys_no_query_sees_per_head_layout_gqa(poison):
         assert not b.isnan().any() and torch.equal(a[~bad], b[~bad]) and bool((b[bad] == 0).all())
 
 
+def test_the_mask_memory_is_bounded(monkeypatch):
+    """Past MASK_BUDGET entries (counting batch entries with key padding) the row refuses, saying so."""
+    x = torch.zeros(4, 2, 100, 8)
+    pad = torch.zeros(4, 100, dtype=torch.bool)
+    monkeypatch.setattr(cpu_masked, "MASK_BUDGET", 4 * 100 * 100 - 1)
+    assert not cpu_masked.PATH.reasons(make_attn_call(x, x, x, causal=True, window=3))
+    why = cpu_masked.PATH.reasons(make_attn_call(x, x, x, key_padding_mask=pad))
+    assert why == [f"the mask would hold 40000 entries > {4 * 100 * 100 - 1} (memory)"]
+    assert effattn.explain(x, x, x, key_padding_mask=pad).chosen_path == "torch/cpu-blocks"
+
+
 def test_dispatch_at_the_issue_lengths():
     """Issue 25's measurement (L = 1024, B=1, H=8, D=64, fp32): the fixed layout (visible 0.34) takes
     the masked kernel, a causal window of 256 (visible 0.22) the blocks path."""

@@ -70,6 +70,10 @@ class Admit(NamedTuple):
 ADMIT = Admit(small_pairs=256 * 256,
               min_fraction={torch.float32: 0.3, torch.float64: 0.3, torch.bfloat16: 0.2, torch.float16: 0.36},
               min_fraction_wide=0.36)
+# The mask is materialized: its entries (batch entries with key padding, heads with a per-head layout,
+# times Lq * Lk) are bounded so that the torch backend's memory stays O(L) in practice: 2**24 entries
+# (64 MiB in float32) is 4096 x 4096 for one mask.
+MASK_BUDGET = 1 << 24
 BLOCKS_BACKWARD = frozenset({torch.float16})   # dtypes whose gradients the blocks path's backward computes
 
 
@@ -95,6 +99,11 @@ def visible_fraction(call) -> float:
 def _rule(call) -> List[str]:
     """[] when the masked kernel is measured faster than the blocks path for this call, else why not."""
     pairs = call.Lq * call.Lk
+    lay = call.layout.mask if call.layout is not None else None
+    entries = pairs * (call.B if call.key_padding_mask is not None else 1) * \
+        (lay.shape[0] if lay is not None else 1)
+    if entries > MASK_BUDGET:
+        return [f"the mask would hold {entries} entries > {MASK_BUDGET} (memory)"]
     if pairs <= ADMIT.small_pairs:
         return []
     frac, fmin = visible_fraction(call), min_fraction(call.q.dtype, call.D)
