@@ -39,12 +39,12 @@ def test_explain_shows_the_rule_on_both_sides(dtype):
     """Short calls: the row at any visible fraction; past ADMIT.small_pairs a narrow window goes to the
     blocks path and a wide one (or light padding) stays, each with the rule's reason in explain."""
     a = cpu_masked.ADMIT
-    fmin = cpu_masked.min_fraction(dtype, 64)
     short = int(math.isqrt(a.small_pairs))                    # Lq * Lk == small_pairs: still admitted
     x = _x(short).to(dtype)
     ex = effattn.explain(x, x, x, causal=True, window=2)
     assert ex.chosen_path == ROW and f"Lq * Lk = {short * short} <= {a.small_pairs}" in ex.paths["torch"], str(ex)
     long = short + 64
+    fmin = cpu_masked.min_fraction(dtype, 64, long * long)
     x = _x(long, D=64).to(dtype)
     narrow = effattn.explain(x, x, x, causal=True, window=8)
     assert narrow.chosen_path == "torch/cpu-blocks", str(narrow)
@@ -68,10 +68,14 @@ def test_the_rule_follows_the_measured_constants(monkeypatch):
     call = make_attn_call(x, x, x, causal=True, window=100)     # visible fraction ~0.28
     frac = cpu_masked.visible_fraction(call)
     assert 0.25 < frac < 0.35
-    for f, refused in ((frac + 0.01, True), (frac - 0.01, False)):
-        monkeypatch.setattr(cpu_masked, "ADMIT", cpu_masked.Admit(300 * 300 - 1, {torch.float32: f}, 0.0))
-        assert bool(cpu_masked.PATH.reasons(call)) == refused
-    monkeypatch.setattr(cpu_masked, "ADMIT", cpu_masked.Admit(300 * 300, {torch.float32: 1.0}, 1.0))
+    for mid in (300 * 300, 300 * 300 - 1):                    # the mid or the long regime
+        for f, refused in ((frac + 0.01, True), (frac - 0.01, False)):
+            other = {torch.float32: 1.0 if refused else 0.0}
+            fs = ({torch.float32: f}, other) if mid == 300 * 300 else (other, {torch.float32: f})
+            monkeypatch.setattr(cpu_masked, "ADMIT", cpu_masked.Admit(300 * 300 - 1, mid, *fs, 0.0))
+            assert bool(cpu_masked.PATH.reasons(call)) == refused
+    monkeypatch.setattr(cpu_masked, "ADMIT", cpu_masked.Admit(300 * 300, 0, {torch.float32: 1.0},
+                                                              {torch.float32: 1.0}, 1.0))
     assert not cpu_masked.PATH.reasons(call)
 
 
@@ -174,14 +178,15 @@ def test_the_mask_memory_is_bounded(monkeypatch):
 
 
 def test_dispatch_at_the_issue_lengths():
-    """Issue 25's measurement (L = 1024, B=1, H=8, D=64, fp32): the fixed layout (visible 0.34) takes
-    the masked kernel, a causal window of 256 (visible 0.22) the blocks path."""
+    """Issue 25's measurement (B=1, H=8, D=64, fp32): at L = 1024 a causal window of 256 (visible
+    0.22) and the fixed layout (0.34) take the masked kernel; at L = 2048 (0.12, 0.20) the blocks path."""
     from benchmarks.registry import variant
-    x = torch.zeros(1, 8, 1024, 64)
-    ex = effattn.explain(x, x, x, causal=True, layout=variant("fixed").layout(1024))
-    assert ex.chosen_path == ROW, str(ex)
-    ex = effattn.explain(x, x, x, causal=True, window=256)
-    assert ex.chosen_path == "torch/cpu-blocks" and ex.row(ROW).reasons, str(ex)
+    for L, row in ((1024, ROW), (2048, "torch/cpu-blocks")):
+        x = torch.zeros(1, 8, L, 64)
+        for kw in (dict(layout=variant("fixed").layout(L)), dict(window=256)):
+            ex = effattn.explain(x, x, x, causal=True, **kw)
+            assert ex.chosen_path == row, str(ex)
+
 
 
 @pytest.mark.parametrize("row", ["torch/cpu-flash", ROW])

@@ -58,29 +58,36 @@ FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
 #     L = 1024: window 256 (0.22) 1.42, fixed layout (0.34) 1.37, causal + padding 1/4 (0.38) 0.67
 #     L = 2048: window 256 (0.12) 2.07
 # Where a point is close the rule leans to the masked kernel: it is what SDPA runs, so choosing it
-# is never slower than SDPA.
+# is never slower than SDPA. Up to 1024 x 1024 pairs the blocks path's fixed costs weigh more, so the
+# fraction needed there is lower (L = 1024, window 256, 0.22: the masked kernel, as fast as the blocks
+# path in float32 and faster in bfloat16; L = 2048, window 512, 0.22: the blocks path, 1.3-1.5x faster).
 
 
 class Admit(NamedTuple):
     small_pairs: int            # Lq * Lk up to which the masked kernel is faster at any visible fraction
-    min_fraction: dict          # dtype -> above small_pairs, the visible fraction from which it is faster
+    mid_pairs: int              # Lq * Lk up to which `min_fraction_mid` applies, `min_fraction` above
+    min_fraction_mid: dict      # dtype -> the visible fraction from which the masked kernel is faster
+    min_fraction: dict
     min_fraction_wide: float    # the same for head dims above 64 (the larger of the two applies)
 
 
-ADMIT = Admit(small_pairs=256 * 256,
-              min_fraction={torch.float32: 0.3, torch.float64: 0.3, torch.bfloat16: 0.2, torch.float16: 0.36},
+ADMIT = Admit(small_pairs=256 * 256, mid_pairs=1024 * 1024,
+              min_fraction_mid={torch.float32: 0.2, torch.bfloat16: 0.2, torch.float64: 0.3, torch.float16: 0.36},
+              min_fraction={torch.float32: 0.3, torch.bfloat16: 0.3, torch.float64: 0.3, torch.float16: 0.36},
               min_fraction_wide=0.36)
+
+
+def min_fraction(dtype: torch.dtype, head_dim: int, pairs: int) -> float:
+    """The visible fraction from which the masked kernel is faster, past ``ADMIT.small_pairs``."""
+    f = (ADMIT.min_fraction_mid if pairs <= ADMIT.mid_pairs else ADMIT.min_fraction)[dtype]
+    return max(f, ADMIT.min_fraction_wide) if head_dim > 64 else f
+
+
 # The mask is materialized: its entries (batch entries with key padding, heads with a per-head layout,
 # times Lq * Lk) are bounded so that the torch backend's memory stays O(L) in practice: 2**24 entries
 # (64 MiB in float32) is 4096 x 4096 for one mask.
 MASK_BUDGET = 1 << 24
 BLOCKS_BACKWARD = frozenset({torch.float16})   # dtypes whose gradients the blocks path's backward computes
-
-
-def min_fraction(dtype: torch.dtype, head_dim: int) -> float:
-    """The visible fraction from which the masked kernel is faster, past ``ADMIT.small_pairs``."""
-    f = ADMIT.min_fraction[dtype]
-    return max(f, ADMIT.min_fraction_wide) if head_dim > 64 else f
 
 
 # Set to False to leave every call to the other CPU paths (tests compare the paths).
@@ -106,7 +113,7 @@ def _rule(call) -> List[str]:
         return [f"the mask would hold {entries} entries > {MASK_BUDGET} (memory)"]
     if pairs <= ADMIT.small_pairs:
         return []
-    frac, fmin = visible_fraction(call), min_fraction(call.q.dtype, call.D)
+    frac, fmin = visible_fraction(call), min_fraction(call.q.dtype, call.D, pairs)
     if frac < fmin:
         return [f"Lq * Lk = {pairs} > {ADMIT.small_pairs} with visible fraction {frac:.3f} < {fmin} "
                 f"(measured: the blocks path is faster there)"]
@@ -125,7 +132,7 @@ def _admits(call) -> List[str]:
 def _describe(call) -> str:
     pairs = call.Lq * call.Lk
     why = (f"Lq * Lk = {pairs} <= {ADMIT.small_pairs}" if pairs <= ADMIT.small_pairs else
-           f"visible fraction {visible_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D)}")
+           f"visible fraction {visible_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D, pairs)}")
     return f"torch's fused flash-attention CPU kernel, mask materialized; {why}: measured faster than the blocks path"
 
 
