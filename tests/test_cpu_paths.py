@@ -148,9 +148,10 @@ def test_blocks_path_memory_is_bounded_at_16k():
     assert extra < 512 << 20, f"extra peak memory {extra / 2**20:.0f} MiB >= 512 MiB"
 
 
-def test_slice_pool_works_in_a_forked_child():
+def test_slice_pool_works_in_a_forked_child(monkeypatch):
     """A process forked after the pool started (a DataLoader worker) gets its own pool, not a hang."""
     import multiprocessing as mp
+    monkeypatch.setattr(cpu_masked, "ENABLED", False)           # the blocks path in both processes
     q, k, v = qkv()
     prev = torch.get_num_threads()
     torch.set_num_threads(2)

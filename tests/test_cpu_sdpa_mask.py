@@ -205,3 +205,27 @@ def test_head_dim_stride_two(row):
     torch.testing.assert_close(a, naive_attention(*xc, **kw)[0], atol=1e-12, rtol=1e-12)
     for ga, gb in zip(torch.autograd.grad(a.sum(), x), torch.autograd.grad(b.sum(), xc)):
         assert torch.equal(ga, gb)
+
+
+def _child(q, k, v):
+    x = effattn.explain(q, k, v, causal=True, window=5)
+    return effattn.attention(q, k, v, causal=True, window=5), x.chosen_path, x.row(ROW).reasons
+
+
+def test_a_forked_child_takes_the_blocks_path():
+    """torch's OpenMP kernel hangs in a process forked after it ran on several threads (torch/cpu-flash
+    too); in such a child the row refuses, explain says why, and the call completes."""
+    import multiprocessing as mp
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 40, 16, generator=g) for _ in range(3))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = effattn.attention(q, k, v, causal=True, window=5)          # the kernel runs here
+        assert effattn.explain(q, k, v, causal=True, window=5).chosen_path == ROW
+        with mp.get_context("fork").Pool(1) as pool:
+            got, path, why = pool.apply_async(_child, (q, k, v)).get(timeout=120)
+    finally:
+        torch.set_num_threads(prev)
+    assert path == "torch/cpu-blocks" and any("forked process" in w for w in why), why
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)

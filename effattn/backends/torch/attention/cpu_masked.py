@@ -20,6 +20,7 @@ The mask of a rule (window, layout) is built once and cached; key padding is add
 from __future__ import annotations
 
 import math
+import os
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -93,6 +94,12 @@ BLOCKS_BACKWARD = frozenset({torch.float16})   # dtypes whose gradients the bloc
 # Set to False to leave every call to the other CPU paths (tests compare the paths).
 ENABLED = True
 
+# torch's kernel runs on OpenMP threads, which a forked child cannot use (GNU OpenMP: the child hangs
+# in its first parallel region when the parent had started them); the blocks path's slice pool is
+# rebuilt in a child. So in a forked child with more than one thread the blocks path takes the call.
+_FORKED = [False]
+os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
+
 
 def visible_fraction(call) -> float:
     """The call's visible (query, key) pairs over Lq * Lk: the rule's exact count times the share of
@@ -124,6 +131,8 @@ def _admits(call) -> List[str]:
     why = cpu_reasons(call)
     if not why and not ENABLED:
         why.append("turned off (cpu_masked.ENABLED is False)")
+    if not why and _FORKED[0] and torch.get_num_threads() > 1:
+        why.append("in a forked process with more than one thread (torch's OpenMP kernel can hang there)")
     if not why:
         why.extend(_rule(call))
     return why
