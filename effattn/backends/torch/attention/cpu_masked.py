@@ -104,7 +104,12 @@ os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
 def visible_fraction(call) -> float:
     """The call's visible (query, key) pairs over Lq * Lk: the rule's exact count times the share of
     keys that are not padding (a product, exact when no window or layout also cuts)."""
-    frac = call.rule.visible_pairs(call.H) / (call.H * call.Lq * call.Lk)
+    r = call.rule
+    key = ("fraction", r.Lq, r.Lk, r.left, r.right, r.layout_block, call.H)
+    cache = _RULE_MASKS if r.layout_mask is None else _LAYOUT_MASKS.setdefault(r.layout_mask, {})
+    frac = cache.get(key)
+    if frac is None:                      # counted once per rule and kept, as the rule's masks
+        frac = cache[key] = r.visible_pairs(call.H) / (call.H * call.Lq * call.Lk)
     if call.key_padding_mask is not None:
         frac *= 1.0 - call.key_padding_mask.sum().item() / call.key_padding_mask.numel()
     return frac
@@ -153,7 +158,7 @@ class _Mask(NamedTuple):
     unseen: Optional[Tensor]  # bool (1 or B, 1 or Hkv, Lk, 1): keys no query sees, or None when none
 
 
-_RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, bs, H, Hkv, dtype) -> _Mask
+_RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, bs, H, Hkv, dtype) -> _Mask; and fractions
 _LAYOUT_MASKS = WeakTensorKeyDictionary()       # layout mask -> {the same key: _Mask}
 
 
@@ -180,7 +185,7 @@ def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
     if kpm is not None:
         keep = ~kpm[:, None, None, :]
         return _build(keep if vis is None else vis & keep, H, Hkv, q.dtype)
-    if len(cache) > 16:
+    if len(cache) > 32:
         cache.clear()
     cache[key] = _build(vis, H, Hkv, q.dtype)
     return cache[key]
@@ -228,7 +233,7 @@ def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k
     grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
     dq, dk, dv = _FLASH_BWD(grad_out, q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), out, lse, 0.0, False,
                             attn_mask=m.add, scale=scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return dq, dk, dv
 
 
 PATH = register(Path(
