@@ -45,14 +45,13 @@ FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
 #     L = 512:  window 64 (0.12) 0.82 (1.29), window 256 (0.38) 0.47 (0.66)
 #     L = 1024: window 256 (0.22) 1.17 (1.16), fixed layout (0.34) 0.88 (0.77)
 #     L = 2048: fixed layout (0.20) 1.84 (1.76), padding 1/4 (0.75) 0.33 (0.36)
+#   float64, D=64: L = 1024: window 256 (0.22) 1.47 (1.70), fixed layout (0.34) 1.04 (1.15)
 #   float32, D=128:
 #     L = 1024: fixed layout (0.34) 1.19 (1.08), window 512 (0.38) 0.57 (0.74)
 #     L = 2048: window 512 (0.22) 1.35 (1.57)
 #   bfloat16, D=64 (the blocks path computes half types in float32):
 #     L = 1024: window 256 (0.22) 0.94 (0.71), fixed layout (0.34) 0.83 (0.60)
 #     L = 2048: fixed layout (0.20) 2.01 (1.19)
-
-
 #   float16, D=64: the kernel's float16 backward is 4-16x slower than the blocks path's whole
 #   forward+backward (L = 1024 window 256: 3277 ms against 454), so float16 gradients are computed by
 #   the blocks path's backward (`BLOCKS_BACKWARD`); the forward alone:
