@@ -127,10 +127,15 @@ def main(argv=None):
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
     torch.set_num_threads(default)
-    if args.out:
-        with open(args.out, "w") as f:
+    write_table(lines, args.out)
+
+
+def write_table(lines, out):
+    """Writes the table's lines (markdown) to the file `out`, when given."""
+    if out:
+        with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
-        print(f"wrote {args.out}")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

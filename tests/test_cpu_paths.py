@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import effattn
-from effattn.backends.torch.attention import cpu_blocks
+from effattn.backends.torch.attention import cpu_blocks, cpu_masked
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
 from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
@@ -29,19 +29,22 @@ PATHS = {
     "causal": (dict(), dict(causal=True), "flash"),
     "gqa-causal": (dict(Hkv=2), dict(causal=True), "flash"),
     "noncausal-Lq<Lk": (dict(Lq=9), {}, "flash"),
-    "causal-Lq<Lk": (dict(Lq=9), dict(causal=True), "blocks"),
-    "window": (dict(), dict(causal=True, window=8), "blocks"),
-    "layout": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "blocks"),
-    "padding": (dict(), dict(key_padding_mask=torch.zeros(1, 40, dtype=torch.bool)), "blocks"),
+    "causal-Lq<Lk": (dict(Lq=9), dict(causal=True), "masked"),
+    "window": (dict(), dict(causal=True, window=8), "masked"),
+    "layout": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "masked"),
+    "padding": (dict(), dict(key_padding_mask=torch.zeros(1, 40, dtype=torch.bool)), "masked"),
+    "window-long": (dict(Lq=600, Lk=600), dict(causal=True, window=8), "blocks"),
     "dv!=d": (dict(Dv=8), {}, "blocks"),
     "dropout": (dict(), dict(dropout_p=0.1), "reference"),
 }
-ROW = {"flash": "torch/cpu-flash", "blocks": "torch/cpu-blocks", "reference": "torch/reference"}
+ROW = {"flash": "torch/cpu-flash", "masked": "torch/cpu-sdpa-mask", "blocks": "torch/cpu-blocks",
+       "reference": "torch/reference"}
 # why the faster CPU rows leave the call (on their lines in explain)
 WHY_NOT = {"causal-Lq<Lk": ("torch/cpu-flash", "causal with Lq != Lk"),
            "window": ("torch/cpu-flash", "does not support window"),
            "layout": ("torch/cpu-flash", "does not support layout"),
            "padding": ("torch/cpu-flash", "does not support key_padding_mask"),
+           "window-long": ("torch/cpu-sdpa-mask", "the blocks path is faster there"),
            "dv!=d": ("torch/cpu-flash", "does not support dv_ne_d"),
            "dropout": ("torch/cpu-blocks", "does not support dropout")}
 
@@ -92,9 +95,12 @@ def _with_threads(n, fn):
         torch.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("op", ["window-gqa", "layout-perhead", "padding-batch", "linear"])
-def test_results_do_not_depend_on_the_thread_count(op):
-    """The slice-parallel paths give bitwise the same outputs and gradients at 1 and 2 threads."""
+@pytest.mark.parametrize("op,masked", [(op, m) for op in ("window-gqa", "layout-perhead", "padding-batch")
+                                       for m in (True, False)] + [("linear", False)])
+def test_results_do_not_depend_on_the_thread_count(op, masked, monkeypatch):
+    """The slice-parallel paths (and torch's kernel with a mask, which takes these short calls
+    first) give bitwise the same outputs and gradients at 1 and 2 threads."""
+    monkeypatch.setattr(cpu_masked, "ENABLED", masked)          # off: the blocks path takes them
     g = torch.Generator().manual_seed(3)
     B = 3 if op == "padding-batch" else 1
     q = torch.randn(B, 4, 150, 16, generator=g)
@@ -142,9 +148,10 @@ def test_blocks_path_memory_is_bounded_at_16k():
     assert extra < 512 << 20, f"extra peak memory {extra / 2**20:.0f} MiB >= 512 MiB"
 
 
-def test_slice_pool_works_in_a_forked_child():
+def test_slice_pool_works_in_a_forked_child(monkeypatch):
     """A process forked after the pool started (a DataLoader worker) gets its own pool, not a hang."""
     import multiprocessing as mp
+    monkeypatch.setattr(cpu_masked, "ENABLED", False)           # the blocks path in both processes
     q, k, v = qkv()
     prev = torch.get_num_threads()
     torch.set_num_threads(2)

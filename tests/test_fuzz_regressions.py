@@ -50,13 +50,14 @@ def test_linear_backward_with_initial_state_noncausal_h_eq_hkv(unit):
 @pytest.mark.parametrize("scale", [0.0, -0.5, -1e-30])
 def test_torch_causal_nonpositive_scale_no_nan(dtype, scale):
     """torch backend: causal calls with scale <= 0 went to torch's fused flash CPU kernel, whose
-    causal mask then gives NaN; they now take the blocks path (explain says why)."""
+    causal mask then gives NaN; they now take the kernel with a materialized mask, -inf where
+    unseen whatever the scale (explain says why the unmasked kernel does not)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 25, 16, generator=g).to(dtype).requires_grad_() for _ in range(3))
     out = effattn.attention(q, k, v, causal=True, scale=scale, backend="torch")
     assert not out.isnan().any()
     ex = effattn.explain(q, k, v, causal=True, scale=scale)
-    assert ex.paths["torch"].startswith("torch/cpu-blocks")
+    assert ex.paths["torch"].startswith("torch/cpu-sdpa-mask")
     assert any("causal with scale <= 0" in w for w in ex.row("torch/cpu-flash").reasons)
     ref, _ = naive_attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True, scale=scale)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
@@ -160,7 +161,7 @@ def test_readme_documents_triton_fp32_decode_limit():
 @pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/reference"])
 def test_empty_batch_per_head_layout_and_padding(unit):
     """Found by the fuzz: B = 0 with a per-head layout and a key padding mask crashed the torch
-    reference and blocks paths (a reshape of 0 elements with an inferred dimension)."""
+    reference (a reshape of 0 elements with an inferred dimension)."""
     from effattn.layouts import BlockLayout
     q = torch.randn(0, 2, 3, 4, requires_grad=True)
     k, v = torch.randn(0, 1, 1, 4, requires_grad=True), torch.randn(0, 1, 1, 4, requires_grad=True)

@@ -365,24 +365,26 @@ def cpu_blocks_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: T
                            scale, window_left, window_right)
 
 
-@cpu_blocks_bwd.register_fake
-def _(grad_out, grad_lse, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def masked_op_pair(fwd, bwd):
+    """Registers the fake backward and the autograd formula of a CPU op pair taking this path's
+    arguments (the layout, key padding, scale and window, no seed) and returns the row's ``run``."""
+    @bwd.register_fake
+    def _(grad_out, grad_lse, q, k, v, *args):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    setup, grad = attention_autograd(bwd, prepare=lambda g: g.contiguous(), seeded=False)
+    fwd.register_autograd(grad, setup_context=setup)
 
-_blocks_setup, _blocks_grad = attention_autograd(cpu_blocks_bwd, prepare=lambda g: g.contiguous(), seeded=False)
-cpu_blocks_fwd.register_autograd(_blocks_grad, setup_context=_blocks_setup)
-
-
-def _run(call):
-    a = call.op_args()
-    return cpu_blocks_fwd(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale,
-                          a.window_left, a.window_right)
+    def run(call):
+        a = call.op_args()
+        return fwd(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale, a.window_left,
+                   a.window_right)
+    return run
 
 
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-blocks", priority=95,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES,
                       features=FEATURES["attention"] - {"dropout"} - PACKED_FEATURES - SCORE_FEATURES),
-    run=_run, admits=cpu_reasons,
+    run=masked_op_pair(cpu_blocks_fwd, cpu_blocks_bwd), admits=cpu_reasons,
     describe=lambda call: "visible key blocks only, one batched matmul per group of query blocks"))

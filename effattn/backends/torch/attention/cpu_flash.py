@@ -25,9 +25,15 @@ _FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2
 FEATURES = frozenset({"causal", "lq_ne_lk", "return_lse"} | ({"gqa"} if _FLASH_GQA else set()))
 
 
+def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
+    """The tensors with stride 1 along the head dim: the kernel reads a strided last dim wrongly
+    (torch 2.13: a ``[..., ::2]`` view gives errors of order 1)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 @torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
 def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
+    out, lse = _FLASH(*unit_stride(q, k, v), 0.0, causal, scale=scale)
     return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
 
 
@@ -47,7 +53,7 @@ def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Te
         # computes the same gradients from the same out and lse (causal: Lq == Lk here)
         return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
                                0 if causal else -1)
-    dq, dk, dv = _FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    dq, dk, dv = _FLASH_BWD(*unit_stride(grad_out, q, k, v, out), lse, 0.0, causal, scale=scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

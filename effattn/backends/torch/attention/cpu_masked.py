@@ -1,0 +1,241 @@
+"""The torch backend's path ``torch/cpu-sdpa-mask``: torch's fused flash-attention CPU kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``, SDPA's CPU kernel) given the call's visibility
+as a materialized additive mask, for the windows, block layouts, key padding and bottom-right causal
+calls that ``torch/cpu-flash`` does not take. The kernel reads every (query, key) pair, visible or
+not, so it wins only where the blocks path's gathers cost more than the pairs it skips: short
+sequences, or a large visible fraction. `ADMIT` is that rule, measured on the CPU (see `_rule`).
+
+What the kernel does not give exactly is fixed around it:
+
+- a row that sees no key: the kernel writes output 0 and log-sum-exp 0; effattn's lse there is
+  -inf (the kernel's 0 is what its own backward needs, so the backward maps -inf back to 0);
+- keys no query sees (padding, outside every window, in no visible layout block): their K and V
+  rows are zeroed before the kernel, so a NaN / inf there cannot reach a row as 0 * NaN, and
+  their gradients are 0;
+- an lse gradient: the kernel's backward has none; the blocks path's backward takes it (and every
+  float16 backward: the kernel's is slow there).
+
+The mask of a rule (window, layout) is built once and cached; key padding is added per call.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ....numerics import compute_dtype
+from ....visibility import Rule
+from ...base import Capabilities, Path, register
+from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
+from .cpu_flash import _FLASH, _FLASH_BWD, FEATURES as _FLASH_FEATURES, unit_stride
+
+FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
+
+# ------------------------------------------------------------------------------ the speed rule
+# The masked kernel's time grows with Lq * Lk whatever the mask; the blocks path's with the visible
+# pairs, plus a cost per group of query blocks that dominates short calls. Measured with
+# `python3 -m benchmarks.cpu_sdpa_mask` (benchmarks/results/cpu/cpu_sdpa_mask.md: machine, load,
+# commands, tables), B=1, H=8, one thread, masked / blocks time of the forward (fwd+bwd):
+#   float32, D=64:
+#     L = 256:  window 64 (visible 0.22) 0.77 (0.56), window 256 (0.50) 0.41 (0.42)
+#     L = 512:  window 64 (0.12) 0.82 (1.29), window 256 (0.38) 0.47 (0.66)
+#     L = 1024: window 256 (0.22) 1.17 (1.16), fixed layout (0.34) 0.88 (0.77)
+#     L = 2048: fixed layout (0.20) 1.84 (1.76), padding 1/4 (0.75) 0.33 (0.36)
+#   float64, D=64: L = 1024: window 256 (0.22) 1.47 (1.70), fixed layout (0.34) 1.04 (1.15)
+#   float32, D=128:
+#     L = 1024: fixed layout (0.34) 1.19 (1.08), window 512 (0.38) 0.57 (0.74)
+#     L = 2048: window 512 (0.22) 1.35 (1.57)
+#   bfloat16, D=64 (the blocks path computes half types in float32):
+#     L = 1024: window 256 (0.22) 0.94 (0.71), fixed layout (0.34) 0.83 (0.60)
+#     L = 2048: fixed layout (0.20) 2.01 (1.19)
+#   float16, D=64: the kernel's float16 backward is 4-16x slower than the blocks path's whole
+#   forward+backward (L = 1024 window 256: 3277 ms against 454), so float16 gradients are computed by
+#   the blocks path's backward (`BLOCKS_BACKWARD`); the forward alone:
+#     L = 1024: window 256 (0.22) 1.42, fixed layout (0.34) 1.37, causal + padding 1/4 (0.38) 0.67
+#     L = 2048: window 256 (0.12) 2.07
+# Where a point is close the rule leans to the masked kernel: it is what SDPA runs, so choosing it
+# is never slower than SDPA. Up to 1024 x 1024 pairs the blocks path's fixed costs weigh more, so the
+# fraction needed there is lower (L = 1024, window 256, 0.22: the masked kernel, as fast as the blocks
+# path in float32 and faster in bfloat16; L = 2048, window 512, 0.22: the blocks path, 1.3-1.5x faster).
+
+
+class Admit(NamedTuple):
+    small_pairs: int            # Lq * Lk up to which the masked kernel is faster at any visible fraction
+    mid_pairs: int              # Lq * Lk up to which `min_fraction_mid` applies, `min_fraction` above
+    min_fraction_mid: dict      # dtype -> the visible fraction from which the masked kernel is faster
+    min_fraction: dict
+    min_fraction_wide: float    # the same for head dims above 64 (the larger of the two applies)
+
+
+ADMIT = Admit(small_pairs=256 * 256, mid_pairs=1024 * 1024,
+              min_fraction_mid={torch.float32: 0.2, torch.bfloat16: 0.2, torch.float64: 0.3, torch.float16: 0.36},
+              min_fraction={torch.float32: 0.3, torch.bfloat16: 0.3, torch.float64: 0.3, torch.float16: 0.36},
+              min_fraction_wide=0.36)
+
+
+def min_fraction(dtype: torch.dtype, head_dim: int, pairs: int) -> float:
+    """The visible fraction from which the masked kernel is faster, past ``ADMIT.small_pairs``."""
+    f = (ADMIT.min_fraction_mid if pairs <= ADMIT.mid_pairs else ADMIT.min_fraction)[dtype]
+    return max(f, ADMIT.min_fraction_wide) if head_dim > 64 else f
+
+
+# The mask is materialized: its entries (batch entries with key padding, heads with a per-head layout,
+# times Lq * Lk) are bounded so that the torch backend's memory stays O(L) in practice: 2**24 entries
+# (64 MiB in float32) is 4096 x 4096 for one mask.
+MASK_BUDGET = 1 << 24
+BLOCKS_BACKWARD = frozenset({torch.float16})   # dtypes whose gradients the blocks path's backward computes
+
+
+# Set to False to leave every call to the other CPU paths (tests compare the paths).
+ENABLED = True
+
+# torch's kernel runs on OpenMP threads, which a forked child cannot use (GNU OpenMP: the child hangs
+# in its first parallel region when the parent had started them); the blocks path's slice pool is
+# rebuilt in a child. So in a forked child with more than one thread the blocks path takes the call.
+_FORKED = [False]
+os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
+
+
+def visible_fraction(call) -> float:
+    """The call's visible (query, key) pairs over Lq * Lk: the rule's exact count times the share of
+    keys that are not padding (a product, exact when no window or layout also cuts)."""
+    r = call.rule
+    key = ("fraction", r.Lq, r.Lk, r.left, r.right, r.layout_block, call.H)
+    cache = _RULE_MASKS if r.layout_mask is None else _LAYOUT_MASKS.setdefault(r.layout_mask, {})
+    frac = cache.get(key)
+    if frac is None:                      # counted once per rule and kept, as the rule's masks
+        frac = cache[key] = r.visible_pairs(call.H) / (call.H * call.Lq * call.Lk)
+    if call.key_padding_mask is not None:
+        frac *= 1.0 - call.key_padding_mask.sum().item() / call.key_padding_mask.numel()
+    return frac
+
+
+def _rule(call) -> List[str]:
+    """[] when the masked kernel is measured faster than the blocks path for this call, else why not."""
+    pairs = call.Lq * call.Lk
+    lay = call.layout.mask if call.layout is not None else None
+    entries = pairs * (call.B if call.key_padding_mask is not None else 1) * \
+        (lay.shape[0] if lay is not None else 1)
+    if entries > MASK_BUDGET:
+        return [f"the mask would hold {entries} entries > {MASK_BUDGET} (memory)"]
+    if pairs <= ADMIT.small_pairs:
+        return []
+    frac, fmin = visible_fraction(call), min_fraction(call.q.dtype, call.D, pairs)
+    if frac < fmin:
+        return [f"Lq * Lk = {pairs} > {ADMIT.small_pairs} with visible fraction {frac:.3f} < {fmin} "
+                f"(measured: the blocks path is faster there)"]
+    return []
+
+
+def _admits(call) -> List[str]:
+    why = cpu_reasons(call)
+    if not why and not ENABLED:
+        why.append("turned off (cpu_masked.ENABLED is False)")
+    if not why and _FORKED[0] and torch.get_num_threads() > 1:
+        why.append("in a forked process with more than one thread (torch's OpenMP kernel can hang there)")
+    if not why:
+        why.extend(_rule(call))
+    return why
+
+
+def _describe(call) -> str:
+    pairs = call.Lq * call.Lk
+    why = (f"Lq * Lk = {pairs} <= {ADMIT.small_pairs}" if pairs <= ADMIT.small_pairs else
+           f"visible fraction {visible_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D, pairs)}")
+    return f"torch's fused flash-attention CPU kernel, mask materialized; {why}: measured faster than the blocks path"
+
+
+# ------------------------------------------------------------------------------------ the masks
+
+class _Mask(NamedTuple):
+    add: Optional[Tensor]     # additive mask (1 or B, 1 or H, Lq, Lk) in q's dtype (0 / -inf), or None
+    empty: Optional[Tensor]   # bool (1 or B, 1 or H, Lq): rows that see no key, or None when none
+    unseen: Optional[Tensor]  # bool (1 or B, 1 or Hkv, Lk, 1): keys no query sees, or None when none
+
+
+_RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, bs, H, Hkv, dtype) -> _Mask; and fractions
+_LAYOUT_MASKS = WeakTensorKeyDictionary()       # layout mask -> {the same key: _Mask}
+
+
+def _build(vis: Optional[Tensor], H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
+    """The kernel's mask and the rows / keys to fix, from the bool mask ``vis`` (True = visible)."""
+    if vis is None:
+        return _Mask(None, None, None)
+    add = torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, -math.inf)
+    empty = ~vis.any(-1)
+    seen = vis.any(-2)                                               # (1 or B, 1 or H, Lk)
+    if seen.shape[1] == H and H != Hkv:                              # a per-head layout, GQA
+        seen = seen.view(seen.shape[0], Hkv, H // Hkv, -1).any(2)
+    return _Mask(add, empty if bool(empty.any()) else None, None if bool(seen.all()) else ~seen[..., None])
+
+
+def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
+    """The call's masks: the rule's built once per shape and kept (key padding, per call, added)."""
+    Lq, Lk, H, Hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    key = (Lq, Lk, wl, wr, layout_block, H, Hkv, q.dtype)
+    cache = _RULE_MASKS if layout_mask is None else _LAYOUT_MASKS.setdefault(layout_mask, {})
+    if kpm is None and key in cache:
+        return cache[key]
+    vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
+    if kpm is not None:
+        keep = ~kpm[:, None, None, :]
+        return _build(keep if vis is None else vis & keep, H, Hkv, q.dtype)
+    if len(cache) > 32:
+        cache.clear()
+    cache[key] = _build(vis, H, Hkv, q.dtype)
+    return cache[key]
+
+
+def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
+    """K or V with zero rows at the keys no query sees (whatever they held: NaN, inf)."""
+    return x if unseen is None else x.masked_fill(unseen, 0.0)
+
+
+# ---------------------------------------------------------------------------------- custom ops
+
+@torch.library.custom_op("effattn::cpu_sdpa_mask_fwd", mutates_args=())
+def cpu_sdpa_mask_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                      key_padding_mask: Optional[Tensor], scale: float, window_left: int,
+                      window_right: int) -> Tuple[Tensor, Tensor]:
+    m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
+    q, k, v = unit_stride(q, k, v)
+    out, lse = _FLASH(q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), 0.0, False, attn_mask=m.add,
+                      scale=scale)
+    if m.empty is not None:                  # the kernel's lse there is 0; effattn's -inf
+        lse = lse.masked_fill(m.empty.expand(lse.shape), -math.inf)
+    return out, lse.contiguous()
+
+
+@cpu_sdpa_mask_fwd.register_fake
+def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right):
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("effattn::cpu_sdpa_mask_bwd", mutates_args=())
+def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                      key_padding_mask: Optional[Tensor], scale: float, window_left: int,
+                      window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+    if (grad_lse is not None and bool(grad_lse.any())) or q.dtype in BLOCKS_BACKWARD:
+        # the kernel's backward has no lse gradient input (and is slow in float16); the blocks
+        # path's computes the same gradients from the same out and lse, taking it
+        return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
+                               scale, window_left, window_right)
+    m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
+    if m.empty is not None:
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)     # the kernel's own lse of rows seeing no key
+    grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
+    dq, dk, dv = _FLASH_BWD(grad_out, q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), out, lse, 0.0, False,
+                            attn_mask=m.add, scale=scale)
+    return dq, dk, dv
+
+
+PATH = register(Path(
+    backend="torch", op="attention", name="torch/cpu-sdpa-mask", priority=92,
+    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
+    run=masked_op_pair(cpu_sdpa_mask_fwd, cpu_sdpa_mask_bwd), admits=_admits, describe=_describe))
