@@ -142,7 +142,8 @@ setup(
                  "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
                  # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
                  "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm",
-                 "build"],  # the source distribution's contents (tests/test_cuda_package.py)
+                 "build",   # the source distribution's contents (tests/test_cuda_package.py)
+                 "ruff"],   # the lint CI runs before the tests (pyproject.toml [tool.ruff])
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

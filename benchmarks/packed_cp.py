@@ -117,6 +117,7 @@ CP_CASES = [
 
 def _cp_worker(rank, world, port, L, H, D, runs, queue):
     import torch.distributed as dist
+
     import effattn.distributed as ecp
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -20,7 +20,6 @@ from effattn import layouts
 from effattn.backends.base import BACKENDS
 from effattn.visibility import Rule
 
-
 LAYOUT_BLOCK = 128     # block size of the block-sparse variants (the 'fixed' pattern of docs/benchmarks.md)
 
 

@@ -13,8 +13,8 @@ the biased scores ``dT`` of a block to the gradients of its tensors. ``effattn.s
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Tuple
 

@@ -17,8 +17,6 @@ from torch import Tensor, nn
 from .numerics import compute_dtype as _compute_dtype
 
 
-
-
 def elu_feature_map(x: Tensor) -> Tensor:
     """``elu(x) + 1`` (Katharopoulos et al. 2020, "Transformers are RNNs", eq. 7): positive, smooth."""
     return F.elu(x.to(_compute_dtype(x.dtype))) + 1.0

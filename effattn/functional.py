@@ -6,7 +6,8 @@ from typing import Dict, List, NamedTuple, Optional
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
 from .packed import check_linear_packed
-from .paged import GATHER_NOTE, OP as PAGED_OP, contiguous_keys, make_paged_call, paged_attention, paged_row
+from .paged import GATHER_NOTE, contiguous_keys, make_paged_call, paged_attention, paged_row
+from .paged import OP as PAGED_OP
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,

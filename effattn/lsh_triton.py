@@ -17,17 +17,15 @@ atomics: per-round gradients are written at the rows' positions and summed over 
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from .online_softmax import finish, online_step
 from .lsh import SELF_SCORE
+from .online_softmax import finish, online_step
 
 
 @triton.jit
@@ -173,7 +171,6 @@ def _lsh_bwd_dkv(Q, K, V, PERM, KPM, OFFS, LSE, DELTA, DO, DK, DV,
     c, n, b, h, r, rows, offs_d, offs_dv, perm, kidx = _program(PERM, spn, H, R, CL, BLOCK_D, BLOCK_DV)
     L = n_chunks * CL
     k_base = K + b * skb + h * skh
-    k = _load_rows(k_base, kidx, skl, offs_d, skd, D)
     v = _load_rows(V + b * svb + h * svh, kidx, svl, offs_dv, svd, Dv)
     kpm_base = KPM + b * skpb
     q_base = Q + b * sqb + h * sqh

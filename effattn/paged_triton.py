@@ -10,10 +10,9 @@ pointer per row, so any page size works. FlashAttention-2's online softmax (Dao 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .online_softmax import finish, key_range, online_step
 

@@ -277,7 +277,7 @@ class _Relative(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):
         B, H, Lq, D = q.shape
-        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        Hkv, Dv = k.shape[1], v.shape[3]
         dt = compute_dtype(q.dtype)
         qc, rc, queryc = q.to(dt), r.to(dt), query.to(dt)
         kk = k.to(dt).repeat_interleave(H // Hkv, dim=1)

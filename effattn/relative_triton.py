@@ -21,10 +21,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .online_softmax import finish, key_range, online_step
 
@@ -187,7 +186,6 @@ def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
-    k = _load2(k_b, offs_n, Lk, skl, offs_d, D, skd)
     v = _load2(v_b, offs_n, Lk, svl, offs_dv, Dv, svd)
     dk = tl.zeros([BN, BLOCK_D], tl.float32)
     dv = tl.zeros([BN, BLOCK_DV], tl.float32)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import effattn
-from effattn.layouts import BlockLayout
 from conftest import DEVICE, attention_backends, declared_dtypes, random_qkv
+from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
 
 BACKENDS = attention_backends()

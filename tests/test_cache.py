@@ -4,8 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from effattn.nn import KVCache, MultiheadAttention, TransformerDecoder, TransformerDecoderLayer, \
-    TransformerEncoder, TransformerEncoderLayer
+from effattn.nn import (
+    KVCache,
+    MultiheadAttention,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 
 E, H = 32, 4
 

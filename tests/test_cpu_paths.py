@@ -7,12 +7,12 @@ test_attention.py runs every case through backend="torch", i.e. through the fuse
 """
 import pytest
 import torch
+from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
 
 import effattn
 from effattn.backends.torch.attention import cpu_blocks, cpu_masked
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
-from test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
                                 reason="this torch has no flash CPU kernel")

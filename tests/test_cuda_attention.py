@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
+from test_attention import CASES, check_against_oracle, judge, make_inputs
+from test_fuzz import draw
 
 import effattn
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
-from test_attention import CASES, check_against_oracle, judge, make_inputs
-from test_fuzz import draw
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
               pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)

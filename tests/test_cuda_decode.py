@@ -9,17 +9,17 @@ import shutil
 
 import pytest
 import torch
+from test_attention import judge, naive_in
 
 import effattn
 from conftest import CSRC, need_cuda_extension, random_qkv
-from effattn._call import make_attn_call
 from effattn import splits as split_plan
+from effattn._call import make_attn_call
 from effattn.backends import base
 from effattn.backends.cuda.attention import decode
 from effattn.layouts import BlockLayout
-from effattn.tiles import visited_tiles
 from effattn.testing.oracle import naive_attention
-from test_attention import judge, naive_in
+from effattn.tiles import visited_tiles
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
               pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)

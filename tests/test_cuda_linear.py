@@ -10,10 +10,10 @@ The emulated extension is compiled with g++ on first use (about 40 s) and cached
 import shutil
 
 import pytest
+import test_linear_attention as shared
 import torch
 
 import effattn
-import test_linear_attention as shared
 from conftest import run_sanitized
 from effattn.feature_maps import FavorFeatures
 from effattn.testing.oracle import feature_map

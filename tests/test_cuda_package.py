@@ -20,11 +20,11 @@ import time
 
 import pytest
 import torch
+from test_cuda_build import find_tool
 
 from conftest import CSRC
 from effattn.backends import base
 from effattn.backends.cuda import _ext, targets
-from test_cuda_build import find_tool
 
 ROOT = os.path.dirname(CSRC)
 CUDA_TORCH_PYTHON = os.environ.get("EFFATTN_CUDA_TORCH_PYTHON")

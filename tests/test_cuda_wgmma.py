@@ -17,12 +17,12 @@ import shutil
 
 import pytest
 import torch
+from test_attention import judge, make_inputs, naive_in
 
 import effattn
 from conftest import fragment_maps, selftest_runner
 from effattn.backends.cuda import _ext
 from effattn.testing.oracle import naive_attention
-from test_attention import judge, make_inputs, naive_in
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 

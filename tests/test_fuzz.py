@@ -26,16 +26,17 @@ from typing import Callable, List, NamedTuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
+from test_attention import judge
 
 import effattn
+from conftest import op_backends
 from effattn import splits
 from effattn.backends import base
 from effattn.layouts import BlockLayout
-from conftest import op_backends
 from effattn.testing.oracle import feature_map, naive_attention, visibility
-from test_attention import FLOOR, judge
 
 DB = DirectoryBasedExampleDatabase(os.environ.get("EFFATTN_FUZZ_DB") or
                                    os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hypothesis-db"))

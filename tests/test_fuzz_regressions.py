@@ -2,12 +2,12 @@
 bug, named after it, on every backend usable here (Triton in the interpreter, CUDA in the emulation)."""
 import pytest
 import torch
+from test_fuzz import runnable_units
 
 import effattn
-from effattn.backends import base
 from conftest import op_backends
+from effattn.backends import base
 from effattn.testing.oracle import naive_attention
-from test_fuzz import runnable_units
 
 
 def _units(op):
@@ -151,6 +151,7 @@ def test_backend_dtype_errors_are_type_errors(name):
 def test_readme_documents_triton_fp32_decode_limit():
     """The Triton split-KV decode serves float32 (IEEE dots) only up to 4096 packed rows x head dim."""
     import os
+
     from effattn.backends.triton.attention import decode
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     assert "**4096 for float32 with IEEE dots**" in readme

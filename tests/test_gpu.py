@@ -29,7 +29,6 @@ from effattn.layouts import BlockLayout, sliding_and_summary
 from effattn.testing import checks
 from effattn.testing.oracle import chunked_attention, chunked_linear_attention, feature_map
 
-
 pytestmark = [pytest.mark.gpu, pytest.mark.toy]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type == "cpu"                      # only reached with EFFATTN_GPU_SMOKE=1 (else skipped)

@@ -9,8 +9,16 @@ import weakref
 import pytest
 import torch
 
-from effattn.layouts import (BlockLayout, bigbird, fixed, from_dense_mask, local, longformer,
-                             sliding_and_summary, strided)
+from effattn.layouts import (
+    BlockLayout,
+    bigbird,
+    fixed,
+    from_dense_mask,
+    local,
+    longformer,
+    sliding_and_summary,
+    strided,
+)
 
 BS = 16
 L8 = 8 * BS

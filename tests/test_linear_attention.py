@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE, declared_dtypes, op_backends
 from effattn.feature_maps import FavorFeatures
 from effattn.linear import LinearCall, linear_attention
 from effattn.testing.oracle import feature_map
-from conftest import DEVICE, declared_dtypes, op_backends
 
 torch.set_num_threads(2)
 F64 = torch.float64

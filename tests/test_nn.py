@@ -12,8 +12,14 @@ from torch import nn
 
 import effattn
 from effattn import layouts
-from effattn.nn import (KVCache, MultiheadAttention, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
-                        TransformerEncoderLayer)
+from effattn.nn import (
+    KVCache,
+    MultiheadAttention,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 from effattn.testing.oracle import visibility
 
 E, H = 32, 4

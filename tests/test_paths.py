@@ -15,11 +15,11 @@ Triton rows run in Triton's interpreter on CPU, CUDA rows through the kernels' h
 """
 import shutil
 
+import paths_example
 import pytest
 import torch
 
 import effattn
-import paths_example
 from conftest import DEVICE, random_qkv
 from effattn import splits
 from effattn._call import make_attn_call, make_linear_call

@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-import effattn
 from effattn.nn import LSHSelfAttention, ReversibleSequence
 
 E, HEADS = 16, 2

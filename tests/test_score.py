@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import effattn
+from conftest import DEVICE, op_backends, random_qkv
 from effattn import score as score_mod
 from effattn.bias import ALiBi, Relative, Span, alibi_slopes, t5_bucket_index
 from effattn.layouts import BlockLayout
-from conftest import DEVICE, op_backends, random_qkv
 from effattn.testing.oracle import score_attention
 
 FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -158,8 +158,8 @@ def test_lengths_do_not_multiply_compiled_kernels():
     arguments in ``do_not_specialize``. Without the list, a layout at 1024, 1536 and 2560 compiles 3 times."""
     from triton.runtime.jit import JITFunction
 
-    from tools.triton.specializations import count
     from effattn.backends.triton.jit import UNSPECIALIZED_ARGS
+    from tools.triton.specializations import count
 
     listing = [n for n, k in vars(ta.launch).items() if n.endswith("_kernel")
                and set(UNSPECIALIZED_ARGS) & set(k.arg_names) <= set(_do_not_specialize(k))]

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import effattn
+from conftest import DEVICE
 from effattn.backends import base
 from effattn.backends.torch.linear.reference import linear_attention_reference
 from effattn.nn import KVCache, MultiheadAttention
-from conftest import DEVICE
 
 pytestmark = pytest.mark.skipif("triton" not in base._REGISTRY["linear_attention"] or
                                 base._REGISTRY["linear_attention"]["triton"].available(DEVICE) is not None,
@@ -122,6 +122,7 @@ def test_explain_names_fused_maps_and_torch_features():
 def test_ops_trace_with_fake_tensors():
     """The torch.library ops have fake impls of the right shapes (what torch.compile traces)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from effattn.backends.triton.linear.ops import triton_linear_apply, triton_linear_causal_fwd
     with FakeTensorMode():
         q, k, v = torch.empty(2, 4, 9, 8), torch.empty(2, 2, 9, 8), torch.empty(2, 2, 9, 5)

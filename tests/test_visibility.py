@@ -7,8 +7,8 @@ import torch
 from effattn import layouts
 from effattn._call import make_attn_call
 from effattn.layouts import BlockLayout
-from effattn.visibility import Rule, clamp_window, normalize_window
 from effattn.testing.oracle import visibility as oracle_visibility
+from effattn.visibility import Rule, clamp_window, normalize_window
 
 
 def _pairs(Lq, Lk, heads=1, **kw):

@@ -211,11 +211,13 @@ def _run(a) -> int:
         return 0
     if a.cmd == "variants":
         import torch
+
         from .variants import variants_markdown
         print(variants_markdown(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")))
         return 0
     if a.cmd == "generate":
         import time
+
         from .tasks import load_task
         _positive(workers=a.workers)
         t0 = time.perf_counter()

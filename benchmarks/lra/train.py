@@ -10,7 +10,6 @@ resumed run takes the same steps as one that was never stopped.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import math
@@ -33,7 +32,6 @@ from .cache import atomic_write
 from .model import Classifier, ModelConfig
 from .recipes import SCHEDULES, recipe
 from .tasks import PAD, Split, TaskData, load_task
-
 
 #: settings that only steer a run (where it writes, how long it may take, how it logs): a checkpoint
 #: resumes under other values of these; any other difference is refused

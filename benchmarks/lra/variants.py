@@ -108,6 +108,7 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
     """Which effattn backends can serve the variant's attention on ``device`` (``effattn.explain``
     on a probe of ``length`` tokens): ``{backend: "" if it can, else why not}``."""
     import torch
+
     import effattn
     kw = layer_kwargs(variant, 64, 128, length, head_dim)
     if "encoder" in kw:                  # Reformer: torch or its Triton kernels (effattn.explain_lsh); TXL: torch

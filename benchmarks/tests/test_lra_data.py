@@ -12,7 +12,6 @@ import pytest
 from benchmarks.lra import images, listops, pathfinder, tasks, text
 from benchmarks.lra.cache import fingerprint
 
-
 # ----------------------------------------------------------------------------------- ListOps
 
 def evaluate_tokens(tokens):

@@ -14,10 +14,8 @@ import torch
 from benchmarks import registry, report, run
 from benchmarks.flops import attention_flops, linear_attention_flops, tflops, visible_pairs
 from benchmarks.progress import SimpleBar
-from effattn import layouts
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import visibility as oracle_visibility
-from effattn.visibility import Rule
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,6 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 
-
 # The one list of backends: name -> the module that registers it. Every backend name anywhere else
 # (dispatch, errors, explain, tests, benchmarks) is derived from it. Adding a backend is one folder
 # under effattn/backends/ plus one line here.

@@ -60,10 +60,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..functional import attention
-from ..packed import cu_seqlens_from_position_ids
 from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
+from ..functional import attention
+from ..packed import cu_seqlens_from_position_ids
 from ..visibility import Rule
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..backends.torch.dense import dense_attention
 from ..feature_maps import FavorFeatures, resolve_feature_map
-from ..functional import attention, explain as explain_call
+from ..functional import attention
+from ..functional import explain as explain_call
 from ..layouts import BlockLayout
 from ..linear import linear_attention
 from ..visibility import Rule, normalize_window

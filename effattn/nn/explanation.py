@@ -7,7 +7,6 @@ from typing import Optional, Sequence, Tuple
 
 from ..functional import Explanation
 
-
 #: what a caller can change to leave each reference path (keyed by the reason in ``last_path``)
 REFERENCE_HINTS = {
     "need_weights=True": "pass need_weights=False (the weights are the dense matrix)",

@@ -23,6 +23,7 @@ from .. import _ext
 from . import hopper
 from .tiling import layout_lists
 
+
 def _register_fakes(ns: str) -> None:
     def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
                  dropout_p, window_left, window_right):

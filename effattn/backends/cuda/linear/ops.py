@@ -27,9 +27,20 @@ from torch import Tensor
 
 from ....feature_maps import FMAP_IDENTITY
 from ....splits import sm_count
-from ...linear_common import (apply_bwd_fake, apply_fake, apply_state_grads, causal_bwd_fake, causal_fwd_fake,
-                              empty_den, kv_state_fake, opt as _opt, out_grads as _out_grads, state_grads,
-                              step_fake, zero_state_grads)
+from ...linear_common import (
+    apply_bwd_fake,
+    apply_fake,
+    apply_state_grads,
+    causal_bwd_fake,
+    causal_fwd_fake,
+    empty_den,
+    kv_state_fake,
+    state_grads,
+    step_fake,
+    zero_state_grads,
+)
+from ...linear_common import opt as _opt
+from ...linear_common import out_grads as _out_grads
 from .._ext import ops as kernels
 
 CHUNK = 64                                     # timeline positions per chunk (csrc/linear.h: kLinChunk)

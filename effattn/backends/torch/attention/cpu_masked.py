@@ -31,7 +31,8 @@ from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
-from .cpu_flash import _FLASH, _FLASH_BWD, FEATURES as _FLASH_FEATURES, unit_stride
+from .cpu_flash import _FLASH, _FLASH_BWD, unit_stride
+from .cpu_flash import FEATURES as _FLASH_FEATURES
 
 FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
 

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ....numerics import chunk_generator_seed, compute_dtype as _compute_dtype
+from ....numerics import chunk_generator_seed
+from ....numerics import compute_dtype as _compute_dtype
+from ....score import backward_setup
 from ....visibility import Rule, seen_keys
 from ...autograd import attention_autograd
 from ...base import FEATURES, SCORE_FEATURES, Capabilities, Path, register
-from ....score import backward_setup
 
 # Elements of one (B, H, chunk, keys) score tensor; a handful of those live at once in backward.
 SCORE_BUDGET = 1 << 23

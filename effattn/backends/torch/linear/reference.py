@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...._call import LINEAR as FN, LinearCall, linear_features
+from ...._call import LINEAR as FN
+from ...._call import LinearCall, linear_features
 from ....numerics import compute_dtype as _compute_dtype
 from ...base import FEATURES, Capabilities, Path, register
 

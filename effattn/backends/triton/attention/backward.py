@@ -13,8 +13,18 @@ import triton
 import triton.language as tl
 
 from ..jit import UNSPECIALIZED_BWD_ARGS, cast, dot, i64, load_tile
-from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores, query_tile_range,
-                       slice_tile, tile_index, visible, work_item)
+from .schedule import (
+    dropout_keep,
+    first_listed,
+    key_tile_schedule,
+    kv_bases,
+    mask_scores,
+    query_tile_range,
+    slice_tile,
+    tile_index,
+    visible,
+    work_item,
+)
 
 
 @triton.jit

@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 
 from .... import splits
-from ....splits import (MAX_QUERIES, MIN_KEYS_PER_SPLIT, decode_reasons, key_range, plan_splits,  # noqa: F401
-                        sm_count, visible_keys)
+from ....splits import MAX_QUERIES, MIN_KEYS_PER_SPLIT, decode_reasons, key_range, plan_splits, sm_count, visible_keys  # noqa: F401
 from ....tiles import cdiv
 from ..jit import cast, dot, load_tile
 from ..runtime import _next_pow2, _tf32_enabled

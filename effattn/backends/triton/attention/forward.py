@@ -12,8 +12,16 @@ import triton
 import triton.language as tl
 
 from ..jit import UNSPECIALIZED_ARGS, cast, dot, i64, load_tile
-from .schedule import (dropout_keep, first_listed, key_tile_schedule, kv_bases, mask_scores,
-                       program_tile, tile_index, work_item)
+from .schedule import (
+    dropout_keep,
+    first_listed,
+    key_tile_schedule,
+    kv_bases,
+    mask_scores,
+    program_tile,
+    tile_index,
+    work_item,
+)
 
 
 @triton.jit

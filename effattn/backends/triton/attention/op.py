@@ -10,7 +10,6 @@ launchers with the same autograd formula (`_Eager`), so results are bitwise thos
 transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
 
-
 from typing import Optional, Tuple
 
 import torch
