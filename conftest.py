@@ -8,8 +8,19 @@ benchmarks/tests/ for the benchmarks); each folder's own fixtures stay in it.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for tests of many tiny ops (on a loaded 2-core machine two threads spend most
+    of their time synchronizing); the previous count is restored."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

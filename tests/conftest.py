@@ -86,15 +86,6 @@ def poison_outputs(monkeypatch):
 
 # ------------------------------------------------------------------ helpers several test modules share
 
-@pytest.fixture
-def one_torch_thread():
-    """One torch thread for tests of many tiny ops (on a loaded 2-core machine two threads spend most
-    of their time synchronizing); the previous count is restored."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def random_qkv(B, H, Hkv, Lq, Lk, D, Dv, g, dtype=None, device=DEVICE, transposed=False):
     """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) drawn from generator `g` in that order;

@@ -180,10 +180,12 @@ def test_the_mask_memory_is_bounded(monkeypatch):
 def test_dispatch_at_the_issue_lengths():
     """Issue 25's measurement (B=1, H=8, D=64, fp32): at L = 1024 a causal window of 256 (visible
     0.22) and the fixed layout (0.34) take the masked kernel; at L = 2048 (0.12, 0.20) the blocks path."""
-    from benchmarks.registry import variant
+    from effattn import layouts
     for L, row in ((1024, ROW), (2048, "torch/cpu-blocks")):
         x = torch.zeros(1, 8, L, 64)
-        for kw in (dict(layout=variant("fixed").layout(L)), dict(window=256)):
+        # the benchmarks' "fixed" pattern (benchmarks/registry.py)
+        fixed = layouts.sliding_and_summary(L, 128, local_blocks=4, every=16)
+        for kw in (dict(layout=fixed), dict(window=256)):
             ex = effattn.explain(x, x, x, causal=True, **kw)
             assert ex.chosen_path == row, str(ex)
 
