@@ -47,13 +47,15 @@ DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee:
 # divisibility 16 (without it loads are not vectorized or pipelined and shared memory is
 # underestimated). An int argument equal to 1 is specialized too: the backward's n_split (no GQA
 # split) and the stride of its partial-sum buffers then (0).
-_UNIT = {"sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm", "n_split"}
-_DIV16 = {"sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh",
-          "sdkn", "sdvb", "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv",
-          "lay_h", "lists_head_stride", "lists_row_stride", "lists1_head_stride", "lists1_row_stride",
-          "lists2_head_stride", "lists2_row_stride", "sdks", "sdvs", "keys_per_split"}
+_UNIT = {"q_d", "k_d", "v_d", "kpm_l", "sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm",
+         "n_split"}
+_DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b", "list_h", "list_t", "sqb", "sqh",
+          "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh", "sdkn", "sdvb",
+          "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv", "lay_h",
+          "lists_head_stride", "lists_row_stride", "lists1_head_stride", "lists1_row_stride", "lists2_head_stride",
+          "lists2_row_stride", "sdks", "sdvs", "keys_per_split"}
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
-_FLOATS = {"qk_scale", "scale", "inv_keep", "out_scale"}
+_FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
              "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}

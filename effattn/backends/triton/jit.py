@@ -17,7 +17,7 @@ import triton.language as tl
 # the partial tiles, whose loop is 46 instructions shorter with them (D = 128 causal forward: 519
 # against 565), and they select at most two compiles each (a multiple of 16 or not), never one per
 # length. ``python -m tools.triton.specializations`` counts the compiles a range of lengths selects.
-UNSPECIALIZED_ARGS = ["full_slots", "heads_per_group", "lay_nkb", "lists_head_stride", "lists_row_stride"]
+UNSPECIALIZED_ARGS = ["list_wf", "heads_per_group", "lay_nkb", "list_h", "list_t"]
 # the same for the one-launch backward, whose two kinds of programs have their own lists (..1 by key
 # tile, ..2 by query tile) and L2 head groups
 UNSPECIALIZED_BWD_ARGS = ["lay_nkb", "group1", "group2", "full_slots1", "full_slots2", "lists1_head_stride",

@@ -26,7 +26,7 @@ from .schedule import (
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m, offs_d, offs_dv,
-              skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+              k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
               qk_scale, seed, bh, drop_thresh,
               BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -39,16 +39,16 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     exponent, one FMA per score instead of a multiply and a subtract."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
-    k_tile = k_base + start_n.to(tl.int64) * skn             # int64: long rows of a (B, L, H, D) view
-    v_tile = v_base + start_n.to(tl.int64) * svn
+    k_tile = k_base + start_n.to(tl.int64) * k_l             # int64: long rows of a (B, L, H, D) view
+    v_tile = v_base + start_n.to(tl.int64) * v_l
     if KV_TMA:
         kt = tl.trans(k_desc.load([start_n, 0]))                # (BLOCK_D, BLOCK_N), zeros out of bounds
     else:
-        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
+        kt = load_tile(k_tile + offs_d[:, None] * k_d + rel_n[None, :] * k_l, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
     s = dot(q, kt, DOT_PREC, INTERP_BF16)                       # S = Q K^T
     if not FOLD_SCALE:
         s = s * qk_scale                                        # in log2 units
-    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, kpm_l, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
     # m_new = max(m_old, rowmax(S)); a row that has seen nothing yet keeps m = -inf, and the
     # shift m_ref = 0 keeps exp2(-inf - m_ref) = 0 instead of NaN
@@ -69,7 +69,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     if KV_TMA:
         v = v_desc.load([start_n, 0])
     else:
-        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
+        v = load_tile(v_tile + rel_n[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
     if PARTIAL or HAS_KPM:        # keys no row sees: zero values, so NaN / inf in them give 0 * 0
         v = tl.where(seen[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
@@ -78,10 +78,10 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
 
 @triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_ARGS)
 def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
-               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
+               q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, kpm_b, kpm_l,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-               lists_head_stride, lists_row_stride, full_slots,
-               qk_scale, seed, drop_thresh, out_scale, heads_per_group, rows_out,
+               list_h, list_t, list_wf,
+               qk_scale, seed, drop_thresh, inv_keep, heads_per_group, rows_out,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -96,7 +96,11 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
     ``VARLEN`` (packed sequences, B = 1): the launcher passes ``Lq = n_items * BLOCK_M`` and ITEMS, an
     int32 (n_items, 5) work list of (first query, end query, first key, end key, query tile) of a
     segment, longest segments first; a program reads its item and then works in the segment's own
-    coordinates (its lengths, bottom-right offset and rows), so no program is empty."""
+    coordinates (its lengths, bottom-right offset and rows), so no program is empty.
+
+    The scalar arguments carry the names of the C++ `AttnParams` fields (csrc/attention/attention.h)
+    and the launcher passes them by name; ``q_d``, ``k_d``, ``v_d`` (last-dim strides, unit there),
+    ``heads_per_group`` and ``rows_out`` have no C++ field, ``seed`` is its seed_lo / seed_hi."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
     pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H
@@ -112,23 +116,23 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
-    q_ptrs = (Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (q_row0 + m0).to(tl.int64) * sqm
-              + rel_m[:, None] * sqm + offs_d[None, :] * sqd)
+    q_ptrs = (Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + (q_row0 + m0).to(tl.int64) * q_l
+              + rel_m[:, None] * q_l + offs_d[None, :] * q_d)
     q = load_tile(q_ptrs, offs_m, Lq, offs_d, D, True, PAD_D)
-    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, k_b, k_h, v_b, v_h, kpm_b, lay_h)
     if VARLEN:
-        k_base += k_row0.to(tl.int64) * skn
-        v_base += k_row0.to(tl.int64) * svn
+        k_base += k_row0.to(tl.int64) * k_l
+        v_base += k_row0.to(tl.int64) * v_l
     if KV_TMA:      # one (Lk, D) view per (b, kv head): its bounds zero-fill the last tile's rows
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[skn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[Lk, Dv], strides=[svn, 1],
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[k_l, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Lk, Dv], strides=[v_l, 1],
                                            block_shape=[BLOCK_N, BLOCK_DV])
     else:
         k_desc, v_desc = k_base, v_base                       # unused
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
+    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
     listed = first_listed(row, 2, n_full, HAS_LAYOUT)
@@ -136,23 +140,23 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
         tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
-                                  offs_d, offs_dv, skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right,
+                                  offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
                                   lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False,
                                   HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
                                   INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
-    listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
+    listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
-        tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+        tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
-                                  offs_d, offs_dv, skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right,
+                                  offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
                                   lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True,
                                   HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
                                   INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (out_scale / l_safe)[:, None]
+    out = acc * (inv_keep / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     row_ok = offs_m < Lq
     o_ptrs = O + (bh.to(tl.int64) * rows_out + q_row0 + offs_m[:, None]) * Dv + offs_dv[None, :]

@@ -199,23 +199,26 @@ class LaunchPlan:
                     num_warps=warps, num_stages=stages, enable_fp_fusion=True)
 
     def fwd_args(self, cfg, q, k, v, counts):
-        """(grid, the LISTS tensor or None, the arguments before the seed, after it, the meta
-        arguments) of the forward kernel for config `cfg`, built once per plan and config."""
+        """(grid, the LISTS tensor or None, the forward kernel's scalar arguments by name (the C++
+        `AttnParams` field names; the seed and the tensors are the launch's), the meta arguments)
+        for config `cfg`, built once per plan and config."""
         key = ("fwd", cfg, counts)
         got = self._args.get(key)
         if got is None:
-            lists, lists_hs, lists_rs, full_slots = self.lists(cfg[0], cfg[1], by_key=False)
+            lists, list_h, list_t, list_wf = self.lists(cfg[0], cfg[1], by_key=False)
             order, group = self.order("fwd")
-            pre = (*q.stride(), *k.stride(), *v.stride(), *self.kpm_strides, self.H, self.G, self.Lq, self.Lk,
-                   self.D, self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb,
-                   max(self.layout_block, 1), lists_hs, lists_rs, full_slots, self.qk_scale)
-            post = (self.drop_thresh, self.inv_keep, group, self.Lq)
+            args = dict(_strides("q", q), **_strides("k", k), **_strides("v", v),
+                        kpm_b=self.kpm_strides[0], kpm_l=self.kpm_strides[1], H=self.H, G=self.G, Lq=self.Lq,
+                        Lk=self.Lk, D=self.D, Dv=self.Dv, off=self.off, left=self.left, right=self.right,
+                        lay_h=self.lay_h, lay_nkb=self.lay_nkb, lay_bs=max(self.layout_block, 1), list_h=list_h,
+                        list_t=list_t, list_wf=list_wf, qk_scale=self.qk_scale, drop_thresh=self.drop_thresh,
+                        inv_keep=self.inv_keep, heads_per_group=group, rows_out=self.Lq)
             grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
             trials = {}
             if len(cfg) > 4:        # trial switches of the forward (forward.py): "tma", "ws"
                 trials = dict(KV_TMA="tma" in cfg[4:], WARP_SPEC="ws" in cfg[4:])
-            got = self._args[key] = (grid, lists, pre, post, dict(self.flags(cfg), COUNT=counts, ORDER=order,
-                                                                  **trials))
+            got = self._args[key] = (grid, lists, args, dict(self.flags(cfg), COUNT=counts, ORDER=order,
+                                                             **trials))
         return got
 
     def bwd_args(self, cfg, q, k, v, dout, dq, dk, dv, dlse, counts, n_split):
@@ -282,10 +285,10 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     def launch(cfg):
         if "tma" in cfg[4:]:
             kv_tma_check(k, v)
-        grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, counts)
+        grid, lists, args, meta = p.fwd_args(cfg, q, k, v, counts)
         cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
-        fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(lists, q), _or_dummy(cnt, q),
-                         q, *pre, seed_key, *post, **meta)
+        fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
+                         LISTS=_or_dummy(lists, q), COUNTS=_or_dummy(cnt, q), ITEMS=q, seed=seed_key, **args, **meta)
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
@@ -295,10 +298,6 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
             else:
                 _launch_tuned("fwd", p, launch, q.device)
     return (out, lse, visits[0]) if counts else (out, lse)
-
-
-# index of Lq in `LaunchPlan.fwd_args`' arguments before the seed: after the q, k, v, padding strides, H and G
-_PRE_LQ = 14 + 2
 
 
 def fwd_varlen(q, k, v, segments, scale, left, right, tf32=False, config=None):
@@ -311,13 +310,13 @@ def fwd_varlen(q, k, v, segments, scale, left, right, tf32=False, config=None):
     lse = torch.full((p.B, p.H, p.Lq), float("-inf"), dtype=torch.float32, device=q.device)
 
     def launch(cfg):
-        grid, lists, pre, post, meta = p.fwd_args(cfg, q, k, v, False)
+        grid, lists, args, meta = p.fwd_args(cfg, q, k, v, False)
         items = _work_items(segments, cfg[0], False, p.right >= 0)     # causal: the last tile is heaviest
         if not items:
             return
         table = torch.tensor(items, dtype=torch.int32).to(q.device)
-        pre = pre[:_PRE_LQ] + (len(items) * cfg[0],) + pre[_PRE_LQ + 1:]
-        fwd_kernel[(len(items) * p.B * p.H,)](q, k, v, out, lse, q, q, q, q, table, *pre, 0, *post,
+        fwd_kernel[(len(items) * p.B * p.H,)](Q=q, K=k, V=v, O=out, LSE=lse, KPM=q, LAY=q, LISTS=q, COUNTS=q,
+                                              ITEMS=table, seed=0, **dict(args, Lq=len(items) * cfg[0]),
                                               **dict(meta, ORDER=0, VARLEN=True))
 
     if p.Lq > 0 and p.B * p.H > 0 and segments:
@@ -436,6 +435,12 @@ def kv_tma_check(k, v) -> None:
         import triton
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         kv_tma_check.allocator_set = True
+
+
+def _strides(name, t):
+    """The element strides of a (B, H, L, D) tensor as kernel arguments named as `AttnParams`
+    names them: ``<name>_b``, ``<name>_h``, ``<name>_l`` (and ``<name>_d``, a unit stride there)."""
+    return dict(zip((f"{name}_b", f"{name}_h", f"{name}_l", f"{name}_d"), t.stride()))
 
 
 def _or_dummy(t, dummy):
