@@ -101,6 +101,14 @@ def _plain(x):
 
 
 def _variant(jit, args, kwargs) -> Variant:
+    # a launch by keyword (the forward's): its non-constexpr parameters go back to their place in the
+    # signature, so that they are specialized (and shipped to a worker) as positional ones are
+    params = [p for p in jit.params if not p.is_constexpr]
+    args, kwargs = list(args), dict(kwargs)
+    for p in params[len(args):]:
+        if p.name not in kwargs:
+            break
+        args.append(kwargs.pop(p.name))
     kw = tuple(sorted(kwargs.items()))
     return Variant(jit.fn.__module__, jit.fn.__name__, tuple(_plain(a) for a in args), kw,
                    (jit.fn.__module__, jit.fn.__name__, tuple(_spec(a) for a in args),
