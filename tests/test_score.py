@@ -1,5 +1,5 @@
 """Score terms (softcap, sinks, bias: ALiBi, Relative tables, adaptive span, dense tensors) against
-the float64 oracle (tests/oracle.py: score_attention), forward and backward including the terms'
+the float64 oracle (effattn/testing/oracle.py: score_attention), forward and backward including the terms'
 parameter gradients, alone and combined with causal / window / layout / GQA / padding; their
 determinism, validation and what `explain` says for backends that lack them."""
 import math

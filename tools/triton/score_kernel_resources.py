@@ -1,7 +1,7 @@
 """What each score term adds to the Triton score-terms kernels on a GPU target, read without a GPU.
 
 Compiles ``score_fwd_kernel`` and ``score_bwd_kernel`` (effattn/backends/triton/attention/
-score_kernels.py) offline for ``sm_<arch>`` (as `benchmarks.kernel_resources` does for the main
+score_kernels.py) offline for ``sm_<arch>`` (as `tools.triton.kernel_resources` does for the main
 kernels), once with no term and once per term (softcap, sinks, ALiBi, a relative table, adaptive
 span, a dense bias) and with all of them, causal, and reports registers, stack, spills, shared
 memory and the tile loops' instruction counts, with each term's difference to the no-term kernel.
