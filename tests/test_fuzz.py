@@ -309,16 +309,26 @@ def _keep_mask(unit, q, k, v, kw, seed_value):
 
 # ------------------------------------------------------------------------------ attention
 
-def fuzz_attention(unit, n):
+def _fuzz(strategy, check, describe, key: bytes, n: int):
+    """Runs `check` on `n` seeded draws of `strategy`; `key` is the example database's key (one per
+    unit and op, so failures replay where they were found)."""
     @_settings(n)
     @seed(SEED)
-    @given(c=attention_calls(unit))
+    @given(c=strategy)
     def run(c):
-        note(repr({**c, "kw": {n: (x if n != "layout" else ("layout", x.block_size, x.mask.int().tolist()))
-                               for n, x in c["kw"].items()}}))
-        check_attention(unit, c)
-    run.hypothesis.inner_test._hypothesis_internal_add_digest = unit.name.encode()   # a database key per unit
+        note(describe(c))
+        check(c)
+    run.hypothesis.inner_test._hypothesis_internal_add_digest = key
     run()
+
+
+def _describe_attention(c):
+    return repr({**c, "kw": {n: (x if n != "layout" else ("layout", x.block_size, x.mask.int().tolist()))
+                             for n, x in c["kw"].items()}})
+
+
+def fuzz_attention(unit, n):
+    _fuzz(attention_calls(unit), lambda c: check_attention(unit, c), _describe_attention, unit.name.encode(), n)
 
 
 @pytest.mark.parametrize("unit", ATTN_UNITS)
@@ -467,14 +477,7 @@ def linear_oracle(q, k, v, phi, causal, normalize, eps, state, dtype=torch.float
 
 
 def fuzz_linear(unit, n):
-    @_settings(n)
-    @seed(SEED)
-    @given(c=linear_calls(unit))
-    def run(c):
-        note(repr(c))
-        check_linear(unit, c)
-    run.hypothesis.inner_test._hypothesis_internal_add_digest = b"linear-" + unit.name.encode()
-    run()
+    _fuzz(linear_calls(unit), lambda c: check_linear(unit, c), repr, b"linear-" + unit.name.encode(), n)
 
 
 @pytest.mark.parametrize("unit", LINEAR_UNITS)

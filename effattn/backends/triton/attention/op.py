@@ -199,10 +199,6 @@ def _rank(base_rank: int):
     return lambda call: IEEE_FP32_RANK if _ieee_fp32(call) else base_rank
 
 
-# what the split-KV decode leaves to the prefill kernels: packed sequences, positions, fp32 outputs
-PREFILL_ONLY = PACKED_FEATURES
-
-
 def _caps(features) -> Capabilities:
     return Capabilities(
         devices=frozenset({"cuda", "cpu"}),
@@ -233,7 +229,7 @@ def _admits_score(call):
 # packed sequences, positions and fp32 outputs to the prefill kernels; the score kernels take none of those.
 # triton/score is registered before triton/prefill (same rank): prefill stays the backend's most general row
 DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode,
-                       caps=_caps(FEATURES["attention"] - PREFILL_ONLY - SCORE_FEATURES),
+                       caps=_caps(FEATURES["attention"] - PACKED_FEATURES - SCORE_FEATURES),
                        admits=lambda call: decode.admits(call), describe=lambda call: decode.describe(call),
                        **_COMMON))
 SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score,
