@@ -19,7 +19,7 @@ from benchmarks.lra.model import Classifier, ModelConfig
 from benchmarks.lra.train import TrainConfig, Trainer, train
 from benchmarks.lra.variants import VARIANTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = {"sizes": [64, 32, 32], "min_length": 8, "max_length": 40}
 
 
