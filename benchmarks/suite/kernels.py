@@ -197,9 +197,9 @@ def _launch_call(c: Call):
         if c.backward:
             launch.bwd(torch.empty_like(out), None, q, k, v, out, lse, *args)
         return
-    from effattn.backends.triton.linear import launch as llaunch
     from effattn.backends.triton.linear import ops
-    fmap = llaunch.MAPS.get(c.feature_map, 0)
+    from effattn.feature_maps import KERNEL_MAPS
+    fmap = KERNEL_MAPS.get(c.feature_map, 0)
     F = c.features or c.D
     q = torch.empty(c.B, c.H, c.Lq, F, dtype=c.dtype, device=meta)
     k = torch.empty(c.B, c.Hkv, c.Lk, F, dtype=c.dtype, device=meta)

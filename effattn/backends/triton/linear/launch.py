@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ....feature_maps import FMAP_IDENTITY  # noqa: F401  (MAPS: the one table, under the name benchmarks read)
+from ....feature_maps import FMAP_IDENTITY  # noqa: F401
 from ....splits import sm_count
 from ..runtime import _INTERPRET, _log, _next_pow2, triton
 

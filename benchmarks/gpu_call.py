@@ -1,0 +1,163 @@
+"""One GPU call, prepared on the CPU: ``python3 -m benchmarks.gpu_call [--call 1|2] [--dry-run]``.
+
+A GPU is lent rarely and for minutes, so a call is planned here and run there as one command. A call
+is a list of stages (a shell command, a time budget in seconds, a log file); call 1 installs effattn
+without dependencies, builds the CUDA extension for the local arch in the background while the Triton
+correctness tests run at real sizes, then runs the CUDA tests and the first sections of the benchmark
+suite; call 2 takes what call 1 did not reach (the other sections, the sanitizers). Every stage runs
+under ``timeout`` within its budget and within what is left of the whole call (``--limit`` seconds);
+a stage that fails or runs out of time is recorded and the call goes on. Logs and results go under
+``--out`` (default ``$OUT``); the last thing printed is a table of the stages and then the suite's
+table of ratios. ``--dry-run`` prints the plan and the total budget on any machine;
+``benchmarks/tests/test_gpu_call.py`` keeps each call within its limit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+CALL_LIMIT_S = 590            # one device call: at most 600 s; what is left after the machine's start
+FLA_WHEELS = ".whl"           # ignored folder carried to the GPU: fla-core (pure Python) and its kin
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    command: str              # run by bash in the repository root
+    budget_s: int
+    background: bool = False  # started, not waited for, until a stage with wait_for names it
+    wait_for: Optional[str] = None
+
+
+TRITON_TESTS = "tests/test_gpu.py tests/test_triton_backward.py tests/test_triton_decode.py tests/test_triton_linear.py"
+CUDA_TESTS = "tests/test_cuda_gpu.py tests/test_cuda_linear_gpu.py tests/test_cuda_decode.py tests/test_cuda_wgmma.py"
+PYTEST = "python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
+SUITE = "python3 -m benchmarks.suite --no-plots --out {out}/suite{call}"
+
+
+def stages(call: int) -> List[Stage]:
+    install = Stage("install", "EFFATTN_BUILD_CUDA=0 python3 -m pip install -q --no-deps --no-build-isolation -e . "
+                    f"&& (ls {FLA_WHEELS}/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps "
+                    f"--target /tmp/site {FLA_WHEELS}/*.whl || true)", 45)
+    build = Stage("cuda-build", "TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=6 EFFATTN_BUILD_CUDA=1 "
+                  "python3 setup.py -q build_ext --inplace", 300, background=True)
+    env = Stage("env", "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, torch.version.cuda, "
+                "triton.__version__, torch.cuda.get_device_name())'; nvcc --version | tail -2", 20)
+    if call == 1:
+        return [
+            env, install, build,
+            Stage("triton-tests", f"{PYTEST} {TRITON_TESTS} --junitxml={{out}}/triton-tests.xml", 150),
+            Stage("cuda-tests", f"{PYTEST} {CUDA_TESTS} --junitxml={{out}}/cuda-tests.xml", 60, wait_for="cuda-build"),
+            Stage("suite", SUITE + " --time-limit 4.9 --sections anchors-d128,sparse-long,linear,decode,causal-64k,gqa,"
+                  "anchors-d64 --budget precompile=60,explore=0,anchors-d128=80,sparse-long=50,linear=40,decode=12,"
+                  "causal-64k=30,gqa=20,anchors-d64=40,recheck=25,checks=0", 300),
+        ]
+    if call == 2:
+        return [
+            env, install, build,
+            Stage("suite", SUITE + " --time-limit 5 --sections anchors-d64,gqa,host,sparse-long --budget precompile=60,"
+                  "explore=60,anchors-d64=90,gqa=30,host=10,sparse-long=60,recheck=30,checks=40", 330,
+                  wait_for="cuda-build"),
+            Stage("sanitizer", "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu "
+                  "-p no:cacheprovider tests/test_cuda_gpu.py -k 'bf16 and not deterministic' -x", 120),
+        ]
+    raise SystemExit(f"--call: 1 or 2, not {call}")
+
+
+def total_budget(call: int) -> int:
+    """Seconds the call can take: background stages overlap the foreground ones up to their waiter."""
+    fg = sum(s.budget_s for s in stages(call) if not s.background)
+    return fg
+
+
+def plan_text(call: int, limit: int) -> str:
+    lines = [f"GPU call {call} (limit {limit} s; stages within their budgets and what is left):"]
+    for s in stages(call):
+        how = "background" if s.background else (f"after {s.wait_for}" if s.wait_for else "")
+        lines.append(f"  {s.name:<14} {s.budget_s:>4} s  {how:<18} {s.command}")
+    lines.append(f"foreground budgets sum to {total_budget(call)} s ({total_budget(call) / 60:.1f} min)")
+    return "\n".join(lines)
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in ("/tmp/site", os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    return env
+
+
+def run_call(call: int, out: Path, limit: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    end = time.monotonic() + limit - 10
+    rows, running = [], {}
+    env = _env()
+
+    def finish(name, proc, t0, log, budget):
+        try:
+            rc = proc.wait(timeout=max(1, min(budget, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)     # the stage's whole process group (pytest, nvcc, ...)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            rc = "timeout"
+        rows.append((name, rc, time.monotonic() - t0, log))
+
+    for s in stages(call):
+        if s.wait_for and s.wait_for in running:
+            proc, t0, log, budget = running.pop(s.wait_for)
+            finish(s.wait_for, proc, t0, log, budget - (time.monotonic() - t0))
+        left = end - time.monotonic()
+        if left < 15:
+            rows.append((s.name, "no time", 0.0, None))
+            continue
+        log = out / f"{s.name}.log"
+        cmd = s.command.format(out=shlex.quote(str(out)), call=call)
+        print(f"[{time.strftime('%H:%M:%S')}] {s.name}: {cmd}", file=sys.stderr, flush=True)
+        f = open(log, "w")
+        proc = subprocess.Popen(["bash", "-c", cmd], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        if s.background:
+            running[s.name] = (proc, time.monotonic(), log, s.budget_s)
+            continue
+        finish(s.name, proc, time.monotonic(), log, s.budget_s)
+    for name, (proc, t0, log, budget) in running.items():
+        finish(name, proc, t0, log, budget - (time.monotonic() - t0))
+    print("\n".join(_tail(log, 30) for _, _, _, log in rows if log is not None and log.name == "suite.log"))
+    print(f"\nGPU call {call}: stage, exit, seconds, last line")
+    for name, rc, secs, log in rows:
+        print(f"  {name:<14} {str(rc):>8} {secs:6.0f}  {_tail(log, 1) if log else ''}")
+    return 0 if all(rc == 0 for _, rc, _, _ in rows) else 1
+
+
+def _tail(log: Path, n: int) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").strip().splitlines()[-n:])[:2000]
+    except OSError:
+        return ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--call", type=int, default=1)
+    p.add_argument("--limit", type=int, default=CALL_LIMIT_S, help="seconds for the whole call")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/runs/gpu-call")
+    p.add_argument("--dry-run", action="store_true")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        print(plan_text(a.call, a.limit))
+        return 0
+    return run_call(a.call, Path(a.out), a.limit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
