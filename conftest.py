@@ -24,3 +24,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+def pytest_runtest_logreport(report):
+    """With ``EFFATTN_FAILURE_LOG=FILE`` each failure's report is appended to FILE as it happens, so a
+    run killed by a time limit (a lent GPU's call) still tells which test failed and why."""
+    path = os.environ.get("EFFATTN_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

@@ -7,7 +7,7 @@ correctness tests run at real sizes, then runs the CUDA tests and the first sect
 suite; call 2 takes what call 1 did not reach (the other sections, the sanitizers). Every stage runs
 under ``timeout`` within its budget and within what is left of the whole call (``--limit`` seconds);
 a stage that fails or runs out of time is recorded and the call goes on. Logs and results go under
-``--out`` (default ``$OUT``); the last thing printed is a table of the stages and then the suite's
+``--out`` (default ``$OUT``) as one archive and a summary (a lent GPU returns at most 8 files); the last thing printed is a table of the stages and then the suite's
 table of ratios. ``--dry-run`` prints the plan and the total budget on any machine;
 ``benchmarks/tests/test_gpu_call.py`` keeps each call within its limit.
 """
@@ -19,6 +19,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ class Stage:
 
 TRITON_TESTS = "tests/test_gpu.py tests/test_triton_backward.py tests/test_triton_decode.py tests/test_triton_linear.py"
 CUDA_TESTS = "tests/test_cuda_gpu.py tests/test_cuda_linear_gpu.py tests/test_cuda_decode.py tests/test_cuda_wgmma.py"
-PYTEST = "python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
+PYTEST = "EFFATTN_FAILURE_LOG={out}/failures.txt python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15"
 SUITE = "python3 -m benchmarks.suite --no-plots --out {out}/suite{call}"
 
 
@@ -54,17 +56,17 @@ def stages(call: int) -> List[Stage]:
     if call == 1:
         return [
             env, install, build,
-            Stage("triton-tests", f"{PYTEST} {TRITON_TESTS} --junitxml={{out}}/triton-tests.xml", 150),
-            Stage("cuda-tests", f"{PYTEST} {CUDA_TESTS} --junitxml={{out}}/cuda-tests.xml", 60, wait_for="cuda-build"),
-            Stage("suite", SUITE + " --time-limit 4.9 --sections anchors-d128,sparse-long,linear,decode,causal-64k,gqa,"
-                  "anchors-d64 --budget precompile=60,explore=0,anchors-d128=80,sparse-long=50,linear=40,decode=12,"
-                  "causal-64k=30,gqa=20,anchors-d64=40,recheck=25,checks=0", 300),
+            Stage("triton-tests", f"{PYTEST} {TRITON_TESTS} --junitxml={{out}}/triton-tests.xml", 210),
+            Stage("cuda-tests", f"{PYTEST} {CUDA_TESTS} --junitxml={{out}}/cuda-tests.xml", 50, wait_for="cuda-build"),
+            Stage("suite", SUITE + " --time-limit 3.9 --sections causal-64k,linear,gqa,anchors-d64,decode --budget "
+                  "precompile=45,explore=0,causal-64k=30,linear=80,gqa=25,anchors-d64=50,decode=10,recheck=20,checks=0",
+                  250),
         ]
     if call == 2:
         return [
             env, install, build,
-            Stage("suite", SUITE + " --time-limit 5 --sections anchors-d64,gqa,host,sparse-long --budget precompile=60,"
-                  "explore=60,anchors-d64=90,gqa=30,host=10,sparse-long=60,recheck=30,checks=40", 330,
+            Stage("suite", SUITE + " --time-limit 5 --sections anchors-d128,sparse-long,host --budget precompile=45,"
+                  "explore=40,anchors-d128=80,sparse-long=70,host=10,recheck=40,checks=40", 330,
                   wait_for="cuda-build"),
             Stage("sanitizer", "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu "
                   "-p no:cacheprovider tests/test_cuda_gpu.py -k 'bf16 and not deterministic' -x", 120),
@@ -94,8 +96,11 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def run_call(call: int, out: Path, limit: int) -> int:
-    out.mkdir(parents=True, exist_ok=True)
+def run_call(call: int, final: Path, limit: int) -> int:
+    """Runs the call's stages in a scratch folder, then packs it into ``final/call<N>.tgz`` with the
+    printed summary beside it as ``summary.txt`` (a lent GPU sends back at most 8 files)."""
+    final.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f"gpu-call{call}-"))
     end = time.monotonic() + limit - 10
     rows, running = [], {}
     env = _env()
@@ -132,10 +137,15 @@ def run_call(call: int, out: Path, limit: int) -> int:
         finish(s.name, proc, time.monotonic(), log, s.budget_s)
     for name, (proc, t0, log, budget) in running.items():
         finish(name, proc, t0, log, budget - (time.monotonic() - t0))
-    print("\n".join(_tail(log, 30) for _, _, _, log in rows if log is not None and log.name == "suite.log"))
-    print(f"\nGPU call {call}: stage, exit, seconds, last line")
-    for name, rc, secs, log in rows:
-        print(f"  {name:<14} {str(rc):>8} {secs:6.0f}  {_tail(log, 1) if log else ''}")
+    lines = [_tail(log, 30) for _, _, _, log in rows if log is not None and log.name == "suite.log"]
+    lines += [_tail(out / "failures.txt", 60), f"\nGPU call {call}: stage, exit, seconds, last line"]
+    lines += [f"  {name:<14} {str(rc):>8} {secs:6.0f}  {_tail(log, 1)[:300] if log else ''}" for name, rc, secs, log in rows]
+    summary = "\n".join(x for x in lines if x)
+    (out / "summary.txt").write_text(summary + "\n")
+    (final / "summary.txt").write_text(summary + "\n")
+    with tarfile.open(final / f"call{call}.tgz", "w:gz") as tar:
+        tar.add(out, arcname=f"call{call}")
+    print(summary)
     return 0 if all(rc == 0 for _, rc, _, _ in rows) else 1
 
 

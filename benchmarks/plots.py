@@ -36,7 +36,7 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
         variant, mode, section = key
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.6))
         lengths = sorted(by_L)
-        missing_any = False
+        missing_any, plotted = False, 0
         for i, name in enumerate(order[key]):
             mine = [by_L[L][name] for L in lengths if name in by_L[L]]
             ok = [r for r in mine if r["status"] == "ok"]
@@ -47,6 +47,7 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
                          color=f"C{i % 10}", linestyle="-" if effattn else "--", linewidth=2.2 if effattn else 1.4,
                          zorder=3 if effattn else 2, alpha=1.0 if effattn else 0.85)
             ax_t.plot([r["L"] for r in ok], [r["time_ms"] for r in ok], **style)
+            plotted += len(ok)
             mem = [r for r in ok if r["peak_mem_mib"] is not None]
             ax_m.plot([r["L"] for r in mem], [max(r["peak_mem_mib"], 0.0) for r in mem], **style)
             # no result: an x on the bottom edge (x in data coordinates, y in axes coordinates)
@@ -56,6 +57,9 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
                     ax.plot(gone, [0.02] * len(gone), "x", color=style["color"], markersize=8, clip_on=False,
                             transform=ax.get_xaxis_transform(), zorder=4)
             missing_any = missing_any or bool(gone)
+        if not plotted:                                      # nothing measured (a section cut by its budget)
+            plt.close(fig)
+            continue
         for ax, ylabel in ((ax_t, "time per call (ms, median)"), (ax_m, "memory added by one call (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [f"{L // 1024}k" if L >= 1024 and L % 1024 == 0 else str(L) for L in lengths])

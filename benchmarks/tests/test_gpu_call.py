@@ -37,3 +37,18 @@ def test_dry_run_prints_the_plan(capsys):
     assert gpu_call.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "triton-tests" in out and "cuda-build" in out and "foreground budgets" in out
+
+
+def test_a_call_packs_its_logs_and_kills_a_stage_past_its_budget(tmp_path, monkeypatch, capsys):
+    import tarfile
+    fake = [gpu_call.Stage("bg", "sleep 1; echo built", 20, background=True),
+            gpu_call.Stage("slow", "sleep 30 & sleep 30; echo never", 2),
+            gpu_call.Stage("after", "echo tested > {out}/failures.txt; echo done", 10, wait_for="bg")]
+    monkeypatch.setattr(gpu_call, "stages", lambda call: fake)
+    assert gpu_call.run_call(1, tmp_path, limit=60) == 1             # 'slow' timed out
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "timeout" in summary and "built" in summary and "done" in summary and "tested" in summary
+    with tarfile.open(tmp_path / "call1.tgz") as tar:
+        names = tar.getnames()
+    assert {"call1/bg.log", "call1/slow.log", "call1/after.log", "call1/summary.txt"} <= set(names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["call1.tgz", "summary.txt"]   # within the 8 files
