@@ -25,10 +25,25 @@ UNSPECIALIZED_BWD_ARGS = ["lay_nkb", "group1", "group2", "full_slots1", "full_sl
 
 
 @triton.jit
+def round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits; ties away from zero), still
+    fp32. Given fp32 operands at TF32 precision, the tensor cores drop the low 13 mantissa bits: a
+    truncation, biased toward zero. cuBLAS rounds to nearest, so a TF32 matmul in torch errs at
+    random while Triton's ``tl.dot`` errs one way; in attention the probabilities (all positive)
+    then come out about 2^-11 too small on average and the whole output shrinks by that much.
+    Rounding first makes the hardware's truncation exact. Inf and NaN pass unchanged."""
+    i = x.to(tl.int32, bitcast=True)
+    r = (i + 0x1000) & -8192
+    return tl.where((i & 0x7F800000) == 0x7F800000, i, r).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dot(a, b, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     # INTERP_BF16: Triton's interpreter computes bf16 dots wrongly; fp32 operands are exact there
     if INTERP_BF16:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
+    elif DOT_PREC == "tf32":                 # fp32 operands: round to nearest, not truncate (round_tf32)
+        c = tl.dot(round_tf32(a), round_tf32(b), input_precision=DOT_PREC)
     else:
         c = tl.dot(a, b, input_precision=DOT_PREC)
     return c

@@ -50,7 +50,7 @@ def _mm(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexp
     if INTERP_BF16:
         c = dot(cast(a, DT, INTERP_BF16), cast(b, DT, INTERP_BF16), DOT_PREC, INTERP_BF16)
     else:
-        c = tl.dot(a.to(DT), b.to(DT), input_precision=DOT_PREC)
+        c = dot(a.to(DT), b.to(DT), DOT_PREC, INTERP_BF16)    # fp32 at TF32: rounded to nearest first
     return c
 
 
