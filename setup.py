@@ -140,9 +140,9 @@ setup(
         "test": ["pytest", "pytest-benchmark", "hypothesis>=6.100", TRITON, "numpy", "matplotlib", "tqdm",
                  "transformers>=4.56",
                  "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
-                 # SASS checks of the CUDA kernels (tests/test_cuda_build.py)
+                 # SASS checks of the CUDA kernels (tests/backends/cuda/test_cuda_build.py)
                  "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm",
-                 "build",   # the source distribution's contents (tests/test_cuda_package.py)
+                 "build",   # the source distribution's contents (tests/backends/cuda/test_cuda_package.py)
                  "ruff"],   # the lint CI runs before the tests (pyproject.toml [tool.ruff])
     },
     ext_modules=ext_modules,

@@ -39,8 +39,8 @@ class Stage:
     wait_for: Optional[str] = None
 
 
-TRITON_TESTS = "tests/test_gpu.py tests/test_triton_backward.py tests/test_triton_decode.py tests/test_triton_linear.py"
-CUDA_TESTS = "tests/test_cuda_gpu.py tests/test_cuda_linear_gpu.py tests/test_cuda_decode.py tests/test_cuda_wgmma.py"
+TRITON_TESTS = "tests/contract/test_gpu.py tests/backends/triton/test_triton_backward.py tests/backends/triton/test_triton_decode.py tests/backends/triton/test_triton_linear.py"
+CUDA_TESTS = "tests/backends/cuda/test_cuda_gpu.py tests/backends/cuda/test_cuda_linear_gpu.py tests/backends/cuda/test_cuda_decode.py tests/backends/cuda/test_cuda_wgmma.py"
 PYTEST = "EFFATTN_FAILURE_LOG={out}/failures.txt python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15"
 SUITE = "python3 -m benchmarks.suite --no-plots --out {out}/suite{call}"
 
@@ -69,7 +69,7 @@ def stages(call: int) -> List[Stage]:
                   "explore=40,anchors-d128=80,sparse-long=70,host=10,recheck=40,checks=40", 330,
                   wait_for="cuda-build"),
             Stage("sanitizer", "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu "
-                  "-p no:cacheprovider tests/test_cuda_gpu.py -k 'bf16 and not deterministic' -x", 120),
+                  "-p no:cacheprovider tests/backends/cuda/test_cuda_gpu.py -k 'bf16 and not deterministic' -x", 120),
         ]
     raise SystemExit(f"--call: 1 or 2, not {call}")
 

@@ -5,7 +5,7 @@
 - Outputs are poisoned: torch.empty / empty_like / new_empty hand out NaN-filled float tensors, so an
   element a kernel forgets to write fails the comparison instead of passing by luck.
 - `gpu`-marked tests run only where CUDA is present; with ``EFFATTN_GPU_SMOKE=1`` the ones also
-  marked `toy` (tests/test_gpu.py) run on the CPU at toy sizes, to check them before a GPU session.
+  marked `toy` (tests/contract/test_gpu.py) run on the CPU at toy sizes, to check them before a GPU session.
 - Helpers several modules share: `random_qkv`, the CUDA emulation fixtures (`emulation`,
   `real_and_emulated`) and the csrc/emu self-test builds (`build_selftest`, `selftest_runner`, `run_sanitized`).
 """

@@ -129,7 +129,7 @@ def tensors(c: kernels.Call, device, seed: int = 0):
     FAVOR+), and F (the features the kernels see)."""
     g = torch.Generator(device=device).manual_seed(seed)
     F = c.features or c.D
-    # linear attention as tests/test_gpu.py: smaller inputs where the features grow fast
+    # linear attention as tests/contract/test_gpu.py: smaller inputs where the features grow fast
     s = {"identity": 0.3, "favor": 0.5}.get(c.feature_map, 1.0) if c.op != "attention" else 1.0
     q = (s * torch.randn(c.B, c.H, c.Lq, c.D, generator=g, device=device)).to(c.dtype)
     k = (s * torch.randn(c.B, c.Hkv, c.Lk, c.D, generator=g, device=device)).to(c.dtype)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_visible_pairs_is_the_rules_count():
     """benchmarks.flops counts pairs with effattn.visibility's rule (whose own tests, hand-counted and
-    against the oracle, are tests/test_visibility.py)."""
+    against the oracle, are tests/core/test_visibility.py)."""
     g = torch.Generator().manual_seed(0)
     for Lq, Lk, causal, window in ((10, 10, True, 2), (3, 5, True, None), (10, 10, False, (0, 1))):
         lay = BlockLayout(torch.rand(2, -(-Lq // 4), -(-Lk // 4), generator=g) < 0.5, 4)

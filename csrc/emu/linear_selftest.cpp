@@ -1,4 +1,4 @@
-// Host check of the linear-attention kernels' memory behaviour, run by tests/test_cuda_linear.py
+// Host check of the linear-attention kernels' memory behaviour, run by tests/backends/cuda/test_cuda_linear.py
 // under AddressSanitizer and UBSan (g++ -DEFFATTN_CUDA_EMU): the operand permutations of a causal
 // GQA forward and backward (state pass with stored chunk states, output pass with base state,
 // denominator and normalization; a reverse state pass with loaded row weights; a reverse output

@@ -1,5 +1,5 @@
 // Host checks of the emulation itself and of the kernels' memory behaviour, run by
-// tests/test_cuda_emulation.py (built with g++ -DEFFATTN_CUDA_EMU, and once more under
+// tests/backends/cuda/test_cuda_emulation.py (built with g++ -DEFFATTN_CUDA_EMU, and once more under
 // AddressSanitizer and UBSan). Usage: selftest SCENARIO [SCHEDULE]
 //
 //   maps              prints the fragment maps (tests compare them with the PTX ISA tables)

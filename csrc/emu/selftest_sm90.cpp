@@ -1,4 +1,4 @@
-// Host checks of the wgmma emulation (emu/wgmma.h), run by tests/test_cuda_wgmma.py (built with
+// Host checks of the wgmma emulation (emu/wgmma.h), run by tests/backends/cuda/test_cuda_wgmma.py (built with
 // g++ -DEFFATTN_CUDA_EMU). Usage: selftest_sm90 SCENARIO [ARG]
 //
 //   maps              prints the wgmma D and register-A fragment maps (emu/fragments.h)

@@ -9,7 +9,7 @@ untimed default (``EFFATTN_TRITON_AUTOTUNE=0``, CUDA-graph capture): it must fit
 memory, and on sm_90 use wgmma without spilling in its tile loops. Why each list is what it is (the
 offline compiles behind it) is in docs/design/triton-configs.md; `python -m
 tools.triton.kernel_resources` regenerates the tables (benchmarks/results/offline-sm90/)
-and tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
+and tests/backends/triton/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
 """
 from ..runtime import _INTERPRET
 

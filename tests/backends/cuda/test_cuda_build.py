@@ -1,0 +1,221 @@
+"""Offline checks of the CUDA kernels' build (no GPU needed, only nvcc):
+
+- every csrc/{attention,linear}/*.cu compiles on its own (no torch) for sm_80 and sm_90a;
+- ptxas reports no spills, registers under the cap, and a kernel count within the budget (the
+  templates are over head-dim bucket and dtype only; masks are runtime data);
+- the SASS uses the tensor-core and async-copy instructions the source asks for (HMMA, LDSM,
+  LDGSTS; HGMMA in the Hopper forward's sm_90a code), read with cuobjdump from PyPI's
+  nvidia-cuda-cuobjdump wheel (nvcc 13's own toolkit here has none).
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "csrc")
+ARCHS = ("sm_80", "sm_90a")
+MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
+KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu + bwd.cu: 4 head-dim buckets x 2 dtypes
+                             # x 3 kernels + 2 Delta = 26 (8 forward, 18 backward)
+SOFTMAX = ("attention/fwd.cu", "attention/bwd.cu")   # the forward's and the backward's translation units
+DECODE_KERNELS = 10          # attention/decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
+DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
+# attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
+# empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
+HOPPER_KERNELS = 4
+HOPPER_MAX_REGISTERS = 192
+# linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
+LINEAR_KERNELS = 9
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+
+
+def kernel_sources():
+    """The .cu files setup.py compiles with nvcc: one folder per op under csrc/."""
+    return sorted(glob.glob(os.path.join(CSRC, "*", "*.cu")))
+
+
+def find_tool(name):
+    """`name` on PATH, or from the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels."""
+    exe = shutil.which(name)
+    if exe:
+        return exe
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        hits = glob.glob(os.path.join(root, "**", "bin", name), recursive=True)
+        if hits:
+            return hits[0]
+    return None
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{source relative to csrc/: (ptxas report, object path)}, each .cu built once for both
+    architectures."""
+    out = {}
+    for src in kernel_sources():
+        obj = str(tmp_path_factory.mktemp("nvcc") / (os.path.basename(src) + ".o"))
+        cmd = [NVCC, "-c", "-std=c++17", "-O3", "--threads", "2", "-Xptxas", "-v", "-I", CSRC, src, "-o", obj]
+        for arch in ARCHS:
+            cmd.append(f"-gencode=arch=compute_{arch[3:]},code={arch}")
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+        out[os.path.relpath(src, CSRC)] = (res.stdout + res.stderr, obj)
+    assert out, "no .cu sources in csrc/"
+    return out
+
+
+def ptxas_entries(report):
+    """[(arch, kernel, registers, spill stores, spill loads)] from a -Xptxas -v report."""
+    entries = []
+    for block in report.split("Compiling entry function ")[1:]:
+        name, arch = re.match(r"'([^']+)' for '(sm_\w+)'", block).groups()
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        st, ld = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups())
+        entries.append((arch, name, regs, st, ld))
+    return entries
+
+
+def test_no_spills_registers_under_cap_and_kernel_budget(compiled):
+    for src, (report, _) in compiled.items():
+        entries = ptxas_entries(report)
+        for arch in ARCHS:
+            mine = [e for e in entries if e[0] == arch]
+            assert 0 < len(mine) <= KERNEL_BUDGET, (src, arch, len(mine))
+        spills = [e for e in entries if e[3] or e[4]]
+        assert not spills, spills
+        assert max(e[2] for e in entries) <= MAX_REGISTERS
+
+
+def test_every_kernel_is_built_for_each_bucket_and_dtype(compiled):
+    names = {e[1] for src in SOFTMAX for e in ptxas_entries(compiled[src][0])}
+    for kernel in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                assert any(kernel in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (kernel, hd, bf16)
+
+
+def sass_of(obj, arch):
+    """The SASS listing of an object's `arch` code (cuobjdump -sass)."""
+    exe, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if exe is None or disasm is None:
+        pytest.fail("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm "
+                    "(the 'test' extra)")
+    env = dict(os.environ, PATH=os.path.dirname(disasm) + os.pathsep + os.environ.get("PATH", ""))
+    res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
+    for arch in ARCHS:
+        sass = "".join(sass_of(compiled[src][1], arch) for src in SOFTMAX)
+        for fn in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
+            bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
+            assert len(bodies) == 8, (arch, fn, len(bodies))
+            for body in bodies:
+                for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
+                    assert op in body, (arch, fn, op)
+        assert "LDSM.16.MT88.4" in sass, arch          # the .trans loads of V, dO, Q, K
+
+
+def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
+    """The Hopper forward's sm_90a SASS multiplies on HGMMA (64x64 for S, 64xHD for P V) between
+    warpgroup arrive / wait, loads with LDGSTS and uses no HMMA; its sm_80 build is empty stubs."""
+    report, obj = compiled["attention/fwd_sm90.cu"]
+    entries = [e for e in ptxas_entries(report) if "attn_fwd_sm90_kernel" in e[1]]
+    for arch in ARCHS:
+        assert len([e for e in entries if e[0] == arch]) == HOPPER_KERNELS, arch
+    assert max(e[2] for e in entries if e[0] == "sm_90a") <= HOPPER_MAX_REGISTERS, entries
+    sass = sass_of(obj, "sm_90a")
+    bodies = {b.split("\n", 1)[0]: b for b in sass.split("Function : ")[1:] if "attn_fwd_sm90_kernel" in b[:200]}
+    assert len(bodies) == HOPPER_KERNELS
+    for name, body in bodies.items():
+        hd = 128 if "ILi128E" in name else 64
+        bf16 = "Lb1E" in name
+        for op in ("HGMMA.64x64x16.F32", f"HGMMA.64x{hd}x16.F32", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR",
+                   "LDGSTS", "FENCE.VIEW.ASYNC.S"):
+            assert op in body, (name, op)
+        assert ("HGMMA.64x64x16.F32.BF16" in body) == bf16, name
+        assert "HMMA" not in body.replace("HGMMA", ""), name
+    assert "HGMMA" not in sass_of(obj, "sm_80")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+
+def test_decode_kernels_counts_register_caps_and_sass(compiled):
+    """csrc/attention/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
+    split kernels up to head dim 128 keep 3 blocks per SM by registers (their shared memory allows
+    3 at head dim 128); the split kernels' SASS has tensor-core mma, ldmatrix (.trans for V) and
+    async copies."""
+    report, obj = compiled["attention/decode.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e for e in entries if e[0] == arch]
+        assert len(mine) == DECODE_KERNELS, (arch, len(mine))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                hits = [e for e in mine if "attn_decode_split_kernel" in e[1] and f"ILi{hd}ELb{bf16}E" in e[1]]
+                assert len(hits) == 1, (arch, hd, bf16)
+                assert hits[0][2] <= (DECODE_REGISTER_CAP if hd <= 128 else MAX_REGISTERS), hits[0]
+        assert sum("attn_decode_combine_kernel" in e[1] for e in mine) == 2
+    exe, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if exe is None or disasm is None:
+        pytest.fail("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ, PATH=os.path.dirname(disasm) + os.pathsep + os.environ.get("PATH", ""))
+    for arch in ARCHS:
+        res = subprocess.run([exe, "-sass", "-arch", arch, obj], capture_output=True, text=True, env=env)
+        assert res.returncode == 0, res.stderr
+        bodies = [b for b in res.stdout.split("Function : ")[1:] if "attn_decode_split_kernel" in b.split("\n", 1)[0]]
+        assert len(bodies) == 8, (arch, len(bodies))
+        for body in bodies:
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, op)
+
+
+def test_linear_kernels_counts_and_sass(compiled):
+    """csrc/linear/linear.cu: the chunk-state and output passes per operand split, the step and the FAVOR+
+    kernels; both passes and the FAVOR+ prologue multiply on bf16 tensor cores through ldmatrix
+    (.trans for the reduction-major tiles); their loads are plain (the feature map is applied
+    between global and shared memory)."""
+    report, obj = compiled["linear/linear.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e[1] for e in entries if e[0] == arch]
+        assert len(mine) == LINEAR_KERNELS, (arch, len(mine))
+        for kernel in ("lin_state_kernel", "lin_out_kernel"):
+            for parts in (1, 2, 3):
+                assert sum(kernel in n and f"ILi{parts}E" in n for n in mine) == 1, (arch, kernel, parts)
+        sass = sass_of(obj, arch)
+        for fn, n, ldsm in (("lin_state_kernel", 3, "LDSM.16.MT88.4"), ("lin_out_kernel", 3, "LDSM.16.M88.4"),
+                            ("lin_favor_kernel", 2, "LDSM.16.M88.4")):
+            bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
+            assert len(bodies) == n, (arch, fn, len(bodies))
+            for body in bodies:
+                for op in ("HMMA.16816.F32.BF16", ldsm):
+                    assert op in body, (arch, fn, op)
+
+
+def test_header_the_binding_includes_is_host_cpp(tmp_path):
+    """setup.py compiles csrc/binding/*.cpp with the host compiler (only .cu files go to nvcc): the
+    kernel header it includes must not pull in device code without EFFATTN_CUDA_EMU."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("needs g++")
+    src = tmp_path / "uses_header.cpp"
+    src.write_text('#include "attention/attention.h"\n#include "attention/decode.h"\n'
+                   'int main() { effattn::DecodeParams d{}; return effattn::head_dim_bucket(d.a.D + 1); }\n')
+    res = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", CSRC, str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]

@@ -1,0 +1,170 @@
+"""The torch backend's CPU paths (backends/torch/attention/cpu_flash.py, cpu_blocks.py,
+backends/torch/linear/cpu_slices.py, threads.py): which path a
+call takes and that explain says so; the chunked reference, which the fused paths now shadow on CPU,
+still checked against the oracle; results independent of the thread count.
+
+test_attention.py runs every case through backend="torch", i.e. through the fused paths on CPU.
+"""
+import pytest
+import torch
+
+import effattn
+from effattn.backends.torch.attention import cpu_blocks, cpu_masked
+from effattn.layouts import BlockLayout
+from effattn.testing.oracle import naive_attention
+from tests.core.test_attention import CASES, check_against_oracle, extra_peak_bytes_16k, make_inputs
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+                                reason="this torch has no flash CPU kernel")
+
+
+def qkv(H=4, Hkv=4, Lq=40, Lk=40, D=16, Dv=16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, H, Lq, D, generator=g), torch.randn(1, Hkv, Lk, D, generator=g),
+            torch.randn(1, Hkv, Lk, Dv, generator=g))
+
+
+PATHS = {
+    "dense": (dict(), {}, "flash"),
+    "causal": (dict(), dict(causal=True), "flash"),
+    "gqa-causal": (dict(Hkv=2), dict(causal=True), "flash"),
+    "noncausal-Lq<Lk": (dict(Lq=9), {}, "flash"),
+    "causal-Lq<Lk": (dict(Lq=9), dict(causal=True), "masked"),
+    "window": (dict(), dict(causal=True, window=8), "masked"),
+    "layout": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "masked"),
+    "padding": (dict(), dict(key_padding_mask=torch.zeros(1, 40, dtype=torch.bool)), "masked"),
+    "window-long": (dict(Lq=600, Lk=600), dict(causal=True, window=8), "blocks"),
+    "dv!=d": (dict(Dv=8), {}, "blocks"),
+    "dropout": (dict(), dict(dropout_p=0.1), "reference"),
+}
+ROW = {"flash": "torch/cpu-flash", "masked": "torch/cpu-sdpa-mask", "blocks": "torch/cpu-blocks",
+       "reference": "torch/reference"}
+# why the faster CPU rows leave the call (on their lines in explain)
+WHY_NOT = {"causal-Lq<Lk": ("torch/cpu-flash", "causal with Lq != Lk"),
+           "window": ("torch/cpu-flash", "does not support window"),
+           "layout": ("torch/cpu-flash", "does not support layout"),
+           "padding": ("torch/cpu-flash", "does not support key_padding_mask"),
+           "window-long": ("torch/cpu-sdpa-mask", "the blocks path is faster there"),
+           "dv!=d": ("torch/cpu-flash", "does not support dv_ne_d"),
+           "dropout": ("torch/cpu-blocks", "does not support dropout")}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_explain_reports_the_cpu_path(name):
+    shape, kwargs, path = PATHS[name]
+    q, k, v = qkv(**shape)
+    ex = effattn.explain(q, k, v, **kwargs)
+    assert ex.chosen == "torch" and ex.chosen_path == ROW[path], str(ex)
+    assert ex.paths["torch"].startswith(ROW[path]) and f"picks {ROW[path]}" in str(ex)
+    assert ex.can_serve(ROW[path]) and ex.can_serve("torch/reference")
+    if name in WHY_NOT:
+        row, why = WHY_NOT[name]
+        assert any(why in r for r in ex.row(row).reasons), ex.row(row)
+
+
+def test_flash_path_is_torchs_kernel_bottom_right_where_it_can():
+    """Causal Lq != Lk would be top-left in the flash kernel: effattn keeps bottom-right (q0 sees 32 keys)."""
+    q, k, v = qkv(Lq=8)
+    out = effattn.attention(q, k, v, causal=True)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (top_left - out).abs().max() > 1e-2                      # the two conventions differ here
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_chunked_reference_still_matches_oracle(case_id, monkeypatch):
+    """With the fused paths off, backend="torch" is the chunked reference: fwd, lse and gradients."""
+    monkeypatch.setattr(cpu_blocks, "ENABLED", False)
+    dtype = torch.float32
+    q, k, v, kwargs = make_inputs(CASES[case_id], dtype)
+    ex = effattn.explain(q, k, v, **kwargs)
+    assert ex.chosen_path == "torch/reference"
+    assert all(ex.row(r).reasons for r in ("torch/cpu-flash", "torch/cpu-blocks"))
+    if not kwargs.get("dropout_p"):
+        assert "fused CPU paths turned off (cpu_blocks.ENABLED is False)" in ex.row("torch/cpu-blocks").reasons
+    check_against_oracle(q, k, v, kwargs, dtype, "torch")
+
+
+def _with_threads(n, fn):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("op,masked", [(op, m) for op in ("window-gqa", "layout-perhead", "padding-batch")
+                                       for m in (True, False)] + [("linear", False)])
+def test_results_do_not_depend_on_the_thread_count(op, masked, monkeypatch):
+    """The slice-parallel paths (and torch's kernel with a mask, which takes these short calls
+    first) give bitwise the same outputs and gradients at 1 and 2 threads."""
+    monkeypatch.setattr(cpu_masked, "ENABLED", masked)          # off: the blocks path takes them
+    g = torch.Generator().manual_seed(3)
+    B = 3 if op == "padding-batch" else 1
+    q = torch.randn(B, 4, 150, 16, generator=g)
+    k, v = (torch.randn(B, 2 if op != "layout-perhead" else 4, 150, 16, generator=g) for _ in range(2))
+    kw = {"window-gqa": dict(causal=True, window=40),
+          "layout-perhead": dict(layout=BlockLayout(torch.rand(4, 10, 10, generator=g) < 0.5, 16)),
+          "padding-batch": dict(key_padding_mask=torch.rand(B, 150, generator=g) < 0.3)}.get(op, {})
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if op == "linear":
+            out = effattn.linear_attention(*leaves, causal=True)
+        else:
+            out = effattn.attention(*leaves, **kw)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    one, two = _with_threads(1, run), _with_threads(2, run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
+    """Named feature maps take the slice-parallel path; a callable with parameters stays on the
+    reference so that its parameters get gradients."""
+    q, k, v = qkv()
+    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert two.chosen_path == "torch/linear-cpu-slices" and "in parallel" in two.paths["torch"]
+    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert one.chosen_path == "torch/linear-chunked"
+    assert "one thread" in one.row("torch/linear-cpu-slices").reasons[0]
+    lin = torch.nn.Linear(16, 8)
+    phi = lambda x: torch.nn.functional.elu(lin(x)) + 1  # noqa: E731
+    ex = effattn.explain(q, k, v, op="linear_attention", feature_map=phi)
+    assert ex.chosen_path == "torch/linear-chunked"
+    assert "does not support feature_map=callable" in ex.row("torch/linear-cpu-slices").reasons
+    effattn.linear_attention(q, k, v, feature_map=phi).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+
+
+def test_blocks_path_memory_is_bounded_at_16k():
+    """A causal window of 256 at B=1, H=8, L=16384, D=64 fp32, forward + backward, in a fresh process:
+    the extra peak memory stays far below the 8.6 GB of a score matrix (the inputs, outputs and
+    gradients themselves are 6 x 32 MiB)."""
+    extra = extra_peak_bytes_16k("causal=True, window=256")
+    assert extra < 512 << 20, f"extra peak memory {extra / 2**20:.0f} MiB >= 512 MiB"
+
+
+def test_slice_pool_works_in_a_forked_child(monkeypatch):
+    """A process forked after the pool started (a DataLoader worker) gets its own pool, not a hang."""
+    import multiprocessing as mp
+    monkeypatch.setattr(cpu_masked, "ENABLED", False)           # the blocks path in both processes
+    q, k, v = qkv()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = effattn.attention(q, k, v, causal=True, window=5)          # starts the pool here
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as pool:
+            got = pool.apply_async(_window_call, (q, k, v)).get(timeout=120)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(got, want)
+
+
+def _window_call(q, k, v):
+    torch.set_num_threads(2)
+    return effattn.attention(q, k, v, causal=True, window=5)

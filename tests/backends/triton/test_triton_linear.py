@@ -1,0 +1,235 @@
+"""Tests specific to the Triton linear-attention backend: the decoding step kernel inside KVCache,
+bitwise determinism, what `explain` says, the torch.library ops, and (marked `gpu`) bf16 accuracy up
+to 64k positions. The shared accuracy suite is tests/core/test_linear_attention.py."""
+import pytest
+import torch
+
+import effattn
+from effattn.backends import base
+from effattn.backends.torch.linear.reference import linear_attention_reference
+from effattn.nn import KVCache, MultiheadAttention
+from tests.conftest import DEVICE
+
+pytestmark = pytest.mark.skipif("triton" not in base._REGISTRY["linear_attention"] or
+                                base._REGISTRY["linear_attention"]["triton"].available(DEVICE) is not None,
+                                reason="the Triton backend cannot run here")
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Counts the launches of the one-token step op."""
+    import effattn.backends.triton.linear as tlin
+    calls = []
+    real = tlin.triton_linear_step
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+    monkeypatch.setattr(tlin, "triton_linear_step", spy)
+    return calls
+
+
+def test_kvcache_decoding_uses_the_step_kernel(step_calls):
+    """A module built with linear= decodes token by token through the step kernel (no gradient),
+    and matches its own full forward."""
+    torch.manual_seed(0)
+    E, H, B, L = 16, 2, 1, 12
+    mha = MultiheadAttention(E, H, batch_first=True, linear="elu", backend="triton").to(DEVICE).eval()
+    x = torch.randn(B, L, E, device=DEVICE)
+    with torch.no_grad():
+        full, _ = mha(x, x, x, is_causal=True, need_weights=False)
+        assert not step_calls
+        cache = KVCache()
+        outs = [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, need_weights=False,
+                    cache=cache)[0] for t in range(L)]
+    assert len(step_calls) == L
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+    S, z = cache.state
+    assert S.dtype == torch.float32 and S.shape == (B, H, E // H, E // H) and z.shape == (B, H, E // H)
+
+
+def test_step_with_gradients_takes_the_differentiable_path(step_calls):
+    q, k, v = (torch.randn(1, 2, 1, 8, device=DEVICE, requires_grad=True) for _ in range(3))
+    out = effattn.linear_attention(q, k, v, causal=True, backend="triton")
+    (g,) = torch.autograd.grad(out.sum(), v)
+    assert not step_calls and torch.allclose(g, torch.ones_like(g))    # out = v for one key
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_backward_is_bitwise_deterministic(causal):
+    """GQA with a per-head initial state and a returned state: two runs give the same bits (the
+    key-side passes sum a group's heads in a fixed order; the non-causal reduction is split over the
+    sequence and its partial sums added in a fixed order)."""
+    torch.manual_seed(4)
+    B, H, Hkv, L, D = 1, 4, 2, 70, 16
+    q = torch.randn(B, H, L, D, device=DEVICE)
+    k, v = (torch.randn(B, Hkv, L, D, device=DEVICE) for _ in range(2))
+    S0, z0 = torch.rand(B, H, D, D, device=DEVICE), torch.rand(B, H, D, device=DEVICE)
+    go, gS = torch.randn(B, H, L, D, device=DEVICE), torch.randn(B, H, D, D, device=DEVICE)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, S0, z0)]
+        out, (S, z) = effattn.linear_attention(*leaves[:3], causal=causal, initial_state=tuple(leaves[3:]),
+                                               return_state=True, backend="triton")
+        runs.append((out, S, z) + torch.autograd.grad((out, S), leaves, (go, gS)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("Lq,Lk,causal", [(0, 5, True), (5, 0, True), (5, 0, False), (0, 0, False)])
+def test_empty_lengths_match_torch(Lq, Lk, causal):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, h, n, d, device=DEVICE) for h, n, d in ((2, Lq, 4), (1, Lk, 4), (1, Lk, 3)))
+    got = effattn.linear_attention(q, k, v, causal=causal, return_state=True, backend="triton")
+    want = effattn.linear_attention(q, k, v, causal=causal, return_state=True, backend="torch")
+    for a, b in zip((got[0],) + got[1], (want[0],) + want[1]):
+        assert a.shape == b.shape and not a.isnan().any()
+        torch.testing.assert_close(a, b)
+
+
+def test_gradient_reaches_a_trainable_favor_projection():
+    """FAVOR+ features are computed in torch: a projection made trainable gets its gradient, the same
+    as through the torch reference."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 40, 8, device=DEVICE) * 0.5 for _ in range(3))
+    grads = []
+    for backend in ("triton", "torch"):
+        phi = effattn.FavorFeatures(8, 16, seed=1).to(DEVICE)
+        w = torch.nn.Parameter(phi.projection.clone())
+        del phi.projection
+        phi.projection = w
+        out = effattn.linear_attention(q, k, v, causal=True, feature_map=phi, backend=backend)
+        (g,) = torch.autograd.grad((out * v).sum(), w)
+        grads.append(g)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+def test_explain_names_fused_maps_and_torch_features():
+    q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
+    fused = effattn.explain(q, k, v, op="linear_attention", feature_map="relu", causal=True)
+    assert fused.can_serve("triton") and "'relu' fused into the kernels" in fused.notes["triton"]
+    favor = effattn.explain(q, k, v, op="linear_attention", feature_map=effattn.FavorFeatures(16, 32, seed=0))
+    assert "FAVOR+ features computed in torch" in favor.notes["triton"]
+    assert "computed in torch" in str(effattn.explain(q, k, v, op="linear_attention", feature_map=torch.sigmoid))
+    step = effattn.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], op="linear_attention")
+    assert step.can_serve("triton/linear-step") and step.paths["triton"] == "triton/linear-step"
+    assert "not one token (Lq=8, Lk=8)" in fused.row("triton/linear-step").reasons
+    why = effattn.explain(q.double(), k.double(), v.double(), op="linear_attention").reasons["triton"]
+    assert any("dtype float64 not served" in w for w in why)
+
+
+def test_ops_trace_with_fake_tensors():
+    """The torch.library ops have fake impls of the right shapes (what torch.compile traces)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from effattn.backends.triton.linear.ops import triton_linear_apply, triton_linear_causal_fwd
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 4, 9, 8), torch.empty(2, 2, 9, 8), torch.empty(2, 2, 9, 5)
+        out, den, S, z = triton_linear_causal_fwd(q, k, v, None, None, 0, 1, True, 1e-6, False)
+        assert out.shape == (2, 4, 9, 5) and den.shape == (8, 9) and S.shape == (2, 2, 8, 5) and z.shape == (2, 2, 8)
+        out, den = triton_linear_apply(q, S, z, None, None, 0, False, 0.0, torch.float16, False)
+        assert out.shape == (2, 4, 9, 5) and out.dtype == torch.float16 and den.numel() == 0
+
+
+def test_opcheck():
+    """torch.library.opcheck: schemas, fake impls, autograd registration of the ops."""
+    from effattn.backends.triton.linear import ops
+    q = torch.randn(1, 2, 9, 8, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 1, 9, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    S0, z0 = torch.rand(1, 2, 8, 8, device=DEVICE), torch.rand(1, 2, 8, device=DEVICE)
+    torch.library.opcheck(ops.triton_linear_causal_fwd, (q, k, v, S0, z0, -2, 1, True, 1e-6, False))
+    with torch.no_grad():
+        torch.library.opcheck(ops.triton_linear_step, (q[:, :, :1], k[:, :, :1], v[:, :, :1], S0, z0, 1, True, 1e-6))
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+def _reference(q, k, v, causal, normalize, fmap, dtype):
+    """The torch reference's chunked math with every tensor in `dtype` (float64: the oracle at lengths
+    a dense oracle cannot reach; bf16: the naive low-precision error bar)."""
+    phi = {"elu": lambda x: torch.nn.functional.elu(x) + 1, "identity": lambda x: x}[fmap]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, _, _ = linear_attention_reference(phi(leaves[0]), phi(leaves[1]), leaves[2], causal=causal,
+                                           normalize=normalize, eps=1e-6)
+    return out, leaves
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [4096, 16384, 65536])
+@pytest.mark.parametrize("causal,normalize,fmap", [(True, False, "identity"), (True, True, "elu"),
+                                                   (False, True, "elu")], ids=["causal-identity", "causal-elu",
+                                                                               "full-elu"])
+def test_gpu_bf16_long_sequences(L, causal, normalize, fmap, monkeypatch):
+    monkeypatch.setenv("EFFATTN_TRITON_AUTOTUNE", "0")
+    torch.manual_seed(0)
+    B, H, Hkv, D = 1, 4, 2, 64
+    dev = torch.device("cuda")
+    q = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16) * 0.5
+    k = torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16) * 0.5
+    v = torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16)
+    go = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = effattn.linear_attention(*leaves, causal=causal, normalize=normalize, feature_map=fmap, backend="triton")
+    grads = torch.autograd.grad(out, leaves, go)
+    ref, ref_leaves = _reference(q, k, v, causal, normalize, fmap, torch.float64)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, go.double())
+    low, low_leaves = _reference(q, k, v, causal, normalize, fmap, torch.bfloat16)
+    low_grads = torch.autograd.grad(low, low_leaves, go)
+    for name, got, r, n, mult in [("out", out, ref, low, 2)] + [
+            (f"d{c}", g, rg, lg, 3) for c, g, rg, lg in zip("qkv", grads, ref_grads, low_grads)]:
+        assert not got.isnan().any(), name
+        err = (got.double() - r).abs().max().item()
+        nerr = (n.double() - r).abs().max().item()
+        assert err <= mult * nerr + 1e-3 * r.abs().max().item(), f"{name}: {err:.3g} vs naive bf16 {nerr:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_step_kernel_and_determinism(monkeypatch):
+    monkeypatch.setenv("EFFATTN_TRITON_AUTOTUNE", "0")
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    B, H, Hkv, L, D = 2, 8, 2, 4096, 128
+    q = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    full, state = effattn.linear_attention(q, k, v, causal=True, return_state=True, backend="triton")
+    with torch.no_grad():
+        o, st = effattn.linear_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], causal=True, initial_state=state,
+                                         return_state=True, backend="triton")
+    ref, _ = effattn.linear_attention(q[:, :, :1].float(), k[:, :, :1].float(), v[:, :, :1].float(), causal=True,
+                                      initial_state=state, return_state=True, backend="torch")
+    torch.testing.assert_close(o.float(), ref, rtol=2e-2, atol=2e-2)
+    go = torch.randn_like(full)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = effattn.linear_attention(*leaves, causal=True, backend="triton")
+        runs.append(torch.autograd.grad(out, leaves, go))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter skips Triton's compiler: compile the roles of the two linear kernels (and the
+    step kernel) for sm_90 in the default bf16 config at F = Dv = 128, so a GPU-only compile error
+    fails CI, and check they fit, use wgmma and spill nothing inside their loops
+    (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    # the roles whose flags are not a subset of another's (the committed table has all of them)
+    roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
+             "step"]
+    proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes", "2",
+                           "--dtypes", "bf16", "--roles", ",".join(roles)], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(rows) == len(roles) and not [r for r in rows if "error" in r], rows
+    assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
+    assert all(r["hgmma"] > 0 for r in rows if r["role"] != "step"), rows

@@ -1,0 +1,614 @@
+"""Property-based fuzz (hypothesis) over the call space of `effattn.attention` and
+`effattn.linear_attention`, on every runnable unit (a backend, or one path of it) of this machine.
+
+Each example draws every argument (shapes with 0 and 1, head dims 1..256, Lq != Lk, GQA ratios,
+non-contiguous views, windows, layouts, key padding, dropout, scales 0 / negative / tiny / huge,
+magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares) and checks:
+
+- against the float64 oracle (effattn/testing/oracle.py) by the project's rule (test_attention.judge: at most
+  2x the error of the same computation done naively in the dtype, 3x for gradients, plus a floor),
+  here relative to the reference's magnitude; lse against the oracle's, -inf exactly where it is;
+- properties that need no oracle: bitwise determinism; invariance to the content of keys / values
+  no query sees; batch permutation; a row that sees no key gives exactly 0 (lse -inf);
+  GQA equals the call with K / V expanded; ``return_lse`` does not change ``out``;
+- invalid arguments: a clear TypeError / ValueError naming the argument.
+
+CI runs a seeded, bounded number of examples per unit (`ci_examples`); the `fuzz`-marked campaign
+tests run ``EFFATTN_FUZZ_EXAMPLES=N`` per unit (``EFFATTN_FUZZ_SEED`` picks another seed) and skip
+without it. Failures are stored in
+tests/.hypothesis-db (committed), so a failing example replays first on the next run.
+"""
+import contextlib
+import math
+import os
+import random
+from typing import Callable, List, NamedTuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+import effattn
+from effattn import splits
+from effattn.backends import base
+from effattn.layouts import BlockLayout
+from effattn.testing.oracle import feature_map, naive_attention, visibility
+from tests.conftest import op_backends
+from tests.core.test_attention import judge
+
+DB = DirectoryBasedExampleDatabase(os.environ.get("EFFATTN_FUZZ_DB") or
+                                   os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".hypothesis-db"))
+# EFFATTN_FUZZ_SHRINK=0: report the first failing example as drawn (no shrinking: quick mutation checks)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink]
+                                                          if os.environ.get("EFFATTN_FUZZ_SHRINK") != "0" else [])
+settings.register_profile("effattn", database=DB, deadline=None, print_blob=True, phases=PHASES,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.filter_too_much, HealthCheck.differing_executors])
+CAMPAIGN = int(os.environ.get("EFFATTN_FUZZ_EXAMPLES", "0"))
+SEED = int(os.environ.get("EFFATTN_FUZZ_SEED", "20271127"))
+
+
+# ------------------------------------------------------------------------------ runnable units
+
+class Unit(NamedTuple):
+    """One thing the fuzz runs: one registered path (a row of `effattn.backends.base`), reached by
+    naming its backend while the backend's other rows are set aside (``enter()`` returns that
+    context manager)."""
+    name: str
+    op: str
+    backend: str
+    enter: Callable
+    interpreted: bool          # Triton interpreter or the CUDA emulation: slow, tiny shapes
+
+
+def _only(path, emulate: bool):
+    """A context in which `path` is the only row of its backend (the split-KV decode rows admit any
+    key count), and the CUDA kernels run in their emulation when `emulate`."""
+    @contextlib.contextmanager
+    def cm():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(base._REGISTRY[path.op][path.backend], "paths", [path])
+            if path.name.endswith("decode"):
+                mp.setattr(splits, "DECODE_MIN_KEYS", 1)
+            if emulate:
+                mp.setenv("EFFATTN_CUDA_EMU", "1")
+            yield
+    return cm
+
+
+def runnable_units(op: str) -> List[Unit]:
+    """The runnable units of `op` here: each registered path usable on this machine (the CUDA
+    kernels through their emulation on CPU)."""
+    cpu = not torch.cuda.is_available()
+    emu_ok = False
+    if "cuda" in base._REGISTRY[op] and cpu:
+        from effattn.backends.cuda import _ext
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EFFATTN_CUDA_EMU", "1")
+            emu_ok = _ext.emu_problem() is None
+    units = []
+    usable = set(op_backends(op)) | ({"cuda"} if emu_ok else set())
+    for p in base.rows(op):
+        if p.backend not in usable:
+            continue
+        emulate = p.backend == "cuda" and emu_ok
+        units.append(Unit(p.name, op, p.backend, _only(p, emulate), cpu and p.backend in ("triton", "cuda")))
+    return units
+
+
+def ci_examples(unit: Unit) -> int:
+    """Examples per unit in CI (seeded; under two minutes in all on two cores)."""
+    return 6 if unit.interpreted else 25
+
+
+def _settings(n):
+    return settings(settings.get_profile("effattn"), max_examples=n)
+
+
+def _campaign():
+    if not CAMPAIGN:
+        pytest.skip("a fuzz campaign: set EFFATTN_FUZZ_EXAMPLES=N (examples per unit) and run -m fuzz")
+    return CAMPAIGN
+
+
+ATTN_UNITS = [pytest.param(u, id=u.name) for u in runnable_units("attention")]
+LINEAR_UNITS = [pytest.param(u, id=u.name) for u in runnable_units("linear_attention")]
+
+
+# ------------------------------------------------------------------------------ seeded configurations
+
+def draw(seed):
+    """A random combination of every visibility constraint (GQA x window x layout x padding x
+    Lq != Lk x odd head dims) from a seeded generator: the configurations test_cuda_attention.py
+    runs under its two thread schedules (the fuzz below draws its own with hypothesis)."""
+    rng = random.Random(seed)
+    Hkv = rng.choice([1, 2])
+    H = Hkv * rng.choice([1, 2])
+    Lq, Lk = rng.randint(1, 70), rng.randint(1, 70)
+    if rng.random() < 0.4:
+        Lk = Lq
+    D = rng.choice([1, 3, 8, 16, 24, 33])
+    Dv = D if rng.random() < 0.6 else rng.choice([2, 8, 17])
+    kw = {"causal": rng.random() < 0.5}
+    r = rng.random()
+    if r < 0.25:
+        kw["window"] = rng.randint(0, 30)
+    elif r < 0.5:
+        kw["window"] = (rng.randint(0, 30), rng.randint(0, 30))
+    if rng.random() < 0.4:
+        bs = rng.choice([16, 32])
+        Hl = rng.choice([1, H])
+        g = torch.Generator().manual_seed(seed)
+        mask = torch.rand(Hl, math.ceil(Lq / bs), math.ceil(Lk / bs), generator=g) < rng.uniform(0.2, 0.9)
+        kw["layout"] = BlockLayout(mask, bs)
+    kpm = None
+    if rng.random() < 0.4:
+        kpm = torch.rand(2, Lk, generator=torch.Generator().manual_seed(seed + 1)) < rng.uniform(0.0, 0.6)
+    if rng.random() < 0.2:
+        kw["scale"] = rng.uniform(0.05, 1.0)
+    return (2, H, Hkv, Lq, Lk, D, Dv), kw, kpm, rng.random() < 0.5
+
+
+# ------------------------------------------------------------------------------ strategies
+
+def _dtypes(unit):
+    order = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+    caps = next(p.caps for p in base.rows(unit.op) if p.name == unit.name)
+    return [d for d in order if d in caps.dtypes]
+
+
+@st.composite
+def attention_calls(draw, unit):
+    small = unit.interpreted
+    dtype = draw(st.sampled_from(_dtypes(unit)))
+    B = draw(st.integers(0 if not small else 1, 2))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.sampled_from([1, 1, 2, 3]))
+    Lmax = 40 if small else 90
+    Lq, Lk = draw(st.integers(0, Lmax)), draw(st.integers(0, Lmax))
+    if draw(st.booleans()):
+        Lk = Lq
+    if unit.name.endswith("decode"):
+        Lq = min(Lq, 16)
+    hd = st.sampled_from([1, 2, 3, 8, 16, 17, 32, 64, 100, 128, 256]) if not small else \
+        st.sampled_from([1, 3, 8, 16, 24, 64, 256])
+    D = draw(hd)
+    Dv = D if draw(st.booleans()) else draw(hd)
+    kw = {"causal": draw(st.booleans())}
+    w = draw(st.sampled_from(["none", "int", "pair", "none"]))
+    if w == "int":
+        kw["window"] = draw(st.integers(0, Lmax))
+    elif w == "pair":
+        kw["window"] = (draw(st.integers(0, Lmax)), draw(st.integers(0, Lmax)))
+    if draw(st.integers(0, 3)) == 0 and Lq and Lk:
+        bs = draw(st.sampled_from([16, 32, 64]))
+        Hl = draw(st.sampled_from([1, H]))
+        density = draw(st.floats(0.1, 1.0))
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        kw["layout"] = BlockLayout(torch.rand(Hl, -(-Lq // bs), -(-Lk // bs), generator=g) < density, bs)
+    if draw(st.booleans()):
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        kw["key_padding_mask"] = torch.rand(B, Lk, generator=g) < draw(st.floats(0.0, 1.0))
+    # issue 23's arguments: packed sequences (B = 1, no padding or layout), positions, fp32 outputs
+    extra = draw(st.sampled_from(["none", "none", "none", "positions", "packed"]))
+    if extra == "positions" and "layout" not in kw:
+        kw["positions"] = (draw(st.integers(0, 2 * Lmax)), draw(st.integers(0, 2 * Lmax)))
+    if extra == "packed":                 # packed as one row, without padding or layout
+        B = 1
+        kw.pop("layout", None)
+        kw.pop("key_padding_mask", None)
+        def offsets(T):
+            cuts = sorted(draw(st.lists(st.integers(0, T), min_size=n - 1, max_size=n - 1)))
+            return torch.tensor([0, *cuts, T], dtype=torch.int32)
+        n = draw(st.integers(1, 3))
+        cu_q = offsets(Lq)
+        kw["cu_seqlens"] = cu_q if Lq == Lk and draw(st.booleans()) else (cu_q, offsets(Lk))
+        if draw(st.booleans()):
+            cq, ck = kw["cu_seqlens"] if isinstance(kw["cu_seqlens"], tuple) else (cu_q, cu_q)
+            kw["max_seqlen"] = (int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()))
+    if draw(st.integers(0, 3)) == 0 and dtype != torch.float64:
+        kw["out_dtype"] = torch.float32
+    kind = draw(st.sampled_from(["default", "default", "value", "zero", "negative", "tiny", "huge"]))
+    kw["scale"] = {"default": None, "value": draw(st.floats(0.01, 2.0)), "zero": 0.0,
+                   "negative": -draw(st.floats(0.01, 2.0)), "tiny": 1e-30, "huge": 1e4}[kind]
+    if kw["scale"] is None:
+        del kw["scale"]
+    half = dtype in (torch.float16, torch.bfloat16)
+    mag = 10.0 ** draw(st.integers(-4, 1 if half else 4))
+    dropout = draw(st.sampled_from([0.0, 0.0, 0.0, 0.3])) if not unit.name.endswith("decode") else 0.0
+    if dropout and 1 <= Lk <= 256 and B > 0:
+        kw["dropout_p"] = dropout
+    grad = draw(st.booleans()) and not unit.name.endswith("decode")
+    layout_view = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    poison = draw(st.sampled_from([None, float("nan"), float("inf"), -float("inf"), 1e30]))
+    tensor_seed = draw(st.integers(0, 2**31))
+    return dict(dtype=dtype, shape=(B, H, Hkv, Lq, Lk, D, Dv), kw=kw, mag=mag, grad=grad, view=layout_view,
+                poison=poison, seed=tensor_seed)
+
+
+def _make(shape, dtype, mag, view, g):
+    """A tensor of `shape` (B, H, L, D) in `dtype`, magnitude `mag`, as a contiguous tensor, a view of
+    a (B, L, H, D) tensor, or a strided slice of a wider one."""
+    B, H, L, D = shape
+    if view == "transposed":
+        return (torch.randn(B, L, H, D, generator=g, dtype=torch.float64) * mag).to(dtype).transpose(1, 2)
+    if view == "strided":
+        return (torch.randn(B, H, L, 2 * D, generator=g, dtype=torch.float64) * mag).to(dtype)[..., ::2]
+    return (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) * mag).to(dtype)
+
+
+def _inputs(c):
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    g = torch.Generator().manual_seed(c["seed"])
+    dt, mag, view = c["dtype"], c["mag"], c["view"]
+    return _make((B, H, Lq, D), dt, mag, view, g), _make((B, Hkv, Lk, D), dt, mag, view, g), \
+        _make((B, Hkv, Lk, Dv), dt, mag, view, g)
+
+
+def _unseen_keys(c):
+    """bool (B, Hkv, Lk): keys no query of the call sees (the oracle's visibility, per kv head)."""
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    kw = c["kw"]
+    vis = visibility(Lq, Lk, causal=kw.get("causal", False), window=kw.get("window"), layout=kw.get("layout"),
+                     key_padding_mask=kw.get("key_padding_mask"), B=B, H=H, positions=kw.get("positions"),
+                     cu_seqlens=kw.get("cu_seqlens"))
+    return ~vis.any(2).reshape(B, Hkv, H // Hkv, Lk).any(2)
+
+
+def _call(unit, q, k, v, kw, **extra):
+    with unit.enter():
+        return effattn.attention(q, k, v, backend=unit.backend, **kw, **extra)
+
+
+def _admits(unit, q, k, v, kw):
+    """Whether the unit's backend serves this call (else the call must be refused with a reason)."""
+    with unit.enter():
+        ex = effattn.explain(q, k, v, **{n: x for n, x in kw.items()})
+    return ex.can_serve(unit.backend)
+
+
+def _rel_judge(got, ref, low, mult, dtype, what, cond=1.0, terms=None):
+    """`judge` on values divided by the magnitude of the terms they sum (`terms`, e.g. max |v| for
+    out: a result near 0 by cancellation is judged on its terms' scale; default the reference's
+    largest magnitude), with the floor times `cond` (the largest |score|: exp's relative error grows
+    with it); when the naive computation in `dtype` overflows, its yardstick is the float64 result
+    rounded to `dtype`."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    if not ref.numel():
+        return
+    s = (terms if terms is not None else ref.abs().max().item()) or 1.0
+    if not torch.isfinite(low).all():
+        low = ref.to(dtype)
+    judge(got.double() / (s * cond), ref.double() / (s * cond), low.double() / (s * cond), mult, dtype, what)
+
+
+def _score_size(q, k, kw):
+    """max(1, the largest |scaled score|) of a call."""
+    if not (q.numel() and k.numel()):
+        return 1.0
+    G = q.shape[1] // k.shape[1]
+    scale = kw.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+    s = q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale
+    return max(1.0, s.abs().max().item())
+
+
+def _keep_mask(unit, q, k, v, kw, seed_value):
+    """The dropout keep-mask a call with this seed draws, read back through V = identity (out is then
+    P o keep / (1 - p)); True also where P is 0 (no effect there)."""
+    B, Hkv, Lk = k.shape[0], k.shape[1], k.shape[2]
+    eye = torch.eye(Lk, dtype=q.dtype).expand(B, Hkv, Lk, Lk).contiguous()
+    torch.manual_seed(seed_value)
+    with torch.no_grad():
+        p = _call(unit, q, k, eye, kw)
+    probs, _ = naive_attention(q.double(), k.double(), eye.double(), **{n: x for n, x in kw.items()
+                                                                        if n != "dropout_p"})
+    return (p != 0) | (probs == 0)
+
+
+# ------------------------------------------------------------------------------ attention
+
+def _fuzz(strategy, check, describe, key: bytes, n: int):
+    """Runs `check` on `n` seeded draws of `strategy`; `key` is the example database's key (one per
+    unit and op, so failures replay where they were found)."""
+    @_settings(n)
+    @seed(SEED)
+    @given(c=strategy)
+    def run(c):
+        note(describe(c))
+        check(c)
+    run.hypothesis.inner_test._hypothesis_internal_add_digest = key
+    run()
+
+
+def _describe_attention(c):
+    return repr({**c, "kw": {n: (x if n != "layout" else ("layout", x.block_size, x.mask.int().tolist()))
+                             for n, x in c["kw"].items()}})
+
+
+def fuzz_attention(unit, n):
+    _fuzz(attention_calls(unit), lambda c: check_attention(unit, c), _describe_attention, unit.name.encode(), n)
+
+
+@pytest.mark.parametrize("unit", ATTN_UNITS)
+def test_attention_fuzz(unit):
+    fuzz_attention(unit, ci_examples(unit))
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("unit", ATTN_UNITS)
+def test_attention_campaign(unit):
+    fuzz_attention(unit, _campaign())
+
+
+def check_attention(unit, c):
+    q, k, v = _inputs(c)
+    kw, dtype = dict(c["kw"]), c["dtype"]
+    if not _admits(unit, q, k, v, kw):
+        with pytest.raises((TypeError, ValueError)):
+            _call(unit, q, k, v, kw)
+        return
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    drop = kw.get("dropout_p", 0.0)
+    keep = None
+    if drop:
+        keep = _keep_mask(unit, q, k, v, kw, c["seed"])
+    leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    torch.manual_seed(c["seed"])
+    ctx = contextlib.nullcontext() if c["grad"] else torch.no_grad()
+    with ctx:
+        out, lse = _call(unit, *leaves, kw, return_lse=True)
+    assert out.dtype == kw.get("out_dtype", dtype) and tuple(out.shape) == (B, H, Lq, Dv) and lse.shape == (B, H, Lq)
+    torch.manual_seed(c["seed"])
+    with ctx:
+        out2, lse2 = _call(unit, *leaves, kw, return_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse), "not bitwise deterministic"
+    okw = {n: x for n, x in kw.items() if n != "dropout_p"}
+    ref_leaves = [t.detach().double().requires_grad_(c["grad"]) for t in (q, k, v)]
+    ref, ref_lse = naive_attention(*ref_leaves, **okw, dropout_keep=keep, dropout_p=drop)
+    low_leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    low, _ = naive_attention(*low_leaves, **okw, dtype=dtype, dropout_keep=keep, dropout_p=drop)
+    cond = _score_size(q, k, kw)
+    amax = {n: (t.double().abs().max().item() if t.numel() else 0.0) for n, t in zip("qkv", (q, k, v))}
+    inv_keep = 1.0 / (1.0 - drop)
+    _rel_judge(out, ref, low, 2, dtype, "out", cond, terms=amax["v"] * inv_keep)
+    # lse: -inf exactly where the oracle's is; close elsewhere (relative to the scores' size)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs from the oracle's"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        tol = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= tol, "lse differs from the oracle's"
+    # rows that see no key: exactly 0
+    empty = torch.isneginf(ref_lse)
+    assert bool((out[empty] == 0).all()), "a row that sees no key is not exactly 0"
+    if c["grad"] and out.numel():
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"] + 1), dtype=torch.float64)
+        grads = torch.autograd.grad(out, leaves, go.to(out.dtype), allow_unused=True)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, go, allow_unused=True)
+        low_grads = torch.autograd.grad(low, low_leaves, go.to(low.dtype), allow_unused=True)
+        for name, g_, rg, lg in zip("qkv", grads, ref_grads, low_grads):
+            rg = torch.zeros_like(ref_leaves[0 if name == "q" else 1 if name == "k" else 2]) if rg is None else rg
+            g_ = torch.zeros_like(rg) if g_ is None else g_
+            lg = torch.zeros_like(rg) if lg is None else lg
+            gmax = go.abs().max().item()
+            sc = abs(kw.get("scale", 1.0 / math.sqrt(D)))
+            terms = {"q": 2 * sc * gmax * amax["v"] * amax["k"] * inv_keep,
+                     "k": 2 * sc * gmax * amax["v"] * amax["q"] * inv_keep, "v": gmax * inv_keep}[name]
+            _rel_judge(g_, rg, lg, 3, dtype, f"d{name}", cond, terms=terms)
+    with torch.no_grad():
+        check_properties(unit, c, q, k, v, kw)
+
+
+def check_properties(unit, c, q, k, v, kw):
+    """The oracle-free properties, on the forward without gradients (dropout calls reuse their seed)."""
+    s = c["seed"]
+
+    def again(q_, k_, v_, kw_=kw, **extra):
+        torch.manual_seed(s)
+        return _call(unit, q_, k_, v_, kw_, **extra)
+
+    out = again(q, k, v)           # without gradients: forward-only paths (decode) may serve it
+    assert torch.equal(again(q, k, v, return_lse=True)[0], out), "return_lse=True changed out"
+    unseen = _unseen_keys(c)
+    # known gap: the Triton split-KV decode zeroes unseen keys by window and padding, not by layout
+    decode_layout = unit.name == "triton/decode" and "layout" in kw
+    if c["poison"] is not None and unseen.any() and not decode_layout:
+        kp, vp = k.clone(), v.clone()          # (a clone of a strided view is contiguous: compare clones)
+        clean = again(q, kp, vp)
+        kp[unseen] = c["poison"]
+        vp[unseen] = c["poison"]
+        assert torch.equal(again(q, kp, vp), clean), f"keys no query sees (holding {c['poison']}) changed out"
+    B, H, Hkv = c["shape"][:3]
+    if B > 1:
+        perm = torch.arange(B - 1, -1, -1)
+        kw_p = dict(kw)
+        if "key_padding_mask" in kw:
+            kw_p["key_padding_mask"] = kw["key_padding_mask"][perm]
+        if not kw.get("dropout_p"):         # dropout masks follow the batch index
+            assert torch.equal(again(q[perm], k[perm], v[perm], kw_p), out[perm]), "batch permutation"
+    if H != Hkv and not kw.get("dropout_p") and out.numel():
+        G = H // Hkv
+        o_e = again(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[q.dtype]
+        tol *= _score_size(q, k, kw)           # exp's rounding grows with the scores
+        torch.testing.assert_close(o_e.double(), out.double(), rtol=tol, atol=tol * max(1.0, out.abs().max().item()),
+                                   msg=lambda m: f"GQA != the call with K/V expanded: {m}")
+
+
+# ------------------------------------------------------------------------------ linear attention
+
+@st.composite
+def linear_calls(draw, unit):
+    small = unit.interpreted
+    dtype = draw(st.sampled_from(_dtypes(unit)))
+    B = draw(st.integers(0 if not small else 1, 2))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.sampled_from([1, 2]))
+    Lmax = 40 if small else 80
+    Lq = draw(st.integers(0 if not small else 1, Lmax))
+    Lk = Lq if draw(st.booleans()) else draw(st.integers(0 if not small else 1, Lmax))
+    hd = st.sampled_from([1, 3, 8, 16, 33, 64]) if not small else st.sampled_from([1, 8, 16, 24])
+    D = draw(hd)
+    Dv = D if draw(st.booleans()) else draw(hd)
+    return dict(dtype=dtype, shape=(B, H, Hkv, Lq, Lk, D, Dv), causal=draw(st.booleans()),
+                fmap=draw(st.sampled_from(["elu", "relu", "elu"])), normalize=draw(st.booleans()),
+                eps=draw(st.sampled_from([1e-6, 1e-3, 1.0])), state=draw(st.booleans()),
+                grad=draw(st.booleans()), view=draw(st.sampled_from(["contiguous", "transposed", "strided"])),
+                mag=10.0 ** draw(st.integers(-2, 0)), seed=draw(st.integers(0, 2**31)))
+
+
+def linear_oracle(q, k, v, phi, causal, normalize, eps, state, dtype=torch.float64):
+    """Linear attention in its quadratic form with an initial state, in `dtype`."""
+    fq, fk = phi(q.to(dtype)).to(dtype), phi(k.to(dtype)).to(dtype)
+    G = q.shape[1] // k.shape[1]
+    fk, v = fk.repeat_interleave(G, 1), v.to(dtype).repeat_interleave(G, 1)
+    a = fq @ fk.transpose(-1, -2)
+    if causal:
+        a = a * visibility(q.shape[2], k.shape[2], causal=True).to(a.device)
+    num, den = a @ v, a.sum(-1, keepdim=True)
+    if state is not None:
+        num = num + fq @ state[0].to(dtype)
+        den = den + (fq * state[1].to(dtype)[:, :, None, :]).sum(-1, keepdim=True)
+    if not normalize:
+        return num
+    d = den + eps
+    return torch.where(d == 0, torch.zeros_like(num), num / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def fuzz_linear(unit, n):
+    _fuzz(linear_calls(unit), lambda c: check_linear(unit, c), repr, b"linear-" + unit.name.encode(), n)
+
+
+@pytest.mark.parametrize("unit", LINEAR_UNITS)
+def test_linear_attention_fuzz(unit):
+    fuzz_linear(unit, ci_examples(unit))
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("unit", LINEAR_UNITS)
+def test_linear_attention_campaign(unit):
+    fuzz_linear(unit, _campaign())
+
+
+def check_linear(unit, c):
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    dtype = c["dtype"]
+    g = torch.Generator().manual_seed(c["seed"])
+    q = _make((B, H, Lq, D), dtype, c["mag"], c["view"], g)
+    k = _make((B, Hkv, Lk, D), dtype, c["mag"], c["view"], g)
+    v = _make((B, Hkv, Lk, Dv), dtype, c["mag"], c["view"], g)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    state = None
+    if c["state"]:
+        state = (torch.rand(B, H, D, Dv, generator=g, dtype=torch.float64).to(cdt),
+                 (torch.rand(B, H, D, generator=g, dtype=torch.float64) + 1).to(cdt))
+    kw = dict(causal=c["causal"], feature_map=c["fmap"], normalize=c["normalize"], eps=c["eps"])
+    with unit.enter():
+        if not effattn.explain(q, k, v, op="linear_attention", initial_state=state, **kw).can_serve(unit.backend):
+            with pytest.raises((TypeError, ValueError)):
+                effattn.linear_attention(q, k, v, initial_state=state, backend=unit.backend, **kw)
+            return
+    leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    ctx = contextlib.nullcontext() if c["grad"] else torch.no_grad()
+    with ctx, unit.enter():
+        out = effattn.linear_attention(*leaves, initial_state=state, backend=unit.backend, **kw)
+    assert out.dtype == dtype and tuple(out.shape) == (B, H, Lq, Dv)
+    phi = feature_map(c["fmap"])
+    ref_leaves = [t.detach().double().requires_grad_(c["grad"]) for t in (q, k, v)]
+    ref = linear_oracle(*ref_leaves, phi, c["causal"], c["normalize"], c["eps"], state)
+    low_leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    low = linear_oracle(*low_leaves, phi, c["causal"], c["normalize"], c["eps"], state,
+                        dtype=dtype if dtype != torch.float16 else torch.float16)
+    _rel_judge(out, ref, low, 2, dtype, "out")
+    if c["grad"] and out.numel():
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"] + 1), dtype=torch.float64)
+        grads = torch.autograd.grad(out, leaves, go.to(out.dtype), allow_unused=True)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, go, allow_unused=True)
+        low_grads = torch.autograd.grad(low, low_leaves, go.to(low.dtype), allow_unused=True)
+        for name, g_, rg, lg in zip("qkv", grads, ref_grads, low_grads):
+            if rg is None:
+                continue
+            _rel_judge(g_ if g_ is not None else torch.zeros_like(rg), rg,
+                       lg if lg is not None else torch.zeros_like(rg), 3, dtype, f"d{name}")
+    with torch.no_grad(), unit.enter():
+        again = effattn.linear_attention(q, k, v, initial_state=state, backend=unit.backend, **kw)
+    assert torch.equal(again, out.detach()), "linear attention is not bitwise deterministic"
+
+
+# ------------------------------------------------------------------------------ invalid arguments
+
+BAD = {
+    # name -> (the argument the message must name, how to corrupt a valid call)
+    "scale-nan": ("scale", lambda a: a[3].update(scale=float("nan"))),
+    "scale-inf": ("scale", lambda a: a[3].update(scale=float("inf"))),
+    "scale-str": ("scale", lambda a: a[3].update(scale="0.1")),
+    "dropout-one": ("dropout_p", lambda a: a[3].update(dropout_p=1.0)),
+    "dropout-negative": ("dropout_p", lambda a: a[3].update(dropout_p=-0.1)),
+    "causal-int": ("causal", lambda a: a[3].update(causal=1)),
+    "window-negative": ("window", lambda a: a[3].update(window=-2)),
+    "window-triple": ("window", lambda a: a[3].update(window=(1, 2, 3))),
+    "window-float": ("window", lambda a: a[3].update(window=2.5)),
+    "kpm-float": ("key_padding_mask", lambda a: a[3].update(key_padding_mask=torch.zeros(a[0].shape[0],
+                                                                                          a[1].shape[2]))),
+    "kpm-shape": ("key_padding_mask", lambda a: a[3].update(key_padding_mask=torch.zeros(a[0].shape[0],
+                                                                                          a[1].shape[2] + 1,
+                                                                                          dtype=torch.bool))),
+    "layout-type": ("layout", lambda a: a[3].update(layout=torch.ones(1, 1, 1, dtype=torch.bool))),
+    "layout-shape": ("layout", lambda a: a[3].update(layout=BlockLayout(torch.ones(1, 7, 7, dtype=torch.bool), 16))),
+    "backend-name": ("backend", lambda a: a[3].update(backend="tritn")),
+    "unknown-keyword": ("is_causal", lambda a: a[3].update(is_causal=True)),
+    "q-3d": ("q", lambda a: a.__setitem__(0, a[0][0])),
+    "v-dtype": ("v", lambda a: a.__setitem__(2, a[2].to(torch.float16))),
+    "k-headdim": ("head dim", lambda a: a.__setitem__(1, torch.zeros(*a[1].shape[:3], a[1].shape[3] + 1))),
+    "gqa-ratio": ("heads", lambda a: a.__setitem__(0, torch.zeros(a[0].shape[0], 3, *a[0].shape[2:]))),
+    "q-int": ("dtype", lambda a: a.__setitem__(0, a[0].to(torch.int32))),
+    "headdim-zero": ("head dim", lambda a: a.__setitem__(2, torch.zeros(*a[2].shape[:3], 0))),
+    "headdim-257": ("head dim", lambda a: a.__setitem__(0, torch.zeros(*a[0].shape[:3], 257))),
+}
+
+
+@settings(settings.get_profile("effattn"), max_examples=60)
+@seed(SEED)
+@given(bad=st.sampled_from(sorted(BAD)), B=st.integers(1, 2), L=st.integers(1, 20), D=st.sampled_from([4, 8]))
+def test_invalid_arguments_name_the_argument(bad, B, L, D):
+    q, k, v = torch.randn(B, 2, L, D), torch.randn(B, 2, L, D), torch.randn(B, 2, L, D)
+    args = [q, k, v, {}]
+    name, corrupt = BAD[bad]
+    corrupt(args)
+    with pytest.raises((TypeError, ValueError)) as info:
+        effattn.attention(args[0], args[1], args[2], **args[3])
+    assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
+
+
+LINEAR_BAD = {
+    "eps-negative": ("eps", lambda a: a[3].update(eps=-1e-6)),
+    "eps-nan": ("eps", lambda a: a[3].update(eps=float("nan"))),
+    "eps-str": ("eps", lambda a: a[3].update(eps="1e-6")),
+    "causal-int": ("causal", lambda a: a[3].update(causal=1)),
+    "normalize-none": ("normalize", lambda a: a[3].update(normalize=None)),
+    "return-state-int": ("return_state", lambda a: a[3].update(return_state=0)),
+    "feature-map-name": ("feature_map", lambda a: a[3].update(feature_map="softmax")),
+    "feature-map-width": ("feature_map", lambda a: a[3].update(feature_map=lambda x: x.sum(-1))),
+    "state-single": ("initial_state", lambda a: a[3].update(initial_state=torch.zeros(1))),
+    "state-shape": ("initial_state", lambda a: a[3].update(initial_state=(torch.zeros(1, 1, 1, 1), torch.zeros(1)))),
+    "state-int": ("initial_state", lambda a: a[3].update(
+        initial_state=(torch.zeros(a[0].shape[0], 2, a[0].shape[3], a[2].shape[3], dtype=torch.int32),
+                       torch.zeros(a[0].shape[0], 2, a[0].shape[3], dtype=torch.int32)))),
+    "backend-name": ("backend", lambda a: a[3].update(backend="cud")),
+    "unknown-keyword": ("window", lambda a: a[3].update(window=4)),
+    "v-batch": ("batch", lambda a: a.__setitem__(2, torch.zeros(a[2].shape[0] + 1, *a[2].shape[1:]))),
+}
+
+
+@settings(settings.get_profile("effattn"), max_examples=40)
+@seed(SEED)
+@given(bad=st.sampled_from(sorted(LINEAR_BAD)), B=st.integers(1, 2), L=st.integers(1, 20), D=st.sampled_from([4, 8]))
+def test_linear_invalid_arguments_name_the_argument(bad, B, L, D):
+    q, k, v = torch.randn(B, 2, L, D), torch.randn(B, 2, L, D), torch.randn(B, 2, L, D)
+    args = [q, k, v, {}]
+    name, corrupt = LINEAR_BAD[bad]
+    corrupt(args)
+    with pytest.raises((TypeError, ValueError)) as info:
+        effattn.linear_attention(args[0], args[1], args[2], **args[3])
+    assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"

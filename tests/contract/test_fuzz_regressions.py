@@ -1,0 +1,194 @@
+"""Regression tests for the bugs of issue 27 and those the fuzz (tests/contract/test_fuzz.py) found, one per
+bug, named after it, on every backend usable here (Triton in the interpreter, CUDA in the emulation)."""
+import pytest
+import torch
+
+import effattn
+from effattn.backends import base
+from effattn.testing.oracle import naive_attention
+from tests.conftest import op_backends
+from tests.contract.test_fuzz import runnable_units
+
+
+def _units(op):
+    return [pytest.param(u, id=u.name) for u in runnable_units(op)]
+
+
+def _call(unit, fn, *args, **kw):
+    with unit.enter():
+        return fn(*args, backend=unit.backend, **kw)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if not p.values[0].name.endswith("-step")])
+def test_linear_backward_with_initial_state_noncausal_h_eq_hkv(unit):
+    """Triton / CUDA: the non-causal output pass's backward returned the gradients of the keys' state
+    and of initial_state as two views of one tensor when H == Hkv; torch's custom-op wrapper refused."""
+    dtype = torch.float32 if torch.float32 in base._REGISTRY["linear_attention"][unit.backend].caps.dtypes \
+        else torch.float16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 30, 16, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    S0 = (torch.rand(1, 2, 16, 16, generator=g)).requires_grad_()
+    z0 = (torch.rand(1, 2, 16, generator=g) + 1).requires_grad_()
+    out = _call(unit, effattn.linear_attention, q, k, v, causal=False, initial_state=(S0, z0))
+    out.float().sum().backward()
+    # the reference: the same sums in float64
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    S64, z64 = S0.detach().double().requires_grad_(), z0.detach().double().requires_grad_()
+    phi = lambda x: torch.where(x > 0, x + 1, torch.exp(x))  # noqa: E731
+    fq, fk = phi(q64), phi(k64)
+    S = S64 + fk.transpose(-1, -2) @ v64
+    z = z64 + fk.sum(2)
+    ref = (fq @ S) / ((fq * z[:, :, None]).sum(-1, keepdim=True) + 1e-6)
+    ref.sum().backward()
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad), (S0.grad, S64.grad),
+                      (z0.grad, z64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.0, -0.5, -1e-30])
+def test_torch_causal_nonpositive_scale_no_nan(dtype, scale):
+    """torch backend: causal calls with scale <= 0 went to torch's fused flash CPU kernel, whose
+    causal mask then gives NaN; they now take the kernel with a materialized mask, -inf where
+    unseen whatever the scale (explain says why the unmasked kernel does not)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 25, 16, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    out = effattn.attention(q, k, v, causal=True, scale=scale, backend="torch")
+    assert not out.isnan().any()
+    ex = effattn.explain(q, k, v, causal=True, scale=scale)
+    assert ex.paths["torch"].startswith("torch/cpu-sdpa-mask")
+    assert any("causal with scale <= 0" in w for w in ex.row("torch/cpu-flash").reasons)
+    ref, _ = naive_attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True, scale=scale)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert not any(gr.isnan().any() for gr in grads)
+
+
+def test_float64_dropout_backward_scale_in_float64():
+    """torch backend: the dropout backward multiplied by 1 / (1 - p) rounded to float32 (a bool
+    tensor divided by a Python float); float64 gradients were off by ~3e-8 relative."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 9, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    p = 0.3                                  # 1 / 0.7 is not a float32 number
+    torch.manual_seed(5)
+    out = effattn.attention(q, k, v, dropout_p=p, backend="torch")
+    # the keep-mask, read back through V = identity: P o keep / (1 - p)
+    eye = torch.eye(9, dtype=torch.float64)[None, None]
+    torch.manual_seed(5)
+    probs_kept = effattn.attention(q.detach(), k.detach(), eye, dropout_p=p, backend="torch")
+    keep = probs_kept != 0
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(q64, k64, v64, dropout_keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-13)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q64, k64, v64), go)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+# the rows that serve none of these calls: the split-KV decodes (few rows, no grad), the flash CPU
+# kernel (no masks) and the packed CPU row (cu_seqlens only)
+@pytest.mark.parametrize("unit", [p for p in _units("attention")
+                                  if not p.values[0].name.endswith(("decode", "cpu-flash", "cpu-segments"))])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("ignored", ["padding", "window", "layout"])
+def test_nan_in_ignored_key_does_not_poison_row(unit, poison, ignored):
+    """Every backend: a NaN / inf in the K or V row of a key no query sees (padded, outside every
+    window, in no visible layout block) turned whole rows into NaN (0 * NaN in P V and in the
+    gradients). Outputs and gradients must equal the call with finite values there."""
+    from effattn.layouts import BlockLayout
+    dtype = torch.float16 if unit.backend == "cuda" else torch.float32
+    B, H, Lq, Lk, D = 2, 2, 5, 40, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    k, v = torch.randn(B, H, Lk, D, generator=g).to(dtype), torch.randn(B, H, Lk, D, generator=g).to(dtype)
+    bad = torch.zeros(B, H, Lk, dtype=torch.bool)
+    if ignored == "padding":
+        kw = {"key_padding_mask": torch.arange(Lk)[None].expand(B, Lk) >= 30}
+        bad[:, :, 33] = True
+    elif ignored == "window":                      # rows see keys [i + 25, i + 35]
+        kw = {"causal": True, "window": 10}
+        bad[:, :, 3] = True
+    else:                                          # key block 0 (keys 0..15) visible to no query
+        kw = {"layout": BlockLayout(torch.tensor([[[False, True, True]]]), 16)}
+        bad[:, :, 7] = True
+    kp, vp = k.clone(), v.clone()
+    kp[bad], vp[bad] = poison, poison
+    if unit.name.endswith("/score"):               # the score-terms rows serve calls with a score term
+        kw["softcap"] = 30.0
+    outs, grads = [], []
+    for kk, vv in ((k, v), (kp, vp)):
+        leaves = [t.detach().requires_grad_() for t in (q, kk, vv)]
+        out = _call(unit, effattn.attention, *leaves, **kw)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.float().sum(), leaves))
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(grads[0], grads[1]):
+        assert not b.isnan().any()
+        assert torch.equal(a[~bad] if a.shape[1] == H and a.shape[2] == Lk else a, b[~bad]
+                           if b.shape[1] == H and b.shape[2] == Lk else b)
+    for gr in grads[1][1:]:                        # the ignored keys' own gradients: 0
+        assert bool((gr[bad] == 0).all())
+    with torch.no_grad():                          # the forward-only paths (split-KV decode)
+        assert torch.equal(_call(unit, effattn.attention, q, kp, vp, **kw), _call(unit, effattn.attention, q, k, v,
+                                                                                  **kw))
+
+
+@pytest.mark.parametrize("name", [n for n in op_backends("attention") if n != "torch"] + ["cuda"])
+def test_backend_dtype_errors_are_type_errors(name):
+    """A named backend asked for a dtype it does not serve raised RuntimeError; now TypeError (like
+    the public functions' dtype errors), and other refusals ValueError (both still RuntimeError)."""
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype float64 not served"):
+        effattn.attention(q, q, q, backend=name)
+    with pytest.raises(RuntimeError):
+        effattn.attention(q, q, q, backend=name)
+    assert base.DtypeNotServed.__mro__.index(TypeError) < base.DtypeNotServed.__mro__.index(ValueError)
+
+
+def test_readme_documents_triton_fp32_decode_limit():
+    """The Triton split-KV decode serves float32 (IEEE dots) only up to 4096 packed rows x head dim."""
+    import os
+
+    from effattn.backends.triton.attention import decode
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")).read()
+    assert "**4096 for float32 with IEEE dots**" in readme
+    assert decode.fits(16, 256, 256, 4, True) and not decode.fits(32, 256, 256, 4, True)
+    assert decode.fits(64, 64, 64, 4, True) and not decode.fits(128, 64, 64, 4, True)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/reference"])
+def test_empty_batch_per_head_layout_and_padding(unit):
+    """Found by the fuzz: B = 0 with a per-head layout and a key padding mask crashed the torch
+    reference (a reshape of 0 elements with an inferred dimension)."""
+    from effattn.layouts import BlockLayout
+    q = torch.randn(0, 2, 3, 4, requires_grad=True)
+    k, v = torch.randn(0, 1, 1, 4, requires_grad=True), torch.randn(0, 1, 1, 4, requires_grad=True)
+    kw = dict(layout=BlockLayout(torch.ones(2, 1, 1, dtype=torch.bool), 16),
+              key_padding_mask=torch.zeros(0, 1, dtype=torch.bool))
+    out, lse = _call(unit, effattn.attention, q, k, v, return_lse=True, **kw)
+    assert out.shape == (0, 2, 3, 4) and lse.shape == (0, 2, 3)
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    assert all(gr is None or gr.numel() == 0 for gr in grads)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_flash_path_strided_last_dim(name):
+    """Found by the fuzz: torch's fused flash CPU kernel reads rows as if their last dimension were
+    contiguous; a view such as x[..., ::2] gave wrong results (errors of order 1) on the default CPU
+    path. Such inputs are now copied first, and explain says so."""
+    g = torch.Generator().manual_seed(0)
+    t = {n: torch.randn(1, 2, 5, 16, generator=g) for n in "qkv"}
+    t[name] = torch.randn(1, 2, 5, 32, generator=g)[..., ::2]
+    path = effattn.explain(t["q"], t["k"], t["v"]).paths["torch"]
+    assert "flash" in path and f"{name} copied" in path
+    leaves = [t[n].requires_grad_() for n in "qkv"]
+    out = effattn.attention(*leaves, backend="torch")
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref, _ = naive_attention(*ref_leaves)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    go = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,384 @@
+"""Packed variable-length sequences (cu_seqlens), absolute positions, fp32 partial outputs,
+merge_attention and ops.attention_backward (effattn.packed, effattn.merge, effattn.ops)."""
+import math
+
+import pytest
+import torch
+
+import effattn
+from effattn.testing.oracle import naive_attention, visibility
+
+
+def _packed(offs_q, offs_k, H, Hkv, D, Dv, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, offs_q[-1], D, generator=g, dtype=dtype)
+    k = torch.randn(1, Hkv, offs_k[-1], D, generator=g, dtype=dtype)
+    v = torch.randn(1, Hkv, offs_k[-1], Dv, generator=g, dtype=dtype)
+    cu_q = torch.tensor(offs_q, dtype=torch.int32)
+    cu_k = torch.tensor(offs_k, dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def _per_segment(fn, q, k, v, offs_q, offs_k):
+    """fn applied to each segment alone, outputs concatenated along the length."""
+    return torch.cat([fn(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d])
+                      for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])], dim=2)
+
+
+@pytest.fixture(params=["cpu-paths", "work-list"])
+def path(request, monkeypatch):
+    """Packed calls on the CPU run segment by segment on the CPU fast paths, or (fast paths disabled,
+    as on other devices) on the chunked reference's segment work list: both are tested."""
+    from effattn.backends.torch.attention import cpu_blocks
+    monkeypatch.setattr(cpu_blocks, "ENABLED", request.param == "cpu-paths")
+    return request.param
+
+
+CASES = [
+    dict(causal=True),
+    dict(),
+    dict(window=2),
+    dict(causal=True, window=3),
+    dict(window=(1, 4)),
+]
+# segments of length 0 and 1, one longer than the others
+SELF = [0, 3, 3, 4, 13, 19]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "dense")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_packed_self_matches_oracle_per_segment(kw, heads, path):
+    H, Hkv = heads
+    q, k, v, cu, _ = _packed(SELF, SELF, H, Hkv, 8, 6)
+    out, lse = effattn.attention(q, k, v, cu_seqlens=cu, max_seqlen=9, return_lse=True, **kw)
+    ref_out = _per_segment(lambda a, b, c: naive_attention(a, b, c, **kw)[0], q, k, v, SELF, SELF)
+    ref_lse = torch.cat([naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **kw)[1]
+                         for a, b in zip(SELF, SELF[1:])], dim=2)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(2, 1))], ids=["causal", "window"])
+def test_packed_cross_forward_backward_equal_per_segment(kw, path):
+    offs_q, offs_k = [0, 2, 2, 7, 8], [0, 5, 6, 9, 9]          # Lq > Lk, Lk = 0, Lq = 0 segments
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 8, 8)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = effattn.attention(q, k, v, cu_seqlens=(cu_q, cu_k), max_seqlen=(5, 5), **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = _per_segment(lambda a, b, c: effattn.attention(a, b, c, backend="torch", **kw), q, k, v, offs_q, offs_k)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_one_segment_is_the_plain_call_and_gradcheck(path):
+    q, k, v, cu, _ = _packed([0, 7], [0, 7], 2, 1, 4, 4)
+    plain = effattn.attention(q, k, v, causal=True, window=3)
+    packed = effattn.attention(q, k, v, causal=True, window=3, cu_seqlens=cu)
+    torch.testing.assert_close(packed, plain, rtol=1e-12, atol=1e-12)
+    q, k, v, cu, _ = _packed([0, 2, 5, 6], [0, 2, 5, 6], 2, 1, 3, 3)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: effattn.attention(a, b, c, causal=True, cu_seqlens=cu), inputs)
+
+
+def test_packed_dropout_is_reproducible_and_its_gradient_matches():
+    q, k, v, cu, _ = _packed([0, 4, 9], [0, 4, 9], 2, 2, 4, 4)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+
+    def f(a, b, c):
+        torch.manual_seed(7)
+        return effattn.attention(a, b, c, causal=True, dropout_p=0.3, cu_seqlens=cu)
+
+    o1, o2 = f(*inputs), f(*inputs)
+    assert torch.equal(o1, o2)
+    torch.manual_seed(8)
+    assert not torch.equal(o1, effattn.attention(q, k, v, causal=True, dropout_p=0.3, cu_seqlens=cu))
+    # nothing crosses a segment even with dropout: the first segment's rows ignore the second's keys
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 4:] += 5
+    v2[:, :, 4:] += 5
+    assert torch.equal(f(q, k2, v2)[:, :, :4], o1[:, :, :4])
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_packed_float32_backward_against_float64(path):
+    q, k, v, cu, _ = _packed(SELF, SELF, 4, 2, 8, 8, dtype=torch.float32)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = effattn.attention(q, k, v, causal=True, cu_seqlens=cu)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _per_segment(lambda a, b, c: naive_attention(a, b, c, causal=True)[0], q64, k64, v64, SELF, SELF)
+    ref_grads = torch.autograd.grad(ref.sum(), (q64, k64, v64))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_transposed_view_accepted():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 3, 4, generator=g, dtype=torch.float64)             # (T, H, D)
+    view = x.transpose(0, 1)[None]
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    out = effattn.attention(view, view, view, causal=True, cu_seqlens=cu)
+    ref = effattn.attention(view.contiguous(), view.contiguous(), view.contiguous(), causal=True, cu_seqlens=cu)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_explain_names_varlen_for_backends_without_it():
+    q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4, dtype=torch.float16)
+    e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu)
+    assert e.chosen == "torch"
+    assert any("does not support varlen" in r for r in e.reasons["cuda"]), e.reasons["cuda"]
+    assert "packed segments one by one" in e.paths["torch"]
+    e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1)
+    assert "segment work list" in e.paths["torch"]
+    assert any("varlen (cu_seqlens) is not served with dropout" in r for r in e.reasons["triton"]), e.reasons
+    with pytest.raises(RuntimeError, match="varlen"):
+        effattn.attention(q, k, v, cu_seqlens=cu, dropout_p=0.1, backend="triton")
+
+
+# ----------------------------------------------------------------------------------- validation
+
+def _err(match, exc=ValueError, **kw):
+    q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4)
+    args = dict(cu_seqlens=cu)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        effattn.attention(q, k, v, **args)
+
+
+def test_validation_errors_name_the_argument():
+    _err("cu_seqlens must have dtype torch.int32", TypeError, cu_seqlens=torch.tensor([0, 3, 8]))
+    _err("cu_seqlens must be non-decreasing", cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    _err(r"last entry of cu_seqlens must equal the packed length 8, got 7",
+         cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
+    _err(r"cu_seqlens\[0\] must be 0", cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32))
+    _err("max_seqlen=4 is smaller than the longest segment", max_seqlen=4)
+    _err("max_seqlen_k=2 is smaller", cu_seqlens=(torch.tensor([0, 3, 8], dtype=torch.int32),) * 2, max_seqlen=(5, 2))
+    _err("key_padding_mask cannot be combined with cu_seqlens", key_padding_mask=torch.zeros(1, 8, dtype=torch.bool))
+    _err("positions cannot be combined with cu_seqlens", positions=(0, 0))
+    _err("max_seqlen is given without cu_seqlens", cu_seqlens=None, max_seqlen=3)
+    _err("out_dtype must be torch.float32", TypeError, out_dtype=torch.float16)
+    _err("positions must be a", TypeError, cu_seqlens=None, positions=(1.5, 0))
+    _err("positions must be non-negative", cu_seqlens=None, positions=(-1, 0))
+    if torch.cuda.is_available():
+        _err("cu_seqlens is on cuda", cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda"))
+    q = torch.randn(2, 2, 8, 4)
+    with pytest.raises(ValueError, match="packed as"):
+        effattn.attention(q, q, q, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_wrong_device_is_named():
+    q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4)
+    meta = torch.tensor([0, 3, 8], dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="cu_seqlens is on meta"):
+        effattn.attention(q, k, v, cu_seqlens=meta)
+
+
+def test_cu_seqlens_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    cu, m = effattn.cu_seqlens_from_position_ids(pos)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 10] and m == 4
+    # a sequence that continues from a cache offset (positions not restarting at 0) is one segment
+    cu, m = effattn.cu_seqlens_from_position_ids(torch.tensor([5, 6, 7, 0, 1]))
+    assert cu.tolist() == [0, 3, 5] and m == 3
+    with pytest.raises(ValueError, match="one packed row"):
+        effattn.cu_seqlens_from_position_ids(torch.zeros(2, 4, dtype=torch.long))
+
+
+# --------------------------------------------------------------------- positions, merge, backward
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=5), dict(window=(3, 2)), dict()],
+                         ids=["causal", "causal-window", "window", "dense"])
+def test_chunk_pairs_with_positions_merge_to_the_whole_call(kw):
+    """Queries [8, 16) of a 16-token sequence against its key chunks [0, 8) and [8, 16): the merged
+    fp32 partials are the whole call's rows, and the pair backwards sum to its gradients."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]                                      # GQA
+    for t in (q, k, v):
+        t.requires_grad_()
+    whole, whole_lse = effattn.attention(q, k, v, return_lse=True, **kw)
+    dout = torch.randn_like(whole)
+    dq, dk, dv = torch.autograd.grad(whole, (q, k, v), dout, retain_graph=True)
+    qc = q[:, :, 8:]
+    parts = [effattn.attention(qc, k[:, :, s:s + 8], v[:, :, s:s + 8], positions=(8, s), return_lse=True,
+                               out_dtype=torch.float32, **kw) for s in (0, 8)]
+    out, lse = effattn.merge_attention(parts)
+    torch.testing.assert_close(out, whole[:, :, 8:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, whole_lse[:, :, 8:], rtol=1e-5, atol=1e-6)
+    # the merge is differentiable: gradients through it equal the whole call's
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), dout[:, :, 8:])
+    ref = torch.autograd.grad(whole[:, :, 8:], (q, k, v), dout[:, :, 8:], retain_graph=True)
+    for a, b in zip((gq, gk, gv), ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # pair backwards against the global out / lse, summed over the pairs
+    with torch.no_grad():
+        pdq = torch.zeros(1, 4, 8, 8)
+        for s in (0, 8):
+            a, b, c = effattn.ops.attention_backward(dout[:, :, 8:], qc, k[:, :, s:s + 8], v[:, :, s:s + 8],
+                                                     whole[:, :, 8:], whole_lse[:, :, 8:], positions=(8, s), **kw)
+            assert a.dtype == b.dtype == c.dtype == torch.float32
+            pdq += a
+            if s == 8:                                             # keys [8, 16): only rows [8, 16) see them
+                wk = torch.autograd.grad(whole, k, dout * (torch.arange(16) >= 8)[:, None], retain_graph=True)[0]
+                torch.testing.assert_close(b, wk[:, :, 8:], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pdq, dq[:, :, 8:], rtol=1e-5, atol=1e-6)
+
+
+def test_out_dtype_float32_keeps_the_partials():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    out = effattn.attention(q, k, v, causal=True, out_dtype=torch.float32)
+    ref = naive_attention(q, k, v, causal=True)[0]
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() < 1e-5                 # no bf16 rounding of the output
+
+
+def test_merge_attention_empty_rows_and_errors():
+    o = torch.randn(1, 1, 3, 2)
+    lse = torch.tensor([[[0.5, -math.inf, 1.0]]])
+    none = torch.full_like(lse, -math.inf)
+    out, l = effattn.merge_attention([(o, lse), (torch.randn_like(o), none)])
+    torch.testing.assert_close(out, torch.where(torch.isinf(lse)[..., None], torch.zeros_like(o), o))
+    assert torch.equal(torch.isinf(l), torch.isinf(lse)) and not torch.isnan(out).any()
+    with pytest.raises(TypeError, match="non-empty list"):
+        effattn.merge_attention([])
+    with pytest.raises(ValueError, match=r"parts\[1\]"):
+        effattn.merge_attention([(o, lse), (o[..., :1, :], lse)])
+
+
+# ---------------------------------------------------------------------------------- linear attention
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_attention_packed_restarts_the_state(causal):
+    offs = [0, 5, 5, 6, 12]
+    q, k, v, cu, _ = _packed(offs, offs, 4, 2, 4, 3)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = effattn.linear_attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=6)
+    ref = _per_segment(lambda a, b, c: effattn.linear_attention(a, b, c, causal=causal), q, k, v, offs, offs)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    whole = effattn.linear_attention(q, k, v, causal=causal)
+    assert not torch.allclose(out[:, :, 6:], whole[:, :, 6:])        # the state did restart
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    r = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g, r):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="return_state cannot be combined with cu_seqlens"):
+        effattn.linear_attention(q, k, v, cu_seqlens=cu, return_state=True)
+    with pytest.raises(ValueError, match="max_seqlen=3 is smaller"):
+        effattn.linear_attention(q, k, v, cu_seqlens=cu, max_seqlen=3)
+
+
+def test_positions_that_change_nothing_take_the_plain_paths():
+    """A chunk pair at the bottom-right offset, or one whose window hides no pair, is a plain call
+    (the CPU fast paths, the kernels); others keep their positions."""
+    q = torch.randn(1, 2, 8, 4)
+    e = effattn.explain(q, q, q, causal=True, positions=(16, 16))
+    assert "segment work list" not in e.paths["torch"]
+    e = effattn.explain(q, q, q, causal=True, positions=(16, 0))          # every key is in the past: dense
+    assert "flash" in e.paths["torch"]
+    e = effattn.explain(q, q, q, causal=True, window=10, positions=(16, 8))  # the window cuts: positioned
+    assert "segment work list" in e.paths["torch"]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    for qs, ks in ((16, 0), (16, 8), (8, 16)):
+        for kw in (dict(causal=True), dict(causal=True, window=10), dict(window=(3, 9))):
+            part, plse = effattn.attention(q[:, :, qs:qs + 8], k[:, :, ks:ks + 8], v[:, :, ks:ks + 8],
+                                           positions=(qs, ks), return_lse=True, **kw)
+            # the oracle's rows qs..qs+8 of the whole sequence against keys ks..ks+8 only
+            s = q[:, :, qs:qs + 8] @ k[:, :, ks:ks + 8].transpose(-1, -2) / 2.0
+            m = visibility(24, 24, **kw)[0, 0, qs:qs + 8, ks:ks + 8]
+            s = s.masked_fill(~m, float("-inf"))
+            p = torch.where(m.any(-1, keepdim=True), torch.softmax(s, -1), torch.zeros_like(s))
+            torch.testing.assert_close(plse, torch.logsumexp(s, -1), rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(part, p @ v[:, :, ks:ks + 8], rtol=1e-10, atol=1e-10)
+
+
+def test_positions_with_key_padding_and_layout():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    out = effattn.attention(q, k, v, causal=True, window=2, key_padding_mask=pad, positions=(10, 7))
+    s = (q @ k.transpose(-1, -2)) / 2.0
+    i, j = torch.arange(6)[:, None] + 10, torch.arange(6)[None, :] + 7
+    vis = (j <= i) & (j >= i - 2) & ~pad[:, None, None, :]
+    p = torch.where(vis.any(-1, keepdim=True), torch.softmax(s.masked_fill(~vis, float("-inf")), -1), 0.0)
+    torch.testing.assert_close(out, torch.nan_to_num(p) @ v, rtol=1e-10, atol=1e-10)
+    lay = effattn.layouts.local(6, 2, 1, causal=True)
+    with pytest.raises(ValueError, match="positions cannot be combined with layout"):
+        effattn.attention(q, k, v, layout=lay, positions=(10, 7))
+
+
+def _positions_backends():
+    from effattn.backends import base
+    from tests.conftest import op_backends
+    return [n for n in op_backends("attention") if "positions" in base._REGISTRY["attention"][n].caps.features]
+
+
+@pytest.mark.parametrize("backend", _positions_backends())
+@pytest.mark.parametrize("kw,dtype", [(dict(causal=True, window=5), torch.float32), (dict(window=(2, 3)), torch.float32),
+                                      (dict(causal=True), torch.float32), (dict(causal=True, window=5), torch.bfloat16)],
+                         ids=["causal-window", "window", "causal", "causal-window-bf16"])
+def test_positions_and_fp32_output_on_every_backend(backend, kw, dtype):
+    """A chunk pair with positions and an fp32 output on each backend that declares them: equal to the
+    oracle's rows of the whole sequence against the chunk's keys, forward and backward."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(dtype) for _ in range(3))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    k, v = k[:, :1], v[:, :1]
+    qs, ks = 24, 16
+    qc, kc, vc = (t[:, :, s:s + 16].clone().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+    out, lse = effattn.attention(qc, kc, vc, positions=(qs, ks), out_dtype=torch.float32, return_lse=True,
+                                 backend=backend, **kw)
+    assert out.dtype == torch.float32
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qc, kc, vc))
+    m = visibility(40, 40, **kw)[0, 0, qs:qs + 16, ks:ks + 16]
+    s = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) / 4.0).masked_fill(~m, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1))
+    ref = p @ v64.repeat_interleave(2, 1)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=tol, atol=tol)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (qc, kc, vc), dout.float())
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    for a, b in zip(grads, refs):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=10 * tol, atol=10 * tol)
+
+
+def _feature_backends(feature):
+    from effattn.backends import base
+    from tests.conftest import op_backends
+    return [n for n in op_backends("attention") if feature in base._REGISTRY["attention"][n].caps.features]
+
+
+@pytest.mark.parametrize("backend", _feature_backends("varlen"))
+@pytest.mark.parametrize("kw,dtype", [(dict(causal=True), torch.float32), (dict(window=(3, 2)), torch.float32),
+                                      (dict(causal=True, window=9), torch.float32), (dict(), torch.bfloat16)],
+                         ids=["causal", "window", "causal-window", "dense-bf16"])
+def test_packed_on_every_backend_against_the_oracle(backend, kw, dtype):
+    """Cross-attention segments (Lq > Lk, Lq < Lk, no keys, no queries, length 1, one longer than a
+    tile) with GQA and Dv != D on each backend that declares varlen: forward and backward equal the
+    float64 oracle run on each segment alone."""
+    offs_q, offs_k = [0, 2, 2, 7, 8, 48, 49], [0, 5, 6, 9, 9, 50, 51]
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 16, 8, dtype=torch.float32, seed=7)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = effattn.attention(q, k, v, cu_seqlens=(cu_q, cu_k), max_seqlen=(40, 41), backend=backend, **kw)
+    assert out.dtype == dtype
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _per_segment(lambda a, b, c: naive_attention(a, b, c, **kw)[0], q64, k64, v64, offs_q, offs_k)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g.double(), r, rtol=5 * tol, atol=5 * tol)
