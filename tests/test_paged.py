@@ -50,6 +50,47 @@ def test_paged_equals_contiguous(Lq, causal, window, backend):
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("Lq, causal, window", [(1, True, None), (1, True, 100), (3, True, None), (2, False, (150, 0))],
+                         ids=["decode", "decode-window", "chunk-causal", "chunk-window"])
+def test_split_kv_paged_decode_equals_contiguous(Lq, causal, window):
+    """The split-KV paged decode (key range cut into splits of 64 keys, merged by lse) against the float64
+    contiguous call on the same keys: an empty sequence, a last page partly filled (131 = 8 pages of 16
+    + 3), a sequence shorter than one split, and splits past a sequence's end (left empty)."""
+    from effattn.paged_triton import paged_forward, split_plan
+    lens = [0, 131, 40, 256]
+    q, kp, vp, table, seqlens = paged_setup(lens, page_size=16, num_pages=40, Lq=Lq)
+    table = table.clamp_min(0)
+    left, right = effattn.visibility.normalize_window(window, causal)
+    bound = 17 * 16 if left < 0 else Lq + left + 63                   # 17 pages of 16 slots; a window's reach
+    assert split_plan(q, kp, table, left, keys_per_split=64)[0] == -(-bound // 64) > 2
+    out, lse = paged_forward(q, kp, vp, table, seqlens, left, right, 8 ** -0.5, keys_per_split=64)
+    one, one_lse = paged_forward(q, kp, vp, table, seqlens, left, right, 8 ** -0.5, keys_per_split=2048)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == float("-inf")).all())
+    for b, n in enumerate(lens[1:], 1):
+        k, v = contiguous(kp, table[b], n, 16), contiguous(vp, table[b], n, 16)
+        ref, ref_lse = effattn.attention(q[b:b + 1].double(), k.double(), v.double(), causal=causal, window=window,
+                                         return_lse=True)
+        for o, l in ((out, lse), (one, one_lse)):
+            torch.testing.assert_close(o[b:b + 1].double(), ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(l[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_split_plan_reuses_the_decode_rule():
+    """Splits from shapes only: a decode over a table of >= DECODE_MIN_KEYS slots on the nominal H100
+    fills two waves (`plan_splits`); a shorter table, a longer chunk of queries or a narrow left window
+    run one program per query tile and head; explain names the split."""
+    from effattn.paged_triton import split_plan
+    from effattn.splits import DECODE_MIN_KEYS, plan_splits
+    q, kp, vp, table, seqlens = paged_setup([5], page_size=16, num_pages=4)
+    wide = torch.zeros(1, 4096 // 16, dtype=torch.int32)
+    assert split_plan(q, kp, wide, -1) == plan_splits(4, 4096, 132, 64) and split_plan(q, kp, wide, -1)[0] > 1
+    assert split_plan(q, kp, wide[:, :DECODE_MIN_KEYS // 16 - 1], -1)[0] == 1
+    assert split_plan(q.expand(1, 4, 17, 8), kp, wide, -1)[0] == 1
+    assert split_plan(q, kp, wide, 512)[0] == 1 and split_plan(q, kp, wide, 2048)[0] > 1
+    rep = effattn.explain(q, kp, vp, block_table=wide, seqlens=seqlens, backend="triton")
+    assert "split-KV decode" in rep.paths["triton"]
+
+
 def test_paged_kv_cache_decoding_loop_matches_contiguous():
     torch.manual_seed(0)
     H, Hkv, D = 4, 2, 8
