@@ -147,3 +147,183 @@ def test_explain_paged_names_the_gather():
     with pytest.raises(ValueError, match="paged_attention: backend 'triton' cannot serve this call: .*head dim 512"):
         big = [t.new_zeros(*t.shape[:-1], 512) for t in (q, kp, vp)]
         effattn.attention(*big, block_table=table, seqlens=seqlens, backend="triton")
+
+
+# ---- the nn modules' decoding loop on a PagedKVCache ------------------------------------------------
+
+def _stack(window=None, backend="auto", E=32, H=4):
+    from effattn.nn import TransformerEncoder, TransformerEncoderLayer
+    torch.manual_seed(3)
+    layer = TransformerEncoderLayer(E, H, 48, dropout=0.0, batch_first=True, window=window, backend=backend)
+    return TransformerEncoder(layer, 2).eval()
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window"])
+def test_paged_decode_loop_equals_the_kv_cache_loop(window):
+    """A 2-layer stack prefilled with 5 tokens then fed one token at a time: the same outputs on one
+    PagedKVCache per layer (pages of 4, scattered by the free list) as on KVCache, and the caches hold
+    the same keys; the stack's greedy 'tokens' (argmax of each output) agree."""
+    from effattn.nn import KVCache
+    model = _stack(window)
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        kv = [KVCache() for _ in model.layers]
+        paged = [PagedKVCache(16, 4, 4, 8) for _ in model.layers]
+        paged[0].new_sequence()                                   # sequence ids and pages not 0-based
+        paged[0].append([0], torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8))
+        outs = []
+        for sl in [slice(0, 5)] + [slice(t, t + 1) for t in range(5, 12)]:
+            a = model(x[:, sl], is_causal=True, caches=kv)
+            b = model(x[:, sl], is_causal=True, caches=paged)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            outs.append((a[:, -1].argmax(-1), b[:, -1].argmax(-1)))
+    assert all(torch.equal(i, j) for i, j in outs)
+    assert paged[0].lengths.tolist() == [12, 12] and paged[0].rows == [1, 2]
+    assert model.layers[0].self_attn.last_path == "fused"
+    k0 = torch.stack([contiguous(paged[1].k_pages, paged[1].block_table([s])[0], 12, 4)[0] for s in paged[1].rows])
+    torch.testing.assert_close(k0, kv[1].keys if window is None else k0)   # a windowed KVCache trims its keys
+
+
+def test_paged_module_rows_of_different_lengths():
+    """Sequences prefilled apart (3 and 6 tokens), then decoded as one batch with steps of one and of
+    two tokens: each row continues at its own length and equals its own contiguous pass."""
+    from effattn.nn import MultiheadAttention
+    torch.manual_seed(4)
+    mha = MultiheadAttention(16, 2, batch_first=True).eval()
+    cache = PagedKVCache(20, 4, 2, 8)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    xa, xb = torch.randn(1, 9, 16), torch.randn(1, 12, 16)
+    with torch.no_grad():
+        for s, x, n in ((a, xa, 3), (b, xb, 6)):
+            cache.bind([s])
+            mha(x[:, :n], x[:, :n], x[:, :n], is_causal=True, need_weights=False, cache=cache)
+        cache.bind([a, b])
+        got = []
+        for step in (1, 2, 1):
+            ia, ib = cache.held() - 6 + 3, cache.held()
+            x = torch.cat([xa[:, ia:ia + step], xb[:, ib:ib + step]])
+            got.append(mha(x, x, x, is_causal=True, need_weights=False, cache=cache)[0])
+        ref_a = mha(xa[:, :7], xa[:, :7], xa[:, :7], is_causal=True, need_weights=False)[0]
+        ref_b = mha(xb[:, :10], xb[:, :10], xb[:, :10], is_causal=True, need_weights=False)[0]
+    out = torch.cat(got, 1)
+    torch.testing.assert_close(out[0], ref_a[0, 3:7], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1], ref_b[0, 6:10], rtol=1e-5, atol=1e-5)
+    assert cache.seqlens([a, b]).tolist() == cache.lengths.tolist() == [7, 10]
+
+
+def test_paged_module_refuses_what_it_cannot_take():
+    from effattn.nn import MultiheadAttention
+    mha = MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="PagedKVCache runs the paged attention, which takes no need_weights"):
+        mha(x, x, x, is_causal=True, cache=PagedKVCache(8, 4, 2, 8))
+    with pytest.raises(ValueError, match="takes no key_padding_mask"):
+        mha(x, x, x, is_causal=True, need_weights=False, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool),
+            cache=PagedKVCache(8, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"k, v must be \(B=2, Hkv=4, T, D=4"):
+        mha(x, x, x, is_causal=True, need_weights=False, cache=PagedKVCache(8, 4, 4, 4))
+    lin = MultiheadAttention(16, 2, batch_first=True, linear="elu").eval()
+    with pytest.raises(ValueError, match="linear module keeps its state"):
+        lin(x, x, x, is_causal=True, need_weights=False, cache=PagedKVCache(8, 4, 2, 8))
+    cache = PagedKVCache(3, 4, 2, 8)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="needs 4 more pages, 3 free"):
+        mha(x, x, x, is_causal=True, need_weights=False, cache=cache)
+    assert cache.lengths.tolist() == [0, 0] and cache.num_free_pages == 3          # nothing written
+    with pytest.raises(ValueError, match="no rows are bound"):
+        PagedKVCache(3, 4, 2, 8).reserve(4)
+
+
+def test_paged_token_step_reads_nothing_back(monkeypatch):
+    """A single-token step of a layer stack on PagedKVCaches with the Triton paged kernel (split-KV
+    forced, so the combine runs too) converts no tensor to a host value in the stack, the module, the
+    cache, the paged call's checks and planning or the launcher: only the kernels' launches (Triton's
+    interpreter reads its arguments on the host) run unguarded. Outputs equal the eager KVCache stack's."""
+    from test_cache import NoSync
+
+    import effattn.paged_triton as pt
+    from effattn.nn import KVCache
+    guard = NoSync()
+
+    class Unguarded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append((self.kernel.__name__, tuple(grid)))
+
+            def launch(*args, **kwargs):
+                was = guard.active
+                guard.off()
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    if was:
+                        guard.on()
+            return launch
+
+    plan, launched = pt.split_plan, []
+    monkeypatch.setattr(pt, "_paged_fwd", Unguarded(pt._paged_fwd))
+    monkeypatch.setattr(pt, "combine_kernel", Unguarded(pt.combine_kernel))
+    monkeypatch.setattr(pt, "split_plan", lambda *a, **k: plan(*a[:4], keys_per_split=64))
+    model, ref = _stack(window=4, backend="triton"), _stack(window=4)
+    x = torch.randn(1, 8, 32)
+    with torch.no_grad():
+        caches = [PagedKVCache(40, 16, 4, 8) for _ in model.layers]
+        kv = [KVCache() for _ in model.layers]
+        model(x[:, :6], is_causal=True, caches=caches)
+        ref(x[:, :6], is_causal=True, caches=kv)
+        for c in caches:
+            c.reserve(100)                                # 7 pages per row: the split-KV path, 2 splits
+        launched.clear()
+        guard.on()
+        try:
+            outs = [model(x[:, t:t + 1], is_causal=True, caches=caches) for t in (6, 7)]
+            with pytest.raises(AssertionError, match="host sync"):     # the public call checks the values
+                c = caches[0]
+                effattn.attention(x.new_zeros(1, 4, 1, 8), c.k_pages, c.v_pages, block_table=c.block_table(c.rows),
+                                  seqlens=c.lengths, backend="triton")
+        finally:
+            guard.off()
+        for t, out in zip((6, 7), outs):
+            torch.testing.assert_close(out, ref(x[:, t:t + 1], is_causal=True, caches=kv), rtol=1e-5, atol=1e-5)
+    # per step and layer: the paged kernel over 2 splits of 64 keys (7 pages of 16), then the combine
+    assert launched == [("_paged_fwd", (1, 4, 2)), ("combine_kernel", (1,))] * 4
+    assert caches[1].lengths.tolist() == [8]
+
+
+@pytest.mark.gpu
+def test_paged_decode_step_captured_in_a_cuda_graph_replays_like_eager():
+    """A MultiheadAttention token step on a PagedKVCache (1100-token prompt, pages of 16: the split-KV
+    paged decode) captured once in torch.cuda.CUDAGraph after `reserve`, replayed for six tokens: the
+    same outputs and device lengths as the steps run eagerly on a second cache; `sync` then brings the
+    host's counts to the replayed lengths."""
+    from conftest import capture_step
+    from effattn.nn import MultiheadAttention
+    torch.manual_seed(0)
+    E, heads, B, dev = 512, 4, 2, torch.device("cuda")
+    mha = MultiheadAttention(E, heads, batch_first=True, backend="triton").to(dev, torch.bfloat16).eval()
+    prompt = torch.randn(B, 1100, E, device=dev, dtype=torch.bfloat16)
+    tokens = torch.randn(B, 7, E, device=dev, dtype=torch.bfloat16)
+    graphed, eager = (PagedKVCache(200, 16, heads, E // heads, dtype=torch.bfloat16, device=dev) for _ in range(2))
+
+    def step(x, cache):
+        return mha(x, x, x, is_causal=True, need_weights=False, cache=cache)[0]
+
+    with torch.no_grad():
+        for c in (graphed, eager):
+            step(prompt, c)
+        graphed.reserve(16)
+        x = tokens[:, :1].clone()
+        warm, graph, out = capture_step(lambda: step(x, graphed))   # the capture does not move the lengths
+        torch.testing.assert_close(warm, step(x, eager), atol=2e-2, rtol=2e-2)   # tables of 70 and 69 pages
+        for t in range(1, 7):
+            x.copy_(tokens[:, t:t + 1])
+            graph.replay()
+            torch.testing.assert_close(out, step(tokens[:, t:t + 1], eager), atol=2e-2, rtol=2e-2)
+            assert torch.equal(graphed.lengths, eager.lengths), t
+        graphed.sync()
+        assert graphed.seqlens(graphed.rows).tolist() == [1107, 1107]
+    q = torch.randn(B, heads, 1, E // heads, device=dev, dtype=torch.bfloat16)
+    assert "split-KV decode" in effattn.explain(q, graphed.k_pages, graphed.v_pages, block_table=graphed.block_table(
+        graphed.rows), seqlens=graphed.lengths).paths["triton"]
