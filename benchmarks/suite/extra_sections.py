@@ -199,39 +199,58 @@ def _paged_fn(impl: str, q, kp, vp, table, lens, k, v):
     return _effattn_fn(impl.rsplit("-", 1)[1], q, k, v, causal=True)
 
 
-def paged_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
-    """A decode step (one query row, causal) over a paged cache of full sequences (pages of 16
-    shuffled over the pool): each of `paged_impls`, with the memory-bound time in ``max_diff``
-    (``bound <ms>``) as the decode rows have it, and the largest difference from the contiguous decode."""
+def _decode_shapes(sec: Section, device):
+    """``(Lk, H, Hkv, D, dtype)`` of a decode-shaped section and, per batch size (1 and 4), ``(B, the
+    memory-bound time in ms: K and V bytes over the measured copy bandwidth)``."""
     Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
     Hkv = sec.kv_heads or max(1, H // 4)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
+    bounds = [(B, 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8 / bandwidth * 1e3) for B in (1, 4)]
+    return (Lk, H, Hkv, D, dtype), bounds
+
+
+def _decode_row(variant: str, op: str, impl: str, kind: str, dtype, B: int, H: int, Lk: int, D: int,
+                bound_ms: float) -> dict:
+    return dict(variant=variant, op=op, impl=impl, kind=kind, mode="fwd", dtype=str(dtype).replace("torch.", ""),
+                B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None, peak_mem_mib=None,
+                flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None, max_diff=f"bound {bound_ms:.4f}")
+
+
+def _time_decode(row: dict, make_fn, device, deadline: float):
+    """``(row, output)``: `row` timed on ``make_fn()`` (forward, no grad) with its output, or skipped /
+    unsupported / error with ``None``."""
+    if time.monotonic() > deadline:
+        return {**row, "status": "skipped: section budget"}, None
+    try:                                          # explain() says what cannot run
+        with torch.no_grad():
+            fn = make_fn()
+            out = fn()
+            ms = measure.time_ms(fn, device, budget_s=0.2)
+        return {**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms)}, out
+    except registry.Unsupported as e:
+        return {**row, "status": f"unsupported: {e}"}, None
+    except Exception as e:                                 # noqa: BLE001 - recorded
+        return {**row, "status": f"error: {measure.one_line(e)}"}, None
+
+
+def paged_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
+    """A decode step (one query row, causal) over a paged cache of full sequences (pages of 16
+    shuffled over the pool): each of `paged_impls`, with the memory-bound time in ``max_diff``
+    (``bound <ms>``) as the decode rows have it, and the largest difference from the first output."""
+    (Lk, H, Hkv, D, dtype), bounds = _decode_shapes(sec, device)
     rows = []
-    for B in (1, 4):
-        kv_bytes = 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8
+    for B, bound in bounds:
         inputs = paged_inputs(B, H, Hkv, Lk, D, device, dtype)
         ref = None
         for impl in paged_impls(backends):
-            row = dict(variant="paged", op="paged_attention", impl=impl,
-                       kind="baseline" if impl == "gather+sdpa" else "effattn", mode="fwd",
-                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None,
-                       peak_mem_mib=None, flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None,
-                       max_diff=f"bound {kv_bytes / bandwidth * 1e3:.4f}")
-            if time.monotonic() > deadline:
-                rows.append({**row, "status": "skipped: section budget"})
-                continue
-            try:
-                fn = _no_grad(_paged_fn(impl, *inputs))
-                out = fn().float()
-                ref = out if ref is None else ref
-                ms = measure.time_ms(fn, device, budget_s=0.2)
-                rows.append({**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms),
-                             "max_diff": f"{row['max_diff']} |diff| {(out - ref).abs().max().item():.2g}"})
-            except registry.Unsupported as e:
-                rows.append({**row, "status": f"unsupported: {e}"})
-            except Exception as e:                                 # noqa: BLE001 - recorded
-                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+            kind = "baseline" if impl == "gather+sdpa" else "effattn"
+            row = _decode_row("paged", "paged_attention", impl, kind, dtype, B, H, Lk, D, bound)
+            row, out = _time_decode(row, lambda impl=impl: _paged_fn(impl, *inputs), device, deadline)
+            if out is not None:
+                ref = out.float() if ref is None else ref
+                row["max_diff"] += f" |diff| {(out.float() - ref).abs().max().item():.2g}"
+            rows.append(row)
     return rows
 
 
@@ -239,33 +258,14 @@ def decode_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
     """One query row (causal) against Lk keys, H=32 query heads on Hkv=8 KV heads: time per effattn
     backend, next to the memory-bound time = bytes of K and V / measured copy bandwidth (in the
     ``max_diff`` column: ``bound <ms>``)."""
-    Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
-    Hkv = sec.kv_heads or max(1, H // 4)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bandwidth = copy_bandwidth(device)
+    (Lk, H, Hkv, D, dtype), bounds = _decode_shapes(sec, device)
     rows = []
-    for B in (1, 4):
-        kv_bytes = 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8
+    for B, bound in bounds:
         q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
         k, v = (torch.randn(B, Hkv, Lk, D, device=device, dtype=dtype) for _ in range(2))
         for b in backends:
-            row = dict(variant="decode", op="attention", impl=f"effattn-{b}", kind="effattn", mode="fwd",
-                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None,
-                       peak_mem_mib=None, flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None,
-                       max_diff=f"bound {kv_bytes / bandwidth * 1e3:.4f}")
-            if time.monotonic() > deadline:
-                rows.append({**row, "status": "skipped: section budget"})
-                continue
-            try:                                  # explain() says what cannot run
-                fn = _effattn_fn(b, q, k, v, causal=True)
-                with torch.no_grad():
-                    fn()
-                    ms = measure.time_ms(fn, device, budget_s=0.2)
-                rows.append({**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms)})
-            except registry.Unsupported as e:
-                rows.append({**row, "status": f"unsupported: {e}"})
-            except Exception as e:                                 # noqa: BLE001 - recorded
-                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+            row = _decode_row("decode", "attention", f"effattn-{b}", "effattn", dtype, B, H, Lk, D, bound)
+            rows.append(_time_decode(row, lambda b=b: _effattn_fn(b, q, k, v, causal=True), device, deadline)[0])
     return rows
 
 
