@@ -86,9 +86,10 @@ def _check_paged(q, k_pages, v_pages, block_table, seqlens, check_values=True):
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, p = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"{FN}: block_table[{b}, {p}] = {int(block_table[b, p])} points past the pool of "
-                         f"num_pages={num_pages} pages (sequence {b} uses its first "
-                         f"{-(-lens[b] // page_size)} entries)")
+        entry = int(block_table[b, p])
+        where = "is negative" if entry < 0 else "points past the pool"
+        raise ValueError(f"{FN}: block_table[{b}, {p}] = {entry} {where} of num_pages={num_pages} pages (pages "
+                         f"0..{num_pages - 1}; sequence {b} uses its first {-(-lens[b] // page_size)} entries)")
 
 
 def gather_pages(pages: Tensor, block_table: Tensor, seqlens: Tensor) -> Tensor:

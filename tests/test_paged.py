@@ -129,6 +129,29 @@ def test_paged_errors_name_the_argument():
         effattn.attention(q.detach(), kp, vp, block_table=table, seqlens=seqlens, dropout_p=0.1)
     with pytest.raises(ValueError, match="num_pages must be a positive int"):
         PagedKVCache(0, 4, 2, 8)
+    q = q.detach()
+    bad[1, 1] = -2
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -2 is negative of num_pages=60 pages"):
+        effattn.attention(q, kp, vp, block_table=bad, seqlens=seqlens)
+    table[1, 3] = 99                                  # past sequence 1's 3 pages: never read, not checked
+    effattn.attention(q, kp, vp, block_table=table, seqlens=seqlens)
+    with pytest.raises(ValueError, match=r"seqlens must lie in \[0, max_pages \* page_size = 4 \* 4 = 16\] "
+                                         r"\(block_table holds 4 pages per sequence\), got \[5, 17\]"):
+        effattn.attention(q, kp, vp, block_table=table, seqlens=torch.tensor([5, 17], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqlens must lie in .* got \\[-1, 9\\]"):
+        effattn.attention(q, kp, vp, block_table=table, seqlens=torch.tensor([-1, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seqlens must be an int32/int64 tensor \(B=2,\), got torch.float32"):
+        effattn.attention(q, kp, vp, block_table=table, seqlens=seqlens.float())
+    with pytest.raises(ValueError, match=r"block_table must be an int32/int64 tensor \(B=2, max_pages\)"):
+        effattn.attention(q, kp, vp, block_table=table[0], seqlens=seqlens)
+    with pytest.raises(TypeError, match="k_pages is torch.float64 but q is torch.float32"):
+        effattn.attention(q, kp.double(), vp, block_table=table, seqlens=seqlens)
+    with pytest.raises(TypeError, match="v_pages must be a floating-point tensor, got torch.int64"):
+        effattn.attention(q, kp, vp.long(), block_table=table, seqlens=seqlens)
+    with pytest.raises(ValueError, match="q's 3 heads must be a multiple of the 2 KV heads of k_pages"):
+        effattn.attention(q[:, :3], kp, vp, block_table=table, seqlens=seqlens)
+    with pytest.raises(ValueError, match=r"k_pages must be 4-D \(num_pages, page_size, Hkv, D\)"):
+        effattn.attention(q, kp[0], vp, block_table=table, seqlens=seqlens)
     cache = PagedKVCache(2, 4, 2, 8)
     s = cache.new_sequence()
     with pytest.raises(RuntimeError, match="needs 3 more pages, 2 free"):
