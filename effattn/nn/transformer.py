@@ -9,8 +9,8 @@ decoder's cross-attention (``multihead_attn``) is plain softmax attention on the
 
 Differences from torch, all supersets: ``is_causal=True`` needs no ``mask`` (torch requires both);
 there is no nested-tensor inference path (``enable_nested_tensor`` and ``mask_check`` are accepted
-and ignored); layers take ``cache=`` and stacks ``caches=`` (one :class:`effattn.nn.KVCache` per
-layer) for incremental decoding.
+and ignored); layers take ``cache=`` and stacks ``caches=`` (one :class:`effattn.nn.KVCache`, or
+:class:`effattn.nn.PagedKVCache`, per layer) for incremental decoding.
 """
 from __future__ import annotations
 
