@@ -392,10 +392,17 @@ class PagedKVCache:
         return paged_attention(q, self.k_pages, self.v_pages, block_table=table, seqlens=lens, check_values=False,
                                **kwargs)
 
-    def copy(self) -> "PagedKVCache":
-        """An independent copy (its own pools and tables): ``explain`` runs a step on one."""
+    def preview(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(block_table, seqlens)`` that `write` of this step's ``k``, ``v`` would give, with nothing
+        written or allocated here (``explain``): the host bookkeeping is copied, the pools are not."""
         new = PagedKVCache.__new__(PagedKVCache)
-        new.__dict__.update({n: (t.clone() if isinstance(t, Tensor) else t) for n, t in self.__dict__.items()})
+        new.__dict__.update(self.__dict__)
         new._free, new._pages, new._lens = list(self._free), {s: list(p) for s, p in self._pages.items()}, dict(self._lens)
-        new.rows = None if self.rows is None else list(self.rows)
-        return new
+        new._check_kv("PagedKVCache", k.shape[0] if self.rows is None else len(self.rows), k, v)
+        if self.rows is None:
+            new.bind([new.new_sequence() for _ in range(k.shape[0])])
+        else:
+            new.rows, new._table, new.lengths = list(self.rows), self._table.clone(), self.lengths.clone()
+        new._grow(new.rows, k.shape[2], "PagedKVCache")
+        width = max(1, max(len(new._pages[s]) for s in new.rows))
+        return new._table[:, :width], new.lengths + k.shape[2]

@@ -203,6 +203,11 @@ def test_paged_decode_loop_equals_the_kv_cache_loop(window):
     assert all(torch.equal(i, j) for i, j in outs)
     assert paged[0].lengths.tolist() == [12, 12] and paged[0].rows == [1, 2]
     assert model.layers[0].self_attn.last_path == "fused"
+    before = (paged[0].k_pages.clone(), paged[0].lengths.clone(), paged[0].num_free_pages)
+    rep = model.layers[0].self_attn.explain(*(x[:, :4],) * 3, is_causal=True, need_weights=False, cache=paged[0])
+    assert "paged_attention on (4, 16)" in str(rep) and "torch/paged-gather" in str(rep)   # 12 + 4 keys
+    after = (paged[0].k_pages, paged[0].lengths, paged[0].num_free_pages)
+    assert all(torch.equal(a, b) for a, b in zip(before[:2], after[:2])) and before[2] == after[2]   # untouched
     k0 = torch.stack([contiguous(paged[1].k_pages, paged[1].block_table([s])[0], 12, 4)[0] for s in paged[1].rows])
     torch.testing.assert_close(k0, kv[1].keys if window is None else k0)   # a windowed KVCache trims its keys
 

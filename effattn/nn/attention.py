@@ -397,7 +397,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError("MultiheadAttention.explain: nested tensor input is not supported; explain the "
                              "padded call")
         # a step writes into the cache's buffers: a copy takes the step and the caller's cache stays as it was
-        cache = a["cache"].copy() if isinstance(a["cache"], (KVCache, PagedKVCache)) else a["cache"]
+        cache = a["cache"].copy() if isinstance(a["cache"], KVCache) else a["cache"]   # a paged cache: `preview`
         with torch.no_grad():
             step = self._canonicalize(query, key, value, a["key_padding_mask"], a["attn_mask"], a["is_causal"],
                                       cache, a["memory"])
@@ -405,7 +405,7 @@ class MultiheadAttention(nn.Module):
             plan = self._plan(step, a["need_weights"], cache)
             report = None
             if plan.op == "paged_attention":
-                table, lens = cache.write(k, v)
+                table, lens = cache.preview(k, v)
                 report = explain_call(q, cache.k_pages, cache.v_pages, op="paged_attention", block_table=table,
                                       seqlens=lens, causal=step.causal, window=self.window, backend=self.backend)
             elif plan.op == "attention":
