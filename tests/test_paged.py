@@ -50,12 +50,14 @@ def test_paged_equals_contiguous(Lq, causal, window, backend):
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("Lq, causal, window", [(1, True, None), (1, True, 100), (3, True, None), (2, False, (150, 0))],
-                         ids=["decode", "decode-window", "chunk-causal", "chunk-window"])
+@pytest.mark.parametrize("Lq, causal, window", [(1, True, None), (1, True, 100), (3, True, None), (2, False, (150, 0)),
+                                                (20, True, None)],
+                         ids=["decode", "decode-window", "chunk-causal", "chunk-window", "chunk20-unpacked"])
 def test_split_kv_paged_decode_equals_contiguous(Lq, causal, window):
     """The split-KV paged decode (key range cut into splits of 64 keys, merged by lse) against the float64
     contiguous call on the same keys: an empty sequence, a last page partly filled (131 = 8 pages of 16
-    + 3), a sequence shorter than one split, and splits past a sequence's end (left empty)."""
+    + 3), a sequence shorter than one split, and splits past a sequence's end (left empty); the 2 query
+    heads of each KV head packed into one tile (Lq <= 16), or not (Lq = 20)."""
     from effattn.paged_triton import paged_forward, split_plan
     lens = [0, 131, 40, 256]
     q, kp, vp, table, seqlens = paged_setup(lens, page_size=16, num_pages=40, Lq=Lq)
@@ -79,11 +81,12 @@ def test_split_plan_reuses_the_decode_rule():
     """Splits from shapes only: a decode over a table of >= DECODE_MIN_KEYS slots on the nominal H100
     fills two waves (`plan_splits`); a shorter table, a longer chunk of queries or a narrow left window
     run one program per query tile and head; explain names the split."""
-    from effattn.paged_triton import split_plan
+    from effattn.paged_triton import packs, split_plan
     from effattn.splits import DECODE_MIN_KEYS, plan_splits
+    assert packs(4, 2, 1) and packs(32, 8, 16) and not packs(4, 4, 1) and not packs(4, 2, 17) and not packs(8, 1, 9)
     q, kp, vp, table, seqlens = paged_setup([5], page_size=16, num_pages=4)
     wide = torch.zeros(1, 4096 // 16, dtype=torch.int32)
-    assert split_plan(q, kp, wide, -1) == plan_splits(4, 4096, 132, 64) and split_plan(q, kp, wide, -1)[0] > 1
+    assert split_plan(q, kp, wide, -1) == plan_splits(2, 4096, 132, 64) and split_plan(q, kp, wide, -1)[0] > 1  # B * Hkv
     assert split_plan(q, kp, wide[:, :DECODE_MIN_KEYS // 16 - 1], -1)[0] == 1
     assert split_plan(q.expand(1, 4, 17, 8), kp, wide, -1)[0] == 1
     assert split_plan(q, kp, wide, 512)[0] == 1 and split_plan(q, kp, wide, 2048)[0] > 1
