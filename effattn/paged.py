@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ GATHER_NOTE = ("paged KV: the used pages are first gathered into a contiguous ri
                "gather, one copy of the keys per call)")
 
 
-def _check_paged(q, k_pages, v_pages, block_table, seqlens):
+def _check_paged(q, k_pages, v_pages, block_table, seqlens, check_values=True):
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
                     ("seqlens", seqlens)):
         if not isinstance(t, torch.Tensor):
@@ -55,6 +55,15 @@ def _check_paged(q, k_pages, v_pages, block_table, seqlens):
                          f"(num_pages, page_size, Hkv)")
     if k_pages.shape[3] != q.shape[3]:
         raise ValueError(f"{FN}: q has head dim {q.shape[3]}, k_pages {k_pages.shape[3]}")
+    if q.shape[1] % k_pages.shape[2]:
+        raise ValueError(f"{FN}: q's {q.shape[1]} heads must be a multiple of the {k_pages.shape[2]} KV heads of "
+                         f"k_pages (grouped-query attention)")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not t.is_floating_point():
+            raise TypeError(f"{FN}: {name} must be a floating-point tensor, got {t.dtype}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{FN}: {name} is {t.dtype} but q is {q.dtype}; pass the same dtype (cast q or the pool)")
     B = q.shape[0]
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"{FN}: block_table must be an int32/int64 tensor (B={B}, max_pages), got "
@@ -65,18 +74,22 @@ def _check_paged(q, k_pages, v_pages, block_table, seqlens):
     for name, t in (("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table), ("seqlens", seqlens)):
         if t.device != q.device:
             raise ValueError(f"{FN}: {name} is on {t.device}, q on {q.device}")
+    if not check_values or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return                 # the values stay on the device: a graph capture cannot read them back
     num_pages, page_size = k_pages.shape[:2]
     capacity = block_table.shape[1] * page_size
     lens = seqlens.tolist()                                       # host read: the checks need the values
     if any(n < 0 or n > capacity for n in lens):
-        raise ValueError(f"{FN}: seqlens must lie in [0, max_pages * page_size = {capacity}], got {lens}")
+        raise ValueError(f"{FN}: seqlens must lie in [0, max_pages * page_size = {block_table.shape[1]} * {page_size} "
+                         f"= {capacity}] (block_table holds {block_table.shape[1]} pages per sequence), got {lens}")
     used = torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size < seqlens[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, p = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"{FN}: block_table[{b}, {p}] = {int(block_table[b, p])} points past the pool of "
-                         f"num_pages={num_pages} pages (sequence {b} uses its first "
-                         f"{-(-lens[b] // page_size)} entries)")
+        entry = int(block_table[b, p])
+        where = "is negative" if entry < 0 else "points past the pool"
+        raise ValueError(f"{FN}: block_table[{b}, {p}] = {entry} {where} of num_pages={num_pages} pages (pages "
+                         f"0..{num_pages - 1}; sequence {b} uses its first {-(-lens[b] // page_size)} entries)")
 
 
 def gather_pages(pages: Tensor, block_table: Tensor, seqlens: Tensor) -> Tensor:
@@ -125,9 +138,11 @@ class PagedCall:
 
 def make_paged_call(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table: Tensor, seqlens: Tensor,
                     causal: bool = False, window=None, scale: Optional[float] = None, return_lse: bool = False,
-                    backend: str = "auto") -> PagedCall:
-    """Checks a paged call's arguments (errors name the argument) and builds its call."""
-    _check_paged(q, k_pages, v_pages, block_table, seqlens)
+                    backend: str = "auto", check_values: bool = True) -> PagedCall:
+    """Checks a paged call's arguments (errors name the argument) and builds its call. The checks of
+    the values of ``seqlens`` and ``block_table`` read them back to the host: they are skipped with
+    ``check_values=False`` (a `PagedKVCache` builds both itself) and under CUDA graph capture."""
+    _check_paged(q, k_pages, v_pages, block_table, seqlens, check_values)
     left, right = normalize_window(window, causal)
     return PagedCall(q, k_pages, v_pages, block_table, seqlens, causal, window, left, right, scale, return_lse,
                      backend)
@@ -142,11 +157,13 @@ def paged_row(call: PagedCall) -> "base.Path":
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table: Tensor, seqlens: Tensor,
                     causal: bool = False, window=None, scale: Optional[float] = None, return_lse: bool = False,
-                    backend: str = "auto"):
+                    backend: str = "auto", check_values: bool = True):
     """Attention of ``q (B, H, Lq, D)`` over paged keys/values (see the module docstring); what
-    ``effattn.attention(q, k_pages, v_pages, block_table=, seqlens=)`` runs. Forward only."""
+    ``effattn.attention(q, k_pages, v_pages, block_table=, seqlens=)`` runs. Forward only.
+    ``check_values=False``: see `make_paged_call`."""
     call = make_paged_call(q, k_pages, v_pages, block_table=block_table, seqlens=seqlens, causal=causal,
-                           window=window, scale=scale, return_lse=return_lse, backend=backend)
+                           window=window, scale=scale, return_lse=return_lse, backend=backend,
+                           check_values=check_values)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
         raise ValueError(f"{FN}: paged attention is forward only; call it under torch.no_grad() (q, k_pages "
                          f"or v_pages requires grad)")
@@ -182,10 +199,26 @@ class PagedKVCache:
 
     Attributes:
         k_pages, v_pages: ``(num_pages, page_size, Hkv, D)`` / ``(..., Dv)`` pools.
+        lengths: int32 ``(B,)`` on the pool's device, the keys held by each bound row (below), or None.
 
     Sequences are integer ids from `new_sequence`; `append` writes a step's keys/values of several
     sequences (allocating pages from the free list), `block_table` / `seqlens` give the tensors of
     :func:`effattn.attention`'s paged call and `attention` runs it; `free` returns a sequence's pages.
+
+    With the nn modules (``cache=`` of :class:`effattn.nn.MultiheadAttention`, ``caches=`` of the
+    Transformer stacks; one cache per attention module, as :class:`effattn.nn.KVCache`): the rows of the
+    module's batch are the sequences of `bind` (by default, at the first step, ``B`` new sequences).
+    Each step writes its keys at the lengths held on the device (``lengths``), advances them in place
+    and runs the paged attention on the bound rows' block table: rows of different lengths continue
+    each at its own length, steps of several tokens included. Pages come from the free list on the host
+    as the host's count of each sequence's keys requires.
+
+    CUDA graphs: a step reads nothing back to the host and, once the bound rows hold their pages
+    (`reserve` the tokens the replays will write), has the same shapes every step: prefill eagerly,
+    ``reserve(n)``, run one step outside the capture, capture one and replay it per token. A replay
+    advances only the device state (``lengths``, the pools); `sync` then reads the lengths back
+    (a host sync) before eager steps, `append` or `free` use the host's counts again. A replay past the
+    reserved pages writes where the table's unused entries point (page 0): reserve enough.
 
     Examples::
 
@@ -209,6 +242,9 @@ class PagedKVCache:
         self._pages: Dict[int, List[int]] = {}
         self._lens: Dict[int, int] = {}
         self._next_id = 0
+        self.rows: Optional[List[int]] = None      # the sequences of the bound batch rows
+        self.lengths: Optional[Tensor] = None      # int32 (B,) device lengths of the bound rows
+        self._table: Optional[Tensor] = None       # int32 (B, num_pages) device block table of the bound rows
 
     @property
     def num_free_pages(self) -> int:
@@ -221,40 +257,61 @@ class PagedKVCache:
         return sid
 
     def free(self, seq_id: int) -> None:
+        """Returns a sequence's pages to the pool; a bound batch is unbound when it held the sequence."""
         self._free.extend(self._pages.pop(self._seq(seq_id)))
         del self._lens[seq_id]
+        if self.rows is not None and seq_id in self.rows:
+            self.rows = self.lengths = self._table = None
 
     def __len__(self) -> int:
         return len(self._lens)
+
+    def __repr__(self) -> str:
+        rows = f", rows={self.rows}" if self.rows is not None else ""
+        return (f"PagedKVCache(pages={self.k_pages.shape[0]}x{self.page_size}, free={len(self._free)}, "
+                f"sequences={len(self._lens)}{rows})")
 
     def _seq(self, seq_id: int) -> int:
         if seq_id not in self._lens:
             raise KeyError(f"PagedKVCache: unknown sequence id {seq_id!r}")
         return seq_id
 
+    def _check_kv(self, fn: str, B: int, k: Tensor, v: Tensor) -> None:
+        Hkv, D, Dv = self.k_pages.shape[2], self.k_pages.shape[3], self.v_pages.shape[3]
+        if k.dim() != 4 or v.dim() != 4 or k.shape[0] != B or (k.shape[1], k.shape[3]) != (Hkv, D) or \
+                v.shape[:3] != k.shape[:3] or v.shape[3] != Dv:
+            raise ValueError(f"{fn}: k, v must be (B={B}, Hkv={Hkv}, T, D={D} / Dv={Dv}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+
+    def _grow(self, seq_ids: Sequence[int], T: int, fn: str) -> None:
+        """Pages from the free list so that each sequence holds room for ``T`` more keys than the host
+        counts; the bound rows' device table gets the new entries."""
+        need = sum(max(0, -(-(self._lens[s] + T) // self.page_size) - len(self._pages[s])) for s in seq_ids)
+        if need > len(self._free):
+            raise RuntimeError(f"{fn}: needs {need} more pages, {len(self._free)} free")
+        for s in seq_ids:
+            pages = self._pages[s]
+            while len(pages) * self.page_size < self._lens[s] + T:
+                pages.append(self._free.pop(0))
+                if self.rows is not None and s in self.rows:
+                    self._table[self.rows.index(s), len(pages) - 1] = pages[-1]
+
     def append(self, seq_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Writes ``k (B, Hkv, T, D)``, ``v (B, Hkv, T, Dv)`` after the keys of sequences ``seq_ids``."""
         seq_ids = [self._seq(s) for s in seq_ids]
-        if k.dim() != 4 or k.shape[0] != len(seq_ids) or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != \
-                (self.k_pages.shape[2], self.k_pages.shape[3]) or v.shape[:3] != k.shape[:3] or \
-                v.shape[3] != self.v_pages.shape[3]:
-            raise ValueError(f"PagedKVCache.append: k, v must be (B={len(seq_ids)}, Hkv={self.k_pages.shape[2]}, T, "
-                             f"D={self.k_pages.shape[3]} / Dv={self.v_pages.shape[3]}), got {tuple(k.shape)} and "
-                             f"{tuple(v.shape)}")
+        self._check_kv("PagedKVCache.append", len(seq_ids), k, v)
         T = k.shape[2]
-        need = sum(-(-(self._lens[s] + T) // self.page_size) - len(self._pages[s]) for s in seq_ids)
-        if need > len(self._free):
-            raise RuntimeError(f"PagedKVCache.append: needs {need} more pages, {len(self._free)} free")
+        self._grow(seq_ids, T, "PagedKVCache.append")
         for b, s in enumerate(seq_ids):
             n0 = self._lens[s]
-            while len(self._pages[s]) * self.page_size < n0 + T:
-                self._pages[s].append(self._free.pop(0))
             pos = torch.arange(n0, n0 + T)
             pages = torch.tensor(self._pages[s], dtype=torch.int64)[pos // self.page_size].to(self.k_pages.device)
             slots = (pos % self.page_size).to(self.k_pages.device)
             self.k_pages[pages, slots] = k[b].transpose(0, 1).to(self.k_pages.dtype)
             self.v_pages[pages, slots] = v[b].transpose(0, 1).to(self.v_pages.dtype)
             self._lens[s] = n0 + T
+            if self.rows is not None and s in self.rows:
+                self.lengths[self.rows.index(s)] = n0 + T
 
     def block_table(self, seq_ids: Sequence[int]) -> Tensor:
         """int32 ``(B, max pages of these sequences)``, unused entries 0."""
@@ -273,3 +330,79 @@ class PagedKVCache:
         """:func:`effattn.attention` of ``q (B, H, Lq, D)`` over these sequences' cached keys."""
         return paged_attention(q, self.k_pages, self.v_pages, block_table=self.block_table(seq_ids),
                                seqlens=self.seqlens(seq_ids), **kwargs)
+
+    # ---- the nn modules' decoding loop ---------------------------------------------------------
+
+    def bind(self, seq_ids: Sequence[int]) -> None:
+        """Makes ``seq_ids`` the rows of the batch the attention modules pass (row b = ``seq_ids[b]``)."""
+        seq_ids = [self._seq(s) for s in seq_ids]
+        if not seq_ids or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"PagedKVCache.bind: seq_ids must be distinct sequence ids, got {seq_ids}")
+        dev = self.k_pages.device
+        table = torch.zeros(len(seq_ids), self.k_pages.shape[0], dtype=torch.int32)
+        for b, s in enumerate(seq_ids):
+            table[b, :len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
+        self.rows, self._table = seq_ids, table.to(dev)
+        self.lengths = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Pages for ``n_tokens`` more keys in every bound row, allocated now (before a CUDA graph
+        capture whose replays write them)."""
+        if self.rows is None:
+            raise ValueError("PagedKVCache.reserve: no rows are bound; run a step (prefill) or bind(seq_ids) first")
+        self._grow(self.rows, n_tokens, "PagedKVCache.reserve")
+
+    def sync(self) -> None:
+        """Reads the bound rows' device lengths back to the host's counts (a host sync): after CUDA
+        graph replays, before eager steps, `append`, `free` or `seqlens`."""
+        if self.rows is not None:
+            for s, n in zip(self.rows, self.lengths.tolist()):
+                self._lens[s] = n
+
+    def write(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Writes a module step's keys ``(B, Hkv, T, D)`` / values after each bound row's keys, at the
+        device lengths, and advances them; returns ``(block_table, seqlens)`` of the step's paged call.
+        Binds ``B`` new sequences at the first step. No value is read back from the device."""
+        fn = "PagedKVCache"
+        self._check_kv(fn, k.shape[0] if self.rows is None else len(self.rows), k, v)
+        if self.rows is None:
+            self.bind([self.new_sequence() for _ in range(k.shape[0])])
+        T = k.shape[2]
+        self._grow(self.rows, T, fn)
+        pos = self.lengths[:, None].to(torch.int64) + torch.arange(T, device=self.lengths.device)   # (B, T)
+        page = self._table.gather(1, pos // self.page_size).to(torch.int64)
+        slot = pos % self.page_size
+        with torch.no_grad():
+            self.k_pages[page, slot] = k.transpose(1, 2).to(self.k_pages.dtype)
+            self.v_pages[page, slot] = v.transpose(1, 2).to(self.v_pages.dtype)
+            self.lengths += T
+        for s in self.rows:
+            self._lens[s] += T
+        width = max(1, max(len(self._pages[s]) for s in self.rows))
+        return self._table[:, :width], self.lengths
+
+    def held(self) -> int:
+        """The most keys a bound row holds by the host's count (0 when none is bound)."""
+        return max((self._lens[s] for s in self.rows), default=0) if self.rows is not None else 0
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **kwargs):
+        """A module step: `write` this step's keys/values, then the paged attention of ``q (B, H, T, D)``
+        over the bound rows (``kwargs``: causal, window, scale, backend)."""
+        table, lens = self.write(k, v)
+        return paged_attention(q, self.k_pages, self.v_pages, block_table=table, seqlens=lens, check_values=False,
+                               **kwargs)
+
+    def preview(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(block_table, seqlens)`` that `write` of this step's ``k``, ``v`` would give, with nothing
+        written or allocated here (``explain``): the host bookkeeping is copied, the pools are not."""
+        new = PagedKVCache.__new__(PagedKVCache)
+        new.__dict__.update(self.__dict__)
+        new._free, new._pages, new._lens = list(self._free), {s: list(p) for s, p in self._pages.items()}, dict(self._lens)
+        new._check_kv("PagedKVCache", k.shape[0] if self.rows is None else len(self.rows), k, v)
+        if self.rows is None:
+            new.bind([new.new_sequence() for _ in range(k.shape[0])])
+        else:
+            new.rows, new._table, new.lengths = list(self.rows), self._table.clone(), self.lengths.clone()
+        new._grow(new.rows, k.shape[2], "PagedKVCache")
+        width = max(1, max(len(new._pages[s]) for s in new.rows))
+        return new._table[:, :width], new.lengths + k.shape[2]

@@ -2,10 +2,25 @@
 place (no gathered copy). Forward only.
 
 Program ``(m, (b, h))`` takes query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of sequence b, head h
-(kv head ``h // (H / Hkv)``). Query i sits at ``pos(i) = seqlens[b] - Lq + i``; the program walks the
+(kv head ``h // (H / Hkv)``). A decode-shaped call with grouped-query heads (``G = H / Hkv > 1``, ``Lq <=
+16``, ``G * Lq <= 64``) packs instead, as the contiguous decode does: program ``(0, (b, hk))`` takes the
+G heads x Lq queries of KV head hk as the rows of one tile (row ``r``: head ``hk * G + r // Lq``, query
+``r % Lq``), so each page is read once per KV head, not G times, and a decode fills 16 rows or more of a
+tile instead of one. Query i sits at ``pos(i) = seqlens[b] - Lq + i``; the program walks the
 key tiles its rows may see (``[pos - left, pos + right]`` clipped to ``[0, seqlens[b])``), and each key
 row j of a tile is read from page ``block_table[b, j // page_size]``, slot ``j % page_size``: one
 pointer per row, so any page size works. FlashAttention-2's online softmax (Dao 2023, Alg. 1).
+
+Split-KV (a decode or short chunk, ``Lq <= MAX_QUERIES``, over a long cache): a decode step has one
+query tile per (b, h), B * H programs, which leaves most SMs idle at B = 1. The grid then gains a third
+axis of ``n_splits``: split s walks keys ``[lo + s * keys_per_split, lo + (s + 1) * keys_per_split)`` of
+its rows' range ``[lo, hi)``, writes its normalized output and log2-sum-exp2 in fp32 (``-inf`` and 0 for
+a split that sees no key, e.g. past a short sequence's end), and the contiguous decode's
+``combine_kernel`` merges the splits of each row in split order: deterministic, no atomics. The
+number of splits comes from shapes only (the key bound ``max_pages * page_size``, narrowed by a left
+window), never from ``seqlens``' values, and `effattn.splits` plans it as for the contiguous decode
+(``DECODE_MIN_KEYS``, two waves of the SMs): a step reads nothing back and can be captured in a CUDA
+graph.
 """
 from __future__ import annotations
 
@@ -14,31 +29,48 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .backends.triton.attention.decode import COMBINE_ROWS, NOMINAL_SMS, combine_kernel
+from .backends.triton.runtime import _INTERPRET
 from .online_softmax import finish, key_range, online_step
+from .splits import DECODE_MIN_KEYS, MAX_QUERIES, plan_splits, sm_count
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64
 
 
 @triton.jit
-def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
+def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
                sqb, sqh, sql, sqd, skp, sks, skh, skd, svp, svs, svh, svd, sbb, sbp,
                sob, soh, sol, sod, slb, slh, sll,
-               H, G, Lq, D, Dv, PS, left, right, scale,
+               H, G, Lq, D, Dv, PS, left, right, scale, keys_per_split, n_rows,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LOW: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LOW: tl.constexpr, SPLIT: tl.constexpr,
+               PACK: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)        # b * stride may pass 2^31 on large inputs
-    b, h = bh // H, bh % H
-    hk = h // G
+    r = tl.arange(0, BLOCK_M)
+    if PACK:                                  # (b, kv head): row r is head hk * G + r // Lq, query r % Lq
+        b, hk = bh // (H // G), bh % (H // G)
+        h = hk * G + r // Lq
+        offs_m = tl.where(r < G * Lq, r % Lq, Lq)                     # padding rows: past Lq, never visible
+    else:                                     # (b, h): rows m * BLOCK_M + r of head h
+        b = bh // H
+        h = bh % H + r * 0
+        hk = (bh % H) // G
+        offs_m = m * BLOCK_M + r
     n_keys = tl.load(LENS + b).to(tl.int32)
-    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = n_keys - Lq + offs_m                                        # absolute position of each query
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :] * sqd,
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + offs_m[:, None] * sql + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D), other=0.0)
     if not LOW:
         q = q.to(tl.float32)
     first = n_keys - Lq + m * BLOCK_M
     lo, hi = key_range(first, first + BLOCK_M - 1, n_keys, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if SPLIT:                                 # this program's share of the range (keys_per_split: whole tiles)
+        lo = lo + tl.program_id(2) * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -62,28 +94,83 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE,
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
     out, lse = finish(acc, m_i, l_i)
-    tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod, out.to(OUT.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
-    tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)
+    if SPLIT:                                 # fp32 partials (n_splits, B*H*Lq, Dv), lse in log2 units
+        row = tl.program_id(2).to(tl.int64) * n_rows + (b * H + h) * Lq + offs_m
+        tl.store(OP + row[:, None] * Dv + offs_dv[None, :], out, mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
+        tl.store(LP + row, lse * LOG2E, mask=offs_m < Lq)
+    else:
+        tl.store(OUT + b * sob + h[:, None] * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod,
+                 out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
+        tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)
 
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def key_bound(Lq: int, capacity: int, left: int) -> int:
+    """Keys a query tile's range ``[lo, hi)`` holds at most, from shapes only: the table's capacity, or
+    with a left window ``Lq + left`` keys plus the rounding of ``lo`` down to a tile."""
+    return capacity if left < 0 else min(capacity, Lq + left + BLOCK_N - 1)
+
+
+MAX_PACKED_ROWS = 64      # G * Lq rows of a packed tile at most (the largest query tile the kernel runs)
+
+
+def packs(H: int, Hkv: int, Lq: int) -> bool:
+    """Whether a call's programs take one KV head's G = H / Hkv query heads x Lq queries as the rows of
+    one tile (a decode-shaped call with grouped-query heads): each page is then read once per KV head."""
+    G = H // Hkv
+    return G > 1 and Lq <= MAX_QUERIES and G * Lq <= MAX_PACKED_ROWS
+
+
+def split_plan(q: Tensor, k_pages: Tensor, block_table: Tensor, left: int, num_sms=None, keys_per_split=None):
+    """``(n_splits, keys_per_split)`` of a paged call: 1 split unless it is decode-shaped (``Lq <=
+    MAX_QUERIES``) with a key bound of at least ``DECODE_MIN_KEYS`` (`effattn.splits`); then
+    `plan_splits` over the B * H (packed: B * Hkv) programs of a split (``num_sms`` default: the
+    device's, or the nominal H100 off the GPU). ``keys_per_split`` (a multiple of 64) forces the
+    split, for tests."""
+    B, H, Lq, _ = q.shape
+    Hkv = k_pages.shape[2]
+    span = key_bound(Lq, block_table.shape[1] * k_pages.shape[1], left)
+    if keys_per_split is not None:
+        if keys_per_split < 1 or keys_per_split % BLOCK_N:
+            raise ValueError(f"paged decode: keys_per_split={keys_per_split} must be a positive multiple of {BLOCK_N}")
+        return max(1, -(-span // keys_per_split)), keys_per_split
+    if Lq > MAX_QUERIES or span < DECODE_MIN_KEYS:
+        return 1, span
+    return plan_splits(B * (Hkv if packs(H, Hkv, Lq) else H), span, num_sms or sm_count(q.device, NOMINAL_SMS),
+                       BLOCK_N)
+
+
 def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens: Tensor, left: int,
-                  right: int, scale: float):
+                  right: int, scale: float, *, num_sms=None, keys_per_split=None):
     """``out (B, H, Lq, Dv)`` in q's dtype and ``lse (B, H, Lq)`` float32 of a validated paged call
-    (``left`` / ``right``: the normalized window, -1 = unbounded, causal is ``right = 0``)."""
+    (``left`` / ``right``: the normalized window, -1 = unbounded, causal is ``right = 0``); split-KV
+    as `split_plan` says (``num_sms``, ``keys_per_split``: see there)."""
     B, H, Lq, D = q.shape
     Hkv, Dv = k_pages.shape[2], v_pages.shape[3]
     out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    BLOCK_M = min(64, _pow2(Lq))
+    pack = packs(H, Hkv, Lq)
+    BLOCK_M = _pow2(H // Hkv * Lq) if pack else min(64, _pow2(Lq))
     low = q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
-    _paged_fwd[(triton.cdiv(Lq, BLOCK_M), B * H)](
-        q, k_pages, v_pages, block_table, seqlens, out, lse, *q.stride(), *k_pages.stride(), *v_pages.stride(),
-        *block_table.stride(), *out.stride(), *lse.stride(), H, H // Hkv, Lq, D, Dv, k_pages.shape[1],
-        max(left, 0), max(right, 0), scale, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, LOW=low)
+    n_splits, per = split_plan(q, k_pages, block_table, left, num_sms, keys_per_split)
+    n_rows = B * H * Lq
+    if n_rows == 0:
+        return out, lse
+    split = n_splits > 1
+    o_part = torch.empty((n_splits, n_rows, Dv) if split else (1,), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((n_splits, n_rows) if split else (1,), dtype=torch.float32, device=q.device)
+    grid = (1, B * Hkv, n_splits) if pack else (triton.cdiv(Lq, BLOCK_M), B * H, n_splits)
+    _paged_fwd[grid](
+        q, k_pages, v_pages, block_table, seqlens, out, lse, o_part, l_part, *q.stride(), *k_pages.stride(),
+        *v_pages.stride(), *block_table.stride(), *out.stride(), *lse.stride(), H, H // Hkv, Lq, D, Dv,
+        k_pages.shape[1], max(left, 0), max(right, 0), scale, per, n_rows, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, LOW=low, SPLIT=split,
+        PACK=pack)
+    if split:
+        combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
+            o_part, l_part, out, lse, n_rows, Dv, n_splits, BLOCK_R=COMBINE_ROWS, BLOCK_DV=_pow2(Dv),
+            INTERP_BF16=_INTERPRET and q.dtype == torch.bfloat16, num_warps=4)
     return out, lse

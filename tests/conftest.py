@@ -6,7 +6,7 @@
   element a kernel forgets to write fails the comparison instead of passing by luck.
 - `gpu`-marked tests run only where CUDA is present; with ``EFFATTN_GPU_SMOKE=1`` the ones also
   marked `toy` (tests/contract/test_gpu.py) run on the CPU at toy sizes, to check them before a GPU session.
-- Helpers several modules share: `random_qkv`, the CUDA emulation fixtures (`emulation`,
+- Helpers several modules share: `random_qkv`, `capture_step` (a CUDA graph of a decode step), the CUDA emulation fixtures (`emulation`,
   `real_and_emulated`) and the csrc/emu self-test builds (`build_selftest`, `selftest_runner`, `run_sanitized`).
 """
 import hashlib
@@ -21,6 +21,21 @@ from effattn.backends import base
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU_SMOKE = os.environ.get("EFFATTN_GPU_SMOKE") == "1"
+
+
+def capture_step(fn):
+    """``(warm, graph, out)``: ``fn()`` run once on a side stream (the warm-up that compiles the kernels,
+    outside the capture), then recorded, not run, in a ``torch.cuda.CUDAGraph`` whose replays rewrite
+    ``out``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return warm, graph, out
 
 
 def pytest_configure(config):

@@ -1,6 +1,8 @@
 """The suite's sections that are not a sweep of registry variants: ``gqa`` (grouped-query causal
 attention against SDPA with ``enable_gqa``), ``decode`` (one query row against a KV cache, beside
-the memory-bound time), ``host`` (the host's cost of a tiny call) and ``checks`` (CUDA-graph replay
+the memory-bound time), ``paged`` (the same decode over a paged KV cache: the in-place paged kernel, the
+contiguous decode on the same keys, and a torch gather of the pages + SDPA), ``host`` (the host's cost
+of a tiny call) and ``checks`` (CUDA-graph replay
 and torch.compile against eager with the tuned configs). Each returns result rows in the sweep's
 columns; a row not started before its section's deadline is ``skipped: section budget``.
 """
@@ -15,7 +17,7 @@ from effattn.testing import checks
 
 from .. import measure, registry
 from ..flops import attention_flops, tflops
-from .sections import Section
+from .sections import PAGE_SIZE, Section, paged_impls
 
 HOST_SHAPE = (1, 8, 256, 64)                      # B, H, L, D of the host-overhead rows
 
@@ -160,41 +162,110 @@ def per_call_us(step, device, calls: int = 200) -> float:
     return sorted(rounds)[2]
 
 
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device copy (read + written), the decode rows' memory bound."""
+    buf = torch.empty(1 << (28 if device.type == "cuda" else 22), dtype=torch.uint8, device=device)
+    copy = torch.empty_like(buf)
+    ms_copy = measure.time_ms(lambda: copy.copy_(buf), device, budget_s=0.2)
+    return 2 * buf.numel() / (ms_copy * 1e-3)
+
+
+def paged_inputs(B: int, H: int, Hkv: int, Lk: int, D: int, device, dtype, seed: int = 0):
+    """``q (B, H, 1, D)``, pools of ``B * Lk / PAGE_SIZE`` pages shuffled over the pool, the block
+    table, seqlens (every row full) and the contiguous ``k``, ``v (B, Hkv, Lk, D)`` holding the same keys."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = Lk // PAGE_SIZE
+    kp, vp = (torch.randn(B * n, PAGE_SIZE, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    table = torch.randperm(B * n, device=device, generator=g).view(B, n).to(torch.int32)
+    lens = torch.full((B,), Lk, dtype=torch.int32, device=device)
+    q = torch.randn(B, H, 1, D, device=device, dtype=dtype, generator=g)
+    k, v = (p[table.long()].reshape(B, Lk, Hkv, D).transpose(1, 2).contiguous() for p in (kp, vp))
+    return q, kp, vp, table, lens, k, v
+
+
+def _paged_fn(impl: str, q, kp, vp, table, lens, k, v):
+    import effattn
+    from effattn.paged import gather_pages
+    if impl == "effattn-paged-triton":
+        why = effattn.explain(q, kp, vp, block_table=table, seqlens=lens, causal=True).row("triton/paged").reasons
+        if why:
+            raise registry.Unsupported("; ".join(why))
+        return lambda: effattn.attention(q, kp, vp, block_table=table, seqlens=lens, causal=True, backend="triton")
+    if impl == "gather+sdpa":
+        def fn():                                  # the pages gathered by torch, then SDPA (GQA)
+            kc, vc = gather_pages(kp, table, lens), gather_pages(vp, table, lens)
+            return torch.nn.functional.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+        return fn
+    return _effattn_fn(impl.rsplit("-", 1)[1], q, k, v, causal=True)
+
+
+def _decode_shapes(sec: Section, device):
+    """``(Lk, H, Hkv, D, dtype)`` of a decode-shaped section and, per batch size (1 and 4), ``(B, the
+    memory-bound time in ms: K and V bytes over the measured copy bandwidth)``."""
+    Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
+    Hkv = sec.kv_heads or max(1, H // 4)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bandwidth = copy_bandwidth(device)
+    bounds = [(B, 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8 / bandwidth * 1e3) for B in (1, 4)]
+    return (Lk, H, Hkv, D, dtype), bounds
+
+
+def _decode_row(variant: str, op: str, impl: str, kind: str, dtype, B: int, H: int, Lk: int, D: int,
+                bound_ms: float) -> dict:
+    return dict(variant=variant, op=op, impl=impl, kind=kind, mode="fwd", dtype=str(dtype).replace("torch.", ""),
+                B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None, peak_mem_mib=None,
+                flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None, max_diff=f"bound {bound_ms:.4f}")
+
+
+def _time_decode(row: dict, make_fn, device, deadline: float):
+    """``(row, output)``: `row` timed on ``make_fn()`` (forward, no grad) with its output, or skipped /
+    unsupported / error with ``None``."""
+    if time.monotonic() > deadline:
+        return {**row, "status": "skipped: section budget"}, None
+    try:                                          # explain() says what cannot run
+        with torch.no_grad():
+            fn = make_fn()
+            out = fn()
+            ms = measure.time_ms(fn, device, budget_s=0.2)
+        return {**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms)}, out
+    except registry.Unsupported as e:
+        return {**row, "status": f"unsupported: {e}"}, None
+    except Exception as e:                                 # noqa: BLE001 - recorded
+        return {**row, "status": f"error: {measure.one_line(e)}"}, None
+
+
+def paged_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
+    """A decode step (one query row, causal) over a paged cache of full sequences (pages of 16
+    shuffled over the pool): each of `paged_impls`, with the memory-bound time in ``max_diff``
+    (``bound <ms>``) as the decode rows have it, and the largest difference from the first output."""
+    (Lk, H, Hkv, D, dtype), bounds = _decode_shapes(sec, device)
+    rows = []
+    for B, bound in bounds:
+        inputs = paged_inputs(B, H, Hkv, Lk, D, device, dtype)
+        ref = None
+        for impl in paged_impls(backends):
+            kind = "baseline" if impl == "gather+sdpa" else "effattn"
+            row = _decode_row("paged", "paged_attention", impl, kind, dtype, B, H, Lk, D, bound)
+            row, out = _time_decode(row, lambda impl=impl: _paged_fn(impl, *inputs), device, deadline)
+            if out is not None:
+                ref = out.float() if ref is None else ref
+                row["max_diff"] += f" |diff| {(out.float() - ref).abs().max().item():.2g}"
+            rows.append(row)
+    return rows
+
+
 def decode_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
     """One query row (causal) against Lk keys, H=32 query heads on Hkv=8 KV heads: time per effattn
     backend, next to the memory-bound time = bytes of K and V / measured copy bandwidth (in the
     ``max_diff`` column: ``bound <ms>``)."""
-    Lk, H, D = sec.lengths[0], sec.heads, sec.head_dim
-    Hkv = sec.kv_heads or max(1, H // 4)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    buf = torch.empty(1 << (28 if device.type == "cuda" else 22), dtype=torch.uint8, device=device)
-    copy = torch.empty_like(buf)
-    ms_copy = measure.time_ms(lambda: copy.copy_(buf), device, budget_s=0.2)
-    bandwidth = 2 * buf.numel() / (ms_copy * 1e-3)                 # bytes read + written per second
-    buf = copy = None                                             # free before the KV tensors
+    (Lk, H, Hkv, D, dtype), bounds = _decode_shapes(sec, device)
     rows = []
-    for B in (1, 4):
-        kv_bytes = 2 * B * Hkv * Lk * D * torch.finfo(dtype).bits // 8
+    for B, bound in bounds:
         q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
         k, v = (torch.randn(B, Hkv, Lk, D, device=device, dtype=dtype) for _ in range(2))
         for b in backends:
-            row = dict(variant="decode", op="attention", impl=f"effattn-{b}", kind="effattn", mode="fwd",
-                       dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=Lk, D=D, time_ms=None, tflops=None,
-                       peak_mem_mib=None, flops=attention_flops(B, H, D, 1, Lk, causal=True), visible_frac=None,
-                       max_diff=f"bound {kv_bytes / bandwidth * 1e3:.4f}")
-            if time.monotonic() > deadline:
-                rows.append({**row, "status": "skipped: section budget"})
-                continue
-            try:                                  # explain() says what cannot run
-                fn = _effattn_fn(b, q, k, v, causal=True)
-                with torch.no_grad():
-                    fn()
-                    ms = measure.time_ms(fn, device, budget_s=0.2)
-                rows.append({**row, "status": "ok", "time_ms": ms, "tflops": tflops(row["flops"], ms)})
-            except registry.Unsupported as e:
-                rows.append({**row, "status": f"unsupported: {e}"})
-            except Exception as e:                                 # noqa: BLE001 - recorded
-                rows.append({**row, "status": f"error: {measure.one_line(e)}"})
+            row = _decode_row("decode", "attention", f"effattn-{b}", "effattn", dtype, B, H, Lk, D, bound)
+            rows.append(_time_decode(row, lambda b=b: _effattn_fn(b, q, k, v, causal=True), device, deadline)[0])
     return rows
 
 

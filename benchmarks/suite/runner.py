@@ -10,7 +10,7 @@ implementations; this module adds:
   effattn's on the same inputs (relative to the baseline's largest value; ``out,dq,dk,dv``), a check
   of effattn's autotuned configs, which the tests (pinned configs) do not run; ``MISMATCH`` past
   bf16 rounding;
-- the sections that are not a sweep (extra_sections.py: ``gqa``, ``decode``, ``host``, ``checks``);
+- the sections that are not a sweep (extra_sections.py: ``gqa``, ``decode``, ``paged``, ``host``, ``checks``);
 - on CUDA, before the sections, ``precompile`` (kernels.py: every Triton kernel variant the suite
   launches, compiled in a process pool) and ``explore`` (explore.py: autotuning with every
   candidate's timing saved to explore.json), and after them ``recheck`` (the tuned configs against
@@ -194,6 +194,8 @@ def _run_suite(a, chosen, budgets, backends, device) -> int:
         deadline = start(sec.name)
         if sec.variants == ("decode",):
             new = extra_sections.decode_rows(sec, backends, device, deadline)
+        elif sec.variants == ("paged",):
+            new = extra_sections.paged_rows(sec, backends, device, deadline)
         elif sec.variants == ("host",):
             new = extra_sections.host_rows(sec, backends, device, deadline)
         elif sec.kv_heads:
@@ -288,8 +290,9 @@ def short_table(rows: List[dict]) -> str:
         same = [b for b in ok if b["kind"] == "baseline" and all(b.get(k) == r.get(k) for k in
                                                                    ("section", "variant", "mode", "B", "L", "D"))]
         ratios = ", ".join(f"{b['impl']} {r['time_ms'] / b['time_ms']:.2f}" for b in same)
-        if r["variant"] == "decode":
-            ratios = f"{r['max_diff']} ms: {r['time_ms'] / float(r['max_diff'].split()[1]):.2f}x the bound"
+        if r["variant"] in ("decode", "paged"):        # max_diff starts "bound <ms>"
+            bound = float(r["max_diff"].split()[1])
+            ratios = ", ".join(x for x in (ratios, f"bound {bound:.4f} ms: {r['time_ms'] / bound:.2f}x the bound") if x)
         lines.append(f"{r['section']:13s} {r['variant']:16s} {r['mode']:6s} {r['B']:3d} {r['L']:6d} {r['D']:4d} "
                      f"{r['impl']:>16s} {r['time_ms']:9.3f} {r['tflops'] or 0:8.1f}  {ratios}")
     mem = [r for r in ok if r["section"] == "causal-64k" and r["mode"] == "fwdbwd"]

@@ -20,6 +20,9 @@ compile checks). The shapes are those of docs/benchmarks.md:
   L = 4k and 16k (B = 16384 / L), against SDPA flash and cuDNN with ``enable_gqa``.
 - ``decode`` (extra_sections.py): one query row, H=32, Hkv=8, D=128, Lk=16k, B in {1, 4}, against the
   memory-bound time (K and V bytes over the measured copy bandwidth).
+- ``paged`` (extra_sections.py): the decode shape over a paged KV cache (pages of 16 shuffled over the
+  pool), B in {1, 4}: the Triton paged kernel (in place, split-KV), the contiguous decode of each backend
+  on the same keys, and a torch gather of the pages + SDPA; the memory-bound time beside them.
 - ``host`` (extra_sections.py): host overhead, the wall time per call of a tiny call issued back to back
   (the GPU waits for the host), next to SDPA's.
 
@@ -55,7 +58,7 @@ WIDTH = 2048            # H * D of the anchor shapes
 @dataclass(frozen=True)
 class Section:
     name: str
-    variants: Tuple[str, ...]           # registry.VARIANTS names ("decode", "host": extra_sections')
+    variants: Tuple[str, ...]           # registry.VARIANTS names ("decode", "paged", "host": extra_sections')
     lengths: Tuple[int, ...]
     head_dim: int
     baselines: Tuple[str, ...]          # registry baseline names
@@ -73,6 +76,16 @@ class Section:
                 self.heads if self.heads is not None else WIDTH // self.head_dim)
 
 
+PAGE_SIZE = 16                                    # the paged section's page size (vLLM's default)
+
+
+def paged_impls(backends) -> List[str]:
+    """The paged section's implementations: the in-place paged kernel (Triton), the contiguous decode of
+    each backend on the same keys, and the gather + SDPA baseline."""
+    return (["effattn-paged-triton"] if "triton" in backends else []) + \
+        [f"effattn-contiguous-{b}" for b in backends] + ["gather+sdpa"]
+
+
 _SOFTMAX_BASELINES = ("sdpa-flash", "sdpa-cudnn", "flex")
 
 SUITES: Dict[str, Tuple[Section, ...]] = {
@@ -87,6 +100,7 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("gqa", ("causal",), (4096, 16384), 128, ("sdpa-flash", "sdpa-cudnn"), budget_s=40, heads=32,
                 kv_heads=8),
         Section("decode", ("decode",), (16384,), 128, (), budget_s=20, batch=None, heads=32, kv_heads=8),
+        Section("paged", ("paged",), (16384,), 128, ("gather+sdpa",), budget_s=20, heads=32, kv_heads=8),
         Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
     ),
@@ -122,15 +136,17 @@ def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = Fal
     for sec in sections:
         sec = smoke_section(sec) if smoke else sec
         effattn_impls = [f"effattn-{b}" for b in backends]
-        if sec.variants in (("decode",), ("host",)):
-            decode = sec.variants == ("decode",)
+        if sec.variants in (("decode",), ("host",), ("paged",)):
+            decode = sec.variants != ("host",)
+            paged = sec.variants == ("paged",)
+            impls = paged_impls(backends) if paged else effattn_impls + list(sec.baselines)
             for B in ((1, 4) if decode else (sec.batch,)):
                 H = sec.heads
-                out.append(dict(section=sec.name, variant=sec.variants[0], op="attention", L=sec.lengths[0], B=B,
-                                H=H, Hkv=sec.kv_heads or H, D=sec.head_dim, Lq=1 if decode else sec.lengths[0],
-                                impls=effattn_impls + list(sec.baselines), pairs=None, flops=None, modes=sec.modes,
-                                window=None, layout=None,
-                                est_s=(2.0 + 2.0 * len(backends)) if decode else 1.5 * (len(backends) + 1)))
+                op = "paged_attention" if paged else "attention"
+                out.append(dict(section=sec.name, variant=sec.variants[0], op=op, L=sec.lengths[0], B=B, H=H, Hkv=sec.kv_heads or H, D=sec.head_dim,
+                                Lq=1 if decode else sec.lengths[0], impls=impls, pairs=None, flops=None,
+                                modes=sec.modes, window=None, layout=None,
+                                est_s=(2.0 + 2.0 * len(impls)) if decode else 1.5 * (len(backends) + 1)))
             continue
         s = settings(sec, torch.device("cpu"), smoke)
         for vname in sec.variants:
@@ -163,8 +179,8 @@ def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List[
     for e in entries:
         if e["variant"] == "host":
             continue
-        v = None if e["variant"] == "decode" else registry.variant(e["variant"])
-        back = "fwdbwd" in e["modes"] and e["variant"] != "decode"
+        v = None if e["variant"] in ("decode", "paged") else registry.variant(e["variant"])
+        back = "fwdbwd" in e["modes"] and v is not None          # (paged: its contiguous decode's kernels)
         if v is not None and v.op == "linear_attention":
             out.append(Call("linear_attention", e["B"], e["H"], e["Hkv"], e["L"], e["L"], e["D"], dtype, back,
                             causal=v.causal, feature_map=v.feature_map, features=e.get("features", 0),

@@ -43,7 +43,7 @@ def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host"}
     for e in entries:
-        if e["variant"] in ("decode", "host"):
+        if e["variant"] in ("decode", "host", "paged"):
             continue
         if e["op"] == "attention":
             v = registry.variant(e["variant"])
@@ -67,6 +67,10 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
     for e in entries:
         if e["variant"] == "decode":
             assert (e["Lq"], e["L"], e["H"], e["Hkv"], e["D"]) == (1, 16384, 32, 8, 128) and e["B"] in (1, 4)
+            continue
+        if e["variant"] == "paged":
+            assert (e["op"], e["Lq"], e["L"], e["H"], e["Hkv"], e["D"]) == ("paged_attention", 1, 16384, 32, 8, 128)
+            assert e["impls"] == ["effattn-paged-triton", "effattn-contiguous-triton", "gather+sdpa"] and e["B"] in (1, 4)
             continue
         if e["variant"] == "host":
             continue
@@ -226,3 +230,18 @@ def test_recheck_shrinks_a_call_within_its_tuning_key_and_judges_by_the_rule():
     tiny = kernels.Call("attention", 1, 2, 2, 16, 16, 16, torch.float32, False)
     with pytest.raises(explore.NotServed, match="unknown backend"):       # a row "unsupported", not "error"
         explore.run_call(tiny, "nope", *explore.tensors(tiny, torch.device("cpu"))[:4])
+
+
+def test_paged_section_rows_on_the_cpu(capsys):
+    """The paged section at toy sizes: the contiguous decode and the gather + SDPA baseline on the same
+    keys agree (the ``|diff|`` column) and carry the memory bound; the dry run plans it."""
+    import time
+
+    from benchmarks.suite import extra_sections
+    sec = sections.smoke_section(next(s for s in SECTIONS if s.name == "paged"))
+    rows = extra_sections.paged_rows(sec, ["torch"], torch.device("cpu"), time.monotonic() + 60)
+    assert [(r["impl"], r["B"], r["status"]) for r in rows] == [
+        (i, B, "ok") for B in (1, 4) for i in ("effattn-contiguous-torch", "gather+sdpa")]
+    assert all(r["max_diff"].startswith("bound ") and float(r["max_diff"].split()[-1]) < 1e-5 for r in rows)
+    suite_main(["--dry-run", "--sections", "paged"])
+    assert "effattn-paged-triton, effattn-contiguous-triton" in capsys.readouterr().out

@@ -46,6 +46,14 @@ packed-sequence metadata the mask already expresses, output flags: nothing for t
 or refused with an error naming it (sparse top-k indices, head masks). A keyword not in the table
 with a value other than None raises TypeError instead of being dropped.
 
+Paged KV cache: not used here. transformers' continuous batching hands an attention function a block
+table (``block_table``, ``k_cache``, ``v_cache``) only in its decode fast path, which it enables for
+Flash Attention 2/3 on CUDA alone (``ensure_decode_fast_path_is_available`` sets
+``max_blocks_per_request = 0`` for any other implementation); for ``"effattn"`` its paged cache gathers
+each request's keys and this function receives them contiguous and packed (``cu_seq_lens_q/k``).
+Serving the block table needs transformers to let a registered function declare that support; the
+layouts already match :func:`effattn.attention`'s paged call.
+
 Differences from ``"eager"``: a query row that may see no key at all (a left-padding position in a
 causal model) outputs 0 where eager outputs the mean of all values; such rows are padding, and no
 real token reads them. Attention weights are never returned (``output_attentions`` gives ``None``,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from ..functional import attention
 from ..functional import explain as explain_call
 from ..layouts import BlockLayout
 from ..linear import linear_attention
+from ..paged import PagedKVCache
 from ..visibility import Rule, normalize_window
 from .cache import KVCache
 from .explanation import ForwardExplanation
@@ -143,6 +144,10 @@ class MultiheadAttention(nn.Module):
         cache: a :class:`effattn.nn.KVCache` for incremental decoding: this call's keys/values are
             appended to it and the queries attend to everything cached (linear modules carry their
             state ``(S, z)`` instead). ``key_padding_mask`` then covers this call's keys only.
+            Or an :class:`effattn.nn.PagedKVCache` (softmax, fused path): the batch rows are its bound
+            sequences and each step runs the paged attention over their pages (rows of different
+            lengths each continue at their own; no ``key_padding_mask``, ``position_bias``,
+            ``need_weights`` or training dropout).
         memory: Transformer-XL segment memory: the previous segment's inputs, shaped like ``key``.
             They are projected with the current weights and prepended to the keys and values, with no
             gradient flowing into ``memory`` itself. ``key_padding_mask`` may cover the keys only or
@@ -351,7 +356,7 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, cache: Optional[KVCache] = None,
+                is_causal: bool = False, *, cache: Optional[Union[KVCache, PagedKVCache]] = None,
                 memory: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """``(L, E)`` unbatched, ``(L, N, E)`` or with ``batch_first`` ``(N, L, E)`` inputs, as in torch;
         returns ``(output, weights)`` with ``weights`` ``(N, L, S)`` (averaged over heads) or
@@ -392,14 +397,18 @@ class MultiheadAttention(nn.Module):
             raise ValueError("MultiheadAttention.explain: nested tensor input is not supported; explain the "
                              "padded call")
         # a step writes into the cache's buffers: a copy takes the step and the caller's cache stays as it was
-        cache = a["cache"].copy() if isinstance(a["cache"], KVCache) else a["cache"]
+        cache = a["cache"].copy() if isinstance(a["cache"], KVCache) else a["cache"]   # a paged cache: `preview`
         with torch.no_grad():
             step = self._canonicalize(query, key, value, a["key_padding_mask"], a["attn_mask"], a["is_causal"],
                                       cache, a["memory"])
             q, k, v = self._project(step)
             plan = self._plan(step, a["need_weights"], cache)
             report = None
-            if plan.op == "attention":
+            if plan.op == "paged_attention":
+                table, lens = cache.preview(k, v)
+                report = explain_call(q, cache.k_pages, cache.v_pages, op="paged_attention", block_table=table,
+                                      seqlens=lens, causal=step.causal, window=self.window, backend=self.backend)
+            elif plan.op == "attention":
                 left = normalize_window(self.window, step.causal)[0] if cache is not None else -1
                 k, v, kpm, window = self._cached(step, k, v, cache, left)
                 report = explain_call(q, k, v, op="attention", **self._fused_kwargs(plan, step, kpm, window))
@@ -443,8 +452,8 @@ class MultiheadAttention(nn.Module):
         if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
             raise ValueError(f"{fn}: key/value embedding dims must be kdim={self.kdim}, vdim={self.vdim}; got "
                              f"{key.shape[2]}, {value.shape[2]}")
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"{fn}: cache must be an effattn.nn.KVCache, got {type(cache).__name__}")
+        if cache is not None and not isinstance(cache, (KVCache, PagedKVCache)):
+            raise TypeError(f"{fn}: cache must be an effattn.nn.KVCache or PagedKVCache, got {type(cache).__name__}")
         if cache is not None and memory is not None:
             raise ValueError(f"{fn}: pass cache= (decoding) or memory= (segment memory), not both")
         if kpm is not None and kpm.dtype != torch.bool:
@@ -505,6 +514,9 @@ class MultiheadAttention(nn.Module):
             if step.kpm is not None and step.kpm.dtype != torch.bool:
                 raise TypeError(f"{fn}: linear attention needs a bool key_padding_mask (True = padding), got "
                                 f"{step.kpm.dtype}")
+            if isinstance(cache, PagedKVCache):
+                raise ValueError(f"{fn}: a PagedKVCache holds softmax keys/values; a linear module keeps its state "
+                                 "(S, z) in an effattn.nn.KVCache")
             if cache is not None and cache.keys is not None:
                 raise ValueError(f"{fn}: this KVCache holds softmax keys/values; use one cache per module")
             return _Plan("linear", "linear_attention", [], Lq, S)
@@ -519,6 +531,8 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"{fn}: add_bias_kv / add_zero_attn cannot be used with cache=")
             if step.kpm is not None and step.kpm.dtype != torch.bool:
                 raise TypeError(f"{fn}: with cache= key_padding_mask must be bool")
+        if isinstance(cache, PagedKVCache):
+            return self._paged_plan(step, need_weights, cache)
         Lk = S + (len(cache) if cache is not None else 0)
         reasons = []
         if need_weights:
@@ -532,6 +546,20 @@ class MultiheadAttention(nn.Module):
         if reasons:
             return _Plan("reference: " + reasons[0], None, reasons, Lq, Lk)
         return _Plan("fused", "attention", [], Lq, Lk)
+
+    def _paged_plan(self, step: _Step, need_weights: bool, cache: PagedKVCache) -> _Plan:
+        """The paged cache's one path (the fused paged attention), or an error naming what it cannot take."""
+        fn = "MultiheadAttention"
+        why = [name for name, on in (("need_weights=True", need_weights),
+                                     ("key_padding_mask", step.kpm is not None),
+                                     ("position_bias", self.position_bias is not None),
+                                     ("dropout in training", self.training and self.dropout > 0)) if on]
+        if why:
+            raise ValueError(f"{fn}: a PagedKVCache runs the paged attention, which takes no {why[0]} (rows of "
+                             "different lengths are sequences of their own: PagedKVCache.bind); use need_weights="
+                             "False, eval(), or an effattn.nn.KVCache")
+        Lq = step.query.shape[1]
+        return _Plan("fused", "paged_attention", [], Lq, step.key.shape[1] + cache.held())
 
     def _fused_kwargs(self, plan: _Plan, step: _Step, kpm: Optional[Tensor], window) -> dict:
         return dict(causal=step.causal, window=window, layout=self._layout_for(plan.Lq, plan.Lk),
@@ -566,6 +594,9 @@ class MultiheadAttention(nn.Module):
                 res, cache.state = res
                 cache.seen += plan.Lq
             return res.to(step.query.dtype), None
+        if plan.op == "paged_attention":
+            out = cache.attend(q, k, v, causal=step.causal, window=self.window, backend=self.backend)
+            return out, None
         # the window's left reach, normalized once per call (the cache masks and trims by it)
         left = normalize_window(self.window, step.causal)[0] if cache is not None else -1
         k, v, kpm, window = self._cached(step, k, v, cache, left)

@@ -9,8 +9,8 @@ decoder's cross-attention (``multihead_attn``) is plain softmax attention on the
 
 Differences from torch, all supersets: ``is_causal=True`` needs no ``mask`` (torch requires both);
 there is no nested-tensor inference path (``enable_nested_tensor`` and ``mask_check`` are accepted
-and ignored); layers take ``cache=`` and stacks ``caches=`` (one :class:`effattn.nn.KVCache` per
-layer) for incremental decoding.
+and ignored); layers take ``cache=`` and stacks ``caches=`` (one :class:`effattn.nn.KVCache`, or
+:class:`effattn.nn.PagedKVCache`, per layer) for incremental decoding.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..paged import PagedKVCache
 from .attention import MultiheadAttention
 from .cache import KVCache
 
@@ -175,10 +176,10 @@ def _check_caches(caches, layers, fn):
     if caches is None:
         return
     want = (f"a list of one KVCache per layer ({len(layers)} layers), e.g. "
-            "caches=[effattn.nn.KVCache() for _ in model.layers]")
+            "caches=[effattn.nn.KVCache() for _ in model.layers] (or one effattn.nn.PagedKVCache per layer)")
     if not isinstance(caches, (list, tuple)):
         raise TypeError(f"{fn}: caches must be {want}; got a {type(caches).__name__}")
-    bad = [type(c).__name__ for c in caches if not isinstance(c, KVCache)]
+    bad = [type(c).__name__ for c in caches if not isinstance(c, (KVCache, PagedKVCache))]
     if bad:
         raise TypeError(f"{fn}: caches must be {want}; it holds a {bad[0]}")
     if len(caches) != len(layers):

@@ -10,7 +10,7 @@ import torch
 import effattn
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
-from tests.conftest import DEVICE, random_qkv
+from tests.conftest import DEVICE, capture_step, random_qkv
 
 ta = pytest.importorskip("effattn.backends.triton.attention")
 rt = pytest.importorskip("effattn.backends.triton.runtime")
@@ -272,15 +272,8 @@ def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(window):
         for c in (graphed, eager):
             step(prompt, c)
         x = tokens[:, :1].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                   # warm-up (compiles the kernels) outside the capture
-            warm = step(x, graphed)
-        torch.cuda.current_stream().wait_stream(side)
+        warm, graph, out = capture_step(lambda: step(x, graphed))   # the capture does not move the lengths
         assert torch.equal(warm, step(x, eager))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(x, graphed)                      # recorded, not run: the lengths do not move
         outs = []
         for t in range(1, 7):
             x.copy_(tokens[:, t:t + 1])

@@ -1,9 +1,10 @@
 """The row ``triton/paged`` of op ``"paged_attention"``: one kernel for decode and prefill that reads
-every key/value row from its page in place (`effattn.paged_triton`), any page size."""
+every key/value row from its page in place (`effattn.paged_triton`), any page size; a decode-shaped call
+over a long cache splits its key range over programs (split-KV, merged by log-sum-exp)."""
 from __future__ import annotations
 
 from ....paged import OP, kernel_scale
-from ....paged_triton import paged_forward
+from ....paged_triton import paged_forward, split_plan
 from ...base import FEATURES
 from ..runtime import own_kernel_row
 
@@ -14,5 +15,10 @@ def _run(call):
     return (out, lse) if call.return_lse else out
 
 
-PATH = own_kernel_row(OP, "triton/paged", _run, FEATURES[OP],
-                      describe=lambda call: "paged kernel: reads the key/value pages in place")
+def _describe(call) -> str:
+    n, per = split_plan(call.q, call.k_pages, call.block_table, call.left)
+    split = f"; split-KV decode: {n} splits of {per} keys + combine" if n > 1 else ""
+    return "paged kernel: reads the key/value pages in place" + split
+
+
+PATH = own_kernel_row(OP, "triton/paged", _run, FEATURES[OP], describe=_describe)
