@@ -270,10 +270,9 @@ def test_paged_token_step_reads_nothing_back(monkeypatch):
     forced, so the combine runs too) converts no tensor to a host value in the stack, the module, the
     cache, the paged call's checks and planning or the launcher: only the kernels' launches (Triton's
     interpreter reads its arguments on the host) run unguarded. Outputs equal the eager KVCache stack's."""
-    from tests.nn.test_cache import NoSync
-
     import effattn.paged_triton as pt
     from effattn.nn import KVCache
+    from tests.nn.test_cache import NoSync
     guard = NoSync()
 
     class Unguarded:
@@ -329,8 +328,8 @@ def test_paged_decode_step_captured_in_a_cuda_graph_replays_like_eager():
     paged decode) captured once in torch.cuda.CUDAGraph after `reserve`, replayed for six tokens: the
     same outputs and device lengths as the steps run eagerly on a second cache; `sync` then brings the
     host's counts to the replayed lengths."""
-    from tests.conftest import capture_step
     from effattn.nn import MultiheadAttention
+    from tests.conftest import capture_step
     torch.manual_seed(0)
     E, heads, B, dev = 512, 4, 2, torch.device("cuda")
     mha = MultiheadAttention(E, heads, batch_first=True, backend="triton").to(dev, torch.bfloat16).eval()
