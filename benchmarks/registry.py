@@ -293,10 +293,12 @@ def _flex(case: Case) -> Bench:
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if _flex_compiled is None:
-        import torch._dynamo
+        # (imported under its own name: `import torch._dynamo` would make `torch` local to this function,
+        # unbound in the score_mod closures below when the compile is already done)
+        import torch._dynamo as dynamo
         for name in ("recompile_limit", "cache_size_limit"):   # one compile per shape: allow many
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     mod = Rule.of(case.L, case.L, **case.mask_kwargs()).mask_mod(case.device)
     block_mask = None
