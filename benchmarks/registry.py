@@ -20,6 +20,7 @@ from effattn import layouts
 from effattn.backends.base import BACKENDS
 from effattn.visibility import Rule
 
+SOFTCAP = 30.0         # the softcap variant's cap
 LAYOUT_BLOCK = 128     # block size of the block-sparse variants (the 'fixed' pattern of docs/benchmarks.md)
 
 
@@ -43,6 +44,7 @@ class Variant:
     normalize: bool = True
     quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
     cpu_default: bool = True
+    score: Optional[str] = None     # a score term (effattn.score): "softcap" | "alibi" | "sinks"
 
 
 VARIANTS: Tuple[Variant, ...] = (
@@ -74,6 +76,14 @@ VARIANTS: Tuple[Variant, ...] = (
             cpu_default=False),
     Variant("linear-elu-full", "linear", "non-causal linear attention, phi = elu + 1, normalized (against the "
             "'dense' variant's softmax rows)", op="linear_attention", feature_map="elu", quadratic=False,
+            cpu_default=False),
+    # score terms (causal); Flex gets the same score_mod (sinks: Flex's lse and the sink's share of
+    # each row's mass, out * sigmoid(lse - sink), since Flex has no sink term); SDPA does not serve them
+    Variant("softcap", "score", f"causal, logits soft-capped at {SOFTCAP} (Gemma 2)", causal=True, score="softcap",
+            cpu_default=False),
+    Variant("alibi", "score", "causal, ALiBi with the paper's slopes (BLOOM, MPT)", causal=True, score="alibi",
+            cpu_default=False),
+    Variant("sinks", "score", "causal, one attention-sink logit per head (gpt-oss)", causal=True, score="sinks",
             cpu_default=False),
 )
 
@@ -119,7 +129,23 @@ class Case:
         return self.window if self.variant.window else None
 
     def attention_kwargs(self) -> dict:
-        return dict(causal=self.variant.causal, window=self.window_arg, layout=self.layout)
+        return dict(causal=self.variant.causal, window=self.window_arg, layout=self.layout, **self.score_kwargs())
+
+    def score_kwargs(self) -> dict:
+        """effattn's arguments for the variant's score term (fp32 parameters, built once)."""
+        kind = self.variant.score
+        if kind is None:
+            return {}
+        if "score" not in self._cache:
+            if kind == "softcap":
+                kw = dict(softcap=SOFTCAP)
+            elif kind == "alibi":
+                kw = dict(bias=effattn.bias.ALiBi(effattn.bias.alibi_slopes(self.H).to(self.device)))
+            else:
+                g = torch.Generator().manual_seed(7)
+                kw = dict(sinks=torch.randn(self.H, generator=g).to(self.device))
+            self._cache["score"] = kw
+        return self._cache["score"]
 
     def linear_kwargs(self) -> dict:
         fm = self.favor if self.variant.feature_map == "favor" else self.variant.feature_map
@@ -133,10 +159,13 @@ class Case:
     def num_features(self) -> int:
         return self.favor.num_features if self.favor is not None else self.D
 
+    def mask_kwargs(self) -> dict:
+        return dict(causal=self.variant.causal, window=self.window_arg, layout=self.layout)
+
     def mask(self) -> Optional[torch.Tensor]:
         """Token-level visibility ``(Hl, L, L)`` bool (True = visible), built once; None when dense."""
         if "mask" not in self._cache:
-            m = Rule.of(self.L, self.L, **self.attention_kwargs()).materialize(device=self.device)
+            m = Rule.of(self.L, self.L, **self.mask_kwargs()).materialize(device=self.device)
             self._cache["mask"] = None if m is None else m[0]
         return self._cache["mask"]
 
@@ -204,7 +233,13 @@ def naive_linear_attention(q, k, v, phi, causal: bool, normalize: bool, eps: flo
     return out.to(q.dtype)
 
 
+def _no_score(case: Case, who: str) -> None:
+    if case.variant.score is not None:
+        raise Unsupported(f"{who} takes no {case.variant.score} term")
+
+
 def _naive(case: Case) -> Bench:
+    _no_score(case, "naive")
     q, k, v = case.q, case.k, case.v
     if case.variant.op == "attention":
         mask = case.mask()
@@ -226,6 +261,7 @@ def _sdpa(backend: str) -> Callable[[Case], Bench]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         if case.device.type != "cuda" and backend not in ("MATH", "FLASH_ATTENTION"):
             raise Unsupported(f"SDPA {backend.lower()} backend needs CUDA")
+        _no_score(case, "SDPA")
         which = getattr(SDPBackend, backend)
         v = case.variant
         kw = {}
@@ -257,12 +293,14 @@ def _flex(case: Case) -> Bench:
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if _flex_compiled is None:
-        import torch._dynamo
+        # (imported under its own name: `import torch._dynamo` would make `torch` local to this function,
+        # unbound in the score_mod closures below when the compile is already done)
+        import torch._dynamo as dynamo
         for name in ("recompile_limit", "cache_size_limit"):   # one compile per shape: allow many
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    mod = Rule.of(case.L, case.L, **case.attention_kwargs()).mask_mod(case.device)
+    mod = Rule.of(case.L, case.L, **case.mask_kwargs()).mask_mod(case.device)
     block_mask = None
     if mod is not None:
         heads = case.H if case.layout is not None and case.layout.num_heads > 1 else None
@@ -272,7 +310,27 @@ def _flex(case: Case) -> Bench:
         block_mask = create_block_mask(mod, None, heads, case.L, case.L, device=case.device,
                                        BLOCK_SIZE=LAYOUT_BLOCK, **kw)
     q, k, v, flex = case.q, case.k, case.v, _flex_compiled
-    return Bench(lambda: flex(q, k, v, block_mask=block_mask), (q, k, v))
+    kind, kw = case.variant.score, case.score_kwargs()
+    if kind == "sinks":
+        sinks = kw["sinks"][None, :, None, None]
+
+        def fn():
+            o, lse = flex(q, k, v, block_mask=block_mask, return_lse=True)
+            # a sink logit s takes exp(s) / (exp(lse) + exp(s)) of each row's mass
+            return o * torch.sigmoid(lse[..., None] - sinks).to(o.dtype)
+        return Bench(fn, (q, k, v))
+    score_mod = None
+    if kind == "softcap":
+        cap = kw["softcap"]
+
+        def score_mod(s, b, h, i, j):
+            return cap * torch.tanh(s / cap)
+    elif kind == "alibi":
+        slopes = kw["bias"].slopes
+
+        def score_mod(s, b, h, i, j):
+            return s - slopes[h] * (i - j).abs()
+    return Bench(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask), (q, k, v))
 
 
 def _fla_installed(fn_name: str) -> Callable[[], Optional[str]]:

@@ -76,7 +76,7 @@ class Settings:
 def config_flops(case: Case, mode: str) -> int:
     v = case.variant
     if v.op == "attention":
-        return attention_flops(case.B, case.H, case.D, case.L, case.L, mode=mode, **case.attention_kwargs())
+        return attention_flops(case.B, case.H, case.D, case.L, case.L, mode=mode, **case.mask_kwargs())
     return linear_attention_flops(case.B, case.H, case.D, case.L, num_features=case.num_features,
                                   normalize=v.normalize, favor=v.feature_map == "favor", mode=mode)
 
@@ -84,7 +84,7 @@ def config_flops(case: Case, mode: str) -> int:
 def visible_fraction(case: Case) -> Optional[float]:
     if case.variant.op != "attention":
         return None
-    pairs = visible_pairs(case.L, case.L, heads=1, **case.attention_kwargs())
+    pairs = visible_pairs(case.L, case.L, heads=1, **case.mask_kwargs())
     return pairs / (case.L * case.L)
 
 

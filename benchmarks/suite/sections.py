@@ -25,6 +25,10 @@ compile checks). The shapes are those of docs/benchmarks.md:
   on the same keys, and a torch gather of the pages + SDPA; the memory-bound time beside them.
 - ``host`` (extra_sections.py): host overhead, the wall time per call of a tiny call issued back to back
   (the GPU waits for the host), next to SDPA's.
+- ``score``: score terms (softcap 30, ALiBi with the paper's slopes, one sink logit per head), causal,
+  D=128, L = 4k and 16k, against compiled flex_attention with the same ``score_mod`` (sinks: Flex's
+  lse rescales its output); the last section, with a small budget. Their kernels (Triton's score
+  kernels) are compiled by their first call, not by ``precompile``.
 
 Around them (runner.py): ``precompile`` (every Triton kernel variant the suite launches, compiled
 first in a process pool: kernels.py), ``explore`` (autotuning of each kind of call with every
@@ -103,6 +107,7 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("paged", ("paged",), (16384,), 128, ("gather+sdpa",), budget_s=20, heads=32, kv_heads=8),
         Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
+        Section("score", ("softcap", "alibi", "sinks"), (4096, 16384), 128, ("flex",), budget_s=60),
     ),
 }
 SUITES["anchors"] = tuple(s for s in SUITES["gpu"] if s.name in ("anchors-d128", "sparse-long", "causal-64k",
@@ -180,6 +185,8 @@ def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List[
         if e["variant"] == "host":
             continue
         v = None if e["variant"] in ("decode", "paged") else registry.variant(e["variant"])
+        if v is not None and v.score is not None:
+            continue                         # the score kernels compile on their first call
         back = "fwdbwd" in e["modes"] and v is not None          # (paged: its contiguous decode's kernels)
         if v is not None and v.op == "linear_attention":
             out.append(Call("linear_attention", e["B"], e["H"], e["Hkv"], e["L"], e["L"], e["D"], dtype, back,

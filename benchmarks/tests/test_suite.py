@@ -41,7 +41,8 @@ def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     the number of True entries of the oracle's mask, written independently of effattn."""
     entries = sections.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
-    assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host"}
+    assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host", "softcap",
+                                                 "alibi", "sinks"}
     for e in entries:
         if e["variant"] in ("decode", "host", "paged"):
             continue
@@ -75,7 +76,7 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
         if e["variant"] == "host":
             continue
         B, H, L, D = e["B"], e["H"], e["L"], e["D"]
-        if e["section"].startswith("anchors"):
+        if e["section"].startswith("anchors") or e["section"] == "score":
             assert B * L == 16384 and H * D == 2048, e
         elif e["section"] == "gqa":
             assert B * L == 16384 and (H, e["Hkv"], D) == (32, 8, 128), e
@@ -83,13 +84,15 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
             assert (B, H, D) == (1, 16, 128), e
         want = {"dense": L * L, "causal": L * (L + 1) // 2,
                 "window": L * 1025 - 1024 * 1025 // 2,             # min(i, 1024) + 1 keys for row i
-                "fixed": _fixed_pairs(L)}.get(e["variant"])
+                "fixed": _fixed_pairs(L), **{t: L * (L + 1) // 2 for t in ("softcap", "alibi", "sinks")}
+                }.get(e["variant"])
         if want is not None:
             assert e["pairs"] == H * want, e
             seen.add((e["variant"], L))
         _check_flops(e)
     assert {("window", 16384), ("window", 65536), ("fixed", 16384), ("fixed", 65536), ("causal", 65536),
-            ("dense", 4096), ("dense", 16384), ("causal", 4096)} <= seen
+            ("dense", 4096), ("dense", 16384), ("causal", 4096), ("softcap", 16384), ("alibi", 4096),
+            ("sinks", 16384)} <= seen
     # the layout's sparsity as stated for it: about 94% at 16k, 96% at 64k
     assert abs(_fixed_pairs(16384) / (16384 * 16384) - 0.053) < 0.002
     assert abs(_fixed_pairs(65536) / (65536 * 65536) - 0.0367) < 0.001

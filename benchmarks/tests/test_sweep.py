@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import effattn
 from benchmarks import registry, report, run
 from benchmarks.flops import attention_flops, linear_attention_flops, tflops, visible_pairs
 from benchmarks.progress import SimpleBar
@@ -187,3 +188,19 @@ def test_report_footnote_says_unsupported_once():
     text = report.summary_text(rows, dict(device="cpu", torch="x", triton=None))
     assert "(not shown, unsupported: effattn-triton: triton is not installed)" in text
     assert "unsupported: effattn-triton: unsupported" not in text
+
+
+@pytest.mark.parametrize("name", ["softcap", "alibi", "sinks"])
+def test_score_variants_give_flex_the_same_terms(name, monkeypatch):
+    """The score section's Flex baseline (its score_mod, or its lse for sinks) computes what effattn
+    computes with the variant's terms, at a toy size on the CPU (Flex eager); SDPA declines them."""
+    flex_attention = pytest.importorskip("torch.nn.attention.flex_attention").flex_attention
+    monkeypatch.setattr(registry, "_flex_compiled", flex_attention)
+    case = registry.Case.make(registry.variant(name), 1, 2, 64, 16, torch.float32, "cpu", 1024)
+    case.q, case.k, case.v = (t.detach() for t in (case.q, case.k, case.v))    # Flex has no CPU backward
+    with torch.no_grad():
+        ref = effattn.attention(case.q, case.k, case.v, backend="torch", **case.attention_kwargs())
+        got = registry._flex(case).fn()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(registry.Unsupported, match=name):
+        registry._sdpa("MATH")(case)

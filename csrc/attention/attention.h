@@ -53,6 +53,14 @@ struct AttnParams {
   void* dk;                      // (B, Hkv, Lk, D), contiguous
   void* dv;                      // (B, Hkv, Lk, Dv), contiguous
   float* delta_out;              // written by the Delta kernel
+  // score terms (effattn.score; order: scale, soft-cap, ALiBi, mask, sinks in the normalizer).
+  // `score` = 0: none of them, the scores are scale * q.k (the plain kernels' arithmetic).
+  int score;
+  float softcap, inv_softcap;    // softcap > 0: s -> softcap * tanh(s / softcap); 0: no cap
+  const float* alibi;            // ALiBi slopes fp32, slope of (b, h) at alibi[b * alibi_b + h]: adds
+  int64_t alibi_b;               //   -slope * |pos(i) - j|; null: none
+  const float* sinks;            // (H,) fp32 sink logits (natural units) in each row's normalizer; null: none
+  float* dalibi;                 // backward: (B * H, n_query_tiles) fp32 partial sums of dT * |d| (null: not wanted)
 };
 
 // Head-dim buckets: the kernels are compiled for max(D, Dv) rounded up to one of these.

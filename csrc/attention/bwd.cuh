@@ -113,6 +113,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
     const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h;
     const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h;
     const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+    const float slope = alibi_slope(p, b, h);
     const Schedule sched = query_schedule(p, p.lists, h, nt, BM, BN);
     for (int it = 0; it < sched.count(); ++it) {
       const int m0 = sched.tile(it) * BM;
@@ -143,7 +144,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
           const int i = m0 + qr;
           bool ok = !masked || visible(p, lay, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-          const float pt = ok ? prim::exp2(st[j][e] * p.qk_scale - s_lse[qr]) : 0.f;
+          float dcap = 1.f;
+          const float pt = ok ? prim::exp2(score_log2(p, st[j][e], slope, i, kj, dcap) - s_lse[qr]) : 0.f;
           float dp = dpt[j][e];
           float pd = pt;
           if (p.dropout) {
@@ -152,7 +154,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
             dp = keep ? dp * p.inv_keep : 0.f;
           }
           st[j][e] = pd;
-          dpt[j][e] = ok ? pt * (dp - s_delta[qr]) : 0.f;   // an ignored V row's NaN: 0, not 0 * NaN
+          // dS^T = dT^T * dcap (an ignored V row's NaN: 0, not 0 * NaN)
+          dpt[j][e] = ok ? pt * (dp - s_delta[qr]) * dcap : 0.f;
         }
 
       // dV += P^T dO and dK += dS^T Q over this block's columns [c0, c0 + ACC)
@@ -232,6 +235,8 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
   float dq[NA][4];
 #pragma unroll
   for (int j = 0; j < NA; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+  const float slope = alibi_slope(p, b, h);
+  float dslope = 0.f;                                   // this thread's sum of dT * |d| (ALiBi's gradient)
 
   const Schedule sched = key_schedule(p, h, mt, BM, BN);
   for (int it = 0; it < sched.count(); ++it) {
@@ -264,10 +269,16 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
         const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
         bool ok = !masked || visible(p, lay, i, kj);
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-        const float pr = ok ? prim::exp2(s[j][e] * p.qk_scale - lse2[r]) : 0.f;
+        float dcap = 1.f;
+        const float pr = ok ? prim::exp2(score_log2(p, s[j][e], slope, i, kj, dcap) - lse2[r]) : 0.f;
         float d = dp[j][e];
         if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
-        s[j][e] = ok ? pr * (d - dlt[r]) : 0.f;          // dS (an ignored V row's NaN: 0, not 0 * NaN)
+        const float dt = ok ? pr * (d - dlt[r]) : 0.f;   // dT (an ignored V row's NaN: 0, not 0 * NaN)
+        if (p.dalibi) {
+          const int dd = i + p.off - kj;
+          dslope += dt * float(dd < 0 ? -dd : dd);
+        }
+        s[j][e] = dt * dcap;                             // dS
       }
 
     // dQ += dS K over columns [c0, c0 + ACC)
@@ -280,6 +291,16 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
     prim::sync_block();                                  // every warp is done with sK, sV
   }
   prim::cp_async_wait<0>();
+
+  if (p.dalibi) {                                        // this block's sum of dT * |d|, in a fixed order
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) dslope += prim::shfl_xor_f(dslope, m);
+    float* red = reinterpret_cast<float*>(smem);
+    prim::sync_block();                                  // every thread's copies landed, tiles read
+    if (lane == 0) red[warp] = dslope;
+    prim::sync_block();
+    if (tid == 0 && prim::block_z() == 0) p.dalibi[int64_t(bh) * n_mt + mt] = ((red[0] + red[1]) + red[2]) + red[3];
+  }
 
   uint16_t* dqb = static_cast<uint16_t*>(p.dq) + (int64_t(bh) * p.Lq) * p.D;
 #pragma unroll

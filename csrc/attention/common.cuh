@@ -129,6 +129,28 @@ EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
   }
 }
 
+// Score terms (AttnParams::score): the slope of ALiBi for (b, h), 0 without it.
+EFFATTN_DEVICE float alibi_slope(const AttnParams& p, int b, int h) {
+  return p.alibi ? p.alibi[int64_t(b) * p.alibi_b + h] : 0.f;
+}
+
+// The score of query i and key j in log2 units from the raw product x = q_i . k_j: scale, then the
+// soft-cap and ALiBi when the call has score terms. `dcap` receives d(capped) / d(scaled), 1 - tanh^2
+// (1 without a cap): the backward's dS is the gradient of the biased scores dT times it.
+EFFATTN_DEVICE float score_log2(const AttnParams& p, float x, float slope, int i, int j, float& dcap) {
+  dcap = 1.f;
+  if (!p.score) return x * p.qk_scale;
+  float s = x * p.scale;
+  if (p.softcap > 0.f) {
+    const float t = tanhf(s * p.inv_softcap);
+    s = p.softcap * t;
+    dcap = 1.f - t * t;
+  }
+  const int d = i + p.off - j;
+  s -= slope * float(d < 0 ? -d : d);
+  return s * 1.4426950408889634f;
+}
+
 // Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word.
 EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
 #pragma unroll

@@ -48,7 +48,7 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, int BM) {
 // layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment).
 template <int NS, int ND>
 EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
-                                 int n0, bool masked, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
+                                 int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
                                  float (&l_i)[2]) {
   const int t4 = prim::thread_x() & 3;
 #pragma unroll
@@ -56,7 +56,8 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
-      float x = s[j][e] * p.qk_scale;                  // log2 units
+      float dcap;
+      float x = score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
       if (masked && !visible(p, lay, i, kj)) x = -INFINITY;
       if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;
@@ -105,8 +106,16 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
     float l = l_i[r];
     l += prim::shfl_xor_f(l, 1);
     l += prim::shfl_xor_f(l, 2);
+    float m = m_i[r], scale_o = 1.f;
+    if (p.sinks) {                                     // the sink's weight joins the normalizer only
+      const float sk = p.sinks[h] * 1.4426950408889634f;
+      const float m_new = fmaxf(m, sk);
+      scale_o = prim::exp2(m - m_new);                 // 0 for a row that saw no key
+      l = l * scale_o + prim::exp2(sk - m_new);
+      m = m_new;
+    }
     const bool empty = l == 0.f;
-    const float f = empty ? 0.f : (p.dropout ? p.inv_keep : 1.f) / l;
+    const float f = empty ? 0.f : scale_o * (p.dropout ? p.inv_keep : 1.f) / l;
     const int i = row0 + 8 * r;
     if (i < p.Lq) {
 #pragma unroll
@@ -117,7 +126,7 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
           if (c < p.Dv_out) ob[int64_t(i) * p.o_l + c] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
         }
       if (t4 == 0)
-        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m_i[r] + log2f(l)) * 0.6931471805599453f;
+        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
     }
   }
 }
@@ -153,6 +162,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
   const int row0 = m0 + warp * 16 + g;                  // this thread's rows: row0, row0 + 8
+  const float slope = alibi_slope(p, b, h);
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
@@ -170,7 +180,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step(p, lay, kpm, bh, row0, n0, sched.masked(it), s, acc, m_i, l_i);
+    softmax_step(p, lay, kpm, bh, row0, n0, sched.masked(it), slope, s, acc, m_i, l_i);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();

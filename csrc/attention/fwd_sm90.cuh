@@ -82,6 +82,7 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
   for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
   const int row0 = fb.m0 + warp * 16 + g;               // this thread's rows: row0, row0 + 8
+  const float slope = alibi_slope(p, fb.b, fb.h);
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
@@ -107,7 +108,7 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
     if (it + 1 < n_tiles) load_tile<HD, BN, TKV>(sK, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step(p, fb.lay, fb.kpm, fb.bh, row0, n0, sched.masked(it), s, acc, m_i, l_i);
+    softmax_step(p, fb.lay, fb.kpm, fb.bh, row0, n0, sched.masked(it), slope, s, acc, m_i, l_i);
 
     // P as wgmma A fragments (per warp the m16n8k16 A layout), all of them: the registers must
     // stay unchanged until the products retire

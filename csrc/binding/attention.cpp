@@ -3,6 +3,9 @@
 // for the two builds.
 #include "binding/attention_args.h"
 
+#include <cmath>
+#include <vector>
+
 #if defined(EFFATTN_CUDA_EMU)
 #include "attention/bwd.cu"
 #include "attention/fwd.cu"
@@ -15,14 +18,41 @@ using namespace effattn::binding;
 
 using FwdLauncher = int (*)(const effattn::AttnParams&, bool, void*);
 
+// The score terms the kernels take (effattn.score): softcap (0: none), ALiBi slopes ((H,) or (B, H)),
+// sinks ((H,)); the fp32 contiguous copies they read are kept in `keep`.
+void set_score(effattn::AttnParams& p, std::vector<Tensor>& keep, double softcap, const optional<Tensor>& alibi,
+               const optional<Tensor>& sinks) {
+  check(softcap >= 0 && std::isfinite(softcap), "softcap must be a finite float > 0 (0: none)");
+  p.softcap = float(softcap);
+  p.inv_softcap = softcap > 0 ? float(1.0 / softcap) : 0.f;
+  if (alibi.has_value()) {
+    const Tensor a = alibi->to(at::kFloat).contiguous();
+    check((a.dim() == 1 && a.size(0) == p.H) || (a.dim() == 2 && a.size(0) == p.B && a.size(1) == p.H),
+          "alibi slopes must be (H,) or (B, H)");
+    keep.push_back(a);
+    p.alibi = a.data_ptr<float>();
+    p.alibi_b = a.dim() == 2 ? p.H : 0;
+  }
+  if (sinks.has_value()) {
+    const Tensor sk = sinks->to(at::kFloat).contiguous();
+    check(sk.dim() == 1 && sk.size(0) == p.H, "sinks must be (H,)");
+    keep.push_back(sk);
+    p.sinks = sk.data_ptr<float>();
+  }
+  p.score = softcap > 0 || alibi.has_value() || sinks.has_value();
+}
+
 std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const optional<Tensor>& kpm, const optional<Tensor>& layout, int64_t layout_block,
                                    int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
                                    const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
-                                   int64_t right) {
+                                   int64_t right, double softcap, const optional<Tensor>& alibi,
+                                   const optional<Tensor>& sinks) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
                        dropout_p, left, right);
+  std::vector<Tensor> keep;
+  set_score(r.p, keep, softcap, alibi, sinks);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   poison(out);
@@ -39,9 +69,10 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const optional<Tensor>& kpm, const optional<Tensor>& layout,
                                          int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
                                          int64_t list_wf, const optional<Tensor>& seed, double scale,
-                                         double dropout_p, int64_t left, int64_t right) {
+                                         double dropout_p, int64_t left, int64_t right, double softcap,
+                                         const optional<Tensor>& alibi, const optional<Tensor>& sinks) {
   return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
-                 dropout_p, left, right);
+                 dropout_p, left, right, softcap, alibi, sinks);
 }
 
 // The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
@@ -49,26 +80,35 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
                                               const optional<Tensor>& kpm, const optional<Tensor>& layout,
                                               int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
                                               int64_t list_wf, const optional<Tensor>& seed, double scale,
-                                              double dropout_p, int64_t left, int64_t right) {
+                                              double dropout_p, int64_t left, int64_t right, double softcap,
+                                              const optional<Tensor>& alibi, const optional<Tensor>& sinks) {
   const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
   check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
   check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
   return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
-                 scale, dropout_p, left, right);
+                 scale, dropout_p, left, right, softcap, alibi, sinks);
 }
 
 bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
 
-std::tuple<Tensor, Tensor, Tensor> attention_bwd(
+// The backward with score terms; the 4th result: with `alibi_grad`, (B, H, query tiles) fp32 partial
+// sums of dT * |d| (the caller sums them over tiles and negates: ALiBi's slope gradient), else empty.
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
-    double dropout_p, int64_t left, int64_t right) {
+    double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
+    const optional<Tensor>& sinks, bool alibi_grad) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
                        scale, dropout_p, left, right);
   effattn::AttnParams& p = r.p;
+  std::vector<Tensor> keep;
+  set_score(p, keep, softcap, alibi, sinks);
+  check(!alibi_grad || alibi.has_value(), "alibi_grad needs alibi slopes");
+  const int64_t n_mt = (p.Lq + effattn::kBlockM - 1) / effattn::kBlockM;
+  Tensor dalibi = at::zeros({alibi_grad ? p.B : 0, p.H, n_mt}, q.options().dtype(at::kFloat));
   Tensor dout = aligned(dout0.to(q.scalar_type()));
   Tensor out = out0.contiguous();
   Tensor lse = lse0.contiguous();
@@ -94,10 +134,26 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     p.delta = delta.data_ptr<float>();
     p.delta_out = delta.data_ptr<float>();
     p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    if (alibi_grad) {
+      poison(dalibi);
+      p.dalibi = dalibi.data_ptr<float>();
+    }
     run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
   }
   auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
-  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3))};
+  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3)), dalibi};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(
+    const Tensor& dout, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const optional<Tensor>& kpm, const optional<Tensor>& layout,
+    int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+    const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
+    double dropout_p, int64_t left, int64_t right) {
+  auto g = attention_bwd_score(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf,
+                               lists_by_key, listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt,
+                               c10::nullopt, false);
+  return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
 }  // namespace
@@ -105,19 +161,26 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
 TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
         "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
-        "int window_right) -> (Tensor, Tensor)");
+        "int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
+        "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "
+        "int window_left, int window_right, float softcap, Tensor? alibi, Tensor? sinks, bool alibi_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
-        "int window_left, int window_right) -> (Tensor, Tensor)");
+        "int window_left, int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None) "
+        "-> (Tensor, Tensor)");
   m.def("has_sm90a() -> bool", has_sm90a);
 }
 
 TORCH_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
   m.impl("attention_fwd", attention_fwd);
   m.impl("attention_bwd", attention_bwd);
+  m.impl("attention_bwd_score", attention_bwd_score);
   m.impl("attention_fwd_sm90", attention_fwd_sm90);
 }

@@ -68,6 +68,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import bias as _bias
 from ..backends import base as backend_registry
 from ..backends.torch.dense import dense_attention
 from ..functional import attention
@@ -87,7 +88,7 @@ _logged = set()
 # outputs or other implementations); "refused": an error naming the keyword when its value is not None.
 KEYWORDS = {
     "served": frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias", "s_aux",
-                         "sinks",
+                         "sinks", "alibi_slopes",
                          # packed sequences (one row): the fused path with cu_seqlens (`_packed_segments`)
                          "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}),
     "carried": frozenset({
@@ -209,9 +210,14 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         position_bias = None                            # T5's zero bias of layers without one: adds nothing
     if position_bias is not None and position_bias.shape[-1] > Lk:
         position_bias = position_bias[..., :Lk]
-    terms = dict(softcap=softcap, sinks=sinks, bias=position_bias)
+    # ALiBi (BLOOM, MPT through `swap_alibi_attention`): the slopes as a fused term, O(L) memory
+    slopes = kwargs.get("alibi_slopes")
+    extra = [position_bias] if position_bias is not None else []
+    if slopes is not None:
+        extra.append(_bias.ALiBi(slopes))
+    terms = dict(softcap=softcap, sinks=sinks, bias=extra or None)
     packed = (_packed_segments(attention_mask, kwargs, B, Lq, Lk, causal, window)
-              if softcap is None and position_bias is None and sinks is None else None)
+              if softcap is None and not extra and sinks is None else None)
     if packed is not None:                              # packed sequences: the fused segment work list
         out = attention(query, key, value, causal=causal, window=window, cu_seqlens=packed[0], max_seqlen=packed[1],
                         scale=scaling, dropout_p=float(dropout), backend=backend)
@@ -223,7 +229,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         out = attention(query, key, value, causal=causal, window=window, key_padding_mask=plan[1], scale=scaling,
                         dropout_p=float(dropout), backend=backend, **terms)
         _record("fused")
-    elif softcap is not None or sinks is not None or position_bias is not None:
+    elif softcap is not None or sinks is not None or extra:
         # a mask the visibility rule cannot express, with score terms: the fused kernel with the mask as a
         # dense additive bias (O(L^2) for the bias, as the mask itself; the attention stays fused)
         _, visible, bias, why = plan
@@ -232,6 +238,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                                                                                   float("-inf"))
         if position_bias is not None:
             bias = bias + position_bias
+        bias = [bias] + ([_bias.ALiBi(slopes)] if slopes is not None else [])
         out = attention(query, key, value, scale=scaling, dropout_p=float(dropout), backend=backend,
                         softcap=softcap, sinks=sinks, bias=bias)
         _record("fused, mask as a dense bias: " + why)
@@ -318,3 +325,91 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
         return name
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+# ------------------------------------------------------------------------------ ALiBi models (swapped)
+#
+# BLOOM and MPT compute attention inside their own modules (not through transformers' attention
+# interface), with ALiBi as a dense bias built by the model: `attn_implementation` does not reach
+# them. `swap_alibi_attention` replaces those modules' forward with one that computes q, k, v with
+# the module's own weights and calls `attention_forward` with the ALiBi slopes as a fused score term.
+# Both models' biases are the paper's -slope * (i - j) up to a constant per row (BLOOM: slope * key
+# position, MPT: slope * (key position - max_seq_len + 1)), which the softmax ignores.
+
+def _bloom_slopes(module, device):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    return _get_alibi_slopes(module.num_heads, device)
+
+
+def _bloom_forward(backend):
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        from transformers.models.bloom.modeling_bloom import dropout_add
+        B, L, _ = hidden_states.shape
+        q, k, v = self._reshape(self.query_key_value(hidden_states))
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        out, _ = attention_forward(self, q, k, v, attention_mask, dropout=self.attention_dropout.p if self.training
+                                   else 0.0, scaling=self.inv_norm_factor, is_causal=True,
+                                   alibi_slopes=_bloom_slopes(self, q.device), backend=backend)
+        out = self.dense(out.reshape(B, L, self.num_heads * self.head_dim))
+        return dropout_add(out, residual, self.hidden_dropout, self.training), None
+    return forward
+
+
+def _mpt_forward(backend, mask_blocks: bool):
+    def forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+        B, L = hidden_states.shape[:2]
+        qkv = self.Wqkv(hidden_states)
+        if self.clip_qkv:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        q, k, v = (t.reshape(B, L, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        # MPT's bias (H, 1, max_seq_len) is slope * (j - max_seq_len + 1): the next-to-last entry is -slope
+        slopes = -position_bias[:, 0, -2].float()
+        mask = attention_mask
+        if mask is not None and mask.dtype == torch.bool and mask_blocks:
+            mask = ~mask                                  # MPT's eager masks: True = blocked
+        out, _ = attention_forward(self, q, k, v, mask, dropout=self.attn_dropout_p if self.training else 0.0,
+                                   scaling=self.softmax_scale, is_causal=True, alibi_slopes=slopes, backend=backend)
+        return self.out_proj(out.reshape(B, L, -1)), None
+    return forward
+
+
+def swap_alibi_attention(model: torch.nn.Module, *, backend: str = "auto"):
+    """Serves the ALiBi attention of a loaded BLOOM or MPT model with effattn, in place, weights
+    kept: each ``BloomAttention`` / ``MptAttention`` gets a forward that runs :func:`attention_forward`
+    with the ALiBi slopes as a fused score term (``effattn.bias.ALiBi``, O(L) memory, no dense bias)
+    and the model's mask read as for ``attn_implementation="effattn"``. Attention weights are not
+    returned (``None``). Works with the model loaded with ``"eager"`` (those models' only attention)
+    or ``"effattn"``.
+
+    Returns ``{"served": [module names], "not served": {module name: why}}``: modules computing
+    attention that effattn does not serve are named with the reason (Falcon's ALiBi attention, whose
+    eager form adds the bias once in the scores and again inside the mask the model builds).
+    """
+    names = ("auto",) + tuple(backend_registry.BACKENDS)
+    if backend not in names:
+        raise ValueError(f"swap_alibi_attention: backend must be one of {', '.join(map(repr, names))}, got "
+                         f"{backend!r}")
+    import types
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    served, not_served = [], {}
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind == "BloomAttention":
+            if getattr(m, "pretraining_tp", 1) > 1 and getattr(m, "slow_but_exact", False):
+                not_served[name] = "BLOOM with pretraining_tp > 1 and slow_but_exact (a sliced output projection)"
+                continue
+            m.forward = types.MethodType(_bloom_forward(backend), m)
+        elif kind == "MptAttention":
+            m.forward = types.MethodType(_mpt_forward(backend, mask_blocks=impl in (None, "eager")), m)
+        elif kind == "FalconAttention" and getattr(getattr(model, "config", None), "alibi", False):
+            not_served[name] = ("Falcon with ALiBi: its eager attention adds the ALiBi bias in the scores and again "
+                                "in the mask the model builds; not reproduced")
+            continue
+        else:
+            continue
+        served.append(name)
+    return {"served": served, "not served": not_served}

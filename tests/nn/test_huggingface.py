@@ -413,3 +413,56 @@ def test_flash_attention_keywords_cu_seq_lens_take_the_packed_path():
                      for a, b in ((0, 4), (4, 9))], 2).transpose(1, 2)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert hf_effattn.stats == {"fused": 1}
+
+
+def _alibi_model(name, impl):
+    if name == "bloom":
+        cfg = transformers.BloomConfig(vocab_size=100, hidden_size=40, n_layer=2, n_head=5, attention_dropout=0.0,
+                                       hidden_dropout=0.0)
+        return transformers.BloomModel._from_config(cfg, attn_implementation=impl)
+    cfg = transformers.MptConfig(vocab_size=100, d_model=40, n_layers=2, n_heads=5, max_seq_len=32,
+                                 attn_config={"alibi": True, "attn_pdrop": 0})
+    return transformers.MptModel._from_config(cfg, attn_implementation=impl)
+
+
+@pytest.mark.parametrize("padding", ["left", "none"])
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_models_swapped_match_eager(name, padding):
+    """BLOOM and MPT (5 heads: the slopes' non-power-of-two rule) after `swap_alibi_attention`:
+    every attention module runs fused with the ALiBi slopes as a score term (no dense bias), and the
+    outputs equal eager's at real tokens; the parameters' gradients (ill-conditioned at this random
+    init: eager's own fp32 gradients are off by up to 10% from float64) are as close to the float64
+    gradients as eager's are."""
+    torch.manual_seed(0)
+    eager = _alibi_model(name, "eager")
+    ours = _alibi_model(name, "eager")
+    ours.load_state_dict(eager.state_dict())
+    report = hf_effattn.swap_alibi_attention(ours, backend="torch")
+    assert len(report["served"]) == 2 and not report["not served"], report
+    ref = copy.deepcopy(ours).double()               # the fused path in float64 (the torch reference)
+    ids, mask = _batch(left=True)
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    real = mask.bool()
+    hf_effattn.stats.clear()
+    outs = []
+    for model in (eager, ours, ref):
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out[real] ** 2).sum().backward()
+        outs.append(out)
+    assert hf_effattn.stats == {"fused": 4}, dict(hf_effattn.stats)
+    torch.testing.assert_close(outs[1][real], outs[0][real], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(outs[2][real].float(), outs[0][real], atol=2e-5, rtol=2e-5)
+    for (n, p), (_, q), (_, r) in zip(eager.named_parameters(), ours.named_parameters(), ref.named_parameters()):
+        if p.grad is not None:
+            e_eager = (p.grad.double() - r.grad).abs().max().item()
+            e_ours = (q.grad.double() - r.grad).abs().max().item()
+            assert e_ours <= 2 * e_eager + 1e-6 * r.grad.abs().max().item() + 1e-9, (n, e_ours, e_eager)
+
+
+def test_alibi_swap_reports_falcon_alibi_as_not_served():
+    cfg = transformers.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    alibi=True, new_decoder_architecture=False, multi_query=False)
+    model = transformers.FalconModel._from_config(cfg, attn_implementation="eager")
+    report = hf_effattn.swap_alibi_attention(model)
+    assert report["served"] == [] and "Falcon with ALiBi" in next(iter(report["not served"].values()))

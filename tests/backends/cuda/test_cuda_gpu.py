@@ -73,3 +73,23 @@ def test_gpu_backward_is_bitwise_deterministic():
         runs.append((out,) + torch.autograd.grad(out, leaves, go))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["causal", "gqa", "kpm", "causal-Lq>Lk-empty"])
+def test_score_terms_on_the_real_kernels(mode, dtype):
+    """softcap + sinks + ALiBi (the CUDA kernels' score terms) on the GPU against the float64 oracle,
+    forward and backward with the parameters' gradients (test_score's rule), at test_score's shapes
+    and one of several tiles."""
+    need_cuda_extension()
+    import test_cuda_score  # its "cuda-all" kind: the three terms together
+    import test_score
+    base = test_score._terms
+    test_score._terms = lambda kind, *a: test_cuda_score._all3(*a) if kind == "cuda-all" else base(kind, *a)
+    try:
+        shape, kw = test_score.MODES[mode]
+        test_score.check(shape, "cuda-all", kw, dtype, backend="cuda")
+        if mode == "causal":
+            test_score.check((2, 4, 2, 200, 260, 128), "cuda-all", kw, dtype, backend="cuda")
+    finally:
+        test_score._terms = base

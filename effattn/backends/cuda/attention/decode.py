@@ -25,6 +25,7 @@ from ....visibility import Rule, clamp_window
 from ...base import Capabilities, Path, register
 from .. import _ext
 from . import ops
+from . import score as score_path
 
 ROWS = 16                 # packed rows per block (csrc/decode.h kDecodeRows)
 BLOCK_N = 64              # keys per tile (kDecodeBlockN)
@@ -144,6 +145,7 @@ def _rank(call) -> int:
 
 PATH = register(Path(
     backend="cuda", op="attention", name="cuda/decode", priority=_rank,
-    caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES, features=ops.FEATURES), run=run,
+    # no score terms in the split-KV kernels (cuda/prefill serves those calls)
+    caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES, features=ops.FEATURES - score_path.FEATURES), run=run,
     admits=decode_reasons, available=_ext.available, notes=ops.notes, describe=describe,
     explicit_only_devices=frozenset({"cpu"})))

@@ -16,17 +16,19 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .... import score as _score
 from ....visibility import clamp_window
 from ...autograd import attention_autograd
 from ...base import Capabilities, Path, register
 from .. import _ext
 from . import hopper
-from .tiling import layout_lists
+from . import score as score_path
+from .tiling import BLOCK_M, layout_lists
 
 
 def _register_fakes(ns: str) -> None:
     def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
-                 dropout_p, window_left, window_right):
+                 dropout_p, window_left, window_right, softcap=0.0, alibi=None, sinks=None):
         B, H, Lq, _ = q.shape
         return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
 
@@ -36,6 +38,13 @@ def _register_fakes(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::attention_bwd")
     def _(grad_out, grad_lse, q, k, v, *args):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    @torch.library.register_fake(f"{ns}::attention_bwd_score")
+    def _(grad_out, grad_lse, q, k, v, *args):
+        B, H, Lq = q.shape[:3]
+        n = args[-1] and B
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                q.new_empty(n, H, -(-Lq // BLOCK_M), dtype=torch.float32))
 
 
 _FAKES_DONE = set()
@@ -94,7 +103,7 @@ cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 DEVICES = frozenset({"cuda", "cpu"})
 DTYPES = frozenset({torch.float16, torch.bfloat16})
 FEATURES = frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk", "dv_ne_d",
-                      "return_lse"})
+                      "return_lse"}) | score_path.FEATURES
 
 
 def notes(call) -> List[str]:
@@ -109,13 +118,19 @@ def notes(call) -> List[str]:
 
 def _run(call):
     kernels(call.q.device)
+    if call.score is not None:                     # softcap / sinks / ALiBi: the score-terms composition
+        return _score.run(call, score_path.Kernels)
     return cuda_attention_fwd(**call.op_args()._asdict())
+
+
+def _describe(call) -> str:
+    return score_path.describe(call) if call.score is not None else hopper.describe(call)
 
 
 # after Triton for "auto" until the GPU acceptance run has measured these kernels
 PATH = register(Path(
     backend="cuda", op="attention", name="cuda/prefill", priority=20,
     caps=Capabilities(devices=DEVICES, dtypes=DTYPES, max_head_dim=256, features=FEATURES),
-    run=_run, available=_ext.available, notes=notes, describe=hopper.describe,
+    run=_run, available=_ext.available, notes=notes, describe=_describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))
