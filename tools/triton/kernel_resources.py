@@ -40,7 +40,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
-KINDS = ("fwd", "bwd", "delta", "decode", "combine")
+KINDS = ("fwd", "bwd", "delta", "decode")
 DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee: IEEE fp32 dots; fp32x3: 3xTF32
 # Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
 # multiples of 16: unit strides become the constant 1, the other strides and lengths get
@@ -58,7 +58,7 @@ _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
-             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}
+             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -95,10 +95,8 @@ def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]
     from effattn.backends.triton.attention import configs
     if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
         return [(0, (configs.delta_block(head_dim), 0, 4, 3))]
-    if kind in ("decode", "combine"):       # split-KV decode: its config per packed row count (G * Lq)
+    if kind == "decode":       # split-KV decode: its config per packed row count (G * Lq)
         from effattn.backends.triton.attention import decode
-        if kind == "combine":
-            return [(0, (16, 0, 4, 3))]
         elem = 4 if dtype.startswith("fp32") else 2
         rows = [r for r in (16, 32, 64, 128) if decode.fits(r, head_dim, head_dim, elem, dtype == "fp32ieee")]
         return [(i, (r,) + decode.config(head_dim, head_dim, r, elem)) for i, r in enumerate(rows)][
@@ -120,13 +118,17 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
 
     from effattn.backends.triton import attention as ta
     fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
-          "decode": ta.decode.decode_kernel, "combine": ta.decode.combine_kernel}[kind]
+          "decode": ta.decode.decode_kernel}[kind]
     *blocks, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
                   IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False,
                   **FEATURES[features])                      # FOLD_SCALE: any positive scale
+    if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
+        from effattn.backends.triton.attention import decode
+        merge_rows = 4 if blocks[0] == 16 else blocks[0]
+        consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps))
     consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
