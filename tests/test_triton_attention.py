@@ -637,7 +637,11 @@ def test_sass_loop_spill_counting():
         /*00c0*/               @P3 BRA 0xb0 ;
     """
     assert sass_stats(sass) == dict(spills=3, loop_spills=1, hgmma=1, hmma=1, loop_instrs=[3, 3, 2],
-                                    loop_wait_all=[False, False, True])
+                                    loop_wait_all=[False, False, True], wgmma_min_n=64, tile_loop_spills=[1, 0, 0])
+    # a 64 x 16 wgmma in a loop is the narrowest; one outside every loop does not count
+    narrow = sass.replace("NOP ;", "HGMMA.64x16x16.F32.BF16 R4, gdesc[UR8], R4 ;").replace(
+        "/*0000*/                   STL [R1], R2 ;", "/*0000*/                   HGMMA.64x8x16.F32.BF16 R2, gdesc[UR4], RZ ;")
+    assert sass_stats(narrow)["wgmma_min_n"] == 16
 
 
 def test_unavailable_reasons(monkeypatch):

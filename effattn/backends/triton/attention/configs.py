@@ -6,7 +6,7 @@ the dQ programs'.
 A few candidates per kernel, head-dim class (the larger of D and Dv, padded to a power of two) and
 element size, autotuned once per kind of call on the GPU (`launch`). The first of each list is the
 untimed default (``EFFATTN_TRITON_AUTOTUNE=0``, CUDA-graph capture): it must fit sm_80's shared
-memory, and on sm_90 use wgmma without spilling in its tile loops. Why each list is what it is (the
+memory, and on sm_90 use wgmma no narrower than 64 x 32 without spilling in its full-tile loops. Why each list is what it is (the
 offline compiles behind it) is in docs/design/triton-configs.md; `python -m
 tools.triton.kernel_resources` regenerates the tables (benchmarks/results/offline-sm90/)
 and tests/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
