@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa", action="store_true", help="G (query heads per KV head) a runtime value, not 1 (MHA)")
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
-    ap.add_argument("--out", help="write resources.csv / .md / .json here")
+    ap.add_argument("--out", help="write resources.csv / .md / .json (with --exact: exact.*) here")
     ap.add_argument("--exact", choices=("all", "picked"),
                     help="compile the launches the GPU suite records for its D = 128 bf16 MHA calls (16k tokens, "
                          "dense / causal / window / layout) through Triton's launch path instead of the grid above: "
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     if not args.json:
         print(md)
     if args.out:
-        write_tables(args.out, "resources", rows, meta, md, csv_columns=COLUMNS)
+        write_tables(args.out, "exact" if args.exact else "resources", rows, meta, md, csv_columns=COLUMNS)
     return 0
 
 
