@@ -5,7 +5,8 @@ the GPU's SM count every planner reads.
 A decode-shaped call is a few query rows (``Lq <= MAX_QUERIES``) that need no gradient and no
 dropout (the decode kernels are forward only). Its visible keys (the window bound of the visibility
 rule; the layout is not consulted) are cut into splits; each split writes an fp32 partial output and
-log-sum-exp, merged by a second kernel in a fixed order (deterministic).
+log-sum-exp, merged in a fixed order (deterministic): by the last split to finish in the Triton
+decode, by a second kernel in the CUDA one.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .visibility import Rule
 MAX_QUERIES = 16          # Lq above this fills a prefill kernel's query tiles anyway (csrc/decode.h kDecodeMaxQueries)
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in its partial than it saves (both kernels:
                           # Triton's key splits, CUDA's MIN_TILES_PER_SPLIT = 4 tiles of 64 keys)
-# Visible keys from which a split-KV decode is worth its second launch and the fp32 partials' round trip
+# Visible keys from which a split-KV decode is worth the fp32 partials' trip
 # through memory: room for 4 splits of the shortest useful split. Below that the prefill kernels walk
 # at most 16 key tiles per program (a few microseconds on an H100) and the split path has too few
 # splits to fill the GPU. One threshold for both backends (the Triton planner said 1024 visible keys,
@@ -72,17 +73,13 @@ def plan_splits(slices: int, span: int, num_sms: int, block_n: int,
                 min_keys: int = MIN_KEYS_PER_SPLIT) -> Tuple[int, int]:
     """The Triton decode's ``(n_splits, keys_per_split)`` for ``slices`` = B * Hkv programs per split over
     ``span`` keys, ``keys_per_split`` a multiple of ``block_n`` (the last split may be shorter, never empty):
-
-    - a long range: enough splits for `WAVES` waves of programs over ``num_sms`` SMs (the split
-      length rounded down to whole key tiles, so there are at least that many);
-    - a range too short for that many splits of ``min_keys`` keys: ``span // min_keys`` splits at
-      most (the length rounded up), each but the last at least ``min_keys`` long."""
-    want = cdiv(WAVES * num_sms, max(slices, 1))
+    the most splits whose programs fit `WAVES` waves over ``num_sms`` SMs (at least one), at most
+    ``span // min_keys`` of them, the split length rounded up to whole key tiles (so that rounding
+    never adds a split: 8 slices on 132 SMs over 16k keys give 32 splits of 512 keys, 256
+    programs, where rounding down gave 37 splits, 296 programs)."""
+    want = max(1, (WAVES * num_sms) // max(slices, 1))
     n = max(1, min(want, span // max(min_keys, 1)))
-    if n == want:
-        per = max(block_n, (span // n) // block_n * block_n)
-    else:
-        per = max(block_n, cdiv(cdiv(span, n), block_n) * block_n)
+    per = max(block_n, cdiv(cdiv(span, n), block_n) * block_n)
     return max(1, cdiv(span, per)), per
 
 

@@ -67,8 +67,8 @@ def trial_candidates(on: bool = True):
     from effattn.backends.triton.attention import launch
     real = launch.candidates
 
-    def with_trials(kind, head_class, element_size):
-        cands = list(real(kind, head_class, element_size))
+    def with_trials(kind, head_class, element_size, **kw):
+        cands = list(real(kind, head_class, element_size, **kw))
         if kind == "fwd" and element_size == 2:
             cands += [c + ("tma",) for c in cands]
         return cands

@@ -40,7 +40,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}      # opt-in shared memory per block: A100, H100/H200
-KINDS = ("fwd", "bwd", "delta", "decode", "combine")
+KINDS = ("fwd", "bwd", "delta", "decode")
 DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee: IEEE fp32 dots; fp32x3: 3xTF32
 # Launch-time specialization Triton applies on a GPU to contiguous (B, H, L, D) inputs with D and L
 # multiples of 16: unit strides become the constant 1, the other strides and lengths get
@@ -58,7 +58,7 @@ _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
-             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32"}
+             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -89,44 +89,48 @@ def sweep_configs(kind: str = "fwd") -> List[tuple]:
             if 32 * 64 <= c[0] * c[1] <= 128 * 128]
 
 
-def configs_for(kind: str, head_dim: int, dtype: str, which: str) -> List[tuple]:
+def configs_for(kind: str, head_dim: int, dtype: str, which: str, gqa: bool = False) -> List[tuple]:
     """(index, config) pairs: the backend's candidate list ("all"), its first ("first": the untimed
     default), or the sweep grid ("sweep", index -1)."""
     from effattn.backends.triton.attention import configs
     if kind == "delta":                                    # (rows, -, Triton's default warps and stages)
         return [(0, (configs.delta_block(head_dim), 0, 4, 3))]
-    if kind in ("decode", "combine"):       # split-KV decode: its config per packed row count (G * Lq)
+    if kind == "decode":       # split-KV decode: its config per packed row count (G * Lq)
         from effattn.backends.triton.attention import decode
-        if kind == "combine":
-            return [(0, (16, 0, 4, 3))]
         elem = 4 if dtype.startswith("fp32") else 2
         rows = [r for r in (16, 32, 64, 128) if decode.fits(r, head_dim, head_dim, elem, dtype == "fp32ieee")]
         return [(i, (r,) + decode.config(head_dim, head_dim, r, elem)) for i, r in enumerate(rows)][
             :1 if which == "first" else None]
     if which == "sweep":
         return [(-1, c) for c in sweep_configs(kind)]
-    cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2)))
+    cands = list(enumerate(configs.candidates(kind, head_dim, 4 if dtype.startswith("fp32") else 2, gqa=gqa)))
     return cands[:1] if which == "first" else cands
 
 
 def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tuple, features: str = "causal",
-                   idx64: bool = False, switches: Optional[dict] = None):
+                   idx64: bool = False, switches: Optional[dict] = None, gqa: bool = False):
     """Compiles one kernel for ``sm_<arch>`` as the launcher would specialize it for contiguous
     inputs (head dim a power of two: no padding masks); ``switches`` sets constexprs that default
-    to off (the forward's ``KV_TMA``, ``WARP_SPEC`` trials). Returns Triton's CompiledKernel."""
+    to off (the forward's ``KV_TMA``, ``WARP_SPEC`` trials). Multi-head attention by default: the
+    query heads per KV head ``G`` is 1, which Triton specializes as a constant (as it does at launch);
+    ``gqa``: G a runtime value (grouped-query attention, G > 1). Returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from effattn.backends.triton import attention as ta
     fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
-          "decode": ta.decode.decode_kernel, "combine": ta.decode.combine_kernel}[kind]
+          "decode": ta.decode.decode_kernel}[kind]
     *blocks, warps, stages = config
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
                   IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False,
                   **FEATURES[features])                      # FOLD_SCALE: any positive scale
+    if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
+        from effattn.backends.triton.attention import decode
+        merge_rows = 4 if blocks[0] == 16 else blocks[0]
+        consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps))
     consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
@@ -140,7 +144,7 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     missing = [fn.arg_names[i] for i in getattr(fn, "constexprs", []) if fn.arg_names[i] not in consts]
     if missing:      # it would compile as a runtime argument: another kernel than the launcher's
         raise ValueError(f"{kind}: no value for constexpr {missing}")
-    consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
+    consts.update({n: 1 for n in fn.arg_names if n in _UNIT or (n == "G" and not gqa)})
     sig, attrs = {}, {}
     for j, n in enumerate(fn.arg_names):
         if n in consts:
@@ -164,6 +168,7 @@ def cuobjdump() -> Optional[str]:
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
+_HGMMA_N = re.compile(r"\bHGMMA\.\d+x(\d+)x")     # wgmma's N: 64 x N x K per warp group
 _WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
 # copies into shared memory: TMA (UTMALDG), cp.async (LDGSTS); register reallocation between warp
 # groups (USETMAXREG: warp specialization); opcode = the first word after a predicate
@@ -172,7 +177,9 @@ _OPCODES = {"UTMALDG": "utmaldg", "LDGSTS": "ldgsts", "USETMAXREG": "setmaxreg"}
 
 def sass_stats(sass: str) -> Dict[str, object]:
     """Counts in a SASS listing: spill instructions, those inside loops (between a backward branch
-    and its target), matrix instructions, and per innermost loop (the tile loops: full tiles first)
+    and its target), matrix instructions, the narrowest wgmma N inside a loop (``wgmma_min_n``:
+    64 x 16 products run far below the tensor cores' rate; None without wgmma in a loop), and per
+    innermost loop (the tile loops: full tiles first)
     its length in instructions and whether it waits for all its async copies (``DEPBAR.LE SB0, 0x0``:
     nothing stays in flight across iterations, i.e. no prefetch)."""
     instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
@@ -183,10 +190,14 @@ def sass_stats(sass: str) -> Dict[str, object]:
             loops.append((int(m.group(1), 16), addr))
     inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
     spills = [a for a, t in instrs if _SPILL.match(t)]
+    widths = [int(m.group(1)) for a, t in instrs if any(lo <= a <= hi for lo, hi in loops)
+              for m in [_HGMMA_N.search(t)] if m]
     return dict(spills=len(spills), loop_spills=sum(any(lo <= a <= hi for lo, hi in loops) for a in spills),
+                wgmma_min_n=min(widths) if widths else None,
                 hgmma=sum(t.startswith("HGMMA") or " HGMMA" in t for _, t in instrs),
                 hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs),
                 loop_instrs=[sum(lo <= a <= hi for a, _ in instrs) for lo, hi in inner],
+                tile_loop_spills=[sum(lo <= a <= hi for a in spills) for lo, hi in inner],
                 loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
@@ -215,47 +226,67 @@ def resources(kernel) -> Dict[str, object]:
     return out
 
 
+SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}     # shared memory per SM (1 KiB of it reserved per CTA)
+
+
+def ctas_per_sm(arch: int, shared: int, regs: Optional[int], warps: int) -> int:
+    """CTAs of a kernel one SM holds at once: by shared memory (plus the 1 KiB the driver reserves
+    per CTA), by registers (65536 per SM, allocated per warp in units of 256) and by warps (64)."""
+    by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM[80]) // (shared + 1024)
+    by_regs = 65536 // (warps * -(-(regs or 255) * 32 // 256) * 256)
+    return max(0, min(by_smem, by_regs, 64 // warps, 32))
+
+
 def measure(job: tuple) -> Dict[str, object]:
-    arch, kind, head_dim, dtype, index, config, features, idx64 = job
-    row = dict(arch=arch, kind=kind, head_dim=head_dim, dtype=dtype, features=features, idx64=idx64,
-               index=index, config="x".join(map(str, config)))
+    arch, kind, head_dim, dtype, index, config, features, idx64, *rest = job
+    gqa = bool(rest and rest[0])
+    row = dict(arch=arch, kind=kind, head_dim=head_dim, dtype=dtype, features=features + ("+gqa" if gqa else ""),
+               idx64=idx64, index=index, config="x".join(map(str, config)))
     try:
-        row.update(resources(compile_kernel(arch, kind, head_dim, dtype, config, features, idx64)))
+        row.update(resources(compile_kernel(arch, kind, head_dim, dtype, config, features, idx64, gqa=gqa)))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a result, not a crash
         row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
     return row
 
 
 COLUMNS = ["arch", "kind", "head_dim", "dtype", "features", "idx64", "index", "config", "shared", "fits", "regs",
-           "stack", "spills", "loop_spills", "hgmma", "hmma", "loop_instrs", "loop_wait_all", "error"]
+           "stack", "spills", "loop_spills", "hgmma", "hmma", "wgmma_min_n", "ctas_per_sm", "loop_instrs", "loop_wait_all", "error"]
 
 
 def to_markdown(rows: List[dict], meta: dict) -> str:
     lines = [f"# effattn Triton kernels: offline resources ({meta['target']})", "",
              f"triton {meta['triton']}, {meta['date']}; `{meta['command']}`. Shared memory in KiB (limit "
              f"{SMEM_LIMIT.get(meta['arch'], 0) // 1024}); regs per thread; stack bytes; spill = LDL/STL "
-             "instructions (in loops / in all); HGMMA = wgmma instructions; instrs per tile = length of each "
+             "instructions (in loops / in all); CTAs/SM = CTAs one SM holds (shared memory, registers, warps); "
+             "HGMMA = wgmma instructions; min N = the narrowest wgmma (64 x N) in a tile loop, flagged "
+             "below 32; features: +gqa = G a runtime value (else MHA, G = 1); instrs per tile = length of each "
              "innermost loop (the tile loops: full tiles, then partial ones); prefetch = no tile loop waits "
              "for all its async copies (DEPBAR.LE SB0, 0x0). Index = position in the "
              "backend's candidate list (0 = the untimed default, -1 = sweep only).", "",
              "The backward's config is (dK/dV M, N, dQ M, N, warps, stages); its tile loops: dK/dV full, "
              "partial, dQ full, partial.", "",
-             "| kernel | D | dtype | features | config (M, N, warps, stages) | index | smem | regs | stack | "
-             "spills loop/all | HGMMA | HMMA | instrs per tile | prefetch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | D | dtype | features | config (M, N, warps, stages) | index | smem | regs | CTAs/SM | stack | "
+             "spills loop/all | HGMMA | min N | HMMA | instrs per tile | prefetch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
-                         f"{r['index']} | error: {r['error'][:80]} |||||||")
+                         f"{r['index']} | error: {r['error'][:80]} |||||||||")
             continue
         smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
         lines.append(f"| {r['kind']} | {r['head_dim']} | {r['dtype']} | {r['features']} | {r['config']} | "
-                     f"{r['index']} | {smem} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
-                     f"{r.get('loop_spills', '?')}/{r.get('spills', '?')} | {r.get('hgmma', '?')} | "
-                     f"{r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
+                     f"{r['index']} | {smem} | {r.get('regs', '?')} | {r.get('ctas_per_sm', '?')} | "
+                     f"{r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
+                     f"{r.get('hgmma', '?')} | {_narrow(r.get('wgmma_min_n'))} | {r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
                      f"{_prefetch(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _narrow(n) -> str:
+    """The narrowest wgmma N in a tile loop, flagged below 32 (a 64 x 16 product: slow)."""
+    return "-" if n is None else (f"**{n}** (narrow)" if n < 32 else str(n))
 
 
 def _prefetch(row: dict) -> str:
@@ -296,6 +327,85 @@ def compile_all(measure_fn, jobs, args, module: str, argv) -> tuple:
     return rows, meta
 
 
+# --exact: the kernels the GPU suite launched in the first H100 run (D = 128, bf16, MHA, fwd + bwd), as
+# its precompile planner records them (the launchers run on meta tensors: the very specializations)
+EXACT_CASES = {"dense": dict(causal=False), "causal": dict(causal=True), "window": dict(window=(1024, 0)),
+               "layout128": dict(layout=True)}
+
+
+def exact_variants(length: int = 8192):
+    """(mode, config, Variant) for every forward / backward launch of the suite's D = 128 bf16 MHA calls
+    at ``length`` (B = 1, H = 16): the autotuners' candidates, each as the launcher specializes it."""
+    import torch
+
+    from benchmarks.suite import kernels
+    from effattn.layouts import sliding_and_summary
+    out = []
+    for mode, kw in EXACT_CASES.items():
+        layout = sliding_and_summary(length, 128, 4, 16) if kw.get("layout") else None
+        call = kernels.Call("attention", 1, 16, 16, length, length, 128, torch.bfloat16, True,
+                            causal=kw.get("causal", True), window=kw.get("window"), layout=layout)
+        variants, failed = kernels.plan_variants([call])
+        if failed:
+            raise RuntimeError(f"{mode}: {failed}")
+        for v in variants:
+            kw_v = dict(v.kwargs)
+            if v.name == "fwd_kernel":
+                out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"]), v))
+            elif v.name == "bwd_kernel":
+                out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], kw_v["BLOCK_M2"], kw_v["BLOCK_N2"],
+                                          kw_v["num_warps"], kw_v["num_stages"]), v))
+    return out
+
+
+def tuned_picks(path: str) -> Dict[tuple, set]:
+    """{(kernel, mode): the configs the GPU autotuner picked} from a suite's ``tuned.json``."""
+    with open(path) as f:
+        tuned = json.load(f)
+    picks: Dict[tuple, set] = {}
+    for entry in tuned.get("effattn.backends.triton.attention.launch", []):
+        kind, mode = entry[0].strip("'"), entry[5].strip("'")
+        picks.setdefault((kind, mode), set()).add(tuple(entry[-1]))
+    return picks
+
+
+def measure_exact(job: tuple) -> Dict[str, object]:
+    """Compiles one recorded launch for ``sm_<arch>`` through Triton's own launch path (``warmup``
+    with a stand-in driver: the binder specializes its arguments as at a launch on such a GPU)."""
+    arch, mode, kind, config, var, index, picked = job
+    row = dict(arch=arch, kind=kind, head_dim=128, dtype="bf16", features=mode, idx64=False, index=index,
+               config="x".join(map(str, config)), picked=picked)
+    try:
+        import importlib
+
+        from triton.runtime import driver
+
+        from benchmarks.suite import kernels
+        driver.set_active(kernels._OfflineDriver(arch))
+        fn = getattr(importlib.import_module(var.module), var.name)
+        compiled = fn.warmup(*var.args, grid=(1,), **dict(var.kwargs))
+        row.update(resources(compiled))
+        row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
+    except Exception as e:  # noqa: BLE001 - a result
+        row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
+    return row
+
+
+def exact_jobs(arch: int, tuned: Optional[str], which: str) -> List[tuple]:
+    """The `measure_exact` jobs: every recorded launch (``which`` = "all"), or only the default
+    (first candidate) and the configs ``tuned`` says the GPU autotuner picked ("picked")."""
+    from effattn.backends.triton.attention import configs
+    picks = tuned_picks(tuned) if tuned else {}
+    jobs = []
+    for mode, kind, cfg, var in exact_variants():
+        index = configs.candidates(kind, 128, 2).index(cfg) if cfg in configs.candidates(kind, 128, 2) else -1
+        picked = cfg in picks.get((kind, mode), set())
+        if which == "all" or index == 0 or picked:
+            jobs.append((arch, mode, kind, cfg, var, index, picked))
+    return jobs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 80: A100)")
@@ -305,9 +415,15 @@ def main(argv=None) -> int:
     ap.add_argument("--features", default="causal", help=f"comma list of {','.join(FEATURES)}")
     ap.add_argument("--configs", default="all", choices=("first", "all", "sweep"))
     ap.add_argument("--idx64", action="store_true", help="compile with int64 offsets throughout")
+    ap.add_argument("--gqa", action="store_true", help="G (query heads per KV head) a runtime value, not 1 (MHA)")
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
-    ap.add_argument("--out", help="write resources.csv / .md / .json here")
+    ap.add_argument("--out", help="write resources.csv / .md / .json (with --exact: exact.*) here")
+    ap.add_argument("--exact", choices=("all", "picked"),
+                    help="compile the launches the GPU suite records for its D = 128 bf16 MHA calls (16k tokens, "
+                         "dense / causal / window / layout) through Triton's launch path instead of the grid above: "
+                         "every candidate, or the defaults and the --tuned picks")
+    ap.add_argument("--tuned", help="a suite's tuned.json: mark (and with --exact picked, compile) the autotuner's picks")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter does not compile kernels")
@@ -328,15 +444,21 @@ def main(argv=None) -> int:
                                   ("--features", features, FEATURES)):
         if not set(values) <= set(allowed):
             ap.error(f"{name} takes {', '.join(allowed)}")
-    jobs = [(args.arch, kind, int(hd), dt, i, cfg, feat, args.idx64)
-            for feat in features for kind in kinds for hd in args.head_dims.split(",")
-            for dt in args.dtypes.split(",") for i, cfg in configs_for(kind, int(hd), dt, args.configs)]
-    rows, meta = compile_all(measure, jobs, args, "tools.triton.kernel_resources", argv)
+    if args.exact:
+        jobs = exact_jobs(args.arch, args.tuned, args.exact)
+        rows, meta = compile_all(measure_exact, jobs, args, "tools.triton.kernel_resources", argv)
+        for r in rows:
+            r["index"] = f"{r['index']}{' picked' if r.get('picked') else ''}"
+    else:
+        jobs = [(args.arch, kind, int(hd), dt, i, cfg, feat, args.idx64, args.gqa)
+                for feat in features for kind in kinds for hd in args.head_dims.split(",")
+                for dt in args.dtypes.split(",") for i, cfg in configs_for(kind, int(hd), dt, args.configs, args.gqa)]
+        rows, meta = compile_all(measure, jobs, args, "tools.triton.kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)
     if args.out:
-        write_tables(args.out, "resources", rows, meta, md, csv_columns=COLUMNS)
+        write_tables(args.out, "exact" if args.exact else "resources", rows, meta, md, csv_columns=COLUMNS)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The Triton backend's split-KV decode (effattn/backends/triton/attention/decode.py): the decode and
-combine kernels against the float64 oracle with every visibility feature, GQA packing, forced
-splits, determinism, and when the backend takes the path (explain). Interpreter sizes: Lk <= 400,
+"""The Triton backend's split-KV decode (effattn/backends/triton/attention/decode.py): the decode
+kernel (its splits merged by the last to finish) against the float64 oracle with every visibility
+feature, GQA packing, forced splits, determinism, and when the backend takes the path (explain). Interpreter sizes: Lk <= 400,
 D <= 32 (the automatic choice is exercised with its threshold lowered)."""
 import math
 
@@ -119,10 +119,44 @@ def test_bitwise_deterministic_and_split_count_changes_only_rounding():
     torch.testing.assert_close(one[0], a[0], atol=2e-6, rtol=1e-5)
 
 
+def test_merge_by_the_last_split_in_chunks_and_counters_left_zero(monkeypatch):
+    """The last split to arrive merges all of a (b, kv head)'s splits in chunks of SPLIT_CHUNK splits:
+    1, 2 (13 splits: an uneven last chunk) and one chunk for all give the float64 result, the same
+    result on a second run, and the arrival counters are zero again after every launch (they are
+    reused by the next)."""
+    B, H, Hkv, Lq, Lk, D = 2, 6, 2, 2, 400, 16
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, Lq, D, generator=g).to(DEVICE)
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=g).to(DEVICE) for _ in range(2))
+    kpm = (torch.rand(B, Lk, generator=g) < 0.2).to(DEVICE)
+    kpm[:, 96:160] = True                         # two splits see no key
+    kw = dict(causal=True)
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), key_padding_mask=kpm, **kw)
+    real_chunk = decode.split_chunk
+    outs = []
+    for chunk in (1, 2, None):
+        ta.launch._PLANS.clear()                  # the chunk is part of the cached launch plan
+        monkeypatch.setattr(decode, "split_chunk", real_chunk if chunk is None else (lambda *a, c=chunk: c))
+        out, lse = run_decode(q, k, v, kw, kpm, keys_per_split=32, block_n=32)      # 13 splits
+        check(out, lse, ref, ref_lse)
+        again = run_decode(q, k, v, kw, kpm, keys_per_split=32, block_n=32)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+        assert all(int(c.abs().sum()) == 0 for c in decode._COUNTERS.values())
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[2], atol=2e-6, rtol=1e-5)      # chunking changes rounding only
+    assert real_chunk(4, 128, 4) == 8 and real_chunk(128, 128, 8) == 1 and real_chunk(2, 16, 4) == 64
+
+
 def test_plan_splits_fills_two_waves_with_a_minimum_per_split():
-    # B*Hkv = 8 slices on 132 SMs: 33 splits wanted; 64k keys allow them, each a multiple of 64 keys
+    # B*Hkv = 8 slices on 132 SMs: at most 33 splits (264 programs, two waves); the split length
+    # rounded up to whole 64-key tiles, never adding a split (no tail wave)
     n, per = decode.plan_splits(8, 65536, 132, 64)
-    assert n in (33, 34) and per % 64 == 0 and (n - 1) * per < 65536 <= n * per and n * 8 >= 2 * 132
+    assert (n, per) == (32, 2048)
+    assert decode.plan_splits(8, 16384, 132, 64) == (32, 512)          # the H100 run's B=1 decode row
+    assert decode.plan_splits(32, 16384, 132, 64) == (8, 2048)         # its B=4 row: 256 programs
+    for slices, span in ((8, 65536), (3, 5000), (8, 16384), (32, 16384), (5, 100000)):
+        n, per = decode.plan_splits(slices, span, 132, 64)
+        assert per % 64 == 0 and (n - 1) * per < span <= n * per and n * slices <= 2 * 132
     # a short range: no split but the last under MIN_KEYS_PER_SPLIT keys, and no more splits than
     # span // MIN_KEYS_PER_SPLIT
     assert decode.MIN_KEYS_PER_SPLIT == 256
@@ -202,9 +236,9 @@ def test_decode_threshold_on_a_real_length_explain_only():
     q = torch.randn(2, 32, 1, 128, device=DEVICE)
     k = v = torch.randn(2, 8, 4096, 128, device=DEVICE)
     path = effattn.explain(q, k, v, causal=True).paths["triton"]
-    # 2*8 = 16 slices want ceil(2*132/16) = 17 splits; 256 keys at least per split caps them at 16
-    assert path == ("triton/decode: split-KV decode: 4 heads x 1 queries packed per KV head, 16 splits of 256 keys "
-                    "+ combine"), path
+    # 2*8 = 16 slices fit 2*132 // 16 = 16 splits; 256 keys at least per split allow them
+    assert path == ("triton/decode: split-KV decode: 4 heads x 1 queries packed per KV head, 16 splits of 256 keys, "
+                    "merged by the last to finish"), path
     assert "1023 visible keys < 1024" in _why_not_decode(effattn.explain(q, k[:, :, :1023], v[:, :, :1023]))
 
 

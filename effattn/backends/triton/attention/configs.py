@@ -6,7 +6,7 @@ the dQ programs'.
 A few candidates per kernel, head-dim class (the larger of D and Dv, padded to a power of two) and
 element size, autotuned once per kind of call on the GPU (`launch`). The first of each list is the
 untimed default (``EFFATTN_TRITON_AUTOTUNE=0``, CUDA-graph capture): it must fit sm_80's shared
-memory, and on sm_90 use wgmma without spilling in its tile loops. Why each list is what it is (the
+memory, and on sm_90 use wgmma no narrower than 64 x 32 without spilling in its full-tile loops. Why each list is what it is (the
 offline compiles behind it) is in docs/design/triton-configs.md; `python -m
 tools.triton.kernel_resources` regenerates the tables (benchmarks/results/offline-sm90/)
 and tests/backends/triton/test_triton_attention.py::test_kernels_compile_for_sm90_and_sm80_offline checks the firsts.
@@ -16,15 +16,20 @@ from ..runtime import _INTERPRET
 # element size (2: fp16/bf16, 4: fp32) -> kernel -> head-dim class -> candidates, best guess first
 GPU_CONFIGS = {
     2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-                128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+                # D = 128: the H100 autotuner (triton 3.6, 2026-11-27) picked 64 x 64 on 4 warps for 5 of
+                # its 6 kinds of call (dense 4k, causal, window, layout) and 128 x 64 for dense 16k;
+                # 128 x 128 (2 stages: no prefetch) never won
+                128: [(64, 64, 4, 3), (128, 64, 8, 3)],
                 # D = 256: 16-key tiles on 8 warps keep 3 stages without a spill (32-key ones spill)
                 256: [(64, 16, 8, 3), (64, 32, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
         # the backward (`bwd_kernel`): (BLOCK_M1, BLOCK_N1) of the dK/dV programs, (BLOCK_M2, BLOCK_N2)
         # of the dQ programs, then the launch's warps and stages
         "bwd": {64: [(32, 128, 128, 64, 8, 3), (32, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 1),
                      (64, 128, 128, 64, 8, 3)],
-                128: [(16, 128, 128, 32, 8, 3), (32, 128, 128, 32, 8, 2), (32, 128, 128, 32, 8, 1),
-                      (16, 128, 128, 32, 8, 2), (32, 128, 128, 64, 8, 3)],
+                # D = 128: 32-row query tiles in the dK/dV programs (S^T, dP^T as 64 x 32 wgmmas; 16 rows
+                # gave 64 x 16 ones) and 128 x 64 dQ tiles: the H100 autotuner's pick for every kind of
+                # call it timed (MHA); GQA (`GQA_FIRST`) keeps the 16-row tiles first
+                128: [(32, 128, 128, 64, 8, 3), (16, 128, 128, 32, 8, 3), (32, 128, 128, 64, 8, 4)],
                 # D = 256: a 16-row query tile (dK/dV) and 16-key tiles (dQ) make room for 3 stages
                 256: [(16, 32, 64, 16, 8, 3), (32, 32, 64, 32, 8, 2), (32, 32, 32, 32, 8, 2),
                       (64, 32, 64, 32, 8, 2)]}},
@@ -50,9 +55,18 @@ def head_class(block_d: int) -> int:
     return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
 
 
-def candidates(kind: str, head_class: int, element_size: int):
-    """The GPU configs tried for `kind` ("fwd", "bwd"), best guess first."""
-    return GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
+# (kernel, head class, element size) -> the first candidate when G = H / Hkv > 1: the query-head
+# count is then a runtime value in the backward (MHA's G = 1 is a constant Triton specializes on),
+# and the 32-row dK/dV tiles spill more in their loops (offline sm_90, triton 3.6: 17 spill
+# instructions per iteration against 0 for 16 rows); the GPU run timed MHA only
+GQA_FIRST = {("bwd", 128, 2): (16, 128, 128, 32, 8, 3)}
+
+
+def candidates(kind: str, head_class: int, element_size: int, gqa: bool = False):
+    """The GPU configs tried for `kind` ("fwd", "bwd"), best guess first (``gqa``: for G > 1)."""
+    cands = GPU_CONFIGS[4 if element_size >= 4 else 2][kind][head_class]
+    first = GQA_FIRST.get((kind, head_class, 2 if element_size < 4 else 4)) if gqa else None
+    return cands if first is None else [first] + [c for c in cands if c != first]
 
 
 def delta_block(block_dv: int) -> int:

@@ -13,9 +13,12 @@ split-KV forward do):
   multiple of the key tile; the last range may be shorter): a grid of ``B * Hkv * n_splits``
   programs, enough for two waves of the SMs (`plan_splits`);
 - each program writes, per row, its range's softmax-normalized output and log-sum-exp in fp32
-  (``lse = -inf``, output 0 for a row that sees no key of the range); `combine_kernel` merges the
-  ranges of a row in a fixed order, weighting each by ``exp(lse_s - lse)`` with
-  ``lse = log sum_s exp(lse_s)``: deterministic, no atomics.
+  (``lse = -inf``, output 0 for a row that sees no key of the range) and counts its arrival on
+  an int32 counter of its (b, kv head); the program that arrives last merges the ranges of its
+  rows, weighting each by ``exp(lse_s - lse)`` with ``lse = log sum_s exp(lse_s)``, in chunks of
+  splits taken in index order: the merge is the same arithmetic whichever split finishes last,
+  so the result is bitwise reproducible, and there is no second launch (FlashDecoding's combine
+  kernel, folded into the split kernel as a semaphore).
 
 When (the row ``triton/decode``, `admits`): at most ``MAX_QUERIES = 16`` queries (more fill the prefill
 kernel's query tiles anyway) against at least ``DECODE_MIN_KEYS = 1024`` visible keys
@@ -27,12 +30,14 @@ Every constraint of the visibility rule (`effattn.visibility`: bottom-right alig
 window, block layout, key padding) is applied elementwise in every tile; a window bounds the
 range the splits cover. Forward only and no dropout: the row's admission check says when a call
 takes this path, and otherwise the row ``triton/prefill`` serves the call. A decode
-step launches two kernels, allocates its partials with fixed sizes and reads nothing back from the
-GPU: it can be captured in a CUDA graph.
+step launches one kernel, allocates its partials with fixed sizes and reads nothing back from the
+GPU: it can be captured in a CUDA graph. The counters stay zero between launches (the merging
+program zeroes its own), so one buffer per device and stream is reused (`counters`); under
+capture the graph gets a fresh one, zeroed as one of its nodes.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -43,7 +48,7 @@ from ....splits import MAX_QUERIES, MIN_KEYS_PER_SPLIT, decode_reasons, key_rang
 from ....tiles import cdiv
 from ..jit import cast, dot, load_tile
 from ..runtime import _next_pow2, _tf32_enabled
-from .launch import _on_device, _or_dummy, plan_for
+from .launch import _capturing, _on_device, _or_dummy, plan_for
 from .schedule import visible
 
 MAX_ROWS = 128            # G * Lq packed rows per tile at most (fewer at head dim 256: `fits`)
@@ -54,18 +59,23 @@ NOMINAL_SMS = 132         # the SMs the plan assumes with no GPU to ask (the int
 # Kernels
 
 @triton.jit
-def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
+def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
                   Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                   k_lo, keys_per_split, n_splits, part_stride, qk_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, PAD_D: tl.constexpr,
-                  PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """Partial output OP (n_splits, B*H*Lq, Dv) fp32, normalized within the split, and LP
+                  PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
+                  MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """One split of one (b, kv head): 1-D grid of B * Hkv * n_splits programs, splits fastest.
+    FA-2 Alg. 1 on the packed rows of the GQA group. With one split the program writes O
+    (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, itself. Otherwise it
+    writes its partial output OP (n_splits, B*H*Lq, Dv) fp32, normalized within the split, and LP
     (n_splits, B*H*Lq) fp32, the split's log2-sum-exp2 of the scaled scores (-inf: no visible key),
-    for one split of one (b, kv head): 1-D grid of B * Hkv * n_splits programs, splits fastest.
-    FA-2 Alg. 1 on the packed rows of the GQA group."""
+    then counts its arrival in CNT[b * Hkv + hk] (int32, zero at launch); the last of the
+    (b, kv head)'s splits to arrive merges all of them into O and LSE (`_merge_splits`) and zeroes
+    the count again."""
     pid = tl.program_id(0)
     split = pid % n_splits
     bk = pid // n_splits                                      # b * Hkv + hk
@@ -122,40 +132,67 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP,
         v = tl.where(seen[:, None], v, tl.zeros_like(v))
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    row = split.to(tl.int64) * part_stride + bk.to(tl.int64) * G * Lq + r   # (split, b, h, i) of the partials
-    tl.store(OP + row[:, None] * Dv + offs_dv[None, :], acc / l_safe[:, None],
-             mask=real[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(LP + row, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=real)
+    real_rows = bk.to(tl.int64) * G * Lq + r                  # (b, h, i) of O and LSE
+    if n_splits == 1:                                         # the only split: the output itself
+        _finish(O, LSE, real_rows, real, offs_dv, Dv, acc, l_i, m_i, INTERP_BF16)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        row = split.to(tl.int64) * part_stride + real_rows   # (split, b, h, i) of the partials
+        tl.store(OP + row[:, None] * Dv + offs_dv[None, :], acc / l_safe[:, None],
+                 mask=real[:, None] & (offs_dv[None, :] < Dv))
+        tl.store(LP + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=real)
+        # every thread's partial is stored before the arrival is counted (the count's release
+        # publishes them to the program that merges)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + bk, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:                           # the last split of this (b, kv head) to finish
+            tl.store(CNT + bk, 0)                             # zero again for the next launch on the stream
+            _merge_splits(OP, LP, O, LSE, bk, G * Lq, n_splits, part_stride, Dv, offs_dv,
+                          BLOCK_DV, MERGE_ROWS, SPLIT_CHUNK, INTERP_BF16)
 
 
 @triton.jit
-def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
-                   BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """O (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, from the splits'
-    partials: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, in split order. A row no split
-    saw: O = 0, LSE = -inf."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    ok = rows < n_rows
-    cols = tl.arange(0, BLOCK_DV)
-    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")))
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp2(tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
-        o = tl.load(OP + (s * n_rows + rows[:, None]) * Dv + cols[None, :], mask=ok[:, None] & (cols[None, :] < Dv),
-                    other=0.0)
-        acc += w[:, None] * o
-        l += w
+def _finish(O, LSE, rows, real, offs_dv, Dv, acc, l, m, INTERP_BF16: tl.constexpr):
+    """O = acc / l in the output dtype and LSE = (m + log2 l) / log2 e (natural log) for ``rows``
+    (masked by ``real``); a row with l = 0 saw no key: O = 0, LSE = -inf."""
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
-    tl.store(O + rows[:, None] * Dv + cols[None, :], cast(acc / l_safe[:, None], O.dtype.element_ty, INTERP_BF16),
-             mask=ok[:, None] & (cols[None, :] < Dv))
-    tl.store(LSE + rows, tl.where(empty, float("-inf"), (m_ref + tl.log2(l_safe)) / 1.4426950408889634), mask=ok)
+    tl.store(O + rows[:, None] * Dv + offs_dv[None, :], cast(acc / l_safe[:, None], O.dtype.element_ty, INTERP_BF16),
+             mask=real[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(LSE + rows, tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) / 1.4426950408889634), mask=real)
+
+
+@triton.jit
+def _merge_splits(OP, LP, O, LSE, bk, n_rows, n_splits, part_stride, Dv, offs_dv, BLOCK_DV: tl.constexpr,
+                  MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """O and LSE of the ``n_rows`` packed rows of (b, kv head) ``bk`` from the partials of all
+    splits: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, online over chunks of
+    ``SPLIT_CHUNK`` splits taken in index order (one (chunk, rows, Dv) load each: a few
+    round trips to L2, not one per split). The same arithmetic whichever split merges: bitwise
+    reproducible. The partials bypass L1 (``.cg``): other programs wrote them."""
+    rr = tl.arange(0, MERGE_ROWS)
+    real = rr < n_rows
+    rows = bk.to(tl.int64) * n_rows + rr
+    sc = tl.arange(0, SPLIT_CHUNK)
+    dv_ok = offs_dv < Dv
+    m = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((MERGE_ROWS,), tl.float32)
+    acc = tl.zeros((MERGE_ROWS, BLOCK_DV), tl.float32)
+    for c in range(0, n_splits, SPLIT_CHUNK):
+        s = c + sc
+        ok = (s < n_splits)[:, None] & real[None, :]
+        idx = s.to(tl.int64)[:, None] * part_stride + rows[None, :]            # (chunk, rows)
+        lp = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(OP + idx[:, :, None] * Dv + offs_dv[None, None, :], mask=ok[:, :, None] & dv_ok[None, None, :],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lp, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: exp2(-inf) = 0, not NaN
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lp - m_ref[None, :])                          # empty splits: lse_s = -inf, weight 0
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    _finish(O, LSE, rows, real, offs_dv, Dv, acc, l, m, INTERP_BF16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,17 +248,17 @@ def describe(call) -> Optional[str]:
     block_n = config(max(16, _next_pow2(call.D)), max(16, _next_pow2(call.Dv)), packed_rows(G, call.Lq),
                      call.q.element_size())[0]
     n, per = plan_splits(call.B * call.Hkv, k_hi - k_lo, sm_count(call.q.device, NOMINAL_SMS), block_n)
-    return (f"split-KV decode: {G} heads x {call.Lq} queries packed per KV head, {n} splits of {per} keys "
-            f"+ combine")
+    return (f"split-KV decode: {G} heads x {call.Lq} queries packed per KV head, {n} splits of {per} keys, "
+            f"merged by the last to finish")
 
 
 # ---------------------------------------------------------------------------------------------
 # Launcher
 
 class DecodePlan:
-    """Grid sizes, scalar arguments and flags of a decode call's two launches (no tensors), built
-    once per `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode
-    step costs two dictionary lookups on the host besides the launches."""
+    """Grid size, scalar arguments and flags of a decode call's launch (no tensors), built once per
+    `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode step
+    costs two dictionary lookups on the host besides the launch."""
 
     def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
         rows = packed_rows(p.G, p.Lq)
@@ -237,19 +274,46 @@ class DecodePlan:
             n_splits = max(1, cdiv(k_hi - k_lo, keys_per_split))
         self.n_splits, self.keys_per_split = n_splits, keys_per_split
         self.n_rows = p.B * p.H * p.Lq
+        self.n_counters = p.B * p.Hkv
         self.grid = (p.B * p.Hkv * n_splits,)
         self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
                         max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
+        merge_rows = max(2, _next_pow2(p.G * p.Lq))
         self.meta = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                          HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
                          HAS_KPM=p.has_kpm, PAD_D=p.block_d != p.D, PAD_DV=p.block_dv != p.Dv,
-                         DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, num_warps=warps, num_stages=stages,
-                         enable_fp_fusion=True)
-        self.combine_grid = (cdiv(self.n_rows, COMBINE_ROWS),)
-        self.combine_meta = dict(BLOCK_R=COMBINE_ROWS, BLOCK_DV=p.block_dv, INTERP_BF16=p.interp_bf16, num_warps=4)
+                         DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, MERGE_ROWS=merge_rows,
+                         SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), num_warps=warps,
+                         num_stages=stages, enable_fp_fusion=True)
 
 
-COMBINE_ROWS = 16         # rows per combine program
+MERGE_ELEMENTS_PER_THREAD = 32   # fp32 partial-output elements a thread holds per merge step
+
+
+def split_chunk(merge_rows: int, block_dv: int, warps: int) -> int:
+    """Splits the merge reads in one step: a (chunk, rows, Dv) fp32 tile of at most
+    `MERGE_ELEMENTS_PER_THREAD` elements per thread (the split loop's tiles are dead by then), a
+    power of two from 1 to 64. H = 32, Hkv = 8, Lq = 1, D = 128 (4 rows): 16 splits a step."""
+    chunk = max(1, MERGE_ELEMENTS_PER_THREAD * 32 * warps // (merge_rows * block_dv))
+    return min(64, 1 << (chunk.bit_length() - 1))
+
+
+_COUNTERS: Dict[tuple, torch.Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 zeros: the splits' arrival counters of a launch. The merging program
+    zeroes its counter again, so outside CUDA-graph capture one buffer per (device, stream) serves
+    every launch (launches on one stream run in order; another stream gets its own buffer). Under
+    capture a fresh buffer, zeroed by a node of the graph: a replay never shares counters with
+    eager launches."""
+    if _capturing(device):
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else (device,)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
 
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False, *, num_sms=None,
@@ -267,11 +331,14 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     if d.n_rows == 0:
         return out, lse
-    o_part = torch.empty((d.n_splits, d.n_rows, p.Dv), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((d.n_splits, d.n_rows), dtype=torch.float32, device=q.device)
+    cnt = counters(q.device, d.n_counters)
+    if d.n_splits > 1:
+        o_part = torch.empty((d.n_splits, d.n_rows, p.Dv), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((d.n_splits, d.n_rows), dtype=torch.float32, device=q.device)
+    else:                               # the programs write out and lse themselves
+        o_part = l_part = lse
     with _on_device(q.device):
         decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
-                              o_part, l_part, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides, *d.scalars,
-                              **d.meta)
-        combine_kernel[d.combine_grid](o_part, l_part, out, lse, d.n_rows, p.Dv, d.n_splits, **d.combine_meta)
+                              o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
+                              *d.scalars, **d.meta)
     return out, lse

@@ -50,7 +50,7 @@ def _launch_tuned(kind: str, p: "LaunchPlan", launch, device) -> None:
     capturing = _capturing(device)
     tune = not capturing and os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") != "0"
     timed, error = [], None
-    for c in candidates(kind, head_class(max(p.block_d, p.block_dv)), p.element_size):
+    for c in candidates(kind, head_class(max(p.block_d, p.block_dv)), p.element_size, gqa=p.G > 1):
         try:
             if tune:
                 timed.append((do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"), c))
@@ -152,8 +152,10 @@ class LaunchPlan:
         mode = f"layout{layout_block}" if layout_mask is not None else ("window" if left >= 0 else
                                                                         ("causal" if right == 0 else "dense"))
         # lengths bucketed separately: a decode call (Lq = 1) is not tuned like a prefill of its Lk
+        # GQA apart from MHA: G = 1 is a constant in the compiled kernels, G > 1 a runtime value
         self.tune_key = (self.block_d, self.block_dv, q.dtype, self.dot_prec, mode, dropout_p > 0,
-                         kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192))
+                         kpm is not None, min(_next_pow2(self.Lq), 8192), min(_next_pow2(self.Lk), 8192),
+                         self.G > 1)
         self._args: Dict[tuple, tuple] = {}
 
     def lists(self, block_m, block_n, by_key):
