@@ -82,8 +82,8 @@ def test_score_terms_on_the_real_kernels(mode, dtype):
     forward and backward with the parameters' gradients (test_score's rule), at test_score's shapes
     and one of several tiles."""
     need_cuda_extension()
-    import test_cuda_score  # its "cuda-all" kind: the three terms together
-    import test_score
+    from tests.backends.cuda import test_cuda_score  # its "cuda-all" kind: the three terms together
+    from tests.core import test_score
     base = test_score._terms
     test_score._terms = lambda kind, *a: test_cuda_score._all3(*a) if kind == "cuda-all" else base(kind, *a)
     try:

@@ -25,7 +25,7 @@ def _all3(B, H, Lq, Lk, g):
 @pytest.fixture(autouse=True)
 def _three_terms(monkeypatch):
     """`check` draws its terms from test_score._terms; "cuda-all" is the three CUDA terms together."""
-    import test_score
+    from tests.core import test_score
     base = test_score._terms
     monkeypatch.setattr(test_score, "_terms",
                         lambda kind, *a: _all3(*a) if kind == "cuda-all" else base(kind, *a))
