@@ -39,7 +39,8 @@ class Stage:
     wait_for: Optional[str] = None
 
 
-TRITON_TESTS = "tests/contract/test_gpu.py tests/backends/triton/test_triton_backward.py tests/backends/triton/test_triton_decode.py tests/backends/triton/test_triton_linear.py"
+TRITON_TESTS = ("tests/contract/test_gpu.py tests/backends/triton/test_triton_backward.py "
+                "tests/backends/triton/test_triton_decode.py tests/backends/triton/test_triton_linear.py tests/core/test_paged.py")
 CUDA_TESTS = "tests/backends/cuda/test_cuda_gpu.py tests/backends/cuda/test_cuda_linear_gpu.py tests/backends/cuda/test_cuda_decode.py tests/backends/cuda/test_cuda_wgmma.py"
 PYTEST = "EFFATTN_FAILURE_LOG={out}/failures.txt python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15"
 SUITE = "python3 -m benchmarks.suite --no-plots --out {out}/suite{call}"

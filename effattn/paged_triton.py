@@ -15,7 +15,7 @@ Split-KV (a decode or short chunk, ``Lq <= MAX_QUERIES``, over a long cache): a 
 query tile per (b, h), B * H programs, which leaves most SMs idle at B = 1. The grid then gains a third
 axis of ``n_splits``: split s walks keys ``[lo + s * keys_per_split, lo + (s + 1) * keys_per_split)`` of
 its rows' range ``[lo, hi)``, writes its normalized output and log2-sum-exp2 in fp32 (``-inf`` and 0 for
-a split that sees no key, e.g. past a short sequence's end), and the contiguous decode's
+a split that sees no key, e.g. past a short sequence's end), and this module's
 ``combine_kernel`` merges the splits of each row in split order: deterministic, no atomics. The
 number of splits comes from shapes only (the key bound ``max_pages * page_size``, narrowed by a left
 window), never from ``seqlens``' values, and `effattn.splits` plans it as for the contiguous decode
@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .backends.triton.attention.decode import COMBINE_ROWS, NOMINAL_SMS, combine_kernel
+from .backends.triton.attention.decode import NOMINAL_SMS
+from .backends.triton.jit import cast
 from .backends.triton.runtime import _INTERPRET
 from .online_softmax import finish, key_range, online_step
 from .splits import DECODE_MIN_KEYS, MAX_QUERIES, plan_splits, sm_count
@@ -102,6 +103,37 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
         tl.store(OUT + b * sob + h[:, None] * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod,
                  out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
         tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)
+
+
+COMBINE_ROWS = 16         # rows per combine program
+
+
+@triton.jit
+def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
+                   BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """O (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, from the splits'
+    partials: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, in split order. A row no split
+    saw: O = 0, LSE = -inf."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_DV)
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")))
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp2(tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
+        o = tl.load(OP + (s * n_rows + rows[:, None]) * Dv + cols[None, :], mask=ok[:, None] & (cols[None, :] < Dv),
+                    other=0.0)
+        acc += w[:, None] * o
+        l += w
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    tl.store(O + rows[:, None] * Dv + cols[None, :], cast(acc / l_safe[:, None], O.dtype.element_ty, INTERP_BF16),
+             mask=ok[:, None] & (cols[None, :] < Dv))
+    tl.store(LSE + rows, tl.where(empty, float("-inf"), (m_ref + tl.log2(l_safe)) / 1.4426950408889634), mask=ok)
 
 
 def _pow2(n: int) -> int:
