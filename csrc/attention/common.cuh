@@ -90,14 +90,29 @@ EFFATTN_DEVICE Schedule query_schedule(const AttnParams& p, const int32_t* lists
 }
 
 // Elementwise visibility inside a partial tile (window, lengths, layout when tiles straddle its
-// blocks). Key padding is applied separately, on every tile.
+// blocks; LAYOUT = false: a kernel instance that never sees a layout). Key padding is applied
+// separately, on every tile.
+template <bool LAYOUT = true>
 EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int j) {
   if (i >= p.Lq || j >= p.Lk) return false;
   int pos = i + p.off;
   if (p.left >= 0 && j < pos - p.left) return false;
   if (p.right >= 0 && j > pos + p.right) return false;
-  if (p.lay_check && !lay[int64_t(i / p.lay_bs) * p.lay_nkb + j / p.lay_bs]) return false;
+  if (LAYOUT && p.lay_check && !lay[int64_t(i / p.lay_bs) * p.lay_nkb + j / p.lay_bs]) return false;
   return true;
+}
+
+// What one forward kernel instance handles (the launcher picks the narrowest kind for a call):
+// kDense: no window, layout, key padding or dropout, and Lk a multiple of the key tile, so that
+// every key tile is full and the tile loop carries no mask, padding or dropout code; kWindow:
+// causal / sliding windows and ragged lengths (the analytic schedule's partial tiles, checked
+// elementwise without a layout); kAny: everything (block layouts, key padding, dropout).
+enum MaskKind : int { kDense = 0, kWindow = 1, kAny = 2 };
+
+inline int mask_kind(const AttnParams& p, int block_n) {
+  if (p.lists || p.layout || p.lay_check || p.kpm || p.dropout) return kAny;
+  if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0) return kWindow;
+  return kDense;
 }
 
 // Whether some query row in [i0, i1) sees key j: lengths, window, key padding (`kpm`: this batch

@@ -45,8 +45,10 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, int BM) {
 // Masks one S tile (to log2 units; -inf where a key is not visible) and runs the online softmax
 // (Alg. 1 lines 8-10) on this thread's rows row0 (r = 0) and row0 + 8 (r = 1): S becomes P in place
 // (dropped entries 0), acc is rescaled, m_i / l_i updated. S and acc are in the m16n8 accumulator
-// layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment).
-template <int NS, int ND>
+// layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment). KIND
+// (MaskKind) compiles out what the kernel instance never sees: every mask test for kDense, the
+// layout, key padding and dropout for kWindow.
+template <int KIND, int NS, int ND>
 EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
                                  int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
                                  float (&l_i)[2]) {
@@ -58,8 +60,8 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
       const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
       float dcap;
       float x = score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
-      if (masked && !visible(p, lay, i, kj)) x = -INFINITY;
-      if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
+      if (KIND != kDense && masked && !visible<KIND == kAny>(p, lay, i, kj)) x = -INFINITY;
+      if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;
     }
 #pragma unroll
@@ -81,7 +83,7 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
         float pv = prim::exp2(s[j][2 * r + e] - m_ref);
         sum += pv;
         // the normalizer sums undropped probabilities; dropout acts on P V only
-        if (p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
+        if (KIND == kAny && p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
         s[j][2 * r + e] = pv;
       }
     l_i[r] = l_i[r] * alpha + sum;                     // per-thread partial row sums
@@ -131,7 +133,7 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
   }
 }
 
-template <int HD, bool BF16>
+template <int HD, bool BF16, int KIND>
 EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -147,7 +149,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
   const FwdBlock fb = fwd_block(p, BM);
   const int b = fb.b, h = fb.h, bh = fb.bh, mt = fb.mt, m0 = fb.m0;
   const uint16_t *qb = fb.qb, *kb = fb.kb, *vb = fb.vb;
-  const uint8_t *kpm = fb.kpm, *lay = fb.lay;
+  const uint8_t *kpm = KIND == kAny ? fb.kpm : nullptr, *lay = fb.lay;
   const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
 
   const Schedule sched = key_schedule(p, h, mt, BM, BN);
@@ -166,6 +168,7 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
+    const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
     load_tile<HD, BN>(sV, vb, p.v_l, n0, p.Lk, p.Dv);
     prim::cp_async_commit();
     prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
@@ -180,11 +183,11 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step(p, lay, kpm, bh, row0, n0, sched.masked(it), slope, s, acc, m_i, l_i);
+    softmax_step<KIND>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();
-    if (sched.masked(it) || kpm) {                       // keys no row sees: zero values (NaN-safe)
+    if (masked || kpm) {                                 // keys no row sees: zero values (NaN-safe)
       zero_unseen<HD, BN>(sV, n0, [&](int j) { return key_seen(p, lay, kpm, m0, m0 + BM, j); });
       prim::sync_block();
     }

@@ -10,10 +10,18 @@ namespace effattn {
 namespace {
 
 template <int HD, bool BF16>
+struct Sm90Kernel {
+  template <int KIND>
+  struct Of {
+    static constexpr auto value = attn_fwd_sm90_kernel<HD, BF16, KIND>;
+  };
+};
+
+template <int HD, bool BF16>
 int fwd_sm90(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdSm90Config<HD>;
-  return detail::launch(attn_fwd_sm90_kernel<HD, BF16>, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
-                        Cfg::kSmemBytes, stream, p);
+  return detail::launch_by_kind<Sm90Kernel<HD, BF16>::template Of>(
+      mask_kind(p, Cfg::BN), detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSmemBytes, stream, p);
 }
 
 template <bool BF16>

@@ -53,7 +53,7 @@ EFFATTN_DEVICE void keep_all(A& x) {
     for (auto& v : row) prim::keep(v);
 }
 
-template <int HD, bool BF16>
+template <int HD, bool BF16, int KIND>
 EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
 #if EFFATTN_SM90A
   using Cfg = FwdSm90Config<HD>;
@@ -70,6 +70,7 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
 
   const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
   const FwdBlock fb = fwd_block(p, BM);
+  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_step)
   const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);
   const int n_tiles = sched.count();
 
@@ -86,6 +87,7 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
+    const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
     load_tile<HD, BN, TKV>(sV, fb.vb, p.v_l, n0, p.Lk, p.Dv);
     prim::cp_async_commit();
     prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
@@ -108,7 +110,7 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
     if (it + 1 < n_tiles) load_tile<HD, BN, TKV>(sK, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step(p, fb.lay, fb.kpm, fb.bh, row0, n0, sched.masked(it), slope, s, acc, m_i, l_i);
+    softmax_step<KIND>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, acc, m_i, l_i);
 
     // P as wgmma A fragments (per warp the m16n8k16 A layout), all of them: the registers must
     // stay unchanged until the products retire
@@ -118,8 +120,8 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::fence_proxy_async();
     prim::sync_block();
-    if (sched.masked(it) || fb.kpm) {                    // keys no row sees: zero values (NaN-safe)
-      zero_unseen<HD, BN, TKV>(sV, n0, [&](int j) { return key_seen(p, fb.lay, fb.kpm, fb.m0, fb.m0 + BM, j); });
+    if (masked || kpm) {                                 // keys no row sees: zero values (NaN-safe)
+      zero_unseen<HD, BN, TKV>(sV, n0, [&](int j) { return key_seen(p, fb.lay, kpm, fb.m0, fb.m0 + BM, j); });
       prim::fence_proxy_async();                         // the zeros visible to wgmma's async proxy
       prim::sync_block();
     }

@@ -30,10 +30,29 @@ int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_
 
 inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
 
+// A forward kernel instance per MaskKind (common.cuh): `kernel<KIND>` for the kind mask_kind picks.
+template <template <int> class Kernel, class Params>
+int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, const Params& p) {
+  switch (kind) {
+    case kDense: return launch(Kernel<kDense>::value, grid, 1, smem, stream, p);
+    case kWindow: return launch(Kernel<kWindow>::value, grid, 1, smem, stream, p);
+    default: return launch(Kernel<kAny>::value, grid, 1, smem, stream, p);
+  }
+}
+
+template <int HD, bool BF16>
+struct FwdKernel {
+  template <int KIND>
+  struct Of {
+    static constexpr auto value = attn_fwd_kernel<HD, BF16, KIND>;
+  };
+};
+
 template <int HD, bool BF16>
 int fwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdConfig<HD>;
-  return launch(attn_fwd_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, p);
+  return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
+                                                         Cfg::kSmemBytes, stream, p);
 }
 
 template <int HD, bool BF16>

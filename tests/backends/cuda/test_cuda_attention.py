@@ -213,6 +213,62 @@ def test_dropout_keep_mask_equals_the_triton_kernels_bit_for_bit():
         judge(a, b, c, 3, dt, f"d{name}")
 
 
+# ---------------------------------------------------------------- window edges at every residue
+
+# Whether a key tile is full or partial for a query tile is decided from the window's edge rows
+# (key_schedule / query_schedule in csrc/attention/common.cuh); an off-by-one there makes one key
+# leak into one row only when an edge falls at one residue modulo the tile size. Lq = 100 (query
+# tiles ending at rows 63 and 99), Lk = 128 (offset 28): window (28 + i, i) for i in 0..63 puts the
+# left edge of each query tile's last row, the right edge of its first row, and the edges of every
+# key tile seen from the backward's side at each residue modulo 64 (every tile of these kernels at
+# this head dim is 64 long). fp16 and near-uniform scores keep a leaked key (about 1/100 of a row's
+# weight) far above the rule's tolerance.
+RESIDUE_SHIFTS = range(64)
+
+
+def residue_inputs(D):
+    g = torch.Generator().manual_seed(11)
+    q, k = (0.25 * torch.randn(1, 1, L, D, generator=g) for L in (100, 128))
+    v = torch.randn(1, 1, 128, D, generator=g)
+    return q.half(), k.half(), v.half()
+
+
+def test_window_edges_at_every_tile_residue_forward_and_backward():
+    q, k, v = residue_inputs(16)
+    for i in RESIDUE_SHIFTS:
+        check_against_oracle(q, k, v, dict(window=(28 + i, i)), torch.float16, "cuda")
+
+
+def test_window_edges_at_every_tile_residue_hopper_forward(monkeypatch):
+    """The same sweep through the Hopper forward (head dim 64: its 64-key tiles), forward only."""
+    monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
+    q, k, v = residue_inputs(40)
+    assert "Hopper wgmma" in str(effattn.explain(q, k, v, window=(28, 0)))
+    for i in RESIDUE_SHIFTS:
+        kw = dict(window=(28 + i, i))
+        out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kw)
+        ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kw)
+        low, _ = naive_attention(q, k, v, dtype=torch.float16, **kw)
+        judge(out, ref, low, 2, torch.float16, f"out, window {kw['window']}")
+        assert (lse.double() - ref_lse).abs().max().item() <= 1e-3, kw
+
+
+@pytest.mark.parametrize("hopper", [False, True], ids=["mma.sync", "hopper"])
+def test_each_mask_kind_instance_against_float64(hopper, monkeypatch):
+    """The launcher runs one forward instance per mask kind (MaskKind in csrc/attention/common.cuh):
+    kDense (no mask and Lk a multiple of the key tile: no mask code at all; a ragged Lq is fine),
+    kWindow (a dense call with a ragged Lk, causal, Lq != Lk) and kAny (key padding)."""
+    monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1" if hopper else "0")
+    g = torch.Generator().manual_seed(4)
+    for Lq, Lk, kw in ((70, 128, {}), (70, 120, {}), (50, 128, dict(causal=True)), (64, 128, dict(kpm=0.3))):
+        q = torch.randn(1, 2, Lq, 40, generator=g).half()
+        k, v = (torch.randn(1, 2, Lk, 40, generator=g).half() for _ in range(2))
+        kwargs = dict(kw)
+        if "kpm" in kwargs:
+            kwargs["key_padding_mask"] = torch.rand(1, Lk, generator=g) < kwargs.pop("kpm")
+        check_against_oracle(q, k, v, kwargs, torch.float16, "cuda")
+
+
 # -------------------------------------------------------------------------------- tile visits
 
 # id -> (Lq, Lk, D, left, right, layout (bs, density) or None)

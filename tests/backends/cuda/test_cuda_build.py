@@ -19,14 +19,15 @@ import pytest
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "csrc")
 ARCHS = ("sm_80", "sm_90a")
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu + bwd.cu: 4 head-dim buckets x 2 dtypes
-                             # x 3 kernels + 2 Delta = 26 (8 forward, 18 backward)
+KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu: 4 head-dim buckets x 2 dtypes x 3 mask
+                             # kinds = 24; attention/bwd.cu: 4 x 2 x 2 kernels + 2 Delta = 18
+MASK_KINDS = 3               # forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
 SOFTMAX = ("attention/fwd.cu", "attention/bwd.cu")   # the forward's and the backward's translation units
 DECODE_KERNELS = 10          # attention/decode.cu: 4 buckets x 2 dtypes split kernels + 2 combine kernels
 DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
-HOPPER_KERNELS = 4
+HOPPER_KERNELS = 4 * MASK_KINDS
 HOPPER_MAX_REGISTERS = 192
 # linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
 LINEAR_KERNELS = 9
@@ -120,7 +121,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
         sass = "".join(sass_of(compiled[src][1], arch) for src in SOFTMAX)
         for fn in ("attn_fwd_kernel", "attn_dkdv_kernel", "attn_dq_kernel"):
             bodies = [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
-            assert len(bodies) == 8, (arch, fn, len(bodies))
+            assert len(bodies) == 8 * (MASK_KINDS if fn == "attn_fwd_kernel" else 1), (arch, fn, len(bodies))
             for body in bodies:
                 for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
                     assert op in body, (arch, fn, op)
@@ -147,6 +148,24 @@ def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
         assert ("HGMMA.64x64x16.F32.BF16" in body) == bf16, name
         assert "HMMA" not in body.replace("HGMMA", ""), name
     assert "HGMMA" not in sass_of(obj, "sm_80")
+
+
+def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):
+    """One forward instance per mask kind (MaskKind, template argument 0 / 1 / 2): only kAny's
+    SASS holds Philox's multipliers (dropout), and kDense's listing is under two thirds of kAny's."""
+    objs = [compiled["attention/fwd.cu"][1], compiled["attention/fwd_sm90.cu"][1]]
+    for arch in ARCHS:
+        for obj in objs:
+            if arch == "sm_80" and obj == objs[1]:
+                continue                                   # the Hopper kernels are stubs there
+            bodies = {b.split("\n", 1)[0]: b for b in sass_of(obj, arch).split("Function : ")[1:]
+                      if "attn_fwd" in b[:200]}
+            for name, body in bodies.items():
+                kind = int(re.search(r"Lb[01]ELi([012])E", name).group(1))
+                assert ("0xd2511f53" in body.lower()) == (kind == 2), (arch, name)
+                if kind == 0:
+                    anyk = bodies[name.replace("ELi0E", "ELi2E")]
+                    assert 3 * body.count("\n") < 2 * anyk.count("\n"), (arch, name)
 
 
 if __name__ == "__main__":

@@ -300,6 +300,38 @@ def test_explain_says_which_forward_runs(hopper, monkeypatch):
         hopper.attention_fwd_sm90(*small, None, None, 0, 0, None, 0, None, 0.1, 0.0, -1, -1)
 
 
+def test_dispatch_on_a_gpu_picks_the_hopper_forward_for_the_benchmarked_shapes(monkeypatch):
+    """The decision the backend makes on a GPU, without one: the benchmarked prefill calls (bf16,
+    D = 128 dense / causal, D = 64) take the wgmma forward on compute capability 9.0 when the build
+    has sm_90a code, and the mma.sync one (with the reason) elsewhere."""
+    from types import SimpleNamespace
+
+    from effattn.backends.cuda.attention import hopper as hp
+    monkeypatch.delenv("EFFATTN_CUDA_HOPPER", raising=False)
+    dev = torch.device("cuda", 0)
+
+    def call(D, Dv=None):
+        q = SimpleNamespace(device=dev, shape=(4, 16, 4096, D))
+        return q, SimpleNamespace(device=dev, shape=(4, 16, 4096, Dv or D))
+
+    cc = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc["now"])
+    monkeypatch.setitem(hp._built, "cuda", True)
+    for D in (128, 64, 40):
+        assert hp.why_not(*call(D)) is None, D
+    assert "bucket is 256" in hp.why_not(*call(256))
+    assert "bucket is 32" in hp.why_not(*call(32))
+    monkeypatch.setitem(hp._built, "cuda", False)
+    assert "without sm_90a code" in hp.why_not(*call(128))
+    monkeypatch.setitem(hp._built, "cuda", True)
+    for other in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        cc["now"] = other
+        assert "needs compute capability 9.0" in hp.why_not(*call(128)), other
+    cc["now"] = (9, 0)
+    monkeypatch.setenv("EFFATTN_CUDA_HOPPER", "0")
+    assert "EFFATTN_CUDA_HOPPER=0" in hp.why_not(*call(128))
+
+
 # ------------------------------------------------------------------ on a Hopper GPU (marked gpu)
 
 @pytest.mark.gpu
