@@ -100,7 +100,8 @@ class Packing(NamedTuple):
     `effattn._call.AttnCall`): the segment work list ``(q0, q1, k0, k1, q_offset)`` (longest segments
     first), the ``(cu_q, cu_k)`` pair, the positions that move the call, the fp32 output dtype, the
     rule's ``q_offset``; and ``causal`` / ``left`` / ``right`` (a window that hides no pair at the
-    positions' offset leaves a dense call)."""
+    positions' offset leaves a dense call); ``max_seqlen``: ``(max_q, max_k)`` of a packed call (the
+    given ``max_seqlen``, else the longest segments), which size the CUDA kernels' grids."""
     segments: Optional[tuple]
     cu_seqlens: Optional[Tuple[Tensor, Tensor]]
     positions: Optional[Tuple[int, int]]
@@ -109,6 +110,7 @@ class Packing(NamedTuple):
     causal: bool
     left: int
     right: int
+    max_seqlen: Optional[Tuple[int, int]] = None
 
 
 def _hides_nothing(Lq: int, Lk: int, left: int, right: int, offset: int) -> bool:
@@ -161,7 +163,10 @@ def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout
     segs = [(a, b, c, d, (d - c) - (b - a)) for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])]
     segs.sort(key=lambda s: -(s[1] - s[0]) * max(s[3] - s[2], 1))        # longest first
     segments = tuple(s for s in segs if s[1] > s[0])
-    return Packing(segments, _pair(cu_seqlens), None, out_dtype, None, causal, left, right)
+    if max_seqlen is None:
+        max_seqlen = tuple(max((b - a for a, b in zip(o, o[1:])), default=0) for o in (offs_q, offs_k))
+    return Packing(segments, _pair(cu_seqlens), None, out_dtype, None, causal, left, right,
+                   tuple(int(m) for m in _pair(max_seqlen)))
 
 
 def public_window(left: int, right: int, causal: bool):

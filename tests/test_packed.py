@@ -129,17 +129,72 @@ def test_packed_transposed_view_accepted():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_explain_names_varlen_for_backends_without_it():
+def test_explain_packed_paths():
     q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4, dtype=torch.float16)
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu)
     assert e.chosen == "torch"
-    assert any("does not support varlen" in r for r in e.reasons["cuda"]), e.reasons["cuda"]
     assert "packed segments one by one" in e.paths["torch"]
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1)
     assert "segment work list" in e.paths["torch"]
-    assert any("varlen (cu_seqlens) is not served with dropout" in r for r in e.reasons["triton"]), e.reasons
-    with pytest.raises(RuntimeError, match="varlen"):
-        effattn.attention(q, k, v, cu_seqlens=cu, dropout_p=0.1, backend="triton")
+    e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1, backend="triton")
+    assert e.chosen == "triton" and e.paths["triton"].startswith("triton/prefill"), (e.chosen, e.paths)
+
+
+def _triton_or_skip():
+    rt = pytest.importorskip("effattn.backends.triton.runtime")
+    if rt.triton is None or rt._available(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter is not usable here")
+
+
+def test_triton_packed_dropout_draws_at_the_packed_rows():
+    """The Triton kernels' packed dropout draws Philox at the packed rows (q0 + i, k0 + j) of head h: the
+    keep-mask is the plain call's over the packed tensors, restricted to the segments (V = identity
+    reads it off the output); the gradients with that mask match float64; an fp32 output keeps it."""
+    _triton_or_skip()
+    offs_q, offs_k, p = [0, 3, 3, 20], [0, 5, 9, 24], 0.3
+    q, k, _, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 8, 8, dtype=torch.float32, seed=3)
+    eye = torch.eye(24).expand(1, 2, 24, 24).contiguous()
+    kw = dict(causal=True, window=9)
+    torch.manual_seed(5)
+    packed = effattn.attention(q, k, eye, cu_seqlens=(cu_q, cu_k), dropout_p=p, backend="triton", **kw) != 0
+    torch.manual_seed(5)
+    plain = effattn.attention(q, k, eye, dropout_p=p, backend="triton") != 0
+    visible = visibility(20, 24, cu_seqlens=(cu_q, cu_k), **kw)[0, 0]
+    assert torch.equal(packed, plain & visible)
+    assert 0.5 < packed[visible.expand_as(packed)].double().mean().item() < 0.9
+    v = torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    out = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), dropout_p=p, out_dtype=torch.float32,
+                            backend="triton", **kw)
+    rl = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive_attention(*rl, cu_seqlens=(cu_q, cu_k), dropout_keep=plain, dropout_p=p, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_packed_fp32_output(dtype):
+    """out_dtype=float32 on a packed Triton call: fp32 partial outputs (the varlen forward writes
+    them) equal to the float64 oracle, and the backward takes their gradient."""
+    _triton_or_skip()
+    offs_q, offs_k = [0, 6, 6, 17], [0, 4, 8, 20]
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 2, 1, 8, 8, dtype=torch.float32, seed=4)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), out_dtype=torch.float32, return_lse=True,
+                                 causal=True, backend="triton")
+    assert out.dtype == torch.float32
+    rl = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_lse = naive_attention(*rl, cu_seqlens=(cu_q, cu_k), causal=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=5 * tol, atol=5 * tol)
 
 
 # ----------------------------------------------------------------------------------- validation

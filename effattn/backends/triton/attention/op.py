@@ -121,34 +121,26 @@ def _tf32(call) -> bool:
     return call.q.dtype == torch.float32 and _tf32_enabled()
 
 
-def _varlen_reason(call):
-    """Packed sequences (cu_seqlens) run on the kernels' (segment, tile) work lists, without dropout
-    and fp32 outputs yet."""
-    if call.cu_seqlens is None:
-        return []
-    why = [w for w, bad in (("dropout", call.dropout_p > 0), ("an fp32 output", call.out_dtype is not None)) if bad]
-    return [f"varlen (cu_seqlens) is not served with {' or '.join(why)} by the Triton kernels yet"] if why else []
-
-
 if triton is not None:
 
     class _Varlen(torch.autograd.Function):
-        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list."""
+        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list (with
+        dropout, the same seed: the keep-mask is drawn again at the same packed rows)."""
 
         @staticmethod
-        def forward(ctx, q, k, v, segments, scale, left, right, tf32):
-            out, lse = launch.fwd_varlen(q, k, v, segments, scale, left, right, tf32)
+        def forward(ctx, q, k, v, segments, seed, scale, dropout_p, left, right, tf32, out_fp32):
+            out, lse = launch.fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32, out_fp32)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.static = (segments, scale, left, right, tf32)
+            ctx.static = (segments, seed, scale, dropout_p, left, right, tf32, out_fp32)
             return out, lse
 
         @staticmethod
         def backward(ctx, grad_out, grad_lse):
             q, k, v, out, lse = ctx.saved_tensors
-            segments, scale, left, right, tf32 = ctx.static
-            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, None, scale, 0.0, left,
-                                    right, tf32, segments=segments)
-            return dq, dk, dv, None, None, None, None, None
+            segments, seed, scale, dropout_p, left, right, tf32, out_fp32 = ctx.static
+            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, seed, scale, dropout_p,
+                                    left, right, tf32, out_fp32=out_fp32, segments=segments)
+            return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _run_prefill(call):
@@ -156,7 +148,8 @@ def _run_prefill(call):
     a = call.op_args()
     tf32 = _tf32(call)
     if call.cu_seqlens is not None:             # packed sequences: the (segment, tile) work lists
-        static = (call.segments, a.scale, a.window_left, a.window_right, tf32)
+        static = (call.segments, a.seed, a.scale, a.dropout_p, a.window_left, a.window_right, tf32,
+                  call.out_dtype is not None)
         if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
             return _Varlen.apply(a.q, a.k, a.v, *static)
         return launch.fwd_varlen(a.q, a.k, a.v, *static)
@@ -236,5 +229,4 @@ SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score,
                       caps=_caps(FEATURES["attention"] - PACKED_FEATURES), admits=_admits_score,
                       describe=lambda call: score_path.describe(call), **_COMMON))
 BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill,
-                                  caps=_caps(FEATURES["attention"] - SCORE_FEATURES), admits=_varlen_reason,
-                                  **_COMMON))
+                                  caps=_caps(FEATURES["attention"] - SCORE_FEATURES), **_COMMON))
