@@ -138,10 +138,34 @@ def test_explain_serves_packed_calls_and_the_op_checks():
     from effattn.backends.cuda.attention import ops
     q, k, v, cu_q, cu_k = _inputs(torch.bfloat16)
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k), dropout_p=0.1, backend="cuda")
-    assert e.chosen == "cuda" and e.paths["cuda"].startswith("cuda/prefill"), (e.chosen, e.paths)
+    assert e.paths["cuda"].startswith("cuda/prefill") and not e.reasons.get("cuda"), (e.paths, e.reasons)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(ops.cuda_attention_fwd, (q, k, v, None, 0, None, None, cu_q, cu_k, 0.25, 0.0, -1, 0),
                           dict(max_seqlen_q=70, max_seqlen_k=76))
     with pytest.raises(RuntimeError, match="max_seqlen_q must be in"):
-        ops.cuda_attention_fwd(q, k, v, None, 0, None, None, cu_q, cu_k, 0.25, 0.0, -1, 0, max_seqlen_q=500,
+        ops.cuda_attention_fwd(q, k, v, None, 0, None, None, cu_q, cu_k, 0.25, 0.0, -1, 0, max_seqlen_q=-1,
                                max_seqlen_k=76)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q and cu_seqlens_k must have the same length"):
+        ops.cuda_attention_fwd(q, k, v, None, 0, None, None, cu_q, cu_k[:-1], 0.25, 0.0, -1, 0, max_seqlen_q=70,
+                               max_seqlen_k=76)
+
+
+def test_packed_with_max_seqlen_reads_nothing_back(monkeypatch):
+    """Given max_seqlen, a packed CUDA call (forward and backward, dropout included) reads no value of
+    any tensor back to the host on its Python path: cu_seqlens is checked on the device and the
+    kernels read the segments' bounds there."""
+    from test_packed import forbid_host_reads
+    q, k, v, cu_q, cu_k = _inputs(torch.bfloat16, seed=4)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    go = torch.randn(q.shape[:3] + v.shape[3:]).to(torch.bfloat16)
+    with monkeypatch.context() as m:
+        forbid_host_reads(m)
+        torch.manual_seed(3)
+        out = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), max_seqlen=(70, 76), causal=True, dropout_p=0.2,
+                                backend="cuda")
+        grads = torch.autograd.grad(out, leaves, go)
+    torch.manual_seed(3)
+    ref = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), causal=True, dropout_p=0.2, backend="cuda")
+    assert torch.equal(out, ref)
+    for a, b in zip(grads, torch.autograd.grad(ref, leaves, go)):
+        assert torch.equal(a, b)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .... import score
+from ....packed import segment_list
 from ...autograd import attention_autograd
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
@@ -143,11 +144,62 @@ if triton is not None:
             return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+if triton is not None:
+
+    # Packed sequences as torch ops (torch.compile, export, dispatch modes): the segment work list is
+    # read from cu_seqlens inside the op (opaque to the tracer), so a traced packed call needs no host value.
+    @torch.library.custom_op("effattn::triton_attention_varlen_fwd", mutates_args=())
+    def triton_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    seed: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                                    window_right: int, allow_tf32: bool = False,
+                                    out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
+        segments = segment_list(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+        return launch.fwd_varlen(q, k, v, segments, seed, scale, dropout_p, window_left, window_right, allow_tf32,
+                                 out_fp32)
+
+    @triton_attention_varlen_fwd.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, scale, dropout_p, window_left, window_right, allow_tf32=False,
+          out_fp32=False):
+        B, H, Lq, _ = q.shape
+        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+                q.new_empty(B, H, Lq, dtype=torch.float32))
+
+    @torch.library.custom_op("effattn::triton_attention_varlen_bwd", mutates_args=())
+    def triton_attention_varlen_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                                    out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    seed: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                                    window_right: int, allow_tf32: bool = False,
+                                    out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+        segments = segment_list(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+        return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, seed, scale, dropout_p, window_left,
+                          window_right, allow_tf32, out_fp32=out_fp32, segments=segments)
+
+    @triton_attention_varlen_bwd.register_fake
+    def _(grad_out, grad_lse, q, k, v, *args):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _varlen_setup(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, seed, *scalars = inputs
+        ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed)
+        ctx.scalars = scalars
+
+    def _varlen_backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+        dq, dk, dv = triton_attention_varlen_bwd(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seed,
+                                                 *ctx.scalars)
+        return (dq, dk, dv) + (None,) * (3 + len(ctx.scalars))
+
+    triton_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
 def _run_prefill(call):
     """(out, lse): out (B, H, Lq, Dv) in the input dtype (float32 with ``out_dtype``), lse (B, H, Lq) fp32."""
     a = call.op_args()
     tf32 = _tf32(call)
     if call.cu_seqlens is not None:             # packed sequences: the (segment, tile) work lists
+        if not _direct(a.q, a.k, a.v, *call.cu_seqlens):
+            return triton_attention_varlen_fwd(a.q, a.k, a.v, *call.cu_seqlens, a.seed, a.scale, a.dropout_p,
+                                               a.window_left, a.window_right, tf32, call.out_dtype is not None)
         static = (call.segments, a.seed, a.scale, a.dropout_p, a.window_left, a.window_right, tf32,
                   call.out_dtype is not None)
         if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
