@@ -135,6 +135,7 @@ class AttnCall:
     cu_seqlens: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     positions: Optional[Tuple[int, int]] = None
     out_dtype: Optional[torch.dtype] = None
+    max_seqlen: Optional[Tuple[int, int]] = None   # (max_q, max_k) of a packed call (effattn.packed.Packing)
     score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
 
     @property
@@ -232,7 +233,8 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
                 layout.mask if layout is not None else None, layout.block_size if layout is not None else 0,
                 q_offset=pk.q_offset)
     return AttnCall(q, k, v, pk.causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
-                    bool(return_lse), seed, pk.segments, pk.cu_seqlens, pk.positions, pk.out_dtype, score)
+                    bool(return_lse), seed, pk.segments, pk.cu_seqlens, pk.positions, pk.out_dtype, pk.max_seqlen,
+                    score)
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -13,14 +13,18 @@ Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k
 reference row walks it with its chunked reference, forward and backward, and the ``torch/cpu-segments``
 row runs each segment of a packed CPU call on the CPU paths. The Triton kernels serve ``positions`` and ``out_fp32`` (one
 segment: their offset is the segment's) and ``varlen`` through (segment, tile) work lists
-(``launch.fwd_varlen``, ``launch.bwd(segments=...)``), the CUDA kernels none of them:
-``effattn.explain`` names the missing feature as the reason such a backend cannot serve a call.
+(``launch.fwd_varlen``, ``launch.bwd(segments=...)``), the CUDA kernels all three (``varlen`` through a
+grid of (segment, tile) blocks sized by ``max_seqlen`` that read their bounds from ``cu_seqlens``).
 
-The torch backend reads ``cu_seqlens`` to the host once per call (validation and its work list);
-``max_seqlen``, when given, is checked against it.
+Without ``max_seqlen`` a call reads ``cu_seqlens`` to the host once (validation, the work list and
+the longest segments). Given ``max_seqlen``, nothing is read back: the values are checked on the
+device (``torch._assert_async``) and the work list (`LazySegments`) is read only by the rows that build
+host work lists (the torch rows, the Triton kernels); the CUDA kernels read the segments' bounds on the
+device, so a packed CUDA call with ``max_seqlen`` never synchronizes with the host.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -38,8 +42,8 @@ def _pair(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x, x)
 
 
-def _check_cu(cu, name: str, T: int, device, fn: str) -> List[int]:
-    """The offsets of one ``cu_seqlens`` tensor as host ints, after checking it."""
+def _check_cu_meta(cu, name: str, device, fn: str) -> None:
+    """The checks of one ``cu_seqlens`` tensor that need no value of it: type, dtype, shape, device."""
     if not isinstance(cu, Tensor):
         _fail(TypeError, f"{fn}: {name} must be an int32 tensor of shape (N + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -48,6 +52,11 @@ def _check_cu(cu, name: str, T: int, device, fn: str) -> List[int]:
         _fail(ValueError, f"{fn}: {name} must be 1-D (N + 1,) with N >= 0 segments, got shape {tuple(cu.shape)}")
     if cu.device != device:
         _fail(ValueError, f"{fn}: {name} is on {cu.device}, q on {device}; it must be on q's device")
+
+
+def _check_cu(cu, name: str, T: int, device, fn: str) -> List[int]:
+    """The offsets of one ``cu_seqlens`` tensor as host ints, after checking it."""
+    _check_cu_meta(cu, name, device, fn)
     offs = cu.tolist()
     if offs[0] != 0:
         _fail(ValueError, f"{fn}: {name}[0] must be 0, got {offs[0]}")
@@ -58,6 +67,75 @@ def _check_cu(cu, name: str, T: int, device, fn: str) -> List[int]:
     if offs[-1] != T:
         _fail(ValueError, f"{fn}: the last entry of {name} must equal the packed length {T}, got {offs[-1]}")
     return offs
+
+
+def _names(cu_seqlens):
+    cross = isinstance(cu_seqlens, (tuple, list))
+    return ("cu_seqlens_q", "cu_seqlens_k") if cross else ("cu_seqlens", "cu_seqlens")
+
+
+def _check_max_seqlen_type(max_seqlen, fn: str) -> Tuple[int, int]:
+    for m in _pair(max_seqlen):
+        if isinstance(m, bool) or not isinstance(m, int):
+            _fail(TypeError, f"{fn}: max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair of ints, "
+                             f"got {max_seqlen!r}")
+        if m < 0:
+            _fail(ValueError, f"{fn}: max_seqlen must be non-negative, got {max_seqlen!r}")
+    return tuple(int(m) for m in _pair(max_seqlen))
+
+
+def check_cu_seqlens_on_device(cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str = "attention"):
+    """`check_cu_seqlens` without reading ``cu_seqlens`` back to the host (a call given ``max_seqlen``):
+    type, dtype, shape and device are checked here; the values (first entry 0, non-decreasing, last
+    entry the packed length, no segment longer than ``max_seqlen``) by ``torch._assert_async`` on the
+    tensors' device: at once on a CPU, as a device-side assertion on a GPU (no synchronization)."""
+    cross = isinstance(cu_seqlens, (tuple, list))
+    if cross and len(cu_seqlens) != 2:
+        _fail(TypeError, f"{fn}: cu_seqlens must be a tensor or a (cu_seqlens_q, cu_seqlens_k) pair")
+    maxima = _check_max_seqlen_type(max_seqlen, fn)
+    for cu, name in zip(_pair(cu_seqlens), _names(cu_seqlens)):
+        _check_cu_meta(cu, name, device, fn)
+    cu_q, cu_k = _pair(cu_seqlens)
+    if cu_q.numel() != cu_k.numel():
+        _fail(ValueError, f"{fn}: cu_seqlens_q has {cu_q.numel() - 1} segments, cu_seqlens_k {cu_k.numel() - 1}")
+    pair = isinstance(max_seqlen, (tuple, list))
+    for cu, name, T, m, side in zip(_pair(cu_seqlens), _names(cu_seqlens), (Tq, Tk), maxima, "qk"):
+        lengths = cu[1:] - cu[:-1]
+        torch._assert_async(cu[0] == 0, f"{fn}: {name}[0] must be 0")
+        torch._assert_async(cu[-1] == T, f"{fn}: the last entry of {name} must equal the packed length {T}")
+        if cu.numel() > 1:
+            torch._assert_async((lengths >= 0).all(), f"{fn}: {name} must be non-decreasing")
+            torch._assert_async((lengths <= m).all(), f"{fn}: max_seqlen{'_' + side if pair else ''}={m} is smaller "
+                                                      f"than the longest segment ({'queries' if side == 'q' else 'keys'})")
+    return maxima
+
+
+class LazySegments(Sequence):
+    """The segment work list of a packed call given ``max_seqlen``: read from ``cu_seqlens`` (and checked
+    on the host) only when a row that builds host work lists asks for it (the torch rows, the Triton
+    kernels); the CUDA kernels read the segments' bounds on the device and never do."""
+
+    def __init__(self, cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str):
+        self._args = (cu_seqlens, max_seqlen, Tq, Tk, device, fn)
+        self._segments = None
+
+    def _get(self) -> tuple:
+        if self._segments is None:
+            self._segments = segment_list(*check_cu_seqlens(*self._args))
+        return self._segments
+
+    def __len__(self):
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+
+def segment_list(offs_q, offs_k) -> tuple:
+    """The work list ``(q0, q1, k0, k1, q_offset)`` of host offsets: segments with queries, longest first."""
+    segs = [(a, b, c, d, (d - c) - (b - a)) for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])]
+    segs.sort(key=lambda s: -(s[1] - s[0]) * max(s[3] - s[2], 1))        # longest first
+    return tuple(s for s in segs if s[1] > s[0])
 
 
 def check_cu_seqlens(cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str = "attention"):
@@ -100,7 +178,8 @@ class Packing(NamedTuple):
     `effattn._call.AttnCall`): the segment work list ``(q0, q1, k0, k1, q_offset)`` (longest segments
     first), the ``(cu_q, cu_k)`` pair, the positions that move the call, the fp32 output dtype, the
     rule's ``q_offset``; and ``causal`` / ``left`` / ``right`` (a window that hides no pair at the
-    positions' offset leaves a dense call)."""
+    positions' offset leaves a dense call); ``max_seqlen``: ``(max_q, max_k)`` of a packed call (the
+    given ``max_seqlen``, else the longest segments), which size the CUDA kernels' grids."""
     segments: Optional[tuple]
     cu_seqlens: Optional[Tuple[Tensor, Tensor]]
     positions: Optional[Tuple[int, int]]
@@ -109,6 +188,7 @@ class Packing(NamedTuple):
     causal: bool
     left: int
     right: int
+    max_seqlen: Optional[Tuple[int, int]] = None
 
 
 def _hides_nothing(Lq: int, Lk: int, left: int, right: int, offset: int) -> bool:
@@ -157,11 +237,14 @@ def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout
         _fail(ValueError, f"{fn}: layout cannot be combined with cu_seqlens (not served yet)")
     if B != 1:
         _fail(ValueError, f"{fn}: with cu_seqlens, q, k, v must be packed as (1, H, T, D), got batch size {B}")
+    if max_seqlen is not None:              # no device-to-host read: checked on the device, the list lazy
+        maxima = check_cu_seqlens_on_device(cu_seqlens, max_seqlen, Lq, Lk, q.device, fn)
+        segments = LazySegments(cu_seqlens, max_seqlen, Lq, Lk, q.device, fn)
+        return Packing(segments, _pair(cu_seqlens), None, out_dtype, None, causal, left, right, maxima)
     offs_q, offs_k = check_cu_seqlens(cu_seqlens, max_seqlen, Lq, Lk, q.device, fn)
-    segs = [(a, b, c, d, (d - c) - (b - a)) for a, b, c, d in zip(offs_q, offs_q[1:], offs_k, offs_k[1:])]
-    segs.sort(key=lambda s: -(s[1] - s[0]) * max(s[3] - s[2], 1))        # longest first
-    segments = tuple(s for s in segs if s[1] > s[0])
-    return Packing(segments, _pair(cu_seqlens), None, out_dtype, None, causal, left, right)
+    maxima = tuple(max((b - a for a, b in zip(o, o[1:])), default=0) for o in (offs_q, offs_k))
+    return Packing(segment_list(offs_q, offs_k), _pair(cu_seqlens), None, out_dtype, None, causal, left, right,
+                   maxima)
 
 
 def public_window(left: int, right: int, causal: bool):

@@ -1,5 +1,6 @@
 """The suite's sections that are not a sweep of registry variants: ``gqa`` (grouped-query causal
-attention against SDPA with ``enable_gqa``), ``decode`` (one query row against a KV cache, beside
+attention against SDPA with ``enable_gqa``), ``packed`` (packed sequences with ``cu_seqlens`` against
+the same documents padded, with a key padding mask), ``decode`` (one query row against a KV cache, beside
 the memory-bound time), ``paged`` (the same decode over a paged KV cache: the in-place paged kernel, the
 contiguous decode on the same keys, and a torch gather of the pages + SDPA), ``host`` (the host's cost
 of a tiny call) and ``checks`` (CUDA-graph replay
@@ -100,6 +101,54 @@ def gqa_rows(sec: Section, backends, device, deadline: float, smoke: bool) -> Li
                 rows.append(_time_row(row, fn, (q, k, v), dout, mode, device))
         q = k = v = dout = None
         measure.free_memory(device)
+    return rows
+
+
+def doc_lengths(B: int, L: int, seed: int = 0) -> List[int]:
+    """B document lengths in [1, L] averaging about L / 2 (50% padding when padded to L), fixed by `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, L + 1, (B,), generator=g).tolist()
+
+
+def packed_rows(sec: Section, backends, device, deadline: float) -> List[dict]:
+    """Packed against padded causal attention at length L: B documents of random lengths (about 50%
+    padding) as one packed row with ``cu_seqlens`` and ``max_seqlen`` (no host read for the CUDA kernels)
+    against a (B, H, L, D) batch with a key padding mask, per effattn backend, forward and
+    forward+backward; FLOPs count the documents' visible pairs in both, so TFLOP/s compare work done."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    L, (B, H), D = sec.lengths[0], sec.shape(sec.lengths[0]), sec.head_dim
+    lengths = doc_lengths(B, L)
+    T = sum(lengths)
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_()
+
+    packed = (rnd(1, H, T, D), rnd(1, H, T, D), rnd(1, H, T, D))
+    padded = (rnd(B, H, L, D), rnd(B, H, L, D), rnd(B, H, L, D))
+    kpm = torch.arange(L, device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
+    douts = {"packed": torch.randn(1, H, T, D, generator=g, device=device, dtype=dtype),
+             "padded": torch.randn(B, H, L, D, generator=g, device=device, dtype=dtype)}
+    flops = sum(attention_flops(1, H, D, n, n, causal=True) for n in lengths)
+    rows = []
+    for b in backends:
+        for layout, leaves, kw in (("packed", packed, dict(cu_seqlens=cu, max_seqlen=max(lengths))),
+                                   ("padded", padded, dict(key_padding_mask=kpm))):
+            try:
+                fn = _effattn_fn(b, *leaves, causal=True, **kw)
+            except registry.Unsupported as e:
+                fn = _unsupported(e)
+            for mode in sec.modes:
+                row = dict(variant=f"causal-{layout}", op="attention", impl=f"effattn-{b}", kind="effattn",
+                           mode=mode, dtype=str(dtype).replace("torch.", ""), B=B, H=H, L=L, D=D, time_ms=None,
+                           tflops=None, peak_mem_mib=None, flops=flops, visible_frac=None,
+                           max_diff=f"{B} documents, {T} tokens of {B * L}")
+                if time.monotonic() > deadline:
+                    rows.append({**row, "status": "skipped: section budget"})
+                    continue
+                rows.append(_time_row(row, fn, leaves, douts[layout], mode, device))
+    measure.free_memory(device)
     return rows
 
 

@@ -198,6 +198,8 @@ def _run_suite(a, chosen, budgets, backends, device) -> int:
             new = extra_sections.paged_rows(sec, backends, device, deadline)
         elif sec.variants == ("host",):
             new = extra_sections.host_rows(sec, backends, device, deadline)
+        elif sec.variants == ("packed",):
+            new = extra_sections.packed_rows(sec, backends, device, deadline)
         elif sec.kv_heads:
             new = extra_sections.gqa_rows(sec, backends, device, deadline, a.smoke)
         else:

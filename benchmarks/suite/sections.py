@@ -23,6 +23,9 @@ compile checks). The shapes are those of docs/benchmarks.md:
 - ``paged`` (extra_sections.py): the decode shape over a paged KV cache (pages of 16 shuffled over the
   pool), B in {1, 4}: the Triton paged kernel (in place, split-KV), the contiguous decode of each backend
   on the same keys, and a torch gather of the pages + SDPA; the memory-bound time beside them.
+- ``packed`` (extra_sections.py): packed sequences against padding, causal, D=128, H=16, 8 documents of
+  random lengths up to L=4096 (about 50% padding): one packed row with ``cu_seqlens`` / ``max_seqlen``
+  against the padded batch with a key padding mask, per effattn backend, forward and forward+backward.
 - ``host`` (extra_sections.py): host overhead, the wall time per call of a tiny call issued back to back
   (the GPU waits for the host), next to SDPA's.
 - ``score``: score terms (softcap 30, ALiBi with the paper's slopes, one sink logit per head), causal,
@@ -106,6 +109,7 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("decode", ("decode",), (16384,), 128, (), budget_s=20, batch=None, heads=32, kv_heads=8),
         Section("paged", ("paged",), (16384,), 128, ("gather+sdpa",), budget_s=20, heads=32, kv_heads=8),
         Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
+        Section("packed", ("packed",), (4096,), 128, (), budget_s=30, batch=8, heads=16),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
         Section("score", ("softcap", "alibi", "sinks"), (4096, 16384), 128, ("flex",), budget_s=60),
     ),
@@ -141,6 +145,20 @@ def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = Fal
     for sec in sections:
         sec = smoke_section(sec) if smoke else sec
         effattn_impls = [f"effattn-{b}" for b in backends]
+        if sec.variants == ("packed",):
+            from ..flops import attention_flops
+            from .extra_sections import doc_lengths
+            L, (B, H) = sec.lengths[0], sec.shape(sec.lengths[0])
+            lengths = doc_lengths(B, L)
+            flops = sum(attention_flops(1, H, sec.head_dim, n, n, causal=True) for n in lengths)
+            out.append(dict(section=sec.name, variant="causal-packed/padded", op="attention", L=L, Lq=L, B=B, H=H,
+                            Hkv=H, D=sec.head_dim, impls=[f"effattn-{b}" for b in backends],
+                            pairs=H * sum(n * (n + 1) // 2 for n in lengths), flops=flops,
+                            flops_fwdbwd=sum(attention_flops(1, H, sec.head_dim, n, n, causal=True, mode="fwdbwd")
+                                             for n in lengths),
+                            modes=sec.modes, window=None, layout=None, documents=lengths,
+                            est_s=2 * sum(_estimate_s(f"effattn-{b}", flops, sec.modes) for b in backends)))
+            continue
         if sec.variants in (("decode",), ("host",), ("paged",)):
             decode = sec.variants != ("host",)
             paged = sec.variants == ("paged",)
@@ -179,10 +197,11 @@ def plan(sections: Sequence[Section], backends: Sequence[str], smoke: bool = Fal
 
 def calls(entries: Sequence[dict], dtype: torch.dtype = torch.bfloat16) -> List[Call]:
     """The effattn calls of a plan's entries (host-overhead rows left out: tiny, compiled by their
-    first call), forward+backward where the section times it, as `kernels.Call`s."""
+    first call; the packed section's too: its kernels compile at its first call, inside its budget),
+    forward+backward where the section times it, as `kernels.Call`s."""
     out = []
     for e in entries:
-        if e["variant"] == "host":
+        if e["variant"] in ("host", "causal-packed/padded"):
             continue
         v = None if e["variant"] in ("decode", "paged") else registry.variant(e["variant"])
         if v is not None and v.score is not None:

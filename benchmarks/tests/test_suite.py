@@ -36,15 +36,26 @@ def _check_flops(e):
     assert e["flops"] == fwd and e["flops_fwdbwd"] == 3 * fwd, e
 
 
+def _check_packed(e):
+    """The packed section's entry: its documents' causal pairs (each alone) and their FLOPs."""
+    docs = e["documents"]
+    assert len(docs) == e["B"] and all(1 <= n <= e["L"] for n in docs), e
+    assert e["pairs"] == e["H"] * sum(int(visibility(n, n, causal=True).sum()) for n in docs), e
+    assert e["flops"] == 4 * e["D"] * e["pairs"] and 2 * e["flops_fwdbwd"] == 7 * e["flops"], e
+
+
 def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     """The suite's own plan (its variants, windows and layouts) at toy sizes: every pair count is
     the number of True entries of the oracle's mask, written independently of effattn."""
     entries = sections.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host", "softcap",
-                                                 "alibi", "sinks"}
+                                                 "alibi", "sinks", "causal-packed/padded"}
     for e in entries:
         if e["variant"] in ("decode", "host", "paged"):
+            continue
+        if e["variant"] == "causal-packed/padded":
+            _check_packed(e)
             continue
         if e["op"] == "attention":
             v = registry.variant(e["variant"])
@@ -74,6 +85,11 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
             assert e["impls"] == ["effattn-paged-triton", "effattn-contiguous-triton", "gather+sdpa"] and e["B"] in (1, 4)
             continue
         if e["variant"] == "host":
+            continue
+        if e["variant"] == "causal-packed/padded":
+            assert (e["B"], e["H"], e["L"], e["D"]) == (8, 16, 4096, 128), e
+            assert 0.3 < sum(e["documents"]) / (e["B"] * e["L"]) < 0.7, e      # about 50% padding
+            _check_packed(e)
             continue
         B, H, L, D = e["B"], e["H"], e["L"], e["D"]
         if e["section"].startswith("anchors") or e["section"] == "score":

@@ -4,7 +4,14 @@
 // Visibility (the same rule as every effattn backend): query i sits at pos(i) = i + off,
 // off = Lk - Lq (bottom-right), and sees key j iff
 //   pos(i) - left <= j <= pos(i) + right   (left / right = -1: unbounded; causal is right = 0)
-// and the layout block (i / lay_bs, j / lay_bs) is on and key j is not padded.
+// and the layout block (i / lay_bs, j / lay_bs) is on and key j is not padded. `off` is set by the
+// binding: Lk - Lq, or the call's positions (q_start - k_start).
+//
+// Packed sequences (cu_q non-null): the batch index b is the segment. Segment b is queries
+// [cu_q[b], cu_q[b + 1]) of the packed (1, H, Tq) tensors against keys [cu_k[b], cu_k[b + 1]),
+// aligned bottom-right inside it; B is the number of segments and Lq / Lk the longest segments
+// (max_seqlen: they size the grid). Every block reads its segment's bounds from device memory
+// (segment_view in common.cuh), so nothing is read back to the host.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +27,14 @@ struct AttnParams {
   int64_t q_b, q_h, q_l, k_b, k_h, k_l, v_b, v_h, v_l;
   void* o;                       // (B, H, Lq, Dv_out): forward output
   int64_t o_b, o_h, o_l;
-  float* lse;                    // (B, H, Lq) fp32, contiguous, natural log; -inf for a row that sees nothing
+  float* lse;                    // (B, H, Lq) fp32, natural log; -inf for a row that sees nothing
+  int o_f32;                     // o is fp32 (float*): partial outputs for a later merge; the Delta kernel reads it so
+  // rows of the fp32 row statistics (lse, Delta) and of dq: (b, h, i) is row b * rq_b + h * rq_h + i; of dk, dv:
+  // (b, hk, j) is row b * rk_b + hk * rk_h + j (contiguous (B, H, L) tensors, or the packed (1, H, T) ones)
+  int64_t rq_b, rq_h, rk_b, rk_h;
+  // packed sequences (null: none; see above)
+  const int32_t* cu_q;           // (B + 1,) int32: the segments' first query rows
+  const int32_t* cu_k;           // (B + 1,) int32: their first key rows
   // mask data (null = absent)
   const uint8_t* kpm;            // (B, Lk), nonzero = padded (ignored)
   int64_t kpm_b, kpm_l;
@@ -38,7 +52,10 @@ struct AttnParams {
   int B, H, G, Lq, Lk, D, Dv, Dv_out;   // G = H / Hkv (grouped-query attention)
   int off, left, right;
   float scale, qk_scale;         // qk_scale = scale * log2(e)
-  // dropout: keep (i, j) iff (Philox(seed; i, j, b*H + h, 0)[0] >> 8) >= drop_thresh
+  // packed: the first query and key rows of the segment a block works on (segment_view; 0 otherwise)
+  int q0, k0;
+  // dropout: keep (i, j) iff (Philox(seed; q0 + i, k0 + j, b*H + h, 0)[0] >> 8) >= drop_thresh (packed: the
+  // packed rows of head h)
   int dropout;
   uint32_t seed_lo, seed_hi;
   int drop_thresh;

@@ -32,39 +32,41 @@ struct BwdConfig {
 
 // Delta, one warp per row. Grid: ceil(Lq / 16) * B * H blocks of 4 warps, 4 rows per warp.
 template <bool BF16>
-EFFATTN_KERNEL attn_delta_kernel(const AttnParams p) {
+EFFATTN_KERNEL attn_delta_kernel(const AttnParams params) {
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
-  const int n_rt = (p.Lq + 15) / 16;
-  const int rt = int(prim::block_x() % unsigned(n_rt));
-  const int bh = int(prim::block_x() / unsigned(n_rt));
-  const int b = bh / p.H, h = bh % p.H;
-  const uint16_t* o = static_cast<const uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
-  const uint16_t* dout = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h;
+  GridTile gt = grid_tile((params.Lq + 15) / 16, params.H);
+  const AttnParams p = segment_view(params, gt);
+  const int rt = gt.t, b = gt.b, h = gt.h;
+  const int64_t obase = b * p.o_b + h * p.o_h + p.q0 * p.o_l;
+  const uint16_t* dout = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l;
   for (int r = 0; r < 4; ++r) {
     const int i = rt * 16 + warp * 4 + r;
     if (i >= p.Lq) break;                                // warp-uniform
     float acc = 0.f;
-    for (int c = lane; c < p.Dv_out; c += 32)
-      acc += prim::to_float<BF16>(o[int64_t(i) * p.o_l + c]) * prim::to_float<BF16>(dout[int64_t(i) * p.do_l + c]);
+    for (int c = lane; c < p.Dv_out; c += 32) {
+      const int64_t at = obase + int64_t(i) * p.o_l + c;
+      const float o = p.o_f32 ? static_cast<const float*>(p.o)[at] : prim::to_float<BF16>(static_cast<const uint16_t*>(p.o)[at]);
+      acc += o * prim::to_float<BF16>(dout[int64_t(i) * p.do_l + c]);
+    }
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) acc += prim::shfl_xor_f(acc, m);
     if (lane == 0) {
-      if (p.dlse) acc -= p.dlse[b * p.dl_b + h * p.dl_h + int64_t(i) * p.dl_l];
-      p.delta_out[int64_t(bh) * p.Lq + i] = acc;
+      if (p.dlse) acc -= p.dlse[b * p.dl_b + h * p.dl_h + int64_t(p.q0 + i) * p.dl_l];
+      p.delta_out[q_row(p, b, h, i)] = acc;
     }
   }
 }
 
 // The saved lse of query rows [m0, m0 + rows) in log2 units, +inf for rows past Lq or that saw no
 // key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory.
-EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int bh, int m0, int rows) {
+EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int b, int h, int m0, int rows) {
   for (int r = prim::thread_x(); r < rows; r += 128) {
     const int i = m0 + r;
     float l = INFINITY, d = 0.f;
     if (i < p.Lq) {
-      l = p.lse[int64_t(bh) * p.Lq + i];
+      l = p.lse[q_row(p, b, h, i)];
       l = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
-      d = p.delta[int64_t(bh) * p.Lq + i];
+      d = p.delta[q_row(p, b, h, i)];
     }
     s_lse[r] = l;
     s_delta[r] = d;
@@ -72,7 +74,7 @@ EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_d
 }
 
 template <int HD, bool BF16>
-EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
+EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = Cfg::ACC;
   constexpr int NS = BM / 8;         // 8-wide query subtiles of S^T
@@ -87,18 +89,19 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int n_nt = (p.Lk + BN - 1) / BN;
-  const int nt = int(prim::block_x() % unsigned(n_nt));
-  const int bhk = int(prim::block_x() / unsigned(n_nt));
-  const int Hkv = p.H / p.G;
-  const int b = bhk / Hkv, hk = bhk % Hkv;
+  GridTile gt = grid_tile((params.Lk + BN - 1) / BN, params.H / params.G);
+  const AttnParams p = segment_view(params, gt);
+  const int nt = gt.t, b = gt.b, hk = gt.h;
   const int n0 = nt * BN;
+  if (n0 >= p.Lk) return;                               // packed: past the segment's keys (uniform)
   const int c0 = int(prim::block_z()) * ACC;            // first gradient column of this block
   const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
   const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
 
-  load_tile<HD, BN>(sK, static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h, p.k_l, n0, p.Lk, p.D);
-  load_tile<HD, BN>(sV, static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h, p.v_l, n0, p.Lk, p.Dv);
+  load_tile<HD, BN>(sK, static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h + p.k0 * p.k_l, p.k_l, n0, p.Lk,
+                    p.D);
+  load_tile<HD, BN>(sV, static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h + p.k0 * p.v_l, p.v_l, n0, p.Lk,
+                    p.Dv);
   prim::cp_async_commit();
 
   float dk[NA][4], dv[NA][4];
@@ -110,8 +113,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
 
   for (int h = hk * p.G; h < (hk + 1) * p.G; ++h) {
     const int bh = b * p.H + h;
-    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h;
-    const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h;
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l;
+    const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l;
     const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
     const float slope = alibi_slope(p, b, h);
     const Schedule sched = query_schedule(p, p.lists, h, nt, BM, BN);
@@ -120,7 +123,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
       load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
       load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
       prim::cp_async_commit();
-      load_row_stats(p, s_lse, s_delta, bh, m0, BM);
+      load_row_stats(p, s_lse, s_delta, b, h, m0, BM);
       prim::cp_async_wait<0>();
       prim::sync_block();
 
@@ -172,8 +175,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
   }
   prim::cp_async_wait<0>();                              // K, V when no query tile was visited
 
-  uint16_t* dkb = static_cast<uint16_t*>(p.dk) + (int64_t(bhk) * p.Lk) * p.D;
-  uint16_t* dvb = static_cast<uint16_t*>(p.dv) + (int64_t(bhk) * p.Lk) * p.Dv;
+  uint16_t* dkb = static_cast<uint16_t*>(p.dk) + k_row(p, b, hk, 0) * p.D;
+  uint16_t* dvb = static_cast<uint16_t*>(p.dv) + k_row(p, b, hk, 0) * p.Dv;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int kj = key0 + 8 * r;
@@ -190,7 +193,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams p) {
 }
 
 template <int HD, bool BF16>
-EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
+EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN_DQ, ACC = Cfg::ACC;
   constexpr int NS = BN / 8;
@@ -203,20 +206,23 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int n_mt = (p.Lq + BM - 1) / BM;
-  const int mt = int(prim::block_x() % unsigned(n_mt));
-  const int bh = int(prim::block_x() / unsigned(n_mt));
-  const int b = bh / p.H, h = bh % p.H, hk = h / p.G;
+  const int n_mt = (params.Lq + BM - 1) / BM;          // query tiles per (b, h): the dalibi partials' stride
+  GridTile gt = grid_tile(n_mt, params.H);
+  const AttnParams p = segment_view(params, gt);
+  const int mt = gt.t, b = gt.b, h = gt.h, hk = h / p.G, bh = b * p.H + h;
   const int m0 = mt * BM;
+  if (m0 >= p.Lq) return;                               // packed: past the segment's queries (uniform)
   const int c0 = int(prim::block_z()) * ACC;
   const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
-  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h;
-  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h + p.k0 * p.k_l;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h + p.k0 * p.v_l;
   const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
   const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
 
-  load_tile<HD, BM>(sQ, static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h, p.q_l, m0, p.Lq, p.D);
-  load_tile<HD, BM>(sdO, static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h, p.do_l, m0, p.Lq, p.Dv);
+  load_tile<HD, BM>(sQ, static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l, p.q_l, m0, p.Lq,
+                    p.D);
+  load_tile<HD, BM>(sdO, static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l, p.do_l, m0,
+                    p.Lq, p.Dv);
   prim::cp_async_commit();
 
   const int row0 = m0 + warp * 16 + g;
@@ -227,9 +233,9 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
     lse2[r] = INFINITY;
     dlt[r] = 0.f;
     if (i < p.Lq) {
-      const float l = p.lse[int64_t(bh) * p.Lq + i];
+      const float l = p.lse[q_row(p, b, h, i)];
       lse2[r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
-      dlt[r] = p.delta[int64_t(bh) * p.Lq + i];
+      dlt[r] = p.delta[q_row(p, b, h, i)];
     }
   }
   float dq[NA][4];
@@ -302,7 +308,7 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams p) {
     if (tid == 0 && prim::block_z() == 0) p.dalibi[int64_t(bh) * n_mt + mt] = ((red[0] + red[1]) + red[2]) + red[3];
   }
 
-  uint16_t* dqb = static_cast<uint16_t*>(p.dq) + (int64_t(bh) * p.Lq) * p.D;
+  uint16_t* dqb = static_cast<uint16_t*>(p.dq) + q_row(p, b, h, 0) * p.D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;

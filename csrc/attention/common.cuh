@@ -9,6 +9,37 @@
 
 namespace effattn {
 
+// The (b, h, tile) of a block of a 1-D grid with `n_t` tiles per (b, h), tiles fastest (a grid's
+// y size is limited to 65535, B * H is not); `heads`: H, or Hkv for the dK/dV pass.
+struct GridTile {
+  int b, h, t;
+};
+
+EFFATTN_DEVICE GridTile grid_tile(int n_t, int heads) {
+  const int t = int(prim::block_x() % unsigned(n_t));
+  const int bh = int(prim::block_x() / unsigned(n_t));
+  return {bh / heads, bh % heads, t};
+}
+
+// The params of batch entry gt.b as a block works on them. Packed sequences (p.cu_q): segment gt.b as a
+// plain call of one sequence (its lengths and bottom-right offset; q0 / k0: its first rows, which every
+// row index adds) on batch entry 0 of the packed tensors, so gt.b becomes 0. Otherwise p itself. Only
+// scalars change: the pointers stay kernel parameters (no registers held for them through the loops).
+EFFATTN_DEVICE AttnParams segment_view(const AttnParams& p0, GridTile& gt) {
+  AttnParams p = p0;
+  if (!p0.cu_q) return p;
+  p.q0 = p0.cu_q[gt.b], p.k0 = p0.cu_k[gt.b];
+  p.Lq = p0.cu_q[gt.b + 1] - p.q0;
+  p.Lk = p0.cu_k[gt.b + 1] - p.k0;
+  p.off = p.Lk - p.Lq;
+  gt.b = 0;
+  return p;
+}
+
+// Row (b, h, i) of the fp32 row statistics (lse, Delta) and of dq; row (b, hk, j) of dk and dv.
+EFFATTN_DEVICE int64_t q_row(const AttnParams& p, int b, int h, int i) { return b * p.rq_b + h * p.rq_h + p.q0 + i; }
+EFFATTN_DEVICE int64_t k_row(const AttnParams& p, int b, int hk, int j) { return b * p.rk_b + hk * p.rk_h + p.k0 + j; }
+
 // The key tiles a query tile visits (forward and dQ) or the query tiles a key tile visits (dK/dV):
 // `n_full` unmasked tiles then `n_part` masked ones. Without a layout they are analytic: full
 // [t1, t2), partial [t0, t1) and [t2, t3); with one, read from the packed lists.
@@ -106,12 +137,12 @@ EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int 
 // kDense: no window, layout, key padding or dropout, and Lk a multiple of the key tile, so that
 // every key tile is full and the tile loop carries no mask, padding or dropout code; kWindow:
 // causal / sliding windows and ragged lengths (the analytic schedule's partial tiles, checked
-// elementwise without a layout); kAny: everything (block layouts, key padding, dropout).
+// elementwise without a layout; packed sequences: each segment's own Lk); kAny: everything (block layouts, key padding, dropout).
 enum MaskKind : int { kDense = 0, kWindow = 1, kAny = 2 };
 
 inline int mask_kind(const AttnParams& p, int block_n) {
   if (p.lists || p.layout || p.lay_check || p.kpm || p.dropout) return kAny;
-  if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0) return kWindow;
+  if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0 || p.cu_q) return kWindow;
   return kDense;
 }
 
@@ -181,8 +212,10 @@ EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint
   return c0;
 }
 
+// Packed sequences draw at the packed rows (q0 + i, k0 + j) of head h (their one batch entry: bh = h).
 EFFATTN_DEVICE bool dropout_keep(const AttnParams& p, int bh, int i, int j) {
-  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(i), uint32_t(j), uint32_t(bh), 0u) >> 8) >= p.drop_thresh;
+  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(p.q0 + i), uint32_t(p.k0 + j), uint32_t(bh), 0u) >> 8) >=
+         p.drop_thresh;
 }
 
 }  // namespace effattn

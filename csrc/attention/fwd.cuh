@@ -18,25 +18,23 @@ struct FwdConfig {
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
 };
 
-// What a forward block works on: 1-D grid, query tiles fastest (a grid's y size is limited to
-// 65535, B * H is not); the (b, h) pair, the query tile and the base pointers of its operands.
+// What a forward block works on: the (b, h) pair, the query tile and the base pointers of its
+// operands (packed: its segment's, `segment_view`).
 struct FwdBlock {
   int b, h, bh, mt, m0;
   const uint16_t *qb, *kb, *vb;
   const uint8_t *kpm, *lay;
 };
 
-EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, int BM) {
+EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int BM) {
   FwdBlock f;
-  const int n_mt = (p.Lq + BM - 1) / BM;
-  f.mt = int(prim::block_x() % unsigned(n_mt));
-  f.bh = int(prim::block_x() / unsigned(n_mt));
-  f.b = f.bh / p.H, f.h = f.bh % p.H;
+  f.mt = gt.t, f.b = gt.b, f.h = gt.h;
+  f.bh = f.b * p.H + f.h;
   const int hk = f.h / p.G;
   f.m0 = f.mt * BM;
-  f.qb = static_cast<const uint16_t*>(p.q) + f.b * p.q_b + f.h * p.q_h;
-  f.kb = static_cast<const uint16_t*>(p.k) + f.b * p.k_b + hk * p.k_h;
-  f.vb = static_cast<const uint16_t*>(p.v) + f.b * p.v_b + hk * p.v_h;
+  f.qb = static_cast<const uint16_t*>(p.q) + f.b * p.q_b + f.h * p.q_h + p.q0 * p.q_l;
+  f.kb = static_cast<const uint16_t*>(p.k) + f.b * p.k_b + hk * p.k_h + p.k0 * p.k_l;
+  f.vb = static_cast<const uint16_t*>(p.v) + f.b * p.v_b + hk * p.v_h + p.k0 * p.v_l;
   f.kpm = p.kpm ? p.kpm + f.b * p.kpm_b : nullptr;
   f.lay = p.layout ? p.layout + f.h * p.lay_h : nullptr;
   return f;
@@ -102,7 +100,7 @@ template <bool BF16, int ND>
 EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int row0, const float (&acc)[ND][4],
                                const float (&m_i)[2], const float (&l_i)[2]) {
   const int t4 = prim::thread_x() & 3;
-  uint16_t* ob = static_cast<uint16_t*>(p.o) + b * p.o_b + h * p.o_h;
+  const int64_t obase = b * p.o_b + h * p.o_h + p.q0 * p.o_l;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = l_i[r];
@@ -125,16 +123,18 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = 8 * j + 2 * t4 + e;
-          if (c < p.Dv_out) ob[int64_t(i) * p.o_l + c] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
+          if (c >= p.Dv_out) continue;
+          const int64_t at = obase + int64_t(i) * p.o_l + c;
+          if (p.o_f32) static_cast<float*>(p.o)[at] = acc[j][2 * r + e] * f;
+          else static_cast<uint16_t*>(p.o)[at] = prim::from_float<BF16>(acc[j][2 * r + e] * f);
         }
-      if (t4 == 0)
-        p.lse[int64_t(bh) * p.Lq + i] = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
+      if (t4 == 0) p.lse[q_row(p, b, h, i)] = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
     }
   }
 }
 
 template <int HD, bool BF16, int KIND>
-EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
+EFFATTN_KERNEL attn_fwd_kernel(const AttnParams params) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   constexpr int NS = BN / 8;        // 8-wide key subtiles of S
@@ -146,7 +146,10 @@ EFFATTN_KERNEL attn_fwd_kernel(const AttnParams p) {
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2;
-  const FwdBlock fb = fwd_block(p, BM);
+  GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
+  const AttnParams p = segment_view(params, gt);
+  if (gt.t * BM >= p.Lq) return;                       // packed: past the segment's queries (uniform)
+  const FwdBlock fb = fwd_block(p, gt, BM);
   const int b = fb.b, h = fb.h, bh = fb.bh, mt = fb.mt, m0 = fb.m0;
   const uint16_t *qb = fb.qb, *kb = fb.kb, *vb = fb.vb;
   const uint8_t *kpm = KIND == kAny ? fb.kpm : nullptr, *lay = fb.lay;

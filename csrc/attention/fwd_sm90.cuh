@@ -54,7 +54,7 @@ EFFATTN_DEVICE void keep_all(A& x) {
 }
 
 template <int HD, bool BF16, int KIND>
-EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
+EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams params) {
 #if EFFATTN_SM90A
   using Cfg = FwdSm90Config<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -69,7 +69,10 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams p) {
   const uint32_t aQ = prim::smem_u32(sQ), aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
 
   const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
-  const FwdBlock fb = fwd_block(p, BM);
+  GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
+  const AttnParams p = segment_view(params, gt);
+  if (gt.t * BM >= p.Lq) return;                       // packed: past the segment's queries (uniform)
+  const FwdBlock fb = fwd_block(p, gt, BM);
   const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_step)
   const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);
   const int n_tiles = sched.count();

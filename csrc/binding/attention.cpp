@@ -42,23 +42,33 @@ void set_score(effattn::AttnParams& p, std::vector<Tensor>& keep, double softcap
   p.score = softcap > 0 || alibi.has_value() || sinks.has_value();
 }
 
+// The packed-sequence / positions arguments of the ops' schemas, as a Varlen.
+Varlen varlen_of(const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
+                 optional<int64_t> q_offset) {
+  Varlen vl;
+  vl.cu_q = cu_q, vl.cu_k = cu_k, vl.max_q = max_q, vl.max_k = max_k, vl.q_offset = q_offset;
+  return vl;
+}
+
 std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const optional<Tensor>& kpm, const optional<Tensor>& layout, int64_t layout_block,
                                    int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
                                    const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
                                    int64_t right, double softcap, const optional<Tensor>& alibi,
-                                   const optional<Tensor>& sinks) {
+                                   const optional<Tensor>& sinks, const Varlen& vl, bool out_fp32) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
-                       dropout_p, left, right);
+                       dropout_p, left, right, vl);
   std::vector<Tensor> keep;
   set_score(r.p, keep, softcap, alibi, sinks);
-  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)},
+                         out_fp32 ? q.options().dtype(at::kFloat) : q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   poison(out);
   poison(lse);
   effattn::AttnParams& p = r.p;
   p.o = out.data_ptr();
+  p.o_f32 = int(out_fp32);
   p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
   p.lse = lse.data_ptr<float>();
   run_checked(launch(p, r.bf16, EFFATTN_STREAM), "forward");
@@ -70,9 +80,12 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
                                          int64_t list_wf, const optional<Tensor>& seed, double scale,
                                          double dropout_p, int64_t left, int64_t right, double softcap,
-                                         const optional<Tensor>& alibi, const optional<Tensor>& sinks) {
+                                         const optional<Tensor>& alibi, const optional<Tensor>& sinks,
+                                         const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q,
+                                         int64_t max_k, optional<int64_t> q_offset, bool out_fp32) {
   return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
-                 dropout_p, left, right, softcap, alibi, sinks);
+                 dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
+                 out_fp32);
 }
 
 // The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
@@ -81,41 +94,51 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
                                               int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
                                               int64_t list_wf, const optional<Tensor>& seed, double scale,
                                               double dropout_p, int64_t left, int64_t right, double softcap,
-                                              const optional<Tensor>& alibi, const optional<Tensor>& sinks) {
+                                              const optional<Tensor>& alibi, const optional<Tensor>& sinks,
+                                              const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
+                                              int64_t max_q, int64_t max_k, optional<int64_t> q_offset,
+                                              bool out_fp32) {
   const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
   check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
   check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
   return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
-                 scale, dropout_p, left, right, softcap, alibi, sinks);
+                 scale, dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
+                 out_fp32);
 }
 
 bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
 
-// The backward with score terms; the 4th result: with `alibi_grad`, (B, H, query tiles) fp32 partial
-// sums of dT * |d| (the caller sums them over tiles and negates: ALiBi's slope gradient), else empty.
-std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
+// The backward with score terms and packed sequences; the 4th result: with `alibi_grad`, (B, H, query
+// tiles) fp32 partial sums of dT * |d| (the caller sums them over tiles and negates: ALiBi's slope
+// gradient), else empty. The ops below are its two entries: attention_bwd (packed, no score terms) and
+// attention_bwd_score (score terms, no packed sequences).
+std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
-    const optional<Tensor>& sinks, bool alibi_grad) {
+    const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
-                       scale, dropout_p, left, right);
+                       scale, dropout_p, left, right, vl);
   effattn::AttnParams& p = r.p;
   std::vector<Tensor> keep;
   set_score(p, keep, softcap, alibi, sinks);
   check(!alibi_grad || alibi.has_value(), "alibi_grad needs alibi slopes");
   const int64_t n_mt = (p.Lq + effattn::kBlockM - 1) / effattn::kBlockM;
   Tensor dalibi = at::zeros({alibi_grad ? p.B : 0, p.H, n_mt}, q.options().dtype(at::kFloat));
+  check(out0.scalar_type() == q.scalar_type() || out0.scalar_type() == at::kFloat,
+        "out must have q's dtype or float32 (an fp32 forward output)");
   Tensor dout = aligned(dout0.to(q.scalar_type()));
   Tensor out = out0.contiguous();
   Tensor lse = lse0.contiguous();
-  Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
-  Tensor dk = at::empty({p.B, p.H / p.G, p.Lk, p.D}, q.options());
-  Tensor dv = at::empty({p.B, p.H / p.G, p.Lk, p.Dv}, q.options());
-  Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  // shapes of the tensors (packed: p.B and p.Lq / p.Lk are the segments and the longest ones)
+  const int64_t B = q.size(0), Lq = q.size(2), Lk = k.size(2);
+  Tensor dq = at::empty({B, p.H, Lq, p.D}, q.options());
+  Tensor dk = at::empty({B, p.H / p.G, Lk, p.D}, q.options());
+  Tensor dv = at::empty({B, p.H / p.G, Lk, p.Dv}, q.options());
+  Tensor delta = at::empty({B, p.H, Lq}, q.options().dtype(at::kFloat));
   if (p.Lq == 0 || p.B * p.H == 0) {
     dq.zero_(), dk.zero_(), dv.zero_();
   } else {
@@ -129,6 +152,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
     p.dout = dout.data_ptr();
     p.do_b = stride_or_0(dout, 0), p.do_h = stride_or_0(dout, 1), p.do_l = dout.stride(2);
     p.o = out.data_ptr();
+    p.o_f32 = int(out.scalar_type() == at::kFloat);
     p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
     p.lse = lse.data_ptr<float>();
     p.delta = delta.data_ptr<float>();
@@ -144,15 +168,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
   return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3)), dalibi};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
+    const Tensor& dout, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const optional<Tensor>& kpm, const optional<Tensor>& layout,
+    int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+    const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
+    double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
+    const optional<Tensor>& sinks, bool alibi_grad) {
+  return backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
+                  listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad, Varlen{});
+}
+
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& dout, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
-    double dropout_p, int64_t left, int64_t right) {
-  auto g = attention_bwd_score(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf,
-                               lists_by_key, listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt,
-                               c10::nullopt, false);
+    double dropout_p, int64_t left, int64_t right, const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
+    int64_t max_q, int64_t max_k, optional<int64_t> q_offset) {
+  auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
+                    listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt, c10::nullopt, false,
+                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset));
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
@@ -161,11 +197,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
 TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
         "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
-        "int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None) -> (Tensor, Tensor)");
+        "int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, "
+        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, int? q_offset=None, bool out_fp32=False) "
+        "-> (Tensor, Tensor)");
   m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
-        "int window_right) -> (Tensor, Tensor, Tensor)");
+        "int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+        "int max_seqlen_k=0, int? q_offset=None) -> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
         "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "
@@ -173,8 +212,9 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
-        "int window_left, int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None) "
-        "-> (Tensor, Tensor)");
+        "int window_left, int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+        "int? q_offset=None, bool out_fp32=False) -> (Tensor, Tensor)");
   m.def("has_sm90a() -> bool", has_sm90a);
 }
 

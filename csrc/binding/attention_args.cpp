@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 namespace effattn {
 namespace binding {
@@ -23,7 +24,7 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
                  const optional<Tensor>& layout, int64_t layout_block, int64_t lay_check,
                  const optional<Tensor>& lists, int64_t list_wf, const optional<Tensor>& lists_by_key,
                  int64_t listk_wf, const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
-                 int64_t right) {
+                 int64_t right, const Varlen& varlen) {
   check(q0.dim() == 4 && k0.dim() == 4 && v0.dim() == 4, "q, k, v must be 4-D (B, H, L, D)");
   check(q0.scalar_type() == k0.scalar_type() && q0.scalar_type() == v0.scalar_type(), "q, k, v must share a dtype");
   check(q0.scalar_type() == at::kBFloat16 || q0.scalar_type() == at::kHalf, "dtype must be bfloat16 or float16");
@@ -51,12 +52,44 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
   p.k_b = stride_or_0(r.k, 0), p.k_h = stride_or_0(r.k, 1), p.k_l = r.k.stride(2);
   p.v_b = stride_or_0(r.v, 0), p.v_h = stride_or_0(r.v, 1), p.v_l = r.v.stride(2);
   p.off = p.Lk - p.Lq;
+  if (varlen.q_offset.has_value()) {
+    check(!varlen.cu_q.has_value(), "q_offset (positions) cannot be combined with cu_seqlens");
+    check(std::abs(*varlen.q_offset) < (int64_t(1) << 30), "q_offset must be in (-2^30, 2^30)");
+    p.off = int(*varlen.q_offset);
+  }
   // The caller sends the normalized window (effattn/visibility.py: a window wider than the sequences
-  // is no window, -1); the bounds are only checked here (and then fit in int32).
-  check(left == -1 || (left >= 0 && left < std::max(p.Lk - 1, 0)),
-        "window_left must be -1 (no window) or in [0, Lk - 1): the caller normalizes a wider window to -1");
-  check(right == -1 || (right >= 0 && right < std::max(p.Lq - 1, 0)),
-        "window_right must be -1 (no window) or in [0, Lq - 1): the caller normalizes a wider window to -1");
+  // is no window, -1; query i sits at key i + off); the bounds are only checked here (and then fit in
+  // int32). Packed, the packed lengths bound every segment's.
+  check(left == -1 || (left >= 0 && left < std::max(p.Lq - 1 + p.off, 0)),
+        "window_left must be -1 (no window) or in [0, Lq - 1 + off) (off = Lk - Lq, or q_offset): the caller "
+        "normalizes a wider window to -1");
+  check(right == -1 || (right >= 0 && right < std::max(p.Lk - 1 - p.off, 0)),
+        "window_right must be -1 (no window) or in [0, Lk - 1 - off) (off = Lk - Lq, or q_offset): the caller "
+        "normalizes a wider window to -1");
+  p.rq_h = p.Lq, p.rq_b = int64_t(p.H) * p.Lq;
+  p.rk_h = p.Lk, p.rk_b = int64_t(Hkv) * p.Lk;
+  if (varlen.cu_q.has_value() || varlen.cu_k.has_value()) {
+    check(varlen.cu_q.has_value() && varlen.cu_k.has_value(), "cu_seqlens_q and cu_seqlens_k come together");
+    check(!kpm.has_value() && !layout.has_value(), "cu_seqlens cannot be combined with a key padding mask or a layout");
+    check(p.B == 1, "with cu_seqlens, q, k, v must be packed as (1, H, T, D)");
+    for (const Tensor* cu : {&*varlen.cu_q, &*varlen.cu_k}) {
+      check(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1,
+            "cu_seqlens_q / cu_seqlens_k must be int32 of shape (N + 1,)");
+      check(cu->device() == q0.device(), "cu_seqlens_q / cu_seqlens_k must be on q's device");
+    }
+    check(varlen.cu_q->numel() == varlen.cu_k->numel(), "cu_seqlens_q and cu_seqlens_k must have the same length");
+    // (a max_seqlen larger than every segment only adds blocks that exit at once)
+    check(varlen.max_q >= 0 && varlen.max_q < (int64_t(1) << 30), "max_seqlen_q must be in [0, 2^30)");
+    check(varlen.max_k >= 0 && varlen.max_k < (int64_t(1) << 30), "max_seqlen_k must be in [0, 2^30)");
+    r.cu_q = varlen.cu_q->contiguous();
+    r.cu_k = varlen.cu_k->contiguous();
+    p.cu_q = r.cu_q.data_ptr<int32_t>();
+    p.cu_k = r.cu_k.data_ptr<int32_t>();
+    p.rq_b = p.rk_b = 0;                         // rows of (1, H, T): segment b's rows are moved by its start
+    p.B = int(r.cu_q.numel() - 1);
+    p.Lq = int(varlen.max_q);
+    p.Lk = int(varlen.max_k);
+  }
   p.left = int(left);
   p.right = int(right);
   p.scale = float(scale);

@@ -8,9 +8,18 @@
 namespace effattn {
 namespace binding {
 
+// Packed sequences and positions: cu_seqlens_q / _k (int32 (N + 1,), on q's device; q, k, v packed as
+// (1, H, T, D)) with the longest segments (max_seqlen: the grid; never read back from the device),
+// and the offset of a positioned call (query i at key i + q_offset; none: bottom-right).
+struct Varlen {
+  optional<Tensor> cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+  optional<int64_t> q_offset;
+};
+
 // The tensors a call's AttnParams point into (kept alive for the call) and the params themselves.
 struct Prepared {
-  Tensor q, k, v, kpm, layout, lists, lists_by_key;
+  Tensor q, k, v, kpm, layout, lists, lists_by_key, cu_q, cu_k;
   effattn::AttnParams p{};
   bool bf16 = false;
 };
@@ -23,7 +32,7 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
                  const optional<Tensor>& layout, int64_t layout_block, int64_t lay_check,
                  const optional<Tensor>& lists, int64_t list_wf, const optional<Tensor>& lists_by_key,
                  int64_t listk_wf, const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
-                 int64_t right);
+                 int64_t right, const Varlen& varlen = Varlen{});
 
 }  // namespace binding
 }  // namespace effattn

@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Callable
 
 
-def attention_autograd(bwd_op, prepare: Callable = lambda grad_out: grad_out, seeded: bool = True):
+def attention_autograd(bwd_op, prepare: Callable = lambda grad_out: grad_out, seeded: bool = True,
+                       extra_tensors: int = 0):
     """The autograd formula every backend's attention op shares. The forward op's inputs are
     ``(q, k, v, layout_mask, layout_block, key_padding_mask, seed, *scalars)`` and it returns
     ``(out, lse)``; ``bwd_op(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block,
     key_padding_mask, seed, *scalars)`` returns ``(dq, dk, dv)``; an op without dropout has no
-    ``seed`` in either (``seeded=False``). ``prepare`` adapts grad_out (e.g. makes it contiguous).
+    ``seed`` in either (``seeded=False``); ``extra_tensors`` optional tensors follow ``seed`` in both
+    (the CUDA ops' ``cu_seqlens`` pair). ``prepare`` adapts grad_out (e.g. makes it contiguous).
     Returns ``(setup_context, backward)`` for ``fwd_op.register_autograd`` (or an
     ``autograd.Function`` that calls the launchers directly)."""
-    n_opt = 3 if seeded else 2             # the optional tensors after layout_mask: kpm (and seed)
+    n_opt = (3 if seeded else 2) + extra_tensors   # the optional tensors after layout_mask: kpm (and seed), extras
 
     def setup_context(ctx, inputs, output):
         q, k, v, layout_mask, layout_block, *rest = inputs

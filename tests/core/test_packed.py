@@ -129,17 +129,103 @@ def test_packed_transposed_view_accepted():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_explain_names_varlen_for_backends_without_it():
+def test_explain_packed_paths():
     q, k, v, cu, _ = _packed([0, 3, 8], [0, 3, 8], 2, 2, 4, 4, dtype=torch.float16)
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu)
     assert e.chosen == "torch"
-    assert any("does not support varlen" in r for r in e.reasons["cuda"]), e.reasons["cuda"]
     assert "packed segments one by one" in e.paths["torch"]
     e = effattn.explain(q, k, v, causal=True, cu_seqlens=cu, dropout_p=0.1)
     assert "segment work list" in e.paths["torch"]
-    assert any("varlen (cu_seqlens) is not served with dropout" in r for r in e.reasons["triton"]), e.reasons
-    with pytest.raises(RuntimeError, match="varlen"):
-        effattn.attention(q, k, v, cu_seqlens=cu, dropout_p=0.1, backend="triton")
+    # the Triton and CUDA kernels serve packed dropout too (named: on a CPU they are test vehicles)
+    assert e.paths["triton"] == "triton/prefill" and e.paths["cuda"] == "cuda/prefill", e.paths
+    assert not any("varlen" in r for r in e.reasons.get("triton", []) + e.reasons.get("cuda", [])), e.reasons
+
+
+def _triton_or_skip():
+    rt = pytest.importorskip("effattn.backends.triton.runtime")
+    if rt.triton is None or rt._available(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter is not usable here")
+
+
+def test_triton_packed_dropout_draws_at_the_packed_rows():
+    """The Triton kernels' packed dropout draws Philox at the packed rows (q0 + i, k0 + j) of head h: the
+    keep-mask is the plain call's over the packed tensors, restricted to the segments (V = identity
+    reads it off the output); the gradients with that mask match float64; an fp32 output keeps it."""
+    _triton_or_skip()
+    offs_q, offs_k, p = [0, 3, 3, 20], [0, 5, 9, 24], 0.3
+    q, k, _, cu_q, cu_k = _packed(offs_q, offs_k, 4, 2, 8, 8, dtype=torch.float32, seed=3)
+    eye = torch.eye(24).expand(1, 2, 24, 24).contiguous()
+    kw = dict(causal=True, window=9)
+    torch.manual_seed(5)
+    packed = effattn.attention(q, k, eye, cu_seqlens=(cu_q, cu_k), dropout_p=p, backend="triton", **kw) != 0
+    torch.manual_seed(5)
+    plain = effattn.attention(q, k, eye, dropout_p=p, backend="triton") != 0
+    visible = visibility(20, 24, cu_seqlens=(cu_q, cu_k), **kw)[0, 0]
+    assert torch.equal(packed, plain & visible)
+    assert 0.5 < packed[visible.expand_as(packed)].double().mean().item() < 0.9
+    v = torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    out = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), dropout_p=p, out_dtype=torch.float32,
+                            backend="triton", **kw)
+    rl = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive_attention(*rl, cu_seqlens=(cu_q, cu_k), dropout_keep=plain, dropout_p=p, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_packed_compiles_through_its_custom_op():
+    """torch.compile (aot_eager, fullgraph) of a packed Triton call: it traces to the registered ops
+    effattn::triton_attention_varlen_fwd / _bwd (the work list is read inside them) and gives the
+    eager results, forward and backward; opcheck on the forward op."""
+    _triton_or_skip()
+    from effattn.backends.triton.attention import op
+    offs_q, offs_k = [0, 5, 5, 14], [0, 3, 8, 16]
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 2, 1, 8, 8, dtype=torch.float32, seed=2)
+
+    def f(a, b, c):
+        return effattn.attention(a, b, c, cu_seqlens=(cu_q, cu_k), max_seqlen=(9, 8), causal=True, backend="triton")
+
+    targets = []
+
+    def aot_eager(gm, example_inputs):          # aot_eager, recording the traced graph's calls
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = torch.compile(f, backend=aot_eager, fullgraph=True)(*leaves)
+    assert "effattn.triton_attention_varlen_fwd.default" in targets, targets
+    ref_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = f(*ref_leaves)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.library.opcheck(op.triton_attention_varlen_fwd, (*leaves, cu_q, cu_k, None, 0.3, 0.0, -1, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_packed_fp32_output(dtype):
+    """out_dtype=float32 on a packed Triton call: fp32 partial outputs (the varlen forward writes
+    them) equal to the float64 oracle, and the backward takes their gradient."""
+    _triton_or_skip()
+    offs_q, offs_k = [0, 6, 6, 17], [0, 4, 8, 20]
+    q, k, v, cu_q, cu_k = _packed(offs_q, offs_k, 2, 1, 8, 8, dtype=torch.float32, seed=4)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = effattn.attention(*leaves, cu_seqlens=(cu_q, cu_k), out_dtype=torch.float32, return_lse=True,
+                                 causal=True, backend="triton")
+    assert out.dtype == torch.float32
+    rl = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_lse = naive_attention(*rl, cu_seqlens=(cu_q, cu_k), causal=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=5 * tol, atol=5 * tol)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -158,8 +244,13 @@ def test_validation_errors_name_the_argument():
     _err(r"last entry of cu_seqlens must equal the packed length 8, got 7",
          cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
     _err(r"cu_seqlens\[0\] must be 0", cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32))
-    _err("max_seqlen=4 is smaller than the longest segment", max_seqlen=4)
-    _err("max_seqlen_k=2 is smaller", cu_seqlens=(torch.tensor([0, 3, 8], dtype=torch.int32),) * 2, max_seqlen=(5, 2))
+    # given max_seqlen, the values are checked on the device (torch._assert_async: no host read)
+    _err("max_seqlen=4 is smaller than the longest segment", RuntimeError, max_seqlen=4)
+    _err("max_seqlen_k=2 is smaller", RuntimeError, cu_seqlens=(torch.tensor([0, 3, 8], dtype=torch.int32),) * 2,
+         max_seqlen=(5, 2))
+    _err("cu_seqlens must be non-decreasing", RuntimeError, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32),
+         max_seqlen=8)
+    _err("max_seqlen must be non-negative", max_seqlen=-1)
     _err("key_padding_mask cannot be combined with cu_seqlens", key_padding_mask=torch.zeros(1, 8, dtype=torch.bool))
     _err("positions cannot be combined with cu_seqlens", positions=(0, 0))
     _err("max_seqlen is given without cu_seqlens", cu_seqlens=None, max_seqlen=3)
@@ -171,6 +262,37 @@ def test_validation_errors_name_the_argument():
     q = torch.randn(2, 2, 8, 4)
     with pytest.raises(ValueError, match="packed as"):
         effattn.attention(q, q, q, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+
+
+def forbid_host_reads(monkeypatch):
+    """Every way Python code reads a tensor's values back to the host raises inside the `with` (a GPU
+    tensor's would synchronize): tolist, item, cpu, numpy, int / float / bool / index conversions."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name} on a {tuple(self.shape)} {self.dtype} tensor")
+        return method
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+
+
+def test_max_seqlen_reads_nothing_back(monkeypatch):
+    """A packed call given max_seqlen validates cu_seqlens on its device and leaves the work list lazy:
+    building the call reads no value back (the CUDA kernels then need none, test_cuda_packed.py); a row
+    that needs the host work list reads it once, and the result is the eager one's."""
+    from effattn._call import make_attn_call
+    from effattn.packed import LazySegments
+    q, k, v, cu_q, cu_k = _packed([0, 3, 3, 9], [0, 4, 6, 11], 2, 1, 4, 4, dtype=torch.float32)
+    with monkeypatch.context() as m:
+        forbid_host_reads(m)
+        with pytest.raises(AssertionError, match="host read: Tensor.tolist"):    # the guard works
+            cu_q.tolist()
+        call = make_attn_call(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k), max_seqlen=(6, 5), dropout_p=0.1)
+    assert isinstance(call.segments, LazySegments) and call.max_seqlen == (6, 5)
+    eager = make_attn_call(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k))
+    assert tuple(call.segments) == eager.segments and eager.max_seqlen == (6, 5)
+    out = effattn.attention(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k), max_seqlen=(6, 5))
+    ref = effattn.attention(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_wrong_device_is_named():

@@ -351,11 +351,12 @@ def test_opcheck_and_compile(emulation):
     k, v = (torch.randn(1, 2, 20, 8).to(dt).requires_grad_() for _ in range(2))
     kpm = torch.rand(1, 20) < 0.2
     lm = torch.rand(4, 2, 2) < 0.7
-    torch.library.opcheck(ops.cuda_attention_fwd, (q, k, v, lm, 16, kpm, None, 0.3, 0.0, 4, 0))
-    torch.library.opcheck(ops.cuda_attention_fwd, (q, k, v, None, 0, None, torch.tensor([3, 4]), 0.3, 0.2, -1, -1))
-    out, lse = ops.cuda_attention_fwd(q, k, v, None, 0, None, None, 0.3, 0.0, -1, 0)
+    torch.library.opcheck(ops.cuda_attention_fwd, (q, k, v, lm, 16, kpm, None, None, None, 0.3, 0.0, 4, 0))
+    torch.library.opcheck(ops.cuda_attention_fwd, (q, k, v, None, 0, None, torch.tensor([3, 4]), None, None, 0.3, 0.2,
+                                                 -1, -1))
+    out, lse = ops.cuda_attention_fwd(q, k, v, None, 0, None, None, None, None, 0.3, 0.0, -1, 0)
     args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out.detach(),
-            lse.detach(), None, 0, None, None, 0.3, 0.0, -1, 0)
+            lse.detach(), None, 0, None, None, None, None, 0.3, 0.0, -1, 0)
     torch.library.opcheck(ops.cuda_attention_bwd, args)
     # the C++ op itself (tile lists passed in)
     torch.library.opcheck(emulation.attention_fwd, (q.detach(), k.detach(), v.detach(), None, None, 0, 0, None, 0,

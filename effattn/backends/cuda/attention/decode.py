@@ -22,7 +22,7 @@ from torch import Tensor
 from ....splits import MAX_QUERIES, MAX_SPLITS, MIN_TILES_PER_SPLIT, decode_reasons, long_cache, num_splits, sm_count  # noqa: F401
 from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ....visibility import Rule, clamp_window
-from ...base import Capabilities, Path, register
+from ...base import PACKED_FEATURES, Capabilities, Path, register
 from .. import _ext
 from . import ops
 from . import score as score_path
@@ -145,7 +145,9 @@ def _rank(call) -> int:
 
 PATH = register(Path(
     backend="cuda", op="attention", name="cuda/decode", priority=_rank,
-    # no score terms in the split-KV kernels (cuda/prefill serves those calls)
-    caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES, features=ops.FEATURES - score_path.FEATURES), run=run,
+    # no score terms in the split-KV kernels; packed sequences, positions and fp32 outputs are the prefill
+    # kernels' (cuda/prefill serves those calls)
+    caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES,
+                      features=ops.FEATURES - score_path.FEATURES - PACKED_FEATURES), run=run,
     admits=decode_reasons, available=_ext.available, notes=ops.notes, describe=describe,
     explicit_only_devices=frozenset({"cpu"})))

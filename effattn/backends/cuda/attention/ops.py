@@ -19,7 +19,7 @@ from torch import Tensor
 from .... import score as _score
 from ....visibility import clamp_window
 from ...autograd import attention_autograd
-from ...base import Capabilities, Path, register
+from ...base import PACKED_FEATURES, Capabilities, Path, register
 from .. import _ext
 from . import hopper
 from . import score as score_path
@@ -28,9 +28,11 @@ from .tiling import BLOCK_M, layout_lists
 
 def _register_fakes(ns: str) -> None:
     def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
-                 dropout_p, window_left, window_right, softcap=0.0, alibi=None, sinks=None):
+                 dropout_p, window_left, window_right, softcap=0.0, alibi=None, sinks=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False):
         B, H, Lq, _ = q.shape
-        return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+                q.new_empty(B, H, Lq, dtype=torch.float32))
 
     torch.library.register_fake(f"{ns}::attention_fwd")(fwd_fake)
     torch.library.register_fake(f"{ns}::attention_fwd_sm90")(fwd_fake)
@@ -59,34 +61,48 @@ def kernels(device: torch.device):
     return _ext.ops(device)
 
 
+# Packed sequences (cu_seqlens_q / _k, int32 (N + 1,) on q's device, with max_seqlen_q / _k: the longest
+# segments, which size the grids; the kernels read the segments' bounds on the device), positions
+# (q_offset: query i at key i + q_offset) and fp32 outputs (out_fp32) are the ops' last arguments.
 @torch.library.custom_op("effattn::cuda_attention_fwd", mutates_args=())
 def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                       key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
-                       window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
+                       key_padding_mask: Optional[Tensor], seed: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                       cu_seqlens_k: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                       window_right: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                       q_offset: Optional[int] = None, out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
-               *clamp_window(window_left, window_right, q.shape[2], k.shape[2]))
+               *clamp_window(window_left, window_right, q.shape[2], k.shape[2], q_offset), cu_seqlens_q=cu_seqlens_q,
+               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_offset=q_offset,
+               out_fp32=out_fp32)
 
 
 @cuda_attention_fwd.register_fake
-def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left, window_right):
+def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, cu_seqlens_q, cu_seqlens_k, scale, dropout_p,
+      window_left, window_right, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False):
     B, H, Lq, _ = q.shape
-    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+    return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+            q.new_empty(B, H, Lq, dtype=torch.float32))
 
 
 @torch.library.custom_op("effattn::cuda_attention_bwd", mutates_args=())
 def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                        lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                       key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
-                       window_left: int, window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+                       key_padding_mask: Optional[Tensor], seed: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                       cu_seqlens_k: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                       window_right: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                       q_offset: Optional[int] = None, out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """The backward of `cuda_attention_fwd` (``out_fp32`` is read from ``out``'s dtype)."""
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
-                                           *clamp_window(window_left, window_right, q.shape[2], k.shape[2]))
+                                           *clamp_window(window_left, window_right, q.shape[2], k.shape[2],
+                                                         q_offset), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, q_offset)
 
 
 @cuda_attention_bwd.register_fake
@@ -94,7 +110,7 @@ def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_setup_context, _backward = attention_autograd(cuda_attention_bwd)
+_setup_context, _backward = attention_autograd(cuda_attention_bwd, extra_tensors=2)
 cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -103,7 +119,7 @@ cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 DEVICES = frozenset({"cuda", "cpu"})
 DTYPES = frozenset({torch.float16, torch.bfloat16})
 FEATURES = frozenset({"causal", "window", "layout", "key_padding_mask", "dropout", "gqa", "lq_ne_lk", "dv_ne_d",
-                      "return_lse"}) | score_path.FEATURES
+                      "return_lse"}) | score_path.FEATURES | PACKED_FEATURES
 
 
 def notes(call) -> List[str]:
@@ -116,11 +132,32 @@ def notes(call) -> List[str]:
     return out
 
 
+def packed_args(call) -> dict:
+    """The packed-sequence / positions / fp32-output arguments of `cuda_attention_fwd` for a call."""
+    extra = dict(cu_seqlens_q=None, cu_seqlens_k=None)
+    if call.cu_seqlens is not None:
+        extra.update(cu_seqlens_q=call.cu_seqlens[0], cu_seqlens_k=call.cu_seqlens[1],
+                     max_seqlen_q=call.max_seqlen[0], max_seqlen_k=call.max_seqlen[1])
+    if call.positions is not None:
+        extra["q_offset"] = call.rule.q_offset
+    if call.out_dtype is not None:
+        extra["out_fp32"] = True
+    return extra
+
+
 def _run(call):
     kernels(call.q.device)
     if call.score is not None:                     # softcap / sinks / ALiBi: the score-terms composition
         return _score.run(call, score_path.Kernels)
-    return cuda_attention_fwd(**call.op_args()._asdict())
+    return cuda_attention_fwd(**call.op_args()._asdict(), **packed_args(call))
+
+
+def _admits(call) -> List[str]:
+    if call.score is not None and call.features() & PACKED_FEATURES:
+        return ["score terms (softcap, sinks, ALiBi) with packed sequences, positions or fp32 outputs: the CUDA "
+                "score-terms kernels take none of those (the score terms' ALiBi gradient is one partial per "
+                "(batch, head, query tile), not per segment)"]
+    return []
 
 
 def _describe(call) -> str:
@@ -131,6 +168,6 @@ def _describe(call) -> str:
 PATH = register(Path(
     backend="cuda", op="attention", name="cuda/prefill", priority=20,
     caps=Capabilities(devices=DEVICES, dtypes=DTYPES, max_head_dim=256, features=FEATURES),
-    run=_run, available=_ext.available, notes=notes, describe=_describe,
+    run=_run, admits=_admits, available=_ext.available, notes=notes, describe=_describe,
     # on CPU this is the emulation: a test vehicle, only when named
     explicit_only_devices=frozenset({"cpu"})))

@@ -66,7 +66,7 @@ def _row_stats(lse_row, delta_row, offs_m, Lq):
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
                offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-               qk_scale, seed, bh, drop_thresh, inv_keep,
+               qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
                BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
@@ -97,7 +97,7 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
         pt = tl.exp2(st - lse[None, :])
     dpt = dot(v, tl.trans(do), DOT_PREC, INTERP_BF16)                            # dP^T = V dO^T
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], drop_thresh)
+        keep = dropout_keep(seed, bh, q_row0 + offs_m[None, :], k_row0 + offs_n[:, None], drop_thresh)
         pdt = tl.where(keep, pt * inv_keep, 0.0)
         dpt = tl.where(keep, dpt * inv_keep, 0.0)
     else:
@@ -113,7 +113,7 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
              skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-             qk_scale, seed, bh, drop_thresh, inv_keep,
+             qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
@@ -141,7 +141,7 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
         p = tl.exp2(s - lse[:, None])
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        keep = dropout_keep(seed, bh, q_row0 + offs_m[:, None], k_row0 + offs_n[None, :], drop_thresh)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
@@ -223,18 +223,18 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, False,
-                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64, FOLD_SCALE)
+                                lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
+                                BLOCK_M, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
         listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
         for i in range(0, n_part):
             tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_M, True,
-                                HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                INTERP_BF16, IDX64, FOLD_SCALE)
+                                lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
+                                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
         visits += n_full + n_part
     dk = dk * scale                                                          # dK = scale dS^T Q
     ok_k = offs_n[:, None] < Lk
@@ -298,7 +298,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                      qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                      qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
@@ -306,7 +306,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                      qk_scale, seed, bh, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                      qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     dq = dq * scale
     dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm

@@ -27,7 +27,7 @@ from .schedule import (
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m, offs_d, offs_dv,
               k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-              qk_scale, seed, bh, drop_thresh,
+              qk_scale, seed, bh, q_row0, k_row0, drop_thresh,
               BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
@@ -65,7 +65,9 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     alpha = tl.exp2(m_i - m_ref)                              # exp(m_old - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)                          # l = alpha l + rowsum(P~)
     if DROPOUT:  # the normalizer sums undropped probabilities; dropout acts on P V only
-        p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p, 0.0)
+        # packed sequences draw at the packed rows (q_row0 + i, k_row0 + j); plain calls' row0 are 0
+        p = tl.where(dropout_keep(seed, bh, q_row0 + offs_m[:, None], k_row0 + offs_n[None, :], drop_thresh), p,
+                     0.0)
     if KV_TMA:
         v = v_desc.load([start_n, 0])
     else:
@@ -141,18 +143,18 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
                                   offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
-                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, False,
-                                  HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                  INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh,
+                                  BLOCK_N, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
+                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
         tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
                                   offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
-                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, drop_thresh, BLOCK_N, True,
-                                  HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC,
-                                  INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh,
+                                  BLOCK_N, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
+                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

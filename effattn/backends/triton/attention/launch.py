@@ -302,14 +302,17 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     return (out, lse, visits[0]) if counts else (out, lse)
 
 
-def fwd_varlen(q, k, v, segments, scale, left, right, tf32=False, config=None):
-    """Packed sequences (`effattn.packed`), forward only: out (1, H, Tq, Dv) and lse (1, H, Tq) fp32 for
-    the segment work list ``segments`` ((q0, q1, k0, k1, offset), longest first). One program per
-    (segment, query tile) and head, the tiles of a segment heaviest first; rows outside every segment
-    (none: the segments tile Tq) and segments without keys give out = 0, lse = -inf."""
-    p = plan_for(q, k, v, None, 0, None, scale, 0.0, left, right, tf32)
-    out = torch.zeros((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=False, out_fp32=False, config=None):
+    """Packed sequences (`effattn.packed`), forward only: out (1, H, Tq, Dv) (float32 with ``out_fp32``)
+    and lse (1, H, Tq) fp32 for the segment work list ``segments`` ((q0, q1, k0, k1, offset), longest
+    first). One program per (segment, query tile) and head, the tiles of a segment heaviest first; rows
+    outside every segment (none: the segments tile Tq) and segments without keys give out = 0, lse =
+    -inf. Dropout draws at the packed rows (the segment's first query / key row plus the local ones),
+    so a packed call drops the pairs the plain call over the packed tensors would (as the CUDA kernels)."""
+    p = plan_for(q, k, v, None, 0, None, scale, dropout_p, left, right, tf32)
+    out = torch.zeros((p.B, p.H, p.Lq, p.Dv), dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     lse = torch.full((p.B, p.H, p.Lq), float("-inf"), dtype=torch.float32, device=q.device)
+    seed_key = philox_key(seed) if dropout_p > 0 else 0
 
     def launch(cfg):
         grid, lists, args, meta = p.fwd_args(cfg, q, k, v, False)
@@ -318,7 +321,7 @@ def fwd_varlen(q, k, v, segments, scale, left, right, tf32=False, config=None):
             return
         table = torch.tensor(items, dtype=torch.int32).to(q.device)
         fwd_kernel[(len(items) * p.B * p.H,)](Q=q, K=k, V=v, O=out, LSE=lse, KPM=q, LAY=q, LISTS=q, COUNTS=q,
-                                              ITEMS=table, seed=0, **dict(args, Lq=len(items) * cfg[0]),
+                                              ITEMS=table, seed=seed_key, **dict(args, Lq=len(items) * cfg[0]),
                                               **dict(meta, ORDER=0, VARLEN=True))
 
     if p.Lq > 0 and p.B * p.H > 0 and segments:

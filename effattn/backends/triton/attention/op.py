@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .... import score
+from ....packed import segment_list
 from ...autograd import attention_autograd
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
@@ -121,34 +122,74 @@ def _tf32(call) -> bool:
     return call.q.dtype == torch.float32 and _tf32_enabled()
 
 
-def _varlen_reason(call):
-    """Packed sequences (cu_seqlens) run on the kernels' (segment, tile) work lists, without dropout
-    and fp32 outputs yet."""
-    if call.cu_seqlens is None:
-        return []
-    why = [w for w, bad in (("dropout", call.dropout_p > 0), ("an fp32 output", call.out_dtype is not None)) if bad]
-    return [f"varlen (cu_seqlens) is not served with {' or '.join(why)} by the Triton kernels yet"] if why else []
-
-
 if triton is not None:
 
     class _Varlen(torch.autograd.Function):
-        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list."""
+        """Packed sequences: `launch.fwd_varlen`, and `launch.bwd` on the same segment work list (with
+        dropout, the same seed: the keep-mask is drawn again at the same packed rows)."""
 
         @staticmethod
-        def forward(ctx, q, k, v, segments, scale, left, right, tf32):
-            out, lse = launch.fwd_varlen(q, k, v, segments, scale, left, right, tf32)
+        def forward(ctx, q, k, v, segments, seed, scale, dropout_p, left, right, tf32, out_fp32):
+            out, lse = launch.fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32, out_fp32)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.static = (segments, scale, left, right, tf32)
+            ctx.static = (segments, seed, scale, dropout_p, left, right, tf32, out_fp32)
             return out, lse
 
         @staticmethod
         def backward(ctx, grad_out, grad_lse):
             q, k, v, out, lse = ctx.saved_tensors
-            segments, scale, left, right, tf32 = ctx.static
-            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, None, scale, 0.0, left,
-                                    right, tf32, segments=segments)
-            return dq, dk, dv, None, None, None, None, None
+            segments, seed, scale, dropout_p, left, right, tf32, out_fp32 = ctx.static
+            dq, dk, dv = launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, seed, scale, dropout_p,
+                                    left, right, tf32, out_fp32=out_fp32, segments=segments)
+            return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+if triton is not None:
+
+    # Packed sequences as torch ops (torch.compile, export, dispatch modes): the segment work list is
+    # read from cu_seqlens inside the op (opaque to the tracer), so a traced packed call needs no host value.
+    @torch.library.custom_op("effattn::triton_attention_varlen_fwd", mutates_args=())
+    def triton_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    seed: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                                    window_right: int, allow_tf32: bool = False,
+                                    out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
+        segments = segment_list(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+        return launch.fwd_varlen(q, k, v, segments, seed, scale, dropout_p, window_left, window_right, allow_tf32,
+                                 out_fp32)
+
+    @triton_attention_varlen_fwd.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, scale, dropout_p, window_left, window_right, allow_tf32=False,
+          out_fp32=False):
+        B, H, Lq, _ = q.shape
+        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
+                q.new_empty(B, H, Lq, dtype=torch.float32))
+
+    @torch.library.custom_op("effattn::triton_attention_varlen_bwd", mutates_args=())
+    def triton_attention_varlen_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                                    out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    seed: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
+                                    window_right: int, allow_tf32: bool = False,
+                                    out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+        segments = segment_list(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+        return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, seed, scale, dropout_p, window_left,
+                          window_right, allow_tf32, out_fp32=out_fp32, segments=segments)
+
+    @triton_attention_varlen_bwd.register_fake
+    def _(grad_out, grad_lse, q, k, v, *args):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _varlen_setup(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, seed, *scalars = inputs
+        ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed)
+        ctx.scalars = scalars
+
+    def _varlen_backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+        dq, dk, dv = triton_attention_varlen_bwd(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seed,
+                                                 *ctx.scalars)
+        return (dq, dk, dv) + (None,) * (3 + len(ctx.scalars))
+
+    triton_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
 def _run_prefill(call):
@@ -156,7 +197,11 @@ def _run_prefill(call):
     a = call.op_args()
     tf32 = _tf32(call)
     if call.cu_seqlens is not None:             # packed sequences: the (segment, tile) work lists
-        static = (call.segments, a.scale, a.window_left, a.window_right, tf32)
+        if not _direct(a.q, a.k, a.v, *call.cu_seqlens):
+            return triton_attention_varlen_fwd(a.q, a.k, a.v, *call.cu_seqlens, a.seed, a.scale, a.dropout_p,
+                                               a.window_left, a.window_right, tf32, call.out_dtype is not None)
+        static = (call.segments, a.seed, a.scale, a.dropout_p, a.window_left, a.window_right, tf32,
+                  call.out_dtype is not None)
         if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
             return _Varlen.apply(a.q, a.k, a.v, *static)
         return launch.fwd_varlen(a.q, a.k, a.v, *static)
@@ -236,5 +281,4 @@ SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score,
                       caps=_caps(FEATURES["attention"] - PACKED_FEATURES), admits=_admits_score,
                       describe=lambda call: score_path.describe(call), **_COMMON))
 BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill,
-                                  caps=_caps(FEATURES["attention"] - SCORE_FEATURES), admits=_varlen_reason,
-                                  **_COMMON))
+                                  caps=_caps(FEATURES["attention"] - SCORE_FEATURES), **_COMMON))
