@@ -9,7 +9,8 @@ magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit decl
   2x the error of the same computation done naively in the dtype, 3x for gradients, plus a floor),
   here relative to the reference's magnitude; lse against the oracle's, -inf exactly where it is;
 - properties that need no oracle: bitwise determinism; invariance to the content of keys / values
-  no query sees; batch permutation; a row that sees no key gives exactly 0 (lse -inf);
+  no query sees; batch permutation (bitwise, but to a few ulps on the torch backend: torch's CPU
+  matmul and flash kernel round a batch row by its place in memory); a row that sees no key gives exactly 0 (lse -inf);
   GQA equals the call with K / V expanded; ``return_lse`` does not change ``out``;
 - invalid arguments: a clear TypeError / ValueError naming the argument.
 
@@ -426,7 +427,18 @@ def check_properties(unit, c, q, k, v, kw):
         if "key_padding_mask" in kw:
             kw_p["key_padding_mask"] = kw["key_padding_mask"][perm]
         if not kw.get("dropout_p"):         # dropout masks follow the batch index
-            assert torch.equal(again(q[perm], k[perm], v[perm], kw_p), out[perm]), "batch permutation"
+            got = again(q[perm], k[perm], v[perm], kw_p)
+            if unit.backend == "torch":
+                # torch's own CPU kernels round a batch row differently by its place in memory
+                # (torch 2.13: a float64 matmul (2, 1, 43, 55) @ (2, 1, 55, 3) permuted differs from
+                # the permuted product by an ulp; so does the flash CPU kernel at Lk = 9): the
+                # torch paths are held to a few ulps of the row's terms, not bitwise
+                vmax = v.double().abs().max().item() if v.numel() else 0.0
+                tol = 8 * torch.finfo(out.dtype).eps * _score_size(q, k, kw) * (vmax or 1.0)
+                err = (got.double() - out[perm].double()).abs().max().item() if out.numel() else 0.0
+                assert err <= tol, f"batch permutation: {err} > {tol}"
+            else:
+                assert torch.equal(got, out[perm]), "batch permutation"
     if H != Hkv and not kw.get("dropout_p") and out.numel():
         G = H // Hkv
         o_e = again(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))

@@ -192,3 +192,58 @@ def test_flash_path_strided_last_dim(name):
     go = torch.randn(out.shape, generator=g)
     for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double())):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if not p.values[0].name.endswith(("decode", "score"))])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_huge_scores_give_finite_gradients(unit, out_dtype):
+    """Found by the fuzz: scores of ~1e10 (q, k, v ~ 1000, scale 1e4) gave NaN dq / dk and inf dv in
+    float32 on the flash CPU kernel's paths: its backward recomputes the scores rounding them
+    otherwise than its forward did, by ulps of 1e10 (1024), and exp(s - lse) overflowed. Those
+    gradients are now computed by the blocks path's backward, whose P never exceeds 1."""
+    g = torch.Generator().manual_seed(0)
+    base_ = [torch.randn(1, 1, 3, 1, generator=g, dtype=torch.float64) * 1000 for _ in range(3)]
+    kw = {} if out_dtype is None else {"out_dtype": out_dtype}
+    dtype = torch.float32 if torch.float32 in base._REGISTRY["attention"][unit.backend].caps.dtypes \
+        else torch.bfloat16
+    base_ = [t.to(dtype).double() for t in base_]
+    leaves = [t.to(dtype).requires_grad_() for t in base_]
+    with unit.enter():
+        ok = effattn.explain(*leaves, scale=1e4, **kw).can_serve(unit.backend)
+    if not ok:
+        pytest.skip("the unit does not serve this call")
+    out = _call(unit, effattn.attention, *leaves, scale=1e4, **kw)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    ref_leaves = [t.clone().requires_grad_() for t in base_]
+    ref, _ = naive_attention(*ref_leaves, scale=1e4)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all()
+        # P is one-hot here (score gaps of ~1e6): dq = dk = 0 and dv counts each key's winners
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name in
+                                  ("torch/cpu-sdpa-mask", "torch/reference")])
+def test_batch_permutation_torch_rows_within_ulps(unit):
+    """Found by the fuzz: permuting the batch did not permute the output bitwise on the torch paths
+    (float64, shape (2, 1, 1, 9, 9, 1, 1)). torch's own CPU kernels are not batch-invariant: they
+    round a batch row differently by its place in memory (shown below on a bare matmul), so the
+    fuzz holds the torch backend's rows to a few ulps there (bitwise elsewhere)."""
+    import test_fuzz as tf
+    perm = torch.tensor([1, 0])
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 1, 43, 55, generator=g, dtype=torch.float64), torch.randn(2, 1, 55, 3, generator=g,
+                                                                                   dtype=torch.float64)
+    differs = [not torch.equal(torch.matmul(a, b)[perm], torch.matmul(a[perm], b[perm]))]
+    for s, shape in enumerate([(2, 1, 1, 9, 9, 1, 1), (2, 1, 1, 43, 55, 3, 3)] * 2):
+        c = dict(dtype=torch.float64, shape=shape, kw={"causal": bool(s % 2)}, mag=1.0, grad=False,
+                 view="contiguous", poison=None, seed=s)
+        q, k, v = tf._inputs(c)
+        with torch.no_grad():
+            out = _call(unit, effattn.attention, q, k, v, **c["kw"])
+            got = _call(unit, effattn.attention, q[perm], k[perm], v[perm], **c["kw"])
+            differs.append(not torch.equal(got, out[perm]))
+            tf.check_properties(unit, c, q, k, v, c["kw"])      # within its few ulps
+    if not any(differs):
+        pytest.skip("torch's kernels are batch-invariant on this machine")
