@@ -66,11 +66,22 @@ class Unit(NamedTuple):
 
 def _only(path, emulate: bool):
     """A context in which `path` is the only row of its backend (the split-KV decode rows admit any
-    key count), and the CUDA kernels run in their emulation when `emulate`."""
+    key count; the rows that torch/cpu-segments runs its segments on stay for those), and the CUDA
+    kernels run in their emulation when `emulate`."""
     @contextlib.contextmanager
     def cm():
         with pytest.MonkeyPatch.context() as mp:
+            every = list(base._REGISTRY[path.op][path.backend].paths)
             mp.setattr(base._REGISTRY[path.op][path.backend], "paths", [path])
+            if path.name == "torch/cpu-segments":
+                # it runs each segment as a plain call of the torch backend: those find every row
+                from effattn.backends.torch.attention import cpu_segments
+
+                def select_among_all(op, call, backend):
+                    with pytest.MonkeyPatch.context() as inner:
+                        inner.setattr(base._REGISTRY[op][backend], "paths", every)
+                        return base.select(op, call, backend)
+                mp.setattr(cpu_segments, "select", select_among_all)
             if path.name.endswith("decode"):
                 mp.setattr(splits, "DECODE_MIN_KEYS", 1)
             if emulate:

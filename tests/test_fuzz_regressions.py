@@ -1,5 +1,7 @@
 """Regression tests for the bugs of issue 27 and those the fuzz (tests/test_fuzz.py) found, one per
 bug, named after it, on every backend usable here (Triton in the interpreter, CUDA in the emulation)."""
+import contextlib
+
 import pytest
 import torch
 from test_fuzz import runnable_units
@@ -247,3 +249,25 @@ def test_batch_permutation_torch_rows_within_ulps(unit):
             tf.check_properties(unit, c, q, k, v, c["kw"])      # within its few ulps
     if not any(differs):
         pytest.skip("torch's kernels are batch-invariant on this machine")
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/cpu-segments"])
+def test_segments_unit_serves_packed_calls(unit):
+    """Found by the fuzz: torch/cpu-segments, set alone in its backend, refused every packed call
+    that explain said it serves ("not a packed call"): it runs each segment as a plain call of the
+    torch backend, whose other rows the fuzz had set aside. The fuzz's unit now keeps them for the
+    segments; a segment without keys gives rows of 0 (lse -inf), with or without the isolation."""
+    import test_fuzz as tf
+    cu = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+    q = torch.randn(1, 1, 1, 4, requires_grad=True)
+    k, v = torch.randn(1, 1, 0, 4), torch.randn(1, 1, 0, 4)
+    for ctx in (unit.enter, contextlib.nullcontext):
+        with ctx():
+            assert effattn.explain(q, k, v, cu_seqlens=cu).paths["torch"].startswith("torch/cpu-segments")
+            out, lse = effattn.attention(q, k, v, cu_seqlens=cu, return_lse=True, backend="torch")
+        assert torch.equal(out, torch.zeros(1, 1, 1, 4)) and torch.isneginf(lse).all()
+        assert torch.equal(torch.autograd.grad(out.sum(), q)[0], torch.zeros_like(q))
+    c = dict(dtype=torch.float32, shape=(1, 2, 1, 7, 9, 8, 8), mag=1.0, grad=True, view="contiguous", poison=None,
+             seed=3, kw={"causal": True, "cu_seqlens": (torch.tensor([0, 3, 3, 7], dtype=torch.int32),
+                                                        torch.tensor([0, 4, 4, 9], dtype=torch.int32))})
+    tf.check_attention(unit, c)                   # against the oracle, with every property
