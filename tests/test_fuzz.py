@@ -483,6 +483,30 @@ def linear_calls(draw, unit):
 
 def linear_oracle(q, k, v, phi, causal, normalize, eps, state, dtype=torch.float64):
     """Linear attention in its quadratic form with an initial state, in `dtype`."""
+    num, d = _linear_parts(q, k, v, phi, causal, normalize, eps, state, dtype)
+    if d is None:
+        return num
+    return torch.where(d == 0, torch.zeros_like(num), num / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def linear_grad_terms(leaves, go, phi, causal, normalize, eps, state):
+    """Per leaf of q, k, v: the largest |gradient| of the two terms that d(num / den) sums before
+    they cancel (num' / den and num den' / den^2), in float64: the scale a gradient's rounding is
+    judged on (with eps small a gradient is a difference of terms ~1e6 times its size)."""
+    num, d = _linear_parts(*leaves, phi, causal, normalize, eps, state, torch.float64)
+    if d is None:
+        return [None] * 3
+    d_ = torch.where(d == 0, torch.ones_like(d), d)
+    sizes = []
+    for part in (num / d_.detach(), num.detach() / d_):
+        sizes.append([0.0 if g is None else g.abs().max().item() if g.numel() else 0.0
+                      for g in torch.autograd.grad((part * go).sum(), leaves, allow_unused=True,
+                                                   retain_graph=True)])
+    return [max(a, b) for a, b in zip(*sizes)]
+
+
+def _linear_parts(q, k, v, phi, causal, normalize, eps, state, dtype):
+    """(numerator, denominator + eps or None without normalization) of linear attention."""
     fq, fk = phi(q.to(dtype)).to(dtype), phi(k.to(dtype)).to(dtype)
     G = q.shape[1] // k.shape[1]
     fk, v = fk.repeat_interleave(G, 1), v.to(dtype).repeat_interleave(G, 1)
@@ -493,10 +517,7 @@ def linear_oracle(q, k, v, phi, causal, normalize, eps, state, dtype=torch.float
     if state is not None:
         num = num + fq @ state[0].to(dtype)
         den = den + (fq * state[1].to(dtype)[:, :, None, :]).sum(-1, keepdim=True)
-    if not normalize:
-        return num
-    d = den + eps
-    return torch.where(d == 0, torch.zeros_like(num), num / torch.where(d == 0, torch.ones_like(d), d))
+    return num, (den + eps if normalize else None)
 
 
 def fuzz_linear(unit, n):
@@ -549,11 +570,14 @@ def check_linear(unit, c):
         grads = torch.autograd.grad(out, leaves, go.to(out.dtype), allow_unused=True)
         ref_grads = torch.autograd.grad(ref, ref_leaves, go, allow_unused=True)
         low_grads = torch.autograd.grad(low, low_leaves, go.to(low.dtype), allow_unused=True)
-        for name, g_, rg, lg in zip("qkv", grads, ref_grads, low_grads):
+        terms = linear_grad_terms([t.detach().double().requires_grad_() for t in (q, k, v)], go, phi, c["causal"],
+                                  c["normalize"], c["eps"], state)
+        for name, g_, rg, lg, t in zip("qkv", grads, ref_grads, low_grads, terms):
             if rg is None:
                 continue
+            t = None if t is None or not rg.numel() else max(t, rg.abs().max().item())
             _rel_judge(g_ if g_ is not None else torch.zeros_like(rg), rg,
-                       lg if lg is not None else torch.zeros_like(rg), 3, dtype, f"d{name}")
+                       lg if lg is not None else torch.zeros_like(rg), 3, dtype, f"d{name}", terms=t)
     with torch.no_grad(), unit.enter():
         again = effattn.linear_attention(q, k, v, initial_state=state, backend=unit.backend, **kw)
     assert torch.equal(again, out.detach()), "linear attention is not bitwise deterministic"
