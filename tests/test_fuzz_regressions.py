@@ -296,3 +296,21 @@ def test_linear_float64_gradient_judged_on_its_terms(unit):
                                  torch.ones_like(out), phi, False, True, 1e-6, None)
     assert terms[0] > 1e4 * ref_dq.abs().item()
     assert abs(dq.item() - ref_dq.item()) <= 1e-14 * terms[0]
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/reference"])
+def test_fp32_output_with_layout_keeps_the_layout(unit):
+    """Found by the fuzz: torch/reference, out_dtype=torch.float32 with a block layout: the fp32
+    output's work list (one segment, the whole call) dropped the layout, so keys of blocks no
+    query may see were attended (float16, (1, 1, 1, 1, 17, 1, 1), layout [[1, 0]]: off by 0.08)."""
+    import test_fuzz as tf
+
+    from effattn.layouts import BlockLayout
+    for c in (dict(dtype=torch.float16, shape=(1, 1, 1, 1, 17, 1, 1), mag=1.0, grad=False, view="contiguous",
+                   poison=None, seed=0, kw={"layout": BlockLayout(torch.tensor([[[True, False]]]), 16),
+                                            "out_dtype": torch.float32}),
+              dict(dtype=torch.bfloat16, shape=(2, 2, 1, 40, 70, 8, 8), mag=1.0, grad=True, view="transposed",
+                   poison=float("nan"), seed=1, kw={"causal": True, "out_dtype": torch.float32,
+                                                    "layout": BlockLayout(torch.rand(2, 3, 5, generator=torch.Generator()
+                                                                                     .manual_seed(1)) < 0.5, 16)})):
+        tf.check_attention(unit, c)                # against the oracle, with every property
