@@ -314,3 +314,17 @@ def test_fp32_output_with_layout_keeps_the_layout(unit):
                                                     "layout": BlockLayout(torch.rand(2, 3, 5, generator=torch.Generator()
                                                                                      .manual_seed(1)) < 0.5, 16)})):
         tf.check_attention(unit, c)                # against the oracle, with every property
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if p.values[0].name.endswith("-step")])
+def test_linear_step_unit_refuses_gradients_as_explain_says(unit):
+    """Found by the fuzz: the linear fuzz asked explain about inputs without gradients, then called
+    the forward-only step rows with inputs requiring them (refused: "the step kernel has no
+    backward"). It now asks about the call as made, and the refusal is what explain says."""
+    import test_fuzz as tf
+    c = dict(dtype=torch.float32, shape=(1, 1, 1, 1, 1, 1, 1), causal=False, fmap="elu", normalize=False, eps=1e-6,
+             state=False, grad=True, view="contiguous", mag=1.0, seed=0)
+    tf.check_linear(unit, c)
+    q = torch.randn(1, 1, 1, 4, requires_grad=True)
+    with unit.enter():
+        assert not effattn.explain(q, q, q, op="linear_attention").can_serve(unit.backend)
