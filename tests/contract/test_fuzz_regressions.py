@@ -232,7 +232,7 @@ def test_batch_permutation_torch_rows_within_ulps(unit):
     (float64, shape (2, 1, 1, 9, 9, 1, 1)). torch's own CPU kernels are not batch-invariant: they
     round a batch row differently by its place in memory (shown below on a bare matmul), so the
     fuzz holds the torch backend's rows to a few ulps there (bitwise elsewhere)."""
-    import test_fuzz as tf
+    from tests.contract import test_fuzz as tf
     perm = torch.tensor([1, 0])
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, 1, 43, 55, generator=g, dtype=torch.float64), torch.randn(2, 1, 55, 3, generator=g,
@@ -257,7 +257,7 @@ def test_segments_unit_serves_packed_calls(unit):
     that explain said it serves ("not a packed call"): it runs each segment as a plain call of the
     torch backend, whose other rows the fuzz had set aside. The fuzz's unit now keeps them for the
     segments; a segment without keys gives rows of 0 (lse -inf), with or without the isolation."""
-    import test_fuzz as tf
+    from tests.contract import test_fuzz as tf
     cu = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
     q = torch.randn(1, 1, 1, 4, requires_grad=True)
     k, v = torch.randn(1, 1, 0, 4), torch.randn(1, 1, 0, 4)
@@ -279,7 +279,7 @@ def test_linear_float64_gradient_judged_on_its_terms(unit):
     dq off by 1.7e-10 of its size > the 1e-10 floor. The path was right: with eps small, d(num / den)
     is the difference of two terms ~1e6 times its size, which float64 rounds at 1e-16 of the terms.
     The fuzz now judges a linear gradient relative to those terms (`linear_grad_terms`)."""
-    import test_fuzz as tf
+    from tests.contract import test_fuzz as tf
     for s, mag, state in [(0, 1.0, False), (0, 0.1, True), (1, 0.01, False), (2, 1.0, True)]:
         c = dict(dtype=torch.float64, shape=(1, 1, 1, 1, 1, 1, 1), causal=False, fmap="elu", normalize=True,
                  eps=1e-6, state=state, grad=True, view="contiguous", mag=mag, seed=s)
@@ -303,9 +303,8 @@ def test_fp32_output_with_layout_keeps_the_layout(unit):
     """Found by the fuzz: torch/reference, out_dtype=torch.float32 with a block layout: the fp32
     output's work list (one segment, the whole call) dropped the layout, so keys of blocks no
     query may see were attended (float16, (1, 1, 1, 1, 17, 1, 1), layout [[1, 0]]: off by 0.08)."""
-    import test_fuzz as tf
-
     from effattn.layouts import BlockLayout
+    from tests.contract import test_fuzz as tf
     for c in (dict(dtype=torch.float16, shape=(1, 1, 1, 1, 17, 1, 1), mag=1.0, grad=False, view="contiguous",
                    poison=None, seed=0, kw={"layout": BlockLayout(torch.tensor([[[True, False]]]), 16),
                                             "out_dtype": torch.float32}),
@@ -321,7 +320,7 @@ def test_linear_step_unit_refuses_gradients_as_explain_says(unit):
     """Found by the fuzz: the linear fuzz asked explain about inputs without gradients, then called
     the forward-only step rows with inputs requiring them (refused: "the step kernel has no
     backward"). It now asks about the call as made, and the refusal is what explain says."""
-    import test_fuzz as tf
+    from tests.contract import test_fuzz as tf
     c = dict(dtype=torch.float32, shape=(1, 1, 1, 1, 1, 1, 1), causal=False, fmap="elu", normalize=False, eps=1e-6,
              state=False, grad=True, view="contiguous", mag=1.0, seed=0)
     tf.check_linear(unit, c)
