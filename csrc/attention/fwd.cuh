@@ -134,7 +134,7 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
 }
 
 template <int HD, bool BF16, int KIND>
-EFFATTN_KERNEL attn_fwd_kernel(const AttnParams params) {
+EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   constexpr int NS = BN / 8;        // 8-wide key subtiles of S

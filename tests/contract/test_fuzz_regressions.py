@@ -1,5 +1,7 @@
 """Regression tests for the bugs of issue 27 and those the fuzz (tests/contract/test_fuzz.py) found, one per
 bug, named after it, on every backend usable here (Triton in the interpreter, CUDA in the emulation)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -192,3 +194,136 @@ def test_flash_path_strided_last_dim(name):
     go = torch.randn(out.shape, generator=g)
     for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, ref_leaves, go.double())):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if not p.values[0].name.endswith(("decode", "score"))])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_huge_scores_give_finite_gradients(unit, out_dtype):
+    """Found by the fuzz: scores of ~1e10 (q, k, v ~ 1000, scale 1e4) gave NaN dq / dk and inf dv in
+    float32 on the flash CPU kernel's paths: its backward recomputes the scores rounding them
+    otherwise than its forward did, by ulps of 1e10 (1024), and exp(s - lse) overflowed. Those
+    gradients are now computed by the blocks path's backward, whose P never exceeds 1."""
+    g = torch.Generator().manual_seed(0)
+    base_ = [torch.randn(1, 1, 3, 1, generator=g, dtype=torch.float64) * 1000 for _ in range(3)]
+    kw = {} if out_dtype is None else {"out_dtype": out_dtype}
+    dtype = torch.float32 if torch.float32 in base._REGISTRY["attention"][unit.backend].caps.dtypes \
+        else torch.bfloat16
+    base_ = [t.to(dtype).double() for t in base_]
+    leaves = [t.to(dtype).requires_grad_() for t in base_]
+    with unit.enter():
+        ok = effattn.explain(*leaves, scale=1e4, **kw).can_serve(unit.backend)
+    if not ok:
+        pytest.skip("the unit does not serve this call")
+    out = _call(unit, effattn.attention, *leaves, scale=1e4, **kw)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    ref_leaves = [t.clone().requires_grad_() for t in base_]
+    ref, _ = naive_attention(*ref_leaves, scale=1e4)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all()
+        # P is one-hot here (score gaps of ~1e6): dq = dk = 0 and dv counts each key's winners
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name in
+                                  ("torch/cpu-sdpa-mask", "torch/reference")])
+def test_batch_permutation_torch_rows_within_ulps(unit):
+    """Found by the fuzz: permuting the batch did not permute the output bitwise on the torch paths
+    (float64, shape (2, 1, 1, 9, 9, 1, 1)). torch's own CPU kernels are not batch-invariant: they
+    round a batch row differently by its place in memory (shown below on a bare matmul), so the
+    fuzz holds the torch backend's rows to a few ulps there (bitwise elsewhere)."""
+    from tests.contract import test_fuzz as tf
+    perm = torch.tensor([1, 0])
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 1, 43, 55, generator=g, dtype=torch.float64), torch.randn(2, 1, 55, 3, generator=g,
+                                                                                   dtype=torch.float64)
+    differs = [not torch.equal(torch.matmul(a, b)[perm], torch.matmul(a[perm], b[perm]))]
+    for s, shape in enumerate([(2, 1, 1, 9, 9, 1, 1), (2, 1, 1, 43, 55, 3, 3)] * 2):
+        c = dict(dtype=torch.float64, shape=shape, kw={"causal": bool(s % 2)}, mag=1.0, grad=False,
+                 view="contiguous", poison=None, seed=s)
+        q, k, v = tf._inputs(c)
+        with torch.no_grad():
+            out = _call(unit, effattn.attention, q, k, v, **c["kw"])
+            got = _call(unit, effattn.attention, q[perm], k[perm], v[perm], **c["kw"])
+            differs.append(not torch.equal(got, out[perm]))
+            tf.check_properties(unit, c, q, k, v, c["kw"])      # within its few ulps
+    if not any(differs):
+        pytest.skip("torch's kernels are batch-invariant on this machine")
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/cpu-segments"])
+def test_segments_unit_serves_packed_calls(unit):
+    """Found by the fuzz: torch/cpu-segments, set alone in its backend, refused every packed call
+    that explain said it serves ("not a packed call"): it runs each segment as a plain call of the
+    torch backend, whose other rows the fuzz had set aside. The fuzz's unit now keeps them for the
+    segments; a segment without keys gives rows of 0 (lse -inf), with or without the isolation."""
+    from tests.contract import test_fuzz as tf
+    cu = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+    q = torch.randn(1, 1, 1, 4, requires_grad=True)
+    k, v = torch.randn(1, 1, 0, 4), torch.randn(1, 1, 0, 4)
+    for ctx in (unit.enter, contextlib.nullcontext):
+        with ctx():
+            assert effattn.explain(q, k, v, cu_seqlens=cu).paths["torch"].startswith("torch/cpu-segments")
+            out, lse = effattn.attention(q, k, v, cu_seqlens=cu, return_lse=True, backend="torch")
+        assert torch.equal(out, torch.zeros(1, 1, 1, 4)) and torch.isneginf(lse).all()
+        assert torch.equal(torch.autograd.grad(out.sum(), q)[0], torch.zeros_like(q))
+    c = dict(dtype=torch.float32, shape=(1, 2, 1, 7, 9, 8, 8), mag=1.0, grad=True, view="contiguous", poison=None,
+             seed=3, kw={"causal": True, "cu_seqlens": (torch.tensor([0, 3, 3, 7], dtype=torch.int32),
+                                                        torch.tensor([0, 4, 4, 9], dtype=torch.int32))})
+    tf.check_attention(unit, c)                   # against the oracle, with every property
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if p.values[0].name == "torch/linear-chunked"])
+def test_linear_float64_gradient_judged_on_its_terms(unit):
+    """Found by the fuzz: torch/linear-chunked, float64, shape (1, 1, 1, 1, 1, 1, 1), elu, eps 1e-6:
+    dq off by 1.7e-10 of its size > the 1e-10 floor. The path was right: with eps small, d(num / den)
+    is the difference of two terms ~1e6 times its size, which float64 rounds at 1e-16 of the terms.
+    The fuzz now judges a linear gradient relative to those terms (`linear_grad_terms`)."""
+    from tests.contract import test_fuzz as tf
+    for s, mag, state in [(0, 1.0, False), (0, 0.1, True), (1, 0.01, False), (2, 1.0, True)]:
+        c = dict(dtype=torch.float64, shape=(1, 1, 1, 1, 1, 1, 1), causal=False, fmap="elu", normalize=True,
+                 eps=1e-6, state=state, grad=True, view="contiguous", mag=mag, seed=s)
+        tf.check_linear(unit, c)
+    # the cancellation the old floor missed, and the path's dq within 1e-14 of the terms
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1, 1, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    out = _call(unit, effattn.linear_attention, q, k, v, eps=1e-6)
+    dq, = torch.autograd.grad(out.sum(), q)
+    phi = tf.feature_map("elu")
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_dq, = torch.autograd.grad(tf.linear_oracle(*ref_leaves, phi, False, True, 1e-6, None).sum(), ref_leaves[0])
+    terms = tf.linear_grad_terms([t.detach().clone().requires_grad_() for t in (q, k, v)],
+                                 torch.ones_like(out), phi, False, True, 1e-6, None)
+    assert terms[0] > 1e4 * ref_dq.abs().item()
+    assert abs(dq.item() - ref_dq.item()) <= 1e-14 * terms[0]
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name == "torch/reference"])
+def test_fp32_output_with_layout_keeps_the_layout(unit):
+    """Found by the fuzz: torch/reference, out_dtype=torch.float32 with a block layout: the fp32
+    output's work list (one segment, the whole call) dropped the layout, so keys of blocks no
+    query may see were attended (float16, (1, 1, 1, 1, 17, 1, 1), layout [[1, 0]]: off by 0.08)."""
+    from effattn.layouts import BlockLayout
+    from tests.contract import test_fuzz as tf
+    for c in (dict(dtype=torch.float16, shape=(1, 1, 1, 1, 17, 1, 1), mag=1.0, grad=False, view="contiguous",
+                   poison=None, seed=0, kw={"layout": BlockLayout(torch.tensor([[[True, False]]]), 16),
+                                            "out_dtype": torch.float32}),
+              dict(dtype=torch.bfloat16, shape=(2, 2, 1, 40, 70, 8, 8), mag=1.0, grad=True, view="transposed",
+                   poison=float("nan"), seed=1, kw={"causal": True, "out_dtype": torch.float32,
+                                                    "layout": BlockLayout(torch.rand(2, 3, 5, generator=torch.Generator()
+                                                                                     .manual_seed(1)) < 0.5, 16)})):
+        tf.check_attention(unit, c)                # against the oracle, with every property
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if p.values[0].name.endswith("-step")])
+def test_linear_step_unit_refuses_gradients_as_explain_says(unit):
+    """Found by the fuzz: the linear fuzz asked explain about inputs without gradients, then called
+    the forward-only step rows with inputs requiring them (refused: "the step kernel has no
+    backward"). It now asks about the call as made, and the refusal is what explain says."""
+    from tests.contract import test_fuzz as tf
+    c = dict(dtype=torch.float32, shape=(1, 1, 1, 1, 1, 1, 1), causal=False, fmap="elu", normalize=False, eps=1e-6,
+             state=False, grad=True, view="contiguous", mag=1.0, seed=0)
+    tf.check_linear(unit, c)
+    q = torch.randn(1, 1, 1, 4, requires_grad=True)
+    with unit.enter():
+        assert not effattn.explain(q, q, q, op="linear_attention").can_serve(unit.backend)

@@ -298,7 +298,9 @@ def _backward_slice(grad_out, grad_lse, q, k, v, out, lse, kpm, scale, wl, wr, g
         vis = _mask(g0, geo, wl, wr, kpm_pad)
         s.masked_fill_(~vis, -math.inf)
         kg, vg = _seen_only(kg, vis), _seen_only(vg, vis)
-        p = s.sub_(_arrange(lse_safe[..., None], g0, geo)).exp_()    # masked and empty rows give 0
+        # masked and empty rows give 0; s - lse <= 0 exactly, but an lse from another kernel (the
+        # flash paths' forward) rounds its scores differently: P is capped at 1 (no exp overflow)
+        p = s.sub_(_arrange(lse_safe[..., None], g0, geo)).clamp_(max=0.0).exp_()
         ds = torch.matmul(dog, vg.transpose(-1, -2)).sub_(_arrange(delta[..., None], g0, geo)).mul_(p)
         r0, n = g0.b0 * bs, min(g0.b1 * bs, Lq) - g0.b0 * bs
         dq[:, :, r0:r0 + n] = _unarrange(torch.matmul(ds, kg).mul_(scale), g0, geo).to(q.dtype)

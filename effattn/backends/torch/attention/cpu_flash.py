@@ -25,6 +25,17 @@ _FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2
 FEATURES = frozenset({"causal", "lq_ne_lk", "return_lse"} | ({"gqa"} if _FLASH_GQA else set()))
 
 
+def kernel_backward_exact(lse: Tensor) -> bool:
+    """Whether the kernel's own backward may take a call with this saved lse. It recomputes the
+    scores in another order than its forward, so they round differently: by up to a few ulps of
+    |score|, which exp(s - lse) turns into a factor e^(ulps) on P. Past |lse| = 2**-10 / eps of the
+    compute dtype (8192 in float32) that factor is no longer ~1 (scores of 1e10 in float32 gave
+    P = inf and NaN gradients from finite input); the blocks path's backward, whose P never
+    exceeds 1, takes those calls."""
+    fin = lse[torch.isfinite(lse)]
+    return not fin.numel() or fin.abs().max().item() <= 2.0 ** -10 / torch.finfo(lse.dtype).eps
+
+
 def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
     """The tensors with stride 1 along the head dim: the kernel reads a strided last dim wrongly
     (torch 2.13: a ``[..., ::2]`` view gives errors of order 1)."""
@@ -48,9 +59,9 @@ def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Te
                   lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     if grad_lse is not None and not bool(grad_lse.any()):
         grad_lse = None                      # autograd materializes an unused lse's gradient as zeros
-    if grad_lse is not None:
-        # the flash backward has no lse gradient input; the blocks path's backward takes one and
-        # computes the same gradients from the same out and lse (causal: Lq == Lk here)
+    if grad_lse is not None or not kernel_backward_exact(lse):
+        # the flash backward has no lse gradient input (nor an exact P for huge scores); the blocks
+        # path's backward computes the same gradients from the same out and lse (causal: Lq == Lk)
         return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
                                0 if causal else -1)
     dq, dk, dv = _FLASH_BWD(*unit_stride(grad_out, q, k, v, out), lse, 0.0, causal, scale=scale)

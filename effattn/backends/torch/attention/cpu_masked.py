@@ -13,7 +13,7 @@ What the kernel does not give exactly is fixed around it:
   rows are zeroed before the kernel, so a NaN / inf there cannot reach a row as 0 * NaN, and
   their gradients are 0;
 - an lse gradient: the kernel's backward has none; the blocks path's backward takes it (and every
-  float16 backward: the kernel's is slow there).
+  float16 backward: the kernel's is slow there; and huge scores, see `kernel_backward_exact`).
 
 The mask of a rule (window, layout) is built once and cached; key padding is added per call.
 """
@@ -31,7 +31,7 @@ from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
-from .cpu_flash import _FLASH, _FLASH_BWD, unit_stride
+from .cpu_flash import _FLASH, _FLASH_BWD, kernel_backward_exact, unit_stride
 from .cpu_flash import FEATURES as _FLASH_FEATURES
 
 FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
@@ -222,9 +222,10 @@ def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k
                       lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                       key_padding_mask: Optional[Tensor], scale: float, window_left: int,
                       window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
-    if (grad_lse is not None and bool(grad_lse.any())) or q.dtype in BLOCKS_BACKWARD:
-        # the kernel's backward has no lse gradient input (and is slow in float16); the blocks
-        # path's computes the same gradients from the same out and lse, taking it
+    if (grad_lse is not None and bool(grad_lse.any())) or q.dtype in BLOCKS_BACKWARD or \
+            not kernel_backward_exact(lse):
+        # the kernel's backward has no lse gradient input (is slow in float16, and inexact for huge
+        # scores); the blocks path's computes the same gradients from the same out and lse
         return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
                                scale, window_left, window_right)
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)

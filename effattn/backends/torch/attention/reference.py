@@ -129,6 +129,13 @@ def _work(q, k, layout_mask, layout_block, window_left, window_right, segments):
             yield rule, c, c
         return
     for q0, q1, k0, k1, off in segments:
+        if layout_mask is not None:           # only an fp32 output's one segment, the whole call, has a layout
+            if (q0, q1, k0, k1) != (0, Lq, 0, Lk):
+                raise ValueError("attention: a layout indexes the whole call, not one of its segments")
+            rule = Rule(Lq, Lk, window_left, window_right, layout_mask, layout_block, q_offset=off)
+            for c in _plan(rule, _chunk_rows(B, H, Lq, Lk, layout_block, window_left, window_right), q.device):
+                yield rule, c, c
+            continue
         rule = Rule(q1 - q0, k1 - k0, window_left, window_right, q_offset=off)
         for c in _plan(rule, _chunk_rows(B, H, q1 - q0, k1 - k0, 0, window_left, window_right), q.device):
             keys = slice(c.keys.start + k0, c.keys.stop + k0)
@@ -267,31 +274,34 @@ ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _SegmentAttention(torch.autograd.Function):
     """The chunked reference over a segment work list (``call.segments``: packed sequences, positions,
-    an fp32 output), forward and backward. A key padding mask comes only with positions (one segment
-    starting at key 0), never with cu_seqlens."""
+    an fp32 output), forward and backward. A key padding mask comes only with positions or an fp32
+    output (one segment starting at key 0), never with cu_seqlens; a layout only with an fp32 output
+    (the whole call as its one segment)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kpm, seed, segments, scale, dropout_p, left, right, out_dtype):
-        out, lse = attention_forward(q, k, v, None, 0, kpm, seed, scale, dropout_p, left, right,
+    def forward(ctx, q, k, v, layout_mask, layout_block, kpm, seed, segments, scale, dropout_p, left, right,
+                out_dtype):
+        out, lse = attention_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
                                      segments=segments, out_dtype=out_dtype)
-        ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
-        ctx.static = (segments, scale, dropout_p, left, right)
+        ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
+        ctx.static = (layout_block, segments, scale, dropout_p, left, right)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, kpm, seed = ctx.saved_tensors
-        segments, scale, dropout_p, left, right = ctx.static
-        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, None, 0, kpm, seed,
-                                        scale, dropout_p, left, right, segments=segments)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
+        layout_block, segments, scale, dropout_p, left, right = ctx.static
+        dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask,
+                                        layout_block, kpm, seed, scale, dropout_p, left, right, segments=segments)
+        return (dq, dk, dv) + (None,) * 10
 
 
 def _run(call):
     if call.segments is not None:           # packed sequences / positions / an fp32 output: the work list
         a = call.op_args()
-        return _SegmentAttention.apply(a.q, a.k, a.v, a.key_padding_mask, a.seed, call.segments, a.scale,
-                                       a.dropout_p, a.window_left, a.window_right, call.out_dtype)
+        return _SegmentAttention.apply(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.seed,
+                                       call.segments, a.scale, a.dropout_p, a.window_left, a.window_right,
+                                       call.out_dtype)
     return ref_attention_fwd(**call.op_args()._asdict())
 
 
