@@ -69,9 +69,11 @@ EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams params) {
   const uint32_t aQ = prim::smem_u32(sQ), aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
 
   const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
-  GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
-  const AttnParams p = segment_view(params, gt);
-  if (gt.t * BM >= p.Lq) return;                       // packed: past the segment's queries (uniform)
+  // not packed (the binding refuses cu_seqlens here): a segment view (`segment_view`, a copy of the
+  // params with the segment's bounds) took the D=128 instances from 168 to 192-203 registers, 3 -> 2
+  // blocks per SM; packed calls run on the mma.sync forward
+  const GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
+  const AttnParams& p = params;
   const FwdBlock fb = fwd_block(p, gt, BM);
   const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_step)
   const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);

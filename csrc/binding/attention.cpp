@@ -101,6 +101,8 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
   const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
   check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
   check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
+  check(!cu_q.has_value() && !cu_k.has_value(),
+        "the Hopper forward does not serve packed sequences (cu_seqlens_q / cu_seqlens_k): attention_fwd does");
   return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
                  scale, dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
                  out_fp32);

@@ -179,3 +179,26 @@ def test_score_terms_with_packed_sequences_are_refused():
     assert effattn.explain(q, k, v, cu_seqlens=(cu_q, cu_k), backend="cuda").paths["cuda"].startswith("cuda/prefill:")
     with pytest.raises(Exception, match="score terms"):
         effattn.attention(q, k, v, cu_seqlens=(cu_q, cu_k), softcap=5.0, backend="cuda")
+
+
+def test_packed_calls_take_the_mma_sync_forward_under_the_hopper_emulation(monkeypatch):
+    """With the Hopper forward on (its emulation), a packed call runs on the mma.sync forward (explain
+    says so; the result matches float64 per segment) and the Hopper op itself refuses cu_seqlens by
+    name; positions with an fp32 output (no segment view) stay on the Hopper forward."""
+    monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
+    q, k, v, cu_q, cu_k = _inputs(torch.bfloat16, H=2, Hkv=2, D=40, Dv=40, seed=4)
+    text = str(effattn.explain(q, k, v, causal=True, cu_seqlens=(cu_q, cu_k), backend="cuda"))
+    assert "packed sequences (cu_seqlens) run on the mma.sync forward" in text, text
+    _check(q, k, v, cu_q, cu_k, dict(causal=True), torch.bfloat16)
+    from effattn.backends.cuda.attention import ops
+    kops = ops.kernels(q.device)
+    with pytest.raises(RuntimeError, match="Hopper forward does not serve packed sequences"):
+        kops.attention_fwd_sm90(q, k, v, None, None, 0, 0, None, 0, None, 0.1, 0.0, -1, 0, 0.0, None, None,
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=76)
+    qc, kc, vc = q[:, :, 10:40], k[:, :, 5:50], v[:, :, 5:50]
+    text = str(effattn.explain(qc, kc, vc, causal=True, positions=(30, 5), out_dtype=torch.float32,
+                               backend="cuda"))
+    assert "Hopper wgmma kernel" in text, text
+    out = effattn.attention(qc, kc, vc, causal=True, positions=(30, 5), out_dtype=torch.float32, backend="cuda")
+    ref, _ = naive_attention(qc.double(), kc.double(), vc.double(), causal=True, positions=(30, 5))
+    assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < 2e-2

@@ -73,7 +73,7 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
     kops = kernels(q.device)
-    fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
+    fwd = kops.attention_fwd if hopper.why_not(q, v, packed=cu_seqlens_q is not None) else kops.attention_fwd_sm90
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
                *clamp_window(window_left, window_right, q.shape[2], k.shape[2], q_offset), cu_seqlens_q=cu_seqlens_q,
                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_offset=q_offset,
