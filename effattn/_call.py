@@ -189,7 +189,10 @@ class AttnCall:
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
                    scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
-                   max_seqlen=None, positions=None, out_dtype=None) -> AttnCall:
+                   max_seqlen=None, positions=None, out_dtype=None, seed=None) -> AttnCall:
+    """The validated call. ``seed``: an explicit dropout seed (int64 CPU ``(2,)``) instead of a draw
+    from torch's generator, for drivers whose calls must share one (context parallelism: every rank
+    and ring step drops with the same seed)."""
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -224,11 +227,13 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     score = make_score_terms("attention", q, k, softcap=softcap, sinks=sinks, bias=bias)
-    seed = None
-    if dropout_p > 0:
+    if dropout_p <= 0:
+        seed = None
+    elif seed is None:
         seed = draw_seed()
     pk = packing(q, k, causal=causal, left=left, right=right, layout=layout, key_padding_mask=key_padding_mask,
-                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
+                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype,
+                 dropout=dropout_p > 0)
     rule = Rule(Lq, Lk, *clamp_window(pk.left, pk.right, Lq, Lk, pk.q_offset),
                 layout.mask if layout is not None else None, layout.block_size if layout is not None else 0,
                 q_offset=pk.q_offset)

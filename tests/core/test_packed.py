@@ -504,3 +504,56 @@ def test_packed_on_every_backend_against_the_oracle(backend, kw, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g.double(), r, rtol=5 * tol, atol=5 * tol)
+
+
+def _dropout_backends():
+    from effattn.backends import base
+    from tests.conftest import op_backends
+    feats = {"positions", "dropout"}
+    return [n for n in op_backends("attention") if feats <= base._REGISTRY["attention"][n].caps.features]
+
+
+@pytest.mark.parametrize("backend", _dropout_backends())
+@pytest.mark.parametrize("kw", [dict(causal=True, window=9), dict(), dict(causal=True)], ids=["causal-window", "dense",
+                                                                                             "causal"])
+def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
+    """A chunk pair with positions drops exactly the pairs the whole sequence's call drops at those rows
+    and keys (Philox per (b, h, absolute i, absolute j), the same seed): V = identity reads the keep-mask
+    off the output. The chunk's gradients (fp32 output) match float64 with that mask. The torch
+    reference draws the Triton kernels' mask bit for bit."""
+    if backend == "cuda":
+        e = effattn.explain(*(torch.zeros(1, 2, 8, 16, dtype=torch.float16) for _ in range(3)), dropout_p=0.1,
+                            positions=(8, 0), backend="cuda")
+        assert any("dropout with positions" in r for r in e.reasons["cuda"]), e.reasons
+        return
+    B, H, Hkv, L, p = 2, 4, 2, 40, 0.3
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, L, 16, generator=g)
+    k = torch.randn(B, Hkv, L, 16, generator=g)
+    eye = torch.eye(L).expand(B, Hkv, L, L).contiguous()
+    torch.manual_seed(21)
+    full = effattn.attention(q, k, eye, dropout_p=p, backend=backend, **kw) != 0
+    if backend != "triton":
+        _triton_or_skip()
+        torch.manual_seed(21)
+        assert torch.equal(full, effattn.attention(q, k, eye, dropout_p=p, backend="triton", **kw) != 0)
+    visible = visibility(L, L, **kw)[0, 0]
+    assert 0.55 < full[visible.expand_as(full)].double().mean().item() < 0.85
+    for qs, ks in ((24, 8), (16, 16), (0, 20)):
+        qc, kc, ec = q[:, :, qs:qs + 16], k[:, :, ks:ks + 16], eye[:, :, ks:ks + 16]
+        torch.manual_seed(21)
+        chunk = effattn.attention(qc, kc, ec, dropout_p=p, positions=(qs, ks), backend=backend, **kw) != 0
+        assert torch.equal(chunk[..., ks:ks + 16], full[:, :, qs:qs + 16, ks:ks + 16]), (qs, ks)
+        assert not chunk[..., :ks].any() and not chunk[..., ks + 16:].any()
+        keep = full[:, :, qs:qs + 16, ks:ks + 16]
+        v = torch.randn(B, Hkv, 16, 8, generator=g)
+        leaves = [t.clone().requires_grad_() for t in (qc, kc, v)]
+        torch.manual_seed(21)
+        out = effattn.attention(*leaves, dropout_p=p, positions=(qs, ks), out_dtype=torch.float32, backend=backend,
+                                **kw)
+        rl = [t.detach().double().requires_grad_() for t in leaves]
+        ref, _ = naive_attention(*rl, dropout_keep=keep, dropout_p=p, positions=(qs, ks), **kw)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+        go = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
