@@ -510,23 +510,22 @@ def _dropout_backends():
     from effattn.backends import base
     from tests.conftest import op_backends
     feats = {"positions", "dropout"}
-    return [n for n in op_backends("attention") if feats <= base._REGISTRY["attention"][n].caps.features]
+    # the CUDA kernels declare both but refuse them together (test_cuda_refuses_dropout_with_positions)
+    return [n for n in op_backends("attention") if feats <= base._REGISTRY["attention"][n].caps.features
+            and n != "cuda"]
 
 
-@pytest.mark.parametrize("backend", _dropout_backends())
-@pytest.mark.parametrize("kw", [dict(causal=True, window=9), dict(), dict(causal=True)], ids=["causal-window", "dense",
-                                                                                             "causal"])
+_DROP_KW = {"causal-window": dict(causal=True, window=9), "dense": dict(), "causal": dict(causal=True)}
+
+
+@pytest.mark.parametrize("backend,kw", [(b, kw) for b in _dropout_backends() for kw in _DROP_KW
+                                        if b == "torch" or kw == "causal-window"])   # the interpreter is slow
 def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
     """A chunk pair with positions drops exactly the pairs the whole sequence's call drops at those rows
     and keys (Philox per (b, h, absolute i, absolute j), the same seed): V = identity reads the keep-mask
     off the output. The chunk's gradients (fp32 output) match float64 with that mask. The torch
     reference draws the Triton kernels' mask bit for bit."""
-    if backend == "cuda":
-        e = effattn.explain(*(torch.zeros(1, 2, 8, 16, dtype=torch.float16) for _ in range(3)), dropout_p=0.1,
-                            positions=(8, 0), backend="cuda")
-        assert any("dropout with positions" in r for r in e.reasons["cuda"]), e.reasons
-        return
-    B, H, Hkv, L, p = 2, 4, 2, 40, 0.3
+    B, H, Hkv, L, p, kw = 2, 4, 2, 40, 0.3, _DROP_KW[kw]
     g = torch.Generator().manual_seed(8)
     q = torch.randn(B, H, L, 16, generator=g)
     k = torch.randn(B, Hkv, L, 16, generator=g)
@@ -557,3 +556,15 @@ def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
         go = torch.randn(out.shape, generator=g)
         for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_refuses_dropout_with_positions():
+    """The CUDA kernels draw dropout at a call's own rows: a positioned chunk with dropout is not theirs
+    (a reason, so "auto" takes Triton), without dropout or at positions (0, 0) it is."""
+    from effattn._call import make_attn_call
+    from effattn.backends.cuda.attention import ops
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
+    assert any("dropout with positions" in r for r in ops._admits(make_attn_call(q, q, q, dropout_p=0.1,
+                                                                                   positions=(8, 0))))
+    assert ops._admits(make_attn_call(q, q, q, positions=(8, 0))) == []
+    assert ops._admits(make_attn_call(q, q, q, dropout_p=0.1, positions=(0, 0))) == []
