@@ -3,7 +3,7 @@ accumulation dtype, the base-2 exponent scale of the softmax kernels, and how a 
 on the call's seed."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,37 +33,45 @@ def philox_key(seed: Tensor) -> int:
     return ((s0 << 31) ^ s1) | (1 << 62)
 
 
-_M0, _M1 = 0xD2511F53, 0xCD9E8D57          # Philox-4x32 multipliers
-_W0, _W1 = 0x9E3779B9, 0xBB67AE85          # Philox-4x32 key increments (Weyl)
-_LO32 = 0xFFFFFFFF
+# the torch backend's dropout tiles: (absolute row, absolute key) tiles of DROP_TILE x DROP_TILE
+DROP_TILE = 64
+_M64 = (1 << 64) - 1
 
 
-def _mulhilo(a: Tensor, m: int) -> Tuple[Tensor, Tensor]:
-    """(high, low) 32-bit words of ``a * m`` for int64 tensors ``a`` in [0, 2**32) and a 32-bit ``m``,
-    through 16-bit halves of ``a`` so that no product leaves int64 (no overflow)."""
-    x = (a & 0xFFFF) * m                    # < 2**48
-    y = (a >> 16) * m + (x >> 16)           # < 2**49: the product is y * 2**16 + (x & 0xFFFF)
-    return y >> 16, ((y & 0xFFFF) << 16) | (x & 0xFFFF)
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
-def philox_keep(seed: Tensor, p: float, bh: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-    """The dropout keep-mask of the pairs ``(bh, rows, cols)`` (int64 tensors that broadcast together,
-    ``bh = b * H + h``): keep iff ``(Philox(philox_key(seed); rows, cols, bh, 0)[0] >> 8) >= thresh``,
-    the Triton kernels' ``dropout_keep`` and the CUDA kernels' ``dropout_keep`` word for word, so the
-    torch reference drops the same pairs as they do. A counter per pair: the mask of a pair does not
-    depend on the chunks or tiles it is computed in, and ``positions`` (absolute rows and columns)
-    make a context-parallel chunk draw what the whole sequence would."""
-    key = philox_key(seed)
-    k0, k1 = key & _LO32, (key >> 32) & _LO32
-    c0, c1, c2 = rows & _LO32, cols & _LO32, bh & _LO32
-    c0, c1, c2 = torch.broadcast_tensors(c0, c1, c2)
-    c3 = torch.zeros_like(c0)
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(c0, _M0)
-        hi1, lo1 = _mulhilo(c2, _M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + _W0) & _LO32, (k1 + _W1) & _LO32
-    return (c0 >> 8) >= drop_threshold(p)
+def tile_keep(seed: Tensor, p: float, B: int, H: int, rows: Tuple[int, int], keys: Tuple[int, int],
+              gather: Optional[Tensor] = None, device=None) -> Tensor:
+    """The torch backend's dropout keep-mask ``(B, H, r1 - r0, k1 - k0)`` of rows ``[r0, r1)`` against
+    keys ``[k0, k1)`` at their absolute positions (``gather``: only these keys of the range, int64
+    positions on ``device``). The pairs are cut into absolute tiles of ``DROP_TILE`` rows and keys;
+    tile (ti, tj) draws its ``(B * H, DROP_TILE, DROP_TILE)`` uniforms from a generator seeded by (the
+    call's seed, ti, tj). A pair's draw thus does not depend on the chunk it is computed in: the
+    backward regenerates the forward's mask and a chunk of a longer sequence (``positions``) draws
+    what the whole sequence's call would, at about the cost of one ``torch.rand`` over the chunk. Not
+    the kernels' Philox stream (20 wide multiplies per pair in torch ops): the torch and Triton
+    backends drop different pairs."""
+    (r0, r1), (k0, k1) = rows, keys
+    T = DROP_TILE
+    ti0, tj0 = r0 // T, k0 // T
+    nti, ntj = -(-r1 // T) - ti0, -(-k1 // T) - tj0
+    u = torch.empty(B * H, nti * T, ntj * T, device=device)
+    if r1 > r0 and k1 > k0:
+        s0, s1 = (int(x) for x in seed.tolist())
+        base = _splitmix64((s0 << 32) ^ s1)
+        g = torch.Generator(device=device)
+        for a in range(nti):
+            for b in range(ntj):
+                g.manual_seed(_splitmix64(base ^ _splitmix64(((ti0 + a) << 32) ^ (tj0 + b))) >> 1)
+                u[:, a * T:(a + 1) * T, b * T:(b + 1) * T] = torch.rand((B * H, T, T), generator=g, device=device)
+    u = u[:, r0 - ti0 * T:r1 - ti0 * T]
+    u = u[..., k0 - tj0 * T:k1 - tj0 * T] if gather is None else u.index_select(2, gather - tj0 * T)
+    return u.view(B, H, r1 - r0, u.shape[-1]) >= p
 
 
 def drop_threshold(p: float) -> int:

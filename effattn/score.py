@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import bias as _bias
-from .numerics import philox_keep
+from .numerics import tile_keep
 from .visibility import Rule, seen_keys
 
 # Elements of one (B, H, rows, keys) score block; a handful of those live at once in the backward.
@@ -193,12 +193,10 @@ def _values(v: Tensor, k0: int, k1: int, seen: Optional[Tensor], cdt) -> Tensor:
 
 
 def _keep(seed: Tensor, p: float, block, B: int, H: int, device) -> Tensor:
-    """Dropout keep-mask (B, H, rows, keys) of one block: Philox per (b, h, i, j), the kernels' draw
-    (`effattn.numerics.philox_keep`), so the backward regenerates the forward's."""
+    """Dropout keep-mask (B, H, rows, keys) of one block (`effattn.numerics.tile_keep`: per pair, not
+    per block), so the backward regenerates the forward's."""
     _, i0, i1, k0, k1 = block
-    bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
-    return philox_keep(seed, p, bh, torch.arange(i0, i1, device=device).view(-1, 1),
-                       torch.arange(k0, k1, device=device).view(1, -1))
+    return tile_keep(seed, p, B, H, (i0, i1), (k0, k1), device=device)
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:

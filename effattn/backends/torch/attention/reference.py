@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ....numerics import compute_dtype as _compute_dtype
-from ....numerics import philox_keep
+from ....numerics import tile_keep
 from ....score import backward_setup
 from ....visibility import Rule, seen_keys
 from ...autograd import attention_autograd
@@ -99,14 +99,15 @@ def _plan(rule: Rule, rows: int, device) -> List[_Chunk]:
 
 
 def _dropout_keep(seed: Tensor, p: float, c: _Chunk, B: int, H: int, at: Tuple[int, int], device) -> Tensor:
-    """Keep-mask (B, H, rows, keys) of one chunk: Philox per (b, h, i, j) as the Triton and CUDA kernels
-    draw it (`effattn.numerics.philox_keep`), at the call's rows and keys moved by ``at`` (the
-    ``positions`` of a context-parallel chunk; packed calls draw at the packed rows), so the backward
-    regenerates the forward's mask whatever the chunking, and a chunk of a longer sequence draws what
-    the whole sequence's call would."""
-    bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
-    rows = torch.arange(c.i0 + at[0], c.i1 + at[0], device=device).view(-1, 1)
-    return philox_keep(seed, p, bh, rows, (c.pos + at[1]).view(1, -1))
+    """Keep-mask (B, H, rows, keys) of one chunk (`effattn.numerics.tile_keep`), at the call's rows
+    and keys moved by ``at`` (the ``positions`` of a context-parallel chunk; packed calls draw at the
+    packed rows), so the backward regenerates the forward's mask whatever the chunking, and a chunk of
+    a longer sequence draws what the whole sequence's call would."""
+    rows = (c.i0 + at[0], c.i1 + at[0])
+    if isinstance(c.keys, slice):
+        return tile_keep(seed, p, B, H, rows, (c.keys.start + at[1], c.keys.stop + at[1]), device=device)
+    first, last = int(c.pos[0]) + at[1], int(c.pos[-1]) + at[1]       # gathered layout blocks
+    return tile_keep(seed, p, B, H, rows, (first, last + 1), gather=c.pos + at[1], device=device)
 
 
 def _scores(q, k, c: _Chunk, scale, cdt, G):
