@@ -137,6 +137,17 @@ class AttnCall:
     out_dtype: Optional[torch.dtype] = None
     max_seqlen: Optional[Tuple[int, int]] = None   # (max_q, max_k) of a packed call (effattn.packed.Packing)
     score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
+    # (first global head, global heads) of a head shard (context parallelism's Ulysses): dropout draws
+    # at the global head index; None: the call's own heads
+    heads: Optional[Tuple[int, int]] = None
+
+    def drop_at(self) -> Tuple[int, int, int, int]:
+        """(first row, first key, first head, heads) dropout draws at: query i, key j, head h of batch b
+        draw at row ``q0 + i``, key ``k0 + j``, head ``b * heads + h0 + h`` (the positions and head
+        shard of a context-parallel call; (0, 0, 0, H) for a plain one)."""
+        q0, k0 = self.positions or (0, 0)
+        h0, hg = self.heads or (0, self.H)
+        return q0, k0, h0, hg
 
     @property
     def window_left(self) -> int:         # -1: unbounded
@@ -189,10 +200,11 @@ class AttnCall:
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
                    scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
-                   max_seqlen=None, positions=None, out_dtype=None, seed=None) -> AttnCall:
+                   max_seqlen=None, positions=None, out_dtype=None, seed=None, heads=None) -> AttnCall:
     """The validated call. ``seed``: an explicit dropout seed (int64 CPU ``(2,)``) instead of a draw
     from torch's generator, for drivers whose calls must share one (context parallelism: every rank
-    and ring step drops with the same seed)."""
+    and ring step drops with the same seed). ``heads``: ``(h0, Hg)``, the call's heads are heads
+    ``h0 .. h0 + H`` of ``Hg`` (a head shard: dropout draws at the global head index)."""
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -239,7 +251,7 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
                 q_offset=pk.q_offset)
     return AttnCall(q, k, v, pk.causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
                     bool(return_lse), seed, pk.segments, pk.cu_seqlens, pk.positions, pk.out_dtype, pk.max_seqlen,
-                    score)
+                    score, None if heads is None or heads == (0, H) else (int(heads[0]), int(heads[1])))
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -32,8 +32,15 @@ Methods:
 ``effattn.linear_attention`` call with ``initial_state`` (gradients of the states return by
 reduce-scatter).
 
+Dropout (every method): rank 0's seed rides along the signature, and every per-rank call draws its
+keep-mask with it at its absolute ``positions`` and, for Ulysses' head shards, the global head index
+(the backends key dropout on (b, global h, absolute i, absolute j)), so the ranks drop the pairs the
+one-device call drops under the same ``torch.manual_seed``; the ring's backward recomputes each pair
+with the same seed.
+
 Before any communication each call all-gathers a small signature (shapes, dtype, options) and raises
-on every rank if the ranks disagree: a mismatch is an error, never a hang. `bytes_sent` counts what
+on every rank if the ranks disagree: a mismatch is an error, never a hang; so is one rank's own bad
+input (its error there, a ValueError naming that rank on the others). `bytes_sent` counts what
 this process handed to the group for other ranks (the halo test reads it).
 """
 from __future__ import annotations
@@ -495,8 +502,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         method: ``"ring"`` (a halo exchange for small windows), ``"ulysses"`` or ``"allgather"``.
         balance: how the sequence was sharded: ``"contiguous"`` or ``"zigzag"``.
         causal, window, scale: as :func:`effattn.attention`, over global positions.
-        dropout_p: dropout on the attention probabilities (``"ring"`` and ``"allgather"``): each pair
-            draws at its absolute (row, key) and global head with rank 0's seed (drawn from torch's
+        dropout_p: dropout on the attention probabilities: each pair draws at its absolute (row, key)
+            and global head with rank 0's seed (drawn from torch's
             generator as a one-device call would), so the ranks drop exactly the pairs
             ``effattn.attention`` drops under the same ``torch.manual_seed``, forward and backward.
         return_lse: also return this rank's rows of the log-sum-exp (float32).
@@ -520,9 +527,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
                     problem=problem)
     if seed is not None:
         seed = torch.tensor(shared, dtype=torch.int64)
-    if seed is not None and method == "ulysses":         # after the agreement: every rank raises
-        _fail(ValueError, f"{fn}: dropout_p > 0 is not served by method='ulysses' (its head shards would draw "
-                          "at their local head index); use method='ring' or 'allgather'")
     local = call.Lq
     drop = dict(dropout_p=call.dropout_p, seed=seed)
     if method == "ring":
@@ -564,7 +568,9 @@ def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank
         if call.Hkv % world:                 # each head shard needs its key/value heads: repeat them
             k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         qh, kh, vh = (_seq_to_heads(t, group, world, order) for t in (q, k, v))
-        out, lse = _chunk(qh, kh, vh, **_mask_args(left, right), scale=call.scale, seed=None, backend=backend)
+        # the rank's heads are heads rank * H/W .. of H: dropout draws at the global head index
+        out, lse = _chunk(qh, kh, vh, **_mask_args(left, right), scale=call.scale, backend=backend,
+                          heads=(rank * (call.H // world), call.H), **drop)
         out = _heads_to_seq(out, group, world, order)
         lse = _heads_to_seq(lse[..., None], group, world, order)[..., 0]
         return (out, lse) if return_lse else out

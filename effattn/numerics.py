@@ -46,7 +46,7 @@ def _splitmix64(x: int) -> int:
 
 
 def tile_keep(seed: Tensor, p: float, B: int, H: int, rows: Tuple[int, int], keys: Tuple[int, int],
-              gather: Optional[Tensor] = None, device=None) -> Tensor:
+              gather: Optional[Tensor] = None, heads: Optional[Tuple[int, int]] = None, device=None) -> Tensor:
     """The torch backend's dropout keep-mask ``(B, H, r1 - r0, k1 - k0)`` of rows ``[r0, r1)`` against
     keys ``[k0, k1)`` at their absolute positions (``gather``: only these keys of the range, int64
     positions on ``device``). The pairs are cut into absolute tiles of ``DROP_TILE`` rows and keys;
@@ -55,12 +55,14 @@ def tile_keep(seed: Tensor, p: float, B: int, H: int, rows: Tuple[int, int], key
     backward regenerates the forward's mask and a chunk of a longer sequence (``positions``) draws
     what the whole sequence's call would, at about the cost of one ``torch.rand`` over the chunk. Not
     the kernels' Philox stream (20 wide multiplies per pair in torch ops): the torch and Triton
-    backends drop different pairs."""
+    backends drop different pairs. ``heads = (h0, Hg)``: the H heads are heads ``h0 .. h0 + H`` of
+    ``Hg`` (a head shard): the tiles are drawn for all ``B * Hg`` and the shard's taken."""
     (r0, r1), (k0, k1) = rows, keys
+    h0, hg = heads if heads is not None else (0, H)
     T = DROP_TILE
     ti0, tj0 = r0 // T, k0 // T
     nti, ntj = -(-r1 // T) - ti0, -(-k1 // T) - tj0
-    u = torch.empty(B * H, nti * T, ntj * T, device=device)
+    u = torch.empty(B * hg, nti * T, ntj * T, device=device)
     if r1 > r0 and k1 > k0:
         s0, s1 = (int(x) for x in seed.tolist())
         base = _splitmix64((s0 << 32) ^ s1)
@@ -68,7 +70,8 @@ def tile_keep(seed: Tensor, p: float, B: int, H: int, rows: Tuple[int, int], key
         for a in range(nti):
             for b in range(ntj):
                 g.manual_seed(_splitmix64(base ^ _splitmix64(((ti0 + a) << 32) ^ (tj0 + b))) >> 1)
-                u[:, a * T:(a + 1) * T, b * T:(b + 1) * T] = torch.rand((B * H, T, T), generator=g, device=device)
+                u[:, a * T:(a + 1) * T, b * T:(b + 1) * T] = torch.rand((B * hg, T, T), generator=g, device=device)
+    u = u.view(B, hg, nti * T, ntj * T)[:, h0:h0 + H].reshape(B * H, nti * T, ntj * T)
     u = u[:, r0 - ti0 * T:r1 - ti0 * T]
     u = u[..., k0 - tj0 * T:k1 - tj0 * T] if gather is None else u.index_select(2, gather - tj0 * T)
     return u.view(B, H, r1 - r0, u.shape[-1]) >= p

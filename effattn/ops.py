@@ -49,4 +49,4 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             _fail(ValueError, f"attention_backward: {name} is on {t.device}, q on {q.device}")
     return reference_backward(dout, grad_lse, q, k, v, out, lse, None, 0, None, call.seed, call.scale, call.dropout_p,
                               call.window_left, call.window_right, segments=call.segments, keep_fp32=True,
-                              drop_at=call.positions or (0, 0))
+                              drop_at=call.drop_at())

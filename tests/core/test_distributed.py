@@ -139,6 +139,8 @@ DROPOUT = [
     ("ring", "contiguous", dict(window=(2, 3))),                  # halo both ways
     ("allgather", "zigzag", dict(causal=True, window=6)),
     ("allgather", "contiguous", dict()),
+    ("ulysses", "zigzag", dict(causal=True)),                     # head shards: the global head index
+    ("ulysses", "contiguous", dict(window=(3, 1))),
 ]
 
 
@@ -176,10 +178,6 @@ def _dropout_worker(rank, world, cases, L, backend="torch", heads=(2, 4, 2), gra
             seeded(lambda a, b, c: ecp.attention(a, b, c, method=method, balance=balance, dropout_p=p,
                                                  backend=backend, **kw), 11),
             seeded(lambda a, b, c: effattn.attention(a, b, c, dropout_p=p, backend=backend, **kw), 11), 2e-5, label)
-    if backend == "torch":
-        qs, ks, vs = (ecp.shard(t, dim=2) for t in (q, k, v))
-        with pytest.raises(ValueError, match="dropout_p > 0 is not served by method='ulysses'"):
-            ecp.attention(qs, ks, vs, method="ulysses", dropout_p=p)
 
 
 def test_world2_dropout_equals_the_single_process_call():
@@ -198,6 +196,7 @@ def test_world4_ring_zigzag_halo_ulysses():
 
     def work(rank, world):
         _softmax_worker(rank, world, cases, 32)
+        _dropout_worker(rank, world, [DROPOUT[1], DROPOUT[3], DROPOUT[7]], 32)     # zigzag, halo, one head a rank
         # a causal window of 10 over shards of 8 reaches two shards back: 3 of the 4 ring steps,
         # so K/V are passed on twice
         q, k, v = (ecp.shard(t, dim=2) for t in _inputs(1, 2, 2, 32, 8, 8, seed=2))
@@ -244,9 +243,10 @@ def test_world2_swap_attention_context_parallel():
 
 def test_world2_dropout_on_the_triton_kernels():
     """The same on the Triton kernels (the interpreter on the CPU): their Philox counters take the chunks'
-    absolute positions, so the zigzag ring's pairs drop the one-device call's pairs (one small case,
-    forward only: the interpreter is slow; test_packed checks the kernels' positioned backward)."""
+    absolute positions and Ulysses' head shards' global head index, so the zigzag ring's pairs and the
+    head shards drop the one-device call's pairs (small cases, forward only: the interpreter is slow;
+    test_packed checks the kernels' positioned backward)."""
     rt = pytest.importorskip("effattn.backends.triton.runtime")
     if rt.triton is None or rt._available(torch.device("cpu")) is not None:
         pytest.skip("the Triton interpreter is not usable here")
-    _spawn(_dropout_worker, 2, [DROPOUT[1]], 8, "triton", (1, 2, 1), False)
+    _spawn(_dropout_worker, 2, [DROPOUT[1], DROPOUT[7]], 8, "triton", (2, 2, 1), False)

@@ -561,6 +561,7 @@ def test_cuda_refuses_dropout_with_positions():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     assert any("dropout with positions" in r for r in ops._admits(make_attn_call(q, q, q, dropout_p=0.1,
                                                                                    positions=(8, 0))))
+    assert ops._admits(make_attn_call(q, q, q, dropout_p=0.1, heads=(2, 4)))       # a head shard (Ulysses)
     assert ops._admits(make_attn_call(q, q, q, positions=(8, 0))) == []
     assert ops._admits(make_attn_call(q, q, q, dropout_p=0.1, positions=(0, 0))) == []
 

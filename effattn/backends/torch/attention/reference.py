@@ -98,16 +98,18 @@ def _plan(rule: Rule, rows: int, device) -> List[_Chunk]:
     return chunks
 
 
-def _dropout_keep(seed: Tensor, p: float, c: _Chunk, B: int, H: int, at: Tuple[int, int], device) -> Tensor:
-    """Keep-mask (B, H, rows, keys) of one chunk (`effattn.numerics.tile_keep`), at the call's rows
-    and keys moved by ``at`` (the ``positions`` of a context-parallel chunk; packed calls draw at the
-    packed rows), so the backward regenerates the forward's mask whatever the chunking, and a chunk of
-    a longer sequence draws what the whole sequence's call would."""
-    rows = (c.i0 + at[0], c.i1 + at[0])
+def _dropout_keep(seed: Tensor, p: float, c: _Chunk, B: int, H: int, at, device) -> Tensor:
+    """Keep-mask (B, H, rows, keys) of one chunk (`effattn.numerics.tile_keep`), at the call's rows,
+    keys and heads moved by ``at`` (`AttnCall.drop_at`: the ``positions`` and head shard of a
+    context-parallel call; packed calls draw at the packed rows; None: the call's own), so the
+    backward regenerates the forward's mask whatever the chunking, and a chunk of a longer sequence
+    draws what the whole sequence's call would."""
+    q0, k0, h0, hg = at if at is not None else (0, 0, 0, H)
+    rows, heads = (c.i0 + q0, c.i1 + q0), (h0, hg)
     if isinstance(c.keys, slice):
-        return tile_keep(seed, p, B, H, rows, (c.keys.start + at[1], c.keys.stop + at[1]), device=device)
-    first, last = int(c.pos[0]) + at[1], int(c.pos[-1]) + at[1]       # gathered layout blocks
-    return tile_keep(seed, p, B, H, rows, (first, last + 1), gather=c.pos + at[1], device=device)
+        return tile_keep(seed, p, B, H, rows, (c.keys.start + k0, c.keys.stop + k0), heads=heads, device=device)
+    first, last = int(c.pos[0]) + k0, int(c.pos[-1]) + k0       # gathered layout blocks
+    return tile_keep(seed, p, B, H, rows, (first, last + 1), gather=c.pos + k0, heads=heads, device=device)
 
 
 def _scores(q, k, c: _Chunk, scale, cdt, G):
@@ -170,7 +172,7 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 
 def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
                       window_left, window_right, segments=None, out_dtype=None,
-                      drop_at=(0, 0)) -> Tuple[Tensor, Tensor]:
+                      drop_at=None) -> Tuple[Tensor, Tensor]:
     B, H, Lq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     cdt = _compute_dtype(q.dtype)
@@ -203,7 +205,7 @@ def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
                        seed, scale, dropout_p, window_left, window_right, segments=None,
-                       keep_fp32=False, drop_at=(0, 0)) -> Tuple[Tensor, Tensor, Tensor]:
+                       keep_fp32=False, drop_at=None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one call; with ``keep_fp32`` dk, dv stay in the compute dtype (context-parallel
     partial gradients, summed over ring steps before the cast); ``drop_at``: the forward's."""
     B, H, Lq, D = q.shape
@@ -293,11 +295,12 @@ class _SegmentAttention(torch.autograd.Function):
 
 
 def _run(call):
-    if call.segments is not None:           # packed sequences / positions / an fp32 output: the work list
+    # packed sequences / positions / an fp32 output / a head shard's dropout: the work list
+    if call.segments is not None or (call.heads is not None and call.dropout_p > 0 and call.layout is None):
         a = call.op_args()
-        return _SegmentAttention.apply(a.q, a.k, a.v, a.key_padding_mask, a.seed, call.segments, a.scale,
-                                       a.dropout_p, a.window_left, a.window_right, call.out_dtype,
-                                       call.positions or (0, 0))
+        segments = call.segments or ((0, call.Lq, 0, call.Lk, call.Lk - call.Lq),)
+        return _SegmentAttention.apply(a.q, a.k, a.v, a.key_padding_mask, a.seed, segments, a.scale,
+                                       a.dropout_p, a.window_left, a.window_right, call.out_dtype, call.drop_at())
     return ref_attention_fwd(**call.op_args()._asdict())
 
 
