@@ -237,6 +237,39 @@ def _swap_worker(rank, world):
     assert cp.self_attn.last_path == "fused"
 
 
+def _module_dropout_worker(rank, world):
+    """effattn.nn.MultiheadAttention(dropout=0.3, context_parallel=...) in training mode: the module's
+    attention dropout on zigzag shards equals the module on the whole sequence under the same
+    torch seed (rank 1 seeds differently: rank 0's seed is the call's); in eval it drops nothing."""
+    from effattn.nn import MultiheadAttention
+    torch.manual_seed(0)
+    single = MultiheadAttention(16, 4, dropout=0.3, batch_first=True)
+    cp = MultiheadAttention(16, 4, dropout=0.3, batch_first=True, context_parallel=ecp.ContextParallel(
+        method="ring", balance="zigzag"))
+    cp.load_state_dict(single.state_dict())
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    xs = ecp.shard(x, balance="zigzag")
+    for train in (True, False):
+        single.train(train)
+        cp.train(train)
+        torch.manual_seed(5)
+        ref, _ = single(x, x, x, need_weights=False, is_causal=True,
+                        attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(16))
+        torch.manual_seed(5 + rank)
+        out, _ = cp(xs, xs, xs, need_weights=False, is_causal=True,
+                    attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(8))
+        torch.testing.assert_close(out, ecp.shard(ref, balance="zigzag"), rtol=2e-5, atol=2e-5)
+    torch.manual_seed(5)
+    single.train(True)
+    dropped, _ = single(x, x, x, need_weights=False, is_causal=True,
+                        attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(16))
+    assert not torch.allclose(dropped, ref, atol=1e-3)             # ref: the eval output; training drops
+
+
+def test_world2_module_dropout_context_parallel():
+    _spawn(_module_dropout_worker, 2)
+
+
 def test_world2_swap_attention_context_parallel():
     _spawn(_swap_worker, 2)
 
