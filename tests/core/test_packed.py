@@ -533,7 +533,7 @@ def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
     full = effattn.attention(q, k, eye, dropout_p=p, backend=backend, **kw) != 0
     visible = visibility(L, L, **kw)[0, 0]
     assert 0.55 < full[visible.expand_as(full)].double().mean().item() < 0.85
-    for qs, ks in ((24, 8), (16, 16), (0, 20)):
+    for qs, ks in ((24, 8), (0, 20)):
         qc, kc, ec = q[:, :, qs:qs + 16], k[:, :, ks:ks + 16], eye[:, :, ks:ks + 16]
         torch.manual_seed(21)
         chunk = effattn.attention(qc, kc, ec, dropout_p=p, positions=(qs, ks), backend=backend, **kw) != 0

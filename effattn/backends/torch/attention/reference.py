@@ -294,9 +294,13 @@ class _SegmentAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+def _on_work_list(call) -> bool:
+    """Packed sequences / positions / an fp32 output / a head shard's dropout: the segment work list."""
+    return call.segments is not None or (call.heads is not None and call.dropout_p > 0 and call.layout is None)
+
+
 def _run(call):
-    # packed sequences / positions / an fp32 output / a head shard's dropout: the work list
-    if call.segments is not None or (call.heads is not None and call.dropout_p > 0 and call.layout is None):
+    if _on_work_list(call):
         a = call.op_args()
         segments = call.segments or ((0, call.Lq, 0, call.Lk, call.Lk - call.Lq),)
         return _SegmentAttention.apply(a.q, a.k, a.v, a.key_padding_mask, a.seed, segments, a.scale,
@@ -305,8 +309,9 @@ def _run(call):
 
 
 def _describe(call):
-    if call.segments is not None:
-        return "segment work list of the chunked reference (packed sequences / positions / an fp32 output)"
+    if _on_work_list(call):
+        return ("segment work list of the chunked reference (packed sequences / positions / an fp32 output / "
+                "a head shard's dropout)")
     return None
 
 
