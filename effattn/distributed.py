@@ -503,9 +503,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         balance: how the sequence was sharded: ``"contiguous"`` or ``"zigzag"``.
         causal, window, scale: as :func:`effattn.attention`, over global positions.
         dropout_p: dropout on the attention probabilities: each pair draws at its absolute (row, key)
-            and global head with rank 0's seed (drawn from torch's
-            generator as a one-device call would), so the ranks drop exactly the pairs
-            ``effattn.attention`` drops under the same ``torch.manual_seed``, forward and backward.
+            and global head with rank 0's seed (drawn from torch's generator as a one-device call
+            would), so the ranks drop exactly the pairs ``effattn.attention`` drops under the same
+            ``torch.manual_seed``, forward and backward.
         return_lse: also return this rank's rows of the log-sum-exp (float32).
         backend: the backend of the per-rank attention calls.
 
