@@ -6,7 +6,9 @@ Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys ``cu_k[n]:cu_k[n+1]``, a
 inside the segment; causal, window, GQA and dropout apply with segment-local positions and no pair
 crosses a segment. ``positions=(q_start, k_start)`` places a plain call's queries and keys at
 absolute positions (query i at ``q_start + i``, key j at ``k_start + j``), so a chunk pair of a longer
-sequence (context parallelism, cascade attention) sees exactly what the whole sequence would.
+sequence (context parallelism, cascade attention) sees exactly what the whole sequence would; with
+dropout the chunk also draws its keep-mask at those absolute rows and keys (torch, Triton), so it drops
+the pairs the whole sequence's call drops.
 
 Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
 (``q_offset`` = the key position of the segment's first query, relative to its first key). The torch
