@@ -137,6 +137,17 @@ class AttnCall:
     out_dtype: Optional[torch.dtype] = None
     max_seqlen: Optional[Tuple[int, int]] = None   # (max_q, max_k) of a packed call (effattn.packed.Packing)
     score: Optional[object] = None        # effattn.score.ScoreTerms (softcap, sinks, bias) or None
+    # (first global head, global heads) of a head shard (context parallelism's Ulysses): dropout draws
+    # at the global head index; None: the call's own heads
+    heads: Optional[Tuple[int, int]] = None
+
+    def drop_at(self) -> Tuple[int, int, int, int]:
+        """(first row, first key, first head, heads) dropout draws at: query i, key j, head h of batch b
+        draw at row ``q0 + i``, key ``k0 + j``, head ``b * heads + h0 + h`` (the positions and head
+        shard of a context-parallel call; (0, 0, 0, H) for a plain one)."""
+        q0, k0 = self.positions or (0, 0)
+        h0, hg = self.heads or (0, self.H)
+        return q0, k0, h0, hg
 
     @property
     def window_left(self) -> int:         # -1: unbounded
@@ -189,7 +200,11 @@ class AttnCall:
 
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
                    scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
-                   max_seqlen=None, positions=None, out_dtype=None) -> AttnCall:
+                   max_seqlen=None, positions=None, out_dtype=None, seed=None, heads=None) -> AttnCall:
+    """The validated call. ``seed``: an explicit dropout seed (int64 CPU ``(2,)``) instead of a draw
+    from torch's generator, for drivers whose calls must share one (context parallelism: every rank
+    and ring step drops with the same seed). ``heads``: ``(h0, Hg)``, the call's heads are heads
+    ``h0 .. h0 + H`` of ``Hg`` (a head shard: dropout draws at the global head index)."""
     B, H, Hkv = check_qkv(q, k, v, "attention")
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
@@ -224,17 +239,19 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     score = make_score_terms("attention", q, k, softcap=softcap, sinks=sinks, bias=bias)
-    seed = None
-    if dropout_p > 0:
+    if dropout_p <= 0:
+        seed = None
+    elif seed is None:
         seed = draw_seed()
     pk = packing(q, k, causal=causal, left=left, right=right, layout=layout, key_padding_mask=key_padding_mask,
-                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
+                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype,
+                 dropout=dropout_p > 0)
     rule = Rule(Lq, Lk, *clamp_window(pk.left, pk.right, Lq, Lk, pk.q_offset),
                 layout.mask if layout is not None else None, layout.block_size if layout is not None else 0,
                 q_offset=pk.q_offset)
     return AttnCall(q, k, v, pk.causal, rule, layout, key_padding_mask, float(scale), float(dropout_p),
                     bool(return_lse), seed, pk.segments, pk.cu_seqlens, pk.positions, pk.out_dtype, pk.max_seqlen,
-                    score)
+                    score, None if heads is None or heads == (0, H) else (int(heads[0]), int(heads[1])))
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -32,8 +32,15 @@ Methods:
 ``effattn.linear_attention`` call with ``initial_state`` (gradients of the states return by
 reduce-scatter).
 
+Dropout (every method): rank 0's seed rides along the signature, and every per-rank call draws its
+keep-mask with it at its absolute ``positions`` and, for Ulysses' head shards, the global head index
+(the backends key dropout on (b, global h, absolute i, absolute j)), so the ranks drop the pairs the
+one-device call drops under the same ``torch.manual_seed``; the ring's backward recomputes each pair
+with the same seed.
+
 Before any communication each call all-gathers a small signature (shapes, dtype, options) and raises
-on every rank if the ranks disagree: a mismatch is an error, never a hang. `bytes_sent` counts what
+on every rank if the ranks disagree: a mismatch is an error, never a hang; so is one rank's own bad
+input (its error there, a ValueError naming that rank on the others). `bytes_sent` counts what
 this process handed to the group for other ranks (the halo test reads it).
 """
 from __future__ import annotations
@@ -46,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._call import LINEAR, _fail, make_attn_call, make_linear_call
-from .functional import attention as local_attention
+from .backends import base
 from .linear import linear_attention as local_linear
 from .merge import merge_attention
 from .numerics import compute_dtype
@@ -179,24 +186,47 @@ def unshard(x: Tensor, group=None, dim: int = 1, balance: str = "contiguous") ->
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "Hkv", "local length", "D", "Dv", "dtype", "causal", "window left", "window right",
-           "method", "balance", "scale (x1e6)")
+           "method", "balance", "scale (x1e6)", "dropout_p (x1e6)")
 
 
 _SHARD_FIELDS = ("dims", "dim", "dtype") + tuple(f"size {i}" for i in range(8)) + ("balance", "-")
 
 
-def _agree(sig: List[int], group, world: int, fn: str, device, fields=_FIELDS) -> None:
-    """All-gathers this rank's signature and raises on every rank if the ranks disagree."""
+def _agree(sig: List[int], group, world: int, fn: str, device, fields=_FIELDS, shared=(),
+           problem: Optional[Exception] = None) -> List[int]:
+    """All-gathers this rank's signature and raises on every rank if the ranks disagree. ``shared``:
+    int64 values that ride along uncompared (as many on every rank); returns rank 0's (a dropout seed
+    every rank then uses). ``problem``: this rank's own error with the call (then ``sig`` is any list
+    of its length): raised here, after the gather, and every other rank raises too instead of waiting."""
     if world == 1:
-        return
-    mine = torch.tensor([sig], dtype=torch.int64, device=device)
-    allsig = torch.empty(world, len(sig), dtype=torch.int64, device=device)
+        if problem is not None:
+            raise problem
+        return list(shared)
+    mine = torch.tensor([list(sig) + [int(problem is not None)] + list(shared)], dtype=torch.int64, device=device)
+    allsig = torch.empty(world, mine.shape[1], dtype=torch.int64, device=device)
     _gather_op()(allsig, mine, group=group)
+    if problem is not None:
+        raise problem
+    failed = allsig[:, len(sig)].nonzero().flatten().tolist()
+    if failed:
+        _fail(ValueError, f"{fn}: rank(s) {', '.join(map(str, failed))} rejected the call (their error names the "
+                          "argument); every rank raises")
+    shared = allsig[0, len(sig) + 1:].tolist()
+    allsig = allsig[:, :len(sig)]
     bad = (allsig != allsig[0]).any(0).nonzero().flatten().tolist()
     if bad:
         rows = allsig.tolist()
         what = "; ".join(f"{fields[i]}: " + ", ".join(f"rank {r}={rows[r][i]}" for r in range(world)) for i in bad)
         _fail(ValueError, f"{fn}: the ranks disagree on the call ({what})")
+    return shared
+
+
+def _chunk(q: Tensor, k: Tensor, v: Tensor, *, backend: str, seed: Optional[Tensor], **kw):
+    """(out, lse) of one per-rank attention call; with dropout, drawn with the call's shared ``seed``
+    (every rank and ring step the same, so that each pair's mask is the one-device call's at its
+    absolute ``positions``)."""
+    call = make_attn_call(q, k, v, return_lse=True, seed=seed, **kw)
+    return base.select("attention", call, backend).run(call)
 
 
 # ---------------------------------------------------------------------------------- point to point
@@ -251,14 +281,21 @@ class _RingPlan(NamedTuple):
     scale: float
     backend: str
     steps: int       # ring steps taken: 1 + the furthest source any rank needs
+    dropout_p: float
+    seed: Optional[Tensor]   # the call's dropout seed, the same on every rank (None without dropout)
+
+    def pair(self, q, k, v, positions):
+        """(out fp32, lse) of one (query piece, key range) pair at its absolute positions."""
+        return _chunk(q, k, v, **_mask_args(self.left, self.right), scale=self.scale, positions=positions,
+                      out_dtype=torch.float32, dropout_p=self.dropout_p, seed=self.seed, backend=self.backend)
 
 
-def _ring_plan(group, rank, world, local, balance, left, right, scale, backend) -> _RingPlan:
+def _ring_plan(group, rank, world, local, balance, left, right, scale, backend, dropout_p, seed) -> _RingPlan:
     steps = 1
     for s in range(1, world):
         if any(_pairs(r, (r - s) % world, world, local, balance, left, right) for r in range(world)):
             steps = s + 1
-    return _RingPlan(group, rank, world, local, balance, left, right, scale, backend, steps)
+    return _RingPlan(group, rank, world, local, balance, left, right, scale, backend, steps, dropout_p, seed)
 
 
 def _rotate(plan: _RingPlan, tensors: List[Tensor]):
@@ -280,10 +317,8 @@ class _RingAttention(torch.autograd.Function):
             for p in _pairs(plan.rank, src, plan.world, plan.local, plan.balance, plan.left, plan.right):
                 a, b = p.kp.local + p.k0, p.kp.local + p.k1
                 qi = 0 if p.qp.local == 0 else 1
-                parts[qi].append(local_attention(q[:, :, p.qp.local:p.qp.local + p.qp.length], kv[0][:, :, a:b],
-                                           kv[1][:, :, a:b], **_mask_args(plan.left, plan.right),
-                                           scale=plan.scale, positions=(p.qp.start, p.kp.start + p.k0),
-                                           return_lse=True, out_dtype=torch.float32, backend=plan.backend))
+                parts[qi].append(plan.pair(q[:, :, p.qp.local:p.qp.local + p.qp.length], kv[0][:, :, a:b],
+                                           kv[1][:, :, a:b], (p.qp.start, p.kp.start + p.k0)))
             _wait(reqs)
             kv = nxt
         B, H, _, _ = q.shape
@@ -344,8 +379,7 @@ def _pair_grads(plan, q, k, v, positions, out, lse, dout, dlse):
     GPU) then gives exactly its share of the whole call's gradients."""
     with torch.enable_grad():
         qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
-        o, l = local_attention(qp, kp, vp, **_mask_args(plan.left, plan.right), scale=plan.scale, positions=positions,
-                         return_lse=True, out_dtype=torch.float32, backend=plan.backend)
+        o, l = plan.pair(qp, kp, vp, positions)      # with dropout: the forward's mask again (same seed)
         seen = ~torch.isinf(l)
         w = torch.where(seen, torch.exp(torch.where(seen, l.detach(), lse) - lse), torch.zeros_like(l))
         g_l = (dout.float() * (o.detach().float() - out)).sum(-1)
@@ -468,6 +502,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         method: ``"ring"`` (a halo exchange for small windows), ``"ulysses"`` or ``"allgather"``.
         balance: how the sequence was sharded: ``"contiguous"`` or ``"zigzag"``.
         causal, window, scale: as :func:`effattn.attention`, over global positions.
+        dropout_p: dropout on the attention probabilities: each pair draws at its absolute (row, key)
+            and global head with rank 0's seed (drawn from torch's generator as a one-device call
+            would), so the ranks drop exactly the pairs ``effattn.attention`` drops under the same
+            ``torch.manual_seed``, forward and backward.
         return_lse: also return this rank's rows of the log-sum-exp (float32).
         backend: the backend of the per-rank attention calls.
 
@@ -475,14 +513,38 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         this rank's rows of the output ``(B, H, L/W, Dv)`` (and lse), in shard order.
     """
     fn = "effattn.distributed.attention"
+    group, rank, world = _group(group)
+    try:           # a rank's bad input: raised on every rank after the agreement's gather, never a hang
+        call, left, right = _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn)
+        sig, problem = [call.B, call.H, call.Hkv, call.Lq, call.D, call.Dv, _DTYPES.index(q.dtype), int(causal),
+                        left, right, METHODS.index(method), BALANCES.index(balance),
+                        round(call.scale * 1e6), round(call.dropout_p * 1e6)], None
+    except (ValueError, TypeError) as e:
+        call, sig, problem = None, [0] * len(_FIELDS), e
+    # a dropout seed drawn as the one-device call draws it: rank 0's rides along the signature
+    seed = call.seed if call is not None else None
+    shared = _agree(sig, group, world, fn, q.device, shared=seed.tolist() if seed is not None else (0, 0),
+                    problem=problem)
+    if seed is not None:
+        seed = torch.tensor(shared, dtype=torch.int64)
+    local = call.Lq
+    drop = dict(dropout_p=call.dropout_p, seed=seed)
+    if method == "ring":
+        if balance == "contiguous" and world > 1 and 0 <= left <= local and 0 <= right <= local:
+            return _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend, drop)
+        plan = _ring_plan(group, rank, world, local, balance, left, right, call.scale, backend, **drop)
+        out, lse = _RingAttention.apply(q, k, v, plan)
+        return (out, lse) if return_lse else out
+    return _gathered_attention(q, k, v, call, method, balance, left, right, group, rank, world, return_lse, backend,
+                               drop)
+
+
+def _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn):
+    """This rank's validated call and the whole sequence's window bounds (or a ValueError / TypeError)."""
     if method not in METHODS:
         _fail(ValueError, f"{fn}: method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
     _check_balance(balance, fn)
-    if isinstance(dropout_p, (int, float)) and dropout_p > 0:
-        _fail(ValueError, f"{fn}: dropout_p > 0 is not served with context parallelism yet (each rank's "
-                          "random stream would not be the single-device one); use dropout_p=0")
-    group, rank, world = _group(group)
-    call = make_attn_call(q, k, v, causal=causal, window=window, scale=scale)
+    call = make_attn_call(q, k, v, causal=causal, window=window, scale=scale, dropout_p=dropout_p)
     # the whole sequence's window bounds (the shard-sized call clamps a window wider than a shard away)
     left, right = normalize_window(window, causal)
     if call.Lq != call.Lk:
@@ -494,25 +556,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
     if method == "ulysses" and call.H % world:
         _fail(ValueError, f"{fn}: method='ulysses' needs the number of heads H={call.H} divisible by the world "
                           f"size {world}")
-    sig = [call.B, call.H, call.Hkv, call.Lq, call.D, call.Dv, _DTYPES.index(q.dtype), int(causal),
-           left, right, METHODS.index(method), BALANCES.index(balance),
-           round(call.scale * 1e6)]
-    _agree(sig, group, world, fn, q.device)
+    return call, left, right
+
+
+def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank, world, return_lse, backend, drop):
+    """``"ulysses"`` (all-to-all to head shards and back) and ``"allgather"``."""
     local = call.Lq
-    if method == "ring":
-        if balance == "contiguous" and world > 1 and 0 <= left <= local and 0 <= right <= local:
-            return _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend)
-        plan = _ring_plan(group, rank, world, local, balance, left, right, call.scale, backend)
-        out, lse = _RingAttention.apply(q, k, v, plan)
-        return (out, lse) if return_lse else out
     order = _global_order(world, local, balance, q.device)
     if method == "ulysses":
         G = call.H // call.Hkv
         if call.Hkv % world:                 # each head shard needs its key/value heads: repeat them
             k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         qh, kh, vh = (_seq_to_heads(t, group, world, order) for t in (q, k, v))
-        out, lse = local_attention(qh, kh, vh, causal=causal, window=window, scale=call.scale, return_lse=True,
-                                   backend=backend)
+        # the rank's heads are heads rank * H/W .. of H: dropout draws at the global head index
+        out, lse = _chunk(qh, kh, vh, **_mask_args(left, right), scale=call.scale, backend=backend,
+                          heads=(rank * (call.H // world), call.H), **drop)
         out = _heads_to_seq(out, group, world, order)
         lse = _heads_to_seq(lse[..., None], group, world, order)[..., 0]
         return (out, lse) if return_lse else out
@@ -522,8 +580,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         rows = slice(p.local, p.local + p.length)
         k0, k1 = Rule(p.length, kf.shape[2], left, right, q_offset=p.start).key_range(0, p.length)
         k0, k1 = (0, 0) if k1 <= k0 else (k0, k1)
-        o, l = local_attention(q[:, :, rows], kf[:, :, k0:k1], vf[:, :, k0:k1], **_mask_args(left, right),
-                               scale=call.scale, positions=(p.start, k0), return_lse=True, backend=backend)
+        o, l = _chunk(q[:, :, rows], kf[:, :, k0:k1], vf[:, :, k0:k1], **_mask_args(left, right),
+                      scale=call.scale, positions=(p.start, k0), backend=backend, **drop)
         outs.append(o)
         lses.append(l)
     out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
@@ -537,12 +595,12 @@ def _mask_args(left: int, right: int) -> dict:
     return dict(causal=causal, window=window)
 
 
-def _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend):
+def _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend, drop):
     local = call.Lq
     ke, ve = _Halo.apply(k, v, group, rank, world, left, right)
     before = left if rank > 0 else 0
-    out, lse = local_attention(q, ke, ve, **_mask_args(left, right), scale=call.scale,
-                               positions=(rank * local, rank * local - before), return_lse=True, backend=backend)
+    out, lse = _chunk(q, ke, ve, **_mask_args(left, right), scale=call.scale,
+                      positions=(rank * local, rank * local - before), backend=backend, **drop)
     return (out, lse) if return_lse else out
 
 

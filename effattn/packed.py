@@ -6,7 +6,9 @@ Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys ``cu_k[n]:cu_k[n+1]``, a
 inside the segment; causal, window, GQA and dropout apply with segment-local positions and no pair
 crosses a segment. ``positions=(q_start, k_start)`` places a plain call's queries and keys at
 absolute positions (query i at ``q_start + i``, key j at ``k_start + j``), so a chunk pair of a longer
-sequence (context parallelism, cascade attention) sees exactly what the whole sequence would.
+sequence (context parallelism, cascade attention) sees exactly what the whole sequence would; with
+dropout the chunk also draws its keep-mask at those absolute rows and keys (torch, Triton), so it drops
+the pairs the whole sequence's call drops.
 
 Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
 (``q_offset`` = the key position of the segment's first query, relative to its first key). The torch
@@ -199,11 +201,12 @@ def _hides_nothing(Lq: int, Lk: int, left: int, right: int, offset: int) -> bool
 
 
 def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout, key_padding_mask,
-            cu_seqlens, max_seqlen, positions, out_dtype, fn: str = "attention") -> Packing:
+            cu_seqlens, max_seqlen, positions, out_dtype, fn: str = "attention", dropout: bool = False) -> Packing:
     """Validates the packed / positioned arguments of an attention call (its other arguments already
     checked) and returns the `Packing` the call carries. Positions that change nothing (the
     bottom-right offset ``Lk - Lq``, or a window hiding no pair at their offset) leave a plain call,
-    so a ring's diagonal and fully visible chunk pairs take the backends' usual paths."""
+    so a ring's diagonal and fully visible chunk pairs take the backends' usual paths; with ``dropout``
+    any positions but ``(0, 0)`` stay (dropout draws at the absolute rows and keys)."""
     B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
     if out_dtype is not None and out_dtype not in (torch.float32, q.dtype):
         _fail(TypeError, f"{fn}: out_dtype must be torch.float32 (fp32 partial outputs) or None, got {out_dtype}")
@@ -218,7 +221,10 @@ def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout
                 _fail(ValueError, f"{fn}: positions cannot be combined with layout (a layout indexes the call's "
                                   "own query and key blocks)")
             off = qs - ks
-            if off == Lk - Lq:
+            if dropout and (qs, ks) != (0, 0):
+                pos, q_offset = (qs, ks), off
+                segments = ((0, Lq, 0, Lk, off),)
+            elif off == Lk - Lq:
                 pass
             elif Lq > 0 and Lk > 0 and _hides_nothing(Lq, Lk, *clamp_window(left, right, Lq, Lk, off), off):
                 causal, left, right = False, UNBOUNDED, UNBOUNDED

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import bias as _bias
+from .numerics import tile_keep
 from .visibility import Rule, seen_keys
 
 # Elements of one (B, H, rows, keys) score block; a handful of those live at once in the backward.
@@ -191,13 +192,11 @@ def _values(v: Tensor, k0: int, k1: int, seen: Optional[Tensor], cdt) -> Tensor:
     return vc if seen is None else torch.where(seen, vc, 0.0)
 
 
-def _keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
-    """Dropout keep-mask of one block, from a generator seeded by (call seed, block start), so that
-    the backward regenerates the forward's."""
-    s0, s1 = (int(x) for x in seed.tolist())
-    g = torch.Generator(device=device)
-    g.manual_seed((s0 * 1_000_003 + s1 * 7919 + i0 * 31 + 17) % (2**63 - 1))
-    return torch.rand(shape, generator=g, device=device) >= p
+def _keep(seed: Tensor, p: float, block, B: int, H: int, device) -> Tensor:
+    """Dropout keep-mask (B, H, rows, keys) of one block (`effattn.numerics.tile_keep`: per pair, not
+    per block), so the backward regenerates the forward's."""
+    _, i0, i1, k0, k1 = block
+    return tile_keep(seed, p, B, H, (i0, i1), (k0, k1), device=device)
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -217,8 +216,8 @@ def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_
     else:
         lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
         sink = None
-    for (_, i0, i1, k0, k1), _, _, s, _, _, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left,
-                                                             right, score):
+    for block, _, _, s, _, _, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
+        _, i0, i1, k0, k1 = block
         m = s.amax(-1, keepdim=True)
         if sink is not None:
             m = torch.maximum(m, sink)
@@ -230,7 +229,7 @@ def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_
         lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
-            p = p * _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            p = p * _keep(seed, dropout_p, block, B, H, q.device) / (1.0 - dropout_p)
         o = torch.matmul(_grouped(p, Hkv), _values(v, k0, k1, seen, cdt))
         out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
     return out, lse
@@ -276,7 +275,7 @@ def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_bl
         vc = _values(v, k0, k1, seen, cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
-            keep = _keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            keep = _keep(seed, dropout_p, block, B, H, q.device).to(cdt) / (1.0 - dropout_p)
             pd, dp = p * keep, dp * keep
         else:
             pd = p

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 import effattn
 import effattn.distributed as ecp
+from effattn.testing.oracle import visibility
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -122,8 +123,65 @@ def _extras_worker(rank, world):
         ecp.unshard(bad, dim=2)
     with pytest.raises(ValueError, match="not divisible by 4"):
         ecp.shard(torch.zeros(1, 6), dim=1, balance="zigzag")
-    with pytest.raises(ValueError, match="dropout_p"):
-        ecp.attention(qs, ks, vs, dropout_p=0.1)
+    # bad input on one rank: that rank's error names the argument, the others raise too (no hang)
+    with pytest.raises(ValueError, match="dropout_p must be" if rank == 1 else "rank\\(s\\) 1 rejected the call"):
+        ecp.attention(qs, ks, vs, dropout_p=1.5 if rank == 1 else 0.1)
+    with pytest.raises(ValueError, match=r"dropout_p \(x1e6\): rank 0=100000, rank 1=200000"):
+        ecp.attention(qs, ks, vs, dropout_p=0.1 * (rank + 1))
+
+
+DROPOUT = [
+    # method, balance, attention kwargs: every method that serves dropout, the ring's shapes and the halo
+    ("ring", "contiguous", dict(causal=True)),
+    ("ring", "zigzag", dict(causal=True)),
+    ("ring", "contiguous", dict()),
+    ("ring", "contiguous", dict(causal=True, window=3)),          # halo exchange
+    ("ring", "contiguous", dict(window=(2, 3))),                  # halo both ways
+    ("allgather", "zigzag", dict(causal=True, window=6)),
+    ("allgather", "contiguous", dict()),
+    ("ulysses", "zigzag", dict(causal=True)),                     # head shards: the global head index
+    ("ulysses", "contiguous", dict(window=(3, 1))),
+]
+
+
+def _dropout_worker(rank, world, cases, L, backend="torch", heads=(2, 4, 2), grads=True):
+    """Sharded dropout against the one-device call under the same torch seed: V = identity reads the
+    keep-mask off the output, which must be the one-device call's exactly (rank 1 seeds its generator
+    differently: rank 0's seed is the call's); outputs and gradients (random V) to float32 rounding
+    (the partial outputs are merged in another order than one call's), bitwise repeatable."""
+    p, (B, H, Hkv) = 0.3, heads
+    q, k, _ = _inputs(B, H, Hkv, L, 8, 6, seed=3)
+    eye = torch.eye(L).expand(B, Hkv, L, L).contiguous()
+    _, _, v = _inputs(B, H, Hkv, L, 8, 6, seed=4)
+
+    def seeded(fn, s):
+        def run(*args):
+            torch.manual_seed(s)
+            return fn(*args)
+        return run
+
+    for method, balance, kw in cases:
+        label = f"dropout {method}/{balance}/{kw}"
+        torch.manual_seed(11)
+        full = effattn.attention(q, k, eye, dropout_p=p, backend=backend, **kw) != 0
+        torch.manual_seed(11 + 100 * rank)
+        shards = [ecp.shard(t, dim=2, balance=balance) for t in (q, k, eye)]
+        with torch.no_grad():
+            got = ecp.attention(*shards, method=method, balance=balance, dropout_p=p, backend=backend, **kw)
+        got = ecp.unshard(got, dim=2, balance=balance) != 0
+        assert torch.equal(got, full), f"{label}: rank {rank} drops other pairs"
+        assert 0.5 < full.double().sum().item() / visibility(L, L, **kw).sum().item() / (B * H) < 0.9
+        if not grads:
+            continue
+        _check_against_single(
+            rank, q, k, v, balance,
+            seeded(lambda a, b, c: ecp.attention(a, b, c, method=method, balance=balance, dropout_p=p,
+                                                 backend=backend, **kw), 11),
+            seeded(lambda a, b, c: effattn.attention(a, b, c, dropout_p=p, backend=backend, **kw), 11), 2e-5, label)
+
+
+def test_world2_dropout_equals_the_single_process_call():
+    _spawn(_dropout_worker, 2, DROPOUT, 24)
 
 
 def test_world2_softmax_methods_and_extras():
@@ -138,6 +196,7 @@ def test_world4_ring_zigzag_halo_ulysses():
 
     def work(rank, world):
         _softmax_worker(rank, world, cases, 32)
+        _dropout_worker(rank, world, [DROPOUT[1], DROPOUT[3], DROPOUT[7]], 32)     # zigzag, halo, one head a rank
         # a causal window of 10 over shards of 8 reaches two shards back: 3 of the 4 ring steps,
         # so K/V are passed on twice
         q, k, v = (ecp.shard(t, dim=2) for t in _inputs(1, 2, 2, 32, 8, 8, seed=2))
@@ -178,5 +237,49 @@ def _swap_worker(rank, world):
     assert cp.self_attn.last_path == "fused"
 
 
+def _module_dropout_worker(rank, world):
+    """effattn.nn.MultiheadAttention(dropout=0.3, context_parallel=...) in training mode: the module's
+    attention dropout on zigzag shards equals the module on the whole sequence under the same
+    torch seed (rank 1 seeds differently: rank 0's seed is the call's); in eval it drops nothing."""
+    from effattn.nn import MultiheadAttention
+    torch.manual_seed(0)
+    single = MultiheadAttention(16, 4, dropout=0.3, batch_first=True)
+    cp = MultiheadAttention(16, 4, dropout=0.3, batch_first=True, context_parallel=ecp.ContextParallel(
+        method="ring", balance="zigzag"))
+    cp.load_state_dict(single.state_dict())
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    xs = ecp.shard(x, balance="zigzag")
+    for train in (True, False):
+        single.train(train)
+        cp.train(train)
+        torch.manual_seed(5)
+        ref, _ = single(x, x, x, need_weights=False, is_causal=True,
+                        attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(16))
+        torch.manual_seed(5 + rank)
+        out, _ = cp(xs, xs, xs, need_weights=False, is_causal=True,
+                    attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(8))
+        torch.testing.assert_close(out, ecp.shard(ref, balance="zigzag"), rtol=2e-5, atol=2e-5)
+    torch.manual_seed(5)
+    single.train(True)
+    dropped, _ = single(x, x, x, need_weights=False, is_causal=True,
+                        attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(16))
+    assert not torch.allclose(dropped, ref, atol=1e-3)             # ref: the eval output; training drops
+
+
+def test_world2_module_dropout_context_parallel():
+    _spawn(_module_dropout_worker, 2)
+
+
 def test_world2_swap_attention_context_parallel():
     _spawn(_swap_worker, 2)
+
+
+def test_world2_dropout_on_the_triton_kernels():
+    """The same on the Triton kernels (the interpreter on the CPU): their Philox counters take the chunks'
+    absolute positions and Ulysses' head shards' global head index, so the zigzag ring's pairs and the
+    head shards drop the one-device call's pairs (small cases, forward only: the interpreter is slow;
+    test_packed checks the kernels' positioned backward)."""
+    rt = pytest.importorskip("effattn.backends.triton.runtime")
+    if rt.triton is None or rt._available(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter is not usable here")
+    _spawn(_dropout_worker, 2, [DROPOUT[1], DROPOUT[7]], 8, "triton", (2, 2, 1), False)

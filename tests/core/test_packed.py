@@ -504,3 +504,96 @@ def test_packed_on_every_backend_against_the_oracle(backend, kw, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g.double(), r, rtol=5 * tol, atol=5 * tol)
+
+
+def _dropout_backends():
+    from effattn.backends import base
+    from tests.conftest import op_backends
+    feats = {"positions", "dropout"}
+    # the CUDA kernels declare both but refuse them together (test_cuda_refuses_dropout_with_positions)
+    return [n for n in op_backends("attention") if feats <= base._REGISTRY["attention"][n].caps.features
+            and n != "cuda"]
+
+
+_DROP_KW = {"causal-window": dict(causal=True, window=9), "dense": dict(), "causal": dict(causal=True)}
+
+
+@pytest.mark.parametrize("backend,kw", [(b, kw) for b in _dropout_backends() for kw in _DROP_KW
+                                        if b == "torch" or kw == "causal-window"])   # the interpreter is slow
+def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
+    """A chunk pair with positions drops exactly the pairs the whole sequence's call drops at those rows
+    and keys (drawn per (b, h, absolute i, absolute j) from the same seed): V = identity reads the keep-mask
+    off the output. The chunk's gradients (fp32 output) match float64 with that mask."""
+    B, H, Hkv, L, p, kw = 2, 4, 2, 40, 0.3, _DROP_KW[kw]
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, L, 16, generator=g)
+    k = torch.randn(B, Hkv, L, 16, generator=g)
+    eye = torch.eye(L).expand(B, Hkv, L, L).contiguous()
+    torch.manual_seed(21)
+    full = effattn.attention(q, k, eye, dropout_p=p, backend=backend, **kw) != 0
+    visible = visibility(L, L, **kw)[0, 0]
+    assert 0.55 < full[visible.expand_as(full)].double().mean().item() < 0.85
+    for qs, ks in ((24, 8), (0, 20)):
+        qc, kc, ec = q[:, :, qs:qs + 16], k[:, :, ks:ks + 16], eye[:, :, ks:ks + 16]
+        torch.manual_seed(21)
+        chunk = effattn.attention(qc, kc, ec, dropout_p=p, positions=(qs, ks), backend=backend, **kw) != 0
+        assert torch.equal(chunk[..., ks:ks + 16], full[:, :, qs:qs + 16, ks:ks + 16]), (qs, ks)
+        assert not chunk[..., :ks].any() and not chunk[..., ks + 16:].any()
+        keep = full[:, :, qs:qs + 16, ks:ks + 16]
+        v = torch.randn(B, Hkv, 16, 8, generator=g)
+        leaves = [t.clone().requires_grad_() for t in (qc, kc, v)]
+        torch.manual_seed(21)
+        out = effattn.attention(*leaves, dropout_p=p, positions=(qs, ks), out_dtype=torch.float32, backend=backend,
+                                **kw)
+        rl = [t.detach().double().requires_grad_() for t in leaves]
+        ref, _ = naive_attention(*rl, dropout_keep=keep, dropout_p=p, positions=(qs, ks), **kw)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+        go = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_refuses_dropout_with_positions():
+    """The CUDA kernels draw dropout at a call's own rows: a positioned chunk with dropout is not theirs
+    (a reason, so "auto" takes Triton), without dropout or at positions (0, 0) it is."""
+    from effattn._call import make_attn_call
+    from effattn.backends.cuda.attention import ops
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
+    assert any("dropout with positions" in r for r in ops._admits(make_attn_call(q, q, q, dropout_p=0.1,
+                                                                                   positions=(8, 0))))
+    assert ops._admits(make_attn_call(q, q, q, dropout_p=0.1, heads=(2, 4)))       # a head shard (Ulysses)
+    assert ops._admits(make_attn_call(q, q, q, positions=(8, 0))) == []
+    assert ops._admits(make_attn_call(q, q, q, dropout_p=0.1, positions=(0, 0))) == []
+
+
+def test_pair_backward_replays_the_whole_calls_dropout():
+    """ops.attention_backward with the forward's seed: each (query chunk, key chunk) pair's gradients
+    with dropout are its exact share of the whole call's (the keep-mask replayed at the pair's absolute
+    positions); summed over the pairs they are the whole call's gradients."""
+    from effattn.numerics import draw_seed
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2].clone(), v[:, :2].clone()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw, p = dict(causal=True, window=9), 0.25
+    torch.manual_seed(4)
+    whole, lse = effattn.attention(*leaves, dropout_p=p, return_lse=True, backend="torch", **kw)
+    torch.manual_seed(4)
+    seed = draw_seed()
+    dout = torch.randn(whole.shape, generator=g)
+    ref = torch.autograd.grad(whole, leaves, dout)
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for qs in (0, 8):
+        for ks in (0, 8):
+            rows = slice(qs, qs + 8)
+            a, b, c = effattn.ops.attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, ks:ks + 8],
+                                                     v[:, :, ks:ks + 8], whole[:, :, rows].detach(),
+                                                     lse[:, :, rows].detach(), positions=(qs, ks), dropout_p=p,
+                                                     seed=seed, **kw)
+            got[0][:, :, rows] += a
+            got[1][:, :, ks:ks + 8] += b
+            got[2][:, :, ks:ks + 8] += c
+    for name, a, b in zip("qkv", got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"d{name}: {m}")
+    with pytest.raises(ValueError, match="needs seed"):
+        effattn.ops.attention_backward(dout, q, k, v, whole.detach(), lse.detach(), dropout_p=p, **kw)

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ....numerics import chunk_generator_seed
 from ....numerics import compute_dtype as _compute_dtype
+from ....numerics import tile_keep
 from ....score import backward_setup
 from ....visibility import Rule, seen_keys
 from ...autograd import attention_autograd
@@ -98,12 +98,18 @@ def _plan(rule: Rule, rows: int, device) -> List[_Chunk]:
     return chunks
 
 
-def _dropout_keep(seed: Tensor, i0: int, shape, p: float, device) -> Tensor:
-    """Keep-mask of one chunk, drawn from a generator seeded by (call seed, chunk start) so that
-    backward regenerates exactly the forward's mask."""
-    g = torch.Generator(device=device)
-    g.manual_seed(chunk_generator_seed(seed, i0))
-    return torch.rand(shape, generator=g, device=device) >= p
+def _dropout_keep(seed: Tensor, p: float, c: _Chunk, B: int, H: int, at, device) -> Tensor:
+    """Keep-mask (B, H, rows, keys) of one chunk (`effattn.numerics.tile_keep`), at the call's rows,
+    keys and heads moved by ``at`` (`AttnCall.drop_at`: the ``positions`` and head shard of a
+    context-parallel call; packed calls draw at the packed rows; None: the call's own), so the
+    backward regenerates the forward's mask whatever the chunking, and a chunk of a longer sequence
+    draws what the whole sequence's call would."""
+    q0, k0, h0, hg = at if at is not None else (0, 0, 0, H)
+    rows, heads = (c.i0 + q0, c.i1 + q0), (h0, hg)
+    if isinstance(c.keys, slice):
+        return tile_keep(seed, p, B, H, rows, (c.keys.start + k0, c.keys.stop + k0), heads=heads, device=device)
+    first, last = int(c.pos[0]) + k0, int(c.pos[-1]) + k0       # gathered layout blocks
+    return tile_keep(seed, p, B, H, rows, (first, last + 1), gather=c.pos + k0, heads=heads, device=device)
 
 
 def _scores(q, k, c: _Chunk, scale, cdt, G):
@@ -172,7 +178,8 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 
 
 def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                      window_left, window_right, segments=None, out_dtype=None) -> Tuple[Tensor, Tensor]:
+                      window_left, window_right, segments=None, out_dtype=None,
+                      drop_at=None) -> Tuple[Tensor, Tensor]:
     B, H, Lq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     cdt = _compute_dtype(q.dtype)
@@ -188,7 +195,7 @@ def attention_forward(q, k, v, layout_mask, layout_block, key_padding_mask, seed
         lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)        # log(0) = -inf for empty rows
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
-            p = p * _dropout_keep(seed, i0, p.shape, dropout_p, q.device) / (1.0 - dropout_p)
+            p = p * _dropout_keep(seed, dropout_p, c, B, H, drop_at, q.device) / (1.0 - dropout_p)
         o = torch.matmul(_grouped(p, Hkv), _values(v, c, seen, cdt))
         out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(out.dtype)
     return out, lse.to(torch.float32) if cdt == torch.float32 else lse
@@ -205,9 +212,9 @@ def _accumulate(acc: Tensor, keys, x: Tensor) -> None:
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
                        seed, scale, dropout_p, window_left, window_right, segments=None,
-                       keep_fp32=False) -> Tuple[Tensor, Tensor, Tensor]:
+                       keep_fp32=False, drop_at=None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one call; with ``keep_fp32`` dk, dv stay in the compute dtype (context-parallel
-    partial gradients, summed over ring steps before the cast)."""
+    partial gradients, summed over ring steps before the cast); ``drop_at``: the forward's."""
     B, H, Lq, D = q.shape
     Hkv = k.shape[1]
     # Delta_i = sum_j P_ij dP_ij = rowsum(dO * O); a gradient into lse enters as dS += dlse * P.
@@ -222,7 +229,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layou
         do = grad_out[:, :, i0:i1].to(cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
-            keep = _dropout_keep(seed, i0, p.shape, dropout_p, q.device).to(cdt) / (1.0 - dropout_p)
+            keep = _dropout_keep(seed, dropout_p, c, B, H, drop_at, q.device).to(cdt) / (1.0 - dropout_p)
             pd, dp = p * keep, dp * keep
         else:
             pd = p
@@ -280,34 +287,42 @@ class _SegmentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout_mask, layout_block, kpm, seed, segments, scale, dropout_p, left, right,
-                out_dtype):
+                out_dtype, drop_at):
         out, lse = attention_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-                                     segments=segments, out_dtype=out_dtype)
+                                     segments=segments, out_dtype=out_dtype, drop_at=drop_at)
         ctx.save_for_backward(q, k, v, out, lse, layout_mask, kpm, seed)
-        ctx.static = (layout_block, segments, scale, dropout_p, left, right)
+        ctx.static = (layout_block, segments, scale, dropout_p, left, right, drop_at)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, layout_mask, kpm, seed = ctx.saved_tensors
-        layout_block, segments, scale, dropout_p, left, right = ctx.static
+        layout_block, segments, scale, dropout_p, left, right, drop_at = ctx.static
         dq, dk, dv = attention_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, layout_mask,
-                                        layout_block, kpm, seed, scale, dropout_p, left, right, segments=segments)
-        return (dq, dk, dv) + (None,) * 10
+                                        layout_block, kpm, seed, scale, dropout_p, left, right, segments=segments,
+                                        drop_at=drop_at)
+        return (dq, dk, dv) + (None,) * 11
+
+
+def _on_work_list(call) -> bool:
+    """Packed sequences / positions / an fp32 output / a head shard's dropout: the segment work list."""
+    return call.segments is not None or (call.heads is not None and call.dropout_p > 0)
 
 
 def _run(call):
-    if call.segments is not None:           # packed sequences / positions / an fp32 output: the work list
+    if _on_work_list(call):
         a = call.op_args()
+        segments = call.segments or ((0, call.Lq, 0, call.Lk, call.Lk - call.Lq),)
         return _SegmentAttention.apply(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.seed,
-                                       call.segments, a.scale, a.dropout_p, a.window_left, a.window_right,
-                                       call.out_dtype)
+                                       segments, a.scale, a.dropout_p, a.window_left, a.window_right,
+                                       call.out_dtype, call.drop_at())
     return ref_attention_fwd(**call.op_args()._asdict())
 
 
 def _describe(call):
-    if call.segments is not None:
-        return "segment work list of the chunked reference (packed sequences / positions / an fp32 output)"
+    if _on_work_list(call):
+        return ("segment work list of the chunked reference (packed sequences / positions / an fp32 output / "
+                "a head shard's dropout)")
     return None
 
 

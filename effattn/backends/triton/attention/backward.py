@@ -155,7 +155,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                   sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                   H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                  lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_thresh, inv_keep,
+                  lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H,
+                  drop_thresh, inv_keep,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -223,7 +224,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
+                                lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
+                                drop_thresh, inv_keep,
                                 BLOCK_M, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
                                 DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
         listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
@@ -232,7 +234,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
                                 offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
-                                lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
+                                lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
+                                drop_thresh, inv_keep,
                                 BLOCK_M, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
                                 DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
         visits += n_full + n_part
@@ -254,7 +257,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
                 sdqb, sdqh, sdqm, sdqd, skpb, skpn,
                 H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                 lists_head_stride, lists_row_stride, full_slots,
-                scale, qk_scale, seed, drop_thresh, inv_keep,
+                scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -298,7 +301,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                      qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                      qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
+                      BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
@@ -306,7 +310,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
                       skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
-                      qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                      qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
+                      BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     dq = dq * scale
     dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
@@ -317,13 +322,14 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         tl.store(COUNTS + bh * n_mt + pid_m, n_full + n_part)
 
 
-@triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_BWD_ARGS)
+@triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_BWD_ARGS)
 def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                sdqb, sdqh, sdqm, sdqd, sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                lists1_head_stride, lists1_row_stride, full_slots1, lists2_head_stride, lists2_row_stride,
-               full_slots2, scale, qk_scale, seed, drop_thresh, inv_keep, n_split, group1, group2, rows_out,
+               full_slots2, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, n_split, group1,
+               group2, rows_out,
                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK1: tl.constexpr, LAYOUT_MASK2: tl.constexpr,
@@ -348,7 +354,8 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                       sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
                       H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                      lists1_head_stride, lists1_row_stride, full_slots1, scale, qk_scale, seed, drop_thresh,
+                      lists1_head_stride, lists1_row_stride, full_slots1, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0,
+                      drop_H, drop_thresh,
                       inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                       LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
                       FOLD_SCALE, ORDER1, VARLEN)
@@ -358,7 +365,8 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                     sdqb, sdqh, sdqm, sdqd, skpb, skpn,
                     H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                    lists2_head_stride, lists2_row_stride, full_slots2, scale, qk_scale, seed, drop_thresh,
+                    lists2_head_stride, lists2_row_stride, full_slots2, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0,
+                    drop_H, drop_thresh,
                     inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                     LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
                     FOLD_SCALE, ORDER2, VARLEN)

@@ -78,12 +78,12 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["seed"] + UNSPECIALIZED_ARGS)
+@triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_ARGS)
 def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
                q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, kpm_b, kpm_l,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                list_h, list_t, list_wf,
-               qk_scale, seed, drop_thresh, inv_keep, heads_per_group, rows_out,
+               qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, heads_per_group, rows_out,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -102,7 +102,10 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
 
     The scalar arguments carry the names of the C++ `AttnParams` fields (csrc/attention/attention.h)
     and the launcher passes them by name; ``q_d``, ``k_d``, ``v_d`` (last-dim strides, unit there),
-    ``heads_per_group`` and ``rows_out`` have no C++ field, ``seed`` is its seed_lo / seed_hi."""
+    ``heads_per_group`` and ``rows_out`` have no C++ field, ``seed`` is its seed_lo / seed_hi.
+    ``drop_q0`` / ``drop_k0`` (no C++ field): added to the rows and keys dropout draws at, the
+    call's ``positions``; dropout draws at head ``b * drop_H + drop_h0 + h`` (a head shard: the global
+    head), so a context-parallel call draws what the whole sequence's call would."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
     pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H
@@ -143,7 +146,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
                                   offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
-                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh,
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0,
+                                  k_row0 + drop_k0, drop_thresh,
                                   BLOCK_N, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
                                   DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
@@ -152,7 +156,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
         start_n = tile * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_n, offs_m,
                                   offs_d, offs_dv, k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right,
-                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, bh, q_row0, k_row0, drop_thresh,
+                                  lay_ptr, lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0,
+                                  k_row0 + drop_k0, drop_thresh,
                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
                                   DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf

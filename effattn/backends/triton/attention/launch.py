@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 from triton.testing import do_bench
 
-from ....numerics import LOG2E, philox_key
+from ....numerics import LOG2E, drop_threshold, philox_key
 from ....splits import sm_count  # 0 off the GPU: no split
 from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ....visibility import clamp_window
@@ -128,7 +128,7 @@ class LaunchPlan:
         self.scale = scale
         self.qk_scale = scale * LOG2E
         self.dropout_p = dropout_p
-        self.drop_thresh = min(int(round(dropout_p * (1 << 24))), (1 << 24) - 1) if dropout_p > 0 else 0
+        self.drop_thresh = drop_threshold(dropout_p) if dropout_p > 0 else 0
         self.inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0
         self.layout_mask, self.layout_block = layout_mask, layout_block
         self.has_kpm = kpm is not None
@@ -272,11 +272,14 @@ def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
 # Launchers
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
-        q_offset=None, out_fp32=False, config=None, counts=False):
+        q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0, config=None, counts=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
     (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
     there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf.
-    ``q_offset``: query i at key position ``i + q_offset`` (``positions``); ``out_fp32``: out in float32."""
+    ``q_offset``: query i at key position ``i + q_offset`` (``positions``); ``out_fp32``: out in float32;
+    ``drop_q0`` / ``drop_k0``: dropout draws at rows ``drop_q0 + i`` and keys ``drop_k0 + j`` (the
+    ``positions``), ``drop_h0`` / ``drop_H``: at head ``b * drop_H + drop_h0 + h`` (a head shard;
+    ``drop_H = 0``: H)."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
@@ -290,7 +293,8 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
         grid, lists, args, meta = p.fwd_args(cfg, q, k, v, counts)
         cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
         fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
-                         LISTS=_or_dummy(lists, q), COUNTS=_or_dummy(cnt, q), ITEMS=q, seed=seed_key, **args, **meta)
+                         LISTS=_or_dummy(lists, q), COUNTS=_or_dummy(cnt, q), ITEMS=q, seed=seed_key, drop_q0=drop_q0,
+                         drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H, **args, **meta)
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
@@ -321,7 +325,9 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
             return
         table = torch.tensor(items, dtype=torch.int32).to(q.device)
         fwd_kernel[(len(items) * p.B * p.H,)](Q=q, K=k, V=v, O=out, LSE=lse, KPM=q, LAY=q, LISTS=q, COUNTS=q,
-                                              ITEMS=table, seed=seed_key, **dict(args, Lq=len(items) * cfg[0]),
+                                              ITEMS=table, seed=seed_key, drop_q0=0, drop_k0=0,
+                                              drop_h0=0, drop_H=p.H,
+                                              **dict(args, Lq=len(items) * cfg[0]),
                                               **dict(meta, ORDER=0, VARLEN=True))
 
     if p.Lq > 0 and p.B * p.H > 0 and segments:
@@ -334,7 +340,8 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
 
 
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-        tf32=False, q_offset=None, out_fp32=False, config=None, counts=False, n_split=None, segments=None):
+        tf32=False, q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0, config=None,
+        counts=False, n_split=None, segments=None):
     """dq, dk, dv (same shapes and dtypes as q, k, v): the Delta pre-pass, then one launch of
     `bwd_kernel` (dK/dV and dQ programs), then, if the group's query heads were split (GQA with
     few key tiles per SM; ``n_split`` forces a split count, None: `gqa_splits`), the partial dK, dV
@@ -375,7 +382,8 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         cnt = torch.zeros(grid[0], dtype=torch.int32, device=q.device) if counts else None
         if grid[0] > 0:
             bwd_kernel[grid](q, k, v, dout, lse, delta, dq, dk_out, dv_out, kpm_u8, lay, _or_dummy(lists[0], q),
-                             _or_dummy(lists[1], q), _or_dummy(cnt, q), *items, *pre, seed_key, *post, **meta)
+                             _or_dummy(lists[1], q), _or_dummy(cnt, q), *items, *pre, seed_key, drop_q0, drop_k0, drop_h0,
+                             drop_H or p.H, *post, **meta)
         if splits > 1:                                 # fixed order: bitwise the same every run
             for part, grad in ((dk_out, dk), (dv_out, dv)):
                 acc = part[0]

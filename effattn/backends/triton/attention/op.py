@@ -32,13 +32,14 @@ if triton is not None:
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
                              allow_tf32: bool = False, q_offset: Optional[int] = None,
-                             out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
+                             out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
+                             drop_H: int = 0) -> Tuple[Tensor, Tensor]:
         return launch.fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
-                          window_left, window_right, allow_tf32, q_offset, out_fp32)
+                          window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0, drop_k0, drop_h0, drop_H)
 
     @triton_attention_fwd.register_fake
     def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left,
-          window_right, allow_tf32=False, q_offset=None, out_fp32=False):
+          window_right, allow_tf32=False, q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0):
         B, H, Lq, _ = q.shape
         return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
                 q.new_empty(B, H, Lq, dtype=torch.float32))
@@ -49,9 +50,11 @@ if triton is not None:
                              key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
                              dropout_p: float, window_left: int, window_right: int,
                              allow_tf32: bool = False, q_offset: Optional[int] = None,
-                             out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                             out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
+                             drop_H: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
         return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask, seed,
-                    scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32)
+                    scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0, drop_k0,
+                    drop_h0, drop_H)
 
     @triton_attention_bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
@@ -205,8 +208,9 @@ def _run_prefill(call):
         if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
             return _Varlen.apply(a.q, a.k, a.v, *static)
         return launch.fwd_varlen(a.q, a.k, a.v, *static)
-    # the op's parameters, in its schema's order: positions give the kernels' offset (the rule's)
-    args = (*a, tf32, call.rule.q_offset, call.out_dtype is not None)
+    # the op's parameters, in its schema's order: positions give the kernels' offset (the rule's); the
+    # rows, keys and heads dropout draws at (`AttnCall.drop_at`)
+    args = (*a, tf32, call.rule.q_offset, call.out_dtype is not None, *call.drop_at())
     if not _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask):
         return triton_attention_fwd(*args)
     if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
