@@ -36,7 +36,7 @@ def _terms(kind, B, H, Lq, Lk, g):
         z = torch.tensor([2.3, 7.6, 0.4, 11.1], dtype=torch.float64)[:H]
         return dict(bias=Span(z, ramp=4, max_span=12.0)), {"z": None}
     if kind == "span-per-head":     # spans far apart: each head's kernels skip different key tiles
-        z = torch.tensor([0.5, 30.0, 3.0, 57.2], dtype=torch.float64)[:H]
+        z = torch.tensor([14.5, 30.0, 3.0, 57.2], dtype=torch.float64)[:H]   # head 0: row 16 sees key 15 (d = 18)
         return dict(bias=Span(z, ramp=4, max_span=60.0)), {"z": None}
     if kind == "dense":
         return dict(bias=r(1, H, Lq, Lk)), {"dense": None}
