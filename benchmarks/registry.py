@@ -21,6 +21,8 @@ from effattn.backends.base import BACKENDS
 from effattn.visibility import Rule
 
 SOFTCAP = 30.0         # the softcap variant's cap
+T5_BUCKETS, T5_DISTANCE = 32, 128   # the t5 variant's table: T5's defaults (decoder: past only)
+SPAN_RAMP, SPAN_MAX = 32, 2048      # the span variants: ramp and the largest span (at most L/4), in tokens
 LAYOUT_BLOCK = 128     # block size of the block-sparse variants (the 'fixed' pattern of docs/benchmarks.md)
 
 
@@ -44,7 +46,8 @@ class Variant:
     normalize: bool = True
     quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
     cpu_default: bool = True
-    score: Optional[str] = None     # a score term (effattn.score): "softcap" | "alibi" | "sinks"
+    score: Optional[str] = None     # a score term (effattn.score): "softcap" | "alibi" | "sinks" | "t5" | "span"
+    #                                 | "span-max"
 
 
 VARIANTS: Tuple[Variant, ...] = (
@@ -85,6 +88,13 @@ VARIANTS: Tuple[Variant, ...] = (
             cpu_default=False),
     Variant("sinks", "score", "causal, one attention-sink logit per head (gpt-oss)", causal=True, score="sinks",
             cpu_default=False),
+    Variant("t5", "score", f"causal, T5's relative position bias ({T5_BUCKETS} buckets up to distance {T5_DISTANCE}, "
+            "past only) as a relative table", causal=True, score="t5", cpu_default=False),
+    Variant("span", "score", f"causal, adaptive span (ramp {SPAN_RAMP}), spans drawn per head uniformly in "
+            f"[0, min({SPAN_MAX}, L/4)]: time should follow the sum of the spans (against 'span-max')", causal=True,
+            score="span", cpu_default=False),
+    Variant("span-max", "score", f"causal, adaptive span (ramp {SPAN_RAMP}) with every head at the largest span "
+            f"min({SPAN_MAX}, L/4)", causal=True, score="span-max", cpu_default=False),
 )
 
 
@@ -141,6 +151,17 @@ class Case:
                 kw = dict(softcap=SOFTCAP)
             elif kind == "alibi":
                 kw = dict(bias=effattn.bias.ALiBi(effattn.bias.alibi_slopes(self.H).to(self.device)))
+            elif kind == "t5":
+                g = torch.Generator().manual_seed(7)
+                weight = torch.randn(T5_BUCKETS, self.H, generator=g)          # T5's (buckets, H) embedding
+                idx = effattn.bias.t5_bucket_index(T5_BUCKETS, T5_DISTANCE, bidirectional=False)
+                kw = dict(bias=effattn.bias.Relative(weight.T[:, idx].contiguous().to(self.device),
+                                                     max_distance=T5_DISTANCE, bidirectional=False))
+            elif kind in ("span", "span-max"):
+                g = torch.Generator().manual_seed(7)
+                top = min(SPAN_MAX, self.L // 4)
+                z = torch.rand(self.H, generator=g) * top if kind == "span" else torch.full((self.H,), float(top))
+                kw = dict(bias=effattn.bias.Span(z.float().to(self.device), ramp=SPAN_RAMP, max_span=top))
             else:
                 g = torch.Generator().manual_seed(7)
                 kw = dict(sinks=torch.randn(self.H, generator=g).to(self.device))
@@ -301,16 +322,23 @@ def _flex(case: Case) -> Bench:
                 setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     mod = Rule.of(case.L, case.L, **case.mask_kwargs()).mask_mod(case.device)
+    kind, kw = case.variant.score, case.score_kwargs()
+    per_head = case.layout is not None and case.layout.num_heads > 1
+    if kind in ("span", "span-max"):         # Flex gets each head's span as a block mask too (tiles skipped)
+        z, ramp, rule_mod = kw["bias"].z, float(kw["bias"].ramp), mod
+
+        def mod(b, h, i, j):
+            return rule_mod(b, h, i, j) & ((i - j).to(z.dtype) < z[h] + ramp)
+        per_head = True
     block_mask = None
     if mod is not None:
-        heads = case.H if case.layout is not None and case.layout.num_heads > 1 else None
+        heads = case.H if per_head else None
         # _compile: evaluate the mask tile by tile instead of as one L x L tensor (64k: 4 GiB+)
-        kw = {"_compile": True} if case.device.type == "cuda" and "_compile" in \
+        opts = {"_compile": True} if case.device.type == "cuda" and "_compile" in \
             inspect.signature(create_block_mask).parameters else {}
         block_mask = create_block_mask(mod, None, heads, case.L, case.L, device=case.device,
-                                       BLOCK_SIZE=LAYOUT_BLOCK, **kw)
+                                       BLOCK_SIZE=LAYOUT_BLOCK, **opts)
     q, k, v, flex = case.q, case.k, case.v, _flex_compiled
-    kind, kw = case.variant.score, case.score_kwargs()
     if kind == "sinks":
         sinks = kw["sinks"][None, :, None, None]
 
@@ -330,6 +358,16 @@ def _flex(case: Case) -> Bench:
 
         def score_mod(s, b, h, i, j):
             return s - slopes[h] * (i - j).abs()
+    elif kind == "t5":
+        table, M = kw["bias"].table, kw["bias"].max_distance
+
+        def score_mod(s, b, h, i, j):
+            return s + table[h, (i - j).clamp(0, M)]
+    elif kind in ("span", "span-max"):
+        z, ramp = kw["bias"].z, float(kw["bias"].ramp)
+
+        def score_mod(s, b, h, i, j):
+            return s + torch.log(((ramp + z[h] - (i - j).to(z.dtype)) / ramp).clamp(1e-30, 1.0))
     return Bench(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask), (q, k, v))
 
 

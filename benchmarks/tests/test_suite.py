@@ -44,13 +44,19 @@ def _check_packed(e):
     assert e["flops"] == 4 * e["D"] * e["pairs"] and 2 * e["flops_fwdbwd"] == 7 * e["flops"], e
 
 
+# the score section's variants: causal pairs (a span's pairs are counted as causal: its time is read
+# against span-max, every head at the largest span)
+SCORE_VARIANTS = ("softcap", "alibi", "sinks", "t5", "span", "span-max")
+
+
 def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     """The suite's own plan (its variants, windows and layouts) at toy sizes: every pair count is
     the number of True entries of the oracle's mask, written independently of effattn."""
     entries = sections.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host", "softcap",
-                                                 "alibi", "sinks", "causal-packed/padded"}
+                                                 "alibi", "sinks", "t5", "span", "span-max",
+                                                 "causal-packed/padded"}
     for e in entries:
         if e["variant"] in ("decode", "host", "paged"):
             continue
@@ -100,7 +106,7 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
             assert (B, H, D) == (1, 16, 128), e
         want = {"dense": L * L, "causal": L * (L + 1) // 2,
                 "window": L * 1025 - 1024 * 1025 // 2,             # min(i, 1024) + 1 keys for row i
-                "fixed": _fixed_pairs(L), **{t: L * (L + 1) // 2 for t in ("softcap", "alibi", "sinks")}
+                "fixed": _fixed_pairs(L), **{t: L * (L + 1) // 2 for t in SCORE_VARIANTS}
                 }.get(e["variant"])
         if want is not None:
             assert e["pairs"] == H * want, e
@@ -108,7 +114,7 @@ def test_plan_counts_match_closed_forms_at_real_shapes():
         _check_flops(e)
     assert {("window", 16384), ("window", 65536), ("fixed", 16384), ("fixed", 65536), ("causal", 65536),
             ("dense", 4096), ("dense", 16384), ("causal", 4096), ("softcap", 16384), ("alibi", 4096),
-            ("sinks", 16384)} <= seen
+            ("sinks", 16384), ("t5", 4096), ("span", 16384), ("span-max", 4096)} <= seen
     # the layout's sparsity as stated for it: about 94% at 16k, 96% at 64k
     assert abs(_fixed_pairs(16384) / (16384 * 16384) - 0.053) < 0.002
     assert abs(_fixed_pairs(65536) / (65536 * 65536) - 0.0367) < 0.001

@@ -35,6 +35,9 @@ def _terms(kind, B, H, Lq, Lk, g):
     if kind == "span":
         z = torch.tensor([2.3, 7.6, 0.4, 11.1], dtype=torch.float64)[:H]
         return dict(bias=Span(z, ramp=4, max_span=12.0)), {"z": None}
+    if kind == "span-per-head":     # spans far apart: each head's kernels skip different key tiles
+        z = torch.tensor([14.5, 30.0, 3.0, 57.2], dtype=torch.float64)[:H]   # head 0: row 16 sees key 15 (d = 18)
+        return dict(bias=Span(z, ramp=4, max_span=60.0)), {"z": None}
     if kind == "dense":
         return dict(bias=r(1, H, Lq, Lk)), {"dense": None}
     if kind == "dense-bcast":
@@ -153,6 +156,15 @@ def test_torch_low_precision_rule(kind, dtype):
 def test_kernels_match_oracle(backend, kind, mode):
     shape, kw = MODES[mode]
     check(shape, kind, kw, torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("mode", [dict(causal=True), dict(window=(40, 5)), {}])
+def test_span_per_head_tile_skipping(backend, mode):
+    """Each head visits only the key tiles within its own span z[h] + ramp (the kernels tighten the
+    call's horizon per head): heads whose spans end in different tiles, GQA (a dK/dV program walks
+    each of its query heads' ranges), Lq < Lk (bottom-right offset), against the oracle incl. dz."""
+    check((1, 4, 2, 53, 70, 8), "span-per-head", mode, torch.float32, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + KERNELS)

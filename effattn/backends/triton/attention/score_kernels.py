@@ -4,7 +4,8 @@ evaluated in the tile after the scale (`_scores`), in the order of docs/conventi
 
 Every visited tile is masked elementwise (causal / window bounds choose the tiles: `key_tile_range`,
 `query_tile_range`; a layout is read per element); the adaptive span's horizon is folded into the
-left window bound by the launcher, so key tiles beyond every head's span are skipped.
+left window bound by the launcher, so key tiles beyond every head's span are skipped, and each
+kernel tightens it per head to ``z[h] + ramp`` (`_span_left`).
 
 Deterministic, no atomics: `score_bwd_kernel` is one launch of dK/dV programs (one per key tile of a
 (b, kv head), looping over the group's query heads) and dQ programs (one per query tile of a (b, h)).
@@ -85,6 +86,18 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
 
 
 @triton.jit
+def _span_left(left, Z, h, ramp, SPAN: tl.constexpr):
+    """Head h's left window bound: with an adaptive span, keys at d >= z[h] + ramp are invisible, so
+    the head's tiles stop at d <= floor(z[h] + ramp) (the launcher's bound, from max_span, is the
+    largest over heads): compute follows the sum of the heads' spans, not the largest. Visibility
+    itself stays with `_scores` (ratio > 0), so the bound only has to be no tighter than it: for an
+    integer d, fl(x - d) > 0 implies d < x, hence d <= floor(x)."""
+    if SPAN:
+        left = tl.minimum(left, (tl.load(Z + h).to(tl.float32) + ramp).to(tl.int32))
+    return left
+
+
+@triton.jit
 def _zero_unseen(x, seen, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                  HAS_KPM: tl.constexpr, SPAN: tl.constexpr):
     """A V tile ``x`` with the keys no row of the tile sees zeroed (with a mask); ``seen`` from
@@ -137,7 +150,8 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right, BLOCK_M,
+                                      BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for tile in range(t0, t3):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
@@ -250,10 +264,11 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-        t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for g in range(0, G):
             h = hk * G + g
             bh = b * H + h
+            t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
             for tile in range(t0, t3):
@@ -287,7 +302,8 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         slots = tl.arange(0, BLOCK_P)
         part = tl.zeros((BLOCK_P,), tl.float32)
-        t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right, BLOCK_M,
+                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for tile in range(t0, t3):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             on = i64(offs_n, IDX64)
