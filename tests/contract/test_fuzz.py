@@ -411,9 +411,7 @@ def check_properties(unit, c, q, k, v, kw):
     out = again(q, k, v)           # without gradients: forward-only paths (decode) may serve it
     assert torch.equal(again(q, k, v, return_lse=True)[0], out), "return_lse=True changed out"
     unseen = _unseen_keys(c)
-    # known gap: the Triton split-KV decode zeroes unseen keys by window and padding, not by layout
-    decode_layout = unit.name == "triton/decode" and "layout" in kw
-    if c["poison"] is not None and unseen.any() and not decode_layout:
+    if c["poison"] is not None and unseen.any():
         kp, vp = k.clone(), v.clone()          # (a clone of a strided view is contiguous: compare clones)
         clean = again(q, kp, vp)
         kp[unseen] = c["poison"]

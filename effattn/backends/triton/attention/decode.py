@@ -119,16 +119,20 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
-        # keys no query sees (padding, outside every query's window): zero values, so that NaN / inf
-        # there give 0 * 0 (a key vector of the window bounds: a reduction of `ok` over the rows fails
-        # sm_90 codegen, so keys of layout blocks no query sees are not zeroed here yet)
-        seen = offs_n < hi
-        if HAS_LEFT:
-            seen = seen & (offs_n >= off - left)
-        if HAS_RIGHT:
-            seen = seen & (offs_n <= Lq - 1 + off + right)
-        if HAS_KPM:
-            seen = seen & (pad == 0)
+        # keys no row of the tile sees (padding, outside every query's window, in layout blocks none
+        # of the packed heads and queries sees): zero values, so that NaN / inf there give 0 * 0 in
+        # P V, not 0 * NaN. Without a layout a key vector of the window bounds (the rows' windows are
+        # shifts of one interval) and the padding; with one, `ok` reduced over the rows
+        if HAS_LAYOUT:
+            seen = tl.max(ok.to(tl.int32), 0) > 0
+        else:
+            seen = offs_n < hi
+            if HAS_LEFT:
+                seen = seen & (offs_n >= off - left)
+            if HAS_RIGHT:
+                seen = seen & (offs_n <= Lq - 1 + off + right)
+            if HAS_KPM:
+                seen = seen & (pad == 0)
         v = tl.where(seen[:, None], v, tl.zeros_like(v))
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
