@@ -195,13 +195,13 @@ def test_flash_path_strided_last_dim(name):
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-@pytest.mark.parametrize("block", [16, 1])
-def test_triton_decode_layout_hidden_key_does_not_poison_row(monkeypatch, poison, block):
+@pytest.mark.parametrize("block, per_head", [(16, True), (16, False), (1, True)])
+def test_triton_decode_layout_hidden_key_does_not_poison_row(monkeypatch, poison, block, per_head):
     """Triton split-KV decode: it zeroed the values of keys no query sees by window and padding
     but not by block layout, so a NaN / inf in the K / V row of a key that only a layout hides
-    turned the rows of its split into NaN (0 * NaN in P V). Block 1: the rows of one tile see
-    different key blocks (per head and per query), so the keys some row sees differ from any one
-    row's; every split (keys_per_split) and a per-head layout."""
+    turned the rows of its split into NaN (0 * NaN in P V). Block 16: the queries in one query
+    block (the keys the GQA group's heads see, per key); block 1: the rows of one tile in several
+    query blocks (the kernel reduces its mask over the rows); one split and three."""
     from effattn import splits
     from effattn.backends.triton.attention import decode
     from effattn.layouts import BlockLayout
@@ -212,7 +212,7 @@ def test_triton_decode_layout_hidden_key_does_not_poison_row(monkeypatch, poison
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, H, Lq, D, generator=g)
     k, v = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
-    mask = torch.rand(H, -(-Lq // block), -(-Lk // block), generator=g) < 0.4
+    mask = torch.rand(H if per_head else 1, -(-Lq // block), -(-Lk // block), generator=g) < 0.4
     mask[..., -1] = True                                      # every row sees its own key
     layout = BlockLayout(mask, block)
     kw = dict(causal=True, layout=layout)
