@@ -59,10 +59,10 @@ NOMINAL_SMS = 132         # the SMs the plan assumes with no GPU to ask (the int
 # Kernels
 
 @triton.jit
-def decode_kernel(Q, K, V, KPM, LAY, LAY_SEEN, OP, LP, O, LSE, CNT,
+def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
-                  Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs, lay_seen_h,
-                  k_lo, keys_per_split, n_splits, part_stride, qk_scale,
+                  Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                  k_lo, keys_per_split, n_splits, part_stride, qk_scale, LAY_SEEN, lay_seen_h,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, PAD_D: tl.constexpr,
@@ -305,17 +305,16 @@ class DecodePlan:
         # queries in several query blocks of the layout (a block < Lq): the kernel reduces its mask over the rows
         layout_rows = p.lay is not None and p.Lq > p.layout_block
         self.lay_seen = layout_seen(p.lay, p.layout_block, p.G, p.Hkv) if p.lay is not None and not layout_rows else None
-        lay_seen_h = self.lay_seen.stride(0) if self.lay_seen is not None and self.lay_seen.shape[0] > 1 else 0
+        self.lay_seen_h = self.lay_seen.stride(0) if self.lay_seen is not None and self.lay_seen.shape[0] > 1 else 0
         self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
-                        max(p.layout_block, 1), lay_seen_h, k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
+                        max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
         merge_rows = max(2, _next_pow2(p.G * p.Lq))
         self.meta = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                          HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
                          HAS_KPM=p.has_kpm, PAD_D=p.block_d != p.D, PAD_DV=p.block_dv != p.Dv,
                          DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, MERGE_ROWS=merge_rows,
                          SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), LAYOUT_ROWS=layout_rows,
-                         num_warps=warps,
-                         num_stages=stages, enable_fp_fusion=True)
+                         num_warps=warps, num_stages=stages, enable_fp_fusion=True)
 
 
 MERGE_ELEMENTS_PER_THREAD = 32   # fp32 partial-output elements a thread holds per merge step
@@ -370,6 +369,6 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
         o_part = l_part = lse
     with _on_device(q.device):
         decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
-                              _or_dummy(d.lay_seen, q), o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(),
-                              *v.stride(), *p.kpm_strides, *d.scalars, **d.meta)
+                              o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
+                              *d.scalars, _or_dummy(d.lay_seen, q), d.lay_seen_h, **d.meta)
     return out, lse
