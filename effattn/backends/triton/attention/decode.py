@@ -284,7 +284,7 @@ class DecodePlan:
     """Grid size, scalar arguments and flags of a decode call's launch, built once per `LaunchPlan`
     and split choice and kept in the plan's argument cache: a repeated decode step costs two
     dictionary lookups on the host besides the launch. Its one tensor, with a layout whose first
-    query block holds every query, is the layout's blocks seen per KV head (`layout_seen`)."""
+    query block holds every query, is the keys of the layout's blocks seen per KV head (`seen_keys`)."""
 
     def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
         rows = packed_rows(p.G, p.Lq)
@@ -304,8 +304,9 @@ class DecodePlan:
         self.grid = (p.B * p.Hkv * n_splits,)
         # queries in several query blocks of the layout (a block < Lq): the kernel reduces its mask over the rows
         layout_rows = p.lay is not None and p.Lq > p.layout_block
-        self.lay_seen = layout_seen(p.lay, p.layout_block, p.G, p.Hkv) if p.lay is not None and not layout_rows else None
-        self.lay_seen_h = self.lay_seen.stride(0) if self.lay_seen is not None and self.lay_seen.shape[0] > 1 else 0
+        self.needs_seen = p.lay is not None and not layout_rows
+        self.lay_seen = None
+        self.lay_seen_h = p.lay_nkb * p.layout_block if self.needs_seen and p.lay.shape[0] > 1 else 0
         self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
                         max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
         merge_rows = max(2, _next_pow2(p.G * p.Lq))
@@ -315,6 +316,19 @@ class DecodePlan:
                          DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, MERGE_ROWS=merge_rows,
                          SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), LAYOUT_ROWS=layout_rows,
                          num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+
+
+    def seen_keys(self, p, device) -> Optional[torch.Tensor]:
+        """`layout_seen` of the call's layout (None without one or with ``LAYOUT_ROWS``), built at the
+        first launch and kept; under CUDA-graph capture built afresh (a node of the graph: nothing
+        runs until a replay, so an eager launch must not reuse it)."""
+        if not self.needs_seen:
+            return None
+        if _capturing(device):
+            return layout_seen(p.lay, p.layout_block, p.G, p.Hkv)
+        if self.lay_seen is None:
+            self.lay_seen = layout_seen(p.lay, p.layout_block, p.G, p.Hkv)
+        return self.lay_seen
 
 
 MERGE_ELEMENTS_PER_THREAD = 32   # fp32 partial-output elements a thread holds per merge step
@@ -370,5 +384,5 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     with _on_device(q.device):
         decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
                               o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
-                              *d.scalars, _or_dummy(d.lay_seen, q), d.lay_seen_h, **d.meta)
+                              *d.scalars, _or_dummy(d.seen_keys(p, q.device), q), d.lay_seen_h, **d.meta)
     return out, lse
