@@ -317,7 +317,6 @@ class DecodePlan:
                          SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), LAYOUT_ROWS=layout_rows,
                          num_warps=warps, num_stages=stages, enable_fp_fusion=True)
 
-
     def seen_keys(self, p, device) -> Optional[torch.Tensor]:
         """`layout_seen` of the call's layout (None without one or with ``LAYOUT_ROWS``), built at the
         first launch and kept; under CUDA-graph capture built afresh (a node of the graph: nothing
