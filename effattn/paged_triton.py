@@ -69,6 +69,7 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
         q = q.to(tl.float32)
     first = n_keys - Lq + m * BLOCK_M
     lo, hi = key_range(first, first + BLOCK_M - 1, n_keys, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    last = tl.minimum(first + BLOCK_M, n_keys) - 1                   # the position of the last real row
     if SPLIT:                                 # this program's share of the range (keys_per_split: whole tiles)
         lo = lo + tl.program_id(2) * keys_per_split
         hi = tl.minimum(hi, lo + keys_per_split)
@@ -90,8 +91,16 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
             ok = ok & (offs_n[None, :] <= pos[:, None] + right)
         s = tl.where(ok, s, float("-inf"))
         p, alpha, m_new, l_i = online_step(m_i, l_i, s)
+        # values of keys none of the rows sees (past seqlens, outside the window of every row: the rows
+        # sit at consecutive positions first..last, so their windows' union is [first - left, last + right])
+        # read as 0: NaN / inf in such a slot give 0 * 0 in P V, not 0 * NaN
+        seen = live
+        if HAS_LEFT:
+            seen = seen & (offs_n >= first - left)
+        if HAS_RIGHT:
+            seen = seen & (offs_n <= last + right)
         v = tl.load(VP + page[:, None] * svp + slot[:, None] * svs + hk * svh + offs_dv[None, :] * svd,
-                    mask=live[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+                    mask=seen[:, None] & (offs_dv[None, :] < Dv), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
     out, lse = finish(acc, m_i, l_i)

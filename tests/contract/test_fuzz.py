@@ -1,5 +1,6 @@
 """Property-based fuzz (hypothesis) over the call space of `effattn.attention` and
-`effattn.linear_attention`, on every runnable unit (a backend, or one path of it) of this machine.
+`effattn.linear_attention` (and of paged calls, `effattn.attention` with ``block_table`` /
+``seqlens``), on every runnable unit (a backend, or one path of it) of this machine.
 
 Each example draws every argument (shapes with 0 and 1, head dims 1..256, Lq != Lk, GQA ratios,
 non-contiguous views, windows, layouts, key padding, dropout, scales 0 / negative / tiny / huge,
@@ -171,6 +172,27 @@ def _dtypes(unit):
     return [d for d in order if d in caps.dtypes]
 
 
+def _draw_window(draw, kw, reach):
+    """None (half the time), an int or a pair of window sides up to ``reach`` into ``kw``."""
+    w = draw(st.sampled_from(["none", "int", "pair", "none"]))
+    if w == "int":
+        kw["window"] = draw(st.integers(0, reach))
+    elif w == "pair":
+        kw["window"] = (draw(st.integers(0, reach)), draw(st.integers(0, reach)))
+
+
+def _draw_scale_and_magnitude(draw, kw, dtype) -> float:
+    """A scale into ``kw`` (the default, a value, 0, negative, tiny or huge) and the inputs' magnitude
+    (1e-4 .. 1e4, 1e-4 .. 10 in 16-bit)."""
+    kind = draw(st.sampled_from(["default", "default", "value", "zero", "negative", "tiny", "huge"]))
+    kw["scale"] = {"default": None, "value": draw(st.floats(0.01, 2.0)), "zero": 0.0,
+                   "negative": -draw(st.floats(0.01, 2.0)), "tiny": 1e-30, "huge": 1e4}[kind]
+    if kw["scale"] is None:
+        del kw["scale"]
+    half = dtype in (torch.float16, torch.bfloat16)
+    return 10.0 ** draw(st.integers(-4, 1 if half else 4))
+
+
 @st.composite
 def attention_calls(draw, unit):
     small = unit.interpreted
@@ -189,11 +211,7 @@ def attention_calls(draw, unit):
     D = draw(hd)
     Dv = D if draw(st.booleans()) else draw(hd)
     kw = {"causal": draw(st.booleans())}
-    w = draw(st.sampled_from(["none", "int", "pair", "none"]))
-    if w == "int":
-        kw["window"] = draw(st.integers(0, Lmax))
-    elif w == "pair":
-        kw["window"] = (draw(st.integers(0, Lmax)), draw(st.integers(0, Lmax)))
+    _draw_window(draw, kw, Lmax)
     if draw(st.integers(0, 3)) == 0 and Lq and Lk:
         bs = draw(st.sampled_from([16, 32, 64]))
         Hl = draw(st.sampled_from([1, H]))
@@ -222,13 +240,7 @@ def attention_calls(draw, unit):
             kw["max_seqlen"] = (int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()))
     if draw(st.integers(0, 3)) == 0 and dtype != torch.float64:
         kw["out_dtype"] = torch.float32
-    kind = draw(st.sampled_from(["default", "default", "value", "zero", "negative", "tiny", "huge"]))
-    kw["scale"] = {"default": None, "value": draw(st.floats(0.01, 2.0)), "zero": 0.0,
-                   "negative": -draw(st.floats(0.01, 2.0)), "tiny": 1e-30, "huge": 1e4}[kind]
-    if kw["scale"] is None:
-        del kw["scale"]
-    half = dtype in (torch.float16, torch.bfloat16)
-    mag = 10.0 ** draw(st.integers(-4, 1 if half else 4))
+    mag = _draw_scale_and_magnitude(draw, kw, dtype)
     dropout = draw(st.sampled_from([0.0, 0.0, 0.0, 0.3])) if not unit.name.endswith("decode") else 0.0
     if dropout and 1 <= Lk <= 256 and B > 0:
         kw["dropout_p"] = dropout
@@ -339,19 +351,25 @@ def _describe_attention(c):
                              for n, x in c["kw"].items()}})
 
 
-def fuzz_attention(unit, n):
-    _fuzz(attention_calls(unit), lambda c: check_attention(unit, c), _describe_attention, unit.name.encode(), n)
+def fuzz_tests(units, strategy, check, describe, prefix: bytes):
+    """The two tests of a fuzzed op: its CI run (`ci_examples` per unit) and its campaign (``-m fuzz``),
+    each a parametrization over `units`; ``prefix`` + the unit's name keys its examples in the database."""
+    def run(unit, n):
+        _fuzz(strategy(unit), lambda c: check(unit, c), describe, prefix + unit.name.encode(), n)
+
+    @pytest.mark.parametrize("unit", units)
+    def ci(unit):
+        run(unit, ci_examples(unit))
+
+    @pytest.mark.fuzz
+    @pytest.mark.parametrize("unit", units)
+    def campaign(unit):
+        run(unit, _campaign())
+    return ci, campaign
 
 
-@pytest.mark.parametrize("unit", ATTN_UNITS)
-def test_attention_fuzz(unit):
-    fuzz_attention(unit, ci_examples(unit))
-
-
-@pytest.mark.fuzz
-@pytest.mark.parametrize("unit", ATTN_UNITS)
-def test_attention_campaign(unit):
-    fuzz_attention(unit, _campaign())
+test_attention_fuzz, test_attention_campaign = fuzz_tests(ATTN_UNITS, attention_calls, lambda u, c: check_attention(u, c),
+                                                          _describe_attention, b"")
 
 
 def check_attention(unit, c):
@@ -423,9 +441,7 @@ def check_properties(unit, c, q, k, v, kw):
     out = again(q, k, v)           # without gradients: forward-only paths (decode) may serve it
     assert torch.equal(again(q, k, v, return_lse=True)[0], out), "return_lse=True changed out"
     unseen = _unseen_keys(c)
-    # known gap: the Triton split-KV decode zeroes unseen keys by window and padding, not by layout
-    decode_layout = unit.name == "triton/decode" and "layout" in kw
-    if c["poison"] is not None and unseen.any() and not decode_layout:
+    if c["poison"] is not None and unseen.any():
         kp, vp = k.clone(), v.clone()          # (a clone of a strided view is contiguous: compare clones)
         clean = again(q, kp, vp)
         kp[unseen] = c["poison"]
@@ -520,19 +536,8 @@ def _linear_parts(q, k, v, phi, causal, normalize, eps, state, dtype):
     return num, (den + eps if normalize else None)
 
 
-def fuzz_linear(unit, n):
-    _fuzz(linear_calls(unit), lambda c: check_linear(unit, c), repr, b"linear-" + unit.name.encode(), n)
-
-
-@pytest.mark.parametrize("unit", LINEAR_UNITS)
-def test_linear_attention_fuzz(unit):
-    fuzz_linear(unit, ci_examples(unit))
-
-
-@pytest.mark.fuzz
-@pytest.mark.parametrize("unit", LINEAR_UNITS)
-def test_linear_attention_campaign(unit):
-    fuzz_linear(unit, _campaign())
+test_linear_attention_fuzz, test_linear_attention_campaign = fuzz_tests(
+    LINEAR_UNITS, linear_calls, lambda u, c: check_linear(u, c), repr, b"linear-")
 
 
 def check_linear(unit, c):
@@ -581,6 +586,137 @@ def check_linear(unit, c):
     with torch.no_grad(), unit.enter():
         again = effattn.linear_attention(q, k, v, initial_state=state, backend=unit.backend, **kw)
     assert torch.equal(again, out.detach()), "linear attention is not bitwise deterministic"
+
+
+# ------------------------------------------------------------------------------ paged attention
+
+PAGED_UNITS = [pytest.param(u, id=u.name) for u in runnable_units("paged_attention")]
+
+
+@st.composite
+def paged_calls(draw, unit):
+    dtype = draw(st.sampled_from(_dtypes(unit)))
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.sampled_from([1, 2, 4]))
+    Lq = draw(st.sampled_from([1, 1, 2, 5, 16, 20]))        # <= 16: decode-shaped (packed with GQA), 20: not
+    page_size = draw(st.sampled_from([1, 3, 16]))
+    lens = [draw(st.integers(0, 90)) for _ in range(B)]
+    hd = st.sampled_from([1, 3, 8, 16, 24, 64])
+    D = draw(hd)
+    Dv = D if draw(st.booleans()) else draw(hd)
+    kw = {"causal": draw(st.booleans())}
+    _draw_window(draw, kw, 40)
+    mag = _draw_scale_and_magnitude(draw, kw, dtype)
+    return dict(dtype=dtype, B=B, H=H, Hkv=Hkv, Lq=Lq, D=D, Dv=Dv, page_size=page_size, lens=lens,
+                spare_cols=draw(st.integers(0, 2)), spare_pages=draw(st.integers(0, 3)),
+                unused=draw(st.sampled_from(["minus-one", "page"])), kw=kw, mag=mag,
+                view=draw(st.sampled_from(["contiguous", "strided"])),
+                poison=draw(st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30])),
+                seed=draw(st.integers(0, 2**31)))
+
+
+def _paged_inputs(c):
+    """q, the page pools (pages scattered over the pool, spare pages no table lists), the table (unused
+    entries -1 or a page) and seqlens of a drawn call."""
+    g = torch.Generator().manual_seed(c["seed"])
+    B, ps, lens = c["B"], c["page_size"], c["lens"]
+    pages = [-(-n // ps) for n in lens]
+    num_pages = sum(pages) + c["spare_pages"] + 1
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((B, max(pages) + c["spare_cols"] + 1), -1, dtype=torch.int32)
+    if c["unused"] == "page":
+        table.fill_(int(perm[-1]))
+    used = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[used:used + p].to(torch.int32)
+        used += p
+    dt, mag, Hkv = c["dtype"], c["mag"], c["Hkv"]
+
+    def make(*shape):
+        x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, dtype=torch.float64) * mag
+        return (x[..., ::2] if c["view"] == "strided" else x[..., :shape[-1]].contiguous()).to(dt)
+    return (make(B, c["H"], c["Lq"], c["D"]), make(num_pages, ps, Hkv, c["D"]), make(num_pages, ps, Hkv, c["Dv"]),
+            table, torch.tensor(lens, dtype=torch.int32))
+
+
+def _paged_seen(c, table):
+    """bool (num_pages, page_size): the slots some query of the call sees (each page belongs to one sequence)."""
+    num_pages = sum(-(-n // c["page_size"]) for n in c["lens"]) + c["spare_pages"] + 1
+    seen = torch.zeros(num_pages, c["page_size"], dtype=torch.bool)
+    for b, n in enumerate(c["lens"]):
+        if n == 0:
+            continue
+        vis = visibility(c["Lq"], n, causal=c["kw"]["causal"], window=c["kw"].get("window")).reshape(-1, n).any(0)
+        j = torch.arange(n)[vis]
+        seen[table[b, j // c["page_size"]].long(), j % c["page_size"]] = True
+    return seen
+
+
+test_paged_attention_fuzz, test_paged_attention_campaign = fuzz_tests(
+    PAGED_UNITS, paged_calls, lambda u, c: check_paged(u, c), repr, b"paged-")
+
+
+def check_paged(unit, c):
+    """Each sequence against the float64 oracle on its own keys (bottom-right); bitwise determinism;
+    invariance to the slots no query sees (past seqlens, outside every window, pages no table lists);
+    batch permutation; Triton: the split-KV path (splits of 64 keys) too."""
+    from effattn.paged_triton import paged_forward
+    q, kp, vp, table, seqlens = _paged_inputs(c)
+    kw, dtype, ps = c["kw"], c["dtype"], c["page_size"]
+    B, H, Lq, Dv = c["B"], c["H"], c["Lq"], c["Dv"]
+
+    def run(q_, kp_, vp_, table_=table, seqlens_=seqlens):
+        with torch.no_grad(), unit.enter():
+            return effattn.attention(q_, kp_, vp_, block_table=table_, seqlens=seqlens_, return_lse=True,
+                                     backend=unit.backend, **kw)
+    out, lse = run(q, kp, vp)
+    assert out.dtype == dtype and tuple(out.shape) == (B, H, Lq, Dv) and lse.shape == (B, H, Lq)
+    o2, l2 = run(q, kp, vp)
+    assert torch.equal(o2, out) and torch.equal(l2, lse), "not bitwise deterministic"
+    results = [("out", out, lse)]
+    left, right = effattn.visibility.normalize_window(kw.get("window"), kw["causal"])
+    scale = kw.get("scale", 1.0 / math.sqrt(c["D"]))
+    if unit.backend == "triton" and Lq <= 16:
+        results.append(("split out", *paged_forward(q, kp, vp, table, seqlens, left, right, scale, keys_per_split=64)))
+    for b, n in enumerate(c["lens"]):
+        t = torch.arange(n)
+        pg = table[b, t // ps].long()
+        k = kp[pg, t % ps].permute(1, 0, 2)[None]
+        v = vp[pg, t % ps].permute(1, 0, 2)[None]
+        qb = q[b:b + 1]
+        okw = dict(causal=kw["causal"], window=kw.get("window"), scale=kw.get("scale"))
+        ref, ref_lse = naive_attention(qb.double(), k.double(), v.double(), **okw)
+        low, _ = naive_attention(qb, k, v, **okw, dtype=dtype)
+        cond = _score_size(qb, k, kw)
+        amax_v = v.double().abs().max().item() if v.numel() else 0.0
+        for what, o, l_ in results:
+            _rel_judge(o[b:b + 1], ref, low, 2, dtype, f"{what} (sequence {b}, {n} keys)", cond, terms=amax_v)
+            assert torch.equal(torch.isneginf(l_[b:b + 1]), torch.isneginf(ref_lse)), f"{what}: lse -inf pattern"
+            fin = torch.isfinite(ref_lse)
+            if fin.any():
+                tol = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+                assert (l_[b:b + 1].double()[fin] - ref_lse[fin]).abs().max().item() <= tol, f"{what}: lse"
+            assert bool((o[b:b + 1][torch.isneginf(ref_lse)] == 0).all()), f"{what}: a row that sees no key is not 0"
+    unseen = ~_paged_seen(c, table)
+    if unseen.any():
+        kc, vc = kp.clone(), vp.clone()        # (a clone of a strided view is contiguous: compare clones)
+        kb, vb = kp.clone(), vp.clone()
+        kb[unseen], vb[unseen] = c["poison"], c["poison"]
+        assert torch.equal(run(q, kb, vb)[0], run(q, kc, vc)[0]), f"slots no query sees (holding {c['poison']}) changed out"
+        if len(results) > 1:
+            split = [paged_forward(q, k_, v_, table, seqlens, left, right, scale, keys_per_split=64)[0]
+                     for k_, v_ in ((kb, vb), (kc, vc))]
+            assert torch.equal(*split), f"split: slots no query sees (holding {c['poison']}) changed out"
+    if B > 1:
+        perm = torch.arange(B - 1, -1, -1)
+        o_p = run(q[perm], kp, vp, table[perm], seqlens[perm])[0]
+        if unit.backend == "triton":               # a program reads its own sequence only: bitwise
+            assert torch.equal(o_p, out[perm]), "batch permutation"
+        else:   # torch/cpu-blocks computes slices of batch entries by position (one bmm each): to rounding
+            tol = {torch.float64: 1e-13, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+            torch.testing.assert_close(o_p.double(), out[perm].double(), rtol=tol, atol=tol * max(1.0, out.abs().max().item()),
+                                       msg=lambda m: f"batch permutation: {m}")
 
 
 # ------------------------------------------------------------------------------ invalid arguments

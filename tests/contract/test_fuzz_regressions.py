@@ -327,3 +327,76 @@ def test_linear_step_unit_refuses_gradients_as_explain_says(unit):
     q = torch.randn(1, 1, 1, 4, requires_grad=True)
     with unit.enter():
         assert not effattn.explain(q, q, q, op="linear_attention").can_serve(unit.backend)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("block, per_head", [(16, True), (16, False), (1, True)])
+def test_triton_decode_layout_hidden_key_does_not_poison_row(monkeypatch, poison, block, per_head):
+    """Triton split-KV decode: it zeroed the values of keys no query sees by window and padding
+    but not by block layout, so a NaN / inf in the K / V row of a key that only a layout hides
+    turned the rows of its split into NaN (0 * NaN in P V). Block 16: the queries in one query
+    block (the keys the GQA group's heads see, per key); block 1: the rows of one tile in several
+    query blocks (the kernel reduces its mask over the rows); one split and three."""
+    from effattn import splits
+    from effattn.backends.triton.attention import decode
+    from effattn.layouts import BlockLayout
+    if "triton" not in op_backends("attention"):
+        pytest.skip("triton not usable here")
+    monkeypatch.setattr(splits, "DECODE_MIN_KEYS", 1)         # the decode row takes this short call
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 3, 96, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, Lq, D, generator=g)
+    k, v = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    mask = torch.rand(H if per_head else 1, -(-Lq // block), -(-Lk // block), generator=g) < 0.4
+    mask[..., -1] = True                                      # every row sees its own key
+    layout = BlockLayout(mask, block)
+    kw = dict(causal=True, layout=layout)
+    assert effattn.explain(q, k, v, **kw).paths["triton"].startswith("triton/decode")
+    _, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kw)
+    from effattn.testing.oracle import visibility
+    vis = visibility(Lq, Lk, causal=True, layout=layout, B=B, H=H)           # (B, H, Lq, Lk)
+    unseen = ~vis.any(2).reshape(B, Hkv, H // Hkv, Lk).any(2)
+    assert unseen.any() and (~unseen).any()
+    kp, vp = k.clone(), v.clone()
+    kp[unseen], vp[unseen] = poison, poison
+    for per in (None, 32):                                    # one split, and three
+        out = decode.fwd(q, k, v, layout.mask, block, None, D ** -0.5, -1, 0,
+                         keys_per_split=per, block_n=32)[0]
+        bad = decode.fwd(q, kp, vp, layout.mask, block, None, D ** -0.5, -1, 0,
+                         keys_per_split=per, block_n=32)[0]
+        assert not bad.isnan().any(), f"keys_per_split={per}"
+        assert torch.equal(bad, out), f"keys_per_split={per}"
+    with torch.no_grad():
+        out = effattn.attention(q, k, v, backend="triton", **kw)
+        assert torch.equal(effattn.attention(q, kp, vp, backend="triton", **kw), out)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("Lq, window", [(1, 5), (2, 5), (20, 5), (2, None)], ids=["decode", "packed", "unpacked", "no-window"])
+def test_paged_window_hidden_key_does_not_poison_row(poison, Lq, window):
+    """Triton paged kernel: it masked the scores of keys outside every query's window but read their
+    values, so a NaN / inf in a page slot of a key no query sees (in the key tile the window's start
+    falls in) turned the rows into NaN (0 * NaN in P V). Every slot no query sees holds the poison:
+    hidden by the window, past seqlens in a sequence's last page, in pages no table lists; one split
+    and splits of 64 keys; packed GQA rows (Lq <= 16) and unpacked ones."""
+    from effattn.paged_triton import paged_forward
+    from tests.core.test_paged import paged_setup
+    lens, ps = [70, 131, 3], 16
+    q, kp, vp, table, seqlens = paged_setup(lens, page_size=ps, num_pages=30, Lq=Lq)
+    table = table.clamp_min(0)
+    seen = torch.zeros(kp.shape[:2], dtype=torch.bool)                 # (page, slot) some query sees
+    for b, n in enumerate(lens):
+        first = max(0, n - Lq - window) if window is not None else 0
+        for j in range(first, n):
+            seen[table[b, j // ps], j % ps] = True
+    kb, vb = kp.clone(), vp.clone()
+    kb[~seen], vb[~seen] = poison, poison
+    left, right = effattn.visibility.normalize_window(window, True)
+    for per in (None, 64):
+        out, lse = paged_forward(q, kp, vp, table, seqlens, left, right, 8 ** -0.5, keys_per_split=per)
+        bad, bad_lse = paged_forward(q, kb, vb, table, seqlens, left, right, 8 ** -0.5, keys_per_split=per)
+        assert not bad.isnan().any(), f"keys_per_split={per}"
+        assert torch.equal(bad, out) and torch.equal(bad_lse, lse), f"keys_per_split={per}"
+    for backend in ("triton", "torch"):
+        kw = dict(block_table=table, seqlens=seqlens, causal=True, window=window, backend=backend)
+        assert torch.equal(effattn.attention(q, kb, vb, **kw), effattn.attention(q, kp, vp, **kw)), backend

@@ -57,7 +57,7 @@ _DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b"
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
+_POINTERS = {"KPM": "*u8", "LAY": "*u8", "LAY_SEEN": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
              "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
@@ -130,7 +130,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
         from effattn.backends.triton.attention import decode
         merge_rows = 4 if blocks[0] == 16 else blocks[0]
-        consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps))
+        consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps),
+                      LAYOUT_ROWS=False)                     # a layout's first query block holds the queries
     consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up

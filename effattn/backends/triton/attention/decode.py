@@ -62,12 +62,12 @@ NOMINAL_SMS = 132         # the SMs the plan assumes with no GPU to ask (the int
 def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
                   Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                  k_lo, keys_per_split, n_splits, part_stride, qk_scale,
+                  k_lo, keys_per_split, n_splits, part_stride, qk_scale, LAY_SEEN, lay_seen_h,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, PAD_D: tl.constexpr,
                   PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
-                  MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                  MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, LAYOUT_ROWS: tl.constexpr):
     """One split of one (b, kv head): 1-D grid of B * Hkv * n_splits programs, splits fastest.
     FA-2 Alg. 1 on the packed rows of the GQA group. With one split the program writes O
     (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, itself. Otherwise it
@@ -75,7 +75,13 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
     (n_splits, B*H*Lq) fp32, the split's log2-sum-exp2 of the scaled scores (-inf: no visible key),
     then counts its arrival in CNT[b * Hkv + hk] (int32, zero at launch); the last of the
     (b, kv head)'s splits to arrive merges all of them into O and LSE (`_merge_splits`) and zeroes
-    the count again."""
+    the count again.
+
+    The values of keys no packed row sees are zeroed (NaN / inf there then give 0 * 0 in P V, not
+    0 * NaN): from the window bounds and the padding, and with a layout from LAY_SEEN (uint8, one
+    byte per key, head stride ``lay_seen_h``: the keys of the blocks some head of the GQA group sees
+    from query block 0, `layout_seen`) when every query is in the layout's first query block; otherwise
+    (``LAYOUT_ROWS``: queries in several query blocks, a layout block < Lq) `ok` reduced over the rows."""
     pid = tl.program_id(0)
     split = pid % n_splits
     bk = pid // n_splits                                      # b * Hkv + hk
@@ -119,9 +125,11 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
-        # keys no query sees (padding, outside every query's window): zero values, so that NaN / inf
-        # there give 0 * 0 (a key vector of the window bounds: a reduction of `ok` over the rows fails
-        # sm_90 codegen, so keys of layout blocks no query sees are not zeroed here yet)
+        # keys no row of the tile sees (padding, outside every query's window, in layout blocks none
+        # of the packed heads and queries sees): zero values, so that NaN / inf there give 0 * 0 in
+        # P V, not 0 * NaN. A key vector: the window bounds (the rows' windows are shifts of one
+        # interval), the padding and the layout blocks the group sees; a reduction of `ok` over the
+        # rows (register pressure: spills at head dim 128) only where queries span layout blocks
         seen = offs_n < hi
         if HAS_LEFT:
             seen = seen & (offs_n >= off - left)
@@ -129,6 +137,12 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
             seen = seen & (offs_n <= Lq - 1 + off + right)
         if HAS_KPM:
             seen = seen & (pad == 0)
+        if HAS_LAYOUT:
+            if LAYOUT_ROWS:
+                seen = tl.max(ok.to(tl.int32), 0) > 0
+            else:
+                blk = tl.load(LAY_SEEN + hk.to(tl.int64) * lay_seen_h + offs_n, mask=offs_n < hi, other=0)
+                seen = seen & (blk != 0)
         v = tl.where(seen[:, None], v, tl.zeros_like(v))
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
@@ -255,10 +269,22 @@ def describe(call) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Launcher
 
+def layout_seen(lay: torch.Tensor, block: int, G: int, Hkv: int) -> torch.Tensor:
+    """uint8 ``(Hkv, nkb * block)`` (``(1, ...)`` for a layout shared by all heads): per key, whether
+    its block is seen by some query head of the KV head's GQA group from query block 0, from a
+    layout's uint8 mask ``(Hl, nqb, nkb)``; the decode kernel zeroes the values of the other keys.
+    Per key, not per block: one byte per key and head spares the kernel a division by the block."""
+    first = lay[:, 0]
+    if lay.shape[0] > 1:
+        first = first.reshape(Hkv, G, -1).amax(1)
+    return first.repeat_interleave(block, dim=1)
+
+
 class DecodePlan:
-    """Grid size, scalar arguments and flags of a decode call's launch (no tensors), built once per
-    `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode step
-    costs two dictionary lookups on the host besides the launch."""
+    """Grid size, scalar arguments and flags of a decode call's launch, built once per `LaunchPlan`
+    and split choice and kept in the plan's argument cache: a repeated decode step costs two
+    dictionary lookups on the host besides the launch. Its one tensor, with a layout whose first
+    query block holds every query, is the keys of the layout's blocks seen per KV head (`seen_keys`)."""
 
     def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
         rows = packed_rows(p.G, p.Lq)
@@ -276,6 +302,11 @@ class DecodePlan:
         self.n_rows = p.B * p.H * p.Lq
         self.n_counters = p.B * p.Hkv
         self.grid = (p.B * p.Hkv * n_splits,)
+        # queries in several query blocks of the layout (a block < Lq): the kernel reduces its mask over the rows
+        layout_rows = p.lay is not None and p.Lq > p.layout_block
+        self.needs_seen = p.lay is not None and not layout_rows
+        self.lay_seen = None
+        self.lay_seen_h = p.lay_nkb * p.layout_block if self.needs_seen and p.lay.shape[0] > 1 else 0
         self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
                         max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
         merge_rows = max(2, _next_pow2(p.G * p.Lq))
@@ -283,8 +314,20 @@ class DecodePlan:
                          HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
                          HAS_KPM=p.has_kpm, PAD_D=p.block_d != p.D, PAD_DV=p.block_dv != p.Dv,
                          DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, MERGE_ROWS=merge_rows,
-                         SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), num_warps=warps,
-                         num_stages=stages, enable_fp_fusion=True)
+                         SPLIT_CHUNK=split_chunk(merge_rows, p.block_dv, warps), LAYOUT_ROWS=layout_rows,
+                         num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+
+    def seen_keys(self, p, device) -> Optional[torch.Tensor]:
+        """`layout_seen` of the call's layout (None without one or with ``LAYOUT_ROWS``), built at the
+        first launch and kept; under CUDA-graph capture built afresh (a node of the graph: nothing
+        runs until a replay, so an eager launch must not reuse it)."""
+        if not self.needs_seen:
+            return None
+        if _capturing(device):
+            return layout_seen(p.lay, p.layout_block, p.G, p.Hkv)
+        if self.lay_seen is None:
+            self.lay_seen = layout_seen(p.lay, p.layout_block, p.G, p.Hkv)
+        return self.lay_seen
 
 
 MERGE_ELEMENTS_PER_THREAD = 32   # fp32 partial-output elements a thread holds per merge step
@@ -340,5 +383,5 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     with _on_device(q.device):
         decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
                               o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
-                              *d.scalars, **d.meta)
+                              *d.scalars, _or_dummy(d.seen_keys(p, q.device), q), d.lay_seen_h, **d.meta)
     return out, lse
