@@ -535,8 +535,8 @@ def score_calls(draw, unit):
 
 def score_kwargs(c, mode, grad=True):
     """(softcap / sinks / bias keywords, the term tensors that require grad) of ``c["score"]``:
-    tensors in the drawn parameter dtype (``mode="call"``) or in float64 (``"ref"``); a tensor requires
-    grad where drawn so (and `grad`)."""
+    tensors in the drawn parameter dtype (``mode="call"``) or those values in float64 (``"ref"``); a
+    tensor requires grad where drawn so (and `grad`)."""
     sc = c["score"]
     B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
     g = torch.Generator().manual_seed(sc["seed"])
@@ -544,7 +544,7 @@ def score_kwargs(c, mode, grad=True):
     leaves = []
 
     def leaf(x, needs):
-        t = x.to(dt).requires_grad_(needs and grad)
+        t = x.to(sc["pdtype"]).to(dt).requires_grad_(needs and grad)
         if t.requires_grad:
             leaves.append(t)
         return t
@@ -571,7 +571,9 @@ def score_kwargs(c, mode, grad=True):
                                   bidirectional=bidir))
         elif kind == "span":
             z, ramp, smax = p
-            terms.append(Span(leaf(torch.tensor(z, dtype=torch.float64), needs), ramp=ramp, max_span=smax))
+            zt = torch.tensor(z, dtype=torch.float64).to(sc["pdtype"])
+            zt = torch.where(zt.double() > smax, torch.nextafter(zt, torch.zeros_like(zt)), zt)   # rounded up
+            terms.append(Span(leaf(zt, needs), ramp=ramp, max_span=smax))
         else:
             shape, size = p
             terms.append(leaf(r(*shape) * size, needs))
