@@ -250,7 +250,7 @@ def score_attention(q, k, v, *, causal=False, window=None, layout=None, key_padd
     if span is not None:
         vis = vis & (span > 0)
     s = s.masked_fill(~vis, -math.inf)
-    top = s.amax(-1, keepdim=True)
+    top = s.amax(-1, keepdim=True) if Lk else s.new_full((B, H, Lq, 1), -math.inf)     # no key at all
     if sinks is not None:
         sk = sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)
         top = torch.maximum(top, sk)

@@ -3,7 +3,8 @@
 
 Each example draws every argument (shapes with 0 and 1, head dims 1..256, Lq != Lk, GQA ratios,
 non-contiguous views, windows, layouts, key padding, dropout, scales 0 / negative / tiny / huge,
-magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares) and checks:
+magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares; in one call
+of three the score terms softcap / sinks / bias, `score_calls`) and checks:
 
 - against the float64 oracle (effattn/testing/oracle.py) by the project's rule (test_attention.judge: at most
   2x the error of the same computation done naively in the dtype, 3x for gradients, plus a floor),
