@@ -689,7 +689,9 @@ def check_score(unit, c):
         for name, g_, rg, lg in zip(names, grads, ref_grads, low_grads):
             pdt = dtype if name in sizes else max(dtype, sc["pdtype"], key=lambda t: torch.finfo(t).eps)
             assert g_.dtype == (dtype if name in sizes else sc["pdtype"]), f"d{name}: dtype {g_.dtype}"
-            _rel_judge(g_, rg, lg, 3, pdt, f"d{name}", cond, terms=sizes.get(name))
+            # a term's gradient sums dT (times |d|, 1 / ramp...) over pairs: judged on at least one pair's size
+            size = sizes.get(name, max(dt_size, rg.abs().max().item() if rg.numel() else 0.0))
+            _rel_judge(g_, rg, lg, 3, pdt, f"d{name}", cond, terms=size)
     with torch.no_grad():
         check_score_properties(unit, c, q, k, v, kw, score_kwargs(c, "call", grad=False)[0])
 
