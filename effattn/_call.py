@@ -245,7 +245,8 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
         seed = draw_seed()
     pk = packing(q, k, causal=causal, left=left, right=right, layout=layout, key_padding_mask=key_padding_mask,
                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype,
-                 dropout=dropout_p > 0)
+                 dropout=dropout_p > 0,
+                 distance=score is not None and any(t.feature != "bias=dense" for t in score.terms))
     rule = Rule(Lq, Lk, *clamp_window(pk.left, pk.right, Lq, Lk, pk.q_offset),
                 layout.mask if layout is not None else None, layout.block_size if layout is not None else 0,
                 q_offset=pk.q_offset)

@@ -201,12 +201,15 @@ def _hides_nothing(Lq: int, Lk: int, left: int, right: int, offset: int) -> bool
 
 
 def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout, key_padding_mask,
-            cu_seqlens, max_seqlen, positions, out_dtype, fn: str = "attention", dropout: bool = False) -> Packing:
+            cu_seqlens, max_seqlen, positions, out_dtype, fn: str = "attention", dropout: bool = False,
+            distance: bool = False) -> Packing:
     """Validates the packed / positioned arguments of an attention call (its other arguments already
     checked) and returns the `Packing` the call carries. Positions that change nothing (the
     bottom-right offset ``Lk - Lq``, or a window hiding no pair at their offset) leave a plain call,
     so a ring's diagonal and fully visible chunk pairs take the backends' usual paths; with ``dropout``
-    any positions but ``(0, 0)`` stay (dropout draws at the absolute rows and keys)."""
+    any positions but ``(0, 0)`` stay (dropout draws at the absolute rows and keys); with ``distance``
+    (score terms read the query-key distance: ALiBi, Relative, Span) positions whose offset is not the
+    bottom-right one stay (the terms' distance is the positions' ``(q_start + i) - (k_start + j)``)."""
     B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
     if out_dtype is not None and out_dtype not in (torch.float32, q.dtype):
         _fail(TypeError, f"{fn}: out_dtype must be torch.float32 (fp32 partial outputs) or None, got {out_dtype}")
@@ -221,7 +224,7 @@ def packing(q: Tensor, k: Tensor, *, causal: bool, left: int, right: int, layout
                 _fail(ValueError, f"{fn}: positions cannot be combined with layout (a layout indexes the call's "
                                   "own query and key blocks)")
             off = qs - ks
-            if dropout and (qs, ks) != (0, 0):
+            if (dropout and (qs, ks) != (0, 0)) or (distance and off != Lk - Lq):
                 pos, q_offset = (qs, ks), off
                 segments = ((0, Lq, 0, Lk, off),)
             elif off == Lk - Lq:

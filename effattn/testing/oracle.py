@@ -174,15 +174,33 @@ def chunked_linear_attention(q, k, v, dout, phi, *, causal=False, normalize=True
     return _by_row_chunks(q, k, v, dout, dtype, chunk, rows)
 
 
-def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu"):
-    """The additive score terms of docs/conventions.md ("Scores") as a dense (B, H, Lq, Lk) tensor
-    in `dtype`, and the adaptive-span weights m (or None): distance d = (i + Lk - Lq) - j; ALiBi
-    ``-slope * |d|``; Relative ``table[h, clamp(d, -M, M) + M]`` (past only: ``clamp(d, 0, M)``);
-    a dense tensor broadcast. Adaptive span is returned as its multiplicative mask
-    ``m = clamp((ramp + z - d) / ramp, 0, 1)``, applied after the exponential (the paper's form)."""
+def distances(Lq, Lk, positions=None, cu_seqlens=None, device="cpu"):
+    """int64 (Lq, Lk): the query-key distance d of every pair, ``(i + Lk - Lq) - j``; with
+    ``positions=(q_start, k_start)`` ``(q_start + i) - (k_start + j)``; with ``cu_seqlens`` the same
+    inside each segment, from the segment's own bottom-right positions (pairs across segments are
+    invisible: their d is left at 0)."""
     i = torch.arange(Lq, device=device)[:, None]
     j = torch.arange(Lk, device=device)[None, :]
-    d = (i + Lk - Lq) - j
+    if cu_seqlens is not None:
+        cu_q, cu_k = cu_seqlens if isinstance(cu_seqlens, (tuple, list)) else (cu_seqlens, cu_seqlens)
+        oq, ok = cu_q.tolist(), cu_k.tolist()
+        d = torch.zeros(Lq, Lk, dtype=torch.long, device=device)
+        for a, b, c, e in zip(oq, oq[1:], ok, ok[1:]):
+            d[a:b, c:e] = distances(b - a, e - c, device=device)
+        return d
+    off = Lk - Lq if positions is None else positions[0] - positions[1]
+    return (i + off) - j
+
+
+def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu", d=None):
+    """The additive score terms of docs/conventions.md ("Scores") as a dense (B, H, Lq, Lk) tensor
+    in `dtype`, and the adaptive-span weights m (or None): distance d = (i + Lk - Lq) - j (or the
+    given `d`, see `distances`); ALiBi ``-slope * |d|``; Relative ``table[h, clamp(d, -M, M) + M]``
+    (past only: ``clamp(d, 0, M)``); a dense tensor broadcast. Adaptive span is returned as its
+    multiplicative mask ``m = clamp((ramp + z - d) / ramp, 0, 1)``, applied after the exponential
+    (the paper's form)."""
+    if d is None:
+        d = distances(Lq, Lk, device=device)
     total = torch.zeros(B, H, Lq, Lk, dtype=dtype, device=device)
     span = None
     items = bias if isinstance(bias, (list, tuple)) else ([] if bias is None else [bias])
@@ -207,11 +225,14 @@ def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu"):
 
 
 def score_attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
-                    softcap=None, sinks=None, bias=None, dtype=torch.float64, dropout_keep=None, dropout_p=0.0):
+                    softcap=None, sinks=None, bias=None, dtype=torch.float64, dropout_keep=None, dropout_p=0.0,
+                    positions=None, cu_seqlens=None, max_seqlen=None, out_dtype=None):
     """Dense attention with the score terms, from docs/conventions.md ("Scores"), in `dtype`:
     ``s = scale q.k``; ``softcap tanh(s / softcap)``; ``+`` the bias terms; invisible pairs dropped;
     the weights ``exp(s)`` (times the adaptive-span mask) normalized together with ``exp(sinks[h])``.
-    Returns (out, lse) in `dtype`; a row with no visible key gives 0 (lse -inf, or its sink logit)."""
+    Returns (out, lse) in `dtype`; a row with no visible key gives 0 (lse -inf, or its sink logit).
+    ``positions`` / ``cu_seqlens`` move the distances and the visibility (see `distances`,
+    `visibility`); ``max_seqlen`` and ``out_dtype`` change no value."""
     dev = q.device
     q, k, v = (t.to(dtype) for t in (q, k, v))
     B, H, Lq, D = q.shape
@@ -222,14 +243,14 @@ def score_attention(q, k, v, *, causal=False, window=None, layout=None, key_padd
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    add, span = score_bias(B, H, Lq, Lk, bias, dtype, dev)
+    add, span = score_bias(B, H, Lq, Lk, bias, dtype, dev, d=distances(Lq, Lk, positions, cu_seqlens, dev))
     s = s + add
     vis = visibility(Lq, Lk, causal=causal, window=window, layout=layout, key_padding_mask=key_padding_mask,
-                     B=B, H=H).to(dev)
+                     B=B, H=H, positions=positions, cu_seqlens=cu_seqlens).to(dev)
     if span is not None:
         vis = vis & (span > 0)
     s = s.masked_fill(~vis, -math.inf)
-    top = s.amax(-1, keepdim=True)
+    top = s.amax(-1, keepdim=True) if Lk else s.new_full((B, H, Lq, 1), -math.inf)     # no key at all
     if sinks is not None:
         sk = sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)
         top = torch.maximum(top, sk)

@@ -4,7 +4,8 @@
 
 Each example draws every argument (shapes with 0 and 1, head dims 1..256, Lq != Lk, GQA ratios,
 non-contiguous views, windows, layouts, key padding, dropout, scales 0 / negative / tiny / huge,
-magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares) and checks:
+magnitudes 1e-4..1e4, NaN / inf in keys no query sees, every dtype the unit declares; in one call
+of three the score terms softcap / sinks / bias, `score_calls`) and checks:
 
 - against the float64 oracle (effattn/testing/oracle.py) by the project's rule (test_attention.judge: at most
   2x the error of the same computation done naively in the dtype, 3x for gradients, plus a floor),
@@ -35,8 +36,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 import effattn
 from effattn import splits
 from effattn.backends import base
+from effattn.bias import ALiBi, Relative, Span, alibi_slopes
 from effattn.layouts import BlockLayout
-from effattn.testing.oracle import feature_map, naive_attention, visibility
+from effattn.testing.oracle import distances, feature_map, naive_attention, score_attention, score_bias, visibility
 from tests.conftest import op_backends
 from tests.core.test_attention import judge
 
@@ -318,16 +320,16 @@ def _score_size(q, k, kw):
     return max(1.0, s.abs().max().item())
 
 
-def _keep_mask(unit, q, k, v, kw, seed_value):
+def _keep_mask(unit, q, k, v, kw, seed_value, oracle=naive_attention):
     """The dropout keep-mask a call with this seed draws, read back through V = identity (out is then
-    P o keep / (1 - p)); True also where P is 0 (no effect there)."""
+    P o keep / (1 - p)); True also where P is 0 (no effect there; P from `oracle`)."""
     B, Hkv, Lk = k.shape[0], k.shape[1], k.shape[2]
     eye = torch.eye(Lk, dtype=q.dtype).expand(B, Hkv, Lk, Lk).contiguous()
     torch.manual_seed(seed_value)
     with torch.no_grad():
         p = _call(unit, q, k, eye, kw)
-    probs, _ = naive_attention(q.double(), k.double(), eye.double(), **{n: x for n, x in kw.items()
-                                                                        if n != "dropout_p"})
+    probs, _ = oracle(q.double(), k.double(), eye.double(), **{n: x for n, x in kw.items()
+                                                               if n not in ("dropout_p", "softcap", "sinks", "bias")})
     return (p != 0) | (probs == 0)
 
 
@@ -368,11 +370,9 @@ def fuzz_tests(units, strategy, check, describe, prefix: bytes):
     return ci, campaign
 
 
-test_attention_fuzz, test_attention_campaign = fuzz_tests(ATTN_UNITS, attention_calls, lambda u, c: check_attention(u, c),
-                                                          _describe_attention, b"")
-
-
 def check_attention(unit, c):
+    if c.get("score"):
+        return check_score(unit, c)
     q, k, v = _inputs(c)
     kw, dtype = dict(c["kw"]), c["dtype"]
     if not _admits(unit, q, k, v, kw):
@@ -473,6 +473,258 @@ def check_properties(unit, c, q, k, v, kw):
         tol *= _score_size(q, k, kw)           # exp's rounding grows with the scores
         torch.testing.assert_close(o_e.double(), out.double(), rtol=tol, atol=tol * max(1.0, out.abs().max().item()),
                                    msg=lambda m: f"GQA != the call with K/V expanded: {m}")
+
+
+# ------------------------------------------------------------------------------ score terms
+
+# invalid score terms: name -> (what the message must name, how to corrupt the call's terms (a dict of
+# softcap / sinks / bias), given the shape (B, H, Hkv, Lq, Lk, D, Dv))
+SCORE_BAD = {
+    "softcap-zero": ("softcap", lambda t, s: t.update(softcap=0.0)),
+    "softcap-negative": ("softcap", lambda t, s: t.update(softcap=-1.5)),
+    "softcap-nan": ("softcap", lambda t, s: t.update(softcap=float("nan"))),
+    "softcap-inf": ("softcap", lambda t, s: t.update(softcap=float("inf"))),
+    "softcap-str": ("softcap", lambda t, s: t.update(softcap="2.0")),
+    "sinks-shape": ("sinks", lambda t, s: t.update(sinks=torch.zeros(s[1] + 1))),
+    "sinks-2d": ("sinks", lambda t, s: t.update(sinks=torch.zeros(1, s[1]))),
+    "sinks-int": ("sinks", lambda t, s: t.update(sinks=torch.zeros(s[1], dtype=torch.long))),
+    "alibi-shape": ("ALiBi.slopes", lambda t, s: t.update(bias=ALiBi(torch.ones(s[1] + 1)))),
+    "relative-short": ("Relative.table", lambda t, s: t.update(bias=Relative(torch.zeros(s[1], 6), max_distance=3))),
+    "relative-past-short": ("Relative.table", lambda t, s: t.update(
+        bias=Relative(torch.zeros(s[1], 3), max_distance=3, bidirectional=False))),
+    "dense-shape": ("bias", lambda t, s: t.update(bias=torch.zeros(1, s[4] + 2))),
+    "dense-5d": ("bias", lambda t, s: t.update(bias=[torch.zeros(1, 1, 1, 1, 1)])),
+    "span-z-above": ("Span.z", lambda t, s: t.update(bias=Span(torch.full((s[1],), 4.5), ramp=2.0, max_span=4.0))),
+    "span-z-negative": ("Span.z", lambda t, s: t.update(bias=Span(torch.full((s[1],), -0.25), ramp=2.0,
+                                                                  max_span=4.0))),
+    "span-ramp-zero": ("Span.ramp", lambda t, s: t.update(bias=Span(torch.zeros(s[1]), ramp=0.0, max_span=4.0))),
+    "bias-float": ("bias", lambda t, s: t.update(bias=3.0)),
+    "bias-empty": ("bias", lambda t, s: t.update(bias=[])),
+}
+
+
+@st.composite
+def score_calls(draw, unit):
+    """An attention call (`attention_calls`) that in one of three draws also carries score terms:
+    ``c["score"]`` describes them (`score_kwargs` builds the tensors), sometimes an invalid variant."""
+    c = draw(attention_calls(unit))
+    if draw(st.integers(0, 2)) != 0:
+        return c
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    if draw(st.integers(0, 3)):            # mostly without the arguments the score rows do not serve
+        c = dict(c, kw={n: x for n, x in c["kw"].items() if n not in ("positions", "cu_seqlens", "max_seqlen",
+                                                                       "out_dtype")})
+    Lmax = 40 if unit.interpreted else 90
+    sc = dict(seed=draw(st.integers(0, 2**31)), softcap=None, sinks=None, bias=[], as_list=False, bad=None,
+              pdtype=draw(st.sampled_from([torch.float32, torch.float32, torch.float64, c["dtype"]])))
+    parts = draw(st.sets(st.sampled_from(["softcap", "sinks", "bias"]), min_size=1))
+    if "softcap" in parts:
+        sc["softcap"] = draw(st.one_of(st.floats(0.05, 50.0), st.sampled_from([1e-6, 1e6, 1])))
+    if "sinks" in parts:
+        sc["sinks"] = (draw(st.booleans()), draw(st.sampled_from([0.1, 1.0, 3.0])),
+                       draw(st.sampled_from([0.0, 0.0, 5.0, -30.0, 30.0])))
+    for _ in range(draw(st.integers(1, 3)) if "bias" in parts else 0):
+        kind, grad = draw(st.sampled_from(["alibi", "relative", "span", "dense"])), draw(st.booleans())
+        if kind == "alibi":                # (batched (B, H) slopes, the paper's slopes times a factor or random)
+            p = (draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([0.01, 0.1, 1.0])))
+        elif kind == "relative":           # (bidirectional, max_distance, spare table entries, table size)
+            p = (draw(st.booleans()), draw(st.integers(0, Lmax)), draw(st.integers(0, 3)),
+                 draw(st.sampled_from([0.1, 1.0, 5.0])))
+        elif kind == "span":               # (z per head, ramp, max_span): z on the grid of 1/4 or anywhere
+            smax = draw(st.integers(0, Lmax)) + draw(st.sampled_from([0.0, 0.5]))
+            z = [draw(st.one_of(st.sampled_from([0.0, smax]), st.integers(0, int(4 * smax)).map(lambda x: x / 4),
+                                st.floats(0.0, smax))) for _ in range(H)]
+            p = (z, draw(st.sampled_from([0.5, 1.0, 2.75, 4.0, 16.0])), smax)
+        else:                              # (shape: each of (B, H, Lq, Lk) full or 1, fewer leading dims; size)
+            full = [draw(st.booleans()) for _ in range(4)]
+            shape = tuple(n if f else 1 for n, f in zip((B, H, Lq, Lk), full))[draw(st.integers(0, 2)):]
+            p = (shape, draw(st.sampled_from([0.1, 1.0, 10.0])))
+        sc["bias"].append((kind, grad, p))
+    sc["as_list"] = len(sc["bias"]) > 1 or draw(st.booleans())
+    if draw(st.integers(0, 4)) == 0:
+        sc["bad"] = draw(st.sampled_from(sorted(SCORE_BAD)))
+    return dict(c, score=sc)
+
+
+def score_kwargs(c, mode, grad=True):
+    """(softcap / sinks / bias keywords, the term tensors that require grad) of ``c["score"]``:
+    tensors in the drawn parameter dtype (``mode="call"``) or those values in float64 (``"ref"``); a
+    tensor requires grad where drawn so (and `grad`)."""
+    sc = c["score"]
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    g = torch.Generator().manual_seed(sc["seed"])
+    dt = sc["pdtype"] if mode == "call" else torch.float64
+    leaves = []
+
+    def leaf(x, needs):
+        t = x.to(sc["pdtype"]).to(dt).requires_grad_(needs and grad)
+        if t.requires_grad:
+            leaves.append(t)
+        return t
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    kw = {}
+    if sc["softcap"] is not None:
+        kw["softcap"] = sc["softcap"]
+    if sc["sinks"] is not None:
+        needs, size, shift = sc["sinks"]
+        kw["sinks"] = leaf(r(H) * size + shift, needs)
+    terms = []
+    for kind, needs, p in sc["bias"]:
+        if kind == "alibi":
+            batched, paper, f = p
+            s = torch.rand(B, H, generator=g, dtype=torch.float64) * f if batched else \
+                (alibi_slopes(H).double() * f * 10 if paper else torch.rand(H, generator=g, dtype=torch.float64) * f)
+            terms.append(ALiBi(leaf(s, needs)))
+        elif kind == "relative":
+            bidir, M, spare, size = p
+            terms.append(Relative(leaf(r(H, (2 * M + 1 if bidir else M + 1) + spare) * size, needs), max_distance=M,
+                                  bidirectional=bidir))
+        elif kind == "span":
+            z, ramp, smax = p
+            zt = torch.tensor(z, dtype=torch.float64).to(sc["pdtype"])
+            zt = torch.where(zt.double() > smax, torch.nextafter(zt, torch.zeros_like(zt)), zt)   # rounded up
+            terms.append(Span(leaf(zt, needs), ramp=ramp, max_span=smax))
+        else:
+            shape, size = p
+            terms.append(leaf(r(*shape) * size, needs))
+    if terms:
+        kw["bias"] = terms if sc["as_list"] else terms[0]
+    return kw, leaves
+
+
+def _score_cond(q, k, kw, terms):
+    """max(1, the largest |score| with every term) of a call, on the pairs it sees (float64)."""
+    if not (q.numel() and k.numel()):
+        return 1.0
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    s = q.double() @ k.double().repeat_interleave(H // k.shape[1], 1).transpose(-1, -2)
+    s = s * kw.get("scale", 1.0 / math.sqrt(D))
+    if terms.get("softcap") is not None:
+        s = terms["softcap"] * torch.tanh(s / terms["softcap"])
+    d = distances(Lq, Lk, kw.get("positions"), kw.get("cu_seqlens"))
+    add, _ = score_bias(B, H, Lq, Lk, terms.get("bias"), torch.float64, d=d)
+    s = (s + add.detach())[visibility(Lq, Lk, causal=kw.get("causal", False), window=kw.get("window"),
+                                      layout=kw.get("layout"), key_padding_mask=kw.get("key_padding_mask"), B=B,
+                                      H=H, positions=kw.get("positions"), cu_seqlens=kw.get("cu_seqlens"))]
+    return max(1.0, s.abs().max().item()) if s.numel() else 1.0
+
+
+def check_score(unit, c):
+    """A call with score terms: a bad one is refused naming its argument; a valid one that the unit
+    does not serve is refused; else out, lse and the gradients of q, k, v and of every term tensor
+    against `score_attention` in float64 by the project's rule, and the oracle-free properties."""
+    q, k, v = _inputs(c)
+    kw, dtype, sc = dict(c["kw"]), c["dtype"], c["score"]
+    B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
+    if sc["bad"]:
+        name, corrupt = SCORE_BAD[sc["bad"]]
+        terms, _ = score_kwargs(c, "call", grad=False)
+        corrupt(terms, c["shape"])
+        with pytest.raises((TypeError, ValueError)) as info:
+            _call(unit, q, k, v, {**kw, **terms})
+        assert name in str(info.value), f"{sc['bad']}: the error does not name {name!r}: {info.value}"
+        return
+    terms, params = score_kwargs(c, "call")
+    want_grad = c["grad"] or bool(params)
+    leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    full = {**kw, **terms}
+    if not _admits(unit, *leaves, full):
+        with pytest.raises((TypeError, ValueError)):
+            _call(unit, *leaves, full)
+        return
+    drop = kw.get("dropout_p", 0.0)
+    ref_terms, ref_params = score_kwargs(c, "ref")
+    okw = {n: x for n, x in kw.items() if n != "dropout_p"}
+    keep = None
+    if drop:
+        keep = _keep_mask(unit, q, k, v, {**kw, **score_kwargs(c, "call", grad=False)[0]}, c["seed"],
+                          oracle=lambda *a, **o: score_attention(*a, **o, **ref_terms))
+    ctx = contextlib.nullcontext() if want_grad else torch.no_grad()
+    go = torch.randn(B, H, Lq, Dv, generator=torch.Generator().manual_seed(c["seed"] + 1), dtype=torch.float64)
+    gl = torch.randn(B, H, Lq, generator=torch.Generator().manual_seed(c["seed"] + 2), dtype=torch.float64)
+
+    def run(qkv, ps, fn):
+        """(out, lse, gradients of qkv and ps) of one evaluation; a gradient into lse on its finite rows."""
+        torch.manual_seed(c["seed"])
+        with ctx:
+            o, l = fn(*qkv)
+        if not want_grad or not o.numel():
+            return o, l, []
+        fin = torch.isfinite(l.detach())
+        loss = (o * go.to(o.dtype)).sum() + (torch.where(fin, l, torch.zeros_like(l)) * gl.to(l.dtype)).sum()
+        ins = [t for t in (*qkv, *ps) if t.requires_grad]
+        gs = torch.autograd.grad(loss, ins, allow_unused=True)
+        return o, l, [torch.zeros_like(t) if g_ is None else g_ for t, g_ in zip(ins, gs)]
+
+    def kernel(*qkv):
+        return _call(unit, *qkv, full, return_lse=True)
+
+    out, lse, grads = run(leaves, params, kernel)
+    assert out.dtype == kw.get("out_dtype", dtype) and tuple(out.shape) == (B, H, Lq, Dv) and lse.shape == (B, H, Lq)
+    # bitwise determinism, the terms' gradients included (the same leaves, a second run)
+    out2, lse2, grads2 = run(leaves, params, kernel)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse), "score terms: not bitwise deterministic"
+    for i, (a, b) in enumerate(zip(grads, grads2)):
+        assert torch.equal(a, b), f"score terms: gradient {i} not bitwise deterministic"
+    ref_leaves = [t.detach().double().requires_grad_(c["grad"]) for t in (q, k, v)]
+    ref, ref_lse, ref_grads = run(ref_leaves, ref_params, lambda *x: score_attention(
+        *x, **okw, **ref_terms, dropout_keep=keep, dropout_p=drop))
+    low_leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
+    low_terms, low_params = score_kwargs(c, "call")
+    low, _, low_grads = run(low_leaves, low_params, lambda *x: score_attention(
+        *x, **okw, **low_terms, dtype=dtype, dropout_keep=keep, dropout_p=drop))
+    cond = _score_cond(q, k, kw, ref_terms)
+    amax = {n: (t.double().abs().max().item() if t.numel() else 0.0) for n, t in zip("qkv", (q, k, v))}
+    inv_keep = 1.0 / (1.0 - drop)
+    _rel_judge(out.detach(), ref.detach(), low.detach(), 2, dtype, "out", cond, terms=amax["v"] * inv_keep)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs from the oracle's"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        tol = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+        err = (lse.detach().double()[fin] - ref_lse.detach()[fin]).abs().max().item()
+        assert err <= tol, f"lse differs from the oracle's by {err}"
+    vis = visibility(Lq, Lk, causal=kw.get("causal", False), window=kw.get("window"), layout=kw.get("layout"),
+                     key_padding_mask=kw.get("key_padding_mask"), B=B, H=H, positions=kw.get("positions"),
+                     cu_seqlens=kw.get("cu_seqlens"))
+    empty = ~vis.any(-1) | torch.isneginf(ref_lse.detach())
+    assert bool((out.detach()[empty] == 0).all()), "a row that sees no key is not exactly 0"
+    if grads:
+        gmax, glmax = go.abs().max().item(), gl.abs().max().item()
+        sc_ = abs(kw.get("scale", 1.0 / math.sqrt(D)))
+        dt_size = 2 * gmax * amax["v"] * inv_keep + glmax          # |dP - Delta| at most
+        names = [n for n, t in zip("qkv", leaves) if t.requires_grad] + [f"d{i}" for i in range(len(params))]
+        sizes = {"q": sc_ * amax["k"] * dt_size, "k": sc_ * amax["q"] * dt_size, "v": gmax * inv_keep}
+        for name, g_, rg, lg in zip(names, grads, ref_grads, low_grads):
+            pdt = dtype if name in sizes else max(dtype, sc["pdtype"], key=lambda t: torch.finfo(t).eps)
+            assert g_.dtype == (dtype if name in sizes else sc["pdtype"]), f"d{name}: dtype {g_.dtype}"
+            # a term's gradient sums dT (times |d|, 1 / ramp...) over pairs: judged on at least one pair's size
+            size = sizes.get(name, max(dt_size, rg.abs().max().item() if rg.numel() else 0.0))
+            _rel_judge(g_, rg, lg, 3, pdt, f"d{name}", cond, terms=size)
+    with torch.no_grad():
+        check_score_properties(unit, c, q, k, v, kw, score_kwargs(c, "call", grad=False)[0])
+
+
+def check_score_properties(unit, c, q, k, v, kw, terms):
+    """return_lse does not change out; keys no query sees (whatever they hold) change nothing."""
+    full = {**kw, **terms}
+
+    def again(q_, k_, v_, **extra):
+        torch.manual_seed(c["seed"])
+        return _call(unit, q_, k_, v_, full, **extra)
+
+    out = again(q, k, v)
+    assert torch.equal(again(q, k, v, return_lse=True)[0], out), "return_lse=True changed out"
+    unseen = _unseen_keys(c)
+    if c["poison"] is not None and unseen.any():
+        kp, vp = k.clone(), v.clone()
+        clean = again(q, kp, vp)
+        kp[unseen] = c["poison"]
+        vp[unseen] = c["poison"]
+        assert torch.equal(again(q, kp, vp), clean), f"keys no query sees (holding {c['poison']}) changed out"
 
 
 # ------------------------------------------------------------------------------ linear attention
@@ -795,3 +1047,8 @@ def test_linear_invalid_arguments_name_the_argument(bad, B, L, D):
     with pytest.raises((TypeError, ValueError)) as info:
         effattn.linear_attention(args[0], args[1], args[2], **args[3])
     assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
+
+
+# (after `score_calls`: the attention strategy draws score terms in one call of three)
+test_attention_fuzz, test_attention_campaign = fuzz_tests(ATTN_UNITS, score_calls, lambda u, c: check_attention(u, c),
+                                                          _describe_attention, b"")

@@ -400,3 +400,46 @@ def test_paged_window_hidden_key_does_not_poison_row(poison, Lq, window):
     for backend in ("triton", "torch"):
         kw = dict(block_table=table, seqlens=seqlens, causal=True, window=window, backend=backend)
         assert torch.equal(effattn.attention(q, kb, vb, **kw), effattn.attention(q, kp, vp, **kw)), backend
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name in ("torch/score", "triton/score",
+                                                                                           "cuda/prefill")])
+def test_positions_with_distance_terms_never_collapse(unit):
+    """``positions`` that hide no pair (no causal, no window) left a plain call, so ALiBi / Relative /
+    Span read the bottom-right distance ``i + Lk - Lq - j`` instead of the positions'
+    ``(q_start + i) - (k_start + j)`` (torch/score, triton/score, cuda/prefill: off by up to 2.1 at
+    (1, 2, 8, 16), positions (0, 5)). Such positions now stay, and the score rows, which do not serve
+    positions, refuse the call naming them; positions at the bottom-right offset still collapse."""
+    from effattn.bias import ALiBi
+    from effattn.testing.oracle import score_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g).to(torch.float16) for _ in range(3))
+    bias = ALiBi(torch.tensor([0.5, 0.25]))
+    for pos in [(0, 5), (20, 0)]:
+        with unit.enter():
+            assert not effattn.explain(q, k, v, bias=bias, positions=pos).can_serve(unit.backend)
+        with pytest.raises(ValueError, match="positions"):
+            _call(unit, effattn.attention, q, k, v, bias=bias, positions=pos)
+    out = _call(unit, effattn.attention, q, k, v, bias=bias, positions=(3, 3))     # offset Lk - Lq = 0
+    ref, _ = score_attention(q, k, v, bias=bias, positions=(3, 3))
+    assert (out.double() - ref).abs().max().item() < 2e-3
+    # softcap, sinks and a dense bias read no distance: those positions still collapse to a plain call
+    out = _call(unit, effattn.attention, q, k, v, softcap=2.0, positions=(0, 5))
+    ref, _ = score_attention(q, k, v, softcap=2.0)
+    assert (out.double() - ref).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("attention") if p.values[0].name in ("torch/score", "triton/score",
+                                                                                           "cuda/prefill")])
+def test_large_softcap_keeps_tanh_accurate(unit):
+    """Triton's tanh was (1 - e^-2x) / (1 + e^-2x): with a large softcap (1e6, i.e. no cap) x = s / c is
+    ~1e-6, 1 - e cancels, and the scores came out ~1% off (lse off by 0.03 at (1, 1, 26, 26, 16) fp16):
+    small arguments now take tanh's Taylor series."""
+    from effattn.testing.oracle import score_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 26, 16, generator=g).to(torch.float16) for _ in range(3))
+    for cap in (1e6, 1e3, 8.0, 0.5):
+        out, lse = _call(unit, effattn.attention, q, k, v, softcap=cap, scale=1.8, causal=True, return_lse=True)
+        ref, ref_lse = score_attention(q, k, v, softcap=cap, scale=1.8, causal=True)
+        assert (lse.double() - ref_lse).abs().max().item() < 1e-4 * max(1.0, ref_lse.abs().max().item()), cap
+        assert (out.double() - ref).abs().max().item() < 4e-3, cap
