@@ -92,6 +92,8 @@ def _spec(x):
         return ("i", x == 1, x % 16 == 0, -2**31 <= x < 2**31)
     if isinstance(x, float):
         return "f"
+    if isinstance(x, tuple):                  # strides travel as tuples: specialized element by element
+        return tuple(_spec(e) for e in x)
     return repr(x)
 
 

@@ -47,13 +47,15 @@ DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee:
 # divisibility 16 (without it loads are not vectorized or pipelined and shared memory is
 # underestimated). An int argument equal to 1 is specialized too: the backward's n_split (no GQA
 # split) and the stride of its partial-sum buffers then (0).
-_UNIT = {"q_d", "k_d", "v_d", "kpm_l", "sqd", "skd", "svd", "sdod", "sdkd", "sdvd", "sdqd", "skpn", "sdlm",
-         "n_split"}
-_DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b", "list_h", "list_t", "sqb", "sqh",
-          "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sdob", "sdoh", "sdom", "sdkb", "sdkh", "sdkn", "sdvb",
-          "sdvh", "sdvn", "sdqb", "sdqh", "sdqm", "skpb", "sdlb", "sdlh", "Lq", "Lk", "D", "Dv", "lay_h",
-          "lists_head_stride", "lists_row_stride", "lists1_head_stride", "lists1_row_stride", "lists2_head_stride",
-          "lists2_row_stride", "sdks", "sdvs", "keys_per_split"}
+_UNIT = {"q_d", "k_d", "v_d", "kpm_l", "do_d", "dk_d", "dv_d", "dq_d", "dl_l", "n_split"}
+_DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b", "do_b", "do_h", "do_l", "dq_b",
+          "dq_h", "dq_l", "dk_s", "dk_b", "dk_h", "dk_l", "dv_s", "dv_b", "dv_h", "dv_l", "dl_b", "dl_h", "Lq", "Lk",
+          "D", "Dv", "lay_h", "list_h", "list_t", "listk_h", "listk_t", "keys_per_split"}
+# strides passed as one tuple argument (``<name>_strides``): the names of its elements, each specialized as
+# the scalar of that name would be (Triton specializes a tuple's ints one by one at launch)
+STRIDE_TUPLES = {f"{t}_strides": tuple(f"{t}_{a}" for a in "bhld") for t in ("q", "k", "v", "do", "dq")}
+STRIDE_TUPLES.update(dk_strides=tuple(f"dk_{a}" for a in "sbhld"), dv_strides=tuple(f"dv_{a}" for a in "sbhld"),
+                     dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"))
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
@@ -150,6 +152,9 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     for j, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n] = "constexpr"
+        elif n in STRIDE_TUPLES:
+            sig[n] = stride_tuple(j, STRIDE_TUPLES[n], _UNIT, _DIV16, consts, attrs)
+            continue
         elif n in _POINTERS or n in _DATA:
             sig[n] = _POINTERS.get(n) or "*" + elem
         else:
@@ -159,6 +164,18 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
             attrs[(j,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
+
+
+def stride_tuple(j: int, names, unit, div16, consts: dict, attrs: dict) -> tuple:
+    """The signature of the stride tuple at argument ``j`` whose elements are named ``names``, as
+    the launcher specializes it: elements in ``unit`` become the constant 1 (into ``consts``), those
+    in ``div16`` get the divisibility hint (into ``attrs``), each by its path ``(j, i)``."""
+    for i, e in enumerate(names):
+        if e in unit:
+            consts[(j, i)] = 1
+        elif e in div16:
+            attrs[(j, i)] = [["tt.divisibility", 16]]
+    return tuple("constexpr" if e in unit else "i32" for e in names)
 
 
 def cuobjdump() -> Optional[str]:

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Dict
 
-from .kernel_resources import resources
+from .kernel_resources import STRIDE_TUPLES, resources, stride_tuple
 
 TERMS = {"none": {}, "softcap": dict(SOFTCAP=True), "sinks": dict(SINKS_ON=True), "alibi": dict(ALIBI=True),
          "relative": dict(REL=True), "span": dict(SPAN=True), "dense": dict(DENSE=True)}
@@ -26,7 +26,8 @@ _FLOATS = {"scale", "softcap", "ramp", "inv_keep"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "SINKS": "*fp32", "SL": "*fp32",
              "TAB": "*fp32", "Z": "*fp32", "BIAS": "*fp32", "PART": "*fp32", "DBIAS": "*fp32", "DK": "*fp32",
              "DV": "*fp32"}
-_UNIT = {"sqd", "skd", "svd", "sdod", "skpn", "sbn"}
+_UNIT = {"q_d", "k_d", "v_d", "do_d", "kpm_l", "bias_k"}
+_TUPLES = dict(STRIDE_TUPLES, bias_strides=("bias_b", "bias_h", "bias_q", "bias_k"))
 
 
 def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: str, block=(64, 64), warps=4,
@@ -46,10 +47,12 @@ def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: 
     consts.update(TERMS[term])
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
     consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
-    sig = {}
-    for n in fn.arg_names:
+    sig, attrs = {}, {}
+    for j, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n] = "constexpr"
+        elif n in _TUPLES:              # no divisibility hints here (none for the scalars either)
+            sig[n] = stride_tuple(j, _TUPLES[n], _UNIT, (), consts, attrs)
         elif n in _POINTERS:
             sig[n] = _POINTERS[n]
         elif n in ("Q", "K", "V", "O", "DO", "DQ"):

@@ -18,10 +18,10 @@ import triton.language as tl
 # against 565), and they select at most two compiles each (a multiple of 16 or not), never one per
 # length. ``python -m tools.triton.specializations`` counts the compiles a range of lengths selects.
 UNSPECIALIZED_ARGS = ["list_wf", "heads_per_group", "lay_nkb", "list_h", "list_t"]
-# the same for the one-launch backward, whose two kinds of programs have their own lists (..1 by key
-# tile, ..2 by query tile) and L2 head groups
-UNSPECIALIZED_BWD_ARGS = ["lay_nkb", "group1", "group2", "full_slots1", "full_slots2", "lists1_head_stride",
-                          "lists1_row_stride", "lists2_head_stride", "lists2_row_stride"]
+# the same for the one-launch backward, whose two kinds of programs have their own lists (``listk_*`` by
+# key tile, as C++'s lists_by_key; ``list_*`` by query tile) and L2 head groups (``group1``, ``group2``)
+UNSPECIALIZED_BWD_ARGS = ["lay_nkb", "group1", "group2", "listk_wf", "list_wf", "listk_h", "listk_t", "list_h",
+                          "list_t"]
 
 
 @triton.jit

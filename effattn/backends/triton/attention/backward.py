@@ -28,11 +28,16 @@ from .schedule import (
 
 
 @triton.jit
-def delta_kernel(O, DO, DLSE, DELTA, sdob, sdoh, sdom, sdod, sdlb, sdlh, sdlm, H, Lq, Dv,
+def delta_kernel(O, DO, DLSE, DELTA, do_strides, dl_strides, H, Lq, Dv,
                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
                  IDX64: tl.constexpr):
     """Delta_i = rowsum(dO_i * O_i) - dlse_i (FA-2 Alg. 2 line 4; a gradient into lse enters as
-    dS += dlse * P, i.e. as -dlse in Delta). O is contiguous. 1-D grid, like the forward's."""
+    dS += dlse * P, i.e. as -dlse in Delta). O is contiguous. 1-D grid, like the forward's.
+
+    Scalar arguments as the C++ `AttnParams` fields, strides as tuples: ``do_strides`` = (do_b,
+    do_h, do_l, do_d), ``dl_strides`` = (dl_b, dl_h, dl_l); ``do_d`` (unit there) has no C++ field."""
+    do_b, do_h, do_l, do_d = do_strides
+    dl_b, dl_h, dl_l = dl_strides
     n_mt = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % n_mt
@@ -44,11 +49,11 @@ def delta_kernel(O, DO, DLSE, DELTA, sdob, sdoh, sdom, sdod, sdlb, sdlh, sdlm, H
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
     o = tl.load(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + (pid_m * BLOCK_M).to(tl.int64) * sdom
-                 + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, mask=ok, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + (pid_m * BLOCK_M).to(tl.int64) * do_l
+                 + rel_m[:, None] * do_l + offs_dv[None, :] * do_d, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
-        dlse = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + i64(offs_m, IDX64) * sdlm,
+        dlse = tl.load(DLSE + b.to(tl.int64) * dl_b + h.to(tl.int64) * dl_h + i64(offs_m, IDX64) * dl_l,
                        mask=offs_m < Lq, other=0.0)
         delta -= dlse.to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
@@ -65,7 +70,7 @@ def _row_stats(lse_row, delta_row, offs_m, Lq):
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
-               offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+               offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
                BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -77,10 +82,10 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
     argument (one FMA per score; ``qk_scale > 0``)."""
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     offs_m = start_m + rel_m
-    q_tile = q_base + start_m.to(tl.int64) * sqm
-    do_tile = do_base + start_m.to(tl.int64) * sdom
-    q = load_tile(q_tile + rel_m[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
-    do = load_tile(do_tile + rel_m[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+    q_tile = q_base + start_m.to(tl.int64) * q_l
+    do_tile = do_base + start_m.to(tl.int64) * do_l
+    q = load_tile(q_tile + rel_m[:, None] * q_l + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, PAD_D)
+    do = load_tile(do_tile + rel_m[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
     lse, delta = _row_stats(lse_base, delta_base, offs_m, Lq)
     st = dot(k, tl.trans(q), DOT_PREC, INTERP_BF16)                        # S^T (BLOCK_N, BLOCK_M)
     if not FOLD_SCALE:
@@ -112,7 +117,7 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
 
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
-             skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+             k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
              qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
              BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -123,14 +128,14 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
     partial tile, masked elementwise; ``FOLD_SCALE`` as in `_dkdv_tile`."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
-    k_tile = k_base + start_n.to(tl.int64) * skn
-    v_tile = v_base + start_n.to(tl.int64) * svn
-    kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
-    vt = load_tile(v_tile + offs_dv[:, None] * svd + rel_n[None, :] * svn, offs_dv, Dv, offs_n, Lk, PAD_DV, PARTIAL)
+    k_tile = k_base + start_n.to(tl.int64) * k_l
+    v_tile = v_base + start_n.to(tl.int64) * v_l
+    kt = load_tile(k_tile + offs_d[:, None] * k_d + rel_n[None, :] * k_l, offs_d, D, offs_n, Lk, PAD_D, PARTIAL)
+    vt = load_tile(v_tile + offs_dv[:, None] * v_d + rel_n[None, :] * v_l, offs_dv, Dv, offs_n, Lk, PAD_DV, PARTIAL)
     s = dot(q, kt, DOT_PREC, INTERP_BF16)
     if not FOLD_SCALE:
         s = s * qk_scale
-    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+    s, seen = mask_scores(s, offs_m, offs_n, kpm_base, kpm_l, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
     if PARTIAL or HAS_KPM:        # keys no row sees: zero K and V, so NaN / inf in them give 0 * 0
         kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
@@ -152,11 +157,11 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
 @triton.jit
 def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
                   ITEMS, rows_out,
-                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                  sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+                  q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
+                  dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, kpm_b, kpm_l,
                   H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                  lists_head_stride, lists_row_stride, full_slots, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H,
-                  drop_thresh, inv_keep,
+                  list_h, list_t, list_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
+                  inv_keep,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -167,7 +172,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     their visible query tiles, accumulated in registers (no atomics: deterministic). The
     ``n_slices = B * Hkv * n_split`` slices are (b, kv head, split): with ``n_split > 1`` the G
     heads are cut into n_split runs of ceil(G / n_split), and each split writes its fp32 partial
-    sums at ``DK + split * sdks`` (the launcher adds them in a fixed order)."""
+    sums at ``DK + split * dk_s`` (the launcher adds them in a fixed order)."""
     n_nt = tl.cdiv(Lk, BLOCK_N)
     pid_n, slc = slice_tile(pid, n_nt, n_slices, heads_per_group, ORDER)
     bhk = slc // n_split
@@ -187,15 +192,15 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     n0_64 = (k_row0 + n0).to(tl.int64)
-    k_ptrs = (K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + n0_64 * skn + rel_n[:, None] * skn
-              + offs_d[None, :] * skd)
-    v_ptrs = (V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + n0_64 * svn + rel_n[:, None] * svn
-              + offs_dv[None, :] * svd)
+    k_ptrs = (K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h + n0_64 * k_l + rel_n[:, None] * k_l
+              + offs_d[None, :] * k_d)
+    v_ptrs = (V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h + n0_64 * v_l + rel_n[:, None] * v_l
+              + offs_dv[None, :] * v_d)
     k = load_tile(k_ptrs, offs_n, Lk, offs_d, D, True, PAD_D)
     v = load_tile(v_ptrs, offs_n, Lk, offs_dv, Dv, True, PAD_DV)
     keep_k = offs_n < Lk
     if HAS_KPM:
-        pad = tl.load(KPM + b.to(tl.int64) * skpb + offs_n * skpn, mask=offs_n < Lk, other=1)
+        pad = tl.load(KPM + b.to(tl.int64) * kpm_b + offs_n * kpm_l, mask=offs_n < Lk, other=1)
         keep_k = pad == 0
         k = tl.where(keep_k[:, None], k, tl.zeros_like(k))    # padded keys: zeros, whatever they hold
         v = tl.where(keep_k[:, None], v, tl.zeros_like(v))
@@ -209,13 +214,13 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
     for g in range(g0, g1):
         h = hk * G + g
         bh = b * H + h
-        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqm
-        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + q_row0.to(tl.int64) * sdom
+        q_base = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + q_row0.to(tl.int64) * q_l
+        do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + q_row0.to(tl.int64) * do_l
         lse_base = LSE + bh.to(tl.int64) * rows_out + q_row0
         delta_base = DELTA + bh.to(tl.int64) * rows_out + q_row0
         lay_ptr = LAY + h.to(tl.int64) * lay_h
         if HAS_LAYOUT:
-            row = LISTS + h.to(tl.int64) * lists_head_stride + pid_n.to(tl.int64) * lists_row_stride
+            row = LISTS + h.to(tl.int64) * list_h + pid_n.to(tl.int64) * list_t
             n_full = tl.load(row)
             n_part = tl.load(row + 1)
         listed = first_listed(row, 2, n_full, HAS_LAYOUT)
@@ -223,17 +228,17 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
             tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                offs_d, offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
                                 DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
-        listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
+        listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
         for i in range(0, n_part):
-            tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+            tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
             start_m = tile * BLOCK_M
             dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, sqm, sqd, sdom, sdod, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+                                offs_d, offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
@@ -241,10 +246,10 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
         visits += n_full + n_part
     dk = dk * scale                                                          # dK = scale dS^T Q
     ok_k = offs_n[:, None] < Lk
-    dk_ptrs = (DK + split.to(tl.int64) * sdks + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + n0_64 * sdkn
-               + rel_n[:, None] * sdkn + offs_d[None, :] * sdkd)
-    dv_ptrs = (DV + split.to(tl.int64) * sdvs + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + n0_64 * sdvn
-               + rel_n[:, None] * sdvn + offs_dv[None, :] * sdvd)
+    dk_ptrs = (DK + split.to(tl.int64) * dk_s + b.to(tl.int64) * dk_b + hk.to(tl.int64) * dk_h + n0_64 * dk_l
+               + rel_n[:, None] * dk_l + offs_d[None, :] * dk_d)
+    dv_ptrs = (DV + split.to(tl.int64) * dv_s + b.to(tl.int64) * dv_b + hk.to(tl.int64) * dv_h + n0_64 * dv_l
+               + rel_n[:, None] * dv_l + offs_dv[None, :] * dv_d)
     tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_d[None, :] < D))
     tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, INTERP_BF16), mask=ok_k & (offs_dv[None, :] < Dv))
     if COUNT:
@@ -253,10 +258,10 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
 
 @triton.jit
 def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS, ITEMS, rows_out,
-                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+                q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
+                dq_b, dq_h, dq_l, dq_d, kpm_b, kpm_l,
                 H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                lists_head_stride, lists_row_stride, full_slots,
+                list_h, list_t, list_wf,
                 scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -281,18 +286,18 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     m0_64 = (q_row0 + m0).to(tl.int64)
-    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + m0_64 * sqm + rel_m[:, None] * sqm
-                  + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, PAD_D)
-    do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + m0_64 * sdom + rel_m[:, None] * sdom
-                   + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
+    q = load_tile(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + m0_64 * q_l + rel_m[:, None] * q_l
+                  + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, PAD_D)
+    do = load_tile(DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + m0_64 * do_l + rel_m[:, None] * do_l
+                   + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv, True, PAD_DV)
     lse, delta = _row_stats(LSE + bh.to(tl.int64) * rows_out + q_row0, DELTA + bh.to(tl.int64) * rows_out + q_row0,
                             offs_m, Lq)
-    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, skb, skh, svb, svh, skpb, lay_h)
+    k_base, v_base, kpm_base, lay_ptr = kv_bases(K, V, KPM, LAY, b, h, hk, k_b, k_h, v_b, v_h, kpm_b, lay_h)
     if VARLEN:
-        k_base += k_row0.to(tl.int64) * skn
-        v_base += k_row0.to(tl.int64) * svn
+        k_base += k_row0.to(tl.int64) * k_l
+        v_base += k_row0.to(tl.int64) * v_l
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, lists_head_stride, lists_row_stride, m0, Lq,
+    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
     listed = first_listed(row, 2, n_full, HAS_LAYOUT)
@@ -300,22 +305,22 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
-                      skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                      k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
                       BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
-    listed = first_listed(row, 2 + full_slots, n_part, HAS_LAYOUT)
+    listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
-        tile, listed = tile_index(row, 2 + full_slots, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+        tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
         start_n = tile * BLOCK_N
         dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, offs_d, offs_dv,
-                      skn, skd, svn, svd, skpn, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                      k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
                       BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                       LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
     dq = dq * scale
-    dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + m0_64 * sdqm + rel_m[:, None] * sdqm
-               + offs_d[None, :] * sdqd)
+    dq_ptrs = (DQ + b.to(tl.int64) * dq_b + h.to(tl.int64) * dq_h + m0_64 * dq_l + rel_m[:, None] * dq_l
+               + offs_d[None, :] * dq_d)
     tl.store(dq_ptrs, cast(dq, DQ.dtype.element_ty, INTERP_BF16),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     if COUNT:
@@ -324,12 +329,11 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
 
 @triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_BWD_ARGS)
 def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
-               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-               sdqb, sdqh, sdqm, sdqd, sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+               q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, kpm_strides,
                B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-               lists1_head_stride, lists1_row_stride, full_slots1, lists2_head_stride, lists2_row_stride,
-               full_slots2, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, n_split, group1,
-               group2, rows_out,
+               listk_h, listk_t, listk_wf, list_h, list_t, list_wf,
+               scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, n_split, group1, group2,
+               rows_out,
                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK1: tl.constexpr, LAYOUT_MASK2: tl.constexpr,
@@ -344,29 +348,46 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
     another and none uses atomics. The heavier dK/dV programs (a loop over a group's query heads)
     come first, each kind heaviest first within itself (ORDER1 / ORDER2). COUNTS (COUNT only): the
     tiles each program visited, dK/dV programs' first. ``VARLEN``: ``Lk`` / ``Lq`` count the key /
-    query work lists ITEMS1 / ITEMS2 (in tiles of BLOCK_N1 / BLOCK_M2), as in the forward."""
+    query work lists ITEMS1 / ITEMS2 (in tiles of BLOCK_N1 / BLOCK_M2), as in the forward.
+
+    The scalar arguments carry the names of the C++ `AttnParams` fields (csrc/attention/attention.h;
+    ``listk_*`` are its tile lists by key, LISTS1) and the launcher (`LaunchPlan.bwd_args`) passes
+    them by name; the element strides travel as tuples ``<tensor>_strides`` = (``_b``, ``_h``,
+    ``_l``, ``_d``), whose elements the kernel names as the C++ fields (``kpm_strides`` = (kpm_b,
+    kpm_l)). Without a C++ field: the last-dim strides ``q_d``, ``k_d``, ``v_d``, ``do_d``; the
+    strides of DQ and of the (n_split, B, Hkv, Lk, D) dK / dV buffers (``dq_*``, ``dk_s``, ``dk_*``,
+    ``dv_*``: C++ writes them contiguous); ``Hkv`` (C++: H / G); ``n_split``, ``group1`` /
+    ``group2`` (the L2 head groups of the two kinds of programs) and ``rows_out`` (rows of LSE and
+    Delta per (b, h)); ``seed`` is C++'s seed_lo / seed_hi; ``drop_q0``, ``drop_k0``, ``drop_h0``,
+    ``drop_H`` (no C++ field): where dropout draws, as in `fwd_kernel`."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    do_b, do_h, do_l, do_d = do_strides
+    dq_b, dq_h, dq_l, dq_d = dq_strides
+    dk_s, dk_b, dk_h, dk_l, dk_d = dk_strides
+    dv_s, dv_b, dv_h, dv_l, dv_d = dv_strides
+    kpm_b, kpm_l = kpm_strides
     pid = tl.program_id(0)
     n_slices1 = B * Hkv * n_split
     n_kv = tl.cdiv(Lk, BLOCK_N1) * n_slices1
     if pid < n_kv:
         _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS1, COUNTS,
                       ITEMS1, rows_out,
-                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                      sdks, sdkb, sdkh, sdkn, sdkd, sdvs, sdvb, sdvh, sdvn, sdvd, skpb, skpn,
+                      q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
+                      dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, kpm_b, kpm_l,
                       H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                      lists1_head_stride, lists1_row_stride, full_slots1, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0,
-                      drop_H, drop_thresh,
+                      listk_h, listk_t, listk_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                       inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                       LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
                       FOLD_SCALE, ORDER1, VARLEN)
     else:
         _dq_program(pid - n_kv, B * H, group2, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS2, COUNTS + n_kv,
                     ITEMS2, rows_out,
-                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                    sdqb, sdqh, sdqm, sdqd, skpb, skpn,
+                    q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
+                    dq_b, dq_h, dq_l, dq_d, kpm_b, kpm_l,
                     H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                    lists2_head_stride, lists2_row_stride, full_slots2, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0,
-                    drop_H, drop_thresh,
+                    list_h, list_t, list_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                     inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                     LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
                     FOLD_SCALE, ORDER2, VARLEN)

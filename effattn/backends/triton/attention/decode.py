@@ -60,19 +60,18 @@ NOMINAL_SMS = 132         # the SMs the plan assumes with no GPU to ask (the int
 
 @triton.jit
 def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
-                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
-                  Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                  k_lo, keys_per_split, n_splits, part_stride, qk_scale, LAY_SEEN, lay_seen_h,
+                  q_strides, k_strides, v_strides, kpm_strides, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                  k_lo, keys_per_split, splits, part_stride, qk_scale, LAY_SEEN, lay_seen_h,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr, PAD_D: tl.constexpr,
                   PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
                   MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, LAYOUT_ROWS: tl.constexpr):
-    """One split of one (b, kv head): 1-D grid of B * Hkv * n_splits programs, splits fastest.
+    """One split of one (b, kv head): 1-D grid of B * Hkv * splits programs, splits fastest.
     FA-2 Alg. 1 on the packed rows of the GQA group. With one split the program writes O
     (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, itself. Otherwise it
-    writes its partial output OP (n_splits, B*H*Lq, Dv) fp32, normalized within the split, and LP
-    (n_splits, B*H*Lq) fp32, the split's log2-sum-exp2 of the scaled scores (-inf: no visible key),
+    writes its partial output OP (splits, B*H*Lq, Dv) fp32, normalized within the split, and LP
+    (splits, B*H*Lq) fp32, the split's log2-sum-exp2 of the scaled scores (-inf: no visible key),
     then counts its arrival in CNT[b * Hkv + hk] (int32, zero at launch); the last of the
     (b, kv head)'s splits to arrive merges all of them into O and LSE (`_merge_splits`) and zeroes
     the count again.
@@ -81,10 +80,21 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
     0 * NaN): from the window bounds and the padding, and with a layout from LAY_SEEN (uint8, one
     byte per key, head stride ``lay_seen_h``: the keys of the blocks some head of the GQA group sees
     from query block 0, `layout_seen`) when every query is in the layout's first query block; otherwise
-    (``LAYOUT_ROWS``: queries in several query blocks, a layout block < Lq) `ok` reduced over the rows."""
+    (``LAYOUT_ROWS``: queries in several query blocks, a layout block < Lq) `ok` reduced over the rows.
+
+    Scalar arguments as the C++ fields (`AttnParams`, `DecodeParams`: ``splits``;
+    csrc/attention/decode.h), strides as tuples ``q_strides`` = (q_b, q_h, q_l, q_d), ``k_strides``,
+    ``v_strides`` likewise, ``kpm_strides`` = (kpm_b, kpm_l), their elements named as the C++ fields.
+    Without a C++ field: ``q_d``, ``k_d``, ``v_d`` (unit there), ``Hkv`` (H / G), ``k_lo`` (the
+    first visible key), ``keys_per_split`` (C++ splits the tile count instead), ``part_stride``
+    (the partials' rows per split: C++ stores them split-minor) and ``lay_seen_h``."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    kpm_b, kpm_l = kpm_strides
     pid = tl.program_id(0)
-    split = pid % n_splits
-    bk = pid // n_splits                                      # b * Hkv + hk
+    split = pid % splits
+    bk = pid // splits                                      # b * Hkv + hk
     b = bk // Hkv
     hk = bk % Hkv
     r = tl.arange(0, BLOCK_M)
@@ -93,12 +103,12 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
     qi = tl.where(real, r % Lq, Lq)                           # padding rows: past Lq, so never visible
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = (Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqm
-              + offs_d[None, :] * sqd)
+    q_ptrs = (Q + b.to(tl.int64) * q_b + h[:, None].to(tl.int64) * q_h + qi[:, None].to(tl.int64) * q_l
+              + offs_d[None, :] * q_d)
     q = load_tile(q_ptrs, r, G * Lq, offs_d, D, True, PAD_D)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    kpm_base = KPM + b.to(tl.int64) * skpb
+    k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+    kpm_base = KPM + b.to(tl.int64) * kpm_b
     lay_rows = LAY + h[:, None].to(tl.int64) * lay_h        # per row: the layout of its own head
     lo = k_lo + split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, Lk)
@@ -109,14 +119,14 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
     for t in range(0, tl.cdiv(hi - lo, BLOCK_N)):
         start_n = lo + t * BLOCK_N
         offs_n = start_n + rel_n
-        k_tile = k_base + start_n.to(tl.int64) * skn              # int64 tile base: caches past 2**31 elements
-        v_tile = v_base + start_n.to(tl.int64) * svn
-        kt = load_tile(k_tile + offs_d[:, None] * skd + rel_n[None, :] * skn, offs_d, D, offs_n, hi, PAD_D, True)
+        k_tile = k_base + start_n.to(tl.int64) * k_l              # int64 tile base: caches past 2**31 elements
+        v_tile = v_base + start_n.to(tl.int64) * v_l
+        kt = load_tile(k_tile + offs_d[:, None] * k_d + rel_n[None, :] * k_l, offs_d, D, offs_n, hi, PAD_D, True)
         s = dot(q, kt, DOT_PREC, INTERP_BF16) * qk_scale        # log2 units
         ok = visible(qi[:, None], offs_n[None, :], Lq, hi, off, left, right, lay_rows, lay_nkb, lay_bs,
                      HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, False)
         if HAS_KPM:
-            pad = tl.load(kpm_base + start_n.to(tl.int64) * skpn + rel_n * skpn, mask=offs_n < hi, other=1)
+            pad = tl.load(kpm_base + start_n.to(tl.int64) * kpm_l + rel_n * kpm_l, mask=offs_n < hi, other=1)
             ok = ok & (pad[None, :] == 0)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -124,7 +134,7 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_tile + rel_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, hi, offs_dv, Dv, True, PAD_DV)
+        v = load_tile(v_tile + rel_n[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, hi, offs_dv, Dv, True, PAD_DV)
         # keys no row of the tile sees (padding, outside every query's window, in layout blocks none
         # of the packed heads and queries sees): zero values, so that NaN / inf there give 0 * 0 in
         # P V, not 0 * NaN. A key vector: the window bounds (the rows' windows are shifts of one
@@ -147,7 +157,7 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     real_rows = bk.to(tl.int64) * G * Lq + r                  # (b, h, i) of O and LSE
-    if n_splits == 1:                                         # the only split: the output itself
+    if splits == 1:                                         # the only split: the output itself
         _finish(O, LSE, real_rows, real, offs_dv, Dv, acc, l_i, m_i, INTERP_BF16)
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -159,9 +169,9 @@ def decode_kernel(Q, K, V, KPM, LAY, OP, LP, O, LSE, CNT,
         # publishes them to the program that merges)
         tl.debug_barrier()
         arrived = tl.atomic_add(CNT + bk, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:                           # the last split of this (b, kv head) to finish
+        if arrived == splits - 1:                           # the last split of this (b, kv head) to finish
             tl.store(CNT + bk, 0)                             # zero again for the next launch on the stream
-            _merge_splits(OP, LP, O, LSE, bk, G * Lq, n_splits, part_stride, Dv, offs_dv,
+            _merge_splits(OP, LP, O, LSE, bk, G * Lq, splits, part_stride, Dv, offs_dv,
                           BLOCK_DV, MERGE_ROWS, SPLIT_CHUNK, INTERP_BF16)
 
 
@@ -177,7 +187,7 @@ def _finish(O, LSE, rows, real, offs_dv, Dv, acc, l, m, INTERP_BF16: tl.constexp
 
 
 @triton.jit
-def _merge_splits(OP, LP, O, LSE, bk, n_rows, n_splits, part_stride, Dv, offs_dv, BLOCK_DV: tl.constexpr,
+def _merge_splits(OP, LP, O, LSE, bk, n_rows, splits, part_stride, Dv, offs_dv, BLOCK_DV: tl.constexpr,
                   MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, INTERP_BF16: tl.constexpr):
     """O and LSE of the ``n_rows`` packed rows of (b, kv head) ``bk`` from the partials of all
     splits: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, online over chunks of
@@ -192,9 +202,9 @@ def _merge_splits(OP, LP, O, LSE, bk, n_rows, n_splits, part_stride, Dv, offs_dv
     m = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((MERGE_ROWS,), tl.float32)
     acc = tl.zeros((MERGE_ROWS, BLOCK_DV), tl.float32)
-    for c in range(0, n_splits, SPLIT_CHUNK):
+    for c in range(0, splits, SPLIT_CHUNK):
         s = c + sc
-        ok = (s < n_splits)[:, None] & real[None, :]
+        ok = (s < splits)[:, None] & real[None, :]
         idx = s.to(tl.int64)[:, None] * part_stride + rows[None, :]            # (chunk, rows)
         lp = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(OP + idx[:, :, None] * Dv + offs_dv[None, None, :], mask=ok[:, :, None] & dv_ok[None, None, :],
@@ -281,12 +291,14 @@ def layout_seen(lay: torch.Tensor, block: int, G: int, Hkv: int) -> torch.Tensor
 
 
 class DecodePlan:
-    """Grid size, scalar arguments and flags of a decode call's launch, built once per `LaunchPlan`
-    and split choice and kept in the plan's argument cache: a repeated decode step costs two
-    dictionary lookups on the host besides the launch. Its one tensor, with a layout whose first
-    query block holds every query, is the keys of the layout's blocks seen per KV head (`seen_keys`)."""
+    """Grid size, scalar arguments by name (`decode_kernel`'s, named as the C++ fields) and flags of
+    a decode call's launch (q, k, v give their strides, which the `LaunchPlan` is keyed by), built
+    once per `LaunchPlan` and split choice and kept in the plan's argument cache: a repeated decode
+    step costs two dictionary lookups on the host besides the launch. Its one tensor, with a layout
+    whose first query block holds every query, is the keys of the layout's blocks seen per KV head
+    (`seen_keys`)."""
 
-    def __init__(self, p, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
+    def __init__(self, p, q, k, v, num_sms: int, keys_per_split: Optional[int], block_n: Optional[int]):
         rows = packed_rows(p.G, p.Lq)
         cfg_n, warps, stages = config(p.block_d, p.block_dv, rows, p.element_size)
         block_n = block_n or cfg_n
@@ -306,9 +318,12 @@ class DecodePlan:
         layout_rows = p.lay is not None and p.Lq > p.layout_block
         self.needs_seen = p.lay is not None and not layout_rows
         self.lay_seen = None
-        self.lay_seen_h = p.lay_nkb * p.layout_block if self.needs_seen and p.lay.shape[0] > 1 else 0
-        self.scalars = (p.Hkv, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb,
-                        max(p.layout_block, 1), k_lo, keys_per_split, n_splits, self.n_rows, p.qk_scale)
+        self.args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
+                         kpm_strides=p.kpm_strides, Hkv=p.Hkv, G=p.G, Lq=p.Lq, Lk=p.Lk, D=p.D, Dv=p.Dv, off=p.off,
+                         left=p.left, right=p.right, lay_h=p.lay_h, lay_nkb=p.lay_nkb, lay_bs=max(p.layout_block, 1),
+                         k_lo=k_lo, keys_per_split=keys_per_split, splits=n_splits, part_stride=self.n_rows,
+                         qk_scale=p.qk_scale,
+                         lay_seen_h=p.lay_nkb * p.layout_block if self.needs_seen and p.lay.shape[0] > 1 else 0)
         merge_rows = max(2, _next_pow2(p.G * p.Lq))
         self.meta = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
                          HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_LAYOUT=p.layout_mask is not None,
@@ -369,7 +384,7 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     key = ("decode", num_sms or sm_count(q.device, NOMINAL_SMS), keys_per_split, block_n)
     d = p._args.get(key)
     if d is None:
-        d = p._args[key] = DecodePlan(p, key[1], keys_per_split, block_n)
+        d = p._args[key] = DecodePlan(p, q, k, v, key[1], keys_per_split, block_n)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     if d.n_rows == 0:
@@ -381,7 +396,7 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, scale, left, right, tf32=False,
     else:                               # the programs write out and lse themselves
         o_part = l_part = lse
     with _on_device(q.device):
-        decode_kernel[d.grid](q, k, v, kpm.view(torch.uint8) if kpm is not None else q, _or_dummy(p.lay, q),
-                              o_part, l_part, out, lse, cnt, *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides,
-                              *d.scalars, _or_dummy(d.seen_keys(p, q.device), q), d.lay_seen_h, **d.meta)
+        decode_kernel[d.grid](Q=q, K=k, V=v, KPM=kpm.view(torch.uint8) if kpm is not None else q,
+                              LAY=_or_dummy(p.lay, q), OP=o_part, LP=l_part, O=out, LSE=lse, CNT=cnt,
+                              LAY_SEEN=_or_dummy(d.seen_keys(p, q.device), q), **d.args, **d.meta)
     return out, lse

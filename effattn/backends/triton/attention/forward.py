@@ -80,7 +80,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
 
 @triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_ARGS)
 def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
-               q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, kpm_b, kpm_l,
+               q_strides, k_strides, v_strides, kpm_strides,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                list_h, list_t, list_wf,
                qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, heads_per_group, rows_out,
@@ -101,11 +101,17 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
     coordinates (its lengths, bottom-right offset and rows), so no program is empty.
 
     The scalar arguments carry the names of the C++ `AttnParams` fields (csrc/attention/attention.h)
-    and the launcher passes them by name; ``q_d``, ``k_d``, ``v_d`` (last-dim strides, unit there),
-    ``heads_per_group`` and ``rows_out`` have no C++ field, ``seed`` is its seed_lo / seed_hi.
+    and the launcher passes them by name; the element strides travel as tuples ``q_strides`` = (q_b,
+    q_h, q_l, q_d), ``k_strides``, ``v_strides`` likewise and ``kpm_strides`` = (kpm_b, kpm_l), whose
+    elements the kernel names as the C++ fields. ``q_d``, ``k_d``, ``v_d`` (last-dim strides, unit
+    there), ``heads_per_group`` and ``rows_out`` have no C++ field, ``seed`` is its seed_lo / seed_hi.
     ``drop_q0`` / ``drop_k0`` (no C++ field): added to the rows and keys dropout draws at, the
     call's ``positions``; dropout draws at head ``b * drop_H + drop_h0 + h`` (a head shard: the global
     head), so a context-parallel call draws what the whole sequence's call would."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    kpm_b, kpm_l = kpm_strides
     n_mt = tl.cdiv(Lq, BLOCK_M)
     pid_m, bh = program_tile(tl.program_id(0), n_mt, heads_per_group, ORDER)
     b = bh // H

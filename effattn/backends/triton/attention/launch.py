@@ -209,8 +209,8 @@ class LaunchPlan:
         if got is None:
             lists, list_h, list_t, list_wf = self.lists(cfg[0], cfg[1], by_key=False)
             order, group = self.order("fwd")
-            args = dict(_strides("q", q), **_strides("k", k), **_strides("v", v),
-                        kpm_b=self.kpm_strides[0], kpm_l=self.kpm_strides[1], H=self.H, G=self.G, Lq=self.Lq,
+            args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
+                        kpm_strides=self.kpm_strides, H=self.H, G=self.G, Lq=self.Lq,
                         Lk=self.Lk, D=self.D, Dv=self.Dv, off=self.off, left=self.left, right=self.right,
                         lay_h=self.lay_h, lay_nkb=self.lay_nkb, lay_bs=max(self.layout_block, 1), list_h=list_h,
                         list_t=list_t, list_wf=list_wf, qk_scale=self.qk_scale, drop_thresh=self.drop_thresh,
@@ -225,25 +225,30 @@ class LaunchPlan:
 
     def bwd_args(self, cfg, q, k, v, dout, dq, dk, dv, dlse, counts, n_split):
         """As `fwd_args`, for the backward's `bwd_kernel` with config
-        ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages)``; ``dk`` / ``dv`` are the outputs,
-        or with ``n_split > 1`` the fp32 partial buffers ``(n_split, B, Hkv, Lk, D)``. The LISTS are
-        a pair: by key (dK/dV programs), by query (dQ programs). int64 offsets if one of the
-        backward's own tensors needs them."""
+        ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages)``: (grid, the number of dK/dV
+        programs, the LISTS pair, the scalar arguments by name, the meta arguments). ``dk`` / ``dv``
+        are the outputs, or with ``n_split > 1`` the fp32 partial buffers ``(n_split, B, Hkv, Lk, D)``.
+        The LISTS are a pair: by key (dK/dV programs), by query (dQ programs). int64 offsets if one
+        of the backward's own tensors needs them."""
         key = ("bwd", cfg, counts, n_split, dout.stride(), None if dlse is None else dlse.stride())
         got = self._args.get(key)
         if got is None:
             m1, n1, m2, n2, warps, stages = cfg
             idx64 = self.idx64 or _wide(dout, dq, dk, dv, dlse)
-            lists1, hs1, rs1, fs1 = self.lists(m1, n1, by_key=True)
-            lists2, hs2, rs2, fs2 = self.lists(m2, n2, by_key=False)
+            lists1, listk_h, listk_t, listk_wf = self.lists(m1, n1, by_key=True)
+            lists2, list_h, list_t, list_wf = self.lists(m2, n2, by_key=False)
             order1, group1 = self.order("dkdv", n_split)
             order2, group2 = self.order("dq")
-            split_strides = (dk.stride(), dv.stride()) if n_split > 1 else ((0, *dk.stride()), (0, *dv.stride()))
-            pre = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *split_strides[0],
-                   *split_strides[1], *self.kpm_strides, self.B, self.H, self.Hkv, self.G, self.Lq, self.Lk, self.D,
-                   self.Dv, self.off, self.left, self.right, self.lay_h, self.lay_nkb, max(self.layout_block, 1),
-                   hs1, rs1, fs1, hs2, rs2, fs2, self.scale, self.qk_scale)
-            post = (self.drop_thresh, self.inv_keep, n_split, group1, group2, self.Lq)
+            split = n_split > 1                # the partial buffers' leading (split) stride, else none
+            args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), do_strides=dout.stride(),
+                        dq_strides=dq.stride(), dk_strides=dk.stride() if split else (0, *dk.stride()),
+                        dv_strides=dv.stride() if split else (0, *dv.stride()), kpm_strides=self.kpm_strides,
+                        B=self.B, H=self.H, Hkv=self.Hkv, G=self.G, Lq=self.Lq, Lk=self.Lk, D=self.D, Dv=self.Dv,
+                        off=self.off, left=self.left, right=self.right, lay_h=self.lay_h, lay_nkb=self.lay_nkb,
+                        lay_bs=max(self.layout_block, 1), listk_h=listk_h, listk_t=listk_t, listk_wf=listk_wf,
+                        list_h=list_h, list_t=list_t, list_wf=list_wf, scale=self.scale, qk_scale=self.qk_scale,
+                        drop_thresh=self.drop_thresh, inv_keep=self.inv_keep, n_split=n_split, group1=group1,
+                        group2=group2, rows_out=self.Lq)
             n_kv = cdiv(self.Lk, n1) * self.B * self.Hkv * n_split
             n = n_kv + cdiv(self.Lq, m2) * self.B * self.H
             meta = self.flags((m1, n1, warps, stages), idx64)
@@ -252,8 +257,19 @@ class LaunchPlan:
             meta.update(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
                         LAYOUT_MASK1=self.layout_mask_needed(m1, n1), LAYOUT_MASK2=self.layout_mask_needed(m2, n2),
                         COUNT=counts, ORDER1=order1, ORDER2=order2)
-            got = self._args[key] = ((n,), n_kv, (lists1, lists2), pre, post, meta)
+            got = self._args[key] = ((n,), n_kv, (lists1, lists2), args, meta)
         return got
+
+    def delta_args(self, dout, dlse, idx64=None):
+        """(grid, the scalar arguments by name, the meta arguments) of `delta_kernel` for the
+        gradient ``dout`` and the lse gradient ``dlse`` (None: none). ``idx64``: int64 offsets
+        (default: the plan's, or wider if dout / dlse need them)."""
+        block = delta_block(self.block_dv)
+        args = dict(do_strides=dout.stride(), dl_strides=dlse.stride() if dlse is not None else (0, 0, 0), H=self.H,
+                    Lq=self.Lq, Dv=self.Dv)
+        meta = dict(BLOCK_M=block, BLOCK_DV=self.block_dv, HAS_DLSE=dlse is not None,
+                    IDX64=(self.idx64 or _wide(dout, dlse)) if idx64 is None else idx64, enable_fp_fusion=True)
+        return (cdiv(self.Lq, block) * self.B * self.H,), args, meta
 
 
 def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
@@ -375,15 +391,16 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
             dv_out = new((splits, *dv.shape), dtype=torch.float32, device=q.device)
         else:
             dk_out, dv_out = dk, dv
-        grid, n_kv, lists, pre, post, meta = p.bwd_args(cfg, q, k, v, dout, dq, dk_out, dv_out, dlse, counts, splits)
+        grid, n_kv, lists, args, meta = p.bwd_args(cfg, q, k, v, dout, dq, dk_out, dv_out, dlse, counts, splits)
         items = (q, q)
         if segments is not None:
-            grid, n_kv, items, pre, meta = _varlen_bwd_launch(p, cfg, segments, splits, pre, meta, q.device)
+            grid, n_kv, items, args, meta = _varlen_bwd_launch(p, cfg, segments, splits, args, meta, q.device)
         cnt = torch.zeros(grid[0], dtype=torch.int32, device=q.device) if counts else None
         if grid[0] > 0:
-            bwd_kernel[grid](q, k, v, dout, lse, delta, dq, dk_out, dv_out, kpm_u8, lay, _or_dummy(lists[0], q),
-                             _or_dummy(lists[1], q), _or_dummy(cnt, q), *items, *pre, seed_key, drop_q0, drop_k0, drop_h0,
-                             drop_H or p.H, *post, **meta)
+            bwd_kernel[grid](Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DK=dk_out, DV=dv_out, KPM=kpm_u8,
+                             LAY=lay, LISTS1=_or_dummy(lists[0], q), LISTS2=_or_dummy(lists[1], q),
+                             COUNTS=_or_dummy(cnt, q), ITEMS1=items[0], ITEMS2=items[1], seed=seed_key, drop_q0=drop_q0,
+                             drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H, **args, **meta)
         if splits > 1:                                 # fixed order: bitwise the same every run
             for part, grad in ((dk_out, dk), (dv_out, dv)):
                 acc = part[0]
@@ -395,23 +412,13 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
             visits[1] = cnt[n_kv:].view(p.B * p.H, -1)
 
     with _on_device(q.device):
-        block = delta_block(p.block_dv)
-        dl_strides = dlse.stride() if dlse is not None else (0, 0, 0)
-        delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
-            out, dout, _or_dummy(dlse, lse), delta, *dout.stride(), *dl_strides, p.H, p.Lq, p.Dv,
-            BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=dlse is not None, IDX64=p.idx64 or _wide(dout, dlse),
-            enable_fp_fusion=True)
+        grid, args, meta = p.delta_args(dout, dlse)
+        delta_kernel[grid](O=out, DO=dout, DLSE=_or_dummy(dlse, lse), DELTA=delta, **args, **meta)
         if config is not None:
             launch(config)
         else:
             _launch_tuned("bwd", p, launch, q.device)
     return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
-
-
-# indices of B and Lq in `LaunchPlan.bwd_args`' arguments before the seed (after the strides of q, k, v,
-# dout, dq, the split dk / dv and the padding mask)
-_BWD_PRE_B = 5 * 4 + 2 * 5 + 2
-_BWD_PRE_LQ = _BWD_PRE_B + 4
 
 
 def _work_items(segments, block: int, by_key: bool, descending: bool):
@@ -424,16 +431,17 @@ def _work_items(segments, block: int, by_key: bool, descending: bool):
     return items
 
 
-def _varlen_bwd_launch(p, cfg, segments, splits, pre, meta, device):
-    """(grid, n_kv, (ITEMS1, ITEMS2), pre, meta) of a packed backward: the key tiles' and the query
-    tiles' work lists, Lk / Lq replaced by their lengths in tiles (see `bwd_kernel`)."""
+def _varlen_bwd_launch(p, cfg, segments, splits, args, meta, device):
+    """(grid, n_kv, (ITEMS1, ITEMS2), args, meta) of a packed backward: the key tiles' and the query
+    tiles' work lists, the arguments ``Lq`` / ``Lk`` replaced by the lists' lengths in rows (see
+    `bwd_kernel`)."""
     m1, n1, m2, n2 = cfg[:4]
     kv = _work_items(segments, n1, True, False)            # causal key tiles: work shrinks with the tile
     qi = _work_items(segments, m2, False, p.right >= 0)    # causal query tiles: work grows with the tile
     tables = tuple(torch.tensor(t or [(0, 0, 0, 0, 0)], dtype=torch.int32).to(device) for t in (kv, qi))
-    pre = pre[:_BWD_PRE_LQ] + (len(qi) * m2, len(kv) * n1) + pre[_BWD_PRE_LQ + 2:]
     n_kv = len(kv) * p.B * p.Hkv * splits
-    return (n_kv + len(qi) * p.B * p.H,), n_kv, tables, pre, dict(meta, ORDER1=0, ORDER2=0, VARLEN=True)
+    return ((n_kv + len(qi) * p.B * p.H,), n_kv, tables, dict(args, Lq=len(qi) * m2, Lk=len(kv) * n1),
+            dict(meta, ORDER1=0, ORDER2=0, VARLEN=True))
 
 
 def kv_tma_check(k, v) -> None:
@@ -448,12 +456,6 @@ def kv_tma_check(k, v) -> None:
         import triton
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         kv_tma_check.allocator_set = True
-
-
-def _strides(name, t):
-    """The element strides of a (B, H, L, D) tensor as kernel arguments named as `AttnParams`
-    names them: ``<name>_b``, ``<name>_h``, ``<name>_l`` (and ``<name>_d``, a unit stride there)."""
-    return dict(zip((f"{name}_b", f"{name}_h", f"{name}_l", f"{name}_d"), t.stride()))
 
 
 def _or_dummy(t, dummy):

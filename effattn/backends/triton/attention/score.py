@@ -16,7 +16,6 @@ from ....score import span_left
 from ....tiles import cdiv
 from ..runtime import _INTERPRET, _next_pow2
 from .backward import delta_kernel
-from .configs import delta_block
 from .launch import _on_device, _or_dummy, philox_key, plan_for
 from .score_kernels import score_bwd_kernel, score_fwd_kernel
 
@@ -56,7 +55,8 @@ def _blocks(D, Dv, backward, score):
 
 
 def _term_args(score, q, B, H, Lq, Lk):
-    """(pointer arguments SL, TAB, Z, BIAS; strides; scalars; flags) of the terms."""
+    """(the terms' tensor arguments SL, TAB, Z, BIAS by name; their scalar arguments by name; flags;
+    the relative table term or None)."""
     dummy = q
     sl = tab = z = dense = None
     for t in score.terms:
@@ -68,46 +68,50 @@ def _term_args(score, q, B, H, Lq, Lk):
             z = t
         else:
             dense = t._full().expand(B, H, Lq, Lk)
-    sl_strides = (0, 0) if sl is None else ((0, sl.stride(0)) if sl.dim() == 1 else tuple(sl.stride()))
+    alibi_b, alibi_h = (0, 0) if sl is None else ((0, sl.stride(0)) if sl.dim() == 1 else tuple(sl.stride()))
     table = tab.table.contiguous() if tab is not None else None
-    ptrs = (_or_dummy(sl, dummy), _or_dummy(table, dummy), _or_dummy(z.z.contiguous() if z else None, dummy),
-            _or_dummy(dense, dummy))
-    strides = (*sl_strides, table.stride(0) if table is not None else 0,
-               *(dense.stride() if dense is not None else (0, 0, 0, 0)))
-    scalars = (score.softcap or 1.0, tab.max_distance if tab else 0, float(z.ramp) if z else 1.0)
+    ptrs = dict(SL=_or_dummy(sl, dummy), TAB=_or_dummy(table, dummy),
+                Z=_or_dummy(z.z.contiguous() if z else None, dummy), BIAS=_or_dummy(dense, dummy))
+    args = dict(alibi_b=alibi_b, alibi_h=alibi_h, tab_h=table.stride(0) if table is not None else 0,
+                bias_strides=dense.stride() if dense is not None else (0, 0, 0, 0), softcap=score.softcap or 1.0,
+                max_dist=tab.max_distance if tab else 0, ramp=float(z.ramp) if z else 1.0)
     flags = dict(SOFTCAP=score.softcap is not None, ALIBI=sl is not None, REL=tab is not None,
                  REL_BIDIR=bool(tab.bidirectional) if tab else True, SPAN=z is not None, DENSE=dense is not None)
-    return ptrs, strides, scalars, flags, tab
+    return ptrs, args, flags, tab
 
 
 def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False,
             tf32=False):
+    """(the `LaunchPlan`, the meta arguments, the scalar arguments by name) shared by both score
+    kernels (`score_kernels`; the C++ `AttnParams` names where it has the field)."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32)
     bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
                 DROPOUT=dropout_p > 0, DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, IDX64=p.idx64,
-                num_warps=warps)
-    geo = (p.H, p.G, p.Lq, p.Lk, p.D, p.Dv, p.off, p.left, p.right, p.lay_h, p.lay_nkb, max(layout_block, 1))
-    return p, meta, geo
+                num_warps=warps, enable_fp_fusion=True)
+    args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), kpm_strides=p.kpm_strides, H=p.H,
+                G=p.G, Lq=p.Lq, Lk=p.Lk, D=p.D, Dv=p.Dv, off=p.off, left=p.left, right=p.right, lay_h=p.lay_h,
+                lay_nkb=p.lay_nkb, lay_bs=max(layout_block, 1), scale=scale, drop_thresh=p.drop_thresh,
+                inv_keep=p.inv_keep)
+    return p, meta, args
 
 
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False):
-    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score,
-                           tf32=tf32)
+    p, meta, args = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score,
+                            tf32=tf32)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     if p.Lq == 0 or p.B * p.H == 0:
         return out, lse
-    ptrs, strides, scalars, flags, _ = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
+    ptrs, term_args, flags, _ = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
     sinks = score.sinks.contiguous() if score.sinks is not None else None        # the kernel reads SINKS + h
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     grid = (cdiv(p.Lq, meta["BLOCK_M"]) * p.B * p.H,)
     with _on_device(q.device):
-        score_fwd_kernel[grid](q, k, v, out, lse, kpm_u8, _or_dummy(p.lay, q), _or_dummy(sinks, q), *ptrs,
-                               *q.stride(), *k.stride(), *v.stride(), *p.kpm_strides, *strides, *geo, scale,
-                               scalars[0], scalars[1], scalars[2], philox_key(seed) if dropout_p > 0 else 0,
-                               p.drop_thresh, p.inv_keep, SINKS_ON=sinks is not None, **flags, **meta)
+        score_fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
+                               SINKS=_or_dummy(sinks, q), **ptrs, seed=philox_key(seed) if dropout_p > 0 else 0,
+                               **args, **term_args, SINKS_ON=sinks is not None, **flags, **meta)
     return out, lse
 
 
@@ -115,12 +119,12 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
              left, right, score, tf32=False):
     """(dq, dk, dv, *gradients of score.tensors()); the terms' gradients are fp32 sums of per-program
     partials taken in a fixed order, cast to each tensor's dtype."""
-    p, meta, geo = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True,
-                           tf32)
+    p, meta, args = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True,
+                            tf32)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)
-    ptrs, strides, scalars, flags, tab = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
+    ptrs, term_args, flags, tab = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
     n_mt = cdiv(p.Lq, meta["BLOCK_M"]) if p.Lq else 0
     n_part = 2 + (tab.width if tab is not None else 0)
     part = torch.zeros((p.B * p.H, n_mt, n_part), dtype=torch.float32, device=q.device)
@@ -131,19 +135,16 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
     if p.Lq > 0 and p.B * p.H > 0:
         kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
         with _on_device(q.device):
-            block = delta_block(p.block_dv)
-            dl_strides = grad_lse.stride() if grad_lse is not None else (0, 0, 0)
-            delta_kernel[(cdiv(p.Lq, block) * p.B * p.H,)](
-                out, grad_out, _or_dummy(grad_lse, lse), delta, *grad_out.stride(), *dl_strides, p.H, p.Lq, p.Dv,
-                BLOCK_M=block, BLOCK_DV=p.block_dv, HAS_DLSE=grad_lse is not None, IDX64=p.idx64)
+            grid, delta_args, delta_meta = p.delta_args(grad_out, grad_lse, idx64=p.idx64)
+            delta_kernel[grid](O=out, DO=grad_out, DLSE=_or_dummy(grad_lse, lse), DELTA=delta, **delta_args,
+                               **delta_meta)
             n_kv = cdiv(p.Lk, meta["BLOCK_N"]) * p.B * p.Hkv
             grid = (n_kv + n_mt * p.B * p.H,)
-            score_bwd_kernel[grid](q, k, v, grad_out, lse, delta, dq, dk, dv, kpm_u8, _or_dummy(p.lay, q), *ptrs,
-                                   part, _or_dummy(dbias, q), *q.stride(), *k.stride(), *v.stride(),
-                                   *grad_out.stride(), *p.kpm_strides, *strides, p.B, p.H, p.Hkv, *geo[1:], scale,
-                                   scalars[0], scalars[1], scalars[2], philox_key(seed) if dropout_p > 0 else 0,
-                                   p.drop_thresh, p.inv_keep, n_part, BLOCK_P=max(16, _next_pow2(n_part)),
-                                   **flags, **meta)
+            score_bwd_kernel[grid](Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq, DK=dk, DV=dv, KPM=kpm_u8,
+                                   LAY=_or_dummy(p.lay, q), **ptrs, PART=part, DBIAS=_or_dummy(dbias, q),
+                                   do_strides=grad_out.stride(), B=p.B, Hkv=p.Hkv,
+                                   seed=philox_key(seed) if dropout_p > 0 else 0, n_part=n_part, **args, **term_args,
+                                   BLOCK_P=max(16, _next_pow2(n_part)), **flags, **meta)
     else:
         dq.zero_()
     grads = []

@@ -38,8 +38,8 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, skpn,
-            scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn,
+def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l,
+            scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
             SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
@@ -59,7 +59,7 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
         ratio = (ramp + zh - d.to(tl.float32)) / ramp
         ok = ok & (ratio > 0)
     if HAS_KPM:
-        pad = tl.load(kpm_base + offs_n * skpn, mask=offs_n < Lk, other=1)
+        pad = tl.load(kpm_base + offs_n * kpm_l, mask=offs_n < Lk, other=1)
         ok = ok & (pad[None, :] == 0)
     seen = offs_n < Lk                  # without a mask every key in bounds is seen (the others load as 0)
     if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
@@ -71,7 +71,7 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
         t = _tanh(s / softcap)
         s = t * softcap
     if ALIBI:
-        slope = tl.load(SL + b * sl_b + h * sl_h).to(tl.float32)
+        slope = tl.load(SL + b * alibi_b + h * alibi_h).to(tl.float32)
         s = s - slope * tl.abs(d).to(tl.float32)
     if REL:
         if REL_BIDIR:
@@ -82,8 +82,8 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
     if SPAN:
         s = s + tl.log(tl.minimum(tl.maximum(ratio, 1e-30), 1.0))
     if DENSE:
-        bias = tl.load(BIAS + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + i64(offs_m, IDX64)[:, None] * sbm
-                       + i64(offs_n, IDX64)[None, :] * sbn, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
+        bias = tl.load(BIAS + b.to(tl.int64) * bias_b + h.to(tl.int64) * bias_h + i64(offs_m, IDX64)[:, None] * bias_q
+                       + i64(offs_n, IDX64)[None, :] * bias_k, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
                        other=0.0)
         s = s + bias.to(tl.float32)
     s = tl.where(ok, s, float("-inf"))
@@ -113,7 +113,7 @@ def _zero_unseen(x, seen, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_L
 
 
 @triton.jit
-def _query_tile(pid, Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+def _query_tile(pid, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 IDX64: tl.constexpr):
     """Query tile `pid` of cdiv(Lq, BLOCK_M) x B * H (tiles fastest): (bh, b, h, kv head, its rows,
     the rows as offsets, the Q tile)."""
@@ -125,15 +125,14 @@ def _query_tile(pid, Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M: tl.constexpr, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     om = i64(offs_m, IDX64)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
-    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + om[:, None] * sqm + offs_d[None, :] * sqd,
+    q = load_tile(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + om[:, None] * q_l + offs_d[None, :] * q_d,
                   offs_m, Lq, offs_d, D, True, True)
     return pid_m, bh, b, h, h // G, offs_m, om, q
 
 
 @triton.jit
 def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
-                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, skpb, skpn,
-                     sl_b, sl_h, tab_h, sbb, sbh, sbm, sbn,
+                     q_strides, k_strides, v_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -142,15 +141,28 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
                      ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
                      DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq) natural log, for one query tile of one (b, h); grid
-    cdiv(Lq, BLOCK_M) * B * H, query tiles fastest."""
-    pid_m, bh, b, h, hk, offs_m, _, q = _query_tile(tl.program_id(0), Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M,
+    cdiv(Lq, BLOCK_M) * B * H, query tiles fastest.
+
+    Scalar arguments named as the C++ `AttnParams` fields where it has them (csrc/attention/attention.h:
+    ``scale``, ``softcap``, ``alibi_b``, the sizes, bounds and dropout numbers) and passed by name;
+    the strides travel as tuples ``<tensor>_strides`` = (``_b``, ``_h``, ``_l``, ``_d``), their
+    elements named as the C++ fields (``kpm_strides`` = (kpm_b, kpm_l); ``bias_strides`` = (bias_b,
+    bias_h, bias_q, bias_k) of the dense bias). Without a C++ field: ``q_d``, ``k_d``, ``v_d``, the
+    slopes' head stride ``alibi_h``, the relative table's ``tab_h`` and ``max_dist``, the span's
+    ``ramp`` and the dense bias's strides; ``seed`` is C++'s seed_lo / seed_hi."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    kpm_b, kpm_l = kpm_strides
+    bias_b, bias_h, bias_q, bias_k = bias_strides
+    pid_m, bh, b, h, hk, offs_m, _, q = _query_tile(tl.program_id(0), Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M,
                                                     BLOCK_D, IDX64)
     m0 = pid_m * BLOCK_M
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    kpm_base = KPM + b.to(tl.int64) * skpb
+    k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+    v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+    kpm_base = KPM + b.to(tl.int64) * kpm_b
     lay_ptr = LAY + h.to(tl.int64) * lay_h
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -160,10 +172,10 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     for tile in range(t0, t3):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
-        kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
+        kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
         s, _t, _d, _ok, _kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr,
-                                            lay_nkb, lay_bs, kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
-                                            tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT,
+                                            lay_nkb, lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
+                                            tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT,
                                             HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
                                             DOT_PREC, INTERP_BF16, IDX64)
         s = s * LOG2E
@@ -174,7 +186,7 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p * inv_keep, 0.0)
-        v = load_tile(v_base + on[:, None] * svn + offs_dv[None, :] * svd, offs_n, Lk, offs_dv, Dv, True, True)
+        v = load_tile(v_base + on[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, True, True)
         v = _zero_unseen(v, seen[:, None], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
@@ -197,7 +209,7 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
 
 @triton.jit
 def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-           kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn,
+           kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
            seed, drop_thresh, inv_keep,
            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
@@ -207,8 +219,8 @@ def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, lef
     gradient of the biased scores, dS the gradient of the scaled scores, d, ok, the keys ``kt`` with
     those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there."""
     s, t, d, ok, kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, kpm_base, skpn, scale, softcap, SL, sl_b, sl_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
-                          sbb, sbh, sbm, sbn, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
+                          lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+                          bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
                           REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
     p = tl.exp2(s * LOG2E - lse[:, None])
     vt = _zero_unseen(vt, seen[None, :], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
@@ -235,8 +247,7 @@ def _row_stats(LSE, DELTA, bh, offs_m, Lq):
 
 @triton.jit
 def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS,
-                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, skpb, skpn,
-                     sl_b, sl_h, tab_h, sbb, sbh, sbm, sbn,
+                     q_strides, k_strides, v_strides, do_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, n_part,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -248,7 +259,16 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
     """The first ``cdiv(Lk, BLOCK_N) * B * Hkv`` programs: dK, dV of one key tile of one (b, kv head);
     the remaining ``cdiv(Lq, BLOCK_M) * B * H``: dQ of one query tile of one (b, h) and its partial
     parameter sums, written to ``PART[bh, tile, :]`` (slot 0 ALiBi, 1 span, 2.. the table), and
-    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32."""
+    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32.
+
+    Arguments as `score_fwd_kernel`'s, and ``do_strides`` (``do_d`` has no C++ field), ``Hkv`` (C++:
+    H / G) and ``n_part`` (the parameter slots per program), which have none."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    do_b, do_h, do_l, do_d = do_strides
+    kpm_b, kpm_l = kpm_strides
+    bias_b, bias_h, bias_q, bias_k = bias_strides
     pid = tl.program_id(0)
     n_nt = tl.cdiv(Lk, BLOCK_N)
     n_mt = tl.cdiv(Lq, BLOCK_M)
@@ -263,10 +283,10 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
-        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-        kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
-        vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
+        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+        kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
+        vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
         for g in range(0, G):
@@ -274,19 +294,19 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
             bh = b * H + h
             t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-            do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+            q_base = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
+            do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h
             for tile in range(t0, t3):
                 offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
                 om = i64(offs_m, IDX64)
-                q = load_tile(q_base + om[:, None] * sqm + offs_d[None, :] * sqd, offs_m, Lq, offs_d, D, True, True)
-                do = load_tile(do_base + om[:, None] * sdom + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv,
+                q = load_tile(q_base + om[:, None] * q_l + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, True)
+                do = load_tile(do_base + om[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv,
                                True, True)
                 lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
                 pd, dt, ds, d, ok, _kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off,
                                            left, right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                           KPM + b.to(tl.int64) * skpb, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
-                                           tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, seed, drop_thresh,
+                                           KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
+                                           tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
                                            inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
                                            ALIBI, REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
                 dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
@@ -296,14 +316,14 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         tl.store(DK + rows * D + offs_d[None, :], dk * scale, mask=ok_k & (offs_d[None, :] < D))
         tl.store(DV + rows * Dv + offs_dv[None, :], dv, mask=ok_k & (offs_dv[None, :] < Dv))
     else:
-        pid_m, bh, b, h, hk, offs_m, om, q = _query_tile(pid - n_kv, Q, sqb, sqh, sqm, sqd, H, G, Lq, D, BLOCK_M,
+        pid_m, bh, b, h, hk, offs_m, om, q = _query_tile(pid - n_kv, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M,
                                                          BLOCK_D, IDX64)
         m0 = pid_m * BLOCK_M
-        do = load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + om[:, None] * sdom
-                       + offs_dv[None, :] * sdod, offs_m, Lq, offs_dv, Dv, True, True)
+        do = load_tile(DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + om[:, None] * do_l
+                       + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv, True, True)
         lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
-        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
+        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         slots = tl.arange(0, BLOCK_P)
         part = tl.zeros((BLOCK_P,), tl.float32)
@@ -312,12 +332,12 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         for tile in range(t0, t3):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             on = i64(offs_n, IDX64)
-            kt = load_tile(k_base + offs_d[:, None] * skd + on[None, :] * skn, offs_d, D, offs_n, Lk, True, True)
-            vt = load_tile(v_base + offs_dv[:, None] * svd + on[None, :] * svn, offs_dv, Dv, offs_n, Lk, True, True)
+            kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
+            vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
             pd, dt, ds, d, ok, kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
                                        right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                       KPM + b.to(tl.int64) * skpb, skpn, scale, softcap, SL, sl_b, sl_h, TAB,
-                                       tab_h, max_dist, Z, ramp, BIAS, sbb, sbh, sbm, sbn, seed, drop_thresh,
+                                       KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
+                                       tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
                                        inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI,
                                        REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
             dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
