@@ -137,7 +137,7 @@ setup(
         "triton": [TRITON],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.56"],
-        "test": ["pytest", "pytest-benchmark", "hypothesis>=6.100", TRITON, "numpy", "matplotlib", "tqdm",
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis>=6.100", TRITON, "numpy", "matplotlib", "tqdm",
                  "transformers>=4.56",
                  "pillow",   # the LRA Pathfinder loader (benchmarks/lra)
                  # SASS checks of the CUDA kernels (tests/backends/cuda/test_cuda_build.py)
