@@ -23,6 +23,7 @@ from effattn.visibility import Rule
 SOFTCAP = 30.0         # the softcap variant's cap
 T5_BUCKETS, T5_DISTANCE = 32, 128   # the t5 variant's table: T5's defaults (decoder: past only)
 SPAN_RAMP, SPAN_MAX = 32, 2048      # the span variants: ramp and the largest span (at most L/4), in tokens
+RELKEYS_DIST = 1024    # the relkeys variant: relative keys for past distances 0..1023 (farther ones clamped)
 LAYOUT_BLOCK = 128     # block size of the block-sparse variants (the 'fixed' pattern of docs/benchmarks.md)
 
 
@@ -47,7 +48,7 @@ class Variant:
     quadratic: bool = True          # cost ~ L^2: by default run only up to --dense-max-len
     cpu_default: bool = True
     score: Optional[str] = None     # a score term (effattn.score): "softcap" | "alibi" | "sinks" | "t5" | "span"
-    #                                 | "span-max"
+    #                                 | "span-max" | "relkeys" (effattn.bias.RelativeKeys)
 
 
 VARIANTS: Tuple[Variant, ...] = (
@@ -95,6 +96,9 @@ VARIANTS: Tuple[Variant, ...] = (
             score="span", cpu_default=False),
     Variant("span-max", "score", f"causal, adaptive span (ramp {SPAN_RAMP}) with every head at the largest span "
             f"min({SPAN_MAX}, L/4)", causal=True, score="span-max", cpu_default=False),
+    Variant("relkeys", "score", f"causal, Transformer-XL / Shaw relative keys: q_i . r[h, min(i - j, "
+            f"{RELKEYS_DIST - 1})] added to the scores (a query-dependent term; Flex reads q r^T, materialized "
+            f"(B, H, L, {RELKEYS_DIST}), in its score_mod)", causal=True, score="relkeys", cpu_default=False),
 )
 
 
@@ -162,6 +166,10 @@ class Case:
                 top = min(SPAN_MAX, self.L // 4)
                 z = torch.rand(self.H, generator=g) * top if kind == "span" else torch.full((self.H,), float(top))
                 kw = dict(bias=effattn.bias.Span(z.float().to(self.device), ramp=SPAN_RAMP, max_span=top))
+            elif kind == "relkeys":
+                g = torch.Generator().manual_seed(7)
+                r = torch.randn(self.H, min(RELKEYS_DIST, self.L), self.D, generator=g) * self.D ** -0.5
+                kw = dict(bias=effattn.bias.RelativeKeys(r.to(self.device, self.dtype).requires_grad_()))
             else:
                 g = torch.Generator().manual_seed(7)
                 kw = dict(sinks=torch.randn(self.H, generator=g).to(self.device))
@@ -339,6 +347,17 @@ def _flex(case: Case) -> Bench:
         block_mask = create_block_mask(mod, None, heads, case.L, case.L, device=case.device,
                                        BLOCK_SIZE=LAYOUT_BLOCK, **opts)
     q, k, v, flex = case.q, case.k, case.v, _flex_compiled
+    if kind == "relkeys":                     # the query-dependent term: q r^T materialized, read per score
+        r = kw["bias"].r
+        scale, last = q.shape[-1] ** -0.5, r.shape[1] - 1
+
+        def fn():
+            qr = q @ r.transpose(-1, -2).unsqueeze(0)                       # (B, H, L, n_dist)
+
+            def score_mod(s, b, h, i, j):
+                return s + scale * qr[b, h, i, (i - j).clamp(0, last)]
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        return Bench(fn, (q, k, v, r))
     if kind == "sinks":
         sinks = kw["sinks"][None, :, None, None]
 

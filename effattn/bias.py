@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["ALiBi", "Relative", "Span", "alibi_slopes", "t5_bucket_index"]
+__all__ = ["ALiBi", "Relative", "RelativeKeys", "Span", "alibi_slopes", "relative_index", "relative_scores",
+           "t5_bucket_index"]
 
 
 def _float_tensor(fn: str, name: str, t, device) -> None:
@@ -314,3 +315,51 @@ class Dense(_Term):
         rows = slice(i0, i1) if t.shape[2] > 1 else slice(0, 1)
         keys = slice(k0, k1) if t.shape[3] > 1 else slice(0, 1)
         return ((rows, keys, g),)
+
+
+# ------------------------------------------------------------------------------ relative keys
+
+def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
+    """int64 ``(Lq, Lk)``: the row of ``r`` that query i reads for key j (see the module docstring)."""
+    d = torch.arange(Lq, device=device)[:, None] + (Lk - Lq) - torch.arange(Lk, device=device)[None, :]
+    if max_distance is None:
+        return d.clamp(0, n_dist - 1)
+    return d.clamp(-max_distance, max_distance) + max_distance
+
+
+def relative_scores(query: Tensor, r: Tensor, Lk: int, max_distance: Optional[int] = None) -> Tensor:
+    """``query_i . r[h, idx(d_ij)]`` for ``query (B, H, Lq, D)``, ``r (H, n_dist, D)``: ``(B, H, Lq, Lk)``
+    (unscaled), computed as ``query @ r^T`` followed by a skewed gather."""
+    B, H, Lq, _ = query.shape
+    qr = torch.matmul(query, r.transpose(-1, -2).unsqueeze(0))                     # (B, H, Lq, n_dist)
+    idx = relative_index(Lq, Lk, r.shape[1], max_distance, query.device)
+    return qr.gather(-1, idx.expand(B, H, Lq, Lk))
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeKeys:
+    """Relative-position keys (Shaw et al. 2018, Music Transformer, Transformer-XL) as a term of
+    ``effattn.attention(..., bias=RelativeKeys(r, ...))``: adds ``query_i . r[h, idx(d_ij)]`` to the
+    unscaled scores, ``s_ij = scale (q_i . k_j + query_i . r[h, idx(d_ij)])``, with the index of
+    `relative_index` (past distances clamped to ``n_dist - 1`` without ``max_distance``; ``clamp(d,
+    -M, M) + M`` with ``max_distance=M``).
+
+    Args:
+        r: ``(H, n_dist, D)`` relative keys, q's dtype and device.
+        query: ``(B, H, Lq, D)`` query of the term (Transformer-XL passes ``q + v_bias`` here and
+            ``q + u_bias`` as q), or None for the call's q.
+        max_distance: None (r holds past distances ``0..n_dist-1``; needs causal or a window with
+            right = 0) or M (``n_dist = 2M + 1``).
+
+    Unlike the other terms it depends on the query, so it is not a table of distances: `attention`
+    runs it on the rows of op ``"relative_attention"`` (the fused Triton kernels, or the blocked
+    torch path; `effattn.explain` with the same ``bias=`` lists them), alone (no other term, softcap,
+    sinks, layout, packing or positions). r and query receive gradients. ``scores(q, Lk)`` gives the
+    unscaled ``(B, H, Lq, Lk)`` term (small shapes, tests).
+    """
+    r: Tensor
+    query: Optional[Tensor] = None
+    max_distance: Optional[int] = None
+
+    def scores(self, q: Tensor, Lk: int) -> Tensor:
+        return relative_scores(q if self.query is None else self.query, self.r, Lk, self.max_distance)

@@ -1,13 +1,15 @@
 """The public softmax-attention function and `explain`: validate, pick a backend, run."""
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
-
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
+from .bias import RelativeKeys
+from .explanation import Explanation, explain_call
 from .packed import check_linear_packed
 from .paged import GATHER_NOTE, contiguous_keys, make_paged_call, paged_attention, paged_row
 from .paged import OP as PAGED_OP
+from .relative import FN as RELATIVE_OP
+from .relative import make_relative_call, relative_attention
 
 
 def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None, scale=None,
@@ -77,14 +79,18 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     """
     if unknown:
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
+    others = dict(layout=layout, key_padding_mask=key_padding_mask, dropout_p=dropout_p, softcap=softcap,
+                  sinks=sinks, bias=bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions,
+                  out_dtype=out_dtype)
     if block_table is not None or seqlens is not None:
-        if (layout is not None or key_padding_mask is not None or dropout_p or cu_seqlens is not None
-                or max_seqlen is not None or positions is not None or out_dtype is not None):
-            raise ValueError("attention: a paged call (block_table=, seqlens=) takes causal, window, scale, "
-                             "return_lse and backend only (no layout, key_padding_mask, dropout_p, cu_seqlens, "
-                             "max_seqlen, positions or out_dtype)")
+        _takes_only("a paged call (block_table=, seqlens=)", "causal, window, scale, return_lse and backend", others)
         return paged_attention(q, k, v, block_table=block_table, seqlens=seqlens, causal=causal, window=window,
                                scale=scale, return_lse=return_lse, backend=backend)
+    if _relative_keys(bias):
+        _takes_only("bias=RelativeKeys(...)", RELATIVE_TAKES, {n: others[n] for n in RELATIVE_REFUSED})
+        return relative_attention(q, k, v, bias.r, query=bias.query, max_distance=bias.max_distance, causal=causal,
+                                  window=window, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
+                                  return_lse=return_lse, backend=backend)
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,
@@ -93,74 +99,26 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     return (out, lse) if return_lse else out
 
 
-class Row(NamedTuple):
-    """One registry row as `explain` found it for a call."""
-    path: str                 # "triton/decode"
-    backend: str
-    rank: int                 # the row's priority for this call (lower is tried first)
-    reasons: List[str]        # why it cannot serve the call; empty: it can
-    notes: List[str]          # what serving involves besides the kernels; "only when named" remarks
-    detail: Optional[str]     # detail inside the path (splits, which forward kernel), or None
+# what an `attention` call with bias=RelativeKeys(...) takes (relative_attention's arguments), and
+# what it refuses by name
+RELATIVE_TAKES = "causal, window, key_padding_mask, scale, dropout_p, return_lse and backend"
+RELATIVE_REFUSED = ("layout", "softcap", "sinks", "cu_seqlens", "max_seqlen", "positions", "out_dtype")
 
 
-def _undeclared(why: List[str]) -> bool:
-    """Whether a row's reasons say it does not declare some feature of the call (so the call is not
-    for that row; `base.Backend.take` prefers the reasons of a row that declares them all)."""
-    return any(w.startswith("does not support ") for w in why)
+def _takes_only(what: str, allowed: str, others: dict) -> None:
+    """Raises ValueError naming the arguments in `others` given (not None, not 0) to a call that
+    takes `allowed` only."""
+    given = [name for name, x in others.items() if x is not None and not (name == "dropout_p" and x == 0)]
+    if given:
+        raise ValueError(f"attention: {what} takes {allowed} only; got {', '.join(given)}")
 
 
-class Explanation:
-    """What `explain` found: one `Row` per registered path (in the order "auto" tries them) with
-    its reasons, and the pick. Per backend (``reasons``, ``notes``, ``paths``, ``ranks``, keyed by
-    backend name): what naming that backend would do, i.e. its first row that admits the call (or
-    the reasons of its last, most general row when none does)."""
-
-    def __init__(self, op: str, rows: List[Row], chosen_path: Optional[str], missing: Dict[str, List[str]],
-                 groups: Dict[str, List[str]]):
-        self.op, self.rows, self.chosen_path = op, rows, chosen_path
-        self.missing, self.groups = missing, groups
-        self.chosen = chosen_path.split("/")[0] if chosen_path else None
-        self.reasons: Dict[str, List[str]] = {}
-        self.notes: Dict[str, str] = {}
-        self.paths: Dict[str, str] = {}
-        self.ranks: Dict[str, int] = {}
-        by_name = {r.path: r for r in rows}
-        for r in (by_name[n] for names in groups.values() for n in names):   # each backend's own order
-            if r.backend in self.ranks and not self.reasons[r.backend]:
-                continue                                   # the backend already takes an earlier row
-            if (r.backend in self.ranks and r.reasons and _undeclared(r.reasons)
-                    and not _undeclared(self.reasons[r.backend])):
-                continue                                   # keep the reasons of the row the call is for
-            self.reasons[r.backend], self.ranks[r.backend] = r.reasons, r.rank
-            self.notes.pop(r.backend, None)
-            if r.notes:
-                self.notes[r.backend] = "; ".join(r.notes)
-            self.paths[r.backend] = r.path + (f": {r.detail}" if r.detail else "")
-        self.reasons.update(missing)
-
-    def row(self, path: str) -> Row:
-        return next(r for r in self.rows if r.path == path)
-
-    def can_serve(self, name: str) -> bool:
-        """Whether backend (or path) `name` can serve the call."""
-        if "/" in name:
-            return not self.row(name).reasons
-        return name in self.reasons and not self.reasons[name]
-
-    def __str__(self):
-        lines = [f"effattn.{self.op}: backend='auto' picks {self.chosen_path or 'nothing (no backend can serve)'}"]
-        width = max([len(r.path) for r in self.rows] + [7])
-        for r in self.rows:
-            state = "can serve" if not r.reasons else "cannot serve: " + "; ".join(r.reasons)
-            extra = [x for x in r.notes + [r.detail] if x]
-            note = "".join(f" ({x})" for x in extra)
-            lines.append(f"  [{r.rank:>3}] {r.path:{width}s} {state}{note}")
-        for name, why in self.reasons.items():
-            if not any(r.backend == name for r in self.rows):
-                lines.append(f"  {'':5s} {name:{width}s} {'; '.join(why)}")
-        return "\n".join(lines)
-
-    __repr__ = __str__
+def _relative_keys(bias) -> bool:
+    """Whether ``bias`` is a `RelativeKeys` term, which runs on the rows of ``relative_attention``
+    (alone: a list holding one is refused, naming ``bias``)."""
+    if isinstance(bias, (list, tuple)) and any(isinstance(x, RelativeKeys) for x in bias):
+        raise ValueError("attention: bias=RelativeKeys(...) combines with no other bias term; pass it alone")
+    return isinstance(bias, RelativeKeys)
 
 
 def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
@@ -185,9 +143,14 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         return explain_paged(q, k, v, **kwargs)
     if op in base.CALL_MAKERS:                       # the ops with kernels of their own (lsh, relative)
         return explain_call(op, base.CALL_MAKERS[op](q, k, v, **kwargs))
-    kwargs.pop("backend", None)
+    backend = kwargs.pop("backend", "auto")
     if op in ("attention", "linear_attention"):
         check_keywords(f"explain(op={op!r})", kwargs, ATTENTION_KEYWORDS if op == "attention" else LINEAR_KEYWORDS)
+    if op == "attention" and _relative_keys(kwargs.get("bias")):
+        term = kwargs.pop("bias")
+        _takes_only("bias=RelativeKeys(...)", RELATIVE_TAKES, {n: kwargs.pop(n) for n in RELATIVE_REFUSED if n in kwargs})
+        return explain_call(RELATIVE_OP, make_relative_call(q, k, v, term.r, query=term.query,
+                                                            max_distance=term.max_distance, backend=backend, **kwargs))
     if op == "attention":
         call = make_attn_call(q, k, v, **kwargs)
     elif op == "linear_attention":
@@ -202,22 +165,6 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
         ops = ", ".join(repr(o) for o in ("attention", "linear_attention", PAGED_OP, *base.CALL_MAKERS))
         raise ValueError(f"explain: op must be one of {ops}; got {op!r}")
     return explain_call(op, call)
-
-
-def explain_call(op: str, call) -> Explanation:
-    """The `Explanation` of a call already built: every row of ``op`` with its reasons."""
-    found, chosen = [], None
-    for p in base.rows(op, call):
-        why = p.reasons(call)
-        notes = list(p.notes(call)) if not why else []
-        if not why and call.q.device.type in p.explicit_only_devices:
-            notes.insert(0, f"on {call.q.device.type} only when asked for by name")
-        elif not why and chosen is None:
-            chosen = p.name
-        found.append(Row(p.name, p.backend, p.rank(call), why, notes, p.describe(call) if not why else None))
-    missing = {name: [base.missing_reason(op, name)] for name in base.BACKENDS if name not in base._REGISTRY[op]}
-    groups = {b.name: [p.name for p in b.ordered(call)] for b in base.backends_for(op)}
-    return Explanation(op, found, chosen, missing, groups)
 
 
 def explain_paged(q, k_pages, v_pages, **kwargs) -> Explanation:

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ._call import compute_dtype
 from .backends import base
-from .functional import explain
+from .explanation import explain_call
 
 SELF_SCORE = -1e5        # the score of a token against itself (trax's self-attention penalty)
 FN = "lsh_attention"
@@ -333,7 +333,7 @@ def torch_rounds(call: LshCall) -> Tuple[Tensor, Tensor]:
 def explain_lsh(qk: Tensor, v: Tensor, **kwargs) -> str:
     """The text of `effattn.explain` for an `lsh_attention` call: its rows (``triton/lsh``,
     ``torch/lsh``) with their reasons, and the one ``backend="auto"`` takes."""
-    return str(explain(qk, qk, v, op=FN, **kwargs))
+    return str(explain_call(FN, make_lsh_call(qk, v, **kwargs)))
 
 
 def _explain_call(qk: Tensor, k, v: Tensor, **kwargs) -> LshCall:

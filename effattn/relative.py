@@ -21,8 +21,9 @@ interior distances, prefix/suffix sums for the clamped ends: no scatter, determi
 dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
 (`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift; a deterministic
 backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
-CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). `relative_scores` is the
-piece a fused bias term can wrap.
+CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). The term itself
+(`RelativeKeys`, `relative_index`, `relative_scores`) lives in `effattn.bias`: ``effattn.attention(...,
+bias=RelativeKeys(r, query, max_distance))`` runs `relative_attention`.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from torch import Tensor
 
 from ._call import compute_dtype, make_attn_call
 from .backends import base
-from .functional import explain
+from .bias import RelativeKeys, relative_index, relative_scores  # noqa: F401  (public here too)
+from .explanation import explain_call
 from .lsh import softmax_lse
 from .visibility import Rule, normalize_window
 
@@ -44,47 +46,6 @@ FN = "relative_attention"
 UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
                 "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
                 "Triton kernels serve CUDA calls without dropout; no CUDA C++ kernel")
-
-
-def relative_index(Lq: int, Lk: int, n_dist: int, max_distance: Optional[int] = None, device=None) -> Tensor:
-    """int64 ``(Lq, Lk)``: the row of ``r`` that query i reads for key j (see the module docstring)."""
-    d = torch.arange(Lq, device=device)[:, None] + (Lk - Lq) - torch.arange(Lk, device=device)[None, :]
-    if max_distance is None:
-        return d.clamp(0, n_dist - 1)
-    return d.clamp(-max_distance, max_distance) + max_distance
-
-
-def relative_scores(query: Tensor, r: Tensor, Lk: int, max_distance: Optional[int] = None) -> Tensor:
-    """``query_i . r[h, idx(d_ij)]`` for ``query (B, H, Lq, D)``, ``r (H, n_dist, D)``: ``(B, H, Lq, Lk)``
-    (unscaled), computed as ``query @ r^T`` followed by a skewed gather."""
-    B, H, Lq, _ = query.shape
-    qr = torch.matmul(query, r.transpose(-1, -2).unsqueeze(0))                     # (B, H, Lq, n_dist)
-    idx = relative_index(Lq, Lk, r.shape[1], max_distance, query.device)
-    return qr.gather(-1, idx.expand(B, H, Lq, Lk))
-
-
-@dataclass(frozen=True, eq=False)
-class RelativeKeys:
-    """The relative-keys score term as a value: ``query_i . r[h, idx(d_ij)]`` (module docstring).
-
-    Args:
-        r: ``(H, n_dist, D)``.
-        query: ``(B, H, Lq, D)`` query of the term, or None for the call's q.
-        max_distance: None (past distances ``0..n_dist-1``) or M (``n_dist = 2M + 1``).
-
-    ``scores(q, Lk)`` gives the unscaled ``(B, H, Lq, Lk)`` term (small shapes, tests), ``attention(q,
-    k, v, **kw)`` runs :func:`relative_attention` with it. A score-terms module can hold and
-    dispatch it like its other terms.
-    """
-    r: Tensor
-    query: Optional[Tensor] = None
-    max_distance: Optional[int] = None
-
-    def scores(self, q: Tensor, Lk: int) -> Tensor:
-        return relative_scores(q if self.query is None else self.query, self.r, Lk, self.max_distance)
-
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kwargs):
-        return relative_attention(q, k, v, self.r, query=self.query, max_distance=self.max_distance, **kwargs)
 
 
 def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: str = FN) -> None:
@@ -328,7 +289,7 @@ def explain_relative(q: Optional[Tensor] = None, dropout_p: float = 0.0, backend
     if q is None:
         return "effattn.relative_attention: " + UNFUSED_NOTE
     r = q.new_zeros(q.shape[1], 1, q.shape[-1])
-    return str(explain(q, q, q, op=FN, r=r, causal=True, dropout_p=dropout_p, backend=backend))
+    return str(explain_call(FN, make_relative_call(q, q, q, r, causal=True, dropout_p=dropout_p, backend=backend)))
 
 
 def _explain_call(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> RelativeCall:

@@ -30,7 +30,7 @@ compile checks). The shapes are those of docs/benchmarks.md:
   (the GPU waits for the host), next to SDPA's.
 - ``score``: score terms (softcap 30, ALiBi with the paper's slopes, one sink logit per head, T5's
   relative table, adaptive span with ramp 32 and spans drawn per head against every head at the
-  largest span), causal, D=128, L = 4k and 16k, against compiled flex_attention with the same
+  largest span, Transformer-XL's relative keys over 1024 past distances), causal, D=128, L = 4k and 16k, against compiled flex_attention with the same
   ``score_mod`` (sinks: Flex's lse rescales its output; span: Flex also gets each head's span as a
   per-head block mask); the last section, with a small budget. Their kernels (Triton's score
   kernels) are compiled by their first call, not by ``precompile``.
@@ -113,8 +113,8 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
         Section("packed", ("packed",), (4096,), 128, (), budget_s=30, batch=8, heads=16),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
-        Section("score", ("softcap", "alibi", "sinks", "t5", "span", "span-max"), (4096, 16384), 128, ("flex",),
-                budget_s=90),
+        Section("score", ("softcap", "alibi", "sinks", "t5", "span", "span-max", "relkeys"), (4096, 16384), 128,
+                ("flex",), budget_s=100),
     ),
 }
 SUITES["anchors"] = tuple(s for s in SUITES["gpu"] if s.name in ("anchors-d128", "sparse-long", "causal-64k",

@@ -55,7 +55,7 @@ def test_plan_counts_match_the_oracle_masks_at_toy_sizes():
     entries = sections.plan(SECTIONS, ["torch"], smoke=True)
     attention = [e for e in entries if e.get("op") == "attention"]
     assert {e["variant"] for e in attention} == {"dense", "causal", "window", "fixed", "decode", "host", "softcap",
-                                                 "alibi", "sinks", "t5", "span", "span-max",
+                                                 "alibi", "sinks", "t5", "span", "span-max", "relkeys",
                                                  "causal-packed/padded"}
     for e in entries:
         if e["variant"] in ("decode", "host", "paged"):

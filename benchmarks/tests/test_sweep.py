@@ -190,7 +190,7 @@ def test_report_footnote_says_unsupported_once():
     assert "unsupported: effattn-triton: unsupported" not in text
 
 
-@pytest.mark.parametrize("name", ["softcap", "alibi", "sinks", "t5", "span", "span-max"])
+@pytest.mark.parametrize("name", ["softcap", "alibi", "sinks", "t5", "span", "span-max", "relkeys"])
 def test_score_variants_give_flex_the_same_terms(name, monkeypatch):
     """The score section's Flex baseline (its score_mod, or its lse for sinks) computes what effattn
     computes with the variant's terms, at a toy size on the CPU (Flex eager); SDPA declines them."""

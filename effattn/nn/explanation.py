@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from ..functional import Explanation
+from ..explanation import Explanation
 
 #: what a caller can change to leave each reference path (keyed by the reason in ``last_path``)
 REFERENCE_HINTS = {
@@ -25,7 +25,7 @@ class ForwardExplanation:
         op: ``"attention"`` / ``"linear_attention"``: the effattn function the call would make; None on a
             reference path (the module computes a dense softmax itself).
         reasons: every reason the call leaves the fused path (empty on a fused or linear path).
-        report: :func:`effattn.explain`'s :class:`~effattn.functional.Explanation` for that call (which
+        report: :func:`effattn.explain`'s :class:`~effattn.explanation.Explanation` for that call (which
             backend ``"auto"`` picks, why each other one cannot serve); None on a reference path.
         backend: the module's ``backend`` (a name other than ``"auto"`` is used as is).
         shape: ``(Lq, Lk)`` of the attention (``Lk`` includes cached keys and memory).

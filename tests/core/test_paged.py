@@ -128,8 +128,11 @@ def test_paged_errors_name_the_argument():
         effattn.attention(q.requires_grad_(), kp, vp, block_table=table, seqlens=seqlens)
     with pytest.raises(ValueError, match="block_table must be an int32/int64"):
         effattn.attention(q.detach(), kp, vp, block_table=table.float(), seqlens=seqlens)
-    with pytest.raises(ValueError, match="no layout, key_padding_mask, dropout_p"):
+    with pytest.raises(ValueError, match="a paged call .* only; got dropout_p"):
         effattn.attention(q.detach(), kp, vp, block_table=table, seqlens=seqlens, dropout_p=0.1)
+    for name, value in [("softcap", 3.0), ("sinks", torch.zeros(q.shape[1])), ("bias", torch.zeros(1))]:
+        with pytest.raises(ValueError, match=f"a paged call .* only; got {name}"):   # were silently dropped
+            effattn.attention(q.detach(), kp, vp, block_table=table, seqlens=seqlens, **{name: value})
     with pytest.raises(ValueError, match="num_pages must be a positive int"):
         PagedKVCache(0, 4, 2, 8)
     q = q.detach()

@@ -124,9 +124,56 @@ def test_relative_keys_term():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 4, 3, dtype=torch.float64, generator=g) for _ in range(3))
     r = torch.randn(2, 3, 3, dtype=torch.float64, generator=g)
-    term = effattn.relative.RelativeKeys(r, max_distance=1)
+    term = effattn.bias.RelativeKeys(r, max_distance=1)
+    assert effattn.relative.RelativeKeys is term.__class__          # one class, public in both modules
     s = (q @ k.transpose(-1, -2) + term.scores(q, 4)) / math.sqrt(3)
-    torch.testing.assert_close(term.attention(q, k, v), torch.softmax(s, -1) @ v)
+    torch.testing.assert_close(effattn.attention(q, k, v, bias=term), torch.softmax(s, -1) @ v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_bias_relative_keys_is_relative_attention(backend):
+    """``attention(..., bias=RelativeKeys(r, query, M))`` runs the rows of relative_attention: the same
+    output, lse and gradients bitwise (q, k, v, r, query), Transformer-XL's u / v form against the
+    explicit formula, and explain lists those rows."""
+    g = torch.Generator().manual_seed(11)
+    dt = torch.float64 if backend == "torch" else torch.float32
+    B, H, Hkv, Lq, Lk, D = 1, 4, 2, 9, 21, 4
+    q, query = (torch.randn(B, H, Lq, D, dtype=dt, generator=g, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Lk, D, dtype=dt, generator=g, requires_grad=True) for _ in range(2))
+    r = torch.randn(H, 7, D, dtype=dt, generator=g, requires_grad=True)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[0, 3] = True
+    kw = dict(causal=True, window=(12, 0), key_padding_mask=kpm, scale=0.6, return_lse=True, backend=backend)
+    out, lse = effattn.attention(q, k, v, bias=effattn.bias.RelativeKeys(r, query=query), **kw)
+    out2, lse2 = effattn.relative_attention(q, k, v, r, query=query, **kw)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    inputs, dout = (q, k, v, r, query), torch.randn(out.shape, dtype=dt, generator=g)
+    for a, b in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(out2, inputs, dout)):
+        assert torch.equal(a, b)
+    # Transformer-XL: (q + u) . k_j + (q + v) . R_{i-j}, against the (L, L) formula in float64
+    u, vb = (torch.randn(H, 1, D, dtype=dt, generator=g) for _ in range(2))
+    got = effattn.attention(q + u, k, v, bias=effattn.bias.RelativeKeys(r, query=q + vb), causal=True, scale=0.6,
+                            backend=backend)
+    d64 = [t.detach().double() for t in (q + u, k, v, r, q + vb)]
+    ref = explicit_relative(*d64[:4], d64[4], None, True, None, None, 0.6)
+    torch.testing.assert_close(got.double(), ref, **({} if backend == "torch" else dict(rtol=2e-5, atol=2e-5)))
+    text = str(effattn.explain(q, k, v, bias=effattn.bias.RelativeKeys(r), causal=True, backend=backend))
+    assert text.startswith("effattn.relative_attention:") and f"{backend}/relative" in text
+
+
+def test_attention_bias_relative_keys_refusals():
+    q = torch.randn(1, 2, 5, 4)
+    term = effattn.bias.RelativeKeys(torch.randn(2, 3, 4), max_distance=1)
+    for name, value in [("softcap", 2.0), ("sinks", torch.zeros(2)), ("positions", (0, 0)),
+                        ("layout", effattn.layouts.local(8, 4, num_local_blocks=1)), ("out_dtype", torch.float32)]:
+        with pytest.raises(ValueError, match=f"RelativeKeys.*got {name}"):
+            effattn.attention(q, q, q, bias=term, **{name: value})
+        with pytest.raises(ValueError, match=f"RelativeKeys.*got {name}"):
+            effattn.explain(q, q, q, bias=term, **{name: value})
+    with pytest.raises(ValueError, match="bias=RelativeKeys.*alone"):
+        effattn.attention(q, q, q, bias=[term, effattn.bias.ALiBi(torch.ones(2))])
+    with pytest.raises(ValueError, match="r must have shape"):
+        effattn.attention(q, q, q, bias=effattn.bias.RelativeKeys(torch.randn(3, 3, 4), max_distance=1))
 
 
 def test_query_defaults_to_q():
