@@ -196,7 +196,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # transformers' convention without a mask (a static cache's empty prefill): queries are the
         # first Lq positions and the keys after them are unused cache slots
         key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq
-        position_bias = position_bias[..., :Lq] if position_bias is not None else None
+        position_bias = position_bias[..., :Lq] if isinstance(position_bias, Tensor) else position_bias
 
     if attention_mask is not None and attention_mask.dim() == 4:
         used = _used_keys(attention_mask, Lq)
@@ -204,12 +204,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             # a static cache's unused slots: masked for every query, and in the way of the bottom-right
             # alignment the fused kernel's causal / window rule uses; cutting them changes nothing
             key, value, attention_mask, Lk = key[:, :, :used], value[:, :, :used], attention_mask[..., :used], used
-            position_bias = position_bias[..., :used] if position_bias is not None else None
+            position_bias = position_bias[..., :used] if isinstance(position_bias, Tensor) else position_bias
 
-    if position_bias is not None and not position_bias.requires_grad and not bool(position_bias.any()):
-        position_bias = None                            # T5's zero bias of layers without one: adds nothing
-    if position_bias is not None and position_bias.shape[-1] > Lk:
-        position_bias = position_bias[..., :Lk]
+    if isinstance(position_bias, Tensor):
+        if not position_bias.requires_grad and not bool(position_bias.any()):
+            position_bias = None                        # T5's zero bias of layers without one: adds nothing
+        elif position_bias.shape[-1] > Lk:
+            position_bias = position_bias[..., :Lk]
+    elif position_bias is not None and not isinstance(position_bias, _bias.Relative):
+        raise TypeError(f"effattn: position_bias must be a tensor or an effattn.bias.Relative term (upgrade_t5_bias), "
+                        f"got {type(position_bias).__name__}")
     # ALiBi (BLOOM, MPT through `swap_alibi_attention`): the slopes as a fused term, O(L) memory
     slopes = kwargs.get("alibi_slopes")
     extra = [position_bias] if position_bias is not None else []
@@ -236,9 +240,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if bias is None:
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=query.device).masked_fill(~visible,
                                                                                                   float("-inf"))
-        if position_bias is not None:
+        if isinstance(position_bias, Tensor):
             bias = bias + position_bias
-        bias = [bias] + ([_bias.ALiBi(slopes)] if slopes is not None else [])
+        bias = [bias] + [t for t in extra if not isinstance(t, Tensor)]     # the terms (T5 Relative, ALiBi)
         out = attention(query, key, value, scale=scaling, dropout_p=float(dropout), backend=backend,
                         softcap=softcap, sinks=sinks, bias=bias)
         _record("fused, mask as a dense bias: " + why)
@@ -317,6 +321,8 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
 
     def effattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    effattn_attention.effattn = True           # what upgrade_t5_bias checks a model's implementation by
 
     transformers.AttentionInterface.register(name, effattn_attention)
     try:                                   # 4.53+; before, models build their own (float) masks
@@ -413,3 +419,92 @@ def swap_alibi_attention(model: torch.nn.Module, *, backend: str = "auto"):
             continue
         served.append(name)
     return {"served": served, "not served": not_served}
+
+
+# ------------------------------------------------------------------------ T5 relative bias (upgraded)
+#
+# T5-style attention (T5, mT5, UMT5, LongT5's full attention, Pix2Struct, ...) builds its relative
+# position bias as a dense (1, H, Lq, Lk) tensor in `compute_bias` and passes it to the attention
+# function as `position_bias` (the first layer's to every layer). `upgrade_t5_bias` makes
+# `compute_bias` return the same bias as a fused score term instead: `effattn.bias.Relative` over the
+# bucket of each clipped distance (`t5_bucket_index`), O(H * max_distance) memory, gradient into the
+# bucket embedding. Only a model whose attention function is effattn's can read the term.
+
+def _t5_like(module) -> bool:
+    return (getattr(module, "has_relative_attention_bias", False) and hasattr(module, "compute_bias")
+            and isinstance(getattr(module, "relative_attention_bias", None), torch.nn.Embedding)
+            and all(hasattr(module, a) for a in ("relative_attention_num_buckets", "relative_attention_max_distance",
+                                                 "is_decoder")))
+
+
+def _t5_term(module) -> "_bias.Relative":
+    """The module's relative bias as a `Relative` term: T5's bucket embedding read at each clipped
+    distance (its bucket is constant beyond ``relative_attention_max_distance``)."""
+    M, bidirectional = module.relative_attention_max_distance, not module.is_decoder
+    weight = module.relative_attention_bias.weight                       # (num_buckets, H)
+    idx = _bias.t5_bucket_index(module.relative_attention_num_buckets, M, bidirectional).to(weight.device)
+    return _bias.Relative(weight.t()[:, idx], max_distance=M, bidirectional=bidirectional)
+
+
+def _t5_compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0):
+    # effattn's bottom-right positions put query i at key_length - query_length + i, which is T5's
+    # past_seen_tokens + i whenever the keys are the cache plus the new tokens (what T5 passes)
+    return _t5_term(self)
+
+
+def upgrade_t5_bias(model: torch.nn.Module, select=None):
+    """Makes the T5-style relative position bias of ``model`` a fused score term (O(L) memory instead
+    of a dense ``(1, H, Lq, Lk)`` tensor), in place, weights kept: each attention module with a
+    relative bias (``relative_attention_bias``, ``compute_bias``) returns `effattn.bias.Relative` from
+    ``compute_bias``. The model must run effattn's attention function (``attn_implementation=
+    "effattn"`` after :func:`register`): ``"eager"`` / ``"sdpa"`` cannot read the term. Each module is
+    checked first: its bias is computed both ways at a small size and must agree exactly.
+    `effattn.swap_attention` calls this for the models it finds such modules in.
+
+    ``select``: optional ``(qualified_name, module) -> bool``; only modules it accepts are upgraded.
+
+    Returns ``{"served": [module names], "not served": {module name: why}}``.
+    """
+    import types
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    served, not_served = [], {}
+    for name, m in model.named_modules():
+        if not _t5_like(m) or (select is not None and not select(name, m)):
+            continue
+        own = getattr(getattr(m, "config", None), "_attn_implementation", impl)
+        if not _effattn_impl(own):
+            not_served[name] = (f"its attention implementation is {own!r}, which cannot read a score term: load the "
+                                "model with attn_implementation='effattn' (effattn.integrations.huggingface.register())")
+            continue
+        why = _t5_mismatch(m)
+        if why:
+            not_served[name] = why
+            continue
+        m.compute_bias = types.MethodType(_t5_compute_bias, m)
+        served.append(name)
+    return {"served": served, "not served": not_served}
+
+
+def _effattn_impl(name) -> bool:
+    """Whether transformers' attention function registered under ``name`` is effattn's."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    fn = AttentionInterface().get(name) if isinstance(name, str) else None
+    return getattr(fn, "effattn", False)
+
+
+def _t5_mismatch(module) -> Optional[str]:
+    """Why the module's own ``compute_bias`` and the `Relative` term differ (None: they agree exactly),
+    compared at a size past ``max_distance`` with a cache offset."""
+    from ..score import dense_values
+    M = module.relative_attention_max_distance
+    Lq, Lk = M + 5, 2 * M + 9
+    with torch.no_grad():
+        dense = type(module).compute_bias(module, Lq, Lk, past_seen_tokens=Lk - Lq)
+        term = _t5_term(module)
+        ours = dense_values(term, 1, term.table.shape[0], Lq, Lk, term.table.device)
+    if dense.shape != ours.shape or not torch.equal(dense.to(ours.dtype), ours):
+        return "its compute_bias is not T5's bucketed bias (the fused term would differ)"
+    return None

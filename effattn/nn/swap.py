@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
+from ..integrations import huggingface
 from .attention import MultiheadAttention
 from .variants import VARIANT_KEYS, check_variant
 
@@ -59,6 +60,12 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
             module with ``add_bias_kv``, ...). Nothing is swapped then: all replacements are built
             before any is installed.
 
+    Hugging Face T5-style models (T5, mT5, UMT5, Pix2Struct, ...: attention modules with a
+    ``relative_attention_bias`` and ``compute_bias``) loaded with ``attn_implementation="effattn"``
+    get their relative position bias upgraded to a fused term (O(L) memory instead of a dense
+    ``(1, H, Lq, Lk)`` tensor): see :func:`effattn.integrations.huggingface.upgrade_t5_bias`; with
+    another attention implementation those modules are left as they are, with a warning.
+
     torch's own fused inference paths stay correct: ``TransformerEncoderLayer``'s fast path (which
     would read the weights and bypass the attention module) is disabled by the effattn module, and
     ``TransformerEncoder``'s nested-tensor path hands the effattn module a nested tensor, which it
@@ -106,7 +113,11 @@ def swap_attention(model: nn.Module, *, select: Optional[Callable[[str, nn.Modul
             slots.append((parent, child_name, child, name))
     for parent, child_name, child, _ in slots:
         setattr(parent, child_name, new_for[id(child)])
-    if not report:
+    t5 = huggingface.upgrade_t5_bias(model, select=select)
+    report += [(name, "T5 relative bias (dense tensor) -> effattn.bias.Relative (fused term)") for name in t5["served"]]
+    for name, why in t5["not served"].items():
+        warnings.warn(f"swap_attention: {name}: T5 relative bias left dense: {why}", stacklevel=2)
+    if not report and not t5["not served"]:
         warnings.warn("swap_attention: found no torch.nn.MultiheadAttention to swap in this model" +
                       (" that select accepts" if select is not None else "") + ". Models that compute attention "
                       "in their own modules (Hugging Face transformers, ...) are not changed by swap_attention; "

@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import effattn  # noqa: E402
 import effattn.integrations.huggingface as hf_effattn  # noqa: E402
 
 hf_effattn.register()
@@ -311,6 +312,49 @@ def test_t5_position_bias_served_not_dropped():
     # the encoder's and decoder's self-attention (the bias as a fused score term) and cross-attention
     # (a zero bias): every call fused
     assert set(hf_effattn.stats) == {"fused"} and hf_effattn.stats["fused"] == 6
+
+
+def test_swap_attention_upgrades_t5_bias_to_a_fused_term():
+    """swap_attention makes T5's relative bias an effattn.bias.Relative term (no dense (1, H, L, L)
+    tensor): logits, the bucket embedding's gradient and greedy generation (the cache offsets) as
+    eager; a model on "eager" is left alone with a warning per module."""
+    eager, ours = _t5_pair()
+    eager_copy = copy.deepcopy(eager)
+    _, changes = effattn.swap_attention(ours, return_changes=True)
+    names = ["encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention"]
+    assert [n for n, _ in changes] == names and all("effattn.bias.Relative" in c for _, c in changes)
+    attn = ours.get_submodule(names[1])
+    assert isinstance(attn.compute_bias(3, 7), effattn.bias.Relative)
+    ids = torch.randint(1, 100, (2, 40), generator=torch.Generator().manual_seed(3))      # past max_distance
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 29:] = 0
+    dec = torch.randint(1, 100, (2, 33), generator=torch.Generator().manual_seed(4))
+    out = [m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, labels=dec) for m in (eager, ours)]
+    torch.testing.assert_close(out[1].logits, out[0].logits, rtol=1e-5, atol=1e-5)
+    for o in out:
+        o.loss.backward()
+    for name in names:
+        w = name + ".relative_attention_bias.weight"
+        torch.testing.assert_close(ours.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-7)
+    gen = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False) for m in (eager, ours)]
+    assert torch.equal(gen[0], gen[1])
+    with pytest.warns(UserWarning, match="T5 relative bias left dense: its attention implementation is 'eager'"):
+        effattn.swap_attention(eager_copy)
+    assert not isinstance(eager_copy.get_submodule(names[0]).compute_bias(3, 3), effattn.bias.Relative)
+
+
+def test_upgrade_t5_bias_checks_the_bias_first():
+    """A module whose compute_bias is not T5's bucketed bias is not upgraded (named, with why)."""
+    _, ours = _t5_pair()
+    attn = ours.get_submodule("encoder.block.0.layer.0.SelfAttention")
+
+    class Scaled(type(attn)):
+        def compute_bias(self, *args, **kwargs):
+            return 2 * super().compute_bias(*args, **kwargs)
+    attn.__class__ = Scaled
+    got = hf_effattn.upgrade_t5_bias(ours)
+    assert got["served"] == ["decoder.block.0.layer.0.SelfAttention"]
+    assert "not T5's bucketed bias" in got["not served"]["encoder.block.0.layer.0.SelfAttention"]
 
 
 def _call_site_keywords():
