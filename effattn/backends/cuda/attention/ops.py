@@ -42,9 +42,10 @@ def _register_fakes(ns: str) -> None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @torch.library.register_fake(f"{ns}::attention_bwd_score")
-    def _(grad_out, grad_lse, q, k, v, *args):
+    def _(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout, layout_block, layout_check, lists, list_wf,
+          lists_by_key, listk_wf, seed, scale, dropout_p, window_left, window_right, softcap, alibi, sinks, alibi_grad):
         B, H, Lq = q.shape[:3]
-        n = args[-1] and B
+        n = B if alibi_grad else 0
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty(n, H, -(-Lq // BLOCK_M), dtype=torch.float32))
 
@@ -110,7 +111,7 @@ def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_setup_context, _backward = attention_autograd(cuda_attention_bwd, extra_tensors=2)
+_setup_context, _backward = attention_autograd(cuda_attention_fwd, cuda_attention_bwd)
 cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
