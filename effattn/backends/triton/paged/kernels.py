@@ -35,10 +35,13 @@ passes them by keyword.
 import triton
 import triton.language as tl
 
+from ....numerics import LOG2E as _LOG2E
 from ..jit import cast
 from ..online_softmax import finish, key_range, online_step
 
-LOG2E = 1.4426950408889634
+# a constexpr: Triton's compiler (3.9) refuses a kernel that reads a plain float global (the interpreter
+# reads it as any Python value), which the split-KV store did
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
 
 
 @triton.jit
