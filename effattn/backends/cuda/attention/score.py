@@ -21,6 +21,7 @@ import torch
 from .... import bias as _bias
 from ....visibility import clamp_window
 from . import hopper
+from .cpp import kernels
 from .tiling import layout_lists
 
 FEATURES = frozenset({"softcap", "sinks", "bias=alibi"})
@@ -56,7 +57,6 @@ def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
 
 
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score):
-    from .ops import kernels
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
     return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False),
@@ -67,7 +67,6 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
              right, score):
     """(dq, dk, dv, *gradients of score.tensors())."""
-    from .ops import kernels
     slopes = _slopes(score)
     # a slope gradient is computed whenever there are slopes (autograd asks for every input's): one
     # multiply-add per visible score in the dQ pass
