@@ -77,7 +77,7 @@ def test_ops_are_used_under_a_dispatch_mode_and_skipped_otherwise(monkeypatch):
     assert "effattn.triton_attention_bwd.default" in mode.names
     calls = []
     real = ta.op.triton_attention_fwd
-    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
     with torch.no_grad():
         effattn.attention(q, k, v, backend="triton", **kw)
     out = effattn.attention(*leaves, backend="triton", **kw)
