@@ -41,7 +41,7 @@ NAMED_FEATURE_MAPS = {
 }
 
 # The one name -> code table of the feature maps the linear kernels apply on load (Triton and CUDA;
-# csrc/linear_common.cuh mirrors the codes). FMAP_IDENTITY also marks features computed before the
+# csrc/linear/linear.h mirrors the codes: enum LinMap). FMAP_IDENTITY also marks features computed before the
 # kernels (FAVOR+, a callable): the kernels then read them as they are.
 FMAP_IDENTITY, FMAP_ELU, FMAP_RELU = 0, 1, 2
 KERNEL_MAPS = {"identity": FMAP_IDENTITY, "elu": FMAP_ELU, "relu": FMAP_RELU}

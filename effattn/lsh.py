@@ -20,7 +20,7 @@ backward is deterministic.
 
 Two registry rows of the op ``"lsh_attention"`` (`explain_lsh` says which one runs and why):
 
-- ``triton/lsh`` (``effattn.lsh_triton``): the chunk + neighbours pattern as fused forward and backward
+- ``triton/lsh`` (``effattn/backends/triton/lsh/``): the chunk + neighbours pattern as fused forward and backward
   kernels that gather the rows through the permutation in-kernel and mask on the loaded positions;
   O(L) memory, deterministic backward. Taken by ``backend="auto"`` on CUDA (on a CPU only by name,
   in Triton's interpreter); ``chunk_len`` a power of two in 16..128. Dropout from Philox counters

@@ -14,7 +14,7 @@ over sequence b's keys (decode: ``Lq = 1``; chunked prefill: ``Lq > 1``). Forwar
 Rows of the op ``"paged_attention"`` (``effattn.explain(q, k_pages, v_pages, block_table=...,
 seqlens=...)`` lists them with their reasons):
 
-- ``triton/paged`` (``effattn.paged_triton``): one kernel for decode and prefill that reads every key row
+- ``triton/paged`` (``effattn/backends/triton/paged/``): one kernel for decode and prefill that reads every key row
   from its page in place (any page size). ``backend="auto"`` takes it on CUDA; on a CPU only by
   name (Triton's interpreter).
 - ``torch/paged-gather``: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``

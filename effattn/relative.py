@@ -19,7 +19,7 @@ the saved lse, so memory is one ``(B, H, rows, max(Lk, n_dist))`` block, not ``(
 gradients of ``query`` and ``r`` come from band sums of the score gradient (a gather for the
 interior distances, prefix/suffix sums for the clamped ends: no scatter, deterministic). With
 dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
-(`effattn.relative_triton`: the term per tile, a `tl.gather` for the shift; a deterministic
+(`effattn/backends/triton/relative/`: the term per tile, a `tl.gather` for the shift; a deterministic
 backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
 CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). The term itself
 (`RelativeKeys`, `relative_index`, `relative_scores`) lives in `effattn.bias`: ``effattn.attention(...,
@@ -86,7 +86,7 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
         query: ``(B, H, Lq, D)`` query of the position term; default ``q``.
         max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
         causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
-        backend: ``"auto"``, ``"triton"`` (fused forward, see `effattn.relative_triton`) or ``"torch"``;
+        backend: ``"auto"``, ``"triton"`` (fused forward, see `effattn/backends/triton/relative/`) or ``"torch"``;
             `explain_relative` says which runs.
 
     Every input receives its gradient (r and query included). Torch path, not fused (module docstring).

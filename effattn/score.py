@@ -301,17 +301,18 @@ def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_bl
 
 class ScoreAttention(torch.autograd.Function):
     """A call with score terms as an autograd function: inputs (static, q, k, v, *score.tensors())
-    with ``static = (impl, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-    score)``; ``impl.forward(q, k, v, *static[1:])`` gives (out, lse) and ``impl.backward(grad_out,
-    grad_lse, q, k, v, out, lse, *static[1:])`` (dq, dk, dv, *the tensors' gradients). Returns
-    (out, lse). The torch reference is one impl (`Reference`), the Triton kernels another."""
+    with ``static = (impl, args)``, ``args`` the call's other arguments by name (``layout_mask``,
+    ``layout_block``, ``kpm``, ``seed``, ``scale``, ``dropout_p``, ``left``, ``right``, ``score``);
+    ``impl.forward(q, k, v, **args)`` gives (out, lse) and ``impl.backward(grad_out, grad_lse, q, k, v,
+    out, lse, **args)`` (dq, dk, dv, *the tensors' gradients). Returns (out, lse). The torch
+    reference is one impl (`Reference`), the Triton kernels another."""
 
     @staticmethod
     def forward(ctx, static, q, k, v, *tensors):
-        impl, *args, score = static
-        score = score.with_tensors([t.detach() for t in tensors])
-        out, lse = impl.forward(q, k, v, *args, score)
-        ctx.static = (impl, *args, score)
+        impl, args = static
+        args = dict(args, score=args["score"].with_tensors([t.detach() for t in tensors]))
+        out, lse = impl.forward(q, k, v, **args)
+        ctx.impl, ctx.args = impl, args
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -319,10 +320,10 @@ class ScoreAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        impl, *args, score = ctx.static
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        gs = impl.backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *args, score.with_tensors(tensors))
+        args = dict(ctx.args, score=ctx.args["score"].with_tensors(tensors))
+        gs = ctx.impl.backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, **args)
         return (None, *gs)
 
 
@@ -336,7 +337,7 @@ def run(call, impl=Reference):
     """(out, lse) of a call with score terms on `impl`; differentiable in q, k, v and every term's
     tensors."""
     lay = call.layout
-    static = (impl, lay.mask if lay is not None else None, lay.block_size if lay is not None else 0,
-              call.key_padding_mask, call.seed, call.scale, call.dropout_p, call.window_left, call.window_right,
-              call.score)
-    return ScoreAttention.apply(static, call.q, call.k, call.v, *call.score.tensors())
+    args = dict(layout_mask=lay.mask if lay is not None else None, layout_block=lay.block_size if lay is not None else 0,
+                kpm=call.key_padding_mask, seed=call.seed, scale=call.scale, dropout_p=call.dropout_p,
+                left=call.window_left, right=call.window_right, score=call.score)
+    return ScoreAttention.apply((impl, args), call.q, call.k, call.v, *call.score.tensors())

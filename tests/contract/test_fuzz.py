@@ -913,7 +913,7 @@ def check_paged(unit, c):
     """Each sequence against the float64 oracle on its own keys (bottom-right); bitwise determinism;
     invariance to the slots no query sees (past seqlens, outside every window, pages no table lists);
     batch permutation; Triton: the split-KV path (splits of 64 keys) too."""
-    from effattn.paged_triton import paged_forward
+    from effattn.backends.triton.paged.launch import paged_forward
     q, kp, vp, table, seqlens = _paged_inputs(c)
     kw, dtype, ps = c["kw"], c["dtype"], c["page_size"]
     B, H, Lq, Dv = c["B"], c["H"], c["Lq"], c["Dv"]

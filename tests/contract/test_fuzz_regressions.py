@@ -379,7 +379,7 @@ def test_paged_window_hidden_key_does_not_poison_row(poison, Lq, window):
     falls in) turned the rows into NaN (0 * NaN in P V). Every slot no query sees holds the poison:
     hidden by the window, past seqlens in a sequence's last page, in pages no table lists; one split
     and splits of 64 keys; packed GQA rows (Lq <= 16) and unpacked ones."""
-    from effattn.paged_triton import paged_forward
+    from effattn.backends.triton.paged.launch import paged_forward
     from tests.core.test_paged import paged_setup
     lens, ps = [70, 131, 3], 16
     q, kp, vp, table, seqlens = paged_setup(lens, page_size=ps, num_pages=30, Lq=Lq)

@@ -234,7 +234,7 @@ def reference_rounds_with_dropout(qk, v, buckets, chunk_len, before, causal, kpm
 
 
 def test_triton_dropout_matches_reference_with_the_kernels_mask():
-    from effattn.lsh_triton import draw_seed, keep_mask
+    from effattn.backends.triton.lsh.launch import draw_seed, keep_mask
     B, H, L, D, R, cl, p = 1, 2, 32, 8, 2, 16, 0.25
     g = torch.Generator().manual_seed(11)
     qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)

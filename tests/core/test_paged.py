@@ -58,7 +58,7 @@ def test_split_kv_paged_decode_equals_contiguous(Lq, causal, window):
     contiguous call on the same keys: an empty sequence, a last page partly filled (131 = 8 pages of 16
     + 3), a sequence shorter than one split, and splits past a sequence's end (left empty); the 2 query
     heads of each KV head packed into one tile (Lq <= 16), or not (Lq = 20)."""
-    from effattn.paged_triton import paged_forward, split_plan
+    from effattn.backends.triton.paged.launch import paged_forward, split_plan
     lens = [0, 131, 40, 256]
     q, kp, vp, table, seqlens = paged_setup(lens, page_size=16, num_pages=40, Lq=Lq)
     table = table.clamp_min(0)
@@ -81,7 +81,7 @@ def test_split_plan_reuses_the_decode_rule():
     """Splits from shapes only: a decode over a table of >= DECODE_MIN_KEYS slots on the nominal H100
     fills two waves (`plan_splits`); a shorter table, a longer chunk of queries or a narrow left window
     run one program per query tile and head; explain names the split."""
-    from effattn.paged_triton import packs, split_plan
+    from effattn.backends.triton.paged.launch import packs, split_plan
     from effattn.splits import DECODE_MIN_KEYS, plan_splits
     assert packs(4, 2, 1) and packs(32, 8, 16) and not packs(4, 4, 1) and not packs(4, 2, 17) and not packs(8, 1, 9)
     q, kp, vp, table, seqlens = paged_setup([5], page_size=16, num_pages=4)
@@ -273,7 +273,7 @@ def test_paged_token_step_reads_nothing_back(monkeypatch):
     forced, so the combine runs too) converts no tensor to a host value in the stack, the module, the
     cache, the paged call's checks and planning or the launcher: only the kernels' launches (Triton's
     interpreter reads its arguments on the host) run unguarded. Outputs equal the eager KVCache stack's."""
-    import effattn.paged_triton as pt
+    import effattn.backends.triton.paged.launch as pt
     from effattn.nn import KVCache
     from tests.nn.test_cache import NoSync
     guard = NoSync()
@@ -296,7 +296,7 @@ def test_paged_token_step_reads_nothing_back(monkeypatch):
             return launch
 
     plan, launched = pt.split_plan, []
-    monkeypatch.setattr(pt, "_paged_fwd", Unguarded(pt._paged_fwd))
+    monkeypatch.setattr(pt, "paged_fwd_kernel", Unguarded(pt.paged_fwd_kernel))
     monkeypatch.setattr(pt, "combine_kernel", Unguarded(pt.combine_kernel))
     monkeypatch.setattr(pt, "split_plan", lambda *a, **k: plan(*a[:4], keys_per_split=64))
     model, ref = _stack(window=4, backend="triton"), _stack(window=4)
@@ -321,7 +321,7 @@ def test_paged_token_step_reads_nothing_back(monkeypatch):
         for t, out in zip((6, 7), outs):
             torch.testing.assert_close(out, ref(x[:, t:t + 1], is_causal=True, caches=kv), rtol=1e-5, atol=1e-5)
     # per step and layer: the paged kernel over 2 splits of 64 keys (7 pages of 16), then the combine
-    assert launched == [("_paged_fwd", (1, 4, 2)), ("combine_kernel", (1,))] * 4
+    assert launched == [("paged_fwd_kernel", (1, 4, 2)), ("combine_kernel", (1,))] * 4
     assert caches[1].lengths.tolist() == [8]
 
 
@@ -393,3 +393,26 @@ def test_paged_decode_at_real_sizes_within_the_naive_error_rule(B):
         low = chunked_attention(q[b:b + 1], k, v, dout, causal=True, dtype=torch.bfloat16)[0]
         err, nerr = (out[b:b + 1].double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
         assert not torch.isnan(out).any() and err <= 2 * nerr + 8e-3, (b, err, nerr)
+
+
+def test_paged_kernels_compile_for_sm90_offline():
+    """The interpreter skips Triton's compiler: compile the paged kernel and the split-KV combine for
+    sm_90 as the launcher launches them (a split decode with grouped-query heads: packed rows, the
+    fp32 partials) through Triton's binder, so a GPU-only compile error fails CI (the split store read
+    a non-constexpr global, which triton 3.9's compiler refuses)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "tools.triton.launch_resources", "--json", "--processes", "2",
+                           "--dtypes", "bf16", "--cases", "paged-decode-split-gqa"], cwd=root, capture_output=True,
+                          text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [(r["kernel"], r["override"]) for r in rows] == [("paged_fwd_kernel", ""), ("paged_fwd_kernel", "gpu"),
+                                                            ("combine_kernel", "")], rows
+    assert not [r for r in rows if "error" in r], rows

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Dict, List
 
-from .kernel_resources import SMEM_LIMIT, compile_all, resources, write_tables
+from .kernel_resources import SMEM_LIMIT, compile_all, resources, stride_tuple, write_tables
 
 # role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
 _STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
@@ -38,10 +38,17 @@ ROLES = {
     "out-noncausal": ("out", dict(_OUT, CAUSAL=False, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
     "step": ("step", dict(MAP=1, NORMALIZE=True)),
 }
-_BF16_DATA = {"Ap", "Bp", "Cp", "Xp", "Op", "Q", "K", "V", "O"}
-_POINTERS = {"Ap", "Bp", "Cp", "Xp", "Op", "Q", "K", "V", "O", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
+_BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V"}
+_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
              "BASEZ", "DEN", "S", "Z", "S_OUT", "Z_OUT"}
-_UNIT = {"sa_f", "sb_f", "sc_f", "sx_f", "so_f", "st_f", "sbase_f"}   # contiguous (B, H, L, F) operands
+# stride tuples (kernels.py): the names of their elements
+_TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx")}
+_TUPLES.update(st_strides=("st_bh", "st_c", "st_a", "st_f"), stz_strides=("stz_bh", "stz_c"),
+               base_strides=("base_bh", "base_a", "base_f"), o_strides=("o_b", "o_h", "o_l", "o_f"))
+_UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "o_f", "st_f", "base_f"}   # contiguous (B, H, L, F) operands
+# runtime ints without the divisibility hint (every other int and every pointer gets it, as at a launch
+# with contiguous inputs and feature dims multiple of 16)
+_NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "G", "gbase", "n_chunks", "chunks_per_block"}
 
 
 def compile_role(arch: int, role: str, feat: int, dtype: str):
@@ -54,7 +61,7 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
 
     from effattn.backends.triton.linear import kernels, launch
     kind, flags = ROLES[role]
-    fn = {"state": kernels._chunk_state_kernel, "out": kernels._chunk_out_kernel, "step": kernels._step_kernel}[kind]
+    fn = {"state": kernels.chunk_state_kernel, "out": kernels.chunk_out_kernel, "step": kernels.step_kernel}[kind]
     elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     consts = dict(flags)
     if kind == "step":
@@ -74,6 +81,9 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
     for j, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n] = "constexpr"
+        elif n in _TUPLES:
+            sig[n] = stride_tuple(j, _TUPLES[n], _UNIT, set(_TUPLES[n]) - _UNIT, consts, attrs)
+            continue
         elif n in _BF16_DATA:
             sig[n] = "*" + elem
         elif n == "ST":
@@ -82,9 +92,7 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
             sig[n] = "*fp32"
         else:
             sig[n] = "fp32" if n == "eps" else "i32"
-        if sig[n].startswith("*") or (sig[n] == "i32" and n not in ("shift_a", "shift_b", "GA", "Ha", "Hb", "Hs",
-                                                                      "H", "G", "GBASE", "n_chunks",
-                                                                      "chunks_per_prog")):
+        if sig[n].startswith("*") or (sig[n] == "i32" and n not in _NO_HINT):
             attrs[(j,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps, num_stages=stages))

@@ -71,8 +71,8 @@ def _available(device: torch.device) -> Optional[str]:
 
 
 def own_kernel_row(op: str, name: str, run, features, **more):
-    """A row of an op whose Triton kernels live beside its public function (``lsh_attention``, the
-    paged KV cache, ``relative_attention``): CUDA, or a CPU in Triton's interpreter when named,
+    """A row of an op with Triton kernels of its own (``lsh_attention``, the paged KV cache,
+    ``relative_attention``: their folders here): CUDA, or a CPU in Triton's interpreter when named,
     float16/bfloat16/float32, head dim <= 256."""
     caps = Capabilities(devices=frozenset({"cuda", "cpu"}),
                         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),

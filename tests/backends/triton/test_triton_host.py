@@ -77,7 +77,7 @@ def test_ops_are_used_under_a_dispatch_mode_and_skipped_otherwise(monkeypatch):
     assert "effattn.triton_attention_bwd.default" in mode.names
     calls = []
     real = ta.op.triton_attention_fwd
-    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
     with torch.no_grad():
         effattn.attention(q, k, v, backend="triton", **kw)
     out = effattn.attention(*leaves, backend="triton", **kw)
@@ -202,5 +202,5 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
     S, z = torch.zeros(1, 2, 16, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE)
     linear_launch.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], S, z, 0, True, 1e-6)
     names = {n for n, _ in seen}
-    assert {"fwd_kernel", "delta_kernel", "_chunk_out_kernel", "_step_kernel"} <= names, names
+    assert {"fwd_kernel", "delta_kernel", "chunk_out_kernel", "step_kernel"} <= names, names
     assert all(f is True for _, f in seen), [n for n, f in seen if f is not True]

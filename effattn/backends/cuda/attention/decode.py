@@ -24,7 +24,7 @@ from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ....visibility import Rule, clamp_window
 from ...base import PACKED_FEATURES, Capabilities, Path, register
 from .. import _ext
-from . import ops
+from . import cpp, ops
 from . import score as score_path
 
 ROWS = 16                 # packed rows per block (csrc/decode.h kDecodeRows)
@@ -93,7 +93,7 @@ _FAKES_DONE = set()
 
 def kernels(device: torch.device):
     """The C++ op namespace for `device`, the decode op's fake kernel registered once."""
-    lib = ops.kernels(device)
+    lib = cpp.kernels(device)
     ns = "effattn_cuda" if device.type == "cuda" else "effattn_cuda_emu"
     if ns not in _FAKES_DONE:
         @torch.library.register_fake(f"{ns}::attention_decode")

@@ -4,7 +4,7 @@ Two levels:
 
 - the C++ ops of csrc/binding/ (``effattn_cuda::attention_fwd`` / ``_bwd`` on CUDA tensors,
   ``effattn_cuda_emu::...`` on CPU tensors through the emulation): kernels only, the tile plan
-  passed in as tensors. Their fake (meta) kernels are registered here.
+  passed in as tensors; `cpp.kernels` gives their namespace, with their fake (meta) kernels.
 - ``effattn::cuda_attention_fwd`` / ``_bwd``: what the backend calls. They build the layout's tile
   lists (the Triton backend's plan, cached per layout) and call the C++ op; opaque to
   torch.compile, with fake kernels and the autograd formula.
@@ -23,42 +23,8 @@ from ...base import PACKED_FEATURES, Capabilities, Path, register
 from .. import _ext
 from . import hopper
 from . import score as score_path
-from .tiling import BLOCK_M, layout_lists
-
-
-def _register_fakes(ns: str) -> None:
-    def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
-                 dropout_p, window_left, window_right, softcap=0.0, alibi=None, sinks=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False):
-        B, H, Lq, _ = q.shape
-        return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
-                q.new_empty(B, H, Lq, dtype=torch.float32))
-
-    torch.library.register_fake(f"{ns}::attention_fwd")(fwd_fake)
-    torch.library.register_fake(f"{ns}::attention_fwd_sm90")(fwd_fake)
-
-    @torch.library.register_fake(f"{ns}::attention_bwd")
-    def _(grad_out, grad_lse, q, k, v, *args):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-    @torch.library.register_fake(f"{ns}::attention_bwd_score")
-    def _(grad_out, grad_lse, q, k, v, *args):
-        B, H, Lq = q.shape[:3]
-        n = args[-1] and B
-        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-                q.new_empty(n, H, -(-Lq // BLOCK_M), dtype=torch.float32))
-
-
-_FAKES_DONE = set()
-
-
-def kernels(device: torch.device):
-    """The C++ op namespace for `device`, its fake kernels registered once."""
-    ns = "effattn_cuda" if device.type == "cuda" else "effattn_cuda_emu"
-    if ns not in _FAKES_DONE:
-        _register_fakes(ns)
-        _FAKES_DONE.add(ns)
-    return _ext.ops(device)
+from .cpp import kernels
+from .tiling import layout_lists
 
 
 # Packed sequences (cu_seqlens_q / _k, int32 (N + 1,) on q's device, with max_seqlen_q / _k: the longest
@@ -110,7 +76,7 @@ def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_setup_context, _backward = attention_autograd(cuda_attention_bwd, extra_tensors=2)
+_setup_context, _backward = attention_autograd(cuda_attention_fwd, cuda_attention_bwd)
 cuda_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

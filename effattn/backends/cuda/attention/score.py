@@ -21,6 +21,7 @@ import torch
 from .... import bias as _bias
 from ....visibility import clamp_window
 from . import hopper
+from .cpp import kernels
 from .tiling import layout_lists
 
 FEATURES = frozenset({"softcap", "sinks", "bias=alibi"})
@@ -41,28 +42,31 @@ def _slopes(score):
     return total.contiguous() if total is not None else None
 
 
-def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key):
+def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key) -> dict:
+    """The C++ ops' mask, plan and scalar arguments by their schema's names (csrc/binding/attention.cpp);
+    ``by_key``: with the backward's tile lists by key."""
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False)
-    head = (kpm, layout_mask, layout_block, check, lists, wf)
-    tail = (seed, scale, dropout_p, *clamp_window(left, right, q.shape[2], k.shape[2]))
-    if not by_key:
-        return head + tail
-    klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=True)
-    return head + (klists, kwf) + tail
+    window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2])
+    args = dict(key_padding_mask=kpm, layout=layout_mask, layout_block=layout_block, layout_check=check, lists=lists,
+                list_wf=wf, seed=seed, scale=scale, dropout_p=dropout_p, window_left=window_left,
+                window_right=window_right)
+    if by_key:
+        args["lists_by_key"], args["listk_wf"], _ = layout_lists(q, k, v, layout_mask, layout_block, left, right,
+                                                                by_key=True)
+    return args
 
 
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score):
-    from .ops import kernels
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
-    return fwd(q, k, v, *_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False),
-               score.softcap or 0.0, _slopes(score), None if score.sinks is None else score.sinks.detach().float())
+    return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False),
+               softcap=score.softcap or 0.0, alibi=_slopes(score),
+               sinks=None if score.sinks is None else score.sinks.detach().float())
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
              right, score):
     """(dq, dk, dv, *gradients of score.tensors())."""
-    from .ops import kernels
     slopes = _slopes(score)
     # a slope gradient is computed whenever there are slopes (autograd asks for every input's): one
     # multiply-add per visible score in the dQ pass
@@ -70,8 +74,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
     sinks = None if score.sinks is None else score.sinks.detach().float()
     dq, dk, dv, part = kernels(q.device).attention_bwd_score(
         grad_out, grad_lse, q, k, v, out, lse,
-        *_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True),
-        score.softcap or 0.0, slopes, sinks, alibi_grad)
+        **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True),
+        softcap=score.softcap or 0.0, alibi=slopes, sinks=sinks, alibi_grad=alibi_grad)
     grads = []
     if sinks is not None:
         delta = (grad_out.float() * out.float()).sum(-1)

@@ -374,13 +374,14 @@ def masked_op_pair(fwd, bwd):
     def _(grad_out, grad_lse, q, k, v, *args):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
-    setup, grad = attention_autograd(bwd, prepare=lambda g: g.contiguous(), seeded=False)
+    setup, grad = attention_autograd(fwd, bwd, prepare=lambda g: g.contiguous())
     fwd.register_autograd(grad, setup_context=setup)
 
     def run(call):
         a = call.op_args()
-        return fwd(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale, a.window_left,
-                   a.window_right)
+        return fwd(a.q, a.k, a.v, layout_mask=a.layout_mask, layout_block=a.layout_block,
+                   key_padding_mask=a.key_padding_mask, scale=a.scale, window_left=a.window_left,
+                   window_right=a.window_right)
     return run
 
 

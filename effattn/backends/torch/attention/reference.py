@@ -275,7 +275,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_setup_context, _backward = attention_autograd(ref_attention_bwd, prepare=lambda g: g.contiguous())
+_setup_context, _backward = attention_autograd(ref_attention_fwd, ref_attention_bwd, prepare=lambda g: g.contiguous())
 ref_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .... import score
 from ....packed import segment_list
-from ...autograd import attention_autograd
+from ...autograd import attention_autograd, op_arg_names, saved_output
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
@@ -27,15 +27,17 @@ if triton is not None:
 
 if triton is not None:
 
-    @torch.library.custom_op("effattn::triton_attention_fwd", mutates_args=())
-    def triton_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                             key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
-                             dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False, q_offset: Optional[int] = None,
-                             out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
-                             drop_H: int = 0) -> Tuple[Tensor, Tensor]:
+    def _fwd_launch(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                    key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float, dropout_p: float,
+                    window_left: int, window_right: int, allow_tf32: bool = False, q_offset: Optional[int] = None,
+                    out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
+                    drop_H: int = 0) -> Tuple[Tensor, Tensor]:
+        """The forward op's body, which eager calls run directly (`_direct`): the launcher, looked up
+        per call (tests replace it with spies)."""
         return launch.fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
                           window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0, drop_k0, drop_h0, drop_H)
+
+    triton_attention_fwd = torch.library.custom_op("effattn::triton_attention_fwd", mutates_args=())(_fwd_launch)
 
     @triton_attention_fwd.register_fake
     def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p, window_left,
@@ -44,27 +46,29 @@ if triton is not None:
         return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
                 q.new_empty(B, H, Lq, dtype=torch.float32))
 
-    @torch.library.custom_op("effattn::triton_attention_bwd", mutates_args=())
-    def triton_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                             out: Tensor, lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                             key_padding_mask: Optional[Tensor], seed: Optional[Tensor], scale: float,
-                             dropout_p: float, window_left: int, window_right: int,
-                             allow_tf32: bool = False, q_offset: Optional[int] = None,
-                             out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
-                             drop_H: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    def _bwd_launch(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lse: Tensor, layout_mask: Optional[Tensor], layout_block: int, key_padding_mask: Optional[Tensor],
+                    seed: Optional[Tensor], scale: float, dropout_p: float, window_left: int, window_right: int,
+                    allow_tf32: bool = False, q_offset: Optional[int] = None, out_fp32: bool = False,
+                    drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
+                    drop_H: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+        """The backward op's body, the eager calls' backward."""
         return launch.bwd(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask, seed,
-                    scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0, drop_k0,
-                    drop_h0, drop_H)
+                          scale, dropout_p, window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0,
+                          drop_k0, drop_h0, drop_H)
+
+    triton_attention_bwd = torch.library.custom_op("effattn::triton_attention_bwd", mutates_args=())(_bwd_launch)
 
     @triton_attention_bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    # tf32, the last scalar, is the forward's setting, kept for the backward (not read again)
-    _setup_context, _backward = attention_autograd(triton_attention_bwd)
+    # allow_tf32 is the forward's setting, kept for the backward (not read again)
+    _setup_context, _backward = attention_autograd(triton_attention_fwd, triton_attention_bwd)
     triton_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-    # the same formula on the launchers (looked up per call, as the ops look up theirs)
-    _launch_backward = attention_autograd(lambda *args: launch.bwd(*args))[1]
+    # the same formula on the launchers
+    _launch_backward = attention_autograd(triton_attention_fwd, _bwd_launch)[1]
+    _FWD_NAMES = op_arg_names(triton_attention_fwd)
 
     @torch.library.custom_op("effattn::triton_attention_decode", mutates_args=())
     def triton_attention_decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
@@ -89,8 +93,8 @@ if triton is not None:
         exact since the zeros would be subtracted); a double backward goes through the op."""
 
         @staticmethod
-        def forward(ctx, *inputs):
-            output = launch.fwd(*inputs)
+        def forward(ctx, *inputs):                      # the forward op's arguments, in its schema's order
+            output = _fwd_launch(*inputs)
             ctx.set_materialize_grads(False)
             _setup_context(ctx, inputs, output)
             return output
@@ -98,12 +102,12 @@ if triton is not None:
         @staticmethod
         def backward(ctx, grad_out, grad_lse):
             if torch.is_grad_enabled():                 # create_graph: the op says it has no derivative
-                return _backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
-            return _launch_backward(ctx, _or_zeros(grad_out, ctx, 3), grad_lse)
+                return _backward(ctx, _or_zeros(grad_out, ctx), grad_lse)
+            return _launch_backward(ctx, _or_zeros(grad_out, ctx), grad_lse)
 
 
-def _or_zeros(grad, ctx, i):
-    return grad if grad is not None else torch.zeros_like(ctx.saved_tensors[i])
+def _or_zeros(grad, ctx):
+    return grad if grad is not None else torch.zeros_like(saved_output(ctx))
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -181,17 +185,7 @@ if triton is not None:
     def _(grad_out, grad_lse, q, k, v, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def _varlen_setup(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, seed, *scalars = inputs
-        ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seed)
-        ctx.scalars = scalars
-
-    def _varlen_backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-        dq, dk, dv = triton_attention_varlen_bwd(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, seed,
-                                                 *ctx.scalars)
-        return (dq, dk, dv) + (None,) * (3 + len(ctx.scalars))
-
+    _varlen_setup, _varlen_backward = attention_autograd(triton_attention_varlen_fwd, triton_attention_varlen_bwd)
     triton_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
@@ -208,14 +202,16 @@ def _run_prefill(call):
         if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
             return _Varlen.apply(a.q, a.k, a.v, *static)
         return launch.fwd_varlen(a.q, a.k, a.v, *static)
-    # the op's parameters, in its schema's order: positions give the kernels' offset (the rule's); the
-    # rows, keys and heads dropout draws at (`AttnCall.drop_at`)
-    args = (*a, tf32, call.rule.q_offset, call.out_dtype is not None, *call.drop_at())
+    # the op's arguments by name: positions give the kernels' offset (the rule's); the rows, keys and heads
+    # dropout draws at (`AttnCall.drop_at`)
+    drop_q0, drop_k0, drop_h0, drop_H = call.drop_at()
+    args = dict(a._asdict(), allow_tf32=tf32, q_offset=call.rule.q_offset, out_fp32=call.out_dtype is not None,
+                drop_q0=drop_q0, drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H)
     if not _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask):
-        return triton_attention_fwd(*args)
+        return triton_attention_fwd(**args)
     if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
-        return _Eager.apply(*args)
-    return launch.fwd(*args)
+        return _Eager.apply(*(args[n] for n in _FWD_NAMES))
+    return _fwd_launch(**args)
 
 
 def _run_decode(call):

@@ -179,8 +179,8 @@ class Kernels:
     def __init__(self, tf32: bool):
         self.tf32 = tf32
 
-    def forward(self, *args):
-        return forward(*args, tf32=self.tf32)
+    def forward(self, *args, **kwargs):
+        return forward(*args, **kwargs, tf32=self.tf32)
 
-    def backward(self, *args):
-        return backward(*args, tf32=self.tf32)
+    def backward(self, *args, **kwargs):
+        return backward(*args, **kwargs, tf32=self.tf32)

@@ -4,13 +4,13 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
 ``t`` (query positions): operand row ``r = t + shift`` (keys of a causal call with ``Lk < Lq`` sit at
 ``shift = Lk - Lq < 0``; rows outside ``[0, L)`` are zero). Two kernels compute
 
-- ``_chunk_state_kernel`` (the chunk-state pass, fla's ``chunk_h``): for every chunk ``c`` of ``CH``
+- ``chunk_state_kernel`` (the chunk-state pass, fla's ``chunk_h``): for every chunk ``c`` of ``CH``
   timeline positions, the state ``S_c = sum_{t before chunk c} b_t^T c_t`` (``(Fb, Fc)``) and
   ``z_c = sum b_t * cx_t`` (``(Fb,)``), "before" meaning earlier chunks, or later ones when
   ``REVERSE``; and the total over all chunks (the final state). Sequential over chunks, parallel
   over heads and (Fb, Fc) tiles. Without ``STORE`` it only sums, over a range of chunks per program
   (the non-causal reduction, split over the sequence).
-- ``_chunk_out_kernel`` (the output pass, fla's ``chunk_o``): for each chunk and a tile of ``Fc``,
+- ``chunk_out_kernel`` (the output pass, fla's ``chunk_o``): for each chunk and a tile of ``Fc``,
   ``out_t = sum_{s in chunk, s <= t} (a_t . b_s + ax_t bx_s) c_s + a_t S_c + ax_t zc_c`` (``s >= t``
   when ``REVERSE``; no intra-chunk term without ``CAUSAL``), plus a fixed ``base`` state, an optional
   denominator ``den_t = sum_s a_t . b_s + a_t . z_c`` and the feature-map derivative of the output.
@@ -18,6 +18,21 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
 The forward is (state pass on (phi(k), v); output pass), the backward four more launches of the same
 two kernels with the operands swapped (see ``ops.py``). Feature maps (``MAP``: the codes of
 `effattn.feature_maps.KERNEL_MAPS`, identity / elu + 1 / relu) are applied to a tile right after its load, in fp32.
+
+Arguments mirror the CUDA kernels' parameter blocks (`LinStateParams`, `LinOutParams`, `LinStepParams` in
+csrc/linear/linear.h) under their names, a nested row operand ``a`` / ``b`` / ``c`` / ``gx`` (C++ `LinRows`)
+flattened with its name in front: its pointer ``Ap`` / ``Bp`` / ``Cp`` / ``GXp`` (C++ ``a.x``, ...), its
+strides as one tuple ``a_strides`` = (a_sb, a_sh, a_sl, a_sf), ``a_L``, ``a_shift``, ``b_F``, ``b_H``; the
+other fields as they are (``FA``, ``FC``, ``Ha``, ``Hb``, ``GA``, ``n_chunks``, ``chunks_per_block``, ``st_bh``,
+``st_c``, ``st_a``, ``st_f`` (as ``st_strides``), ``stz_strides`` = (stz_bh, stz_c), ``base_strides`` = (base_bh,
+base_a, base_f), ``basez_bh``, ``gbase``, ``o_strides`` = (o_b, o_h, o_l, o_f), ``eps``; pointers upper case:
+``CX``, ``ST``, ``STZ``, ``FIN``, ``FINZ``, ``AX``, ``BX``, ``BASE``, ``BASEZ``, ``OUT``, ``DEN``; the step's
+``S``, ``Z``, ``S_OUT``, ``Z_OUT``). C++ int flags that select code here are constexprs (``REVERSE``,
+``STORE``, ``CAUSAL``, ``C_X`` = cx_mode, ``A_X``, ``B_X``, ``Z_MODE``, ``MAP_*`` = each operand's ``map``, ...).
+No C++ field: the state pass's Fb stride ``st_b`` (C++ stores the states contiguous), the last-dim
+strides ``o_f``, and the step's per-head row strides ``q_bh``, ``k_bh``, ``v_bh``, ``o_bh``. One helper per
+kernel in ``launch.py`` builds them by name (`state_args`, `out_args`, `step`); every launch passes
+them by keyword.
 """
 import triton
 import triton.language as tl
@@ -66,53 +81,59 @@ def _row_scalars(base, r, L, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_state_kernel(
-        Bp, sb_b, sb_h, sb_l, sb_f, Cp, sc_b, sc_h, sc_l, sc_f, Lb, shift_b, FB, FC, CX,
-        ST, st_bh, st_c, st_b, st_f, STZ, stz_bh, stz_c, FIN, FINZ, n_chunks, chunks_per_prog, Hs,
+def chunk_state_kernel(
+        Bp, b_strides, Cp, c_strides, b_L, b_shift, b_F, c_F, CX,
+        ST, st_strides, STZ, stz_strides, FIN, FINZ, n_chunks, chunks_per_block, b_H,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, REVERSE: tl.constexpr,
         STORE: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr, C_X: tl.constexpr,
         DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """The chunk-state pass (see the module docstring) of one b/c head x one (Fb, Fc) tile x one range of
+    ``chunks_per_block`` chunks (all of them with ``STORE``)."""
+    b_sb, b_sh, b_sl, b_sf = b_strides
+    c_sb, c_sh, c_sl, c_sf = c_strides
+    st_bh, st_c, st_b, st_f = st_strides
+    stz_bh, stz_c = stz_strides
     pid_bh, pid_kv, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid_bh // Hs, pid_bh % Hs
+    b, h = pid_bh // b_H, pid_bh % b_H
     fb = (pid_kv // NV) * BK + tl.arange(0, BK)
     fc = (pid_kv % NV) * BV + tl.arange(0, BV)
-    b_base = Bp + b.to(tl.int64) * sb_b + h.to(tl.int64) * sb_h
-    c_base = Cp + b.to(tl.int64) * sc_b + h.to(tl.int64) * sc_h
-    cx_base = CX + pid_bh.to(tl.int64) * Lb
-    z_ok = (fb < FB) & ((fb * 0 + pid_kv % NV) == 0)   # one program per Fb tile writes z
+    b_base = Bp + b.to(tl.int64) * b_sb + h.to(tl.int64) * b_sh
+    c_base = Cp + b.to(tl.int64) * c_sb + h.to(tl.int64) * c_sh
+    cx_base = CX + pid_bh.to(tl.int64) * b_L
+    z_ok = (fb < b_F) & ((fb * 0 + pid_kv % NV) == 0)   # one program per Fb tile writes z
     state = tl.zeros((BK, BV), dtype=tl.float32)
     z = tl.zeros((BK,), dtype=tl.float32)
-    first = pid_s * chunks_per_prog
-    last = tl.minimum(first + chunks_per_prog, n_chunks)
+    first = pid_s * chunks_per_block
+    last = tl.minimum(first + chunks_per_block, n_chunks)
     for i in range(first, last):
         c = (n_chunks - 1 - i) if REVERSE else i
         if STORE:                                     # the state every row of chunk c starts from
             st = ST + pid_bh.to(tl.int64) * st_bh + c.to(tl.int64) * st_c
             tl.store(st + fb[:, None] * st_b + fc[None, :] * st_f, state.to(ST.dtype.element_ty),
-                     mask=(fb < FB)[:, None] & (fc < FC)[None, :])
+                     mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
             if C_X != 0:
                 stz = STZ + pid_bh.to(tl.int64) * stz_bh + c.to(tl.int64) * stz_c
                 tl.store(stz + fb, z, mask=z_ok)
-        r = c * CH + tl.arange(0, CH) + shift_b
-        bt = _rows(b_base, r, Lb, sb_l, fb, FB, sb_f, MAP_B)             # (CH, BK)
-        ct = _rows(c_base, r, Lb, sc_l, fc, FC, sc_f, MAP_C)             # (CH, BV)
+        r = c * CH + tl.arange(0, CH) + b_shift
+        bt = _rows(b_base, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)             # (CH, BK)
+        ct = _rows(c_base, r, b_L, c_sl, fc, c_F, c_sf, MAP_C)             # (CH, BV)
         state += _mm(tl.trans(bt), ct, DT, DOT_PREC, INTERP_BF16)
         if C_X != 0:
-            z += tl.sum(bt * _row_scalars(cx_base, r, Lb, C_X)[:, None], 0)
-    fin = FIN + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * FB * FC
-    tl.store(fin + fb[:, None] * FC + fc[None, :], state, mask=(fb < FB)[:, None] & (fc < FC)[None, :])
+            z += tl.sum(bt * _row_scalars(cx_base, r, b_L, C_X)[:, None], 0)
+    fin = FIN + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F * c_F
+    tl.store(fin + fb[:, None] * c_F + fc[None, :], state, mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
     if C_X != 0:
-        finz = FINZ + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * FB
+        finz = FINZ + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F
         tl.store(finz + fb, z, mask=z_ok)
 
 
 @triton.jit
-def _chunk_out_kernel(
-        Ap, sa_b, sa_h, sa_l, sa_f, La, shift_a, FA, Ha, GA,
-        Bp, sb_b, sb_h, sb_l, sb_f, Cp, sc_b, sc_h, sc_l, sc_f, Lb, shift_b, FC, Hb,
-        AX, BX, ST, st_bh, st_c, st_a, st_f, STZ, stz_bh, stz_c,
-        BASE, sbase_bh, sbase_a, sbase_f, BASEZ, sbasez_bh, GBASE,
-        Xp, sx_b, sx_h, sx_l, sx_f, Op, so_b, so_h, so_l, so_f, DEN, eps,
+def chunk_out_kernel(
+        Ap, a_strides, a_L, a_shift, FA, Ha, GA,
+        Bp, b_strides, Cp, c_strides, b_L, b_shift, FC, Hb,
+        AX, BX, ST, st_strides, STZ, stz_strides,
+        BASE, base_strides, BASEZ, basez_bh, gbase,
+        GXp, gx_strides, OUT, o_strides, DEN, eps,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, CAUSAL: tl.constexpr,
         REVERSE: tl.constexpr, MAP_A: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr,
         MAP_X: tl.constexpr, A_X: tl.constexpr, B_X: tl.constexpr, HAS_STATE: tl.constexpr,
@@ -122,18 +143,26 @@ def _chunk_out_kernel(
     """One chunk x one Fc tile of one a-head. b/c heads: ``(ha // GA) * NB + j`` for ``j < NB`` (their
     contributions summed: GQA's query heads into a key head's gradient); the state is the b/c head's.
     Z_MODE 1: ``z`` runs over Fb and makes the denominator; 2: over Fc, weighted by ``ax``."""
+    a_sb, a_sh, a_sl, a_sf = a_strides
+    b_sb, b_sh, b_sl, b_sf = b_strides
+    c_sb, c_sh, c_sl, c_sf = c_strides
+    st_bh, st_c, st_a, st_f = st_strides
+    stz_bh, stz_c = stz_strides
+    base_bh, base_a, base_f = base_strides
+    gx_sb, gx_sh, gx_sl, gx_sf = gx_strides
+    o_b, o_h, o_l, o_f = o_strides
     pid_bh, pid_c, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, ha = pid_bh // Ha, pid_bh % Ha
     t = pid_c * CH + tl.arange(0, CH)
-    ra = t + shift_a
+    ra = t + a_shift
     fc = pid_v * BV + tl.arange(0, BV)
-    a_base = Ap + b.to(tl.int64) * sa_b + ha.to(tl.int64) * sa_h
+    a_base = Ap + b.to(tl.int64) * a_sb + ha.to(tl.int64) * a_sh
     acc = tl.zeros((CH, BV), dtype=tl.float32)
     den = tl.zeros((CH,), dtype=tl.float32)
     if A_X != 0:
-        ax = _row_scalars(AX + pid_bh.to(tl.int64) * La, ra, La, A_X)
+        ax = _row_scalars(AX + pid_bh.to(tl.int64) * a_L, ra, a_L, A_X)
     if CAUSAL:
-        rb = t + shift_b
+        rb = t + b_shift
         if REVERSE:
             keep = t[None, :] >= t[:, None]
         else:
@@ -141,16 +170,16 @@ def _chunk_out_kernel(
     for j in range(NB):
         hb = (ha // GA) * NB + j
         bh_b = b * Hb + hb
-        b_base = Bp + b.to(tl.int64) * sb_b + hb.to(tl.int64) * sb_h
+        b_base = Bp + b.to(tl.int64) * b_sb + hb.to(tl.int64) * b_sh
         st = ST + bh_b.to(tl.int64) * st_bh + pid_c.to(tl.int64) * st_c
         stz = STZ + bh_b.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c
         if CAUSAL:
             s = tl.zeros((CH, CH), dtype=tl.float32)
         for k0 in range(0, FA, BK):
             fa = k0 + tl.arange(0, BK)
-            at = _rows(a_base, ra, La, sa_l, fa, FA, sa_f, MAP_A)
+            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
             if CAUSAL:
-                bt = _rows(b_base, rb, Lb, sb_l, fa, FA, sb_f, MAP_B)
+                bt = _rows(b_base, rb, b_L, b_sl, fa, FA, b_sf, MAP_B)
                 s += _mm(at, tl.trans(bt), DT, DOT_PREC, INTERP_BF16)
             if HAS_STATE:
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
@@ -163,63 +192,63 @@ def _chunk_out_kernel(
                 acc += ax[:, None] * tl.load(stz + fc, mask=fc < FC, other=0.0)[None, :]
         if CAUSAL:
             if B_X != 0:
-                bx = _row_scalars(BX + bh_b.to(tl.int64) * Lb, rb, Lb, B_X)
+                bx = _row_scalars(BX + bh_b.to(tl.int64) * b_L, rb, b_L, B_X)
                 s += ax[:, None] * bx[None, :]
             s = tl.where(keep, s, 0.0)
-            c_base = Cp + b.to(tl.int64) * sc_b + hb.to(tl.int64) * sc_h
-            ct = _rows(c_base, rb, Lb, sc_l, fc, FC, sc_f, MAP_C)
+            c_base = Cp + b.to(tl.int64) * c_sb + hb.to(tl.int64) * c_sh
+            ct = _rows(c_base, rb, b_L, c_sl, fc, FC, c_sf, MAP_C)
             acc += _mm(s, ct, DT, DOT_PREC, INTERP_BF16)
             if WITH_DEN:
                 den += tl.sum(s, 1)
     if HAS_BASE:                                      # a fixed state of the a-head's group (fp32)
-        hbase = pid_bh // GBASE
-        bs = BASE + hbase.to(tl.int64) * sbase_bh
+        hbase = pid_bh // gbase
+        bs = BASE + hbase.to(tl.int64) * base_bh
         for k0 in range(0, FA, BK):
             fa = k0 + tl.arange(0, BK)
-            at = _rows(a_base, ra, La, sa_l, fa, FA, sa_f, MAP_A)
-            h = tl.load(bs + fa[:, None] * sbase_a + fc[None, :] * sbase_f,
+            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
+            h = tl.load(bs + fa[:, None] * base_a + fc[None, :] * base_f,
                         mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
             acc += _mm(at, h, DT, DOT_PREC, INTERP_BF16)
             if BASE_Z:
                 if Z_MODE == 1:
-                    zb = tl.load(BASEZ + hbase.to(tl.int64) * sbasez_bh + fa, mask=fa < FA, other=0.0)
+                    zb = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)
                     den += tl.sum(at * zb[None, :], 1)
         if BASE_Z:
             if Z_MODE == 2:
-                zc = tl.load(BASEZ + hbase.to(tl.int64) * sbasez_bh + fc, mask=fc < FC, other=0.0)
+                zc = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fc, mask=fc < FC, other=0.0)
                 acc += ax[:, None] * zc[None, :]
-    ok_a = (ra >= 0) & (ra < La)
+    ok_a = (ra >= 0) & (ra < a_L)
     if NORMALIZE:
         den = den + eps
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         acc = tl.where((den == 0.0)[:, None], 0.0, acc)      # a query that sees nothing outputs 0
     if WITH_DEN:
-        tl.store(DEN + pid_bh.to(tl.int64) * La + ra, den, mask=ok_a & ((ra * 0 + pid_v) == 0))
+        tl.store(DEN + pid_bh.to(tl.int64) * a_L + ra, den, mask=ok_a & ((ra * 0 + pid_v) == 0))
     ok = ok_a[:, None] & (fc < FC)[None, :]
     if MAP_X != IDENTITY:                             # the chain rule through the feature map
-        x_base = Xp + b.to(tl.int64) * sx_b + ha.to(tl.int64) * sx_h
-        x = tl.load(x_base + ra.to(tl.int64)[:, None] * sx_l + fc[None, :] * sx_f, mask=ok, other=0.0)
+        x_base = GXp + b.to(tl.int64) * gx_sb + ha.to(tl.int64) * gx_sh
+        x = tl.load(x_base + ra.to(tl.int64)[:, None] * gx_sl + fc[None, :] * gx_sf, mask=ok, other=0.0)
         x = x.to(tl.float32)
         if MAP_X == ELU:
             acc = acc * tl.where(x > 0, 1.0, tl.exp(x))
         else:
             acc = acc * tl.where(x > 0, 1.0, 0.0)
-    o_base = Op + b.to(tl.int64) * so_b + ha.to(tl.int64) * so_h
-    tl.store(o_base + ra.to(tl.int64)[:, None] * so_l + fc[None, :] * so_f,
-             cast(acc, Op.dtype.element_ty, INTERP_BF16), mask=ok)
+    o_base = OUT + b.to(tl.int64) * o_b + ha.to(tl.int64) * o_h
+    tl.store(o_base + ra.to(tl.int64)[:, None] * o_l + fc[None, :] * o_f,
+             cast(acc, OUT.dtype.element_ty, INTERP_BF16), mask=ok)
 
 
 @triton.jit
-def _step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, O, sq_bh, sk_bh, sv_bh, so_bh, H, G, F, Dv, eps,
-                 BF: tl.constexpr, BV: tl.constexpr, MAP: tl.constexpr, NORMALIZE: tl.constexpr,
-                 INTERP_BF16: tl.constexpr):
+def step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, OUT, q_bh, k_bh, v_bh, o_bh, H, G, F, Dv, eps,
+                BF: tl.constexpr, BV: tl.constexpr, MAP: tl.constexpr, NORMALIZE: tl.constexpr,
+                INTERP_BF16: tl.constexpr):
     """One decoding step of one query head: ``S += phi(k)^T v``, ``z += phi(k)``,
-    ``out = phi(q) S / (phi(q) . z + eps)``; O(F x Dv). States fp32 ``(B*H, F, Dv)``, ``(B*H, F)``;
+    ``out = phi(q) S / (phi(q) . z + eps)``; OUT(F x Dv). States fp32 ``(B*H, F, Dv)``, ``(B*H, F)``;
     q/k/v one row each (``(B*H or B*Hkv, D)`` with row strides)."""
     pid, pid_v = tl.program_id(0), tl.program_id(1)
     hk = (pid // H) * (H // G) + (pid % H) // G
     fv = pid_v * BV + tl.arange(0, BV)
-    vv = tl.load(V + hk.to(tl.int64) * sv_bh + fv, mask=fv < Dv, other=0.0).to(tl.float32)
+    vv = tl.load(V + hk.to(tl.int64) * v_bh + fv, mask=fv < Dv, other=0.0).to(tl.float32)
     num = tl.zeros((BV,), dtype=tl.float32)
     den = tl.zeros((1,), dtype=tl.float32)
     s_base = pid.to(tl.int64) * F * Dv
@@ -227,8 +256,8 @@ def _step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, O, sq_bh, sk_bh, sv_bh, so_bh, H, 
     for f0 in range(0, F, BF):
         ff = f0 + tl.arange(0, BF)
         fm = ff < F
-        fq = _rows(Q + pid.to(tl.int64) * sq_bh, zero, 1, 0, ff, F, 1, MAP)          # (1, BF)
-        fk = _rows(K + hk.to(tl.int64) * sk_bh, zero, 1, 0, ff, F, 1, MAP)
+        fq = _rows(Q + pid.to(tl.int64) * q_bh, zero, 1, 0, ff, F, 1, MAP)          # (1, BF)
+        fk = _rows(K + hk.to(tl.int64) * k_bh, zero, 1, 0, ff, F, 1, MAP)
         m2 = fm[:, None] & (fv < Dv)[None, :]
         s = tl.load(S + s_base + ff[:, None] * Dv + fv[None, :], mask=m2, other=0.0) + tl.trans(fk) * vv[None, :]
         tl.store(S_OUT + s_base + ff[:, None] * Dv + fv[None, :], s, mask=m2)
@@ -239,4 +268,4 @@ def _step_kernel(Q, K, V, S, Z, S_OUT, Z_OUT, O, sq_bh, sk_bh, sv_bh, so_bh, H, 
     if NORMALIZE:
         d = den + eps
         num = tl.where(d == 0.0, 0.0, num / tl.where(d == 0.0, 1.0, d))
-    tl.store(O + pid.to(tl.int64) * so_bh + fv, cast(num, O.dtype.element_ty, INTERP_BF16), mask=fv < Dv)
+    tl.store(OUT + pid.to(tl.int64) * o_bh + fv, cast(num, OUT.dtype.element_ty, INTERP_BF16), mask=fv < Dv)

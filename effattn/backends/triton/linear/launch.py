@@ -30,7 +30,7 @@ if triton is not None:
     import triton.language as tl
     from triton.testing import do_bench
 
-    from .kernels import _chunk_out_kernel, _chunk_state_kernel, _step_kernel
+    from .kernels import chunk_out_kernel, chunk_state_kernel, step_kernel
 
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
@@ -138,6 +138,18 @@ def _n_split(programs: int, n_chunks: int, device) -> int:
     return max(1, min(n_chunks, cdiv(2 * sm_count(device), programs)))
 
 
+def state_args(b: Rows, c: Rows, cx: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
+               finz: Optional[Tensor], n_chunks: int, chunks_per_block: int) -> dict:
+    """The chunk-state kernel's arguments by name (`LinStateParams`' fields, strides as tuples); an absent
+    tensor is ``fin`` (never read)."""
+    return dict(Bp=b.x, b_strides=b.strides, Cp=c.x, c_strides=c.strides, b_L=b.L, b_shift=b.shift, b_F=b.F, c_F=c.F,
+                CX=cx if cx is not None else fin, ST=st if st is not None else fin,
+                st_strides=tuple(st.stride()) if st is not None else (0, 0, 0, 0),
+                STZ=stz if stz is not None else fin, stz_strides=tuple(stz.stride()[:2]) if stz is not None else (0, 0),
+                FIN=fin, FINZ=finz if finz is not None else fin, n_chunks=n_chunks, chunks_per_block=chunks_per_block,
+                b_H=b.x.shape[1])
+
+
 def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=True, cx: Optional[Tensor] = None,
                cx_ones=False, split=False, role="fwd"):
     """The chunk-state pass over ``b``, ``c`` (one head each, ``(B, Hs, L, Fb)`` / ``(B, Hs, L, Fc)``) on a
@@ -163,11 +175,8 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         ns = _n_split(programs, nc, dev) if split else 1
         fin = torch.empty(ns, B * Hs, FB, FC, dtype=f32, device=dev)
         finz = torch.empty(ns, B * Hs, FB, dtype=f32, device=dev) if cx_mode else None
-        _chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
-            b.x, *b.strides, c.x, *c.strides, b.L, b.shift, FB, FC, cx if cx is not None else fin,
-            st if store else fin, *(st.stride()[:2] + st.stride()[2:] if store else (0, 0, 0, 0)),
-            stz if stz is not None else fin, *(stz.stride()[:2] if stz is not None else (0, 0)),
-            fin, finz if finz is not None else fin, nc, cdiv(nc, ns), Hs,
+        chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
+            **state_args(b, c, cx, st, stz, fin, finz, nc, cdiv(nc, ns)),
             CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, MAP_B=b.fmap, MAP_C=c.fmap, C_X=cx_mode,
             num_warps=warps, num_stages=stages, **num.flags())
         res["fin"] = fin[0] if ns == 1 else fin.sum(0)        # a fixed order: deterministic
@@ -176,6 +185,26 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
     key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
     _launch("state:" + role, key, launch, FB, FC, num.dtype.itemsize)
     return st, stz, res["fin"], res["finz"]
+
+
+def out_args(a: Rows, b: Rows, c: Rows, grad_x: Optional[Rows], out: Tensor, den: Optional[Tensor], Hb: int, ga: int,
+             ax: Optional[Tensor], bx: Optional[Tensor], state, state_z, base, base_z, eps: float) -> dict:
+    """The output kernel's arguments by name (`LinOutParams`' fields, strides as tuples) for `out_pass`'s
+    operands (``state`` ... ``base_z``: (tensor, strides) or None); an absent tensor is ``out`` (never read)."""
+    B, Ha, _, FA = a.x.shape
+    st, st_strides = state if state is not None else (out, (0, 0, 0, 0))
+    stz, stz_strides = state_z if state_z is not None else (out, (0, 0))
+    bs, bs_strides = base if base is not None else (out, (0, 0, 0))
+    bz, bz_strides = base_z if base_z is not None else (out, (0,))
+    gx = grad_x if grad_x is not None else a
+    return dict(Ap=a.x, a_strides=a.strides, a_L=a.L, a_shift=a.shift, FA=FA, Ha=Ha, GA=ga,
+                Bp=b.x, b_strides=b.strides, Cp=c.x, c_strides=c.strides, b_L=b.L, b_shift=b.shift, FC=out.shape[3],
+                Hb=Hb, AX=ax if ax is not None else out, BX=bx if bx is not None else out,
+                ST=st, st_strides=tuple(st_strides), STZ=stz, stz_strides=tuple(stz_strides),
+                BASE=bs, base_strides=tuple(bs_strides), BASEZ=bz, basez_bh=bz_strides[0],
+                gbase=max((B * Ha) // (bs.shape[0] if base is not None else 1), 1),
+                GXp=gx.x, gx_strides=gx.strides, OUT=out, o_strides=tuple(out.stride()),
+                DEN=den if den is not None else out, eps=eps)
 
 
 def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numerics, *, out_dtype, causal=True,
@@ -197,27 +226,15 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
     nc = cdiv(T, CHUNK)
     out = torch.empty(B, Ha, La, FC, dtype=out_dtype, device=dev)
     den = torch.empty(B * Ha, La, dtype=torch.float32, device=dev) if with_den else None
-    dummy = out
     a_x = 2 if ax is not None else (1 if ax_ones else 0)
     b_x = 2 if bx is not None else (1 if bx_ones else 0)
-    st, st_strides = state if state is not None else (dummy, (0, 0, 0, 0))
-    stz, stz_strides = state_z if state_z is not None else (dummy, (0, 0))
-    bs, bs_strides = base if base is not None else (dummy, (0, 0, 0))
-    bz, bz_strides = base_z if base_z is not None else (dummy, (0,))
-    gbase = (B * Ha) // (bs.shape[0] if base is not None else 1)
-    gx = grad_x if grad_x is not None else a
-    o_strides = tuple(out.stride())
+    args = out_args(a, b, c, grad_x, out, den, Hb, ga, ax, bx, state, state_z, base, base_z, eps)
 
     def launch(cfg):
         bk, bv, warps, stages = cfg
         # heads on the first grid axis (no 65535 limit there): B * H can be large, chunks rarely are
-        _chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
-            a.x, *a.strides, a.L, a.shift, FA, Ha, ga,
-            b.x, *b.strides, c.x, *c.strides, b.L, b.shift, FC, Hb,
-            ax if ax is not None else dummy, bx if bx is not None else dummy,
-            st, *st_strides, stz, *stz_strides, bs, *bs_strides, bz, *bz_strides, max(gbase, 1),
-            gx.x, *gx.strides, out, *o_strides, den if den is not None else dummy, eps,
-            CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse, MAP_A=a.fmap, MAP_B=b.fmap,
+        chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
+            **args, CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse, MAP_A=a.fmap, MAP_B=b.fmap,
             MAP_C=c.fmap, MAP_X=grad_x.fmap if grad_x is not None else 0, A_X=a_x, B_X=b_x,
             HAS_STATE=state is not None, STATE_Z=state_z is not None, Z_MODE=z_mode, HAS_BASE=base is not None,
             BASE_Z=base_z is not None, WITH_DEN=with_den, NORMALIZE=normalize,
@@ -240,8 +257,8 @@ def step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor, fmap: int, norma
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=q.device)
     bv = min(128, max(16, _next_pow2(Dv)))
     bf = min(64, max(16, _next_pow2(F)))
-    _step_kernel[(B * H, cdiv(Dv, bv))](
-        q2, k2, v2, S, z, S_new, z_new, out, q2.stride(0), k2.stride(0), v2.stride(0), Dv, H, H // Hkv, F, Dv,
-        eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, INTERP_BF16=_INTERPRET and v.dtype == torch.bfloat16,
+    step_kernel[(B * H, cdiv(Dv, bv))](
+        Q=q2, K=k2, V=v2, S=S, Z=z, S_OUT=S_new, Z_OUT=z_new, OUT=out, q_bh=q2.stride(0), k_bh=k2.stride(0),
+        v_bh=v2.stride(0), o_bh=Dv, H=H, G=H // Hkv, F=F, Dv=Dv, eps=eps, BF=bf, BV=bv, MAP=fmap, NORMALIZE=normalize, INTERP_BF16=_INTERPRET and v.dtype == torch.bfloat16,
         num_warps=4, enable_fp_fusion=True)
     return out, S_new, z_new

@@ -1,6 +1,6 @@
-"""The row ``triton/lsh`` of op ``"lsh_attention"``: the fused chunk + neighbours kernels of
-`effattn.lsh_triton` (rows gathered through the sort permutation in-kernel, O(L) memory,
-deterministic backward, Philox dropout)."""
+"""The row ``triton/lsh`` of op ``"lsh_attention"``: the fused chunk + neighbours kernels
+(``kernels.py``, launched from ``launch.py``: rows gathered through the sort permutation in-kernel,
+O(L) memory, deterministic backward, Philox dropout)."""
 from __future__ import annotations
 
 from typing import List
@@ -8,8 +8,8 @@ from typing import List
 import torch.nn.functional as F
 
 from ....lsh import FN
-from ....lsh_triton import lsh_rounds
 from ..runtime import own_kernel_row
+from .launch import lsh_rounds
 
 
 def chunk_reasons(call) -> List[str]:

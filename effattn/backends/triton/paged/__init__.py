@@ -1,12 +1,13 @@
 """The row ``triton/paged`` of op ``"paged_attention"``: one kernel for decode and prefill that reads
-every key/value row from its page in place (`effattn.paged_triton`), any page size; a decode-shaped call
-over a long cache splits its key range over programs (split-KV, merged by log-sum-exp)."""
+every key/value row from its page in place (``kernels.py``, launched from ``launch.py``), any page
+size; a decode-shaped call over a long cache splits its key range over programs (split-KV, merged by
+log-sum-exp)."""
 from __future__ import annotations
 
 from ....paged import OP, kernel_scale
-from ....paged_triton import paged_forward, split_plan
 from ...base import FEATURES
 from ..runtime import own_kernel_row
+from .launch import paged_forward, split_plan
 
 
 def _run(call):

@@ -1,18 +1,18 @@
-"""The row ``triton/relative`` of op ``"relative_attention"``: the fused forward and backward of
-`effattn.relative_triton` (the position term per tile, no (Lq, Lk) matrix; r's gradient by a
-distance-band pass, no atomics). No dropout (the torch row serves it)."""
+"""The row ``triton/relative`` of op ``"relative_attention"``: the fused forward and backward
+(``kernels.py``, launched from ``launch.py``: the position term per tile, no (Lq, Lk) matrix; r's
+gradient by a distance-band pass, no atomics). No dropout (the torch row serves it)."""
 from __future__ import annotations
 
 import torch
 
 from ....relative import FN, stash, stashed
-from ....relative_triton import relative_backward, relative_forward
 from ...base import FEATURES
 from ..runtime import own_kernel_row
+from .launch import relative_backward, relative_forward
 
 
 class _RelativeTriton(torch.autograd.Function):
-    """The Triton kernels of `effattn.relative_triton`, forward and backward."""
+    """The relative kernels, forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, r, query, M, left, right, kpm, scale):

@@ -1,5 +1,5 @@
-"""Triton helpers shared by the forward kernels of `lsh_triton`, `paged_triton` and
-`relative_triton`: FlashAttention-2's online softmax (Dao 2023, Alg. 1) and the key range a window
+"""Triton helpers shared by the kernels of the ``lsh``, ``paged`` and ``relative`` folders:
+FlashAttention-2's online softmax (Dao 2023, Alg. 1) and the key range a window
 leaves to a block of query rows."""
 import triton
 import triton.language as tl

@@ -1,5 +1,6 @@
-"""Triton kernel of the paged KV cache: decode and prefill read keys and values from their pages in
-place (no gathered copy). Forward only.
+"""Triton kernels of the paged KV cache (math only; the launcher and the split plan in
+``launch.py``): decode and prefill read keys and values from their pages in place (no gathered
+copy). Forward only.
 
 Program ``(m, (b, h))`` takes query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of sequence b, head h
 (kv head ``h // (H / Hkv)``). A decode-shaped call with grouped-query heads (``G = H / Hkv > 1``, ``Lq <=
@@ -15,38 +16,47 @@ Split-KV (a decode or short chunk, ``Lq <= MAX_QUERIES``, over a long cache): a 
 query tile per (b, h), B * H programs, which leaves most SMs idle at B = 1. The grid then gains a third
 axis of ``n_splits``: split s walks keys ``[lo + s * keys_per_split, lo + (s + 1) * keys_per_split)`` of
 its rows' range ``[lo, hi)``, writes its normalized output and log2-sum-exp2 in fp32 (``-inf`` and 0 for
-a split that sees no key, e.g. past a short sequence's end), and this module's
+a split that sees no key, e.g. past a short sequence's end), and
 ``combine_kernel`` merges the splits of each row in split order: deterministic, no atomics. The
 number of splits comes from shapes only (the key bound ``max_pages * page_size``, narrowed by a left
 window), never from ``seqlens``' values, and `effattn.splits` plans it as for the contiguous decode
 (``DECODE_MIN_KEYS``, two waves of the SMs): a step reads nothing back and can be captured in a CUDA
 graph.
-"""
-from __future__ import annotations
 
-import torch
+Arguments: the names of the C++ `AttnParams` / `DecodeParams` fields where one exists (``H``, ``G``,
+``Lq``, ``D``, ``Dv``, ``left``, ``right``, ``scale``, ``splits``; ``O`` / ``LSE`` the output, ``OP`` / ``LP``
+the split partials as in the Triton decode kernel), element strides as one tuple per tensor unpacked to
+those names: ``q_strides`` = (q_b, q_h, q_l, q_d), ``o_strides`` = (o_b, o_h, o_l, o_d). No C++ field (C++
+has no paged kernel): the pages ``k_strides`` = (k_page, k_slot, k_h, k_d), ``v_strides`` likewise, the
+block table's ``bt_strides`` = (bt_b, bt_p), ``lse_strides`` = (lse_b, lse_h, lse_l), ``page_size``,
+``keys_per_split``, ``n_rows`` (B * H * Lq). ``launch.kernel_args`` builds them by name; every launch
+passes them by keyword.
+"""
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from .backends.triton.attention.decode import NOMINAL_SMS
-from .backends.triton.jit import cast
-from .backends.triton.runtime import _INTERPRET
-from .online_softmax import finish, key_range, online_step
-from .splits import DECODE_MIN_KEYS, MAX_QUERIES, plan_splits, sm_count
+from ....numerics import LOG2E as _LOG2E
+from ..jit import cast
+from ..online_softmax import finish, key_range, online_step
 
-LOG2E = 1.4426950408889634
-BLOCK_N = 64
+# a constexpr: Triton's compiler (3.9) refuses a kernel that reads a plain float global (the interpreter
+# reads it as any Python value), which the split-KV store did
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
 
 
 @triton.jit
-def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
-               sqb, sqh, sql, sqd, skp, sks, skh, skd, svp, svs, svh, svd, sbb, sbp,
-               sob, soh, sol, sod, slb, slh, sll,
-               H, G, Lq, D, Dv, PS, left, right, scale, keys_per_split, n_rows,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LOW: tl.constexpr, SPLIT: tl.constexpr,
-               PACK: tl.constexpr):
+def paged_fwd_kernel(Q, KP, VP, BT, LENS, O, LSE, OP, LP,
+                     q_strides, k_strides, v_strides, bt_strides, o_strides, lse_strides,
+                     H, G, Lq, D, Dv, page_size, left, right, scale, keys_per_split, n_rows,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LOW: tl.constexpr, SPLIT: tl.constexpr,
+                     PACK: tl.constexpr):
+    q_b, q_h, q_l, q_d = q_strides
+    k_page, k_slot, k_h, k_d = k_strides
+    v_page, v_slot, v_h, v_d = v_strides
+    bt_b, bt_p = bt_strides
+    o_b, o_h, o_l, o_d = o_strides
+    lse_b, lse_h, lse_l = lse_strides
     m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)        # b * stride may pass 2^31 on large inputs
     r = tl.arange(0, BLOCK_M)
@@ -63,7 +73,7 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = n_keys - Lq + offs_m                                        # absolute position of each query
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + offs_m[:, None] * sql + offs_d[None, :] * sqd,
+    q = tl.load(Q + b * q_b + h[:, None] * q_h + offs_m[:, None] * q_l + offs_d[None, :] * q_d,
                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D), other=0.0)
     if not LOW:
         q = q.to(tl.float32)
@@ -79,9 +89,9 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         live = offs_n < n_keys
-        page = tl.load(BT + b * sbb + (offs_n // PS) * sbp, mask=live, other=0).to(tl.int64)
-        slot = offs_n % PS
-        kt = tl.load(KP + page[None, :] * skp + slot[None, :] * sks + hk * skh + offs_d[:, None] * skd,
+        page = tl.load(BT + b * bt_b + (offs_n // page_size) * bt_p, mask=live, other=0).to(tl.int64)
+        slot = offs_n % page_size
+        kt = tl.load(KP + page[None, :] * k_page + slot[None, :] * k_slot + hk * k_h + offs_d[:, None] * k_d,
                      mask=live[None, :] & (offs_d[:, None] < D), other=0.0)
         s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale
         ok = live[None, :] & (offs_m[:, None] < Lq)
@@ -99,26 +109,23 @@ def _paged_fwd(Q, KP, VP, BT, LENS, OUT, LSE, OP, LP,
             seen = seen & (offs_n >= first - left)
         if HAS_RIGHT:
             seen = seen & (offs_n <= last + right)
-        v = tl.load(VP + page[:, None] * svp + slot[:, None] * svs + hk * svh + offs_dv[None, :] * svd,
+        v = tl.load(VP + page[:, None] * v_page + slot[:, None] * v_slot + hk * v_h + offs_dv[None, :] * v_d,
                     mask=seen[:, None] & (offs_dv[None, :] < Dv), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
     out, lse = finish(acc, m_i, l_i)
-    if SPLIT:                                 # fp32 partials (n_splits, B*H*Lq, Dv), lse in log2 units
+    if SPLIT:                                 # fp32 partials (splits, B*H*Lq, Dv), lse in log2 units
         row = tl.program_id(2).to(tl.int64) * n_rows + (b * H + h) * Lq + offs_m
         tl.store(OP + row[:, None] * Dv + offs_dv[None, :], out, mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
         tl.store(LP + row, lse * LOG2E, mask=offs_m < Lq)
     else:
-        tl.store(OUT + b * sob + h[:, None] * soh + offs_m[:, None] * sol + offs_dv[None, :] * sod,
-                 out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
-        tl.store(LSE + b * slb + h * slh + offs_m * sll, lse, mask=offs_m < Lq)
-
-
-COMBINE_ROWS = 16         # rows per combine program
+        tl.store(O + b * o_b + h[:, None] * o_h + offs_m[:, None] * o_l + offs_dv[None, :] * o_d,
+                 out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv))
+        tl.store(LSE + b * lse_b + h * lse_h + offs_m * lse_l, lse, mask=offs_m < Lq)
 
 
 @triton.jit
-def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
+def combine_kernel(OP, LP, O, LSE, n_rows, Dv, splits,
                    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, INTERP_BF16: tl.constexpr):
     """O (B*H*Lq, Dv) in the output dtype and LSE (B*H*Lq,) fp32, natural log, from the splits'
     partials: lse = log2 sum_s 2^lse_s, O = sum_s 2^(lse_s - lse) O_s, in split order. A row no split
@@ -127,12 +134,12 @@ def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
     ok = rows < n_rows
     cols = tl.arange(0, BLOCK_DV)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for s in range(0, n_splits):
+    for s in range(0, splits):
         m = tl.maximum(m, tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")))
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
-    for s in range(0, n_splits):
+    for s in range(0, splits):
         w = tl.exp2(tl.load(LP + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
         o = tl.load(OP + (s * n_rows + rows[:, None]) * Dv + cols[None, :], mask=ok[:, None] & (cols[None, :] < Dv),
                     other=0.0)
@@ -143,75 +150,3 @@ def combine_kernel(OP, LP, O, LSE, n_rows, Dv, n_splits,
     tl.store(O + rows[:, None] * Dv + cols[None, :], cast(acc / l_safe[:, None], O.dtype.element_ty, INTERP_BF16),
              mask=ok[:, None] & (cols[None, :] < Dv))
     tl.store(LSE + rows, tl.where(empty, float("-inf"), (m_ref + tl.log2(l_safe)) / 1.4426950408889634), mask=ok)
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def key_bound(Lq: int, capacity: int, left: int) -> int:
-    """Keys a query tile's range ``[lo, hi)`` holds at most, from shapes only: the table's capacity, or
-    with a left window ``Lq + left`` keys plus the rounding of ``lo`` down to a tile."""
-    return capacity if left < 0 else min(capacity, Lq + left + BLOCK_N - 1)
-
-
-MAX_PACKED_ROWS = 64      # G * Lq rows of a packed tile at most (the largest query tile the kernel runs)
-
-
-def packs(H: int, Hkv: int, Lq: int) -> bool:
-    """Whether a call's programs take one KV head's G = H / Hkv query heads x Lq queries as the rows of
-    one tile (a decode-shaped call with grouped-query heads): each page is then read once per KV head."""
-    G = H // Hkv
-    return G > 1 and Lq <= MAX_QUERIES and G * Lq <= MAX_PACKED_ROWS
-
-
-def split_plan(q: Tensor, k_pages: Tensor, block_table: Tensor, left: int, num_sms=None, keys_per_split=None):
-    """``(n_splits, keys_per_split)`` of a paged call: 1 split unless it is decode-shaped (``Lq <=
-    MAX_QUERIES``) with a key bound of at least ``DECODE_MIN_KEYS`` (`effattn.splits`); then
-    `plan_splits` over the B * H (packed: B * Hkv) programs of a split (``num_sms`` default: the
-    device's, or the nominal H100 off the GPU). ``keys_per_split`` (a multiple of 64) forces the
-    split, for tests."""
-    B, H, Lq, _ = q.shape
-    Hkv = k_pages.shape[2]
-    span = key_bound(Lq, block_table.shape[1] * k_pages.shape[1], left)
-    if keys_per_split is not None:
-        if keys_per_split < 1 or keys_per_split % BLOCK_N:
-            raise ValueError(f"paged decode: keys_per_split={keys_per_split} must be a positive multiple of {BLOCK_N}")
-        return max(1, -(-span // keys_per_split)), keys_per_split
-    if Lq > MAX_QUERIES or span < DECODE_MIN_KEYS:
-        return 1, span
-    return plan_splits(B * (Hkv if packs(H, Hkv, Lq) else H), span, num_sms or sm_count(q.device, NOMINAL_SMS),
-                       BLOCK_N)
-
-
-def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens: Tensor, left: int,
-                  right: int, scale: float, *, num_sms=None, keys_per_split=None):
-    """``out (B, H, Lq, Dv)`` in q's dtype and ``lse (B, H, Lq)`` float32 of a validated paged call
-    (``left`` / ``right``: the normalized window, -1 = unbounded, causal is ``right = 0``); split-KV
-    as `split_plan` says (``num_sms``, ``keys_per_split``: see there)."""
-    B, H, Lq, D = q.shape
-    Hkv, Dv = k_pages.shape[2], v_pages.shape[3]
-    out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    pack = packs(H, Hkv, Lq)
-    BLOCK_M = _pow2(H // Hkv * Lq) if pack else min(64, _pow2(Lq))
-    low = q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
-    n_splits, per = split_plan(q, k_pages, block_table, left, num_sms, keys_per_split)
-    n_rows = B * H * Lq
-    if n_rows == 0:
-        return out, lse
-    split = n_splits > 1
-    o_part = torch.empty((n_splits, n_rows, Dv) if split else (1,), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((n_splits, n_rows) if split else (1,), dtype=torch.float32, device=q.device)
-    grid = (1, B * Hkv, n_splits) if pack else (triton.cdiv(Lq, BLOCK_M), B * H, n_splits)
-    _paged_fwd[grid](
-        q, k_pages, v_pages, block_table, seqlens, out, lse, o_part, l_part, *q.stride(), *k_pages.stride(),
-        *v_pages.stride(), *block_table.stride(), *out.stride(), *lse.stride(), H, H // Hkv, Lq, D, Dv,
-        k_pages.shape[1], max(left, 0), max(right, 0), scale, per, n_rows, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, LOW=low, SPLIT=split,
-        PACK=pack)
-    if split:
-        combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
-            o_part, l_part, out, lse, n_rows, Dv, n_splits, BLOCK_R=COMBINE_ROWS, BLOCK_DV=_pow2(Dv),
-            INTERP_BF16=_INTERPRET and q.dtype == torch.bfloat16, num_warps=4)
-    return out, lse

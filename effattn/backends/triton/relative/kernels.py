@@ -1,5 +1,6 @@
 """Triton kernels of relative-position attention (`effattn.relative_attention`), forward and
-backward: the position term computed per tile, never an ``(Lq, Lk)`` matrix.
+backward (math only; the launchers in ``launch.py``): the position term computed per tile, never an
+``(Lq, Lk)`` matrix.
 
 For a query tile ``[i0, i0 + BM)`` and a key tile ``[j0, j0 + BN)`` the distances ``d_ij = pos(i) - j``
 take ``BM + BN - 1`` values, ``d = dmin + w`` with ``w = (i - i0) - (j - j0) + BN - 1``. The kernel
@@ -15,17 +16,20 @@ and the query tiles in a fixed order, and torch folds the distances onto the row
 clamped ends summed). Products are float32 (``ieee``) for now. The dK/dV programs visit only the
 query tiles the window lets see their key tile, the distance pass skips blocks of distances the
 window hides.
+
+Arguments: the names of the C++ `AttnParams` fields (csrc/attention/attention.h) where one exists
+(``H``, ``G``, ``Lq``, ``Lk``, ``D``, ``Dv``, ``left``, ``right``, ``scale``, ``B``); element strides as one
+tuple per tensor, unpacked to the C++ names at the top of each kernel: ``q_strides`` = (q_b, q_h, q_l,
+q_d), ``k_strides``, ``v_strides`` likewise, ``kpm_strides`` = (kpm_b, kpm_l). No C++ field: ``R``
+(``r`` (H, n_dist, D)) and ``r_strides`` = (r_h, r_n, r_d), ``QRY`` (the ``query`` the position term
+reads) and ``query_strides`` = (query_b, query_h, query_l, query_d), the last-dim strides ``q_d``, ``k_d``,
+``v_d``, ``n_dist`` and ``max_distance`` (0 with ``PAST_ONLY``). ``launch.kernel_args`` builds them by
+name; every launch passes them by keyword.
 """
-from __future__ import annotations
-
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from .online_softmax import finish, key_range, online_step
+from ..online_softmax import finish, key_range, online_step
 
 
 @triton.jit
@@ -39,7 +43,7 @@ def _ridx(d, n_dist, max_distance, PAST_ONLY: tl.constexpr):
 
 
 @triton.jit
-def _visible(j, pos, rows_ok, Lk, left, right, kpm_b, skpl, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+def _visible(j, pos, rows_ok, Lk, left, right, kpm_base, kpm_l, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              HAS_KPM: tl.constexpr):
     """Whether key j (any (rows, n) block of key indices) is visible to the rows at ``pos``."""
     ok = (j >= 0) & (j < Lk) & rows_ok[:, None]
@@ -48,26 +52,26 @@ def _visible(j, pos, rows_ok, Lk, left, right, kpm_b, skpl, HAS_LEFT: tl.constex
     if HAS_RIGHT:
         ok = ok & (j <= pos[:, None] + right)
     if HAS_KPM:
-        pad = tl.load(kpm_b + tl.minimum(tl.maximum(j, 0), Lk - 1) * skpl)
+        pad = tl.load(kpm_base + tl.minimum(tl.maximum(j, 0), Lk - 1) * kpm_l)
         ok = ok & (pad == 0)
     return ok
 
 
 @triton.jit
-def _tile_scores(q, qry, k_b, skl, skd, r_h, srn, srd, kpm_b, skpl, i0, j0, off, pos, rows_ok, offs_d, Lk, D,
+def _tile_scores(q, qry, k_base, k_l, k_d, r_base, r_n, r_d, kpm_base, kpm_l, i0, j0, off, pos, rows_ok, offs_d, Lk, D,
                  n_dist, max_distance, left, right, scale, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                  PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
     """Scaled, masked scores of query tile i0 against key tile j0, and the tile's band of r
     ``(BLOCK_D, W)``: distance ``dmin + w`` for column w, ``w = (i - i0) - (j - j0) + BN - 1``."""
     offs_n = j0 + tl.arange(0, BN)
-    kt = tl.load(k_b + offs_n[None, :] * skl + offs_d[:, None] * skd,
+    kt = tl.load(k_base + offs_n[None, :] * k_l + offs_d[:, None] * k_d,
                  mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < D), other=0.0).to(tl.float32)
     d = i0 + off - (j0 + BN - 1) + tl.arange(0, W)
-    rt = tl.load(r_h + _ridx(d, n_dist, max_distance, PAST_ONLY)[None, :].to(tl.int64) * srn + offs_d[:, None] * srd,
+    rt = tl.load(r_base + _ridx(d, n_dist, max_distance, PAST_ONLY)[None, :].to(tl.int64) * r_n + offs_d[:, None] * r_d,
                  mask=offs_d[:, None] < D, other=0.0).to(tl.float32)
     w_of = (tl.arange(0, BM)[:, None] - tl.arange(0, BN)[None, :] + BN - 1).to(tl.int32)
     s = tl.dot(q, kt, input_precision="ieee") + tl.gather(tl.dot(qry, rt, input_precision="ieee"), w_of, axis=1)
-    ok = _visible(offs_n[None, :] + 0 * pos[:, None], pos, rows_ok, Lk, left, right, kpm_b, skpl, HAS_LEFT,
+    ok = _visible(offs_n[None, :] + 0 * pos[:, None], pos, rows_ok, Lk, left, right, kpm_base, kpm_l, HAS_LEFT,
                   HAS_RIGHT, HAS_KPM)
     return tl.where(ok, s * scale, float("-inf")), rt
 
@@ -80,7 +84,7 @@ def _load2(base, rows, n_rows, stride_r, cols, n_cols, stride_c):
 
 
 @triton.jit
-def _query_tile(Q, QRY, K, V, sqb, sqh, sql, sqd, skb, skh, svb, svh, syb, syh, syl, syd, H, G, Lq, Lk, D,
+def _query_tile(Q, QRY, K, V, q_b, q_h, q_l, q_d, k_b, k_h, v_b, v_h, query_b, query_h, query_l, query_d, H, G, Lq, Lk, D,
                 BM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """What a program over query tile ``program_id(0)`` of slice ``program_id(1) = (b, h)`` starts with."""
     bh = tl.program_id(1).to(tl.int64)
@@ -88,37 +92,43 @@ def _query_tile(Q, QRY, K, V, sqb, sqh, sql, sqd, skb, skh, svb, svh, syb, syh, 
     i0 = tl.program_id(0) * BM
     offs_m = i0 + tl.arange(0, BM)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load2(Q + b * sqb + h * sqh, offs_m, Lq, sql, offs_d, D, sqd)
-    qry = _load2(QRY + b * syb + h * syh, offs_m, Lq, syl, offs_d, D, syd)
-    k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
-    return bh, b, h, Lk - Lq, i0, offs_m, offs_d, tl.arange(0, BLOCK_DV), offs_m < Lq, q, qry, k_b, v_b
+    q = _load2(Q + b * q_b + h * q_h, offs_m, Lq, q_l, offs_d, D, q_d)
+    qry = _load2(QRY + b * query_b + h * query_h, offs_m, Lq, query_l, offs_d, D, query_d)
+    k_base, v_base = K + b * k_b + (h // G) * k_h, V + b * v_b + (h // G) * v_h
+    return bh, b, h, Lk - Lq, i0, offs_m, offs_d, tl.arange(0, BLOCK_DV), offs_m < Lq, q, qry, k_base, v_base
 
 
 @triton.jit
-def _rel_fwd(Q, K, V, RR, QRY, KPM, OUT, LSE,
-             sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, srh, srn, srd,
-             syb, syh, syl, syd, skpb, skpl,
-             H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
-             BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
-    """OUT (B, H, Lq, Dv), LSE (B, H, Lq): contiguous float32."""
-    bh, b, h, off, i0, offs_m, offs_d, offs_dv, rows_ok, q, qry, k_b, v_b = _query_tile(
-        Q, QRY, K, V, sqb, sqh, sql, sqd, skb, skh, svb, svh, syb, syh, syl, syd, H, G, Lq, Lk, D, BM, BLOCK_D, BLOCK_DV)
+def relative_fwd_kernel(Q, K, V, R, QRY, KPM, O, LSE,
+                        q_strides, k_strides, v_strides, r_strides, query_strides, kpm_strides,
+                        H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
+                        BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
+    """O (B, H, Lq, Dv), LSE (B, H, Lq): contiguous float32."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    r_h, r_n, r_d = r_strides
+    query_b, query_h, query_l, query_d = query_strides
+    kpm_b, kpm_l = kpm_strides
+    bh, b, h, off, i0, offs_m, offs_d, offs_dv, rows_ok, q, qry, k_base, v_base = _query_tile(
+        Q, QRY, K, V, q_b, q_h, q_l, q_d, k_b, k_h, v_b, v_h, query_b, query_h, query_l, query_d, H, G, Lq, Lk, D,
+        BM, BLOCK_D, BLOCK_DV)
     pos = offs_m + off
     lo, hi = key_range(i0 + off, i0 + BM - 1 + off, Lk, left, right, BN, HAS_LEFT, HAS_RIGHT)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BLOCK_DV], tl.float32)
     for j0 in range(lo, hi, BN):
-        s, _ = _tile_scores(q, qry, k_b, skl, skd, RR + h * srh, srn, srd, KPM + b * skpb, skpl, i0, j0, off, pos,
+        s, _ = _tile_scores(q, qry, k_base, k_l, k_d, R + h * r_h, r_n, r_d, KPM + b * kpm_b, kpm_l, i0, j0, off, pos,
                             rows_ok, offs_d, Lk, D, n_dist, max_distance, left, right, scale, BM, BN, W, PAST_ONLY,
                             HAS_LEFT, HAS_RIGHT, HAS_KPM)
         p, alpha, m_new, l_i = online_step(m_i, l_i, s)
-        v = _load2(v_b, j0 + tl.arange(0, BN), Lk, svl, offs_dv, Dv, svd)
+        v = _load2(v_base, j0 + tl.arange(0, BN), Lk, v_l, offs_dv, Dv, v_d)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out, lse = finish(acc, m_i, l_i)
-    tl.store(OUT + (bh * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(O + (bh * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & (offs_dv[None, :] < Dv))
     tl.store(LSE + bh * Lq + offs_m, lse, mask=rows_ok)
 
 
@@ -134,16 +144,22 @@ def _row_stats(LSE, DELTA, DO, bh, offs_m, rows_ok, Lq, offs_dv, Dv):
 
 
 @triton.jit
-def _rel_bwd_dq(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DQ, DQRY,
-                sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, srh, srn, srd,
-                syb, syh, syl, syd, skpb, skpl,
-                H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
-                BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
+def relative_dq_kernel(Q, K, V, R, QRY, KPM, LSE, DELTA, DO, DQ, DQRY,
+                       q_strides, k_strides, v_strides, r_strides, query_strides, kpm_strides,
+                       H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
+                       BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
     """dQ and dQuery of one query tile (FA-2 Alg. 2); the position term's gradient reaches ``query``
     through the tile's band: ``dT_band[i, w] = dT[i, j(i, w)]`` (a gather), then ``dT_band @ R_band``."""
-    bh, b, h, off, i0, offs_m, offs_d, offs_dv, rows_ok, q, qry, k_b, v_b = _query_tile(
-        Q, QRY, K, V, sqb, sqh, sql, sqd, skb, skh, svb, svh, syb, syh, syl, syd, H, G, Lq, Lk, D, BM, BLOCK_D, BLOCK_DV)
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    r_h, r_n, r_d = r_strides
+    query_b, query_h, query_l, query_d = query_strides
+    kpm_b, kpm_l = kpm_strides
+    bh, b, h, off, i0, offs_m, offs_d, offs_dv, rows_ok, q, qry, k_base, v_base = _query_tile(
+        Q, QRY, K, V, q_b, q_h, q_l, q_d, k_b, k_h, v_b, v_h, query_b, query_h, query_l, query_d, H, G, Lq, Lk, D,
+        BM, BLOCK_D, BLOCK_DV)
     lse, delta, do = _row_stats(LSE, DELTA, DO, bh, offs_m, rows_ok, Lq, offs_dv, Dv)
     pos = offs_m + off
     jl = tl.arange(0, BM)[:, None] + BN - 1 - tl.arange(0, W)[None, :]              # key of band column w
@@ -153,14 +169,14 @@ def _rel_bwd_dq(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DQ, DQRY,
     dq = tl.zeros([BM, BLOCK_D], tl.float32)
     dqry = tl.zeros([BM, BLOCK_D], tl.float32)
     for j0 in range(lo, hi, BN):
-        s, rt = _tile_scores(q, qry, k_b, skl, skd, RR + h * srh, srn, srd, KPM + b * skpb, skpl, i0, j0, off, pos,
+        s, rt = _tile_scores(q, qry, k_base, k_l, k_d, R + h * r_h, r_n, r_d, KPM + b * kpm_b, kpm_l, i0, j0, off, pos,
                              rows_ok, offs_d, Lk, D, n_dist, max_distance, left, right, scale, BM, BN, W, PAST_ONLY,
                              HAS_LEFT, HAS_RIGHT, HAS_KPM)
         p = tl.exp(s - lse[:, None])
         offs_n = j0 + tl.arange(0, BN)
-        v = _load2(v_b, offs_n, Lk, svl, offs_dv, Dv, svd)
+        v = _load2(v_base, offs_n, Lk, v_l, offs_dv, Dv, v_d)
         dT = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None]) * scale
-        dq += tl.dot(dT, _load2(k_b, offs_n, Lk, skl, offs_d, D, skd), input_precision="ieee")
+        dq += tl.dot(dT, _load2(k_base, offs_n, Lk, k_l, offs_d, D, k_d), input_precision="ieee")
         band = tl.where(in_tile, tl.gather(dT, jl, axis=1), 0.0)                       # (BM, W)
         dqry += tl.dot(band, tl.trans(rt), input_precision="ieee")
     ptr = (bh * Lq + offs_m[:, None]) * D + offs_d[None, :]
@@ -170,14 +186,19 @@ def _rel_bwd_dq(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DQ, DQRY,
 
 
 @triton.jit
-def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
-                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, srh, srn, srd,
-                 syb, syh, syl, syd, skpb, skpl,
-                 H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
-                 BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
+def relative_dkv_kernel(Q, K, V, R, QRY, KPM, LSE, DELTA, DO, DK, DV,
+                        q_strides, k_strides, v_strides, r_strides, query_strides, kpm_strides,
+                        H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
+                        BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
     """dK, dV of one key tile for one query head (the GQA group is summed in torch), over every
     query tile (the masks remove the invisible pairs)."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    r_h, r_n, r_d = r_strides
+    query_b, query_h, query_l, query_d = query_strides
+    kpm_b, kpm_l = kpm_strides
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     off = Lk - Lq
@@ -185,8 +206,8 @@ def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
     offs_n = j0 + tl.arange(0, BN)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
-    v = _load2(v_b, offs_n, Lk, svl, offs_dv, Dv, svd)
+    k_base, v_base = K + b * k_b + (h // G) * k_h, V + b * v_b + (h // G) * v_h
+    v = _load2(v_base, offs_n, Lk, v_l, offs_dv, Dv, v_d)
     dk = tl.zeros([BN, BLOCK_D], tl.float32)
     dv = tl.zeros([BN, BLOCK_DV], tl.float32)
     # the query tiles that may see this key tile: pos(i) - left <= j <= pos(i) + right
@@ -199,10 +220,10 @@ def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
     for i0 in range(q_lo, q_hi, BM):
         offs_m = i0 + tl.arange(0, BM)
         rows_ok = offs_m < Lq
-        q = _load2(Q + b * sqb + h * sqh, offs_m, Lq, sql, offs_d, D, sqd)
-        qry = _load2(QRY + b * syb + h * syh, offs_m, Lq, syl, offs_d, D, syd)
+        q = _load2(Q + b * q_b + h * q_h, offs_m, Lq, q_l, offs_d, D, q_d)
+        qry = _load2(QRY + b * query_b + h * query_h, offs_m, Lq, query_l, offs_d, D, query_d)
         lse, delta, do = _row_stats(LSE, DELTA, DO, bh, offs_m, rows_ok, Lq, offs_dv, Dv)
-        s, _ = _tile_scores(q, qry, k_b, skl, skd, RR + h * srh, srn, srd, KPM + b * skpb, skpl, i0, j0, off,
+        s, _ = _tile_scores(q, qry, k_base, k_l, k_d, R + h * r_h, r_n, r_d, KPM + b * kpm_b, kpm_l, i0, j0, off,
                             offs_m + off, rows_ok, offs_d, Lk, D, n_dist, max_distance, left, right, scale, BM, BN, W,
                             PAST_ONLY, HAS_LEFT, HAS_RIGHT, HAS_KPM)
         p = tl.exp(s - lse[:, None])
@@ -215,24 +236,29 @@ def _rel_bwd_dkv(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, DK, DV,
 
 
 @triton.jit
-def _rel_bwd_dr(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, GD,
-                sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, srh, srn, srd,
-                syb, syh, syl, syd, skpb, skpl,
-                B, H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
-                BM: tl.constexpr, BD: tl.constexpr, W2: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                HAS_KPM: tl.constexpr):
+def relative_dr_kernel(Q, K, V, R, QRY, KPM, LSE, DELTA, DO, GD,
+                       q_strides, k_strides, v_strides, r_strides, query_strides, kpm_strides,
+                       B, H, G, Lq, Lk, D, Dv, n_dist, max_distance, left, right, scale,
+                       BM: tl.constexpr, BD: tl.constexpr, W2: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, PAST_ONLY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       HAS_KPM: tl.constexpr):
     """The distance-band pass: ``GD[h, d] = sum_{b, i} dT[i, pos(i) - d] query_i`` for distances
     ``d = dmin + [d0, d0 + BD)`` (``dmin = 1 - Lq``), one program per (distance block, head), summing
     over the batch and the query tiles in a fixed order (no atomics). The key band of a query tile
     is ``j = jb0 + u``, ``u = (i - i0) - (d - d0) + BD - 1``: a product with the band, then a gather."""
+    q_b, q_h, q_l, q_d = q_strides
+    k_b, k_h, k_l, k_d = k_strides
+    v_b, v_h, v_l, v_d = v_strides
+    r_h, r_n, r_d = r_strides
+    query_b, query_h, query_l, query_d = query_strides
+    kpm_b, kpm_l = kpm_strides
     h = tl.program_id(1).to(tl.int64)
     off = Lk - Lq
     d0 = 1 - Lq + tl.program_id(0) * BD
     dd = d0 + tl.arange(0, BD)                                                        # the block's distances
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    r_blk = _load2(RR + h * srh, _ridx(dd, n_dist, max_distance, PAST_ONLY), n_dist, srn, offs_d, D, srd)  # (BD, D)
+    r_blk = _load2(R + h * r_h, _ridx(dd, n_dist, max_distance, PAST_ONLY), n_dist, r_n, offs_d, D, r_d)  # (BD, D)
     u_of = (tl.arange(0, BM)[:, None] - tl.arange(0, BD)[None, :] + BD - 1).to(tl.int32)
     gd = tl.zeros([BD, BLOCK_D], tl.float32)
     # a block of distances the window hides entirely (-right <= d <= left) has nothing to sum
@@ -244,102 +270,24 @@ def _rel_bwd_dr(Q, K, V, RR, QRY, KPM, LSE, DELTA, DO, GD,
     for bb in range(0, n_b):
         b = h * 0 + bb                            # int64 like h: b * stride may pass 2^31 on large inputs
         bh = b * H + h
-        k_b, v_b = K + b * skb + (h // G) * skh, V + b * svb + (h // G) * svh
+        k_base, v_base = K + b * k_b + (h // G) * k_h, V + b * v_b + (h // G) * v_h
         for i0 in range(0, Lq, BM):
             offs_m = i0 + tl.arange(0, BM)
             rows_ok = offs_m < Lq
             pos = offs_m + off
             jb0 = i0 + off - (d0 + BD - 1)
             kb = jb0 + tl.arange(0, W2)
-            q = _load2(Q + b * sqb + h * sqh, offs_m, Lq, sql, offs_d, D, sqd)
-            qry = _load2(QRY + b * syb + h * syh, offs_m, Lq, syl, offs_d, D, syd)
+            q = _load2(Q + b * q_b + h * q_h, offs_m, Lq, q_l, offs_d, D, q_d)
+            qry = _load2(QRY + b * query_b + h * query_h, offs_m, Lq, query_l, offs_d, D, query_d)
             lse, delta, do = _row_stats(LSE, DELTA, DO, bh, offs_m, rows_ok, Lq, offs_dv, Dv)
-            s_band = tl.dot(q, tl.trans(_load2(k_b, kb, Lk, skl, offs_d, D, skd)), input_precision="ieee")
-            dp_band = tl.dot(do, tl.trans(_load2(v_b, kb, Lk, svl, offs_dv, Dv, svd)), input_precision="ieee")
+            s_band = tl.dot(q, tl.trans(_load2(k_base, kb, Lk, k_l, offs_d, D, k_d)), input_precision="ieee")
+            dp_band = tl.dot(do, tl.trans(_load2(v_base, kb, Lk, v_l, offs_dv, Dv, v_d)), input_precision="ieee")
             s = tl.gather(s_band, u_of, axis=1) + tl.dot(qry, tl.trans(r_blk), input_precision="ieee")
             j = pos[:, None] - dd[None, :]
-            ok = _visible(j, pos, rows_ok, Lk, left, right, KPM + b * skpb, skpl, HAS_LEFT, HAS_RIGHT, HAS_KPM)
+            ok = _visible(j, pos, rows_ok, Lk, left, right, KPM + b * kpm_b, kpm_l, HAS_LEFT, HAS_RIGHT, HAS_KPM)
             p = tl.where(ok, tl.exp(s * scale - lse[:, None]), 0.0)
             dT = p * (tl.gather(dp_band, u_of, axis=1) - delta[:, None]) * scale
             gd += tl.dot(tl.trans(dT), qry, input_precision="ieee")
     n_d = Lq + Lk - 1
     tl.store(GD + (h * n_d + (dd - (1 - Lq))[:, None]) * D + offs_d[None, :], gd,
              mask=(dd[:, None] <= Lk - 1) & (offs_d[None, :] < D))
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _launch_args(q, k, v, r, query, kpm, max_distance, left, right, scale):
-    B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    kpm_arg, kpm_strides = (kpm, kpm.stride()) if kpm is not None else (q, (0, 0))
-    tensors = (q, k, v, r, query, kpm_arg)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *r.stride(), *query.stride(), *kpm_strides)
-    sizes = (H, H // Hkv, Lq, Lk, D, Dv, r.shape[1], max_distance if max_distance is not None else 0, max(left, 0),
-             max(right, 0), scale)
-    flags = dict(BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), PAST_ONLY=max_distance is None, HAS_LEFT=left >= 0,
-                 HAS_RIGHT=right >= 0, HAS_KPM=kpm is not None)
-    return tensors, strides, sizes, flags
-
-
-def _block(q: Tensor) -> int:
-    return 32 if q.device.type == "cuda" else 16      # 16 in the interpreter (tests)
-
-
-def relative_forward(q, k, v, r, query, max_distance: Optional[int], left: int, right: int,
-                     key_padding_mask: Optional[Tensor], scale: float):
-    """``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)``, float32, of a validated call."""
-    B, H, Lq, _ = q.shape
-    kpm = key_padding_mask.to(torch.int8) if key_padding_mask is not None else None
-    tensors, strides, sizes, flags = _launch_args(q, k, v, r, query, kpm, max_distance, left, right, scale)
-    out = torch.empty(B, H, Lq, v.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    bm = _block(q)
-    _rel_fwd[(triton.cdiv(Lq, bm), B * H)](*tensors, out, lse, *strides, *sizes, BM=bm, BN=bm, W=_pow2(2 * bm - 1),
-                                          **flags)
-    return out, lse
-
-
-def fold_distances(gd: Tensor, Lq: int, n_dist: int, max_distance: Optional[int]) -> Tensor:
-    """``dr (H, n_dist, D)`` from per-distance sums ``gd (H, Lq + Lk - 1, D)`` (distances ``1 - Lq ..
-    Lk - 1``): interior rows take their one distance, the clamped end rows the sum of theirs."""
-    d = torch.arange(gd.shape[1], device=gd.device) + (1 - Lq)
-    idx = d.clamp(0, n_dist - 1) if max_distance is None else d.clamp(-max_distance, max_distance) + max_distance
-    dr = gd.new_zeros(gd.shape[0], n_dist, gd.shape[2])
-    dr[:, 0] = gd[:, idx == 0].sum(1)
-    if n_dist > 1:
-        dr[:, n_dist - 1] = gd[:, idx == n_dist - 1].sum(1)
-        inner = (idx > 0) & (idx < n_dist - 1)
-        dr[:, idx[inner]] = gd[:, inner]
-    return dr
-
-
-def relative_backward(dout, dlse, q, k, v, r, query, out, lse, max_distance, left, right, key_padding_mask, scale):
-    """``(dq, dk, dv, dr, dquery)`` float32 of `relative_forward` (FA-2 Alg. 2 plus the distance-band
-    pass for ``r``): three launches, no atomics."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    kpm = key_padding_mask.to(torch.int8) if key_padding_mask is not None else None
-    tensors, strides, sizes, flags = _launch_args(q, k, v, r, query, kpm, max_distance, left, right, scale)
-    dout = dout.to(torch.float32).contiguous()
-    delta = (dout * out).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(torch.float32)
-    stats = (lse.contiguous(), delta.contiguous(), dout)
-    bm = _block(q)
-    blocks = dict(BM=bm, BN=bm, W=_pow2(2 * bm - 1), **flags)
-    dq = torch.empty(B, H, Lq, D, dtype=torch.float32, device=q.device)
-    dquery = torch.empty_like(dq)
-    _rel_bwd_dq[(triton.cdiv(Lq, bm), B * H)](*tensors, *stats, dq, dquery, *strides, *sizes, **blocks)
-    dk = torch.empty(B, H, Lk, D, dtype=torch.float32, device=q.device)
-    dv = torch.empty(B, H, Lk, Dv, dtype=torch.float32, device=q.device)
-    _rel_bwd_dkv[(triton.cdiv(Lk, bm), B * H)](*tensors, *stats, dk, dv, *strides, *sizes, **blocks)
-    gd = torch.empty(H, Lq + Lk - 1, D, dtype=torch.float32, device=q.device)
-    _rel_bwd_dr[(triton.cdiv(Lq + Lk - 1, bm), H)](*tensors, *stats, gd, *strides, B, *sizes, BM=bm, BD=bm,
-                                                   W2=_pow2(2 * bm - 1), **flags)
-    G = H // Hkv
-    dk = dk.view(B, Hkv, G, Lk, D).sum(2)
-    dv = dv.view(B, Hkv, G, Lk, Dv).sum(2)
-    return dq, dk, dv, fold_distances(gd, Lq, r.shape[1], max_distance), dquery
