@@ -481,22 +481,49 @@ def _permute_batch(kw, perm):
         if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] == B:
             return t[perm]
         return t
+    return _map_bias(kw_p, term)
+
+
+def _permute_heads(kw, perm):
+    """The keywords of a call whose query heads are permuted by `perm` (KV heads along, each keeping
+    its group): per-head layouts, sinks, ALiBi slopes, Relative tables, Span z and dense biases with a
+    head dimension follow the heads."""
+    H = len(perm)
+    kw_p = dict(kw)
+    lay = kw.get("layout")
+    if lay is not None and lay.mask.shape[0] == H:
+        kw_p["layout"] = BlockLayout(lay.mask[perm], lay.block_size)
+    if kw.get("sinks") is not None:
+        kw_p["sinks"] = kw["sinks"][perm]
+
+    def term(t):
+        if isinstance(t, ALiBi):
+            return ALiBi(t.slopes[..., perm])
+        if isinstance(t, (Relative, Span)):
+            return t.with_params(t.params()[0][perm])
+        if isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-3] == H:
+            return t.index_select(t.dim() - 3, perm)
+        return t
+    return _map_bias(kw_p, term)
+
+
+def _map_bias(kw, term):
+    """`kw` with `term` applied to each of its bias terms (a list stays a list)."""
     if "bias" in kw:
-        kw_p["bias"] = [term(t) for t in kw["bias"]] if isinstance(kw["bias"], list) else term(kw["bias"])
-    return kw_p
+        kw["bias"] = [term(t) for t in kw["bias"]] if isinstance(kw["bias"], list) else term(kw["bias"])
+    return kw
 
 
 def check_batch_and_gqa(unit, c, q, k, v, kw, out, again, cond):
-    """Batch permutation (the per-batch arguments of `kw` permuted along) gives the permuted out, and
-    a GQA call equals the call with K / V expanded (`again(q, k, v, kw)` reruns the call with its
-    seed; `cond`: the largest |score|, exp's rounding grows with it). Calls with dropout are skipped
-    (the keep-masks follow the batch index and the head)."""
+    """Batch permutation and head permutation (the per-batch / per-head arguments of `kw` permuted
+    along) give the permuted out, and a GQA call equals the call with K / V expanded (`again(q, k, v,
+    kw)` reruns the call with its seed; `cond`: the largest |score|, exp's rounding grows with it).
+    Calls with dropout are skipped (the keep-masks follow the batch index and the head)."""
     B, H, Hkv = c["shape"][:3]
     if kw.get("dropout_p"):
         return
-    if B > 1:
-        perm = torch.arange(B - 1, -1, -1)
-        got = again(q[perm], k[perm], v[perm], _permute_batch(kw, perm))
+
+    def same(got, want, what):
         if unit.backend == "torch":
             # torch's own CPU kernels round a batch row differently by its place in memory
             # (torch 2.13: a float64 matmul (2, 1, 43, 55) @ (2, 1, 55, 3) permuted differs from
@@ -504,10 +531,19 @@ def check_batch_and_gqa(unit, c, q, k, v, kw, out, again, cond):
             # torch paths are held to a few ulps of the row's terms, not bitwise
             vmax = v.double().abs().max().item() if v.numel() else 0.0
             tol = 8 * torch.finfo(out.dtype).eps * cond * (vmax or 1.0)
-            err = (got.double() - out[perm].double()).abs().max().item() if out.numel() else 0.0
-            assert err <= tol, f"batch permutation: {err} > {tol}"
+            err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+            assert err <= tol, f"{what}: {err} > {tol}"
         else:
-            assert torch.equal(got, out[perm]), "batch permutation"
+            assert torch.equal(got, want), what
+    if B > 1:
+        perm = torch.arange(B - 1, -1, -1)
+        same(again(q[perm], k[perm], v[perm], _permute_batch(kw, perm)), out[perm], "batch permutation")
+    if Hkv > 1 or H > 1:          # KV heads reversed, and the query heads of each group reversed
+        G = H // Hkv
+        kv_perm = torch.arange(Hkv - 1, -1, -1)
+        perm = (kv_perm[:, None] * G + torch.arange(G - 1, -1, -1)).reshape(-1)
+        same(again(q[:, perm], k[:, kv_perm], v[:, kv_perm], _permute_heads(kw, perm)), out[:, perm],
+             "head permutation")
     if H != Hkv and out.numel():
         G = H // Hkv
         o_e = again(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), kw)
