@@ -1094,10 +1094,42 @@ BAD = {
     "q-int": ("dtype", lambda a: a.__setitem__(0, a[0].to(torch.int32))),
     "headdim-zero": ("head dim", lambda a: a.__setitem__(2, torch.zeros(*a[2].shape[:3], 0))),
     "headdim-257": ("head dim", lambda a: a.__setitem__(0, torch.zeros(*a[0].shape[:3], 257))),
+    # packed sequences, positions, out_dtype (issue 23's arguments); `_packed_one` makes the call one packed row
+    "cu-int64": ("cu_seqlens", lambda a: a[3].update(cu_seqlens=torch.tensor([0, a[1].shape[2]]))),
+    "cu-last": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2] + 1))),
+    "cu-first": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(1, a[1].shape[2]))),
+    "cu-decreasing": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2] + 1, a[1].shape[2]))),
+    "cu-2d": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2])[None])),
+    "cu-triple": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=(_i32(0, a[1].shape[2]),) * 3)),
+    "cu-batch": ("cu_seqlens", lambda a: _packed_one(a, 2, cu_seqlens=_i32(0, a[1].shape[2]))),
+    "cu-padding": ("key_padding_mask", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]),
+                                                             key_padding_mask=torch.ones(1, a[1].shape[2],
+                                                                                         dtype=torch.bool))),
+    "max-seqlen-negative": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), max_seqlen=-1)),
+    "max-seqlen-float": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), max_seqlen=2.0)),
+    "max-seqlen-triple": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]),
+                                                              max_seqlen=(a[1].shape[2],) * 3)),
+    "max-seqlen-alone": ("max_seqlen", lambda a: a[3].update(max_seqlen=a[1].shape[2])),
+    "positions-negative": ("positions", lambda a: a[3].update(positions=(-1, 0))),
+    "positions-float": ("positions", lambda a: a[3].update(positions=(0, 1.5))),
+    "positions-single": ("positions", lambda a: a[3].update(positions=(3,))),
+    "positions-packed": ("positions", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), positions=(0, 0))),
+    "out-dtype-half": ("out_dtype", lambda a: a[3].update(out_dtype=torch.float16)),
+    "out-dtype-str": ("out_dtype", lambda a: a[3].update(out_dtype="float32")),
 }
 
 
-@settings(settings.get_profile("effattn"), max_examples=60)
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _packed_one(a, batch=1, **kw):
+    """Makes the call of `a` one packed row (batch 1; or `batch` copies of it) with the keywords `kw`."""
+    a[:3] = [torch.cat([t[:1]] * batch) for t in a[:3]]
+    a[3].update(kw)
+
+
+@settings(settings.get_profile("effattn"), max_examples=100)
 @seed(SEED)
 @given(bad=st.sampled_from(sorted(BAD)), B=st.integers(1, 2), L=st.integers(1, 20), D=st.sampled_from([4, 8]))
 def test_invalid_arguments_name_the_argument(bad, B, L, D):
