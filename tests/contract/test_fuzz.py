@@ -1142,6 +1142,50 @@ def test_invalid_arguments_name_the_argument(bad, B, L, D):
     assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
 
 
+PAGED_BAD = {
+    # name -> (what the message must name, how to corrupt a valid paged call: a dict of q, k_pages,
+    # v_pages, block_table, seqlens and the other keywords)
+    "table-float": ("block_table", lambda a: a.update(block_table=a["block_table"].float())),
+    "table-list": ("block_table", lambda a: a.update(block_table=a["block_table"].tolist())),
+    "table-1d": ("block_table", lambda a: a.update(block_table=a["block_table"][0])),
+    "table-rows": ("block_table", lambda a: a.update(block_table=a["block_table"][:-1])),
+    "table-past-pool": ("block_table", lambda a: a["block_table"].__setitem__((0, 0), a["k_pages"].shape[0])),
+    "table-negative": ("block_table", lambda a: a["block_table"].__setitem__((0, 0), -2)),
+    "seqlens-float": ("seqlens", lambda a: a.update(seqlens=a["seqlens"].float())),
+    "seqlens-list": ("seqlens", lambda a: a.update(seqlens=a["seqlens"].tolist())),
+    "seqlens-negative": ("seqlens", lambda a: a["seqlens"].__setitem__(0, -1)),
+    "seqlens-past-table": ("seqlens", lambda a: a["seqlens"].__setitem__(
+        0, a["block_table"].shape[1] * a["k_pages"].shape[1] + 1)),
+    "seqlens-rows": ("seqlens", lambda a: a.update(seqlens=a["seqlens"][:-1])),
+    "seqlens-missing": ("seqlens", lambda a: a.update(seqlens=None)),
+    "pages-dtype": ("k_pages", lambda a: a.update(k_pages=a["k_pages"].double())),
+    "pages-3d": ("k_pages", lambda a: a.update(k_pages=a["k_pages"][0])),
+    "pages-headdim": ("head dim", lambda a: a.update(k_pages=a["k_pages"][..., :1])),
+    "pages-disagree": ("v_pages", lambda a: a.update(v_pages=a["v_pages"][:-1])),
+    "pages-heads": ("heads", lambda a: a.update(q=torch.cat([a["q"], a["q"][:, :1]], 1))),
+    "paged-padding": ("key_padding_mask", lambda a: a.update(key_padding_mask=torch.zeros(
+        a["q"].shape[0], 4, dtype=torch.bool))),
+    "paged-dropout": ("dropout_p", lambda a: a.update(dropout_p=0.1)),
+    "paged-window": ("window", lambda a: a.update(window=-1)),
+}
+
+
+@settings(settings.get_profile("effattn"), max_examples=60)
+@seed(SEED)
+@given(bad=st.sampled_from(sorted(PAGED_BAD)), B=st.integers(1, 2), ps=st.sampled_from([1, 4]),
+       n=st.integers(1, 9))
+def test_paged_invalid_arguments_name_the_argument(bad, B, ps, n):
+    pages = -(-n // ps)
+    a = dict(q=torch.randn(B, 2, 1, 8), k_pages=torch.randn(B * pages, ps, 2, 8), v_pages=torch.randn(B * pages, ps, 2, 8),
+             block_table=torch.arange(B * pages, dtype=torch.int32).reshape(B, pages),
+             seqlens=torch.full((B,), n, dtype=torch.int32))
+    name, corrupt = PAGED_BAD[bad]
+    corrupt(a)
+    with pytest.raises((TypeError, ValueError)) as info:
+        effattn.attention(a.pop("q"), a.pop("k_pages"), a.pop("v_pages"), **a)
+    assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
+
+
 LINEAR_BAD = {
     "eps-negative": ("eps", lambda a: a[3].update(eps=-1e-6)),
     "eps-nan": ("eps", lambda a: a[3].update(eps=float("nan"))),
