@@ -77,7 +77,8 @@ def _names(cu_seqlens):
 
 
 def _check_max_seqlen_type(max_seqlen, fn: str) -> Tuple[int, int]:
-    for m in _pair(max_seqlen):
+    pair = _pair(max_seqlen)
+    for m in pair if len(pair) == 2 else [None]:          # a tuple of another length is no pair
         if isinstance(m, bool) or not isinstance(m, int):
             _fail(TypeError, f"{fn}: max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair of ints, "
                              f"got {max_seqlen!r}")
@@ -154,10 +155,7 @@ def check_cu_seqlens(cu_seqlens, max_seqlen, Tq: int, Tk: int, device, fn: str =
     if len(offs_q) != len(offs_k):
         _fail(ValueError, f"{fn}: cu_seqlens_q has {len(offs_q) - 1} segments, cu_seqlens_k {len(offs_k) - 1}")
     if max_seqlen is not None:
-        for side, m, offs in zip("qk", _pair(max_seqlen), (offs_q, offs_k)):
-            if isinstance(m, bool) or not isinstance(m, int):
-                _fail(TypeError, f"{fn}: max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair of ints, "
-                                 f"got {max_seqlen!r}")
+        for side, m, offs in zip("qk", _check_max_seqlen_type(max_seqlen, fn), (offs_q, offs_k)):
             longest = max((b - a for a, b in zip(offs, offs[1:])), default=0)
             if m < longest:
                 _fail(ValueError, f"{fn}: max_seqlen{'_' + side if isinstance(max_seqlen, (tuple, list)) else ''}"

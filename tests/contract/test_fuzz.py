@@ -17,14 +17,16 @@ of three the score terms softcap / sinks / bias, `score_calls`) and checks:
 - invalid arguments: a clear TypeError / ValueError naming the argument.
 
 CI runs a seeded, bounded number of examples per unit (`ci_examples`); the `fuzz`-marked campaign
-tests run ``EFFATTN_FUZZ_EXAMPLES=N`` per unit (``EFFATTN_FUZZ_SEED`` picks another seed) and skip
-without it. Failures are stored in
+tests run ``EFFATTN_FUZZ_EXAMPLES=N`` per unit (``EFFATTN_FUZZ_KERNEL_EXAMPLES=M`` per interpreted
+unit instead; ``EFFATTN_FUZZ_SEED`` picks another seed) and skip without it. Failures are stored in
 tests/.hypothesis-db (committed), so a failing example replays first on the next run.
 """
+import collections
 import contextlib
 import math
 import os
 import random
+import time
 from typing import Callable, List, NamedTuple
 
 import pytest
@@ -51,6 +53,8 @@ settings.register_profile("effattn", database=DB, deadline=None, print_blob=True
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.filter_too_much, HealthCheck.differing_executors])
 CAMPAIGN = int(os.environ.get("EFFATTN_FUZZ_EXAMPLES", "0"))
+# examples per interpreted unit (Triton interpreter, CUDA emulation) in a campaign; default CAMPAIGN
+KERNEL_CAMPAIGN = int(os.environ.get("EFFATTN_FUZZ_KERNEL_EXAMPLES") or CAMPAIGN)
 SEED = int(os.environ.get("EFFATTN_FUZZ_SEED", "20271127"))
 
 
@@ -114,18 +118,19 @@ def runnable_units(op: str) -> List[Unit]:
 
 
 def ci_examples(unit: Unit) -> int:
-    """Examples per unit in CI (seeded; under two minutes in all on two cores)."""
-    return 6 if unit.interpreted else 25
+    """Examples per unit in CI (seeded; under two minutes in all on two cores): the CUDA emulation's
+    examples take about a second, the Triton interpreter's several."""
+    return 25 if not unit.interpreted else 12 if unit.backend == "cuda" else 6
 
 
 def _settings(n):
     return settings(settings.get_profile("effattn"), max_examples=n)
 
 
-def _campaign():
+def _campaign(unit: Unit) -> int:
     if not CAMPAIGN:
         pytest.skip("a fuzz campaign: set EFFATTN_FUZZ_EXAMPLES=N (examples per unit) and run -m fuzz")
-    return CAMPAIGN
+    return KERNEL_CAMPAIGN if unit.interpreted else CAMPAIGN
 
 
 ATTN_UNITS = [pytest.param(u, id=u.name) for u in runnable_units("attention")]
@@ -337,15 +342,27 @@ def _keep_mask(unit, q, k, v, kw, seed_value, oracle=naive_attention):
 
 def _fuzz(strategy, check, describe, key: bytes, n: int):
     """Runs `check` on `n` seeded draws of `strategy`; `key` is the example database's key (one per
-    unit and op, so failures replay where they were found)."""
+    unit and op, so failures replay where they were found). With ``EFFATTN_FUZZ_LOG=FILE`` a line per
+    run is appended to FILE: the key, the examples checked by outcome (what `check` returns:
+    "judged", "refused", ...), the seconds taken."""
+    tally = collections.Counter()
+
     @_settings(n)
     @seed(SEED)
     @given(c=strategy)
     def run(c):
         note(describe(c))
-        check(c)
+        tally[check(c) or "judged"] += 1
     run.hypothesis.inner_test._hypothesis_internal_add_digest = key
-    run()
+    start = time.time()
+    try:
+        run()
+    finally:
+        log = os.environ.get("EFFATTN_FUZZ_LOG")
+        if log:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(f"{key.decode()}: {sum(tally.values())} examples ({dict(sorted(tally.items()))}) in "
+                        f"{time.time() - start:.0f} s, seed {SEED}\n")
 
 
 def _describe_attention(c):
@@ -366,7 +383,7 @@ def fuzz_tests(units, strategy, check, describe, prefix: bytes):
     @pytest.mark.fuzz
     @pytest.mark.parametrize("unit", units)
     def campaign(unit):
-        run(unit, _campaign())
+        run(unit, _campaign(unit))
     return ci, campaign
 
 
@@ -378,7 +395,7 @@ def check_attention(unit, c):
     if not _admits(unit, q, k, v, kw):
         with pytest.raises((TypeError, ValueError)):
             _call(unit, q, k, v, kw)
-        return
+        return "refused"
     B, H, Hkv, Lq, Lk, D, Dv = c["shape"]
     drop = kw.get("dropout_p", 0.0)
     keep = None
@@ -428,6 +445,7 @@ def check_attention(unit, c):
             _rel_judge(g_, rg, lg, 3, dtype, f"d{name}", cond, terms=terms)
     with torch.no_grad():
         check_properties(unit, c, q, k, v, kw)
+    return "judged"
 
 
 def check_properties(unit, c, q, k, v, kw):
@@ -447,30 +465,91 @@ def check_properties(unit, c, q, k, v, kw):
         kp[unseen] = c["poison"]
         vp[unseen] = c["poison"]
         assert torch.equal(again(q, kp, vp), clean), f"keys no query sees (holding {c['poison']}) changed out"
+    check_batch_and_gqa(unit, c, q, k, v, kw, out, again, _score_size(q, k, kw))
+
+
+def _permute_batch(kw, perm):
+    """The keywords of a call whose batch is permuted by `perm`: the padding mask, (B, H) ALiBi slopes
+    and dense bias tensors with a batch dimension follow the batch (other terms are per head)."""
+    B = len(perm)
+    kw_p = dict(kw)
+    if "key_padding_mask" in kw:
+        kw_p["key_padding_mask"] = kw["key_padding_mask"][perm]
+
+    def term(t):
+        if isinstance(t, ALiBi) and t.slopes.dim() == 2:
+            return ALiBi(t.slopes[perm])
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] == B:
+            return t[perm]
+        return t
+    return _map_bias(kw_p, term)
+
+
+def _permute_heads(kw, perm):
+    """The keywords of a call whose query heads are permuted by `perm` (KV heads along, each keeping
+    its group): per-head layouts, sinks, ALiBi slopes, Relative tables, Span z and dense biases with a
+    head dimension follow the heads."""
+    H = len(perm)
+    kw_p = dict(kw)
+    lay = kw.get("layout")
+    if lay is not None and lay.mask.shape[0] == H:
+        kw_p["layout"] = BlockLayout(lay.mask[perm], lay.block_size)
+    if kw.get("sinks") is not None:
+        kw_p["sinks"] = kw["sinks"][perm]
+
+    def term(t):
+        if isinstance(t, ALiBi):
+            return ALiBi(t.slopes[..., perm])
+        if isinstance(t, (Relative, Span)):
+            return t.with_params(t.params()[0][perm])
+        if isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-3] == H:
+            return t.index_select(t.dim() - 3, perm)
+        return t
+    return _map_bias(kw_p, term)
+
+
+def _map_bias(kw, term):
+    """`kw` with `term` applied to each of its bias terms (a list stays a list)."""
+    if "bias" in kw:
+        kw["bias"] = [term(t) for t in kw["bias"]] if isinstance(kw["bias"], list) else term(kw["bias"])
+    return kw
+
+
+def check_batch_and_gqa(unit, c, q, k, v, kw, out, again, cond):
+    """Batch permutation and head permutation (the per-batch / per-head arguments of `kw` permuted
+    along) give the permuted out, and a GQA call equals the call with K / V expanded (`again(q, k, v,
+    kw)` reruns the call with its seed; `cond`: the largest |score|, exp's rounding grows with it).
+    Calls with dropout are skipped (the keep-masks follow the batch index and the head)."""
     B, H, Hkv = c["shape"][:3]
+    if kw.get("dropout_p"):
+        return
+
+    def same(got, want, what):
+        if unit.backend == "torch":
+            # torch's own CPU kernels round a batch row differently by its place in memory
+            # (torch 2.13: a float64 matmul (2, 1, 43, 55) @ (2, 1, 55, 3) permuted differs from
+            # the permuted product by an ulp; so does the flash CPU kernel at Lk = 9): the
+            # torch paths are held to a few ulps of the row's terms, not bitwise
+            vmax = v.double().abs().max().item() if v.numel() else 0.0
+            tol = 8 * torch.finfo(out.dtype).eps * cond * (vmax or 1.0)
+            err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+            assert err <= tol, f"{what}: {err} > {tol}"
+        else:
+            assert torch.equal(got, want), what
     if B > 1:
         perm = torch.arange(B - 1, -1, -1)
-        kw_p = dict(kw)
-        if "key_padding_mask" in kw:
-            kw_p["key_padding_mask"] = kw["key_padding_mask"][perm]
-        if not kw.get("dropout_p"):         # dropout masks follow the batch index
-            got = again(q[perm], k[perm], v[perm], kw_p)
-            if unit.backend == "torch":
-                # torch's own CPU kernels round a batch row differently by its place in memory
-                # (torch 2.13: a float64 matmul (2, 1, 43, 55) @ (2, 1, 55, 3) permuted differs from
-                # the permuted product by an ulp; so does the flash CPU kernel at Lk = 9): the
-                # torch paths are held to a few ulps of the row's terms, not bitwise
-                vmax = v.double().abs().max().item() if v.numel() else 0.0
-                tol = 8 * torch.finfo(out.dtype).eps * _score_size(q, k, kw) * (vmax or 1.0)
-                err = (got.double() - out[perm].double()).abs().max().item() if out.numel() else 0.0
-                assert err <= tol, f"batch permutation: {err} > {tol}"
-            else:
-                assert torch.equal(got, out[perm]), "batch permutation"
-    if H != Hkv and not kw.get("dropout_p") and out.numel():
+        same(again(q[perm], k[perm], v[perm], _permute_batch(kw, perm)), out[perm], "batch permutation")
+    if Hkv > 1 or H > 1:          # KV heads reversed, and the query heads of each group reversed
         G = H // Hkv
-        o_e = again(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+        kv_perm = torch.arange(Hkv - 1, -1, -1)
+        perm = (kv_perm[:, None] * G + torch.arange(G - 1, -1, -1)).reshape(-1)
+        same(again(q[:, perm], k[:, kv_perm], v[:, kv_perm], _permute_heads(kw, perm)), out[:, perm],
+             "head permutation")
+    if H != Hkv and out.numel():
+        G = H // Hkv
+        o_e = again(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), kw)
         tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[q.dtype]
-        tol *= _score_size(q, k, kw)           # exp's rounding grows with the scores
+        tol *= cond           # exp's rounding grows with the scores
         torch.testing.assert_close(o_e.double(), out.double(), rtol=tol, atol=tol * max(1.0, out.abs().max().item()),
                                    msg=lambda m: f"GQA != the call with K/V expanded: {m}")
 
@@ -503,6 +582,11 @@ SCORE_BAD = {
 }
 
 
+def _score_served(unit):
+    """The score-term features the unit's row declares."""
+    return next(p.caps.features for p in base.rows(unit.op) if p.name == unit.name) & base.SCORE_FEATURES
+
+
 @st.composite
 def score_calls(draw, unit):
     """An attention call (`attention_calls`) that in one of three draws also carries score terms:
@@ -517,14 +601,22 @@ def score_calls(draw, unit):
     Lmax = 40 if unit.interpreted else 90
     sc = dict(seed=draw(st.integers(0, 2**31)), softcap=None, sinks=None, bias=[], as_list=False, bad=None,
               pdtype=draw(st.sampled_from([torch.float32, torch.float32, torch.float64, c["dtype"]])))
-    parts = draw(st.sets(st.sampled_from(["softcap", "sinks", "bias"]), min_size=1))
+    # a row serving some of the terms only (cuda/prefill: softcap, sinks, ALiBi) mostly draws those
+    kinds = ["alibi", "relative", "span", "dense"]
+    served = _score_served(unit)
+    if served and len(served) < len(base.SCORE_FEATURES) and draw(st.integers(0, 3)):
+        kinds = [n for n in kinds if f"bias={n}" in served]
+        parts = draw(st.sets(st.sampled_from([n for n in ("softcap", "sinks") if n in served] +
+                                             (["bias"] if kinds else [])), min_size=1))
+    else:
+        parts = draw(st.sets(st.sampled_from(["softcap", "sinks", "bias"]), min_size=1))
     if "softcap" in parts:
         sc["softcap"] = draw(st.one_of(st.floats(0.05, 50.0), st.sampled_from([1e-6, 1e6, 1])))
     if "sinks" in parts:
         sc["sinks"] = (draw(st.booleans()), draw(st.sampled_from([0.1, 1.0, 3.0])),
                        draw(st.sampled_from([0.0, 0.0, 5.0, -30.0, 30.0])))
     for _ in range(draw(st.integers(1, 3)) if "bias" in parts else 0):
-        kind, grad = draw(st.sampled_from(["alibi", "relative", "span", "dense"])), draw(st.booleans())
+        kind, grad = draw(st.sampled_from(kinds)), draw(st.booleans())
         if kind == "alibi":                # (batched (B, H) slopes, the paper's slopes times a factor or random)
             p = (draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([0.01, 0.1, 1.0])))
         elif kind == "relative":           # (bidirectional, max_distance, spare table entries, table size)
@@ -627,7 +719,7 @@ def check_score(unit, c):
         with pytest.raises((TypeError, ValueError)) as info:
             _call(unit, q, k, v, {**kw, **terms})
         assert name in str(info.value), f"{sc['bad']}: the error does not name {name!r}: {info.value}"
-        return
+        return "score: invalid, refused"
     terms, params = score_kwargs(c, "call")
     want_grad = c["grad"] or bool(params)
     leaves = [t.detach().requires_grad_(c["grad"]) for t in (q, k, v)]
@@ -635,7 +727,7 @@ def check_score(unit, c):
     if not _admits(unit, *leaves, full):
         with pytest.raises((TypeError, ValueError)):
             _call(unit, *leaves, full)
-        return
+        return "score: refused"
     drop = kw.get("dropout_p", 0.0)
     ref_terms, ref_params = score_kwargs(c, "ref")
     okw = {n: x for n, x in kw.items() if n != "dropout_p"}
@@ -706,15 +798,17 @@ def check_score(unit, c):
             _rel_judge(g_, rg, lg, 3, pdt, f"d{name}", cond, terms=size)
     with torch.no_grad():
         check_score_properties(unit, c, q, k, v, kw, score_kwargs(c, "call", grad=False)[0])
+    return "score: judged"
 
 
 def check_score_properties(unit, c, q, k, v, kw, terms):
-    """return_lse does not change out; keys no query sees (whatever they hold) change nothing."""
+    """return_lse does not change out; keys no query sees (whatever they hold) change nothing; batch
+    permutation (per-batch terms permuted along) and GQA = expanded K / V (`check_batch_and_gqa`)."""
     full = {**kw, **terms}
 
-    def again(q_, k_, v_, **extra):
+    def again(q_, k_, v_, kw_=full, **extra):
         torch.manual_seed(c["seed"])
-        return _call(unit, q_, k_, v_, full, **extra)
+        return _call(unit, q_, k_, v_, kw_, **extra)
 
     out = again(q, k, v)
     assert torch.equal(again(q, k, v, return_lse=True)[0], out), "return_lse=True changed out"
@@ -725,6 +819,7 @@ def check_score_properties(unit, c, q, k, v, kw, terms):
         kp[unseen] = c["poison"]
         vp[unseen] = c["poison"]
         assert torch.equal(again(q, kp, vp), clean), f"keys no query sees (holding {c['poison']}) changed out"
+    check_batch_and_gqa(unit, c, q, k, v, full, out, again, _score_cond(q, k, kw, terms))
 
 
 # ------------------------------------------------------------------------------ linear attention
@@ -810,7 +905,7 @@ def check_linear(unit, c):
         if not effattn.explain(*leaves, op="linear_attention", initial_state=state, **kw).can_serve(unit.backend):
             with pytest.raises((TypeError, ValueError)):
                 effattn.linear_attention(*leaves, initial_state=state, backend=unit.backend, **kw)
-            return
+            return "refused"
     ctx = contextlib.nullcontext() if c["grad"] else torch.no_grad()
     with ctx, unit.enter():
         out = effattn.linear_attention(*leaves, initial_state=state, backend=unit.backend, **kw)
@@ -1000,10 +1095,42 @@ BAD = {
     "q-int": ("dtype", lambda a: a.__setitem__(0, a[0].to(torch.int32))),
     "headdim-zero": ("head dim", lambda a: a.__setitem__(2, torch.zeros(*a[2].shape[:3], 0))),
     "headdim-257": ("head dim", lambda a: a.__setitem__(0, torch.zeros(*a[0].shape[:3], 257))),
+    # packed sequences, positions, out_dtype (issue 23's arguments); `_packed_one` makes the call one packed row
+    "cu-int64": ("cu_seqlens", lambda a: a[3].update(cu_seqlens=torch.tensor([0, a[1].shape[2]]))),
+    "cu-last": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2] + 1))),
+    "cu-first": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(1, a[1].shape[2]))),
+    "cu-decreasing": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2] + 1, a[1].shape[2]))),
+    "cu-2d": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2])[None])),
+    "cu-triple": ("cu_seqlens", lambda a: _packed_one(a, cu_seqlens=(_i32(0, a[1].shape[2]),) * 3)),
+    "cu-batch": ("cu_seqlens", lambda a: _packed_one(a, 2, cu_seqlens=_i32(0, a[1].shape[2]))),
+    "cu-padding": ("key_padding_mask", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]),
+                                                             key_padding_mask=torch.ones(1, a[1].shape[2],
+                                                                                         dtype=torch.bool))),
+    "max-seqlen-negative": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), max_seqlen=-1)),
+    "max-seqlen-float": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), max_seqlen=2.0)),
+    "max-seqlen-triple": ("max_seqlen", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]),
+                                                              max_seqlen=(a[1].shape[2],) * 3)),
+    "max-seqlen-alone": ("max_seqlen", lambda a: a[3].update(max_seqlen=a[1].shape[2])),
+    "positions-negative": ("positions", lambda a: a[3].update(positions=(-1, 0))),
+    "positions-float": ("positions", lambda a: a[3].update(positions=(0, 1.5))),
+    "positions-single": ("positions", lambda a: a[3].update(positions=(3,))),
+    "positions-packed": ("positions", lambda a: _packed_one(a, cu_seqlens=_i32(0, a[1].shape[2]), positions=(0, 0))),
+    "out-dtype-half": ("out_dtype", lambda a: a[3].update(out_dtype=torch.float16)),
+    "out-dtype-str": ("out_dtype", lambda a: a[3].update(out_dtype="float32")),
 }
 
 
-@settings(settings.get_profile("effattn"), max_examples=60)
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _packed_one(a, batch=1, **kw):
+    """Makes the call of `a` one packed row (batch 1; or `batch` copies of it) with the keywords `kw`."""
+    a[:3] = [torch.cat([t[:1]] * batch) for t in a[:3]]
+    a[3].update(kw)
+
+
+@settings(settings.get_profile("effattn"), max_examples=100)
 @seed(SEED)
 @given(bad=st.sampled_from(sorted(BAD)), B=st.integers(1, 2), L=st.integers(1, 20), D=st.sampled_from([4, 8]))
 def test_invalid_arguments_name_the_argument(bad, B, L, D):
@@ -1013,6 +1140,50 @@ def test_invalid_arguments_name_the_argument(bad, B, L, D):
     corrupt(args)
     with pytest.raises((TypeError, ValueError)) as info:
         effattn.attention(args[0], args[1], args[2], **args[3])
+    assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
+
+
+PAGED_BAD = {
+    # name -> (what the message must name, how to corrupt a valid paged call: a dict of q, k_pages,
+    # v_pages, block_table, seqlens and the other keywords)
+    "table-float": ("block_table", lambda a: a.update(block_table=a["block_table"].float())),
+    "table-list": ("block_table", lambda a: a.update(block_table=a["block_table"].tolist())),
+    "table-1d": ("block_table", lambda a: a.update(block_table=a["block_table"][0])),
+    "table-rows": ("block_table", lambda a: a.update(block_table=a["block_table"][:-1])),
+    "table-past-pool": ("block_table", lambda a: a["block_table"].__setitem__((0, 0), a["k_pages"].shape[0])),
+    "table-negative": ("block_table", lambda a: a["block_table"].__setitem__((0, 0), -2)),
+    "seqlens-float": ("seqlens", lambda a: a.update(seqlens=a["seqlens"].float())),
+    "seqlens-list": ("seqlens", lambda a: a.update(seqlens=a["seqlens"].tolist())),
+    "seqlens-negative": ("seqlens", lambda a: a["seqlens"].__setitem__(0, -1)),
+    "seqlens-past-table": ("seqlens", lambda a: a["seqlens"].__setitem__(
+        0, a["block_table"].shape[1] * a["k_pages"].shape[1] + 1)),
+    "seqlens-rows": ("seqlens", lambda a: a.update(seqlens=a["seqlens"][:-1])),
+    "seqlens-missing": ("seqlens", lambda a: a.update(seqlens=None)),
+    "pages-dtype": ("k_pages", lambda a: a.update(k_pages=a["k_pages"].double())),
+    "pages-3d": ("k_pages", lambda a: a.update(k_pages=a["k_pages"][0])),
+    "pages-headdim": ("head dim", lambda a: a.update(k_pages=a["k_pages"][..., :1])),
+    "pages-disagree": ("v_pages", lambda a: a.update(v_pages=a["v_pages"][:-1])),
+    "pages-heads": ("heads", lambda a: a.update(q=torch.cat([a["q"], a["q"][:, :1]], 1))),
+    "paged-padding": ("key_padding_mask", lambda a: a.update(key_padding_mask=torch.zeros(
+        a["q"].shape[0], 4, dtype=torch.bool))),
+    "paged-dropout": ("dropout_p", lambda a: a.update(dropout_p=0.1)),
+    "paged-window": ("window", lambda a: a.update(window=-1)),
+}
+
+
+@settings(settings.get_profile("effattn"), max_examples=60)
+@seed(SEED)
+@given(bad=st.sampled_from(sorted(PAGED_BAD)), B=st.integers(1, 2), ps=st.sampled_from([1, 4]),
+       n=st.integers(1, 9))
+def test_paged_invalid_arguments_name_the_argument(bad, B, ps, n):
+    pages = -(-n // ps)
+    a = dict(q=torch.randn(B, 2, 1, 8), k_pages=torch.randn(B * pages, ps, 2, 8), v_pages=torch.randn(B * pages, ps, 2, 8),
+             block_table=torch.arange(B * pages, dtype=torch.int32).reshape(B, pages),
+             seqlens=torch.full((B,), n, dtype=torch.int32))
+    name, corrupt = PAGED_BAD[bad]
+    corrupt(a)
+    with pytest.raises((TypeError, ValueError)) as info:
+        effattn.attention(a.pop("q"), a.pop("k_pages"), a.pop("v_pages"), **a)
     assert name in str(info.value), f"{bad}: the error does not name {name!r}: {info.value}"
 
 

@@ -443,3 +443,16 @@ def test_large_softcap_keeps_tanh_accurate(unit):
         ref, ref_lse = score_attention(q, k, v, softcap=cap, scale=1.8, causal=True)
         assert (lse.double() - ref_lse).abs().max().item() < 1e-4 * max(1.0, ref_lse.abs().max().item()), cap
         assert (out.double() - ref).abs().max().item() < 4e-3, cap
+
+
+@pytest.mark.parametrize("max_seqlen", [(5, 5, 5), (5,), [5, 5, 1], ()])
+def test_max_seqlen_tuple_not_a_pair_is_refused(max_seqlen):
+    """``max_seqlen`` of another length than 2 was taken as a pair (its first two entries, or only the
+    query side): a wrong argument served silently (found while the fuzz's invalid arguments were
+    extended to the packed ones)."""
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(TypeError, match=r"max_seqlen must be an int or a \(max_seqlen_q, max_seqlen_k\) pair"):
+        effattn.attention(q, q, q, cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen=max_seqlen)
+    # the validation without max_seqlen's device checks (explain) refuses it the same way
+    with pytest.raises(TypeError, match="max_seqlen"):
+        effattn.explain(q, q, q, cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen=max_seqlen)
