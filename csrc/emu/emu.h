@@ -19,8 +19,8 @@
 //   thread abandons the block's fibers and is thrown from `launch`, so an op called from Python
 //   raises it as a RuntimeError with the reason (a program without a handler still aborts);
 // - schedules: `lockstep` runs every thread one step (to its next barrier or collective) per pass;
-//   `warp_serial` runs the lowest-numbered warp until it blocks at a barrier, which exposes a
-//   missing __syncthreads that lockstep hides; `warp_serial_reversed` starts from the last warp.
+//   `warp_serial` (the default) runs the lowest-numbered warp until it blocks at a barrier, which
+//   exposes a missing __syncthreads that lockstep hides; `warp_serial_reversed` starts from the last warp.
 // - ldmatrix bank accounting: per 8-row phase, the number of shared-memory wavefronts (16-byte
 //   rows that fall in the same 128-byte bank window at different addresses serialize).
 #pragma once
@@ -59,8 +59,11 @@ struct Stats {
   uint64_t blocks = 0, mma = 0, ldmatrix_phases = 0, ldmatrix_wavefronts = 0, max_wavefronts = 0;
 };
 
+// Warp-serial by default: a warp that runs ahead to its next barrier overwrites a tile the other warps
+// still read when a barrier is missing, which lockstep hides (every barrier of the kernels' tile loops,
+// removed one at a time by csrc/emu/mutate.py, is caught under it).
 inline Schedule& schedule() {
-  static Schedule s = Schedule::lockstep;
+  static Schedule s = Schedule::warp_serial;
   return s;
 }
 

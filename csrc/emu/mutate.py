@@ -166,7 +166,8 @@ def apply(m: Mutation, csrc: str) -> None:
 
 
 def _env(csrc: str) -> dict:
-    env = dict(os.environ, EFFATTN_CSRC=csrc, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, EFFATTN_CSRC=csrc, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               COLUMNS="400")                   # pytest's summary lines keep the failure's message
     env.pop("EFFATTN_CUDA_EMU", None)
     return env
 

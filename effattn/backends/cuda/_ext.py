@@ -153,9 +153,17 @@ def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
     binding = [f for f in sources() if f.endswith((".h", ".cpp")) and not f.startswith(emu_dir)]
     binding.append(os.path.join(emu_dir, "api.h"))
     build_dir = os.path.join(_cache_root(), f"{name}-{_digest(binding, name, *extra_cflags)}")
-    os.makedirs(build_dir, exist_ok=True)
-    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(_CSRC, "binding", "*.cpp"))),
-                       extra_include_paths=[_CSRC], build_directory=build_dir, is_python_module=False,
+    # compiled from a copy in the build folder: the same sources under another csrc/ (EFFATTN_CSRC)
+    # reuse the build (ninja keys its objects on the source paths)
+    src = os.path.join(build_dir, "src")
+    for f in binding:
+        dst = os.path.join(src, os.path.relpath(f, _CSRC))
+        if not os.path.exists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copy2(f, f"{dst}.{os.getpid()}.tmp")
+            os.replace(f"{dst}.{os.getpid()}.tmp", dst)
+    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(src, "binding", "*.cpp"))),
+                       extra_include_paths=[src], build_directory=build_dir, is_python_module=False,
                        extra_cflags=["-O2", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
 
 
