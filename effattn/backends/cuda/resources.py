@@ -15,7 +15,8 @@ bounded by ptxas's cap of 255 per thread (the offline build tests check every ke
 actual counts are lower).
 
 On CPU tensors (the emulation) the device is the emulated one: its opt-in shared memory is the
-emulator's limit (an H100's 227 KB unless a test lowers it), 64 K registers per SM.
+emulator's limit (an H100's 227 KB unless a test lowers it with `set_emulated_smem`), 64 K registers
+per SM.
 """
 from __future__ import annotations
 
@@ -88,20 +89,31 @@ DECODE_STAGES = {32: (2,), 64: (2,), 128: (2,), 256: (2, 1)}   # instances per b
 _LIMITS: Dict[Tuple[str, Optional[int]], Limits] = {}
 
 
+def set_emulated_smem(nbytes: int) -> int:
+    """Sets the emulated device's opt-in shared memory per block (the emulator refuses larger launches,
+    the capability check reads it) and returns the previous value."""
+    from . import _ext
+    before = int(_ext.ops(torch.device("cpu")).emu_smem_limit(nbytes))
+    _LIMITS.pop(("cpu", None), None)
+    return before
+
+
 def device_limits(device: torch.device) -> Limits:
-    """The launch limits of `device` (read once per device): a GPU's properties, or on CPU tensors
-    the emulated device's (the emulator's shared-memory limit is read each time: tests change it)."""
-    if device.type == "cpu":
-        from . import _ext
-        return Limits("the emulated GPU", int(_ext.ops(device).emu_smem_limit(0)), 65536)
+    """The launch limits of `device` (read once per device; torch.compile traces the cached value): a
+    GPU's properties, or on CPU tensors the emulated device's (`set_emulated_smem`)."""
     key = (device.type, device.index)
     got = _LIMITS.get(key)
-    if got is None:
-        props = torch.cuda.get_device_properties(device)
-        cc = (props.major, props.minor)
-        optin = getattr(props, "shared_memory_per_block_optin", None) or _OPTIN_BY_CAPABILITY.get(cc, _OPTIN_DEFAULT)
-        regs = getattr(props, "regs_per_multiprocessor", None) or 65536
-        got = _LIMITS[key] = Limits(f"{props.name} (sm_{cc[0]}{cc[1]})", int(optin), int(regs))
+    if got is not None:
+        return got
+    if device.type == "cpu":
+        from . import _ext
+        got = _LIMITS[key] = Limits("the emulated GPU", int(_ext.ops(device).emu_smem_limit(0)), 65536)
+        return got
+    props = torch.cuda.get_device_properties(device)
+    cc = (props.major, props.minor)
+    optin = getattr(props, "shared_memory_per_block_optin", None) or _OPTIN_BY_CAPABILITY.get(cc, _OPTIN_DEFAULT)
+    regs = getattr(props, "regs_per_multiprocessor", None) or 65536
+    got = _LIMITS[key] = Limits(f"{props.name} (sm_{cc[0]}{cc[1]})", int(optin), int(regs))
     return got
 
 

@@ -257,6 +257,7 @@ def test_barrier_removal_is_caught_under_the_default_schedule():
 # this head dim is 64 long). fp16 and near-uniform scores keep a leaked key (about 1/100 of a row's
 # weight) far above the rule's tolerance.
 RESIDUE_SHIFTS = range(64)
+RESIDUES_ONE_SIDED = range(64)
 
 
 def residue_inputs(D):
@@ -270,6 +271,17 @@ def test_window_edges_at_every_tile_residue_forward_and_backward():
     q, k, v = residue_inputs(16)
     for i in RESIDUE_SHIFTS:
         check_against_oracle(q, k, v, dict(window=(28 + i, i)), torch.float16, "cuda")
+
+
+def test_one_sided_window_edges_at_every_tile_residue():
+    """The coupled windows above make the tile at a query tile's right edge partial from the left too,
+    so a right bound one too far in the full-tile test (`fhi` in key_schedule) hid there (found by
+    csrc/emu/mutate.py). One-sided windows put each edge alone at every residue: right-only (no left
+    bound) and left-only (no right bound), forward and backward."""
+    q, k, v = residue_inputs(16)
+    for i in RESIDUES_ONE_SIDED:
+        for window in ((1000, i), (i, 1000)):
+            check_against_oracle(q, k, v, dict(window=window), torch.float16, "cuda")
 
 
 def test_window_edges_at_every_tile_residue_hopper_forward(monkeypatch):

@@ -23,7 +23,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirn
 # compute_90: a front-end pass more per unit for code no SASS check reads (the cuda_torch_build test of
 # test_cuda_package.py checks that PTX in the built extension)
 GENCODE = [f for f in targets.gencode(targets.DEFAULT_ARCH_LIST)[0] if "code=sm_" in f]
-ARCHS = tuple(f.split("code=")[1] for f in GENCODE)
+ARCHS = tuple(f.rsplit("code=", 1)[1] for f in GENCODE)
 assert ARCHS == ("sm_80", "sm_90a"), ARCHS
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
 KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu: 4 head-dim buckets x 2 dtypes x 3 mask

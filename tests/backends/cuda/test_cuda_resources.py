@@ -40,9 +40,9 @@ FWD_ARGS = (None, None, 0, 0, None, 0, None, 0.25, 0.0, -1, -1)      # no mask, 
 @pytest.fixture
 def smem_limit(emulation):
     """Sets the emulated device's opt-in shared memory per block for one test."""
-    before = emulation.emu_smem_limit(0)
-    yield lambda n: emulation.emu_smem_limit(n)
-    emulation.emu_smem_limit(before)
+    before = resources.set_emulated_smem(0)
+    yield resources.set_emulated_smem
+    resources.set_emulated_smem(before)
 
 
 def qkv(hd, Lq=16, Lk=16, Hkv=1, dtype=torch.bfloat16, seed=0):
