@@ -231,6 +231,19 @@ def test_dropout_gradients_follow_the_forwards_keep_mask():
         judge(a, b, c, 3, dt, f"d{name}")
 
 
+def test_running_max_grows_at_every_key_tile():
+    """Scores that rise with the key index make every key tile raise each row's running maximum, so
+    every tile rescales the output accumulators (alpha < 1): an accumulator left unscaled fails (a
+    mutation the random cases missed: the maximum seldom moves there)."""
+    g = torch.Generator().manual_seed(4)
+    L, D = 200, 16
+    q = torch.ones(1, 2, L, D).half()
+    k = (torch.linspace(0, 3, L).view(1, 1, L, 1) * torch.ones(1, 2, L, D) / 4).half()
+    v = torch.randn(1, 2, L, D, generator=g).half()
+    for kw in (dict(), dict(causal=True)):
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
 # ------------------------------------------------------------------------------------- barriers
 
 def test_barrier_removal_is_caught_under_the_default_schedule():
