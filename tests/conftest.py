@@ -43,6 +43,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "toy: a gpu test that EFFATTN_GPU_SMOKE=1 runs on the CPU at toy sizes")
     config.addinivalue_line("markers", "cuda_torch_build: builds the CUDA extension against the CUDA torch that "
                             "EFFATTN_CUDA_TORCH_PYTHON names (skipped without it; minutes)")
+    config.addinivalue_line("markers", "cuda_arch_sweep: compiles the CUDA kernels for sm_86, sm_89, sm_100 and "
+                            "sm_120 (runs with EFFATTN_CUDA_ARCH_SWEEP=1; minutes per architecture)")
+    config.addinivalue_line("markers", "mutation: every mutation of csrc/emu/mutate.py (runs with "
+                            "EFFATTN_MUTATION=1; about half a minute per mutation)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -112,6 +116,9 @@ def random_qkv(B, H, Hkv, Lq, Lk, D, Dv, g, dtype=None, device=DEVICE, transpose
     return rnd(H, Lq, D), rnd(Hkv, Lk, D), rnd(Hkv, Lk, Dv)
 
 
+EMU_DEFAULT_SCHEDULE = 1   # warp-serial: the emulator's default (csrc/emu/emu.h), what tests restore
+
+
 @pytest.fixture(scope="module")
 def emulation():
     """EFFATTN_CUDA_EMU=1 for the module that asks for it (other modules' backend lists stay as they
@@ -123,7 +130,7 @@ def emulation():
         problem = _ext.emu_problem()
         assert problem is None, problem
         yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(0)
+        torch.ops.effattn_cuda_emu.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
 
 
 def need_cuda_extension():

@@ -10,7 +10,16 @@ namespace {
 template <int HD, bool BF16>
 int decode_launch(const DecodeParams& p, prim::stream_t stream) {
   const unsigned grid = unsigned(p.a.B) * unsigned(p.a.H / p.a.G) * unsigned(p.row_tiles) * unsigned(p.splits);
-  int err = detail::launch(attn_decode_split_kernel<HD, BF16>, grid, 1, DecodeConfig<HD>::kSmemBytes, stream, p);
+  int err;
+  if constexpr (HD == 256) {   // single-buffered K/V only where two stages may not fit (decode.h)
+    err = p.stages == 1 ? detail::launch(attn_decode_split_kernel<HD, BF16, 1>, grid, 1, DecodeConfig<HD, 1>::kSmemBytes,
+                                         stream, p)
+                        : detail::launch(attn_decode_split_kernel<HD, BF16, 2>, grid, 1, DecodeConfig<HD, 2>::kSmemBytes,
+                                         stream, p);
+  } else {
+    if (p.stages != 2) return -1;
+    err = detail::launch(attn_decode_split_kernel<HD, BF16, 2>, grid, 1, DecodeConfig<HD, 2>::kSmemBytes, stream, p);
+  }
   if (err || p.splits == 1) return err;
   const unsigned rows = unsigned(p.a.B) * unsigned(p.a.H) * unsigned(p.a.Lq);
   return detail::launch(attn_decode_combine_kernel<BF16>, detail::cdiv(rows, 4), 1, 0, stream, p);
@@ -33,6 +42,7 @@ int attention_decode(const DecodeParams& p, bool bf16, void* stream_ptr) {
   const auto stream = static_cast<prim::stream_t>(stream_ptr);
   if (p.a.Lq == 0 || p.a.B * p.a.H == 0) return 0;
   if (p.a.Lq > kDecodeMaxQueries || p.splits < 1 || (p.splits > 1 && !(p.part_o && p.part_lse))) return -1;
+  if (p.stages != 1 && p.stages != 2) return -1;
   return bf16 ? decode_dispatch<true>(p, stream) : decode_dispatch<false>(p, stream);
 }
 

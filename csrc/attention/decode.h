@@ -23,11 +23,18 @@ struct DecodeParams {
   int rows;                      // packed rows per KV head: G * Lq
   int row_tiles;                 // ceil(rows / kDecodeRows)
   int mask_full;                 // full tiles are masked too (tile lists of a layout OR-ed over a GQA group)
+  int stages;                    // K/V buffers: 2 (the next tile's copies in flight), or 1 at head dim 256
+                                 // where 2 exceed the GPU's shared memory (decode_smem_bytes)
 };
 
 constexpr int kDecodeRows = 16;      // packed rows per block (one m16n8k16 tile)
 constexpr int kDecodeBlockN = 64;    // keys per tile: 16 per warp
 constexpr int kDecodeMaxQueries = 16;
+
+// Shared memory of the split kernel per block for a head-dim bucket and stage count: (16 + 2 x 64
+// stages) x HD x 2 bytes (136 KB at head dim 256 with two stages, more than the 99 KB of sm_86 / sm_89 /
+// sm_120; 72 KB with one). effattn/backends/cuda/resources.py carries the same sizes.
+constexpr int decode_smem_bytes(int hd, int stages) { return (kDecodeRows + stages * 2 * kDecodeBlockN) * hd * 2; }
 
 // Launches the split kernel and, with more than one split, the combine kernel. Return 0 or a CUDA
 // error code (-1: no kernel for these head dims).

@@ -2,7 +2,8 @@
 //
 // attn_decode_split_kernel: one block of 4 warps per (batch, KV head, row tile, split). The 16
 //   packed query rows sit in shared memory once; key tiles of 64 stream through a two-stage
-//   cp.async pipeline (tile t+1 in flight while t is computed) and warp w takes keys
+//   cp.async pipeline (tile t+1 in flight while t is computed; one stage at head dim 256 on GPUs
+//   whose shared memory per block cannot hold two) and warp w takes keys
 //   [16w, 16w + 16) of each: S = Q K_w^T, an online softmax of its own, O_w += P V_w. At the end the
 //   four warps' (max, sum, O) are merged through shared memory in a fixed order.
 // attn_decode_combine_kernel: one warp per output row merges the splits' partial rows with weights
@@ -14,15 +15,15 @@
 
 namespace effattn {
 
-template <int HD>
+template <int HD, int STAGES = 2>
 struct DecodeConfig {
   static constexpr int BM = kDecodeRows;
   static constexpr int BN = kDecodeBlockN;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = STAGES;
   static constexpr int kRedStride = HD + 4;        // fp32 row stride of the warp-merge buffer
-  static constexpr int kSmemBytes = (BM + kStages * 2 * BN) * HD * 2;
-  // the merge reuses the K/V buffers: 4 warps x 16 rows of O, then (max, sum) per warp and row
-  static_assert(4 * BM * kRedStride * 4 + 4 * BM * 2 * 4 <= kStages * 2 * BN * HD * 2, "merge buffer");
+  static constexpr int kSmemBytes = decode_smem_bytes(HD, STAGES);
+  // the merge reuses the Q and K/V buffers: 4 warps x 16 rows of O, then (max, sum) per warp and row
+  static_assert(4 * BM * kRedStride * 4 + 4 * BM * 2 * 4 <= kSmemBytes, "merge buffer");
 };
 
 // The query row (or Lq for a padding row of the tile) and the layout of packed row `pr`'s head.
@@ -42,9 +43,9 @@ EFFATTN_DEVICE PackedRow packed_row(const DecodeParams& dp, int hk, int pr) {
   return r;
 }
 
-template <int HD, bool BF16>
+template <int HD, bool BF16, int STAGES>
 EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
-  using Cfg = DecodeConfig<HD>;
+  using Cfg = DecodeConfig<HD, STAGES>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, ND = HD / 8, C = HD / 8;
   const AttnParams& p = dp.a;
   EFFATTN_SMEM(smem);
@@ -96,14 +97,19 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   const PackedRow my[2] = {packed_row(dp, hk, r0 + g), packed_row(dp, hk, r0 + g + 8)};
 
   for (int it = 0; it < n_tiles; ++it) {
-    if (it + 1 < n_tiles) load_kv(it + 1, (it + 1) & 1);   // that stage was released by the last barrier
-    prim::cp_async_commit();
-    prim::cp_async_wait<1>();                       // tile it has landed (this thread's copies)
+    const int stage = STAGES == 2 ? (it & 1) : 0;
+    if (STAGES == 2) {
+      if (it + 1 < n_tiles) load_kv(it + 1, (it + 1) & 1);   // that stage was released by the last barrier
+      prim::cp_async_commit();
+      prim::cp_async_wait<1>();                     // tile it has landed (this thread's copies)
+    } else {
+      prim::cp_async_wait<0>();                     // one stage: tile it was issued after the last barrier
+    }
     prim::sync_block();                             // ... and every thread's
-    const uint16_t* sK = sKV + (it & 1) * 2 * BN * HD;
+    const uint16_t* sK = sKV + stage * 2 * BN * HD;
     const uint16_t* sV = sK + BN * HD;
     if (dp.mask_full || sched.masked(first + it) || kpm) {   // keys no packed row sees: zero values
-      zero_unseen<HD, BN>(sKV + (it & 1) * 2 * BN * HD + BN * HD, sched.tile(first + it) * BN, [&](int j) {
+      zero_unseen<HD, BN>(sKV + stage * 2 * BN * HD + BN * HD, sched.tile(first + it) * BN, [&](int j) {
         for (int h = hk * p.G; h < (hk + 1) * p.G; ++h)
           if (key_seen(p, p.layout ? p.layout + h * p.lay_h : nullptr, kpm, 0, p.Lq, j)) return true;
         return false;
@@ -161,12 +167,16 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
     acc_to_a<BF16>(a, s, 0);
     mma_a_rows<HD, ND, BF16>(acc, a, sV, warp, 0, p.Dv);
     prim::sync_block();                             // every warp is done with this stage
+    if (STAGES == 1) {
+      if (it + 1 < n_tiles) load_kv(it + 1, 0);
+      prim::cp_async_commit();
+    }
   }
   prim::cp_async_wait<0>();
   prim::sync_block();                               // (no tile: the Q copies are retired before reuse)
 
   // merge the four warps: m = max_w m_w, l = sum_w l_w 2^(m_w - m), O = sum_w O_w 2^(m_w - m)
-  float* red = reinterpret_cast<float*>(sKV);
+  float* red = reinterpret_cast<float*>(smem);     // Q is no longer read
   float* red_m = red + 4 * BM * Cfg::kRedStride;    // [warp][row]
   float* red_l = red_m + 4 * BM;
 #pragma unroll

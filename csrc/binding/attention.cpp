@@ -6,12 +6,6 @@
 #include <cmath>
 #include <vector>
 
-#if defined(EFFATTN_CUDA_EMU)
-#include "attention/bwd.cu"
-#include "attention/fwd.cu"
-#include "attention/fwd_sm90.cu"
-#endif
-
 namespace {
 
 using namespace effattn::binding;

@@ -6,9 +6,9 @@
 //   only c10/cuda's stream and guard headers (no ATen/cuda/CUDAContext.h, which needs the cuBLAS,
 //   cuSPARSE and cuSOLVER headers that a minimal CUDA toolkit lacks);
 // - with EFFATTN_CUDA_EMU (a host compiler against any torch, built on first use by
-//   effattn/backends/cuda/_ext.py): ops `effattn_cuda_emu::*` on CPU tensors; each op's binding
-//   then compiles its kernels (the .cu files of csrc/attention/, csrc/linear/) into itself, run
-//   through the emulation of csrc/emu/.
+//   effattn/backends/cuda/_ext.py): ops `effattn_cuda_emu::*` on CPU tensors; the kernels (the .cu
+//   files of csrc/attention/, csrc/linear/, run through the emulation of csrc/emu/) are a library of
+//   their own, loaded before the binding, which calls them as the real build calls nvcc's objects.
 // The Python side (effattn/backends/cuda/) adds the fake (meta) kernels and the autograd formulas.
 #pragma once
 

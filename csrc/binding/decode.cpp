@@ -3,9 +3,7 @@
 #include "attention/decode.h"
 #include "binding/attention_args.h"
 
-#if defined(EFFATTN_CUDA_EMU)
-#include "attention/decode.cu"
-#endif
+#include <algorithm>
 
 namespace {
 
@@ -18,10 +16,12 @@ std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, co
                                             const optional<Tensor>& kpm, const optional<Tensor>& layout,
                                             int64_t layout_block, int64_t layout_check, const optional<Tensor>& lists,
                                             int64_t list_wf, double scale, int64_t left, int64_t right,
-                                            int64_t splits) {
+                                            int64_t splits, int64_t stages) {
   EFFATTN_GUARD(q);
   check(q.dim() == 4 && q.size(2) <= effattn::kDecodeMaxQueries, "decode takes at most 16 query rows");
   check(splits >= 1, "decode needs at least one split");
+  check(stages == 2 || (stages == 1 && std::max(q.size(3), v.size(3)) > 128),
+        "decode stages must be 2, or 1 at head dims over 128 (single-buffered K/V where shared memory is short)");
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, layout.has_value() ? 1 : 0, lists, list_wf,
                        c10::nullopt, 0, c10::nullopt, scale, 0.0, left, right);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
@@ -37,6 +37,7 @@ std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, co
   d.rows = d.a.G * d.a.Lq;
   d.row_tiles = (d.rows + effattn::kDecodeRows - 1) / effattn::kDecodeRows;
   d.mask_full = layout_check == 2;
+  d.stages = int(stages);
   Tensor part_o, part_lse;
   if (splits > 1) {
     part_o = at::empty({q.size(0) * q.size(1) * q.size(2), splits, v.size(3)}, q.options().dtype(at::kFloat));
@@ -55,7 +56,7 @@ std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, co
 TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
   m.def("attention_decode(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, float scale, int window_left, "
-        "int window_right, int splits) -> (Tensor, Tensor)");
+        "int window_right, int splits, int stages=2) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {

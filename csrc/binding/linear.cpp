@@ -6,10 +6,6 @@
 #include "binding/common.h"
 #include "linear/linear.h"
 
-#if defined(EFFATTN_CUDA_EMU)
-#include "linear/linear.cu"
-#endif
-
 namespace {
 
 using namespace effattn::binding;

@@ -2,24 +2,35 @@
 // build only: the Python module entry point of the real extension, the emulation's controls.
 #include "binding/common.h"
 
+#include <vector>
+
 #if defined(EFFATTN_CUDA_EMU)
-#include "common/prims.cuh"   // the emulation's schedule and counters
+#include "emu/api.h"   // the emulation's controls, in the emulated kernels' library
 
 namespace {
 
 using namespace effattn::binding;
 
-// Emulation controls for tests: the schedule, and the counters (blocks, mma, ldmatrix phases and
-// wavefronts, worst wavefronts of one phase), reset on read.
-void emu_set_schedule(int64_t s) { effattn::emu::schedule() = effattn::emu::Schedule(int(s)); }
+// Emulation controls for tests: the schedule, the counters (blocks, mma, ldmatrix phases and
+// wavefronts, worst wavefronts of one phase), reset on read, and the emulated device's opt-in shared
+// memory per block.
+void emu_set_schedule(int64_t s) {
+  check(s >= 0 && s <= 2, "schedule must be 0 (lockstep), 1 (warp-serial) or 2 (warp-serial reversed)");
+  effattn::emu_api::set_schedule(int(s));
+}
 
 Tensor emu_stats() {
-  effattn::emu::Stats& s = effattn::emu::stats();
-  Tensor t = at::tensor({int64_t(s.blocks), int64_t(s.mma), int64_t(s.ldmatrix_phases),
-                         int64_t(s.ldmatrix_wavefronts), int64_t(s.max_wavefronts)},
-                        at::TensorOptions().dtype(at::kLong));
-  s = effattn::emu::Stats();
-  return t;
+  int64_t s[5];
+  effattn::emu_api::read_stats(s);
+  return at::tensor(std::vector<int64_t>(s, s + 5), at::TensorOptions().dtype(at::kLong));
+}
+
+// Sets the limit (bytes > 0) and returns the one in force before; 0 only reads it.
+int64_t emu_smem_limit(int64_t bytes) {
+  check(bytes >= 0, "the shared-memory limit must be >= 0 bytes (0: read it)");
+  const int64_t before = effattn::emu_api::smem_limit();
+  if (bytes > 0) effattn::emu_api::set_smem_limit(bytes);
+  return before;
 }
 
 }  // namespace
@@ -27,6 +38,7 @@ Tensor emu_stats() {
 TORCH_LIBRARY(EFFATTN_OPS, m) {
   m.def("emu_set_schedule(int schedule) -> ()", emu_set_schedule);
   m.def("emu_stats() -> Tensor", emu_stats);
+  m.def("emu_smem_limit(int bytes) -> int", emu_smem_limit);
 }
 
 #else

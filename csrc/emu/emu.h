@@ -11,12 +11,16 @@
 // - a cp.async destination is NaN-poisoned when the copy is issued and written only at the
 //   cp.async.wait_group that retires its group (bytes past src_bytes are zero-filled), so a missing
 //   wait or barrier reads NaN;
-// - aborts (with a message naming the thread) on misaligned cp.async/ldmatrix addresses,
-//   shared-memory accesses out of the block's buffer, a thread that exits with copies not waited
-//   for, lanes of one warp in different collectives, and barriers that can never complete;
+// - fails (emu::Failure, a std::runtime_error naming the thread, also printed to stderr) on
+//   misaligned cp.async/ldmatrix addresses, shared-memory accesses out of the block's buffer, a
+//   thread that exits with copies not waited for, lanes of one warp in different collectives,
+//   barriers that can never complete, and a launch asking for more shared memory per block than
+//   the emulated device's opt-in limit (`smem_limit()`, an H100's by default). A failure inside a
+//   thread abandons the block's fibers and is thrown from `launch`, so an op called from Python
+//   raises it as a RuntimeError with the reason (a program without a handler still aborts);
 // - schedules: `lockstep` runs every thread one step (to its next barrier or collective) per pass;
-//   `warp_serial` runs the lowest-numbered warp until it blocks at a barrier, which exposes a
-//   missing __syncthreads that lockstep hides; `warp_serial_reversed` starts from the last warp.
+//   `warp_serial` (the default) runs the lowest-numbered warp until it blocks at a barrier, which
+//   exposes a missing __syncthreads that lockstep hides; `warp_serial_reversed` starts from the last warp.
 // - ldmatrix bank accounting: per 8-row phase, the number of shared-memory wavefronts (16-byte
 //   rows that fall in the same 128-byte bank window at different addresses serialize).
 #pragma once
@@ -30,6 +34,8 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "fragments.h"
@@ -53,8 +59,11 @@ struct Stats {
   uint64_t blocks = 0, mma = 0, ldmatrix_phases = 0, ldmatrix_wavefronts = 0, max_wavefronts = 0;
 };
 
+// Warp-serial by default: a warp that runs ahead to its next barrier overwrites a tile the other warps
+// still read when a barrier is missing, which lockstep hides (every barrier of the kernels' tile loops,
+// removed one at a time by csrc/emu/mutate.py, is caught under it).
 inline Schedule& schedule() {
-  static Schedule s = Schedule::lockstep;
+  static Schedule s = Schedule::warp_serial;
   return s;
 }
 
@@ -63,11 +72,19 @@ inline Stats& stats() {
   return s;
 }
 
-[[noreturn]] inline void fail(const char* what, int tid, int block) {
-  std::fprintf(stderr, "effattn emulator: %s (thread %d of block %d)\n", what, tid, block);
-  std::fflush(stderr);
-  std::abort();
+// The opt-in shared memory per block of the emulated device (bytes): a launch asking for more fails,
+// as cudaFuncSetAttribute does on a GPU. 227 KB: sm_90 / sm_100; tests lower it to 99 KB (sm_86, sm_89,
+// sm_120) to check which kernels a smaller GPU takes.
+inline size_t& smem_limit() {
+  static size_t s = 232448;
+  return s;
 }
+
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] inline void fail(const char* what, int tid, int block);
 
 enum class State { runnable, warp_wait, bar_wait, done };
 
@@ -113,6 +130,8 @@ struct Block {
   // last fence.proxy.async, else 0 (wgmma reads through the async proxy: emu/wgmma.h)
   std::vector<int> proxy_owner;
   int current = -1;
+  bool in_fiber = false;                       // a thread's fiber runs (else the scheduler)
+  std::string failure;                         // set by fail() inside a fiber
   ucontext_t sched;
   std::function<void()> body;
 #ifdef EFFATTN_EMU_ASAN
@@ -129,6 +148,26 @@ inline Block*& cur_block() {
 
 inline Thread& self() { return cur_block()->threads[cur_block()->current]; }
 inline int self_tid() { return cur_block()->current; }
+
+// Reports a kernel (or launch) error. Inside a thread's fiber the exception cannot unwind past the
+// fiber's entry: the message is handed to the scheduler, the fiber is abandoned (never resumed) and
+// `launch` throws it. Elsewhere it is thrown at once.
+[[noreturn]] inline void fail(const char* what, int tid, int block) {
+  char msg[512];
+  std::snprintf(msg, sizeof msg, "effattn emulator: %s (thread %d of block %d)", what, tid, block);
+  std::fprintf(stderr, "%s\n", msg);
+  std::fflush(stderr);
+  Block* b = cur_block();
+  if (b && b->in_fiber) {
+    b->failure = msg;
+    b->in_fiber = false;
+#ifdef EFFATTN_EMU_ASAN
+    __sanitizer_start_switch_fiber(nullptr, b->sched_stack_bottom, b->sched_stack_size);
+#endif
+    setcontext(&b->sched);
+  }
+  throw Failure(msg);
+}
 
 [[noreturn]] inline void fail_here(const char* what) { fail(what, self_tid(), cur_block()->linear_block); }
 
@@ -407,11 +446,20 @@ inline Block& block_storage() {
   return b;
 }
 
-// Runs every block of the grid, one after another. `kernel` is called once per thread.
+inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes);
+
+// Runs every block of the grid, one after another. `kernel` is called once per thread. A failure
+// (fail()) frees the block's stacks and shared memory and is thrown from here.
 template <class F>
 void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
   int nthreads = int(block_dim.x * block_dim.y * block_dim.z);
   if (nthreads % 32) fail("block size is not a multiple of 32", 0, 0);
+  if (smem_bytes > smem_limit()) {
+    char what[160];
+    std::snprintf(what, sizeof what, "launch asks for %zu bytes of shared memory per block, the device allows %zu",
+                  smem_bytes, smem_limit());
+    fail(what, 0, 0);
+  }
   Block& b = block_storage();
   b.grid = grid;
   b.block_dim = block_dim;
@@ -426,7 +474,26 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
   b.smem = static_cast<char*>(mem);
   for (auto& t : b.threads) t.stack = static_cast<char*>(std::malloc(kStack));
   b.body = [&kernel] { kernel(); };
+  b.failure.clear();
+  b.in_fiber = false;
   cur_block() = &b;
+  auto release = [&b] {
+    for (auto& t : b.threads) std::free(t.stack);
+    b.threads.clear();
+    std::free(b.smem);
+    b.smem = nullptr;
+    cur_block() = nullptr;
+  };
+  try {
+    run_grid(b, grid, nthreads, smem_bytes);
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
+inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
   int linear = 0;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
@@ -465,6 +532,7 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
           }
           b.current = next;
           last = next;
+          b.in_fiber = true;
 #ifdef EFFATTN_EMU_ASAN
           __sanitizer_start_switch_fiber(&b.fake_stack, b.threads[next].stack, kStack);
           swapcontext(&b.sched, &b.threads[next].ctx);
@@ -472,13 +540,11 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
 #else
           swapcontext(&b.sched, &b.threads[next].ctx);
 #endif
+          b.in_fiber = false;
+          if (!b.failure.empty()) throw Failure(b.failure);
         }
         stats().blocks += 1;
       }
-  for (auto& t : b.threads) std::free(t.stack);
-  std::free(b.smem);
-  b.smem = nullptr;
-  cur_block() = nullptr;
 }
 
 inline unsigned thread_x() { return unsigned(cur_block()->current); }

@@ -8,7 +8,8 @@
 //   attention         the attention kernels on exact-size heap buffers (sanitizers watch them), and
 //                     the Hopper forward at head dims 33..64
 //   decode            the split-KV decode kernels, the same way
-//   bug-*             kernels with one planted mistake: the emulation must abort or show NaN
+//   bug-*             kernels with one planted mistake: the emulation must fail (abort here) or show NaN
+//   caught            the same failures caught as exceptions, then a correct kernel on the same emulator
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -217,10 +218,10 @@ int decode() {
     DecodeParams d{};
     AttnParams& p = d.a;
     set_params(p, s, q, k, v, o, lse, kpm);
-    d.splits = s.splits, d.rows = s.G * s.Lq, d.row_tiles = (d.rows + kDecodeRows - 1) / kDecodeRows;
+    d.splits = s.splits, d.rows = s.G * s.Lq, d.row_tiles = (d.rows + kDecodeRows - 1) / kDecodeRows, d.stages = 2;
     if (s.splits > 1) d.part_o = part_o, d.part_lse = part_lse;
     const unsigned grid = unsigned(s.B * Hkv * d.row_tiles * s.splits);
-    if (detail::launch(attn_decode_split_kernel<32, true>, grid, 1, DecodeConfig<32>::kSmemBytes, nullptr, d))
+    if (detail::launch(attn_decode_split_kernel<32, true, 2>, grid, 1, DecodeConfig<32>::kSmemBytes, nullptr, d))
       return 2;
     if (s.splits > 1 && detail::launch(attn_decode_combine_kernel<true>, detail::cdiv(nl, 4), 1, 0, nullptr, d))
       return 2;
@@ -312,6 +313,31 @@ int planted(const std::string& which) {
 
 }  // namespace
 
+// Each planted mistake again, caught as the exception an op's caller sees (emu::Failure), then a
+// correct kernel on the same emulator: prints one "caught: <message>" line per mistake and "after: ok".
+int caught() {
+  const char* bugs[] = {"bug-misaligned-ldmatrix", "bug-misaligned-cp-async", "bug-unwaited-copy",
+                        "bug-barrier-skipped",     "bug-divergent-shuffle",   "bug-smem-out-of-bounds"};
+  for (const char* bug : bugs) {
+    try {
+      planted(bug);
+      std::printf("not caught: %s\n", bug);
+    } catch (const emu::Failure& e) {
+      std::printf("caught: %s\n", e.what());
+    }
+  }
+  const size_t limit = emu::smem_limit();
+  emu::smem_limit() = 1024;
+  try {
+    run1(32, 1040, [] {});
+    std::printf("not caught: smem over the limit\n");
+  } catch (const emu::Failure& e) {
+    std::printf("caught: %s\n", e.what());
+  }
+  emu::smem_limit() = limit;
+  return copy_then_read(true, true) == 0 ? (std::printf("after: ok\n"), 0) : 1;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   const std::string what = argv[1];
@@ -323,5 +349,6 @@ int main(int argc, char** argv) {
   if (what == "bank-swizzled") return bank(true);
   if (what == "attention") return attention();
   if (what == "decode") return decode();
+  if (what == "caught") return caught();
   return planted(what);
 }

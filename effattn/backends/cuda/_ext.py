@@ -3,16 +3,22 @@
 - On CUDA tensors: ``effattn._C``, built by setup.py where torch is a CUDA build and nvcc exists;
   its ops are ``torch.ops.effattn_cuda.*``.
 - On CPU tensors, with ``EFFATTN_CUDA_EMU=1``: the same binding compiled by the host compiler with
-  the emulation of csrc/emu/ (``torch.ops.effattn_cuda_emu.*``), built on first use with
-  ``torch.utils.cpp_extension.load`` and cached under ``~/.cache/effattn`` (``EFFATTN_CUDA_EMU_DIR``)
-  keyed on the sources' hash, so a kernel edit rebuilds it.
+  the emulation of csrc/emu/ (``torch.ops.effattn_cuda_emu.*``), built on first use and cached under
+  ``~/.cache/effattn`` (``EFFATTN_CUDA_EMU_DIR``) keyed on the sources' hash. Two parts: the kernels
+  (every csrc/*/*.cu and csrc/emu/api.cpp, compiled by g++ into ``libeffattn_emu_kernels.so``, no
+  torch: seconds) and the binding (csrc/binding/*.cpp through ``torch.utils.cpp_extension.load``,
+  linked against that library: minutes, redone only when the binding or a ``.h`` changes), so a
+  kernel edit rebuilds only the first. ``EFFATTN_CSRC`` points both at another copy of csrc/ (the
+  mutation script, csrc/emu/mutate.py, runs the tests on mutated copies this way).
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import hashlib
 import os
 import shutil
+import subprocess
 import threading
 from typing import Optional
 
@@ -20,8 +26,9 @@ import torch
 
 from . import targets
 
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-                     "csrc")
+_CSRC = os.environ.get("EFFATTN_CSRC") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "csrc")
+KERNELS_LIB = "libeffattn_emu_kernels.so"
 _lock = threading.Lock()
 _emu_error: Optional[str] = None
 _emu_ready = False       # set once loaded: the check below is then a flag read (torch.compile traces it)
@@ -67,22 +74,96 @@ def emu_problem() -> Optional[str]:
     return _emu_error
 
 
-def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
-    """Compiles csrc/binding/*.cpp with EFFATTN_CUDA_EMU (each op's binding then compiles its kernels
-    into itself) and loads it (cached). The C++ standard is torch's own choice (C++17 up to torch
-    2.13, C++20 from 2.14): the kernel sources compile under both."""
-    from torch.utils import cpp_extension
+def _digest(files, *extra) -> str:
+    """A hash of `files` (their paths relative to csrc/ and contents) and `extra` strings."""
     digest = hashlib.sha1()
-    for f in sources():
-        digest.update(f.encode())
+    for f in files:
+        digest.update(os.path.relpath(f, _CSRC).encode())
         with open(f, "rb") as fh:
             digest.update(fh.read())
-    digest.update(" ".join(extra_cflags).encode())
-    root = os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
-    build_dir = os.path.join(root, f"{name}-{digest.hexdigest()[:16]}")
-    os.makedirs(build_dir, exist_ok=True)
-    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(_CSRC, "binding", "*.cpp"))),
-                       extra_include_paths=[_CSRC], build_directory=build_dir, is_python_module=False,
+    for e in extra:
+        digest.update(e.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cache_root() -> str:
+    return os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
+
+
+def _unit_object(cxx, flags, src, folder) -> tuple:
+    """(object path, compile command or None when cached) of one translation unit: the object is
+    keyed on the contents of every file the unit includes (``-MM``), so a change to one kernel header
+    recompiles only the units that include it."""
+    res = subprocess.run([cxx, *flags, "-x", "c++", "-MM", src], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"compiling the emulated kernels failed:\n{res.stderr[-4000:]}")
+    deps = sorted(os.path.abspath(d) for d in res.stdout.replace("\\\n", " ").split(":", 1)[1].split())
+    name = os.path.relpath(src, _CSRC).replace(os.sep, "_")
+    obj = os.path.join(folder, f"{name}-{_digest(deps, cxx, *flags)}.o")
+    if os.path.exists(obj):
+        return obj, None
+    return obj, [cxx, *flags, "-x", "c++", "-c", src, "-o", f"{obj}.{os.getpid()}.tmp"]
+
+
+def build_kernels(extra_cflags=()) -> str:
+    """The emulated kernels' library (every csrc/*/*.cu, as setup.py's nvcc build takes them, and
+    csrc/emu/api.cpp), built with the host compiler and cached on the sources' hash; returns its
+    path. Objects are cached per translation unit (`_unit_object`) and compiled side by side."""
+    cxx = os.environ.get("CXX", "g++")
+    flags = ["-std=c++17", "-O2", "-fPIC", "-DEFFATTN_CUDA_EMU", "-I", _CSRC, *extra_cflags]
+    root = _cache_root()
+    lib = os.path.join(root, f"emu_kernels-{_digest(sources(), cxx, *flags[:4], *extra_cflags)}", KERNELS_LIB)
+    if os.path.exists(lib):
+        return lib
+    objdir = os.path.join(root, "emu_objects")
+    os.makedirs(objdir, exist_ok=True)
+    units = sorted(glob.glob(os.path.join(_CSRC, "*", "*.cu"))) + [os.path.join(_CSRC, "emu", "api.cpp")]
+    plan = [_unit_object(cxx, flags, src, objdir) for src in units]
+    procs = [(obj, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)) for obj, cmd in plan if cmd]
+    errors = []
+    for obj, proc in procs:
+        err = proc.communicate()[1]
+        if proc.returncode:
+            errors.append(err)
+        else:
+            os.replace(f"{obj}.{os.getpid()}.tmp", obj)
+    if errors:
+        raise RuntimeError("compiling the emulated kernels failed:\n" + "\n".join(errors)[-4000:])
+    os.makedirs(os.path.dirname(lib), exist_ok=True)
+    tmp = f"{lib}.{os.getpid()}.tmp"
+    res = subprocess.run([cxx, "-shared", *(obj for obj, _ in plan), "-o", tmp, f"-Wl,-soname,{KERNELS_LIB}",
+                          *extra_cflags], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"linking the emulated kernels failed:\n{res.stderr[-4000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
+    """Builds (cached) and loads the emulated extension: the kernels' library (`build_kernels`),
+    loaded first with its symbols global, then csrc/binding/*.cpp compiled with EFFATTN_CUDA_EMU
+    against torch. The binding is not linked to the library: its kernel entry points stay undefined
+    until it loads and resolve to the library loaded before it, so one binding build serves every
+    build of the kernels (its hash leaves them out). The C++ standard of the binding is torch's own
+    choice (C++17 up to torch 2.13, C++20 from 2.14); the kernels' library is C++17."""
+    from torch.utils import cpp_extension
+    lib = build_kernels(extra_cflags)
+    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    emu_dir = os.path.join(_CSRC, "emu", "")
+    binding = [f for f in sources() if f.endswith((".h", ".cpp")) and not f.startswith(emu_dir)]
+    binding.append(os.path.join(emu_dir, "api.h"))
+    build_dir = os.path.join(_cache_root(), f"{name}-{_digest(binding, name, *extra_cflags)}")
+    # compiled from a copy in the build folder: the same sources under another csrc/ (EFFATTN_CSRC)
+    # reuse the build (ninja keys its objects on the source paths)
+    src = os.path.join(build_dir, "src")
+    for f in binding:
+        dst = os.path.join(src, os.path.relpath(f, _CSRC))
+        if not os.path.exists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copy2(f, f"{dst}.{os.getpid()}.tmp")
+            os.replace(f"{dst}.{os.getpid()}.tmp", dst)
+    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(src, "binding", "*.cpp"))),
+                       extra_include_paths=[src], build_directory=build_dir, is_python_module=False,
                        extra_cflags=["-O2", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
 
 

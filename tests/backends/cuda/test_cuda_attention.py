@@ -15,6 +15,7 @@ import torch
 import effattn
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
+from tests.conftest import EMU_DEFAULT_SCHEDULE
 from tests.contract.test_fuzz import draw
 from tests.core.test_attention import CASES, check_against_oracle, judge, make_inputs
 
@@ -29,7 +30,7 @@ SCHEDULES = {"lockstep": 0, "warp-serial": 1}
 def schedule(request, emulation):
     emulation.emu_set_schedule(SCHEDULES[request.param])
     yield request.param
-    emulation.emu_set_schedule(0)
+    emulation.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
 
 
 # ------------------------------------------------------------------------ the shared softmax suite
@@ -165,7 +166,7 @@ def test_schedules_give_bitwise_identical_results(emulation):
         out = effattn.attention(*leaves, causal=True, window=20, layout=layout, key_padding_mask=kpm,
                                 dropout_p=0.2, backend="cuda")
         runs.append((out,) + torch.autograd.grad(out, leaves, go))
-    emulation.emu_set_schedule(0)
+    emulation.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
@@ -173,44 +174,89 @@ def test_schedules_give_bitwise_identical_results(emulation):
 
 # ------------------------------------------------------------------------------------- dropout
 
+DROP_SHAPE = (1, 4, 2, 40, 56, 16)     # B, H, Hkv, Lq, Lk, D
+DROP_P, DROP_KW = 0.25, dict(window=(30, 4))
+
+
+def drop_inputs():
+    B, H, Hkv, Lq, Lk, D = DROP_SHAPE
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(B, H, Lq, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g), g
+
+
+def keep_mask(backend, dt, q, k, seed=2024):
+    """The dropout keep-mask `backend`'s forward draws under torch seed `seed`, read off its output with
+    V = identity: out[i, j] = P_ij M_ij / (1 - p)."""
+    B, Hkv, Lk = k.shape[:3]
+    eye = torch.eye(Lk).expand(B, Hkv, Lk, Lk).contiguous()
+    torch.manual_seed(seed)
+    return effattn.attention(q.to(dt), k.to(dt), eye.to(dt), dropout_p=DROP_P, backend=backend, **DROP_KW) != 0
+
+
 def test_dropout_keep_mask_equals_the_triton_kernels_bit_for_bit():
-    """V = identity makes out[i, j] = P_ij M_ij / (1 - p): the keep-mask M is read off the output.
-    The same torch seed gives the same seed tensor, and the CUDA kernels' Philox counters are the
-    Triton kernels': the masks are identical. The gradients with that mask match float64."""
+    """The same torch seed gives the same seed tensor, and the CUDA kernels' Philox counters are the
+    Triton kernels': the masks are identical."""
     rt = pytest.importorskip("effattn.backends.triton.runtime")
     if rt.triton is None or rt._available(torch.device("cpu")) is not None:
         pytest.skip("the Triton interpreter is not usable here")
-    B, H, Hkv, Lq, Lk, D, p = 1, 4, 2, 40, 56, 16, 0.25
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, Lq, D, generator=g)
-    k = torch.randn(B, Hkv, Lk, D, generator=g)
-    eye = torch.eye(Lk).expand(B, Hkv, Lk, Lk).contiguous()
-    kw = dict(window=(30, 4))
-    masks = {}
-    for backend, dt in (("cuda", torch.bfloat16), ("triton", torch.float32)):
-        torch.manual_seed(2024)
-        out = effattn.attention(q.to(dt), k.to(dt), eye.to(dt), dropout_p=p, backend=backend, **kw)
-        masks[backend] = out != 0
-    probs, _ = naive_attention(q.double(), k.double(), eye.double(), **kw)
+    q, k, _ = drop_inputs()
+    assert torch.equal(keep_mask("cuda", torch.bfloat16, q, k), keep_mask("triton", torch.float32, q, k))
+
+
+def test_dropout_gradients_follow_the_forwards_keep_mask():
+    """Without Triton: the keep-mask read off the CUDA forward keeps only visible pairs, about 1 - p of
+    them, and the backward's gradients (dK/dV and dQ regenerate it from their own Philox counters)
+    match float64 with that mask: a backward pass whose counters differ from the forward's fails."""
+    q, k, g = drop_inputs()
+    mask = keep_mask("cuda", torch.bfloat16, q, k)
+    eye = torch.eye(k.shape[2]).expand(*k.shape[:3], k.shape[2]).double()
+    probs, _ = naive_attention(q.double(), k.double(), eye, **DROP_KW)
     visible = probs > 0
-    assert torch.equal(masks["cuda"], masks["triton"])
-    assert not (masks["cuda"] & ~visible).any()
-    frac = masks["cuda"][visible].double().mean().item()
-    assert abs(frac - (1 - p)) < 0.04, frac
+    assert not (mask & ~visible).any()
+    frac = mask[visible].double().mean().item()
+    assert abs(frac - (1 - DROP_P)) < 0.04, frac
     dt = torch.float16
-    v = torch.randn(B, Hkv, Lk, 24, generator=g).to(dt)
+    v = torch.randn(*k.shape[:3], 24, generator=g).to(dt)
     leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
     torch.manual_seed(2024)
-    out = effattn.attention(*leaves, dropout_p=p, backend="cuda", **kw)
+    out = effattn.attention(*leaves, dropout_p=DROP_P, backend="cuda", **DROP_KW)
     rl = [t.detach().double().requires_grad_() for t in leaves]
-    ref, _ = naive_attention(*rl, dropout_keep=masks["cuda"], dropout_p=p, **kw)
+    ref, _ = naive_attention(*rl, dropout_keep=mask, dropout_p=DROP_P, **DROP_KW)
     ll = [t.detach().requires_grad_() for t in leaves]
-    low, _ = naive_attention(*ll, dtype=dt, dropout_keep=masks["cuda"], dropout_p=p, **kw)
+    low, _ = naive_attention(*ll, dtype=dt, dropout_keep=mask, dropout_p=DROP_P, **DROP_KW)
     judge(out, ref, low, 2, dt, "out")
     go = torch.randn(out.shape, generator=g).to(dt)
     for name, a, b, c in zip("qkv", torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double()),
                              torch.autograd.grad(low, ll, go)):
         judge(a, b, c, 3, dt, f"d{name}")
+
+
+def test_running_max_grows_at_every_key_tile():
+    """Scores that rise with the key index make every key tile raise each row's running maximum, so
+    every tile rescales the output accumulators (alpha < 1): an accumulator left unscaled fails (a
+    mutation the random cases missed: the maximum seldom moves there)."""
+    g = torch.Generator().manual_seed(4)
+    L, D = 200, 16
+    q = torch.ones(1, 2, L, D).half()
+    k = (torch.linspace(0, 3, L).view(1, 1, L, 1) * torch.ones(1, 2, L, D) / 4).half()
+    v = torch.randn(1, 2, L, D, generator=g).half()
+    for kw in (dict(), dict(causal=True)):
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
+# ------------------------------------------------------------------------------------- barriers
+
+def test_barrier_removal_is_caught_under_the_default_schedule():
+    """Forward and backward over three query and key tiles, with partial tiles (the zeroing of unseen
+    keys between barriers) and key padding, under the emulator's default schedule (warp-serial: a
+    warp runs on to its next barrier, so without a barrier it overwrites a tile the other warps still
+    read; lockstep hides that). csrc/emu/mutate.py removes each barrier of the tile loops in turn:
+    this test fails on every one."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 150, 32, generator=g).half() for _ in range(3))
+    kpm = torch.rand(1, 150, generator=g) < 0.2
+    for kw in (dict(causal=True), dict(key_padding_mask=kpm)):
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")
 
 
 # ---------------------------------------------------------------- window edges at every residue
@@ -224,6 +270,7 @@ def test_dropout_keep_mask_equals_the_triton_kernels_bit_for_bit():
 # this head dim is 64 long). fp16 and near-uniform scores keep a leaked key (about 1/100 of a row's
 # weight) far above the rule's tolerance.
 RESIDUE_SHIFTS = range(64)
+RESIDUES_ONE_SIDED = range(64)
 
 
 def residue_inputs(D):
@@ -237,6 +284,17 @@ def test_window_edges_at_every_tile_residue_forward_and_backward():
     q, k, v = residue_inputs(16)
     for i in RESIDUE_SHIFTS:
         check_against_oracle(q, k, v, dict(window=(28 + i, i)), torch.float16, "cuda")
+
+
+def test_one_sided_window_edges_at_every_tile_residue():
+    """The coupled windows above make the tile at a query tile's right edge partial from the left too,
+    so a right bound one too far in the full-tile test (`fhi` in key_schedule) hid there (found by
+    csrc/emu/mutate.py). One-sided windows put each edge alone at every residue: right-only (no left
+    bound) and left-only (no right bound), forward and backward."""
+    q, k, v = residue_inputs(16)
+    for i in RESIDUES_ONE_SIDED:
+        for window in ((1000, i), (i, 1000)):
+            check_against_oracle(q, k, v, dict(window=window), torch.float16, "cuda")
 
 
 def test_window_edges_at_every_tile_residue_hopper_forward(monkeypatch):

@@ -18,7 +18,7 @@ from effattn.backends.cuda.attention import decode
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
 from effattn.tiles import visited_tiles
-from tests.conftest import CSRC, need_cuda_extension, random_qkv
+from tests.conftest import CSRC, EMU_DEFAULT_SCHEDULE, need_cuda_extension, random_qkv
 from tests.core.test_attention import judge, naive_in
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
@@ -149,7 +149,7 @@ def test_bitwise_deterministic_under_every_schedule(emulation):
     for s in (0, 1, 2, 0):
         emulation.emu_set_schedule(s)
         runs.append(decode.cuda_attention_decode(q, k, v, None, 0, kpm, 0.3, 250, 0, 5))
-    emulation.emu_set_schedule(0)
+    emulation.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 

@@ -142,3 +142,26 @@ def test_decode_kernels_under_address_and_ub_sanitizers():
     than key tiles, two row tiles) on heap buffers of exactly the tensors' size."""
     out = run_sanitized("selftest.cpp", "decode", SCHEDULES["warp-serial"])
     assert out.count("nan=0") == 3, out
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "warp-serial"])
+def test_failures_are_exceptions_with_their_reason(selftest, schedule):
+    """Each planted mistake (and a launch over the shared-memory limit) raises emu::Failure from the
+    launch, with the message that names the thread; the emulator then runs a correct kernel. Through
+    torch the same exception is a RuntimeError of the op (a test failure naming the reason, not a
+    killed test process: tests/backends/cuda/test_cuda_resources.py)."""
+    res = selftest("caught", SCHEDULES[schedule])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "after: ok" in lines and not any(line.startswith("not caught") for line in lines), lines
+    got = [line for line in lines if line.startswith("caught: effattn emulator: ")]
+    for scenario, message in PLANTED.items():
+        assert any(message in line for line in got), (scenario, got)
+    assert any("launch asks for 1040 bytes of shared memory per block, the device allows 1024" in line
+               for line in got), got
+
+
+def test_failures_leave_no_leak_or_stale_state_under_sanitizers():
+    """The abandoned fibers of a failed block are released (AddressSanitizer's leak check passes)."""
+    out = run_sanitized("selftest.cpp", "caught", SCHEDULES["warp-serial"])
+    assert out.count("caught: ") == len(PLANTED) + 1 and "after: ok" in out, out

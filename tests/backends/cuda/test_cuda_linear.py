@@ -15,7 +15,7 @@ import torch
 import effattn
 from effattn.feature_maps import FavorFeatures
 from effattn.testing.oracle import feature_map
-from tests.conftest import run_sanitized
+from tests.conftest import EMU_DEFAULT_SCHEDULE, run_sanitized
 from tests.core import test_linear_attention as shared
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
@@ -119,7 +119,7 @@ def _det_run(emulation, schedule):
         loss = (out.float() * torch.linspace(-1, 1, 16)).sum() + S.square().sum() + z.sum() + full.float().sum()
         return [t.detach() for t in (out, S, z, full)] + list(torch.autograd.grad(loss, (q, k, v, S0, z0)))
     finally:
-        emulation.emu_set_schedule(0)
+        emulation.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -21,7 +21,7 @@ import torch
 import effattn
 from effattn.backends.cuda import _ext
 from effattn.testing.oracle import naive_attention
-from tests.conftest import fragment_maps, selftest_runner
+from tests.conftest import EMU_DEFAULT_SCHEDULE, fragment_maps, selftest_runner
 from tests.core.test_attention import judge, make_inputs, naive_in
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -198,7 +198,7 @@ def hopper():
         problem = _ext.emu_problem()
         assert problem is None, problem
         yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(0)
+        torch.ops.effattn_cuda_emu.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
 
 
 # (B, H, Hkv, Lq, Lk, Dv - D, mask kwargs): two query tiles and two key tiles at most
@@ -254,7 +254,7 @@ def test_hopper_forward_same_under_warp_serial_schedules_and_with_dropout(hopper
     for s in (0, 1, 2):
         hopper.emu_set_schedule(s)
         outs.append(effattn.attention(q, k, v, backend="cuda", **kwargs))
-    hopper.emu_set_schedule(0)
+    hopper.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     q, k, v, kwargs = forward_case("causal", 128, torch.float16)
     torch.manual_seed(3)

@@ -14,7 +14,7 @@ below that (the split-KV plan's one threshold), and before ``cuda/prefill`` alwa
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,9 +23,10 @@ from ....splits import MAX_QUERIES, MAX_SPLITS, MIN_TILES_PER_SPLIT, decode_reas
 from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ....visibility import Rule, clamp_window
 from ...base import PACKED_FEATURES, Capabilities, Path, register
-from .. import _ext
+from .. import _ext, resources
 from . import cpp, ops
 from . import score as score_path
+from .tiling import bucket
 
 ROWS = 16                 # packed rows per block (csrc/decode.h kDecodeRows)
 BLOCK_N = 64              # keys per tile (kDecodeBlockN)
@@ -78,12 +79,28 @@ def plan(call) -> Tuple[int, int, int]:
     return _plan(call.q, call.k, lists, call.window_left, call.window_right)
 
 
+def stages(q: Tensor, v: Tensor) -> Tuple[int, List[str]]:
+    """(K/V stages of the decode kernel for q, v on their device, []), or (0, why none launches there):
+    two (the next tile in flight), one at head dim 256 where two exceed the shared memory per block
+    (sm_86 / sm_89 / sm_120: 99 KB against 136 KB)."""
+    return resources.decode_stages(bucket(q.shape[-1], v.shape[-1]), resources.device_limits(q.device))
+
+
 def describe(call) -> str:
     """The split-KV plan for `call` (detail in explain)."""
     row_tiles, tiles, splits = plan(call)
     G = call.H // call.Hkv
+    n = stages(call.q, call.v)[0]
+    buffers = "double-buffered" if n == 2 else (f"single-buffered (two stages need {resources.decode_smem(256, 2)} "
+                                                f"bytes of shared memory per block, more than the GPU allows)")
     return (f"split-KV decode: {G} query heads x {call.Lq} row(s) packed per KV head ({row_tiles} tile(s) of "
-            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for {sm_count(call.q.device, EMU_SM_COUNT)} SMs")
+            f"{ROWS} rows), {tiles} key tiles of {BLOCK_N} in {splits} split(s) for "
+            f"{sm_count(call.q.device, EMU_SM_COUNT)} SMs, K/V {buffers}")
+
+
+def _admits(call) -> List[str]:
+    why = decode_reasons(call)
+    return why or stages(call.q, call.v)[1]
 
 
 # ------------------------------------------------------------------------------------------- ops
@@ -98,7 +115,7 @@ def kernels(device: torch.device):
     if ns not in _FAKES_DONE:
         @torch.library.register_fake(f"{ns}::attention_decode")
         def _(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, scale, window_left,
-              window_right, splits):
+              window_right, splits, stages=2):
             B, H, Lq, _ = q.shape
             return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
         _FAKES_DONE.add(ns)
@@ -114,8 +131,12 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layo
     lists, wf, check = _lists(q, k, layout_mask, layout_block, window_left, window_right)
     if splits == 0:
         splits = _plan(q, k, lists, window_left, window_right)[2]
+    n, why = stages(q, v)
+    if not n:
+        raise RuntimeError(f"effattn cuda decode: {'; '.join(why)}")
     return kernels(q.device).attention_decode(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf,
-                                              scale, *clamp_window(window_left, window_right, q.shape[2], k.shape[2]), splits)
+                                              scale, *clamp_window(window_left, window_right, q.shape[2], k.shape[2]),
+                                              splits, n)
 
 
 # the same as a custom op, opaque to torch.compile; eager calls skip its wrapper (a decode step is
@@ -149,5 +170,5 @@ PATH = register(Path(
     # kernels' (cuda/prefill serves those calls)
     caps=Capabilities(devices=ops.DEVICES, dtypes=ops.DTYPES,
                       features=ops.FEATURES - score_path.FEATURES - PACKED_FEATURES), run=run,
-    admits=decode_reasons, available=_ext.available, notes=ops.notes, describe=describe,
+    admits=_admits, available=_ext.available, notes=ops.notes, describe=describe,
     explicit_only_devices=frozenset({"cpu"})))

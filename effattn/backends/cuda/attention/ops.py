@@ -17,14 +17,15 @@ import torch
 from torch import Tensor
 
 from .... import score as _score
+from ...._call import needs_grad
 from ....visibility import clamp_window
 from ...autograd import attention_autograd
 from ...base import PACKED_FEATURES, Capabilities, Path, register
-from .. import _ext
+from .. import _ext, resources
 from . import hopper
 from . import score as score_path
 from .cpp import kernels
-from .tiling import layout_lists
+from .tiling import bucket, layout_lists
 
 
 # Packed sequences (cu_seqlens_q / _k, int32 (N + 1,) on q's device, with max_seqlen_q / _k: the longest
@@ -126,7 +127,16 @@ def _admits(call) -> List[str]:
     if call.dropout_p > 0 and call.drop_at() != (0, 0, 0, call.H):
         return ["dropout with positions: the CUDA kernels draw the keep-mask at the chunk's own rows, keys and "
                 "heads, not at its absolute positions (the torch and Triton backends do)"]
-    return []
+    return launch_refusals(call)
+
+
+def launch_refusals(call) -> List[str]:
+    """Why a kernel this call launches (the forward the call gets; the backward passes when inputs
+    need gradients) cannot launch on its device (shared memory per block, registers: resources.py)."""
+    hopper_fwd = hopper.why_not(call.q, call.v, packed=call.cu_seqlens is not None) is None
+    needs = resources.prefill_needs(bucket(call.q.shape[-1], call.v.shape[-1]), hopper_fwd,
+                                    needs_grad(call.q, call.k, call.v))
+    return resources.refusals(needs, resources.device_limits(call.q.device))
 
 
 def _describe(call) -> str:

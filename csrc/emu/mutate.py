@@ -1,0 +1,260 @@
+"""Mutation run of the CUDA kernels: does the emulation test suite catch each of a fixed list of
+one-line bugs?
+
+Each mutation replaces one exact piece of one file under csrc/ in a scratch copy of csrc/, builds
+that copy's emulated kernels (effattn/backends/cuda/_ext.py: only the translation units that
+include the mutated file are recompiled; the torch binding is reused), and runs the tests that
+should catch it, in a fresh pytest process pointed at the copy (``EFFATTN_CSRC``). A mutation is
+caught when a test fails; the report names the first failing test and its message.
+
+- A pattern that does not occur exactly once in its file is an error of the list (exit 2): the
+  sources moved on and the list must follow them, never silently skip.
+- A mutation whose copy does not compile is an error too (it would fail every test for the wrong
+  reason).
+- ``gpu_only`` mutations change code that only nvcc compiles (inline PTX, the real launch path):
+  the emulation cannot see them. They are checked for their pattern only and reported as such;
+  a GPU session runs tests/backends/cuda/test_cuda_gpu.py on them by hand.
+
+Usage (from the repository root, with g++):
+  python3 csrc/emu/mutate.py              every mutation (about 20-40 s each on 2 cores)
+  python3 csrc/emu/mutate.py --fast       the subset CI runs (tests/backends/cuda/test_cuda_mutations.py)
+  python3 csrc/emu/mutate.py ID [ID ...]  the named ones; --list prints the list
+Exit status: 0 when every mutation that is not GPU-only is caught, 1 when one escapes, 2 on an
+error of the list or the harness.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CSRC = os.path.join(ROOT, "csrc")
+
+ATT = "tests/backends/cuda/test_cuda_attention.py"
+DEC = "tests/backends/cuda/test_cuda_decode.py"
+RES = "tests/backends/cuda/test_cuda_resources.py"
+
+# tests of the mma.sync kernels that every mutation of them should trip over, fast (about 10 s)
+RESIDUES = f"{ATT}::test_window_edges_at_every_tile_residue_forward_and_backward"
+ONE_SIDED = f"{ATT}::test_one_sided_window_edges_at_every_tile_residue"
+SHARED = (f"{ATT}::test_shared_cases_against_float64", "-k",
+          "lockstep and fp16 and (gqa or kpm-B2 or causal-B1 or dense or all-gqa or dv)")
+BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",)
+DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
+DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
+DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
+
+
+class Mutation(NamedTuple):
+    id: str
+    file: str                  # relative to csrc/
+    old: str                   # must occur exactly once in the file
+    new: str
+    tests: Tuple[str, ...]     # pytest arguments (node ids, -k expressions)
+    what: str
+    gpu_only: bool = False
+
+
+MUTATIONS: List[Mutation] = [
+    Mutation("window-left-full-tile", "attention/common.cuh",
+             "flo = imax(r1 + p.off - p.left, 0);", "flo = imax(r1 + p.off - p.left - 1, 0);", (RESIDUES,),
+             "forward / dQ: the left window bound lowered by one in the full-tile test (a one-key leak at one "
+             "residue of the tile)"),
+    Mutation("window-right-full-tile", "attention/common.cuh",
+             "fhi = imax(imin(m0 + p.off + p.right + 1, p.Lk), 0);",
+             "fhi = imax(imin(m0 + p.off + p.right + 2, p.Lk), 0);", (ONE_SIDED, RESIDUES),
+             "forward / dQ: the right window bound raised by one in the full-tile test"),
+    Mutation("window-left-full-tile-by-key", "attention/common.cuh",
+             "fhi = imax(imin(n0 - p.off + p.left + 1, p.Lq), 0);",
+             "fhi = imax(imin(n0 - p.off + p.left + 2, p.Lq), 0);", (RESIDUES,),
+             "dK/dV: the query rows that see a whole key tile counted one too far"),
+    Mutation("causal-offset", "attention/common.cuh",
+             "int pos = i + p.off;", "int pos = i + p.off + 1;", SHARED,
+             "the diagonal of causal / window masks shifted by one key"),
+    Mutation("padding-mask-ignored", "attention/fwd.cuh",
+             "if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;",
+             "if (KIND == kAny && kpm && kj >= p.Lk) x = -INFINITY;", SHARED,
+             "forward: key padding ignored (keys past Lk still masked)"),
+    Mutation("gqa-head-index", "attention/fwd.cuh",
+             "const int hk = f.h / p.G;", "const int hk = f.h % p.G;", SHARED,
+             "forward: a query head reads the wrong KV head under GQA"),
+    Mutation("wrong-scale-dk", "attention/bwd.cuh",
+             "prim::from_float<BF16>(dk[j][2 * r + e] * p.scale);", "prim::from_float<BF16>(dk[j][2 * r + e]);",
+             SHARED, "dK without the softmax scale"),
+    Mutation("lse-off", "attention/fwd.cuh",
+             "p.lse[q_row(p, b, h, i)] = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;",
+             "p.lse[q_row(p, b, h, i)] = empty ? -INFINITY : (m + log2f(l) + 0.01f) * 0.6931471805599453f;", SHARED,
+             "the forward's log-sum-exp off by 0.007 (the backward reads it too)"),
+    Mutation("online-softmax-rescale", "attention/fwd.cuh",
+             "      acc[j][2 * r] *= alpha;\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
+             "forward: half of the output accumulators not rescaled when the row maximum grows"),
+    Mutation("delta-sign", "attention/bwd.cuh",
+             "dpt[j][e] = ok ? pt * (dp - s_delta[qr]) * dcap : 0.f;",
+             "dpt[j][e] = ok ? pt * (dp + s_delta[qr]) * dcap : 0.f;", SHARED,
+             "dK/dV: dS^T with the wrong sign of Delta"),
+    Mutation("dropout-counters-dkdv", "attention/bwd.cuh",
+             "const bool keep = dropout_keep(p, bh, i, kj);", "const bool keep = dropout_keep(p, bh, kj, i);",
+             DROPOUT, "dK/dV: the dropout counters of row and key swapped (not the forward's keep-mask)"),
+    Mutation("dropout-counters-dq", "attention/bwd.cuh",
+             "if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;",
+             "if (p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
+             "dQ: the dropout key counter one off"),
+    Mutation("barrier-fwd-k", "attention/fwd.cuh",
+             "    prim::sync_block();                                  // every warp is done reading K(t)\n", "",
+             BARRIERS, "forward: no barrier before K(t+1) overwrites K(t)"),
+    Mutation("barrier-fwd-v", "attention/fwd.cuh",
+             "    prim::sync_block();                                  // every warp is done reading V(t)\n", "",
+             BARRIERS, "forward: no barrier before V(t+1) overwrites V(t)"),
+    Mutation("barrier-dkdv", "attention/bwd.cuh",
+             "      prim::sync_block();                                // every warp is done with sQ, sdO, stats\n",
+             "", BARRIERS, "dK/dV: no barrier before the next query tile overwrites Q, dO and the row statistics"),
+    Mutation("barrier-dq", "attention/bwd.cuh",
+             "    prim::sync_block();                                  // every warp is done with sK, sV\n", "",
+             BARRIERS, "dQ: no barrier before the next key tile overwrites K and V"),
+    Mutation("decode-padding-ignored", "attention/decode_kernels.cuh",
+             "if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;", "if (kpm && kj >= p.Lk) x = -INFINITY;",
+             DECODE_CASES + ("-k", "key-padding"), "decode: key padding ignored"),
+    Mutation("decode-wait-count", "attention/decode_kernels.cuh",
+             "prim::cp_async_wait<1>();                     // tile it has landed",
+             "prim::cp_async_wait<2>();                     // tile it has landed",
+             DECODE_CASES + ("-k", "dense or causal"), "decode: a wait count one too high (reads the tile in flight)"),
+    Mutation("decode-single-stage-wait", "attention/decode_kernels.cuh",
+             "prim::cp_async_wait<0>();                     // one stage",
+             "prim::cp_async_wait<1>();                     // one stage", DECODE_D256,
+             "decode, single-buffered (head dim 256 on a 99 KB GPU): the tile's copies not waited for"),
+    Mutation("swizzle-dropped", "common/tiles.cuh",
+             "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
+             (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),
+             "tiles without the XOR swizzle: still correct, 8-way bank conflicts (a speed bug)"),
+    Mutation("launch-optin-threshold", "attention/launch.cuh",
+             "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
+             "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "
+             "launch on a GPU", gpu_only=True),
+    Mutation("ptx-wait-group", "common/prims.cuh",
+             'asm volatile("cp.async.wait_group %0;\\n" ::"n"(N));',
+             'asm volatile("cp.async.wait_group %0;\\n" ::"n"(N + 1));', (),
+             "the PTX wait_group one too high: a race only real asynchronous copies show", gpu_only=True),
+]
+BY_ID: Dict[str, Mutation] = {m.id: m for m in MUTATIONS}
+# what CI runs: a removed barrier (bwd.cu rebuilt) and the decode's wait count (decode.cu), about 50 s of
+# CPU each; a mutation of common.cuh rebuilds every attention unit (the window bounds: the full run)
+FAST = ("barrier-dq", "decode-wait-count")
+
+
+class ListError(Exception):
+    """The mutation list no longer fits the sources, or the harness could not run."""
+
+
+def apply(m: Mutation, csrc: str) -> None:
+    """Applies `m` to the copy of csrc/ at `csrc`; ListError unless its pattern occurs exactly once."""
+    path = os.path.join(csrc, m.file)
+    if not os.path.exists(path):
+        raise ListError(f"{m.id}: {m.file} does not exist under csrc/")
+    with open(path) as f:
+        text = f.read()
+    n = text.count(m.old)
+    if n != 1:
+        raise ListError(f"{m.id}: its pattern occurs {n} times in csrc/{m.file} (must be exactly once): "
+                        f"{m.old.strip()!r}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def _env(csrc: str) -> dict:
+    env = dict(os.environ, EFFATTN_CSRC=csrc, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               COLUMNS="400")                   # pytest's summary lines keep the failure's message
+    env.pop("EFFATTN_CUDA_EMU", None)
+    return env
+
+
+def build(csrc: str) -> None:
+    """Builds the emulated kernels of the copy at `csrc` (ListError with the compiler's message)."""
+    res = subprocess.run([sys.executable, "-c", "from effattn.backends.cuda import _ext; _ext.build_kernels()"],
+                         cwd=ROOT, env=_env(csrc), capture_output=True, text=True)
+    if res.returncode:
+        raise ListError(f"the mutated sources do not compile:\n{res.stderr[-3000:]}")
+
+
+_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
+
+
+class Result(NamedTuple):
+    mutation: Mutation
+    status: str                # "caught", "ESCAPED", "gpu-only"
+    detail: str
+    seconds: float
+
+
+def run_one(m: Mutation, timeout: float = 900) -> Result:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"effattn-mutant-{m.id}-") as tmp:
+        csrc = os.path.join(tmp, "csrc")
+        shutil.copytree(CSRC, csrc, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+        apply(m, csrc)
+        if m.gpu_only:
+            return Result(m, "gpu-only", "pattern applies; the emulation does not compile this code",
+                          time.perf_counter() - start)
+        build(csrc)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "--no-header", "-p", "no:randomly", *m.tests]
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, env=_env(csrc), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ListError(f"{m.id}: its tests ran past {timeout:.0f} s") from None
+    seconds = time.perf_counter() - start
+    out = res.stdout + res.stderr
+    if res.returncode == 0:
+        return Result(m, "ESCAPED", "every test passed", seconds)
+    if res.returncode != 1:     # 2: interrupted / collection error, 4: usage, 5: no tests ran
+        raise ListError(f"{m.id}: pytest exited with {res.returncode} (not a test failure):\n{out[-3000:]}")
+    hit = _FAILED.search(out)
+    detail = f"{hit.group(2)}: {(hit.group(3) or '').strip()}" if hit else out.strip().splitlines()[-1]
+    return Result(m, "caught", detail[:300], seconds)
+
+
+def run(ids: Sequence[str], out=sys.stdout) -> List[Result]:
+    """Runs the mutations `ids` one after another, printing a line per mutation."""
+    results = []
+    for i in ids:
+        r = run_one(BY_ID[i])
+        results.append(r)
+        print(f"{r.status:8s} {r.mutation.id:30s} {r.seconds:6.1f} s  {r.detail}", file=out, flush=True)
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ids", nargs="*", help="mutations to run (default: all)")
+    ap.add_argument("--fast", action="store_true", help=f"only the CI subset {FAST}")
+    ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.id:30s} {m.file:32s} {'GPU-only ' if m.gpu_only else ''}{m.what}")
+        return 0
+    unknown = [i for i in args.ids if i not in BY_ID]
+    if unknown:
+        print(f"unknown mutations {unknown}; known: {sorted(BY_ID)}", file=sys.stderr)
+        return 2
+    ids = list(FAST) if args.fast else (args.ids or [m.id for m in MUTATIONS])
+    try:
+        results = run(ids)
+    except ListError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    escaped = [r.mutation.id for r in results if r.status == "ESCAPED"]
+    caught = sum(r.status == "caught" for r in results)
+    gpu = sum(r.status == "gpu-only" for r in results)
+    print(f"\n{caught} of {len(results) - gpu} caught by the emulation tests; {gpu} GPU-only; "
+          f"escaped: {', '.join(escaped) or 'none'}")
+    return 1 if escaped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

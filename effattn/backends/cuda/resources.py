@@ -1,0 +1,150 @@
+"""What the CUDA kernels ask of a GPU at launch, and whether a device has it.
+
+A kernel launches only if its block fits one SM: its dynamic shared memory within the device's
+opt-in shared memory per block, its 128 threads x registers within the registers of an SM. The
+capability check of the rows ``cuda/prefill`` and ``cuda/decode`` reads both from
+``torch.cuda.get_device_properties`` (``shared_memory_per_block_optin``,
+``regs_per_multiprocessor``), so a kernel that cannot launch on a device is never ranked there, and
+``effattn.explain`` says why.
+
+The shared-memory sizes are those of csrc/'s tile configurations (FwdConfig, BwdConfig,
+FwdSm90Config in csrc/attention/*.cuh, ``decode_smem_bytes`` in csrc/attention/decode.h): the
+tests set the emulation's limit (``emu_smem_limit``) one byte under each size here and read the
+size the launch asks for from the emulator's refusal, so the two cannot drift apart. Registers are
+bounded by ptxas's cap of 255 per thread (the offline build tests check every kernel under it; the
+actual counts are lower).
+
+On CPU tensors (the emulation) the device is the emulated one: its opt-in shared memory is the
+emulator's limit (an H100's 227 KB unless a test lowers it with `set_emulated_smem`), 64 K registers
+per SM.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+THREADS = 128            # every attention kernel's block (csrc/attention/launch.cuh, decode.cu)
+MAX_REGISTERS = 255      # per thread: ptxas's cap (tests/backends/cuda/test_cuda_build.py checks each kernel)
+
+# Opt-in shared memory per block by compute capability, for a torch whose device properties lack
+# shared_memory_per_block_optin (CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability"); other capabilities: 99 KB, the smallest of sm_80 and newer
+_OPTIN_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+                        (10, 3): 227 * 1024}
+_OPTIN_DEFAULT = 99 * 1024
+
+
+class Limits(NamedTuple):
+    """What one block may use on a device."""
+    name: str                 # "NVIDIA H100 80GB HBM3 (sm_90)", "the emulated GPU"
+    smem_per_block: int       # bytes of shared memory per block, opt-in
+    regs_per_sm: int          # 32-bit registers per SM
+
+
+class Need(NamedTuple):
+    """One kernel's launch requirements."""
+    kernel: str
+    smem: int                 # bytes of dynamic shared memory per block
+    threads: int = THREADS
+
+
+# ----------------------------------------------------------------------- the kernels' shared memory
+
+def fwd_smem(hd: int) -> int:
+    """The mma.sync forward (FwdConfig): Q (64 rows), K and V tiles (64 keys, 32 at head dim 256)."""
+    bn = 32 if hd >= 256 else 64
+    return (64 + 2 * bn) * hd * 2
+
+
+def dkdv_smem(hd: int) -> int:
+    """The dK/dV pass (BwdConfig::kDkdvSmem): K, V (64 keys), Q, dO (64 rows, 32 from head dim 128),
+    and the rows' lse and Delta."""
+    bm = 32 if hd >= 128 else 64
+    return (2 * 64 + 2 * bm) * hd * 2 + 2 * bm * 4
+
+
+def dq_smem(hd: int) -> int:
+    """The dQ pass (BwdConfig::kDqSmem): Q, dO (64 rows), K, V (64 keys, 32 at head dim 256)."""
+    bn = 32 if hd >= 256 else 64
+    return (2 * 64 + 2 * bn) * hd * 2
+
+
+def hopper_smem(hd: int) -> int:
+    """The Hopper forward (FwdSm90Config): Q, K, V tiles of 64 rows and 1 KB to align them."""
+    return 3 * 64 * hd * 2 + 1024
+
+
+def decode_smem(hd: int, stages: int) -> int:
+    """The split-KV decode kernel (decode.h decode_smem_bytes): 16 packed query rows and `stages`
+    pairs of K and V tiles of 64 keys."""
+    return (16 + stages * 2 * 64) * hd * 2
+
+
+DECODE_STAGES = {32: (2,), 64: (2,), 128: (2,), 256: (2, 1)}   # instances per bucket, preferred first
+
+
+# ------------------------------------------------------------------------------------- the device
+
+_LIMITS: Dict[Tuple[str, Optional[int]], Limits] = {}
+
+
+def set_emulated_smem(nbytes: int) -> int:
+    """Sets the emulated device's opt-in shared memory per block (the emulator refuses larger launches,
+    the capability check reads it) and returns the previous value."""
+    from . import _ext
+    before = int(_ext.ops(torch.device("cpu")).emu_smem_limit(nbytes))
+    _LIMITS.pop(("cpu", None), None)
+    return before
+
+
+def device_limits(device: torch.device) -> Limits:
+    """The launch limits of `device` (read once per device; torch.compile traces the cached value): a
+    GPU's properties, or on CPU tensors the emulated device's (`set_emulated_smem`)."""
+    key = (device.type, device.index)
+    got = _LIMITS.get(key)
+    if got is not None:
+        return got
+    if device.type == "cpu":
+        from . import _ext
+        got = _LIMITS[key] = Limits("the emulated GPU", int(_ext.ops(device).emu_smem_limit(0)), 65536)
+        return got
+    props = torch.cuda.get_device_properties(device)
+    cc = (props.major, props.minor)
+    optin = getattr(props, "shared_memory_per_block_optin", None) or _OPTIN_BY_CAPABILITY.get(cc, _OPTIN_DEFAULT)
+    regs = getattr(props, "regs_per_multiprocessor", None) or 65536
+    got = _LIMITS[key] = Limits(f"{props.name} (sm_{cc[0]}{cc[1]})", int(optin), int(regs))
+    return got
+
+
+def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
+    """Why each kernel of `needs` cannot launch under `limits` (empty: all can)."""
+    why = []
+    for n in needs:
+        if n.smem > limits.smem_per_block:
+            why.append(f"the {n.kernel} kernel needs {n.smem} bytes of shared memory per block, {limits.name} "
+                       f"allows {limits.smem_per_block}")
+        if n.threads * MAX_REGISTERS > limits.regs_per_sm:
+            why.append(f"the {n.kernel} kernel may need {n.threads} x {MAX_REGISTERS} registers per block, "
+                       f"{limits.name} has {limits.regs_per_sm} per SM")
+    return why
+
+
+def prefill_needs(hd: int, hopper: bool, backward: bool) -> List[Need]:
+    """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
+    forward; with `backward`, the two backward passes)."""
+    needs = [Need("Hopper forward", hopper_smem(hd)) if hopper else Need("forward", fwd_smem(hd))]
+    if backward:
+        needs += [Need("dK/dV backward", dkdv_smem(hd)), Need("dQ backward", dq_smem(hd))]
+    return needs
+
+
+def decode_stages(hd: int, limits: Limits) -> Tuple[int, List[str]]:
+    """(K/V stages of the decode kernel at head-dim bucket `hd` on a device, []) for the deepest
+    pipeline that fits, or (0, why not) when none does."""
+    why: List[str] = []
+    for stages in DECODE_STAGES[hd]:
+        why = refusals([Need(f"{stages}-stage decode", decode_smem(hd, stages))], limits)
+        if not why:
+            return stages, []
+    return 0, why
