@@ -29,7 +29,8 @@ from .tiling import BLOCK_M, layout_lists
 def _register_fakes(ns: str) -> None:
     def fwd_fake(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, seed, scale,
                  dropout_p, window_left, window_right, softcap=0.0, alibi=None, sinks=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False):
+                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False, rel=None,
+                 rel_max=0, rel_bidir=True, span_z=None, span_ramp=1.0, bias=None):
         B, H, Lq, _ = q.shape
         return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
                 q.new_empty(B, H, Lq, dtype=torch.float32))
@@ -42,11 +43,17 @@ def _register_fakes(ns: str) -> None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @torch.library.register_fake(f"{ns}::attention_bwd_score")
-    def _(grad_out, grad_lse, q, k, v, *args):
+    def _(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout, layout_block, layout_check, lists, list_wf,
+          lists_by_key, listk_wf, seed, scale, dropout_p, window_left, window_right, softcap, alibi, sinks, alibi_grad,
+          rel=None, rel_max=0, rel_bidir=True, span_z=None, span_ramp=1.0, bias=None, bias_grad=False):
         B, H, Lq = q.shape[:3]
-        n = args[-1] and B
+        Lk, n_mt, f32 = k.shape[2], -(-Lq // BLOCK_M), torch.float32
+        width = (2 * rel_max + 1 if rel_bidir else rel_max + 1) if rel is not None else 0
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-                q.new_empty(n, H, -(-Lq // BLOCK_M), dtype=torch.float32))
+                q.new_empty(B if alibi_grad else 0, H, n_mt, dtype=f32),
+                q.new_empty(B if rel is not None else 0, H, n_mt, width, dtype=f32),
+                q.new_empty(B if span_z is not None else 0, H, n_mt, dtype=f32),
+                q.new_empty(B if bias_grad else 0, H, Lq if bias_grad else 0, Lk if bias_grad else 0, dtype=f32))
 
 
 _FAKES_DONE = set()
@@ -154,9 +161,11 @@ def _run(call):
 
 def _admits(call) -> List[str]:
     if call.score is not None and call.features() & PACKED_FEATURES:
-        return ["score terms (softcap, sinks, ALiBi) with packed sequences, positions or fp32 outputs: the CUDA "
-                "score-terms kernels take none of those (the score terms' ALiBi gradient is one partial per "
-                "(batch, head, query tile), not per segment)"]
+        return ["score terms with packed sequences, positions or fp32 outputs: the CUDA score-terms kernels take "
+                "none of those (the terms' parameter gradients are partials per (batch, head, query tile), not per "
+                "segment)"]
+    if call.score is not None and score_path.reasons(call):
+        return score_path.reasons(call)
     if call.dropout_p > 0 and call.drop_at() != (0, 0, 0, call.H):
         return ["dropout with positions: the CUDA kernels draw the keep-mask at the chunk's own rows, keys and "
                 "heads, not at its absolute positions (the torch and Triton backends do)"]
