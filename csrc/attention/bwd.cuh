@@ -27,6 +27,10 @@ struct BwdConfig {
   static constexpr int ACC = HD >= 256 ? HD / 2 : HD;   // gradient columns one block accumulates
   static constexpr int kSplit = HD / ACC;
   static constexpr int kDkdvSmem = (2 * BN + 2 * BM_KV) * HD * 2 + 2 * BM_KV * 4;
+  // the TERMS instance's dK/dV pass adds the tile's bias terms (fp32, query rows of BN + 4: no bank
+  // conflicts when a warp reads its S^T fragment)
+  static constexpr int kBiasStride = BN + 4;
+  static constexpr int kDkdvSmemTerms = kDkdvSmem + BM_KV * kBiasStride * 4;
   static constexpr int kDqSmem = (2 * BM + 2 * BN_DQ) * HD * 2;
   // the TERMS instance's dQ pass adds a tile of dT (fp32) and its diagonal sums (the table gradient)
   static constexpr int kDqSmemTerms = kDqSmem + BM * BN_DQ * 4 + 128 * 4;
@@ -104,7 +108,10 @@ EFFATTN_DEVICE void rel_tile_grad(const AttnParams& p, const float* sT, float* s
 }
 
 // TERMS: the instances with bias tensors (see attn_fwd_kernel); the dK/dV pass only adds them to the
-// scores it recomputes, and visits each query head's span window.
+// scores it recomputes, and visits each query head's span window. The terms of a (query tile, key
+// tile) pair are evaluated once into shared memory (s_bias, log2 units), by all threads before the
+// products, so that the element loop, where S^T, dP^T, dK and dV are all live, only reads them (computed
+// there, they took the head-dim 128 and 256 instances past 255 registers, with spills, on sm_80).
 template <int HD, bool BF16, bool TERMS = false>
 EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
@@ -118,6 +125,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   uint16_t* sdO = sQ + BM * HD;
   float* s_lse = reinterpret_cast<float*>(sdO + BM * HD);
   float* s_delta = s_lse + BM;
+  float* s_bias = s_delta + BM;                         // TERMS: [query row][key] of this pair of tiles
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -160,6 +168,12 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
       load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
       prim::cp_async_commit();
       load_row_stats(p, s_lse, s_delta, b, h, m0, BM);
+      if (TERMS) {
+        for (int idx = tid; idx < BM * BN; idx += 128) {
+          const int qr = idx / BN, c = idx % BN;
+          s_bias[qr * Cfg::kBiasStride + c] = bias_terms(p, br, m0 + qr, n0 + c) * 1.4426950408889634f;
+        }
+      }
       prim::cp_async_wait<0>();
       prim::sync_block();
 
@@ -185,7 +199,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           float dcap = 1.f;
           float x = score_log2(p, st[j][e], slope, i, kj, dcap);
-          if (TERMS) x += bias_terms(p, br, i, kj) * 1.4426950408889634f;
+          if (TERMS) x += s_bias[qr * Cfg::kBiasStride + kj - n0];
           const float pt = ok ? prim::exp2(x - s_lse[qr]) : 0.f;
           float dp = dpt[j][e];
           float pd = pt;
