@@ -31,6 +31,10 @@ struct BwdConfig {
   // conflicts when a warp reads its S^T fragment)
   static constexpr int kBiasStride = BN + 4;
   static constexpr int kDkdvSmemTerms = kDkdvSmem + BM_KV * kBiasStride * 4;
+  // ... and accumulates at most 64 columns of dK / dV per block from head dim 128 on (blockIdx.z picks
+  // them; S^T and dP^T are computed by each): with 128 the bias terms took sm_80 past 255 registers
+  static constexpr int ACC_TERMS = HD >= 128 ? 64 : ACC;
+  static constexpr int kSplitTerms = HD / ACC_TERMS;
   static constexpr int kDqSmem = (2 * BM + 2 * BN_DQ) * HD * 2;
   // the TERMS instance's dQ pass adds a tile of dT (fp32) and its diagonal sums (the table gradient)
   static constexpr int kDqSmemTerms = kDqSmem + BM * BN_DQ * 4 + 128 * 4;
@@ -115,7 +119,7 @@ EFFATTN_DEVICE void rel_tile_grad(const AttnParams& p, const float* sT, float* s
 template <int HD, bool BF16, bool TERMS = false>
 EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
-  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = Cfg::ACC;
+  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = TERMS ? Cfg::ACC_TERMS : Cfg::ACC;
   constexpr int NS = BM / 8;         // 8-wide query subtiles of S^T
   constexpr int NA = ACC / 8;        // 8-wide column subtiles of dK / dV
   EFFATTN_SMEM(smem);
@@ -244,8 +248,29 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   }
 }
 
+// The bias tensors' gradients from one (BM x BN) tile of dT in shared memory (sT; the tile's first row
+// m0, key n0): the dense bias's gradient, dT itself, written row by row (coalesced; block z 0 only);
+// returns this thread's sum of dT / ratio on the span's ramp (its elements in order). All threads,
+// after a barrier that follows every thread's writes of sT.
+template <int BM, int BN>
+EFFATTN_DEVICE float tile_bias_grads(const AttnParams& p, float z, const float* sT, int bh, int m0, int n0) {
+  float dz = 0.f;
+  for (int idx = prim::thread_x(); idx < BM * BN; idx += 128) {
+    const int i = m0 + idx / BN, kj = n0 + idx % BN;
+    const float dt = sT[idx];
+    if (p.dbias && i < p.Lq && kj < p.Lk && prim::block_z() == 0) p.dbias[(int64_t(bh) * p.Lq + i) * p.Lk + kj] = dt;
+    if (p.span_z) {                                    // on the ramp: d(log ratio) / dz = 1 / (ramp ratio)
+      const float ratio = span_ratio(p, z, i + p.off - kj);
+      if (ratio > 0.f && ratio <= 1.f) dz += dt / ratio;
+    }
+  }
+  return dz;
+}
+
 // TERMS: with bias tensors; besides dQ, the block writes its partial sums of the table's and the
-// span's gradients (drel, dspan) and its rows of dT (dbias), each slot written by this block only.
+// span's gradients (drel, dspan) and its rows of dT (dbias), each slot written by this block only:
+// dT goes to shared memory in the element loop, the gradients are taken from there after the tile's
+// dQ product (fewer registers live than in the loop).
 template <int HD, bool BF16, bool TERMS = false>
 EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
@@ -344,15 +369,7 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
           const int dd = i + p.off - kj;
           dslope += dt * float(dd < 0 ? -dd : dd);
         }
-        if (TERMS) {
-          if (p.span_z) {                                // on the ramp: d(log ratio) / dz = 1 / (ramp ratio)
-            const float ratio = span_ratio(p, br.z, i + p.off - kj);
-            if (ratio > 0.f && ratio <= 1.f) dz += dt / ratio;
-          }
-          if (p.drel) sT[(i - m0) * BN + kj - n0] = dt;
-          if (p.dbias && i < p.Lq && kj < p.Lk && prim::block_z() == 0)
-            p.dbias[(int64_t(bh) * p.Lq + i) * p.Lk + kj] = dt;
-        }
+        if (TERMS && (p.drel || p.dbias || p.dspan)) sT[(i - m0) * BN + kj - n0] = dt;
         s[j][e] = dt * dcap;                             // dS
       }
 
@@ -363,8 +380,11 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
       acc_to_a<BF16>(a, s, kk);
       mma_a_rows<HD, NA, BF16>(dq, a, sK, kk, c0 / 8, p.D);
     }
-    if (TERMS && p.drel)
-      rel_tile_grad<BM, BN>(p, sT, sD, p.drel + (int64_t(bh) * n_mt + mt) * p.rel_w, m0 + p.off - n0);
+    if (TERMS && (p.drel || p.dbias || p.dspan)) {
+      prim::sync_block();                                // every thread's dT has landed
+      dz += tile_bias_grads<BM, BN>(p, br.z, sT, bh, m0, n0);
+      if (p.drel) rel_tile_grad<BM, BN>(p, sT, sD, p.drel + (int64_t(bh) * n_mt + mt) * p.rel_w, m0 + p.off - n0);
+    }
     prim::sync_block();                                  // every warp is done with sK, sV
   }
   prim::cp_async_wait<0>();

@@ -74,8 +74,8 @@ int bwd(const AttnParams& p, prim::stream_t stream) {
   pk.list_t = p.listk_t;
   pk.list_wf = p.listk_wf;
   if (p.Lk > 0) {
-    err = launch(attn_dkdv_kernel<HD, BF16, TERMS>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), Cfg::kSplit,
-                 TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
+    err = launch(attn_dkdv_kernel<HD, BF16, TERMS>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)),
+                 TERMS ? Cfg::kSplitTerms : Cfg::kSplit, TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
     if (err) return err;
   }
   return launch(attn_dq_kernel<HD, BF16, TERMS>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
