@@ -271,8 +271,8 @@ EFFATTN_DEVICE float tile_bias_grads(const AttnParams& p, float z, const float* 
 // span's gradients (drel, dspan) and its rows of dT (dbias), each slot written by this block only:
 // dT goes to shared memory in the element loop, the gradients are taken from there after the tile's
 // dQ product (fewer registers live than in the loop).
-template <int HD, bool BF16, bool TERMS = false>
-EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
+template <int HD, bool BF16, bool TERMS>
+EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN_DQ, ACC = Cfg::ACC;
   constexpr int NS = BN / 8;
@@ -414,6 +414,18 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
         if (c < p.D) dqb[int64_t(i) * p.D + c] = prim::from_float<BF16>(dq[j][2 * r + e] * p.scale);
       }
   }
+}
+
+template <int HD, bool BF16, bool TERMS = false>
+EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
+  dq_pass<HD, BF16, TERMS>(params);
+}
+
+// The dQ pass with bias tensors: its own kernel, for one launch bound: with `EFFATTN_KERNEL`'s (128)
+// alone ptxas capped the head-dim 256 instance at 168 registers and spilled 32 bytes on sm_80.
+template <int HD, bool BF16>
+EFFATTN_KERNEL_1 attn_dq_terms_kernel(const AttnParams params) {
+  dq_pass<HD, BF16, true>(params);
 }
 
 }  // namespace effattn

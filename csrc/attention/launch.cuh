@@ -78,8 +78,12 @@ int bwd(const AttnParams& p, prim::stream_t stream) {
                  TERMS ? Cfg::kSplitTerms : Cfg::kSplit, TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
     if (err) return err;
   }
-  return launch(attn_dq_kernel<HD, BF16, TERMS>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
-                TERMS ? Cfg::kDqSmemTerms : Cfg::kDqSmem, stream, p);
+  if constexpr (TERMS)
+    return launch(attn_dq_terms_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
+                  Cfg::kDqSmemTerms, stream, p);
+  else
+    return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
+                  stream, p);
 }
 
 }  // namespace detail

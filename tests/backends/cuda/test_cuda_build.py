@@ -172,9 +172,10 @@ def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):
 
 
 def test_bias_tensor_instances_live_in_their_own_unit(compiled):
-    """The kernels with bias tensors (template flag TERMS, the last template argument) are compiled in
-    attention/terms.cu only, for every bucket and dtype, with tensor-core products; fwd.cu and bwd.cu
-    hold none (a call without those terms runs kernels without their code)."""
+    """The kernels with bias tensors (template flag TERMS, the last template argument; the dQ pass's is
+    attn_dq_terms_kernel) are compiled in attention/terms.cu only, for every bucket and dtype, with
+    tensor-core products; fwd.cu and bwd.cu hold none (a call without those terms runs kernels without
+    their code)."""
     report, obj = compiled["attention/terms.cu"]
     for arch in ARCHS:
         names = [e[1] for e in ptxas_entries(report) if e[0] == arch]
@@ -182,7 +183,7 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled):
         for hd in (32, 64, 128, 256):
             for bf16 in (0, 1):
                 for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
-                                     ("attn_dq_kernel", "ELb1EEEv")):
+                                     ("attn_dq_terms_kernel", "EEEv")):
                     want = f"{kernel}ILi{hd}ELb{bf16}{tail}"
                     assert sum(want in n for n in names) == 1, (arch, want)
         bodies = [b for b in sass_of(obj, arch).split("Function : ")[1:] if "attn_d" in b[:200] or "attn_f" in b[:200]]
