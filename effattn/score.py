@@ -112,6 +112,17 @@ def make_score_terms(fn: str, q: Tensor, k: Tensor, softcap=None, sinks=None, bi
     return ScoreTerms(softcap, sinks, terms)
 
 
+def several_of_a_kind(score: ScoreTerms, kinds, who: str):
+    """Reasons for a backend whose kernels take at most one bias term of each of `kinds`: one per kind
+    given more than once (``who``: the kernels, as the reason names them)."""
+    why = []
+    for kind in kinds:
+        n = sum(isinstance(t, kind) for t in score.terms)
+        if n > 1:
+            why.append(f"{n} bias terms of kind {kind.__name__} ({who} take one of each; sum them first)")
+    return why
+
+
 def dense_values(bias, B: int, H: int, Lq: int, Lk: int, device) -> Tensor:
     """The sum of the bias terms ``bias`` (as `attention` takes them) at every (query, key): float32
     ``(B or 1, H or 1, Lq, Lk)``, ``-inf`` where a span hides a key. For dense paths (O(Lq x Lk))."""

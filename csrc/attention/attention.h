@@ -78,7 +78,21 @@ struct AttnParams {
   int64_t alibi_b;               //   -slope * |pos(i) - j|; null: none
   const float* sinks;            // (H,) fp32 sink logits (natural units) in each row's normalizer; null: none
   float* dalibi;                 // backward: (B * H, n_query_tiles) fp32 partial sums of dT * |d| (null: not wanted)
+  // bias tensors: served by the kernel instances compiled with TERMS = true only (attention_fwd /
+  // attention_bwd route a call that has one of them there; has_bias_tensors). d = pos(i) - j.
+  const float* rel;              // relative table (H, rel_w) fp32 contiguous: adds rel[h, idx(d)], idx(d) =
+  int rel_w, rel_max, rel_bidir; //   clamp(d, -M, M) + M (bidirectional) or clamp(d, 0, M); M = rel_max; null: none
+  const float* span_z;           // adaptive span z (H,) fp32: adds log clamp((ramp + z[h] - d) / ramp, 0, 1), keys
+  float span_ramp;               //   with d >= z[h] + ramp invisible (and their tiles skipped per head); null: none
+  const float* bias;             // dense bias fp32 at (b, h, i, j): bias[b * bias_b + h * bias_h + i * bias_q + j *
+  int64_t bias_b, bias_h, bias_q, bias_k;   // bias_k] (stride 0 along a broadcast dimension); null: none
+  float* drel;                   // backward: (B * H, n_query_tiles, rel_w) fp32 partial sums of dT per table entry
+  float* dspan;                  // backward: (B * H, n_query_tiles) fp32 partial sums of dT / ratio on the ramp
+  float* dbias;                  // backward: (B, H, Lq, Lk) fp32 contiguous, dT (zero where no tile was visited)
 };
+
+// Whether a call has a relative table, an adaptive span or a dense bias (the TERMS instances).
+inline bool has_bias_tensors(const AttnParams& p) { return p.rel || p.span_z || p.bias; }
 
 // Head-dim buckets: the kernels are compiled for max(D, Dv) rounded up to one of these.
 constexpr int kHeadDimBuckets[] = {32, 64, 128, 256};
@@ -93,6 +107,10 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
+// The instances with bias tensors (terms.cu: the mma.sync forward of mask kind kAny and the backward,
+// compiled with TERMS = true); attention_fwd / attention_bwd call them when has_bias_tensors(p).
+int attention_fwd_terms(const AttnParams& p, bool bf16, void* stream);
+int attention_bwd_terms(const AttnParams& p, bool bf16, void* stream);
 // The Hopper forward (fwd_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
 // no sm_90a code). Only for devices of compute capability 9.0.
 int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);

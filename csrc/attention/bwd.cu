@@ -21,6 +21,7 @@ int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
 int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {
   const auto stream = static_cast<prim::stream_t>(stream_ptr);
   if (p.Lq == 0 || p.B * p.H == 0) return 0;
+  if (has_bias_tensors(p)) return attention_bwd_terms(p, bf16, stream_ptr);   // terms.cu
   return bf16 ? dispatch_bwd<true>(p, stream) : dispatch_bwd<false>(p, stream);
 }
 

@@ -27,7 +27,17 @@ struct BwdConfig {
   static constexpr int ACC = HD >= 256 ? HD / 2 : HD;   // gradient columns one block accumulates
   static constexpr int kSplit = HD / ACC;
   static constexpr int kDkdvSmem = (2 * BN + 2 * BM_KV) * HD * 2 + 2 * BM_KV * 4;
+  // the TERMS instance's dK/dV pass adds the tile's bias terms (fp32, query rows of BN + 4: no bank
+  // conflicts when a warp reads its S^T fragment)
+  static constexpr int kBiasStride = BN + 4;
+  static constexpr int kDkdvSmemTerms = kDkdvSmem + BM_KV * kBiasStride * 4;
+  // ... and accumulates at most 64 columns of dK / dV per block from head dim 128 on (blockIdx.z picks
+  // them; S^T and dP^T are computed by each): with 128 the bias terms took sm_80 past 255 registers
+  static constexpr int ACC_TERMS = HD >= 128 ? 64 : ACC;
+  static constexpr int kSplitTerms = HD / ACC_TERMS;
   static constexpr int kDqSmem = (2 * BM + 2 * BN_DQ) * HD * 2;
+  // the TERMS instance's dQ pass adds a tile of dT (fp32) and its diagonal sums (the table gradient)
+  static constexpr int kDqSmemTerms = kDqSmem + BM * BN_DQ * 4 + 128 * 4;
 };
 
 // Delta, one warp per row. Grid: ceil(Lq / 16) * B * H blocks of 4 warps, 4 rows per warp.
@@ -73,10 +83,43 @@ EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_d
   }
 }
 
-template <int HD, bool BF16>
+// The relative table's gradient from one (BM x BN) tile of dT (sT, row-major; d00: the distance of its
+// (0, 0)): sums along the tile's BM + BN - 1 diagonals (one thread each, rows in order) into sD, then
+// one thread per table entry adds the sums of the diagonals that clamp to it, in order, to `part`
+// (this block's own slots of the partial sums: no other block writes them). All 128 threads; sT
+// written before the call's first barrier.
+template <int BM, int BN>
+EFFATTN_DEVICE void rel_tile_grad(const AttnParams& p, const float* sT, float* sD, float* part, int d00) {
+  static_assert(BM + BN - 1 <= 128, "one thread per diagonal");
+  constexpr int ND = BM + BN - 1;
+  const int t = prim::thread_x();
+  prim::sync_block();                                  // every thread's dT has landed
+  if (t < ND) {
+    const int dd = t - (BN - 1);                       // row - column along diagonal t
+    float acc = 0.f;
+    for (int r = imax(dd, 0); r < imin(BM, BN + dd); ++r) acc += sT[r * BN + r - dd];
+    sD[t] = acc;
+  }
+  prim::sync_block();
+  if (t < ND) {
+    const int e = rel_index(p, d00 + t - (BN - 1));
+    if (t == 0 || rel_index(p, d00 + t - BN) != e) {   // the first diagonal of entry e
+      float sum = 0.f;
+      for (int u = t; u < ND && rel_index(p, d00 + u - (BN - 1)) == e; ++u) sum += sD[u];
+      if (prim::block_z() == 0) part[e] += sum;
+    }
+  }
+}
+
+// TERMS: the instances with bias tensors (see attn_fwd_kernel); the dK/dV pass only adds them to the
+// scores it recomputes, and visits each query head's span window. The terms of a (query tile, key
+// tile) pair are evaluated once into shared memory (s_bias, log2 units), by all threads before the
+// products, so that the element loop, where S^T, dP^T, dK and dV are all live, only reads them (computed
+// there, they took the head-dim 128 and 256 instances past 255 registers, with spills, on sm_80).
+template <int HD, bool BF16, bool TERMS = false>
 EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
-  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = Cfg::ACC;
+  constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = TERMS ? Cfg::ACC_TERMS : Cfg::ACC;
   constexpr int NS = BM / 8;         // 8-wide query subtiles of S^T
   constexpr int NA = ACC / 8;        // 8-wide column subtiles of dK / dV
   EFFATTN_SMEM(smem);
@@ -86,6 +129,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   uint16_t* sdO = sQ + BM * HD;
   float* s_lse = reinterpret_cast<float*>(sdO + BM * HD);
   float* s_delta = s_lse + BM;
+  float* s_bias = s_delta + BM;                         // TERMS: [query row][key] of this pair of tiles
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -113,17 +157,27 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
 
   for (int h = hk * p.G; h < (hk + 1) * p.G; ++h) {
     const int bh = b * p.H + h;
+    AttnParams span_p = p;                              // TERMS: head h's window with its span
+    if (TERMS) tighten_to_span(span_p, h);
+    const AttnParams& pw = TERMS ? span_p : p;
+    const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
     const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l;
     const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l;
     const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
     const float slope = alibi_slope(p, b, h);
-    const Schedule sched = query_schedule(p, p.lists, h, nt, BM, BN);
+    const Schedule sched = query_schedule(pw, p.lists, h, nt, BM, BN);
     for (int it = 0; it < sched.count(); ++it) {
       const int m0 = sched.tile(it) * BM;
       load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
       load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
       prim::cp_async_commit();
       load_row_stats(p, s_lse, s_delta, b, h, m0, BM);
+      if (TERMS) {
+        for (int idx = tid; idx < BM * BN; idx += 128) {
+          const int qr = idx / BN, c = idx % BN;
+          s_bias[qr * Cfg::kBiasStride + c] = bias_terms(p, br, m0 + qr, n0 + c) * 1.4426950408889634f;
+        }
+      }
       prim::cp_async_wait<0>();
       prim::sync_block();
 
@@ -145,10 +199,12 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           const int kj = key0 + 8 * (e >> 1);
           const int qr = 8 * j + 2 * t4 + (e & 1);      // query row within the tile
           const int i = m0 + qr;
-          bool ok = !masked || visible(p, lay, i, kj);
+          bool ok = !masked || visible(pw, lay, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           float dcap = 1.f;
-          const float pt = ok ? prim::exp2(score_log2(p, st[j][e], slope, i, kj, dcap) - s_lse[qr]) : 0.f;
+          float x = score_log2(p, st[j][e], slope, i, kj, dcap);
+          if (TERMS) x += s_bias[qr * Cfg::kBiasStride + kj - n0];
+          const float pt = ok ? prim::exp2(x - s_lse[qr]) : 0.f;
           float dp = dpt[j][e];
           float pd = pt;
           if (p.dropout) {
@@ -192,8 +248,31 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   }
 }
 
-template <int HD, bool BF16>
-EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
+// The bias tensors' gradients from one (BM x BN) tile of dT in shared memory (sT; the tile's first row
+// m0, key n0): the dense bias's gradient, dT itself, written row by row (coalesced; block z 0 only);
+// returns this thread's sum of dT / ratio on the span's ramp (its elements in order). All threads,
+// after a barrier that follows every thread's writes of sT.
+template <int BM, int BN>
+EFFATTN_DEVICE float tile_bias_grads(const AttnParams& p, float z, const float* sT, int bh, int m0, int n0) {
+  float dz = 0.f;
+  for (int idx = prim::thread_x(); idx < BM * BN; idx += 128) {
+    const int i = m0 + idx / BN, kj = n0 + idx % BN;
+    const float dt = sT[idx];
+    if (p.dbias && i < p.Lq && kj < p.Lk && prim::block_z() == 0) p.dbias[(int64_t(bh) * p.Lq + i) * p.Lk + kj] = dt;
+    if (p.span_z) {                                    // on the ramp: d(log ratio) / dz = 1 / (ramp ratio)
+      const float ratio = span_ratio(p, z, i + p.off - kj);
+      if (ratio > 0.f && ratio <= 1.f) dz += dt / ratio;
+    }
+  }
+  return dz;
+}
+
+// TERMS: with bias tensors; besides dQ, the block writes its partial sums of the table's and the
+// span's gradients (drel, dspan) and its rows of dT (dbias), each slot written by this block only:
+// dT goes to shared memory in the element loop, the gradients are taken from there after the tile's
+// dQ product (fewer registers live than in the loop).
+template <int HD, bool BF16, bool TERMS>
+EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN_DQ, ACC = Cfg::ACC;
   constexpr int NS = BN / 8;
@@ -203,12 +282,14 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
   uint16_t* sdO = sQ + BM * HD;
   uint16_t* sK = sdO + BM * HD;
   uint16_t* sV = sK + BN * HD;
+  float* sT = reinterpret_cast<float*>(sV + BN * HD);  // TERMS: a tile of dT and its diagonal sums
+  float* sD = sT + BM * BN;
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int n_mt = (params.Lq + BM - 1) / BM;          // query tiles per (b, h): the dalibi partials' stride
   GridTile gt = grid_tile(n_mt, params.H);
-  const AttnParams p = segment_view(params, gt);
+  const AttnParams p = block_view<TERMS>(params, gt);
   const int mt = gt.t, b = gt.b, h = gt.h, hk = h / p.G, bh = b * p.H + h;
   const int m0 = mt * BM;
   if (m0 >= p.Lq) return;                               // packed: past the segment's queries (uniform)
@@ -243,6 +324,8 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
   for (int j = 0; j < NA; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
   const float slope = alibi_slope(p, b, h);
   float dslope = 0.f;                                   // this thread's sum of dT * |d| (ALiBi's gradient)
+  float dz = 0.f;                                       // TERMS: its sum of dT / ratio on the span's ramp
+  const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
 
   const Schedule sched = key_schedule(p, h, mt, BM, BN);
   for (int it = 0; it < sched.count(); ++it) {
@@ -276,7 +359,9 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
         bool ok = !masked || visible(p, lay, i, kj);
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;
-        const float pr = ok ? prim::exp2(score_log2(p, s[j][e], slope, i, kj, dcap) - lse2[r]) : 0.f;
+        float x = score_log2(p, s[j][e], slope, i, kj, dcap);
+        if (TERMS) x += bias_terms(p, br, i, kj) * 1.4426950408889634f;
+        const float pr = ok ? prim::exp2(x - lse2[r]) : 0.f;
         float d = dp[j][e];
         if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
         const float dt = ok ? pr * (d - dlt[r]) : 0.f;   // dT (an ignored V row's NaN: 0, not 0 * NaN)
@@ -284,6 +369,7 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
           const int dd = i + p.off - kj;
           dslope += dt * float(dd < 0 ? -dd : dd);
         }
+        if (TERMS && (p.drel || p.dbias || p.dspan)) sT[(i - m0) * BN + kj - n0] = dt;
         s[j][e] = dt * dcap;                             // dS
       }
 
@@ -294,18 +380,25 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
       acc_to_a<BF16>(a, s, kk);
       mma_a_rows<HD, NA, BF16>(dq, a, sK, kk, c0 / 8, p.D);
     }
+    if (TERMS && (p.drel || p.dbias || p.dspan)) {
+      prim::sync_block();                                // every thread's dT has landed
+      dz += tile_bias_grads<BM, BN>(p, br.z, sT, bh, m0, n0);
+      if (p.drel) rel_tile_grad<BM, BN>(p, sT, sD, p.drel + (int64_t(bh) * n_mt + mt) * p.rel_w, m0 + p.off - n0);
+    }
     prim::sync_block();                                  // every warp is done with sK, sV
   }
   prim::cp_async_wait<0>();
 
-  if (p.dalibi) {                                        // this block's sum of dT * |d|, in a fixed order
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) dslope += prim::shfl_xor_f(dslope, m);
-    float* red = reinterpret_cast<float*>(smem);
-    prim::sync_block();                                  // every thread's copies landed, tiles read
-    if (lane == 0) red[warp] = dslope;
-    prim::sync_block();
-    if (tid == 0 && prim::block_z() == 0) p.dalibi[int64_t(bh) * n_mt + mt] = ((red[0] + red[1]) + red[2]) + red[3];
+  // this block's sums of dT * |d| and (TERMS) of the span's terms, in a fixed order (block_sum's
+  // first barrier: every thread's copies landed, tiles read)
+  float* red = reinterpret_cast<float*>(smem);
+  if (p.dalibi) {
+    const float sum = block_sum(dslope, red);
+    if (tid == 0 && prim::block_z() == 0) p.dalibi[int64_t(bh) * n_mt + mt] = sum;
+  }
+  if (TERMS && p.dspan) {
+    const float sum = block_sum(dz, red + 4);
+    if (tid == 0 && prim::block_z() == 0) p.dspan[int64_t(bh) * n_mt + mt] = sum;
   }
 
   uint16_t* dqb = static_cast<uint16_t*>(p.dq) + q_row(p, b, h, 0) * p.D;
@@ -321,6 +414,18 @@ EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
         if (c < p.D) dqb[int64_t(i) * p.D + c] = prim::from_float<BF16>(dq[j][2 * r + e] * p.scale);
       }
   }
+}
+
+template <int HD, bool BF16, bool TERMS = false>
+EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
+  dq_pass<HD, BF16, TERMS>(params);
+}
+
+// The dQ pass with bias tensors: its own kernel, for one launch bound: with `EFFATTN_KERNEL`'s (128)
+// alone ptxas capped the head-dim 256 instance at 168 registers and spilled 32 bytes on sm_80.
+template <int HD, bool BF16>
+EFFATTN_KERNEL_1 attn_dq_terms_kernel(const AttnParams params) {
+  dq_pass<HD, BF16, true>(params);
 }
 
 }  // namespace effattn

@@ -197,6 +197,76 @@ EFFATTN_DEVICE float score_log2(const AttnParams& p, float x, float slope, int i
   return s * 1.4426950408889634f;
 }
 
+// Bias tensors (relative table, adaptive span, dense bias): only the kernel instances compiled with
+// TERMS = true evaluate them (has_bias_tensors). What one (b, h) reads of them:
+struct BiasRow {
+  const float* rel;              // the head's table row (null: no table)
+  float z;                       // the head's span z (with span_z)
+  const float* dense;            // the (b, h) base of the dense bias (null: none)
+};
+
+EFFATTN_DEVICE BiasRow bias_row(const AttnParams& p, int b, int h) {
+  BiasRow r;
+  r.rel = p.rel ? p.rel + int64_t(h) * p.rel_w : nullptr;
+  r.z = p.span_z ? p.span_z[h] : 0.f;
+  r.dense = p.bias ? p.bias + b * p.bias_b + h * p.bias_h : nullptr;
+  return r;
+}
+
+// The relative table's entry for distance d: clamp(d, -M, M) + M (bidirectional) or clamp(d, 0, M).
+EFFATTN_DEVICE int rel_index(const AttnParams& p, int d) {
+  return p.rel_bidir ? imin(imax(d, -p.rel_max), p.rel_max) + p.rel_max : imin(imax(d, 0), p.rel_max);
+}
+
+// The adaptive span's (ramp + z - d) / ramp: the key is visible iff > 0, on the ramp iff in (0, 1].
+EFFATTN_DEVICE float span_ratio(const AttnParams& p, float z, int d) {
+  return (p.span_ramp + z - float(d)) / p.span_ramp;
+}
+
+// The bias tensors' sum at query i, key j in natural units; -inf beyond the span. The dense bias is
+// read only inside [0, Lq) x [0, Lk) (a full tile's rows may run past Lq).
+EFFATTN_DEVICE float bias_terms(const AttnParams& p, const BiasRow& br, int i, int j) {
+  const int d = i + p.off - j;
+  float t = 0.f;
+  if (br.rel) t += br.rel[rel_index(p, d)];
+  if (p.span_z) {
+    const float r = span_ratio(p, br.z, d);
+    t += r > 0.f ? logf(fminf(r, 1.f)) : -INFINITY;
+  }
+  if (br.dense && i < p.Lq && j < p.Lk) t += br.dense[int64_t(i) * p.bias_q + int64_t(j) * p.bias_k];
+  return t;
+}
+
+// Head h's window with its span: keys at d > z[h] + ramp are invisible, so the left bound becomes
+// floor(z[h] + ramp) and the schedules skip the key (query) tiles beyond it (per-head tile skipping).
+EFFATTN_DEVICE void tighten_to_span(AttnParams& p, int h) {
+  if (!p.span_z) return;
+  const float hz = p.span_z[h] + p.span_ramp;
+  if (!(hz < 1073741824.f)) return;                    // beyond any sequence: no bound
+  const int l = int(hz);
+  p.left = p.left < 0 ? l : imin(p.left, l);
+}
+
+// The params a block of a TERMS instance works on (segment_view, then head gt.h's span window);
+// without TERMS, segment_view's.
+template <bool TERMS>
+EFFATTN_DEVICE AttnParams block_view(const AttnParams& p0, GridTile& gt) {
+  AttnParams p = segment_view(p0, gt);
+  if (TERMS) tighten_to_span(p, gt.h);
+  return p;
+}
+
+// The sum of v over the block's 128 threads in a fixed order (lanes by a butterfly, then warps 0..3
+// through red[0..3] in shared memory); every thread gets it. All threads, between block syncs.
+EFFATTN_DEVICE float block_sum(float v, float* red) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v += prim::shfl_xor_f(v, m);
+  prim::sync_block();
+  if ((prim::thread_x() & 31) == 0) red[prim::thread_x() >> 5] = v;
+  prim::sync_block();
+  return ((red[0] + red[1]) + red[2]) + red[3];
+}
+
 // Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word.
 EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
 #pragma unroll

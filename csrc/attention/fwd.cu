@@ -24,6 +24,7 @@ int dispatch_fwd(const AttnParams& p, prim::stream_t stream) {
 int attention_fwd(const AttnParams& p, bool bf16, void* stream_ptr) {
   const auto stream = static_cast<prim::stream_t>(stream_ptr);
   if (p.Lq == 0 || p.B * p.H == 0) return 0;
+  if (has_bias_tensors(p)) return attention_fwd_terms(p, bf16, stream_ptr);   // terms.cu
   return bf16 ? dispatch_fwd<true>(p, stream) : dispatch_fwd<false>(p, stream);
 }
 

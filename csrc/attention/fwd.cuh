@@ -45,11 +45,11 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int B
 // (dropped entries 0), acc is rescaled, m_i / l_i updated. S and acc are in the m16n8 accumulator
 // layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment). KIND
 // (MaskKind) compiles out what the kernel instance never sees: every mask test for kDense, the
-// layout, key padding and dropout for kWindow.
-template <int KIND, int NS, int ND>
+// layout, key padding and dropout for kWindow. TERMS: the bias tensors of `br` join the scores.
+template <int KIND, bool TERMS = false, int NS, int ND>
 EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
                                  int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
-                                 float (&l_i)[2]) {
+                                 float (&l_i)[2], const BiasRow& br = BiasRow{}) {
   const int t4 = prim::thread_x() & 3;
 #pragma unroll
   for (int j = 0; j < NS; ++j)
@@ -58,6 +58,7 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
       const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
       float dcap;
       float x = score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
+      if (TERMS) x += bias_terms(p, br, i, kj) * 1.4426950408889634f;
       if (KIND != kDense && masked && !visible<KIND == kAny>(p, lay, i, kj)) x = -INFINITY;
       if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;
@@ -133,7 +134,8 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
   }
 }
 
-template <int HD, bool BF16, int KIND>
+// TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny).
+template <int HD, bool BF16, int KIND, bool TERMS = false>
 EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -147,7 +149,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2;
   GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
-  const AttnParams p = segment_view(params, gt);
+  const AttnParams p = block_view<TERMS>(params, gt);
   if (gt.t * BM >= p.Lq) return;                       // packed: past the segment's queries (uniform)
   const FwdBlock fb = fwd_block(p, gt, BM);
   const int b = fb.b, h = fb.h, bh = fb.bh, mt = fb.mt, m0 = fb.m0;
@@ -168,6 +170,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
   const int row0 = m0 + warp * 16 + g;                  // this thread's rows: row0, row0 + 8
   const float slope = alibi_slope(p, b, h);
+  const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
@@ -186,7 +189,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step<KIND>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i);
+    softmax_step<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();

@@ -55,7 +55,15 @@ int fwd(const AttnParams& p, prim::stream_t stream) {
                                                          Cfg::kSmemBytes, stream, p);
 }
 
+// The forward with bias tensors: one instance (mask kind kAny, TERMS).
 template <int HD, bool BF16>
+int fwd_terms(const AttnParams& p, prim::stream_t stream) {
+  using Cfg = FwdConfig<HD>;
+  return launch(attn_fwd_kernel<HD, BF16, kAny, true>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes,
+                stream, p);
+}
+
+template <int HD, bool BF16, bool TERMS = false>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;
   int err = launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
@@ -66,12 +74,16 @@ int bwd(const AttnParams& p, prim::stream_t stream) {
   pk.list_t = p.listk_t;
   pk.list_wf = p.listk_wf;
   if (p.Lk > 0) {
-    err = launch(attn_dkdv_kernel<HD, BF16>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), Cfg::kSplit,
-                 Cfg::kDkdvSmem, stream, pk);
+    err = launch(attn_dkdv_kernel<HD, BF16, TERMS>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)),
+                 TERMS ? Cfg::kSplitTerms : Cfg::kSplit, TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
     if (err) return err;
   }
-  return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
-                stream, p);
+  if constexpr (TERMS)
+    return launch(attn_dq_terms_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
+                  Cfg::kDqSmemTerms, stream, p);
+  else
+    return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
+                  stream, p);
 }
 
 }  // namespace detail

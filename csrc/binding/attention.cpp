@@ -36,6 +36,61 @@ void set_score(effattn::AttnParams& p, std::vector<Tensor>& keep, double softcap
   p.score = softcap > 0 || alibi.has_value() || sinks.has_value();
 }
 
+// The bias tensors of a call (the TERMS kernel instances): a relative table (H, >= width) with its
+// max_distance and direction, adaptive span z (H,) with its ramp, a dense bias (4-D, each dimension
+// the call's or 1: broadcast with stride 0). fp32 copies in `keep`.
+struct BiasTensors {
+  optional<Tensor> rel;
+  int64_t rel_max = 0;
+  bool rel_bidir = true;
+  optional<Tensor> span_z;
+  double span_ramp = 1.0;
+  optional<Tensor> bias;
+};
+
+void set_bias_tensors(effattn::AttnParams& p, std::vector<Tensor>& keep, const BiasTensors& bt, int64_t Lq,
+                      int64_t Lk) {
+  if (bt.rel.has_value()) {
+    check(bt.rel_max >= 0 && bt.rel_max < (int64_t(1) << 29), "rel_max must be in [0, 2^29)");
+    const int64_t w = bt.rel_bidir ? 2 * bt.rel_max + 1 : bt.rel_max + 1;
+    check(bt.rel->dim() == 2 && bt.rel->size(0) == p.H && bt.rel->size(1) >= w,
+          "rel (the relative table) must be (H, 2 * rel_max + 1) (bidirectional) or (H, rel_max + 1)");
+    const Tensor t = bt.rel->narrow(1, 0, w).to(at::kFloat).contiguous();
+    keep.push_back(t);
+    p.rel = t.data_ptr<float>();
+    p.rel_w = int(w), p.rel_max = int(bt.rel_max), p.rel_bidir = int(bt.rel_bidir);
+  }
+  if (bt.span_z.has_value()) {
+    check(std::isfinite(bt.span_ramp) && bt.span_ramp > 0, "span_ramp must be a finite float > 0");
+    const Tensor z = bt.span_z->to(at::kFloat).contiguous();
+    check(z.dim() == 1 && z.size(0) == p.H, "span_z must be (H,)");
+    keep.push_back(z);
+    p.span_z = z.data_ptr<float>();
+    p.span_ramp = float(bt.span_ramp);
+  }
+  if (bt.bias.has_value()) {
+    const Tensor& b0 = *bt.bias;
+    const int64_t full[4] = {p.B, p.H, Lq, Lk};
+    bool ok = b0.dim() == 4;
+    for (int d = 0; d < 4 && ok; ++d) ok = b0.size(d) == full[d] || b0.size(d) == 1;
+    check(ok, "bias (dense) must be 4-D, each dimension (B, H, Lq, Lk) or 1");
+    const Tensor b = b0.to(at::kFloat);
+    keep.push_back(b);
+    p.bias = b.data_ptr<float>();
+    p.bias_b = stride_or_0(b, 0), p.bias_h = stride_or_0(b, 1), p.bias_q = stride_or_0(b, 2);
+    p.bias_k = stride_or_0(b, 3);
+  }
+  if (effattn::has_bias_tensors(p)) p.score = 1;
+}
+
+BiasTensors bias_tensors_of(const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir, const optional<Tensor>& span_z,
+                            double span_ramp, const optional<Tensor>& bias) {
+  BiasTensors bt;
+  bt.rel = rel, bt.rel_max = rel_max, bt.rel_bidir = rel_bidir, bt.span_z = span_z, bt.span_ramp = span_ramp;
+  bt.bias = bias;
+  return bt;
+}
+
 // The packed-sequence / positions arguments of the ops' schemas, as a Varlen.
 Varlen varlen_of(const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
                  optional<int64_t> q_offset) {
@@ -49,12 +104,16 @@ std::tuple<Tensor, Tensor> forward(FwdLauncher launch, const Tensor& q, const Te
                                    int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
                                    const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
                                    int64_t right, double softcap, const optional<Tensor>& alibi,
-                                   const optional<Tensor>& sinks, const Varlen& vl, bool out_fp32) {
+                                   const optional<Tensor>& sinks, const Varlen& vl, bool out_fp32,
+                                   const BiasTensors& bt) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, c10::nullopt, 0, seed, scale,
                        dropout_p, left, right, vl);
   std::vector<Tensor> keep;
   set_score(r.p, keep, softcap, alibi, sinks);
+  set_bias_tensors(r.p, keep, bt, q.size(2), k.size(2));
+  check(!effattn::has_bias_tensors(r.p) || !r.p.cu_q,
+        "the bias tensors (rel, span_z, bias) cannot be combined with packed sequences (cu_seqlens)");
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)},
                          out_fp32 ? q.options().dtype(at::kFloat) : q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -76,10 +135,13 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          double dropout_p, int64_t left, int64_t right, double softcap,
                                          const optional<Tensor>& alibi, const optional<Tensor>& sinks,
                                          const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q,
-                                         int64_t max_k, optional<int64_t> q_offset, bool out_fp32) {
+                                         int64_t max_k, optional<int64_t> q_offset, bool out_fp32,
+                                         const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir,
+                                         const optional<Tensor>& span_z, double span_ramp,
+                                         const optional<Tensor>& bias) {
   return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
                  dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
-                 out_fp32);
+                 out_fp32, bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias));
 }
 
 // The Hopper (sm_90a, wgmma) forward: same arguments and results; head-dim buckets 64 and 128 only.
@@ -91,39 +153,59 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
                                               const optional<Tensor>& alibi, const optional<Tensor>& sinks,
                                               const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
                                               int64_t max_q, int64_t max_k, optional<int64_t> q_offset,
-                                              bool out_fp32) {
+                                              bool out_fp32, const optional<Tensor>& rel, int64_t rel_max,
+                                              bool rel_bidir, const optional<Tensor>& span_z, double span_ramp,
+                                              const optional<Tensor>& bias) {
   const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
   check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
   check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
   check(!cu_q.has_value() && !cu_k.has_value(),
         "the Hopper forward does not serve packed sequences (cu_seqlens_q / cu_seqlens_k): attention_fwd does");
+  check(!rel.has_value() && !span_z.has_value() && !bias.has_value(),
+        "the Hopper forward does not serve relative tables, adaptive span or dense bias tensors (rel, span_z, bias): "
+        "attention_fwd does");
   return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
                  scale, dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
-                 out_fp32);
+                 out_fp32, BiasTensors{});
 }
 
 bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
 
-// The backward with score terms and packed sequences; the 4th result: with `alibi_grad`, (B, H, query
-// tiles) fp32 partial sums of dT * |d| (the caller sums them over tiles and negates: ALiBi's slope
-// gradient), else empty. The ops below are its two entries: attention_bwd (packed, no score terms) and
-// attention_bwd_score (score terms, no packed sequences).
-std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
+// The score terms' gradients besides dq, dk, dv: with `alibi_grad`, (B, H, query tiles) fp32 partial
+// sums of dT * |d| (the caller sums them over tiles and negates: ALiBi's slope gradient); with a
+// relative table, (B, H, query tiles, width) partial sums of dT per entry; with a span, (B, H, query
+// tiles) partial sums of dT / ratio on the ramp (the caller divides by the ramp); with `bias_grad`,
+// dT (B, H, Lq, Lk) fp32 (the caller sums the broadcast dimensions). Empty when not asked for.
+struct TermGrads {
+  Tensor dalibi, drel, dspan, dbias;
+};
+
+// The backward with score terms and packed sequences. The ops below are its two entries: attention_bwd
+// (packed, no score terms) and attention_bwd_score (score terms, no packed sequences).
+std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
-    const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl) {
+    const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl, const BiasTensors& bt, bool bias_grad) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
                        scale, dropout_p, left, right, vl);
   effattn::AttnParams& p = r.p;
   std::vector<Tensor> keep;
   set_score(p, keep, softcap, alibi, sinks);
+  set_bias_tensors(p, keep, bt, q.size(2), k.size(2));
   check(!alibi_grad || alibi.has_value(), "alibi_grad needs alibi slopes");
+  check(!bias_grad || bt.bias.has_value(), "bias_grad needs a dense bias");
   const int64_t n_mt = (p.Lq + effattn::kBlockM - 1) / effattn::kBlockM;
-  Tensor dalibi = at::zeros({alibi_grad ? p.B : 0, p.H, n_mt}, q.options().dtype(at::kFloat));
+  const auto f32 = q.options().dtype(at::kFloat);
+  TermGrads tg;
+  tg.dalibi = at::zeros({alibi_grad ? p.B : 0, p.H, n_mt}, f32);
+  // the blocks add to (drel) or write (dspan, dbias) only the slots of the tiles they visit
+  tg.drel = at::zeros({p.rel ? p.B : 0, p.H, n_mt, p.rel ? p.rel_w : 0}, f32);
+  tg.dspan = at::zeros({p.span_z ? p.B : 0, p.H, n_mt}, f32);
+  tg.dbias = at::zeros({bias_grad ? p.B : 0, p.H, bias_grad ? p.Lq : 0, bias_grad ? p.Lk : 0}, f32);
   check(out0.scalar_type() == q.scalar_type() || out0.scalar_type() == at::kFloat,
         "out must have q's dtype or float32 (an fp32 forward output)");
   Tensor dout = aligned(dout0.to(q.scalar_type()));
@@ -155,24 +237,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     p.delta_out = delta.data_ptr<float>();
     p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     if (alibi_grad) {
-      poison(dalibi);
-      p.dalibi = dalibi.data_ptr<float>();
+      poison(tg.dalibi);
+      p.dalibi = tg.dalibi.data_ptr<float>();
     }
+    if (p.rel) p.drel = tg.drel.data_ptr<float>();
+    if (p.span_z) p.dspan = tg.dspan.data_ptr<float>();
+    if (bias_grad) p.dbias = tg.dbias.data_ptr<float>();
     run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
   }
   auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
-  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3)), dalibi};
+  return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3)), tg};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_bwd_score(
     const Tensor& dout, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
-    const optional<Tensor>& sinks, bool alibi_grad) {
-  return backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
-                  listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad, Varlen{});
+    const optional<Tensor>& sinks, bool alibi_grad, const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir,
+    const optional<Tensor>& span_z, double span_ramp, const optional<Tensor>& bias, bool bias_grad) {
+  auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
+                    listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad, Varlen{},
+                    bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias), bias_grad);
+  const TermGrads& tg = std::get<3>(g);
+  return {std::get<0>(g), std::get<1>(g), std::get<2>(g), tg.dalibi, tg.drel, tg.dspan, tg.dbias};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(
@@ -184,7 +273,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     int64_t max_q, int64_t max_k, optional<int64_t> q_offset) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
                     listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt, c10::nullopt, false,
-                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset));
+                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset), BiasTensors{}, false);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
@@ -194,8 +283,9 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
         "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, "
-        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, int? q_offset=None, bool out_fp32=False) "
-        "-> (Tensor, Tensor)");
+        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, int? q_offset=None, bool out_fp32=False, "
+        "Tensor? rel=None, int rel_max=0, bool rel_bidir=True, Tensor? span_z=None, float span_ramp=1., "
+        "Tensor? bias=None) -> (Tensor, Tensor)");
   m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
@@ -204,13 +294,15 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
   m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
         "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "
-        "int window_left, int window_right, float softcap, Tensor? alibi, Tensor? sinks, bool alibi_grad) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "int window_left, int window_right, float softcap, Tensor? alibi, Tensor? sinks, bool alibi_grad, "
+        "Tensor? rel=None, int rel_max=0, bool rel_bidir=True, Tensor? span_z=None, float span_ramp=1., "
+        "Tensor? bias=None, bool bias_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
         "int window_left, int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, "
         "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
-        "int? q_offset=None, bool out_fp32=False) -> (Tensor, Tensor)");
+        "int? q_offset=None, bool out_fp32=False, Tensor? rel=None, int rel_max=0, bool rel_bidir=True, "
+        "Tensor? span_z=None, float span_ramp=1., Tensor? bias=None) -> (Tensor, Tensor)");
   m.def("has_sm90a() -> bool", has_sm90a);
 }
 

@@ -26,6 +26,7 @@
 #define EFFATTN_DEVICE inline
 #define EFFATTN_KERNEL inline void
 #define EFFATTN_FWD_KERNEL inline void
+#define EFFATTN_KERNEL_1 inline void
 #define EFFATTN_SMEM(name) char* name = ::effattn::emu::cur_block()->smem
 #else
 #define EFFATTN_DEVICE __device__ __forceinline__
@@ -33,6 +34,8 @@
 // the mma.sync forward: at least 2 blocks per SM, the rest of the register file ptxas's (with 128
 // alone it capped every instance at 168 registers and spilled where the score terms join a mask kind)
 #define EFFATTN_FWD_KERNEL __global__ void __launch_bounds__(128, 2)
+// at least 1 block per SM: the whole register file ptxas's (kernels that need more than 168)
+#define EFFATTN_KERNEL_1 __global__ void __launch_bounds__(128, 1)
 #define EFFATTN_SMEM(name) extern __shared__ __align__(128) char name[]
 #endif
 

@@ -383,17 +383,51 @@ def _mpt_forward(backend, mask_blocks: bool):
     return forward
 
 
+# Falcon with ALiBi adds the bias slope[h] * (key position) scaled by 1 / sqrt(head_dim) once inside the
+# 4-D mask FalconModel builds (the mask then holds it where a key is visible, the dtype's min where
+# not) and, in its eager form, once more in the scores: twice in eager, once with "sdpa". The swapped
+# forward reads the mask's visibility and sends that sum as one ALiBi slope, with the slopes rounded
+# to bfloat16 as transformers' `build_alibi_tensor` rounds them.
+
+def _falcon_slopes(module, device):
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+    return build_alibi_tensor(torch.ones(1, 2, device=device), module.num_heads, torch.float32).view(-1, 2)[:, 1]
+
+
+def _falcon_forward(backend):
+    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                output_attentions=False, position_embeddings=None, **kwargs):
+        B, L, _ = hidden_states.shape
+        q, k, v = self._split_heads(self.query_key_value(hidden_states))
+        hkv = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+        q = q.transpose(1, 2).reshape(B, self.num_heads, L, self.head_dim)
+        k, v = (t.transpose(1, 2).reshape(B, hkv, L, self.head_dim) for t in (k, v))
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        mask, times = attention_mask, 0
+        if mask is not None and mask.dim() == 4 and mask.is_floating_point():
+            mask, times = mask > torch.finfo(mask.dtype).min / 2, 1       # its ALiBi part: the slope term
+        times += self.config._attn_implementation != "sdpa"               # eager: once more in the scores
+        slopes = times * self.inv_norm_factor * _falcon_slopes(self, q.device)
+        out, _ = attention_forward(self, q, k, v, mask, dropout=self.attention_dropout.p if self.training else 0.0,
+                                   scaling=self.inv_norm_factor, is_causal=True, alibi_slopes=slopes, backend=backend)
+        return self.dense(out.reshape(B, L, self.num_heads * self.head_dim)), None
+    return forward
+
+
 def swap_alibi_attention(model: torch.nn.Module, *, backend: str = "auto"):
-    """Serves the ALiBi attention of a loaded BLOOM or MPT model with effattn, in place, weights
-    kept: each ``BloomAttention`` / ``MptAttention`` gets a forward that runs :func:`attention_forward`
+    """Serves the ALiBi attention of a loaded BLOOM, MPT or Falcon (``alibi=True``) model with effattn,
+    in place, weights kept: each ``BloomAttention`` / ``MptAttention`` / ``FalconAttention`` gets a
+    forward that runs :func:`attention_forward`
     with the ALiBi slopes as a fused score term (``effattn.bias.ALiBi``, O(L) memory, no dense bias)
     and the model's mask read as for ``attn_implementation="effattn"``. Attention weights are not
-    returned (``None``). Works with the model loaded with ``"eager"`` (those models' only attention)
-    or ``"effattn"``.
+    returned (``None``). Works with the model loaded with ``"eager"`` (BLOOM's and MPT's only
+    attention) or ``"effattn"``; Falcon with ``"eager"`` or ``"sdpa"``, reproducing each: its eager
+    attention adds the ALiBi bias twice (in the scores and in the mask the model builds), its sdpa
+    attention once.
 
     Returns ``{"served": [module names], "not served": {module name: why}}``: modules computing
-    attention that effattn does not serve are named with the reason (Falcon's ALiBi attention, whose
-    eager form adds the bias once in the scores and again inside the mask the model builds).
+    attention that effattn does not serve are named with the reason.
     """
     names = ("auto",) + tuple(backend_registry.BACKENDS)
     if backend not in names:
@@ -412,9 +446,10 @@ def swap_alibi_attention(model: torch.nn.Module, *, backend: str = "auto"):
         elif kind == "MptAttention":
             m.forward = types.MethodType(_mpt_forward(backend, mask_blocks=impl in (None, "eager")), m)
         elif kind == "FalconAttention" and getattr(getattr(model, "config", None), "alibi", False):
-            not_served[name] = ("Falcon with ALiBi: its eager attention adds the ALiBi bias in the scores and again "
-                                "in the mask the model builds; not reproduced")
-            continue
+            if impl not in ("eager", "sdpa"):
+                not_served[name] = f"Falcon with ALiBi loaded with attn_implementation={impl!r} (eager or sdpa are)"
+                continue
+            m.forward = types.MethodType(_falcon_forward(backend), m)
         else:
             continue
         served.append(name)

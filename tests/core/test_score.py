@@ -361,15 +361,17 @@ def test_validation_errors_name_the_argument():
 
 
 def test_explain_names_the_missing_term():
-    """The CUDA backend declares softcap, sinks and ALiBi only: explain says which term it lacks; Triton
-    takes one term of each kind and says so for two."""
+    """The CUDA backend declares every score term (one relative table, span and dense bias per call:
+    tests/backends/cuda/test_cuda_score.py); the Triton backend takes one term of each kind and
+    explain says so for two."""
     from effattn.backends import base
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     e = effattn.explain(q, k, v, softcap=1.0, bias=ALiBi(torch.ones(2)))
     assert e.can_serve("torch") and "score terms" in e.paths["torch"]
     cuda = base._REGISTRY["attention"].get("cuda")
     if cuda is not None:
-        assert "does not support bias=span" in "; ".join(cuda.reasons(effattn._call.make_attn_call(
+        assert base.SCORE_FEATURES <= cuda.paths[0].caps.features
+        assert "does not support" not in "; ".join(cuda.reasons(effattn._call.make_attn_call(
             q, k, v, softcap=1.0, bias=[ALiBi(torch.ones(2)), Span(torch.ones(2), ramp=2, max_span=4)])))
     if KERNELS:
         two = [ALiBi(torch.ones(2)), ALiBi(torch.ones(2))]

@@ -40,6 +40,9 @@ HOPPER_KERNELS = 4 * MASK_KINDS
 HOPPER_MAX_REGISTERS = 192
 # linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
 LINEAR_KERNELS = 9
+# attention/terms.cu: the instances with bias tensors (TERMS): per bucket and dtype the forward (kAny),
+# dK/dV and dQ, plus the 2 Delta kernels
+TERMS_KERNELS = 4 * 2 * 3 + 2
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -173,6 +176,31 @@ def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):
                 if kind == 0:
                     anyk = bodies[name.replace("ELi0E", "ELi2E")]
                     assert 3 * body.count("\n") < 2 * anyk.count("\n"), (arch, name)
+
+
+def test_bias_tensor_instances_live_in_their_own_unit(compiled):
+    """The kernels with bias tensors (template flag TERMS, the last template argument; the dQ pass's is
+    attn_dq_terms_kernel) are compiled in attention/terms.cu only, for every bucket and dtype, with
+    tensor-core products; fwd.cu and bwd.cu hold none (a call without those terms runs kernels without
+    their code)."""
+    report, obj = compiled["attention/terms.cu"]
+    for arch in ARCHS:
+        names = [e[1] for e in ptxas_entries(report) if e[0] == arch]
+        assert len(names) == TERMS_KERNELS, (arch, len(names))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
+                                     ("attn_dq_terms_kernel", "EEEv")):
+                    want = f"{kernel}ILi{hd}ELb{bf16}{tail}"
+                    assert sum(want in n for n in names) == 1, (arch, want)
+        bodies = [b for b in sass_of(obj, arch).split("Function : ")[1:] if "attn_d" in b[:200] or "attn_f" in b[:200]]
+        for body in bodies:
+            if "attn_delta_kernel" not in body.split("\n", 1)[0]:
+                assert "HMMA.16816.F32" in body and "LDSM.16.M88.4" in body, arch
+    for src in SOFTMAX:
+        for e in ptxas_entries(compiled[src][0]):
+            if "attn_delta_kernel" not in e[1]:
+                assert "Lb0EEEv" in e[1], e[1]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 128-byte-swizzled shared memory, sm_90a) or the FA2-class mma.sync one (csrc/attention/fwd.cuh).
 
 The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128), bf16 and fp16,
-every mask (not packed sequences: the mma.sync forward serves those), on a GPU of compute capability 9.0 when the extension was built with sm_90a code
+every mask and the score terms softcap, sinks and ALiBi (not packed sequences, relative tables, adaptive
+span or dense bias tensors: the mma.sync forward serves those), on a GPU of compute capability 9.0 when the extension was built with sm_90a code
 (setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
 always the mma.sync one. Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
@@ -29,14 +30,19 @@ def _has_sm90a(device: torch.device) -> bool:
     return _built[device.type]
 
 
-def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False) -> Optional[str]:
-    """None if the Hopper forward serves a call with these q, v (``packed``: with cu_seqlens); else why
-    the mma.sync forward does."""
+def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False, terms: bool = False) -> Optional[str]:
+    """None if the Hopper forward serves a call with these q, v (``packed``: with cu_seqlens; ``terms``:
+    with a relative table, adaptive span or a dense bias); else why the mma.sync forward does."""
     device = q.device
     if packed:
         # a segment view in the Hopper kernel took its D=128 instances from 168 to 192-203 registers
         # (offline sm_90a compile), 3 -> 2 blocks per SM for every call; packed calls take mma.sync
         return "packed sequences (cu_seqlens) run on the mma.sync forward"
+    if terms:
+        # the Hopper kernel has no instances with the bias tensors' code (csrc/attention/terms.cu): they
+        # would add Hopper instances past its kernel budget, and its register room is 192 at D=128
+        return ("relative tables, adaptive span and dense bias tensors run on the mma.sync forward's instances "
+                "with bias tensors")
     if os.environ.get("EFFATTN_CUDA_HOPPER") == "0":
         return "turned off by EFFATTN_CUDA_HOPPER=0"
     if device.type == "cpu":
@@ -54,9 +60,9 @@ def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False) -> Optional[
     return None
 
 
-def describe(call) -> str:
-    """Which kernels serve a call (for effattn.explain)."""
-    why = why_not(call.q, call.v, packed=call.cu_seqlens is not None)
+def describe(call, terms: bool = False) -> str:
+    """Which kernels serve a call (for effattn.explain; ``terms``: as `why_not`)."""
+    why = why_not(call.q, call.v, packed=call.cu_seqlens is not None, terms=terms)
     if why is None:
         return "forward: Hopper wgmma kernel (sm_90a); backward: mma.sync kernels"
     return f"forward: mma.sync kernel (the Hopper forward is not used: {why})"

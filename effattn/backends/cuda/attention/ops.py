@@ -121,9 +121,11 @@ def _run(call):
 
 def _admits(call) -> List[str]:
     if call.score is not None and call.features() & PACKED_FEATURES:
-        return ["score terms (softcap, sinks, ALiBi) with packed sequences, positions or fp32 outputs: the CUDA "
-                "score-terms kernels take none of those (the score terms' ALiBi gradient is one partial per "
-                "(batch, head, query tile), not per segment)"]
+        return ["score terms with packed sequences, positions or fp32 outputs: the CUDA score-terms kernels take "
+                "none of those (the terms' parameter gradients are partials per (batch, head, query tile), not per "
+                "segment)"]
+    if call.score is not None and score_path.reasons(call):
+        return score_path.reasons(call)
     if call.dropout_p > 0 and call.drop_at() != (0, 0, 0, call.H):
         return ["dropout with positions: the CUDA kernels draw the keep-mask at the chunk's own rows, keys and "
                 "heads, not at its absolute positions (the torch and Triton backends do)"]

@@ -1,6 +1,7 @@
-"""The CUDA backend's score terms (csrc/attention/common.cuh: ``score_log2``): softcap, attention sinks
-and ALiBi slopes in the forward (mma.sync and Hopper kernels) and the backward, served by the row
-``cuda/prefill`` through `effattn.score.ScoreAttention` with the implementation `Kernels`.
+"""The CUDA backend's score terms (csrc/attention/common.cuh: ``score_log2``, ``bias_terms``): softcap,
+attention sinks, ALiBi slopes, a relative table, adaptive span and a dense bias tensor in the forward
+and the backward, served by the row ``cuda/prefill`` through `effattn.score.ScoreAttention` with the
+implementation `Kernels`.
 
 - softcap: ``s -> c tanh(s / c)`` after the scale, in the tile; the backward multiplies the gradient
   of the capped scores by ``1 - tanh^2``.
@@ -10,21 +11,47 @@ and ALiBi slopes in the forward (mma.sync and Hopper kernels) and the backward, 
 - sinks: one logit per head in each row's normalizer (applied when the row's output is stored); a row
   that sees no key outputs 0 with lse = its sink. Their gradient ``-sum_i exp(sink - lse_i) Delta_i``
   is computed here from lse and Delta = rowsum(dO O) - dlse.
+- relative table, adaptive span, dense bias (the "bias tensors"): evaluated by kernel instances
+  compiled with them (csrc/attention/terms.cu; calls without them run kernels without their code).
+  The table's gradient: each dQ block sums each tile's dT along its diagonals and adds the sums of
+  the diagonals that clamp to an entry to its own (b, h, query tile) slot of that entry; the span's:
+  one partial of ``dT / ratio`` on the ramp per (b, h, query tile), divided by the ramp here; the
+  dense bias's: dT itself, written by the dQ block that owns the rows (zero where no tile is
+  visited), summed here over the broadcast dimensions. Adaptive span skips, per head, the key tiles
+  beyond ``z[h] + ramp`` (the kernels tighten the window's left bound to it), and every head the
+  tiles beyond the call's horizon (``max_span + ramp``, folded into the window here).
+  The Hopper forward takes none of the bias tensors: such calls run on the mma.sync forward
+  (`hopper.why_not` says so in `explain`).
 
-No atomics: results and every gradient are bitwise the same on every run. Relative tables, adaptive
-span and dense bias tensors are not in these kernels (the Triton and torch backends serve them;
-`explain` names the missing feature)."""
+No atomics: results and every gradient are bitwise the same on every run. One term of each bias
+kind per call (several ALiBi terms are summed); `reasons` names what is not served."""
 from __future__ import annotations
+
+from typing import List
 
 import torch
 
 from .... import bias as _bias
+from ....score import several_of_a_kind, span_left
 from ....visibility import clamp_window
 from . import hopper
 from .cpp import kernels
 from .tiling import layout_lists
 
-FEATURES = frozenset({"softcap", "sinks", "bias=alibi"})
+FEATURES = frozenset({"softcap", "sinks", "bias=alibi", "bias=relative", "bias=span", "bias=dense"})
+_ONE_EACH = (_bias.Relative, _bias.Span, _bias.Dense)
+
+
+def reasons(call) -> List[str]:
+    """Why the CUDA score-terms kernels cannot serve `call` (beyond the declared features)."""
+    if call.score is None:
+        return []
+    return several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
+
+
+def has_bias_tensors(score) -> bool:
+    """Whether the terms include a relative table, a span or a dense bias (the Hopper forward takes none)."""
+    return any(isinstance(t, _ONE_EACH) for t in score.terms)
 
 
 def _slopes(score):
@@ -42,9 +69,28 @@ def _slopes(score):
     return total.contiguous() if total is not None else None
 
 
-def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key) -> dict:
+def _term(score, kind):
+    return next((t for t in score.terms if isinstance(t, kind)), None)
+
+
+def _tensor_args(score) -> dict:
+    """The bias tensors' keyword arguments of the C++ ops (rel, rel_max, rel_bidir, span_z, span_ramp,
+    bias), detached."""
+    args = {}
+    rel, span, dense = (_term(score, k) for k in _ONE_EACH)
+    if rel is not None:
+        args.update(rel=rel.table.detach(), rel_max=rel.max_distance, rel_bidir=rel.bidirectional)
+    if span is not None:
+        args.update(span_z=span.z.detach(), span_ramp=float(span.ramp))
+    if dense is not None:
+        args.update(bias=dense._full().detach())
+    return args
+
+
+def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key, score) -> dict:
     """The C++ ops' mask, plan and scalar arguments by their schema's names (csrc/binding/attention.cpp);
     ``by_key``: with the backward's tile lists by key."""
+    left = span_left(left, score)                 # keys beyond every head's span: tiles skipped
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False)
     window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2])
     args = dict(key_padding_mask=kpm, layout=layout_mask, layout_block=layout_block, layout_check=check, lists=lists,
@@ -58,40 +104,59 @@ def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
 
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score):
     kops = kernels(q.device)
-    fwd = kops.attention_fwd if hopper.why_not(q, v) else kops.attention_fwd_sm90
-    return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False),
+    fwd = kops.attention_fwd if hopper.why_not(q, v, terms=has_bias_tensors(score)) else kops.attention_fwd_sm90
+    return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False,
+                                score),
                softcap=score.softcap or 0.0, alibi=_slopes(score),
-               sinks=None if score.sinks is None else score.sinks.detach().float())
+               sinks=None if score.sinks is None else score.sinks.detach().float(), **_tensor_args(score))
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
              right, score):
-    """(dq, dk, dv, *gradients of score.tensors())."""
+    """(dq, dk, dv, *gradients of score.tensors()); None for a dense bias that does not require grad."""
     slopes = _slopes(score)
     # a slope gradient is computed whenever there are slopes (autograd asks for every input's): one
     # multiply-add per visible score in the dQ pass
     alibi_grad = slopes is not None
+    dense = _term(score, _bias.Dense)
+    bias_grad = dense is not None and dense.tensor.requires_grad       # dT is (B, H, Lq, Lk): only if wanted
     sinks = None if score.sinks is None else score.sinks.detach().float()
-    dq, dk, dv, part = kernels(q.device).attention_bwd_score(
+    dq, dk, dv, part, drel, dspan, dbias = kernels(q.device).attention_bwd_score(
         grad_out, grad_lse, q, k, v, out, lse,
-        **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True),
-        softcap=score.softcap or 0.0, alibi=slopes, sinks=sinks, alibi_grad=alibi_grad)
+        **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True, score),
+        softcap=score.softcap or 0.0, alibi=slopes, sinks=sinks, alibi_grad=alibi_grad, **_tensor_args(score),
+        bias_grad=bias_grad)
     grads = []
     if sinks is not None:
         delta = (grad_out.float() * out.float()).sum(-1)
         if grad_lse is not None:
             delta = delta - grad_lse.float()
         grads.append(-(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2)))
-    if slopes is not None:
-        g = -part.sum(2)                                           # (B, H): tiles in a fixed order
-        grads += [_bias._reduce_like(g, t.slopes.shape) for t in score.terms]
+    for t in score.terms:                                          # the partials: tiles, then batch, in order
+        if isinstance(t, _bias.ALiBi):
+            grads.append(_bias._reduce_like(-part.sum(2), t.slopes.shape))
+        elif isinstance(t, _bias.Relative):
+            g = drel.sum(2).sum(0)                                 # (H, width)
+            if t.table.shape[1] > t.width:
+                g = torch.nn.functional.pad(g, (0, t.table.shape[1] - t.width))
+            grads.append(g)
+        elif isinstance(t, _bias.Span):
+            grads.append(dspan.sum(2).sum(0) / t.ramp)
+        elif bias_grad:
+            full = t._full()
+            dims = tuple(a for a in range(4) if full.shape[a] == 1 and dbias.shape[a] != 1)
+            grads.append((dbias.sum(dims, keepdim=True) if dims else dbias).reshape(t.tensor.shape))
+        else:
+            grads.append(None)
     params = score.tensors()
-    return (dq, dk, dv, *[x.to(p.dtype) for x, p in zip(grads, params)])
+    return (dq, dk, dv, *[None if x is None else x.to(p.dtype) for x, p in zip(grads, params)])
 
 
 def describe(call) -> str:
-    return ("score terms (" + ", ".join(sorted(call.score.features())) + ") evaluated in the tile after the scale; "
-            + hopper.describe(call))
+    what = "score terms (" + ", ".join(sorted(call.score.features())) + ") evaluated in the tile after the scale"
+    if has_bias_tensors(call.score):
+        what += " (the kernel instances with bias tensors)"
+    return what + "; " + hopper.describe(call, terms=has_bias_tensors(call.score))
 
 
 class Kernels:

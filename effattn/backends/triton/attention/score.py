@@ -12,7 +12,7 @@ from typing import List
 import torch
 
 from .... import bias as _bias
-from ....score import span_left
+from ....score import several_of_a_kind, span_left
 from ....tiles import cdiv
 from ..runtime import _INTERPRET, _next_pow2
 from .backward import delta_kernel
@@ -26,12 +26,7 @@ def reasons(call) -> List[str]:
     """Why the score-terms kernels cannot serve `call` (beyond the declared features)."""
     if call.score is None:
         return []
-    why = []
-    for kind in _KINDS:
-        n = sum(isinstance(t, kind) for t in call.score.terms)
-        if n > 1:
-            why.append(f"{n} bias terms of kind {kind.__name__} (the kernels take one of each; sum them first)")
-    return why
+    return several_of_a_kind(call.score, _KINDS, "the kernels")
 
 
 def describe(call) -> str:
