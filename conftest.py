@@ -41,10 +41,12 @@ def pytest_runtest_logreport(report):
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` the tests of a module that defines a module-scoped
     fixture of its own (an nvcc build, an sdist, a generated data set) stay on one worker, so the
-    fixture is built once, not once per worker."""
+    fixture is built once, not once per worker. First among the hooks: xdist's worker reads the
+    ``xdist_group`` marks in its own (unordered) hook."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:

@@ -75,6 +75,10 @@ def test_module_fixture_keeps_its_module_on_one_xdist_worker(request, built_once
     (an nvcc build, an sdist) on one worker: the root conftest marks its tests with one xdist group."""
     marker = request.node.get_closest_marker("xdist_group")
     assert marker is not None and marker.args == ("tests/contract/test_repo.py",)
+    # the marks must be there before xdist's own hook reads them: the root conftest's hook runs first
+    ours = [h for h in request.config.pluginmanager.hook.pytest_collection_modifyitems.get_hookimpls()
+            if getattr(h.plugin, "__file__", "") == str(ROOT / "conftest.py")]
+    assert len(ours) == 1 and ours[0].tryfirst
 
 
 def test_a_test_without_such_a_fixture_is_not_grouped(request):
