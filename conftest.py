@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
 
-# Under pytest-xdist (the README's test command runs `-n auto`) the workers share the cores this process
+# Under pytest-xdist (the README's test command runs `-n auto --dist loadfile`) the workers share the cores this process
 # may use: each takes its share of torch threads instead of all of them, so they do not oversubscribe.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -39,19 +39,3 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` the tests of a module that defines a module-scoped
-    fixture of its own (an nvcc build, an sdist, a generated data set) stay on one worker, so the
-    fixture is built once, not once per worker. First among the hooks: xdist's worker reads the
-    ``xdist_group`` marks in its own (unordered) hook."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        module_id = item.nodeid.split("::", 1)[0]
-        if any(defs and defs[-1].scope == "module" and defs[-1].baseid == module_id
-               for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(module_id))

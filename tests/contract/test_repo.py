@@ -3,8 +3,6 @@ name the README shows exists."""
 import pathlib
 import re
 
-import pytest
-
 import effattn
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -63,23 +61,3 @@ def test_readme_model_examples_run(capsys):
     assert namespace["h"].shape == (1, 1, 512)
     printed = capsys.readouterr().out
     assert "layers.0.self_attn: torch.nn.MultiheadAttention(512, 8, batch_first=True) -> " in printed
-
-
-@pytest.fixture(scope="module")
-def built_once():
-    return object()
-
-
-def test_module_fixture_keeps_its_module_on_one_xdist_worker(request, built_once):
-    """The README's `-n auto --dist loadgroup` keeps a module with a module-scoped fixture of its own
-    (an nvcc build, an sdist) on one worker: the root conftest marks its tests with one xdist group."""
-    marker = request.node.get_closest_marker("xdist_group")
-    assert marker is not None and marker.args == ("tests/contract/test_repo.py",)
-    # the marks must be there before xdist's own hook reads them: the root conftest's hook runs first
-    ours = [h for h in request.config.pluginmanager.hook.pytest_collection_modifyitems.get_hookimpls()
-            if getattr(h.plugin, "__file__", "") == str(ROOT / "conftest.py")]
-    assert len(ours) == 1 and ours[0].tryfirst
-
-
-def test_a_test_without_such_a_fixture_is_not_grouped(request):
-    assert request.node.get_closest_marker("xdist_group") is None
