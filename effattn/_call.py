@@ -239,6 +239,10 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         _fail(ValueError, f"attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     score = make_score_terms("attention", q, k, softcap=softcap, sinks=sinks, bias=bias)
+    if cu_seqlens is not None and score is not None and any(t.feature == "bias=dense" for t in score.terms):
+        _fail(ValueError, "attention: a dense bias tensor (bias) cannot be combined with cu_seqlens: it would index "
+                          "the packed (Tq, Tk) pairs, O(T^2) memory; use a term of the segment-local distance "
+                          "(effattn.bias.ALiBi, Relative, Span)")
     if dropout_p <= 0:
         seed = None
     elif seed is None:

@@ -150,51 +150,61 @@ def span_left(left: int, score: ScoreTerms) -> int:
     return left
 
 
-def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> Rule:
-    return Rule(Lq, Lk, span_left(left, score), right, layout_mask, layout_block)
-
-
-def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms):
+def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms, segments=None):
     """For each block of query rows with a visible key: (block, distances, tanh of the soft-capped
     scores or None, final scores with the terms and -inf where invisible, grouped queries, keys,
-    seen). ``block = (d0, i0, i1, k0, k1)``: rows [i0, i1), keys [k0, k1), d0 the distance of (i0, k0).
-    With a mask, ``seen`` (`seen_keys`) marks the keys some row of the block sees; the others' K rows
-    are zeroed before the product (and the callers zero their V rows), so that whatever an ignored
-    key holds (NaN, inf in padding) gives 0 * 0 and a finite tanh, never 0 * NaN; else None. Forward
-    and backward walk the same blocks."""
+    seen). ``block = (d0, i0, i1, k0, k1)``: rows [i0, i1), keys [k0, k1) of the call's tensors, d0
+    the distance of (i0, k0). With a mask, ``seen`` (`seen_keys`) marks the keys some row of the block
+    sees; the others' K rows are zeroed before the product (and the callers zero their V rows), so
+    that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 and a finite tanh, never 0 *
+    NaN; else None. ``segments``: the call's work list ``(q0, q1, k0, k1, q_offset)`` (packed
+    sequences, positions: `effattn.packed`), each segment walked under its own rule with its
+    segment-local distances ``d = (i - q0 + q_offset) - (j - k0)``; None: the call, bottom-right.
+    Forward and backward walk the same blocks."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = H // Hkv
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rule = _rule(Lq, Lk, left, right, layout_mask, layout_block, score)
-    rows = _chunk_rows(B, H, Lq, Lk)
-    off = Lk - Lq
-    for i0 in range(0, Lq, rows):
-        i1 = min(i0 + rows, Lq)
-        k0, k1 = rule.key_range(i0, i1)
-        if k1 <= k0:
-            continue
-        qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
-        kc = k[:, :, k0:k1].to(cdt)
-        mask = rule.materialize((i0, i1), torch.arange(k0, k1, device=q.device), key_padding_mask=kpm)
-        seen = None
-        if mask is not None:
-            seen = seen_keys(mask, Hkv)
-            kc = torch.where(seen, kc, 0.0)
-        raw = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale).view(B, H, i1 - i0, k1 - k0)
-        block = (i0 + off - k0, i0, i1, k0, k1)
-        d = (torch.arange(i0 + off, i1 + off, device=q.device)[:, None]
-             - torch.arange(k0, k1, device=q.device)[None, :])
-        t = None
-        s = raw                                          # a fresh tensor: the terms add in place
-        if score.softcap is not None:
-            t = torch.tanh(raw / score.softcap)
-            s = t * score.softcap
-        for term in score.terms:
-            s.add_(term.values(d, block, cdt))
-        if mask is not None:
-            s.masked_fill_(~mask, -math.inf)
-        yield block, d, t, s, qc, kc, seen
+    for sq0, sq1, sk0, sk1, off in segments if segments is not None else ((0, Lq, 0, Lk, Lk - Lq),):
+        # a layout and a key padding mask come only with one segment over the whole call (effattn.packed)
+        rule = Rule(sq1 - sq0, sk1 - sk0, span_left(left, score), right, layout_mask, layout_block, q_offset=off)
+        rows = _chunk_rows(B, H, sq1 - sq0, sk1 - sk0)
+        for r0 in range(0, sq1 - sq0, rows):
+            r1 = min(r0 + rows, sq1 - sq0)
+            c0, c1 = rule.key_range(r0, r1)
+            if c1 <= c0:
+                continue
+            yield _block(q, k, kpm, scale, score, rule, (r0, r1, c0, c1), (sq0, sk0, off), G, cdt)
+
+
+def _block(q, k, kpm, scale, score: ScoreTerms, rule: Rule, local, at, G: int, cdt):
+    """One block of `_blocks`: rows ``[r0, r1)`` against keys ``[c0, c1)`` of the segment that starts
+    at row ``sq0``, key ``sk0`` with offset ``off`` (``local``, ``at``)."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    (r0, r1, c0, c1), (sq0, sk0, off) = local, at
+    i0, i1, k0, k1 = r0 + sq0, r1 + sq0, c0 + sk0, c1 + sk0
+    qc = q[:, :, i0:i1].to(cdt).reshape(B, Hkv, G * (i1 - i0), D)
+    kc = k[:, :, k0:k1].to(cdt)
+    mask = rule.materialize((r0, r1), torch.arange(c0, c1, device=q.device), key_padding_mask=kpm)
+    seen = None
+    if mask is not None:
+        seen = seen_keys(mask, Hkv)
+        kc = torch.where(seen, kc, 0.0)
+    raw = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale).view(B, H, i1 - i0, k1 - k0)
+    block = (r0 + off - c0, i0, i1, k0, k1)
+    d = (torch.arange(r0 + off, r1 + off, device=q.device)[:, None]
+         - torch.arange(c0, c1, device=q.device)[None, :])
+    t = None
+    s = raw                                              # a fresh tensor: the terms add in place
+    if score.softcap is not None:
+        t = torch.tanh(raw / score.softcap)
+        s = t * score.softcap
+    for term in score.terms:
+        s.add_(term.values(d, block, cdt))
+    if mask is not None:
+        s.masked_fill_(~mask, -math.inf)
+    return block, d, t, s, qc, kc, seen
 
 
 def _values(v: Tensor, k0: int, k1: int, seen: Optional[Tensor], cdt) -> Tensor:
@@ -203,11 +213,14 @@ def _values(v: Tensor, k0: int, k1: int, seen: Optional[Tensor], cdt) -> Tensor:
     return vc if seen is None else torch.where(seen, vc, 0.0)
 
 
-def _keep(seed: Tensor, p: float, block, B: int, H: int, device) -> Tensor:
+def _keep(seed: Tensor, p: float, block, B: int, H: int, drop_at, device) -> Tensor:
     """Dropout keep-mask (B, H, rows, keys) of one block (`effattn.numerics.tile_keep`: per pair, not
-    per block), so the backward regenerates the forward's."""
+    per block), so the backward regenerates the forward's; at the rows, keys and heads moved by
+    ``drop_at`` (`AttnCall.drop_at`: a context-parallel chunk's positions and head shard; packed
+    calls draw at the packed rows, as the plain rows do; None: the call's own)."""
     _, i0, i1, k0, k1 = block
-    return tile_keep(seed, p, B, H, (i0, i1), (k0, k1), device=device)
+    q0, c0, h0, hg = drop_at if drop_at is not None else (0, 0, 0, H)
+    return tile_keep(seed, p, B, H, (i0 + q0, i1 + q0), (k0 + c0, k1 + c0), heads=(h0, hg), device=device)
 
 
 def _grouped(x: Tensor, Hkv: int) -> Tensor:
@@ -216,18 +229,20 @@ def _grouped(x: Tensor, Hkv: int) -> Tensor:
 
 
 def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
-                  score: ScoreTerms):
+                  score: ScoreTerms, segments=None, out_dtype=None, drop_at=None):
+    """(out, lse); ``segments``, ``out_dtype`` (an fp32 output), ``drop_at``: `AttnCall`'s fields."""
     B, H, Lq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+    out = torch.zeros(B, H, Lq, Dv, dtype=out_dtype or q.dtype, device=q.device)
     if score.sinks is not None:          # a row that sees no key: lse = its sink logit
         lse = score.sinks.detach().to(cdt)[None, :, None].expand(B, H, Lq).clone()
         sink = score.sinks.detach().to(cdt)[None, :, None, None]
     else:
         lse = torch.full((B, H, Lq), -math.inf, dtype=cdt, device=q.device)
         sink = None
-    for block, _, _, s, _, _, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
+    for block, _, _, s, _, _, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score,
+                                              segments):
         _, i0, i1, k0, k1 = block
         m = s.amax(-1, keepdim=True)
         if sink is not None:
@@ -240,9 +255,9 @@ def score_forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_
         lse[:, :, i0:i1] = (m + torch.log(l)).squeeze(-1)
         p = p / torch.where(l > 0, l, torch.ones_like(l))
         if dropout_p > 0:
-            p = p * _keep(seed, dropout_p, block, B, H, q.device) / (1.0 - dropout_p)
+            p = p * _keep(seed, dropout_p, block, B, H, drop_at, q.device) / (1.0 - dropout_p)
         o = torch.matmul(_grouped(p, Hkv), _values(v, k0, k1, seen, cdt))
-        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(q.dtype)
+        out[:, :, i0:i1] = o.view(B, H, i1 - i0, Dv).to(out.dtype)
     return out, lse
 
 
@@ -264,9 +279,10 @@ def backward_setup(grad_out, grad_lse, q, k, v, out, lse):
 
 
 def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale,
-                   dropout_p, left, right, score: ScoreTerms):
+                   dropout_p, left, right, score: ScoreTerms, segments=None, out_dtype=None, drop_at=None):
     """(dq, dk, dv, *gradients of score.tensors()), the last in float32 (float64 for float64 inputs)
-    before the cast to each tensor's dtype."""
+    before the cast to each tensor's dtype; the blocks (segments in their work list's order) add to
+    the terms' buffers in a fixed order."""
     B, H, Lq, D = q.shape
     Hkv = k.shape[1]
     cdt, dq, dk, dv, delta, lse, lse_safe = backward_setup(grad_out, grad_lse, q, k, v, out, lse)
@@ -279,14 +295,15 @@ def score_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_bl
     for t in score.terms:
         bufs.append([torch.zeros(p.shape, dtype=cdt, device=q.device) if not isinstance(t, _bias.Dense)
                      else torch.zeros(t._full().shape, dtype=cdt, device=q.device) for p in t.params()])
-    for block, d, tanh, s, qc, kc, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score):
+    for block, d, tanh, s, qc, kc, seen in _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score,
+                                                   segments):
         _, i0, i1, k0, k1 = block
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])
         do = grad_out[:, :, i0:i1].to(cdt)
         vc = _values(v, k0, k1, seen, cdt)
         dp = torch.matmul(_grouped(do, Hkv), vc.transpose(-1, -2)).view_as(p)
         if dropout_p > 0:
-            keep = _keep(seed, dropout_p, block, B, H, q.device).to(cdt) / (1.0 - dropout_p)
+            keep = _keep(seed, dropout_p, block, B, H, drop_at, q.device).to(cdt) / (1.0 - dropout_p)
             pd, dp = p * keep, dp * keep
         else:
             pd = p
@@ -344,11 +361,20 @@ class Reference:
     backward = staticmethod(score_backward)
 
 
+def work_args(call) -> dict:
+    """The packed / positioned arguments an implementation of `ScoreAttention` receives beside the
+    call's masks: ``segments`` (the work list, `effattn.packed`; None: the whole call, bottom-right),
+    ``out_dtype`` (fp32 partial outputs) and ``drop_at`` (`AttnCall.drop_at`; None: the call's own)."""
+    at = call.drop_at()
+    return dict(segments=None if call.segments is None else tuple(call.segments), out_dtype=call.out_dtype,
+                drop_at=None if call.dropout_p == 0 or at == (0, 0, 0, call.H) else at)
+
+
 def run(call, impl=Reference):
     """(out, lse) of a call with score terms on `impl`; differentiable in q, k, v and every term's
     tensors."""
     lay = call.layout
     args = dict(layout_mask=lay.mask if lay is not None else None, layout_block=lay.block_size if lay is not None else 0,
                 kpm=call.key_padding_mask, seed=call.seed, scale=call.scale, dropout_p=call.dropout_p,
-                left=call.window_left, right=call.window_right, score=call.score)
+                left=call.window_left, right=call.window_right, score=call.score, **work_args(call))
     return ScoreAttention.apply((impl, args), call.q, call.k, call.v, *call.score.tensors())

@@ -54,9 +54,12 @@ struct AttnParams {
   float scale, qk_scale;         // qk_scale = scale * log2(e)
   // packed: the first query and key rows of the segment a block works on (segment_view; 0 otherwise)
   int q0, k0;
-  // dropout: keep (i, j) iff (Philox(seed; q0 + i, k0 + j, b*H + h, 0)[0] >> 8) >= drop_thresh (packed: the
-  // packed rows of head h)
+  // dropout: keep (i, j) iff (Philox(seed; drop_q0 + q0 + i, drop_k0 + k0 + j, b * drop_H + drop_h0 + h, 0)[0] >> 8)
+  // >= drop_thresh (packed: the packed rows of head h). drop_q0 / drop_k0: the absolute positions of a chunk's
+  // first query and key (a context-parallel call's positions); drop_h0 / drop_H: the first head of a head shard
+  // and the global head count (0 reads as H); 0, 0, 0, H for a plain call. So a chunk draws what the whole call draws.
   int dropout;
+  int drop_q0, drop_k0, drop_h0, drop_H;
   uint32_t seed_lo, seed_hi;
   int drop_thresh;
   float inv_keep;                // 1 / (1 - p)

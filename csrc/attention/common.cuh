@@ -282,10 +282,13 @@ EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint
   return c0;
 }
 
-// Packed sequences draw at the packed rows (q0 + i, k0 + j) of head h (their one batch entry: bh = h).
+// Packed sequences draw at the packed rows (q0 + i, k0 + j) of head h (their one batch entry: bh = h). A chunk
+// with positions draws at its absolute rows and keys (drop_q0 / drop_k0 added), a head shard at the global head
+// b * drop_H + drop_h0 + h (bh = b * H + h; drop_H = 0 reads as H; the division is loop-invariant in every caller).
 EFFATTN_DEVICE bool dropout_keep(const AttnParams& p, int bh, int i, int j) {
-  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(p.q0 + i), uint32_t(p.k0 + j), uint32_t(bh), 0u) >> 8) >=
-         p.drop_thresh;
+  const int head = p.drop_H ? bh + (bh / p.H) * (p.drop_H - p.H) + p.drop_h0 : bh;
+  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j),
+                          uint32_t(head), 0u) >> 8) >= p.drop_thresh;
 }
 
 }  // namespace effattn

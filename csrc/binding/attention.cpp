@@ -93,9 +93,10 @@ BiasTensors bias_tensors_of(const optional<Tensor>& rel, int64_t rel_max, bool r
 
 // The packed-sequence / positions arguments of the ops' schemas, as a Varlen.
 Varlen varlen_of(const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                 optional<int64_t> q_offset) {
+                 optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at) {
   Varlen vl;
   vl.cu_q = cu_q, vl.cu_k = cu_k, vl.max_q = max_q, vl.max_k = max_k, vl.q_offset = q_offset;
+  if (drop_at.has_value()) vl.drop_at = drop_at->vec();
   return vl;
 }
 
@@ -138,9 +139,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          int64_t max_k, optional<int64_t> q_offset, bool out_fp32,
                                          const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir,
                                          const optional<Tensor>& span_z, double span_ramp,
-                                         const optional<Tensor>& bias) {
+                                         const optional<Tensor>& bias, at::OptionalIntArrayRef drop_at) {
   return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
-                 dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
+                 dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at),
                  out_fp32, bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias));
 }
 
@@ -155,7 +156,7 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
                                               int64_t max_q, int64_t max_k, optional<int64_t> q_offset,
                                               bool out_fp32, const optional<Tensor>& rel, int64_t rel_max,
                                               bool rel_bidir, const optional<Tensor>& span_z, double span_ramp,
-                                              const optional<Tensor>& bias) {
+                                              const optional<Tensor>& bias, at::OptionalIntArrayRef drop_at) {
   const int hd = effattn::head_dim_bucket(int(std::max((q.size(3) + 7) / 8 * 8, (v.size(3) + 7) / 8 * 8)));
   check(hd == 64 || hd == 128, "the Hopper forward serves head dims 33..128 (buckets 64 and 128)");
   check(effattn::attention_fwd_sm90_built(), "this build has no sm_90a kernels (the Hopper forward)");
@@ -165,8 +166,8 @@ std::tuple<Tensor, Tensor> attention_fwd_sm90(const Tensor& q, const Tensor& k, 
         "the Hopper forward does not serve relative tables, adaptive span or dense bias tensors (rel, span_z, bias): "
         "attention_fwd does");
   return forward(effattn::attention_fwd_sm90, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed,
-                 scale, dropout_p, left, right, softcap, alibi, sinks, varlen_of(cu_q, cu_k, max_q, max_k, q_offset),
-                 out_fp32, BiasTensors{});
+                 scale, dropout_p, left, right, softcap, alibi, sinks,
+                 varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), out_fp32, BiasTensors{});
 }
 
 bool has_sm90a() { return effattn::attention_fwd_sm90_built(); }
@@ -256,9 +257,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_bwd
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
     const optional<Tensor>& sinks, bool alibi_grad, const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir,
-    const optional<Tensor>& span_z, double span_ramp, const optional<Tensor>& bias, bool bias_grad) {
+    const optional<Tensor>& span_z, double span_ramp, const optional<Tensor>& bias, bool bias_grad,
+    optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
-                    listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad, Varlen{},
+                    listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad,
+                    varlen_of(c10::nullopt, c10::nullopt, 0, 0, q_offset, drop_at),
                     bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias), bias_grad);
   const TermGrads& tg = std::get<3>(g);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g), tg.dalibi, tg.drel, tg.dspan, tg.dbias};
@@ -270,10 +273,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
-    int64_t max_q, int64_t max_k, optional<int64_t> q_offset) {
+    int64_t max_q, int64_t max_k, optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
                     listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt, c10::nullopt, false,
-                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset), BiasTensors{}, false);
+                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), BiasTensors{}, false);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
@@ -285,24 +288,25 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
         "int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, "
         "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, int? q_offset=None, bool out_fp32=False, "
         "Tensor? rel=None, int rel_max=0, bool rel_bidir=True, Tensor? span_z=None, float span_ramp=1., "
-        "Tensor? bias=None) -> (Tensor, Tensor)");
+        "Tensor? bias=None, int[]? drop_at=None) -> (Tensor, Tensor)");
   m.def("attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0, int? q_offset=None) -> (Tensor, Tensor, Tensor)");
+        "int max_seqlen_k=0, int? q_offset=None, int[]? drop_at=None) -> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
         "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "
         "int window_left, int window_right, float softcap, Tensor? alibi, Tensor? sinks, bool alibi_grad, "
         "Tensor? rel=None, int rel_max=0, bool rel_bidir=True, Tensor? span_z=None, float span_ramp=1., "
-        "Tensor? bias=None, bool bias_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? bias=None, bool bias_grad=False, int? q_offset=None, int[]? drop_at=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "
         "int window_left, int window_right, float softcap=0., Tensor? alibi=None, Tensor? sinks=None, "
         "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
         "int? q_offset=None, bool out_fp32=False, Tensor? rel=None, int rel_max=0, bool rel_bidir=True, "
-        "Tensor? span_z=None, float span_ramp=1., Tensor? bias=None) -> (Tensor, Tensor)");
+        "Tensor? span_z=None, float span_ramp=1., Tensor? bias=None, int[]? drop_at=None) -> (Tensor, Tensor)");
   m.def("has_sm90a() -> bool", has_sm90a);
 }
 

@@ -136,6 +136,17 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
     p.drop_thresh = int(std::min<double>(std::nearbyint(dropout_p * (1 << 24)), (1 << 24) - 1));
     p.inv_keep = float(1.0 / (1.0 - dropout_p));
   }
+  p.drop_H = p.H;
+  if (!varlen.drop_at.empty()) {
+    const std::vector<int64_t>& at = varlen.drop_at;
+    check(at.size() == 4, "drop_at must be (q_start, k_start, h0, heads)");
+    constexpr int64_t kMax = int64_t(1) << 30;
+    check(at[0] >= 0 && at[0] < kMax && at[1] >= 0 && at[1] < kMax,
+          "drop_at's q_start and k_start must be in [0, 2^30)");
+    check(at[2] >= 0 && at[3] >= at[2] + p.H && at[3] < kMax,
+          "drop_at's h0 and heads must hold the call's H heads (0 <= h0, h0 + H <= heads < 2^30)");
+    p.drop_q0 = int(at[0]), p.drop_k0 = int(at[1]), p.drop_h0 = int(at[2]), p.drop_H = int(at[3]);
+  }
   return r;
 }
 

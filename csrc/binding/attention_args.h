@@ -5,16 +5,21 @@
 #include "attention/attention.h"
 #include "binding/common.h"
 
+#include <vector>
+
 namespace effattn {
 namespace binding {
 
 // Packed sequences and positions: cu_seqlens_q / _k (int32 (N + 1,), on q's device; q, k, v packed as
 // (1, H, T, D)) with the longest segments (max_seqlen: the grid; never read back from the device),
-// and the offset of a positioned call (query i at key i + q_offset; none: bottom-right).
+// and the offset of a positioned call (query i at key i + q_offset; none: bottom-right). drop_at: where dropout
+// draws, (q_start, k_start, h0, heads): query i at row q_start + i, key j at k_start + j, head h of batch entry b
+// at b * heads + h0 + h (a context-parallel chunk / head shard); empty: (0, 0, 0, H).
 struct Varlen {
   optional<Tensor> cu_q, cu_k;
   int64_t max_q = 0, max_k = 0;
   optional<int64_t> q_offset;
+  std::vector<int64_t> drop_at;
 };
 
 // The tensors a call's AttnParams point into (kept alive for the call) and the params themselves.

@@ -408,8 +408,8 @@ def test_positions_with_distance_terms_never_collapse(unit):
     """``positions`` that hide no pair (no causal, no window) left a plain call, so ALiBi / Relative /
     Span read the bottom-right distance ``i + Lk - Lq - j`` instead of the positions'
     ``(q_start + i) - (k_start + j)`` (torch/score, triton/score, cuda/prefill: off by up to 2.1 at
-    (1, 2, 8, 16), positions (0, 5)). Such positions now stay, and the score rows, which do not serve
-    positions, refuse the call naming them; positions at the bottom-right offset still collapse."""
+    (1, 2, 8, 16), positions (0, 5)). Such positions now stay, and the score rows serve them with the
+    positions' distances; positions at the bottom-right offset still collapse."""
     from effattn.bias import ALiBi
     from effattn.testing.oracle import score_attention
     g = torch.Generator().manual_seed(0)
@@ -417,9 +417,10 @@ def test_positions_with_distance_terms_never_collapse(unit):
     bias = ALiBi(torch.tensor([0.5, 0.25]))
     for pos in [(0, 5), (20, 0)]:
         with unit.enter():
-            assert not effattn.explain(q, k, v, bias=bias, positions=pos).can_serve(unit.backend)
-        with pytest.raises(ValueError, match="positions"):
-            _call(unit, effattn.attention, q, k, v, bias=bias, positions=pos)
+            assert effattn.explain(q, k, v, bias=bias, positions=pos).can_serve(unit.backend)
+        out = _call(unit, effattn.attention, q, k, v, bias=bias, positions=pos)
+        ref, _ = score_attention(q, k, v, bias=bias, positions=pos)
+        assert (out.double() - ref).abs().max().item() < 2e-3, pos
     out = _call(unit, effattn.attention, q, k, v, bias=bias, positions=(3, 3))     # offset Lk - Lq = 0
     ref, _ = score_attention(q, k, v, bias=bias, positions=(3, 3))
     assert (out.double() - ref).abs().max().item() < 2e-3

@@ -108,6 +108,42 @@ def test_packed_dropout_draws_at_the_packed_rows():
     _check(q, k, v, cu_q, cu_k, kw, dt, keep=keep, p=p)
 
 
+def test_dropout_with_positions_and_a_head_shard_draws_the_whole_calls_pairs():
+    """A chunk with positions (q_start, k_start) on heads 2..3 of 4 (a Ulysses head shard: drop_at)
+    drops exactly the pairs the whole call drops there (V = identity reads the keep-mask off the
+    output; the whole call's mask is the Triton kernels' stream, test_cuda_attention.py), and its
+    gradients with that mask match float64."""
+    from effattn.distributed import _chunk
+    from effattn.numerics import draw_seed
+    dt, p, L = torch.bfloat16, 0.3, 72
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, L, 16, generator=g).to(dt)
+    k, v = (torch.randn(1, 2, L, 16, generator=g).to(dt) for _ in range(2))
+    kw = dict(causal=True, window=30)
+    torch.manual_seed(7)
+    full = effattn.attention(q, k, torch.eye(L).expand(1, 2, L, L).to(dt).contiguous(), dropout_p=p,
+                             backend="cuda", **kw) != 0
+    qs, ks, n, m = 40, 16, 24, 32
+    torch.manual_seed(7)
+    seed = draw_seed()
+    eye = torch.eye(m).expand(1, 1, m, m).to(dt).contiguous()
+    qc, kc = q[:, 2:4, qs:qs + n], k[:, 1:2, ks:ks + m]
+    out, _ = _chunk(qc, kc, eye, backend="cuda", seed=seed, positions=(qs, ks), heads=(2, 4), dropout_p=p, **kw)
+    got = out != 0
+    want = full[:, 2:4, qs:qs + n, ks:ks + m]
+    assert want.any() and torch.equal(got, want)
+    # the gradients with that keep-mask (the head shard's) against float64
+    vc = v[:, 1:2, ks:ks + m]
+    leaves = [t.clone().requires_grad_() for t in (qc, kc, vc)]
+    out, _ = _chunk(*leaves, backend="cuda", seed=seed, positions=(qs, ks), heads=(2, 4), dropout_p=p, **kw)
+    rl = [t.detach().double().requires_grad_() for t in (qc, kc, vc)]
+    ref, _ = naive_attention(*rl, dropout_keep=want, dropout_p=p, positions=(qs, ks), **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    go = torch.randn(out.shape, generator=g).to(dt)
+    for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, rl, go.double())):
+        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_positions_and_fp32_output(dtype):
     """A chunk pair with positions and an fp32 output: the whole sequence's rows against the chunk's keys."""

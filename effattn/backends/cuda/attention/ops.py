@@ -30,13 +30,15 @@ from .tiling import bucket, layout_lists
 
 # Packed sequences (cu_seqlens_q / _k, int32 (N + 1,) on q's device, with max_seqlen_q / _k: the longest
 # segments, which size the grids; the kernels read the segments' bounds on the device), positions
-# (q_offset: query i at key i + q_offset) and fp32 outputs (out_fp32) are the ops' last arguments.
+# (q_offset: query i at key i + q_offset), fp32 outputs (out_fp32) and where dropout draws (drop_at: (q_start,
+# k_start, h0, heads), `AttnCall.drop_at`; None: (0, 0, 0, H)) are the ops' last arguments.
 @torch.library.custom_op("effattn::cuda_attention_fwd", mutates_args=())
 def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                        key_padding_mask: Optional[Tensor], seed: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                        cu_seqlens_k: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
                        window_right: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                       q_offset: Optional[int] = None, out_fp32: bool = False) -> Tuple[Tensor, Tensor]:
+                       q_offset: Optional[int] = None, out_fp32: bool = False,
+                       drop_at: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
     kops = kernels(q.device)
@@ -44,12 +46,12 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
                *clamp_window(window_left, window_right, q.shape[2], k.shape[2], q_offset), cu_seqlens_q=cu_seqlens_q,
                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_offset=q_offset,
-               out_fp32=out_fp32)
+               out_fp32=out_fp32, drop_at=drop_at)
 
 
 @cuda_attention_fwd.register_fake
 def _(q, k, v, layout_mask, layout_block, key_padding_mask, seed, cu_seqlens_q, cu_seqlens_k, scale, dropout_p,
-      window_left, window_right, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False):
+      window_left, window_right, max_seqlen_q=0, max_seqlen_k=0, q_offset=None, out_fp32=False, drop_at=None):
     B, H, Lq, _ = q.shape
     return (q.new_empty(B, H, Lq, v.shape[-1], dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty(B, H, Lq, dtype=torch.float32))
@@ -61,7 +63,8 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
                        key_padding_mask: Optional[Tensor], seed: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                        cu_seqlens_k: Optional[Tensor], scale: float, dropout_p: float, window_left: int,
                        window_right: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                       q_offset: Optional[int] = None, out_fp32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                       q_offset: Optional[int] = None, out_fp32: bool = False,
+                       drop_at: Optional[List[int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The backward of `cuda_attention_fwd` (``out_fp32`` is read from ``out``'s dtype)."""
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
@@ -69,7 +72,7 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
                                            *clamp_window(window_left, window_right, q.shape[2], k.shape[2],
                                                          q_offset), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, q_offset)
+                                           max_seqlen_k, q_offset, drop_at)
 
 
 @cuda_attention_bwd.register_fake
@@ -109,6 +112,8 @@ def packed_args(call) -> dict:
         extra["q_offset"] = call.rule.q_offset
     if call.out_dtype is not None:
         extra["out_fp32"] = True
+    if call.dropout_p > 0 and call.drop_at() != (0, 0, 0, call.H):
+        extra["drop_at"] = list(call.drop_at())
     return extra
 
 
@@ -120,15 +125,8 @@ def _run(call):
 
 
 def _admits(call) -> List[str]:
-    if call.score is not None and call.features() & PACKED_FEATURES:
-        return ["score terms with packed sequences, positions or fp32 outputs: the CUDA score-terms kernels take "
-                "none of those (the terms' parameter gradients are partials per (batch, head, query tile), not per "
-                "segment)"]
     if call.score is not None and score_path.reasons(call):
         return score_path.reasons(call)
-    if call.dropout_p > 0 and call.drop_at() != (0, 0, 0, call.H):
-        return ["dropout with positions: the CUDA kernels draw the keep-mask at the chunk's own rows, keys and "
-                "heads, not at its absolute positions (the torch and Triton backends do)"]
     return launch_refusals(call)
 
 

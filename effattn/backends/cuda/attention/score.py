@@ -46,7 +46,11 @@ def reasons(call) -> List[str]:
     """Why the CUDA score-terms kernels cannot serve `call` (beyond the declared features)."""
     if call.score is None:
         return []
-    return several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
+    why = several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
+    if call.cu_seqlens is not None:
+        why.append("score terms with packed sequences (cu_seqlens): the CUDA kernels' parameter-gradient partials "
+                   "are per (batch, head, query tile), not per segment (the torch row serves the call)")
+    return why
 
 
 def has_bias_tensors(score) -> bool:
@@ -87,32 +91,37 @@ def _tensor_args(score) -> dict:
     return args
 
 
-def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key, score) -> dict:
+def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key, score,
+          segments=None, drop_at=None) -> dict:
     """The C++ ops' mask, plan and scalar arguments by their schema's names (csrc/binding/attention.cpp);
-    ``by_key``: with the backward's tile lists by key."""
+    ``by_key``: with the backward's tile lists by key. ``segments``: None or the one segment of a call
+    with positions / an fp32 output (its offset: ``q_offset``; `reasons` refuses packed sequences);
+    ``drop_at``: where dropout draws (`AttnCall.drop_at`)."""
     left = span_left(left, score)                 # keys beyond every head's span: tiles skipped
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False)
-    window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2])
+    q_offset = None if segments is None else segments[0][4]
+    window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2], q_offset)
     args = dict(key_padding_mask=kpm, layout=layout_mask, layout_block=layout_block, layout_check=check, lists=lists,
                 list_wf=wf, seed=seed, scale=scale, dropout_p=dropout_p, window_left=window_left,
-                window_right=window_right)
+                window_right=window_right, q_offset=q_offset, drop_at=None if drop_at is None else list(drop_at))
     if by_key:
         args["lists_by_key"], args["listk_wf"], _ = layout_lists(q, k, v, layout_mask, layout_block, left, right,
                                                                 by_key=True)
     return args
 
 
-def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score):
+def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, segments=None,
+            out_dtype=None, drop_at=None):
     kops = kernels(q.device)
     fwd = kops.attention_fwd if hopper.why_not(q, v, terms=has_bias_tensors(score)) else kops.attention_fwd_sm90
     return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False,
-                                score),
-               softcap=score.softcap or 0.0, alibi=_slopes(score),
+                                score, segments, drop_at),
+               out_fp32=out_dtype is not None, softcap=score.softcap or 0.0, alibi=_slopes(score),
                sinks=None if score.sinks is None else score.sinks.detach().float(), **_tensor_args(score))
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
-             right, score):
+             right, score, segments=None, out_dtype=None, drop_at=None):
     """(dq, dk, dv, *gradients of score.tensors()); None for a dense bias that does not require grad."""
     slopes = _slopes(score)
     # a slope gradient is computed whenever there are slopes (autograd asks for every input's): one
@@ -123,7 +132,8 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
     sinks = None if score.sinks is None else score.sinks.detach().float()
     dq, dk, dv, part, drel, dspan, dbias = kernels(q.device).attention_bwd_score(
         grad_out, grad_lse, q, k, v, out, lse,
-        **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True, score),
+        **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True, score, segments,
+                drop_at),
         softcap=score.softcap or 0.0, alibi=slopes, sinks=sinks, alibi_grad=alibi_grad, **_tensor_args(score),
         bias_grad=bias_grad)
     grads = []

@@ -2,7 +2,9 @@
 call's terms are not served, and the implementation `effattn.score.ScoreAttention` runs.
 
 Served: softcap, sinks and at most one term of each kind (ALiBi, Relative, Span, a dense tensor),
-with causal / window / layout / key padding / GQA / dropout. Tile sizes are fixed (no autotuning):
+with causal / window / layout / key padding / GQA / dropout, positions (the terms' distances and the
+dropout draws absolute; dropout at a head shard's global heads) and fp32 outputs; packed sequences
+(cu_seqlens) with terms run on the torch row. Tile sizes are fixed (no autotuning):
 the result is bitwise the same on every run. The dense bias's gradient goes through a fp32
 (B, H, Lq, Lk) buffer (the bias itself is that large before broadcasting)."""
 from __future__ import annotations
@@ -75,11 +77,21 @@ def _term_args(score, q, B, H, Lq, Lk):
     return ptrs, args, flags, tab
 
 
+def _offset(segments):
+    """The kernels' offset of a call's work list: None (bottom-right) or its one segment's (positions,
+    an fp32 output: `effattn.packed`; the row refuses packed sequences)."""
+    if segments is None:
+        return None
+    (_, _, _, _, off), = segments
+    return off
+
+
 def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False,
-            tf32=False):
+            tf32=False, segments=None, drop_at=None):
     """(the `LaunchPlan`, the meta arguments, the scalar arguments by name) shared by both score
     kernels (`score_kernels`; the C++ `AttnParams` names where it has the field)."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32)
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32,
+                 q_offset=_offset(segments))
     bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
@@ -89,13 +101,15 @@ def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, rig
                 G=p.G, Lq=p.Lq, Lk=p.Lk, D=p.D, Dv=p.Dv, off=p.off, left=p.left, right=p.right, lay_h=p.lay_h,
                 lay_nkb=p.lay_nkb, lay_bs=max(layout_block, 1), scale=scale, drop_thresh=p.drop_thresh,
                 inv_keep=p.inv_keep)
+    args.update(zip(("drop_q0", "drop_k0", "drop_h0", "drop_H"), drop_at or (0, 0, 0, p.H)))
     return p, meta, args
 
 
-def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False):
+def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False,
+            segments=None, out_dtype=None, drop_at=None):
     p, meta, args = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score,
-                            tf32=tf32)
-    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=q.dtype, device=q.device)
+                            tf32=tf32, segments=segments, drop_at=drop_at)
+    out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     if p.Lq == 0 or p.B * p.H == 0:
         return out, lse
@@ -111,11 +125,11 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p,
-             left, right, score, tf32=False):
+             left, right, score, tf32=False, segments=None, out_dtype=None, drop_at=None):
     """(dq, dk, dv, *gradients of score.tensors()); the terms' gradients are fp32 sums of per-program
     partials taken in a fixed order, cast to each tensor's dtype."""
     p, meta, args = _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, True,
-                            tf32)
+                            tf32, segments, drop_at)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)

@@ -130,11 +130,11 @@ def _query_tile(pid, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M: tl.constexpr, 
     return pid_m, bh, b, h, h // G, offs_m, om, q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
 def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
                      q_strides, k_strides, v_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep,
+                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                      HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS_ON: tl.constexpr,
@@ -149,7 +149,9 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     elements named as the C++ fields (``kpm_strides`` = (kpm_b, kpm_l); ``bias_strides`` = (bias_b,
     bias_h, bias_q, bias_k) of the dense bias). Without a C++ field: ``q_d``, ``k_d``, ``v_d``, the
     slopes' head stride ``alibi_h``, the relative table's ``tab_h`` and ``max_dist``, the span's
-    ``ramp`` and the dense bias's strides; ``seed`` is C++'s seed_lo / seed_hi."""
+    ``ramp`` and the dense bias's strides; ``seed`` is C++'s seed_lo / seed_hi. Dropout draws at row
+    ``drop_q0 + i``, key ``drop_k0 + j``, head ``b * drop_H + drop_h0 + h`` (C++'s drop_at: a chunk's
+    positions, a head shard's global heads)."""
     q_b, q_h, q_l, q_d = q_strides
     k_b, k_h, k_l, k_d = k_strides
     v_b, v_h, v_l, v_d = v_strides
@@ -185,7 +187,8 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh), p * inv_keep, 0.0)
+            p = tl.where(dropout_keep(seed, b * drop_H + drop_h0 + h, offs_m[:, None] + drop_q0,
+                                      offs_n[None, :] + drop_k0, drop_thresh), p * inv_keep, 0.0)
         v = load_tile(v_base + on[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, True, True)
         v = _zero_unseen(v, seen[:, None], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
@@ -210,14 +213,15 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
 @triton.jit
 def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
            kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-           seed, drop_thresh, inv_keep,
+           seed, drop_thresh, inv_keep, drop_bh, drop_q0, drop_k0,
            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
            REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
            INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """The backward's recomputation for a (BLOCK_M, BLOCK_N) tile: (P with dropout applied, dT the
     gradient of the biased scores, dS the gradient of the scaled scores, d, ok, the keys ``kt`` with
-    those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there."""
+    those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there.
+    Dropout draws at head ``drop_bh``, rows and keys moved by ``drop_q0`` / ``drop_k0``."""
     s, t, d, ok, kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb,
                           lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
                           bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
@@ -227,7 +231,7 @@ def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, lef
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     pd = p
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], drop_thresh)
+        keep = dropout_keep(seed, drop_bh, offs_m[:, None] + drop_q0, offs_n[None, :] + drop_k0, drop_thresh)
         dp = tl.where(keep, dp * inv_keep, 0.0)
         pd = tl.where(keep, p * inv_keep, 0.0)
     dt = p * (dp - delta[:, None])
@@ -245,11 +249,12 @@ def _row_stats(LSE, DELTA, bh, offs_m, Lq):
     return lse, tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
 def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS,
                      q_strides, k_strides, v_strides, do_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
-                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, n_part,
+                     scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
+                     n_part,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_P: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
@@ -307,7 +312,7 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                                            left, right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
                                            KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
                                            tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
-                                           inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
+                                           inv_keep, b * drop_H + drop_h0 + h, drop_q0, drop_k0, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
                                            ALIBI, REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
                 dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
                 dk += dot(tl.trans(cast(ds, q.dtype, INTERP_BF16)), q, DOT_PREC, INTERP_BF16)
@@ -338,8 +343,9 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                                        right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
                                        KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
                                        tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
-                                       inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI,
-                                       REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+                                       inv_keep, b * drop_H + drop_h0 + h, drop_q0, drop_k0, HAS_LEFT, HAS_RIGHT,
+                                       HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
+                                       DOT_PREC, INTERP_BF16, IDX64)
             dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
             dt = tl.where(ok, dt, 0.0)
             if ALIBI:

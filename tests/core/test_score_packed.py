@@ -1,0 +1,141 @@
+"""Score terms (softcap, sinks, ALiBi, Relative, Span, dense) with packed sequences (``cu_seqlens``:
+segment-local distances, nothing crosses a segment) and with ``positions`` (a context-parallel chunk:
+absolute distances and dropout draws), forward and backward including the terms' parameter
+gradients, against the float64 oracle and against each segment alone; bitwise repeatable."""
+import pytest
+import torch
+
+import effattn
+from effattn.bias import ALiBi, Relative, Span
+from effattn.distributed import _chunk
+from effattn.numerics import draw_seed
+from tests.conftest import DEVICE
+from tests.core.test_score import KERNELS, _leaves, _terms, check
+
+# segments: no keys, Lq > Lk (rows that see no key when causal), no queries, length 1, a longer pair
+OFFS_Q = [0, 3, 8, 8, 9, 27]
+OFFS_K = [0, 0, 5, 9, 10, 31]
+PACKED_KINDS = ["softcap", "sinks", "alibi", "relative", "relative-past", "span", "span-per-head"]
+
+
+def _cu():
+    return (torch.tensor(OFFS_Q, dtype=torch.int32, device=DEVICE),
+            torch.tensor(OFFS_K, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+@pytest.mark.parametrize("mode", [dict(causal=True), dict(window=(3, 2)), dict()], ids=["causal", "window", "dense"])
+def test_packed_terms_match_the_oracle(kind, mode):
+    """The oracle masks every pair across segments and measures the terms' distances inside them."""
+    B, H, Hkv = 1, 4, 2
+    shape = (B, H, Hkv, OFFS_Q[-1], OFFS_K[-1], 8)
+    check(shape, kind, dict(mode, cu_seqlens=_cu()), torch.float64)
+
+
+def _segment_grads(q, k, v, kw, terms, go, packed):
+    """(out, dq, dk, dv, *parameter gradients) of the packed call or of each segment alone (outputs and
+    gradients of q, k, v put back at the segments' rows; parameter gradients summed over segments)."""
+    kw_t, params, _, _ = _leaves(terms, torch.float64)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if packed:
+        out = effattn.attention(*leaves, cu_seqlens=_cu(), backend="torch", **kw, **kw_t)
+    else:
+        parts = []
+        for a, b, c, d in zip(OFFS_Q, OFFS_Q[1:], OFFS_K, OFFS_K[1:]):
+            parts.append(effattn.attention(leaves[0][:, :, a:b], leaves[1][:, :, c:d], leaves[2][:, :, c:d],
+                                           backend="torch", **kw, **kw_t))
+        out = torch.cat(parts, 2)
+    grads = torch.autograd.grad(out, leaves + params, go, allow_unused=True)
+    return (out,) + tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves + params))
+
+
+@pytest.mark.parametrize("kind", ["all-packed", "relative", "span-per-head"])
+def test_packed_terms_equal_each_segment_alone(kind):
+    """A packed call with terms is each segment's own call with those terms (GQA, causal window),
+    forward and backward with the parameters' gradients; the packed call is bitwise repeatable."""
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D = 4, 2, 8
+    q = torch.randn(1, H, OFFS_Q[-1], D, generator=g, dtype=torch.float64).to(DEVICE)
+    k, v = (torch.randn(1, Hkv, OFFS_K[-1], D, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2))
+    if kind == "all-packed":
+        terms = dict(softcap=2.5, sinks=torch.randn(H, generator=g, dtype=torch.float64),
+                     bias=[ALiBi(0.2 * torch.rand(H, generator=g, dtype=torch.float64)),
+                           Relative(torch.randn(H, 9, generator=g, dtype=torch.float64), max_distance=4),
+                           Span(torch.full((H,), 6.5, dtype=torch.float64), ramp=3, max_span=12)])
+    else:
+        terms, _ = _terms(kind, 1, H, OFFS_Q[-1], OFFS_K[-1], g)
+    kw = dict(causal=True, window=12)
+    go = torch.randn(1, H, OFFS_Q[-1], D, generator=g, dtype=torch.float64).to(DEVICE)
+    packed = _segment_grads(q, k, v, kw, terms, go, True)
+    alone = _segment_grads(q, k, v, kw, terms, go, False)
+    names = ["out", "dq", "dk", "dv"] + [f"dparam{i}" for i in range(len(packed) - 4)]
+    assert len(packed) > 4
+    for name, a, b in zip(names, packed, alone):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    again = _segment_grads(q, k, v, kw, terms, go, True)
+    for name, a, b in zip(names, packed, again):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+POS_KINDS = ["all", "alibi", "relative", "span-per-head", "dense", "sinks"]
+
+
+@pytest.mark.parametrize("kind", POS_KINDS)
+@pytest.mark.parametrize("mode", [dict(causal=True, positions=(30, 14)), dict(window=(6, 2), positions=(5, 9)),
+                                  dict(positions=(0, 7))], ids=["causal", "window", "dense"])
+def test_positions_terms_match_the_oracle(kind, mode):
+    """A chunk at absolute positions: the terms read ``(q_start + i) - (k_start + j)``."""
+    check((2, 4, 2, 12, 20, 8), kind, mode, torch.float64)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("kind", ["all", "relative", "span-per-head"])
+def test_kernels_positions_terms_match_the_oracle(backend, kind):
+    check((1, 4, 2, 12, 20, 8), kind, dict(causal=True, positions=(30, 14)), torch.float32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_terms_dropout_at_positions_and_head_shards_draws_the_whole_calls_pairs(backend):
+    """With terms, a chunk at positions on heads 2..3 of 4 (a Ulysses head shard) drops exactly the
+    pairs the whole call drops there (V = identity reads the keep-mask off the output)."""
+    dt = torch.float64 if backend == "torch" else torch.float32
+    p, L = 0.3, 40
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, L, 8, generator=g).to(dt)
+    k = torch.randn(1, 2, L, 8, generator=g).to(dt)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=dt)
+    kw = dict(causal=True, window=20, softcap=4.0)
+    torch.manual_seed(7)
+    full = effattn.attention(q, k, torch.eye(L, dtype=dt).expand(1, 2, L, L).contiguous(), dropout_p=p,
+                             bias=ALiBi(slopes), backend=backend, **kw) != 0
+    qs, ks, n, m = 24, 9, 12, 18
+    torch.manual_seed(7)
+    seed = draw_seed()
+    eye = torch.eye(m, dtype=dt).expand(1, 1, m, m).contiguous()
+    out, _ = _chunk(q[:, 2:4, qs:qs + n], k[:, 1:2, ks:ks + m], eye, backend=backend, seed=seed, positions=(qs, ks),
+                    heads=(2, 4), dropout_p=p, bias=ALiBi(slopes[2:4]), **kw)
+    want = full[:, 2:4, qs:qs + n, ks:ks + m]
+    assert want.any() and not want.all()
+    assert torch.equal(out != 0, want)
+
+
+def test_dense_bias_with_cu_seqlens_is_refused_naming_bias():
+    q = torch.zeros(1, 2, OFFS_Q[-1], 8, device=DEVICE)
+    k = torch.zeros(1, 2, OFFS_K[-1], 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"dense bias tensor \(bias\) cannot be combined with cu_seqlens"):
+        effattn.attention(q, k, k, cu_seqlens=_cu(), bias=torch.zeros(1, 2, OFFS_Q[-1], OFFS_K[-1], device=DEVICE))
+
+
+def test_explain_serves_terms_with_packing_and_positions():
+    """torch/score serves packed calls with terms; triton/score positions, not packing (a reason)."""
+    q = torch.zeros(1, 2, OFFS_Q[-1], 8, device=DEVICE)
+    k = torch.zeros(1, 2, OFFS_K[-1], 8, device=DEVICE)
+    bias = ALiBi(torch.tensor([0.5, 0.25], device=DEVICE))
+    e = effattn.explain(q, k, k, cu_seqlens=_cu(), bias=bias, backend="torch")
+    assert e.paths["torch"].startswith("torch/score"), e.paths
+    if "triton" in KERNELS:
+        text = str(effattn.explain(q, k, k, cu_seqlens=_cu(), bias=bias))
+        line = next(ln for ln in text.splitlines() if "triton/score" in ln)
+        assert "cannot serve" in line and "varlen" in line, text
+        e = effattn.explain(q, k, k, positions=(40, 3), bias=bias, backend="triton")
+        assert e.paths["triton"].startswith("triton/score"), (e.paths, e.reasons)
