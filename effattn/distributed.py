@@ -38,6 +38,14 @@ keep-mask with it at its absolute ``positions`` and, for Ulysses' head shards, t
 one-device call drops under the same ``torch.manual_seed``; the ring's backward recomputes each pair
 with the same seed.
 
+Score terms (every method): softcap, sinks and the ``effattn.bias`` terms ALiBi, Relative and Span.
+Ring, halo and all-gather calls place each chunk at its absolute ``positions``, so the terms read the
+whole sequence's distances; the ring merges its pairs without the sinks and joins them to the
+normalizer once (`_add_sinks`); Ulysses slices the per-head tensors to the rank's heads. Their
+gradients are this rank's share (summed over the group: the one-device gradients). A dense bias
+tensor (the whole sequence's (L, L) pairs) is refused naming ``bias``. A module's ``position_bias``
+(``effattn.nn.MultiheadAttention``) passes its terms through `ContextParallel`.
+
 Before any communication each call all-gathers a small signature (shapes, dtype, options) and raises
 on every rank if the ranks disagree: a mismatch is an error, never a hang; so is one rank's own bad
 input (its error there, a ValueError naming that rank on the others). `bytes_sent` counts what
@@ -54,10 +62,12 @@ from torch import Tensor
 
 from ._call import LINEAR, _fail, make_attn_call, make_linear_call
 from .backends import base
+from .bias import ALiBi, Dense
 from .linear import linear_attention as local_linear
 from .merge import merge_attention
 from .numerics import compute_dtype
 from .packed import public_window
+from .score import ScoreTerms
 from .visibility import Rule, normalize_window
 
 METHODS = ("ring", "ulysses", "allgather")
@@ -186,7 +196,9 @@ def unshard(x: Tensor, group=None, dim: int = 1, balance: str = "contiguous") ->
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "Hkv", "local length", "D", "Dv", "dtype", "causal", "window left", "window right",
-           "method", "balance", "scale (x1e6)", "dropout_p (x1e6)")
+           "method", "balance", "scale (x1e6)", "dropout_p (x1e6)", "score terms (softcap 1, sinks 2, ALiBi 4, "
+           "Relative 8, Span 16)", "softcap (x1e6)")
+_TERM_BITS = {"softcap": 1, "sinks": 2, "bias=alibi": 4, "bias=relative": 8, "bias=span": 16}
 
 
 _SHARD_FIELDS = ("dims", "dim", "dtype") + tuple(f"size {i}" for i in range(8)) + ("balance", "-")
@@ -283,19 +295,27 @@ class _RingPlan(NamedTuple):
     steps: int       # ring steps taken: 1 + the furthest source any rank needs
     dropout_p: float
     seed: Optional[Tensor]   # the call's dropout seed, the same on every rank (None without dropout)
+    score: Optional[ScoreTerms] = None   # softcap and bias terms of every pair (sinks join after the merge)
 
-    def pair(self, q, k, v, positions):
-        """(out fp32, lse) of one (query piece, key range) pair at its absolute positions."""
+    def pair(self, q, k, v, positions, params=None):
+        """(out fp32 (float64 for float64 inputs), lse) of one (query piece, key range) pair at its absolute positions; ``params``:
+        the score terms' tensors to use (leaves of the backward's recomputation), else the plan's."""
+        terms = {}
+        if self.score is not None:
+            sc = self.score if params is None else self.score.with_tensors(params)
+            terms = dict(softcap=sc.softcap, bias=list(sc.terms) or None)
         return _chunk(q, k, v, **_mask_args(self.left, self.right), scale=self.scale, positions=positions,
-                      out_dtype=torch.float32, dropout_p=self.dropout_p, seed=self.seed, backend=self.backend)
+                      out_dtype=compute_dtype(q.dtype), dropout_p=self.dropout_p, seed=self.seed, backend=self.backend,
+                      **terms)
 
 
-def _ring_plan(group, rank, world, local, balance, left, right, scale, backend, dropout_p, seed) -> _RingPlan:
+def _ring_plan(group, rank, world, local, balance, left, right, scale, backend, dropout_p, seed,
+               score=None) -> _RingPlan:
     steps = 1
     for s in range(1, world):
         if any(_pairs(r, (r - s) % world, world, local, balance, left, right) for r in range(world)):
             steps = s + 1
-    return _RingPlan(group, rank, world, local, balance, left, right, scale, backend, steps, dropout_p, seed)
+    return _RingPlan(group, rank, world, local, balance, left, right, scale, backend, steps, dropout_p, seed, score)
 
 
 def _rotate(plan: _RingPlan, tensors: List[Tensor]):
@@ -306,9 +326,12 @@ def _rotate(plan: _RingPlan, tensors: List[Tensor]):
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring over inputs ``(q, k, v, plan, *params)``, ``params`` the score terms' tensors (softcap and
+    bias terms: `plan.score`); returns the merged fp32 output and lse. The backward returns the terms'
+    gradients summed over this rank's pairs in the ring's fixed order (this rank's share)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: _RingPlan):
+    def forward(ctx, q, k, v, plan: _RingPlan, *params):
         parts = [[] for _ in pieces(plan.rank, plan.world, plan.local, plan.balance)]
         kv = [k.contiguous(), v.contiguous()]
         for s in range(plan.steps):
@@ -327,22 +350,24 @@ class _RingAttention(torch.autograd.Function):
             if ps:
                 o, l = merge_attention(ps)
             else:
-                o = torch.zeros(B, H, qp.length, v.shape[-1], dtype=torch.float32, device=q.device)
-                l = torch.full((B, H, qp.length), -math.inf, dtype=torch.float32, device=q.device)
+                o = torch.zeros(B, H, qp.length, v.shape[-1], dtype=compute_dtype(q.dtype), device=q.device)
+                l = torch.full((B, H, qp.length), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
             outs.append(o)
             lses.append(l)
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *params)
         ctx.plan = plan
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *params = ctx.saved_tensors
         plan = ctx.plan
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        cdt = compute_dtype(q.dtype)            # float32 sums (float64 for float64 inputs)
+        dparams = [torch.zeros(t.shape, dtype=cdt, device=t.device) for t in params]
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
         kv = [k.contiguous(), v.contiguous()]
         grad_out = grad_out.contiguous()
         for s in range(plan.steps):
@@ -351,9 +376,11 @@ class _RingAttention(torch.autograd.Function):
                 a, b = p.kp.local + p.k0, p.kp.local + p.k1
                 rows = slice(p.qp.local, p.qp.local + p.qp.length)
                 g_lse = grad_lse[:, :, rows] if grad_lse is not None else None
-                pdq, pdk, pdv = _pair_grads(plan, q[:, :, rows], kv[0][:, :, a:b], kv[1][:, :, a:b],
-                                            (p.qp.start, p.kp.start + p.k0), out[:, :, rows], lse[:, :, rows],
-                                            grad_out[:, :, rows], g_lse)
+                pdq, pdk, pdv, *pdp = _pair_grads(plan, q[:, :, rows], kv[0][:, :, a:b], kv[1][:, :, a:b],
+                                                  (p.qp.start, p.kp.start + p.k0), out[:, :, rows], lse[:, :, rows],
+                                                  grad_out[:, :, rows], g_lse, params)
+                for acc, g in zip(dparams, pdp):
+                    acc += g
                 dq[:, :, rows] += pdq
                 dk[:, :, a:b] += pdk
                 dv[:, :, a:b] += pdv
@@ -366,27 +393,31 @@ class _RingAttention(torch.autograd.Function):
             bufs = [torch.empty_like(dk), torch.empty_like(dv)]
             _wait(_exchange(plan.group, [(dk, owner), (dv, owner)], [(bufs[0], mine), (bufs[1], mine)]))
             dk, dv = bufs
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None,
+                *[g.to(t.dtype) for g, t in zip(dparams, params)])
 
 
-
-
-def _pair_grads(plan, q, k, v, positions, out, lse, dout, dlse):
-    """dq, dk, dv (float32) of one ring pair: its forward recomputed on the call's backend and its
+def _pair_grads(plan, q, k, v, positions, out, lse, dout, dlse, params=()):
+    """dq, dk, dv (float32; float64 for float64 inputs) of one ring pair: its forward recomputed on the call's backend and its
     backward through the merge's chain rule. With ``w = exp(lse_r - lse)`` the merged output is
     ``sum_r w_r o_r``, so the pair's output receives ``w dout`` and its lse
     ``w (rowsum(dout * (o_r - out)) + dlse)``; the pair's own backward (flash on the CPU, Triton on a
-    GPU) then gives exactly its share of the whole call's gradients."""
+    GPU) then gives exactly its share of the whole call's gradients (and of the score terms' tensors
+    ``params``: zero where the pair does not use one)."""
+    cdt = compute_dtype(q.dtype)
     with torch.enable_grad():
         qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
-        o, l = plan.pair(qp, kp, vp, positions)      # with dropout: the forward's mask again (same seed)
+        leaves = [t.detach().requires_grad_() for t in params]
+        o, l = plan.pair(qp, kp, vp, positions, leaves or None)  # with dropout: the forward's mask again
         seen = ~torch.isinf(l)
         w = torch.where(seen, torch.exp(torch.where(seen, l.detach(), lse) - lse), torch.zeros_like(l))
-        g_l = (dout.float() * (o.detach().float() - out)).sum(-1)
+        g_l = (dout.to(cdt) * (o.detach().to(cdt) - out)).sum(-1)
         if dlse is not None:
             g_l = g_l + dlse
-        grads = torch.autograd.grad((o, l), (qp, kp, vp), (w[..., None] * dout.float(), w * g_l))
-    return tuple(g.float() for g in grads)
+        grads = torch.autograd.grad((o, l), (qp, kp, vp, *leaves), (w[..., None] * dout.to(cdt), w * g_l),
+                                    allow_unused=True)
+    return tuple(torch.zeros(t.shape, dtype=cdt, device=t.device) if g is None else g.to(cdt)
+                 for g, t in zip(grads, (qp, kp, vp, *leaves)))
 
 
 # ------------------------------------------------------------------------------------------ halo
@@ -492,6 +523,7 @@ def _heads_to_seq(y: Tensor, group, world: int, order: Tensor) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "ring", balance: str = "contiguous",
               causal: bool = False, window=None, scale: Optional[float] = None, dropout_p: float = 0.0,
+              softcap: Optional[float] = None, sinks: Optional[Tensor] = None, bias=None,
               return_lse: bool = False, backend: str = "auto"):
     """Self-attention over a sequence sharded along its length (see the module docstring).
 
@@ -506,6 +538,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
             and global head with rank 0's seed (drawn from torch's generator as a one-device call
             would), so the ranks drop exactly the pairs ``effattn.attention`` drops under the same
             ``torch.manual_seed``, forward and backward.
+        softcap, sinks, bias: score terms as :func:`effattn.attention` takes them, over global positions
+            (every rank passes the same): softcap, sinks ``(H,)`` and the bias terms ``effattn.bias.ALiBi``,
+            ``Relative``, ``Span`` (a dense bias tensor is refused: it would be the whole ``(L, L)``
+            sequence's). Ring and allgather calls place each chunk at its absolute positions (the
+            terms read ``pos(i) - j`` of the whole sequence; the ring adds the sinks once, after its
+            merge); Ulysses slices the per-head tensors to the rank's heads. Their gradients are this
+            rank's share (sum them over the group, as DDP does for every parameter).
         return_lse: also return this rank's rows of the log-sum-exp (float32).
         backend: the backend of the per-rank attention calls.
 
@@ -515,10 +554,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
     fn = "effattn.distributed.attention"
     group, rank, world = _group(group)
     try:           # a rank's bad input: raised on every rank after the agreement's gather, never a hang
-        call, left, right = _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn)
+        call, left, right = _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn,
+                                        softcap=softcap, sinks=sinks, bias=bias)
+        feats = call.score.features() if call.score is not None else set()
         sig, problem = [call.B, call.H, call.Hkv, call.Lq, call.D, call.Dv, _DTYPES.index(q.dtype), int(causal),
                         left, right, METHODS.index(method), BALANCES.index(balance),
-                        round(call.scale * 1e6), round(call.dropout_p * 1e6)], None
+                        round(call.scale * 1e6), round(call.dropout_p * 1e6),
+                        sum(b for f, b in _TERM_BITS.items() if f in feats), round((softcap or 0) * 1e6)], None
     except (ValueError, TypeError) as e:
         call, sig, problem = None, [0] * len(_FIELDS), e
     # a dropout seed drawn as the one-device call draws it: rank 0's rides along the signature
@@ -529,22 +571,42 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, method: str = "rin
         seed = torch.tensor(shared, dtype=torch.int64)
     local = call.Lq
     drop = dict(dropout_p=call.dropout_p, seed=seed)
+    terms = dict(softcap=softcap, sinks=sinks, bias=bias) if call.score is not None else {}
     if method == "ring":
         if balance == "contiguous" and world > 1 and 0 <= left <= local and 0 <= right <= local:
-            return _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend, drop)
-        plan = _ring_plan(group, rank, world, local, balance, left, right, call.scale, backend, **drop)
-        out, lse = _RingAttention.apply(q, k, v, plan)
+            return _halo_attention(q, k, v, call, left, right, group, rank, world, return_lse, backend,
+                                   dict(drop, **terms))
+        score = None if call.score is None else ScoreTerms(call.score.softcap, None, call.score.terms)
+        plan = _ring_plan(group, rank, world, local, balance, left, right, call.scale, backend, **drop, score=score)
+        out, lse = _RingAttention.apply(q, k, v, plan, *(score.tensors() if score is not None else ()))
+        if call.score is not None and call.score.sinks is not None:
+            out, lse = _add_sinks(out, lse, call.score.sinks)
+        out = out.to(q.dtype)
         return (out, lse) if return_lse else out
     return _gathered_attention(q, k, v, call, method, balance, left, right, group, rank, world, return_lse, backend,
-                               drop)
+                               drop, terms)
 
 
-def _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn):
+def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor):
+    """The ring's merged (out, lse) with each head's sink logit joined to the normalizer once:
+    ``lse' = log(exp(lse) + exp(sink))``, ``out' = exp(lse - lse') out`` (a row that saw no key: 0,
+    lse' = sink). Differentiable in out, lse and sinks."""
+    sk = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
+    total = torch.logaddexp(lse, sk)
+    return out * torch.exp(lse - total)[..., None], total
+
+
+def _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, world, fn, **terms):
     """This rank's validated call and the whole sequence's window bounds (or a ValueError / TypeError)."""
     if method not in METHODS:
         _fail(ValueError, f"{fn}: method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
     _check_balance(balance, fn)
-    call = make_attn_call(q, k, v, causal=causal, window=window, scale=scale, dropout_p=dropout_p)
+    bias = terms.get("bias")
+    items = list(bias) if isinstance(bias, (list, tuple)) else [bias]
+    if any(isinstance(x, (Tensor, Dense)) for x in items):
+        _fail(ValueError, f"{fn}: bias: a dense bias tensor cannot be combined with context parallelism (it would "
+                          "be the whole sequence's (L, L) pairs); use effattn.bias.ALiBi, Relative or Span")
+    call = make_attn_call(q, k, v, causal=causal, window=window, scale=scale, dropout_p=dropout_p, **terms)
     # the whole sequence's window bounds (the shard-sized call clamps a window wider than a shard away)
     left, right = normalize_window(window, causal)
     if call.Lq != call.Lk:
@@ -559,8 +621,26 @@ def _check_call(q, k, v, method, balance, causal, window, scale, dropout_p, worl
     return call, left, right
 
 
-def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank, world, return_lse, backend, drop):
+def _head_slice(call, h0: int, h1: int) -> dict:
+    """The score terms' arguments of a head shard (heads ``h0 .. h1``): sinks, ALiBi slopes, relative
+    tables and span z sliced along their head dimension (differentiable: the gradients of the other
+    heads' entries are zero on this rank)."""
+    if call.score is None:
+        return {}
+    sc = call.score
+    bias = []
+    for t in sc.terms:
+        if isinstance(t, ALiBi):
+            bias.append(t.with_params(t.slopes[..., h0:h1]))
+        else:                       # Relative (table (H, W)), Span (z (H,))
+            bias.append(t.with_params(*[p[h0:h1] for p in t.params()]))
+    return dict(softcap=sc.softcap, sinks=None if sc.sinks is None else sc.sinks[h0:h1], bias=bias or None)
+
+
+def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank, world, return_lse, backend, drop,
+                        terms=None):
     """``"ulysses"`` (all-to-all to head shards and back) and ``"allgather"``."""
+    terms = terms or {}
     local = call.Lq
     order = _global_order(world, local, balance, q.device)
     if method == "ulysses":
@@ -569,8 +649,9 @@ def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank
             k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         qh, kh, vh = (_seq_to_heads(t, group, world, order) for t in (q, k, v))
         # the rank's heads are heads rank * H/W .. of H: dropout draws at the global head index
+        h0, h1 = rank * (call.H // world), (rank + 1) * (call.H // world)
         out, lse = _chunk(qh, kh, vh, **_mask_args(left, right), scale=call.scale, backend=backend,
-                          heads=(rank * (call.H // world), call.H), **drop)
+                          heads=(h0, call.H), **drop, **_head_slice(call, h0, h1))
         out = _heads_to_seq(out, group, world, order)
         lse = _heads_to_seq(lse[..., None], group, world, order)[..., 0]
         return (out, lse) if return_lse else out
@@ -581,7 +662,7 @@ def _gathered_attention(q, k, v, call, method, balance, left, right, group, rank
         k0, k1 = Rule(p.length, kf.shape[2], left, right, q_offset=p.start).key_range(0, p.length)
         k0, k1 = (0, 0) if k1 <= k0 else (k0, k1)
         o, l = _chunk(q[:, :, rows], kf[:, :, k0:k1], vf[:, :, k0:k1], **_mask_args(left, right),
-                      scale=call.scale, positions=(p.start, k0), backend=backend, **drop)
+                      scale=call.scale, positions=(p.start, k0), backend=backend, **drop, **terms)
         outs.append(o)
         lses.append(l)
     out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
@@ -681,4 +762,4 @@ class ContextParallel:
             return out.to(step.query.dtype)
         return attention(q, k, v, group=self.group, method=self.method, balance=self.balance, causal=step.causal,
                          window=module.window, dropout_p=module.dropout if module.training else 0.0,
-                         backend=module.backend)
+                         bias=module._position_terms(), backend=module.backend)

@@ -42,8 +42,10 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
             has no value (gpt-oss); a row that sees no key then has ``lse = sinks[h]``. Differentiable.
         bias: additive score terms: an :mod:`effattn.bias` term (``ALiBi``, ``Relative``, ``Span``), a
             float tensor broadcastable to ``(B, H, Lq, Lk)``, or a list of them (summed), evaluated at
-            the distance ``d = pos(i) - j``. Any of their tensors that requires grad gets a
-            deterministic gradient. Order of operations: docs/conventions.md, "Scores".
+            the distance ``d = pos(i) - j`` (segment-local with ``cu_seqlens``, absolute with
+            ``positions``; a dense tensor does not combine with ``cu_seqlens``). Any of their tensors
+            that requires grad gets a deterministic gradient. Order of operations:
+            docs/conventions.md, "Scores".
         cu_seqlens: packed variable-length sequences (see :mod:`effattn.packed`): int32 ``(N + 1,)``
             offsets (self-attention) or a ``(cu_seqlens_q, cu_seqlens_k)`` pair, with q, k, v packed as
             ``(1, H, T, D)``. Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys
@@ -51,7 +53,8 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         max_seqlen: the longest segment (an int or a ``(max_q, max_k)`` pair), checked when given.
         positions: ``(q_start, k_start)``, the absolute positions of query 0 and key 0 (a chunk of a
             longer sequence, context parallelism): query i sits at ``q_start + i``, key j at
-            ``k_start + j``, and causal / window compare those positions.
+            ``k_start + j``; causal / window, the score terms' distances and dropout's draws use
+            those positions.
         out_dtype: ``torch.float32`` for an fp32 output (partial results merged with
             :func:`effattn.merge_attention` without a round trip through the input dtype).
         backend: ``"auto"`` (fastest that can serve; see :func:`explain`), ``"torch"``, ``"triton"``

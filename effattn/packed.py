@@ -3,12 +3,12 @@
 A packed call concatenates N sequences along the length axis: ``q (1, H, Tq, D)``, ``k, v (1, Hkv,
 Tk, D)``, with int32 ``cu_seqlens (N + 1,)`` marking where each starts (``cu[0] = 0``, ``cu[N] = T``).
 Segment n is queries ``cu_q[n]:cu_q[n+1]`` against keys ``cu_k[n]:cu_k[n+1]``, aligned bottom-right
-inside the segment; causal, window, GQA and dropout apply with segment-local positions and no pair
-crosses a segment. ``positions=(q_start, k_start)`` places a plain call's queries and keys at
+inside the segment; causal, window, GQA, dropout and the score terms (their distances) apply with
+segment-local positions and no pair crosses a segment. ``positions=(q_start, k_start)`` places a plain call's queries and keys at
 absolute positions (query i at ``q_start + i``, key j at ``k_start + j``), so a chunk pair of a longer
 sequence (context parallelism, cascade attention) sees exactly what the whole sequence would; with
-dropout the chunk also draws its keep-mask at those absolute rows and keys (torch, Triton), so it drops
-the pairs the whole sequence's call drops.
+dropout the chunk also draws its keep-mask at those absolute rows and keys (torch, Triton, CUDA), so it
+drops the pairs the whole sequence's call drops, and the score terms read the absolute distances.
 
 Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k1, q_offset)``
 (``q_offset`` = the key position of the segment's first query, relative to its first key). The torch

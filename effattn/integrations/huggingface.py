@@ -27,7 +27,8 @@ padding suffices. Then:
 - packed sequences (one row, ``position_ids`` restarting at 0 with ``use_cache=False``, as transformers'
   ``DataCollatorWithFlattening`` makes them, or the flash-attention keywords ``cu_seq_lens_q/k``): when the
   mask transformers built is exactly "same sequence AND causal/window", the fused kernel runs with
-  ``cu_seqlens`` (``effattn.attention``'s packed sequences), in O(L) memory (without score terms).
+  ``cu_seqlens`` (``effattn.attention``'s packed sequences), in O(L) memory (with softcap, sinks, ALiBi and
+  relative tables too; a dense position bias tensor takes the paths below).
 
 Score terms run fused (``effattn.attention``'s ``softcap``, ``sinks``, ``bias``): ``softcap`` (Gemma 2 /
 3), attention sinks ``s_aux`` (gpt-oss, differentiable), and T5's ``position_bias`` (T5, LongT5,
@@ -220,11 +221,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if slopes is not None:
         extra.append(_bias.ALiBi(slopes))
     terms = dict(softcap=softcap, sinks=sinks, bias=extra or None)
+    # packed sequences: the fused segment work list (with softcap, sinks, ALiBi, a relative table: segment-local
+    # distances; a dense position_bias tensor takes the paths below)
     packed = (_packed_segments(attention_mask, kwargs, B, Lq, Lk, causal, window)
-              if softcap is None and not extra and sinks is None else None)
-    if packed is not None:                              # packed sequences: the fused segment work list
+              if not any(isinstance(t, Tensor) for t in extra) else None)
+    if packed is not None:
         out = attention(query, key, value, causal=causal, window=window, cu_seqlens=packed[0], max_seqlen=packed[1],
-                        scale=scaling, dropout_p=float(dropout), backend=backend)
+                        scale=scaling, dropout_p=float(dropout), backend=backend, **terms)
         _record("fused")
         return out.transpose(1, 2).contiguous(), None
     plan = ("fused", None) if attention_mask is None else _read_mask(attention_mask, B, Lq, Lk, causal, window)

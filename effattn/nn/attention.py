@@ -182,9 +182,6 @@ class MultiheadAttention(nn.Module):
         if position_bias is not None and not isinstance(position_bias, nn.Module):
             raise TypeError(f"MultiheadAttention: position_bias must be an nn.Module returning score terms (e.g. "
                             f"effattn.nn.ALiBi), got {type(position_bias).__name__}")
-        if position_bias is not None and context_parallel is not None:
-            raise ValueError("MultiheadAttention: position_bias and context_parallel cannot be combined yet "
-                             "(the context-parallel attention takes no score terms)")
         if position_bias is not None and linear is not None:
             raise ValueError("MultiheadAttention: position_bias adds to the softmax scores; linear attention forms "
                              "none")

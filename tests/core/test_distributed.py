@@ -211,6 +211,83 @@ def test_world4_ring_zigzag_halo_ulysses():
     _spawn(work, 4)
 
 
+TERMS = [
+    # method, balance, attention kwargs: the ring (whole, zigzag with skipped pairs), the halo, Ulysses, all-gather
+    ("ring", "contiguous", dict()),
+    ("ring", "zigzag", dict(causal=True, window=9)),
+    ("ring", "contiguous", dict(causal=True, window=3)),          # halo exchange
+    ("ulysses", "zigzag", dict(causal=True)),                     # per-head tensors sliced to the rank's heads
+    ("allgather", "zigzag", dict(window=(4, 2))),
+]
+
+
+def _terms_worker(rank, world, cases, L):
+    """Score terms (softcap, sinks, ALiBi, a relative table, adaptive span) through every method: the
+    output and the gradients of q, k, v equal the single-process call's, the terms' gradients summed
+    over the ranks equal its parameter gradients; bitwise repeatable. A dense bias is refused by name."""
+    from effattn.bias import ALiBi, Relative, Span
+    q, k, v = _inputs(1, 4, 2, L, 8, 6, seed=5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(6)
+    params = [torch.randn(4, generator=g, dtype=torch.float64), 0.3 * torch.rand(4, generator=g, dtype=torch.float64),
+              torch.randn(4, 11, generator=g, dtype=torch.float64), torch.tensor([3.5, 10.0, 20.0, 6.0],
+                                                                                 dtype=torch.float64)]
+
+    def terms(ps):
+        return dict(softcap=3.0, sinks=ps[0], bias=[ALiBi(ps[1]), Relative(ps[2], max_distance=5),
+                                                    Span(ps[3], ramp=3, max_span=L)])
+
+    dout = torch.randn(1, 4, L, 6, generator=g, dtype=torch.float64)
+    for method, balance, kw in cases:
+        label = f"terms {method}/{balance}/{kw}"
+        ref_in = [t.detach().requires_grad_() for t in (q, k, v, *params)]
+        ref = effattn.attention(*ref_in[:3], backend="torch", **kw, **terms(ref_in[3:]))
+        ref_grads = torch.autograd.grad(ref, ref_in, dout)
+        results = []
+        for _ in range(2):
+            shards = [ecp.shard(t, dim=2, balance=balance).detach().requires_grad_() for t in (q, k, v)]
+            ps = [t.detach().requires_grad_() for t in params]
+            out = ecp.attention(*shards, method=method, balance=balance, backend="torch", **kw, **terms(ps))
+            grads = torch.autograd.grad(out, shards + ps, ecp.shard(dout, dim=2, balance=balance))
+            results.append((out, grads))
+        (out, grads), (out2, grads2) = results
+        assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), label
+        torch.testing.assert_close(ecp.unshard(out.detach(), dim=2, balance=balance), ref.detach(), rtol=1e-10,
+                                   atol=1e-10, msg=lambda m: f"{label} out, rank {rank}: {m}")
+        for name, a, r in zip("qkv", grads[:3], ref_grads[:3]):
+            torch.testing.assert_close(a, ecp.shard(r, dim=2, balance=balance), rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f"{label} d{name}, rank {rank}: {m}")
+        for name, a, r in zip(("sinks", "slopes", "table", "z"), grads[3:], ref_grads[3:]):
+            total = a.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, r, rtol=1e-10, atol=1e-10, msg=lambda m: f"{label} d{name}: {m}")
+    # a module's position_bias (learnable ALiBi) through context_parallel: output and parameter gradients
+    from effattn.nn import ALiBi as ALiBiModule
+    from effattn.nn import MultiheadAttention
+    torch.manual_seed(0)
+    single = MultiheadAttention(16, 4, batch_first=True, position_bias=ALiBiModule(4, learnable=True))
+    cpm = MultiheadAttention(16, 4, batch_first=True, position_bias=ALiBiModule(4, learnable=True),
+                             context_parallel=ecp.ContextParallel(method="ring", balance="zigzag"))
+    cpm.load_state_dict(single.state_dict())
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask
+    ref, _ = single(x, x, x, need_weights=False, is_causal=True, attn_mask=mask(16))
+    xs = ecp.shard(x, balance="zigzag")
+    out, _ = cpm(xs, xs, xs, need_weights=False, is_causal=True, attn_mask=mask(8))
+    torch.testing.assert_close(out, ecp.shard(ref, balance="zigzag"), rtol=2e-5, atol=2e-5)
+    g_ref = torch.autograd.grad(ref.square().sum(), list(single.parameters()))
+    for (name, _), a, b in zip(cpm.named_parameters(), torch.autograd.grad(out.square().sum(),
+                                                                           list(cpm.parameters())), g_ref):
+        dist.all_reduce(a)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"module {name}: {m}")
+    qs = ecp.shard(q, dim=2)
+    with pytest.raises(ValueError, match="bias: a dense bias tensor cannot be combined with context parallelism"):
+        ecp.attention(qs, qs, qs, bias=torch.zeros(1, 4, L // world, L // world, dtype=torch.float64))
+
+
+def test_world2_score_terms_equal_the_single_process_call():
+    _spawn(_terms_worker, 2, TERMS, 24)
+
+
 def test_not_initialized_is_an_error():
     with pytest.raises(RuntimeError, match="not initialized"):
         ecp.attention(*_inputs(1, 2, 2, 4, 4, 4))
@@ -235,6 +312,43 @@ def _swap_worker(rank, world):
         dist.all_reduce(a)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert cp.self_attn.last_path == "fused"
+
+
+def _wrapped_training_worker(rank, world):
+    """A model swapped with swap_attention(context_parallel=...) inside DistributedDataParallel and
+    inside FSDP2's fully_shard (both on gloo, CPU): one training step (loss = mean over this rank's
+    tokens, SGD) gives the single-process run's gradients and parameters (the wrappers average the
+    ranks' shares; equal shards make that the whole sequence's mean)."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    single = effattn.swap_attention(copy.deepcopy(layer))
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    mask = nn.Transformer.generate_square_subsequent_mask
+    single(x, is_causal=True, src_mask=mask(16)).square().mean().backward()
+    torch.optim.SGD(single.parameters(), lr=0.5).step()
+    for wrap in (DistributedDataParallel, fully_shard):
+        cp = effattn.swap_attention(copy.deepcopy(layer), context_parallel=ecp.ContextParallel(balance="zigzag"))
+        model = wrap(cp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(ecp.shard(x, balance="zigzag"), is_causal=True, src_mask=mask(8)).square().mean().backward()
+        opt.step()
+        assert cp.self_attn.last_path == "fused"
+        for (name, a), b in zip(cp.named_parameters(), single.parameters()):
+            grad, value = a.grad, a.detach()
+            if hasattr(value, "full_tensor"):                # FSDP2: DTensor shards
+                grad, value = grad.full_tensor(), value.full_tensor()
+            label = f"{wrap.__name__} {name}"
+            torch.testing.assert_close(grad, b.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} grad: {m}")
+            torch.testing.assert_close(value, b.detach(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{label}: {m}")
+
+
+def test_world2_ddp_and_fsdp_around_a_context_parallel_model():
+    _spawn(_wrapped_training_worker, 2)
 
 
 def _module_dropout_worker(rank, world):

@@ -553,19 +553,18 @@ def test_positions_draw_dropout_at_the_absolute_rows_and_keys(backend, kw):
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
-def test_cuda_admits_dropout_with_positions_and_head_shards():
-    """The CUDA kernels draw dropout at a chunk's absolute rows and keys and a head shard's global heads
-    (drop_at): positioned chunks and head shards with dropout are theirs (their masks:
-    tests/backends/cuda/test_cuda_packed.py)."""
+def test_cuda_dropout_draws_at_the_calls_positions_and_head_shard():
+    """The CUDA op arguments of a call carry where its dropout draws (drop_at: positions, a head
+    shard's first head and head count) exactly when they differ from the call's own; the emulated
+    kernels' masks: tests/backends/cuda/test_cuda_packed.py."""
     from effattn._call import make_attn_call
     from effattn.backends.cuda.attention import ops
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
-    for kw in (dict(positions=(8, 0)), dict(heads=(2, 4)), dict(positions=(0, 0)), dict()):
-        call = make_attn_call(q, q, q, dropout_p=0.1, **kw)
-        assert ops._admits(call) == [], kw
     assert ops.packed_args(make_attn_call(q, q, q, dropout_p=0.1, positions=(8, 3), heads=(2, 4)))["drop_at"] == [
         8, 3, 2, 4]
-    assert "drop_at" not in ops.packed_args(make_attn_call(q, q, q, dropout_p=0.1))
+    assert ops.packed_args(make_attn_call(q, q, q, dropout_p=0.1, heads=(2, 4)))["drop_at"] == [0, 0, 2, 4]
+    for kw in (dict(), dict(positions=(0, 0)), dict(heads=(2, 4), dropout_p=0.0)):
+        assert "drop_at" not in ops.packed_args(make_attn_call(q, q, q, **{"dropout_p": 0.1, **kw})), kw
 
 
 def test_pair_backward_replays_the_whole_calls_dropout():

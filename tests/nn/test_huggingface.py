@@ -414,10 +414,12 @@ def test_every_call_site_keyword_is_served_or_refused():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-alternating"])
+@pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-alternating", "gemma2-softcap"])
 def test_packed_sequences_run_fused_with_cu_seqlens(name, monkeypatch):
     """One row of three packed sequences (position_ids restarting at 0, no cache): the fused path with
-    cu_seqlens, equal to running each sequence alone, forward and backward."""
+    cu_seqlens, equal to running each sequence alone, forward and backward (Gemma 2's softcap included;
+    transformers' gpt-oss does not read packed position_ids, under "eager" neither: its sinks with
+    packing are checked through the flash keywords below)."""
     eager, ours = _pair(name)
     ids = torch.randint(1, 100, (1, 12), generator=torch.Generator().manual_seed(3))
     bounds = [(0, 5), (5, 8), (8, 12)]
@@ -437,10 +439,14 @@ def test_packed_sequences_run_fused_with_cu_seqlens(name, monkeypatch):
     alone = torch.cat([eager(input_ids=ids[:, a:b], use_cache=False)[0] for a, b in bounds], 1)
     torch.testing.assert_close(out, alone, atol=2e-5, rtol=2e-5)
     params = [p for p in ours.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(out.square().sum(), params)
-    ref = torch.autograd.grad(alone.square().sum(), [p for p in eager.parameters() if p.requires_grad])
+    # a fixed random projection: sum(out^2) is nearly invariant under a final norm (Gemma 2's), which leaves
+    # gradients of float32 cancellation noise
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad((out * w).sum(), params)
+    ref = torch.autograd.grad((alone * w).sum(), [p for p in eager.parameters() if p.requires_grad])
     for g, r in zip(grads, ref):
-        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+        # fp32 sums of large gradients: judged relative to the largest entry
+        torch.testing.assert_close(g, r, atol=max(1e-4, 2e-5 * r.abs().max().item()), rtol=1e-4)
 
 
 def test_flash_attention_keywords_cu_seq_lens_take_the_packed_path():
@@ -457,6 +463,14 @@ def test_flash_attention_keywords_cu_seq_lens_take_the_packed_path():
                      for a, b in ((0, 4), (4, 9))], 2).transpose(1, 2)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert hf_effattn.stats == {"fused": 1}
+    # gpt-oss's sinks (s_aux) with the same keywords: each segment's rows normalized with its sink
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, _ = hf_effattn.attention_forward(module, q, k, v, None, scaling=0.3, is_causal=True, cu_seq_lens_q=cu,
+                                          cu_seq_lens_k=cu, max_length_q=5, max_length_k=5, s_aux=sinks)
+    ref = torch.cat([hf_effattn.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, scale=0.3,
+                                          sinks=sinks) for a, b in ((0, 4), (4, 9))], 2).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert hf_effattn.stats == {"fused": 2}
 
 
 def _alibi_model(name, impl):

@@ -132,6 +132,9 @@ def test_dropout_with_positions_and_a_head_shard_draws_the_whole_calls_pairs():
     got = out != 0
     want = full[:, 2:4, qs:qs + n, ks:ks + m]
     assert want.any() and torch.equal(got, want)
+    from effattn._call import make_attn_call
+    from effattn.backends.cuda.attention import ops
+    assert ops._admits(make_attn_call(qc, kc, eye, dropout_p=p, positions=(qs, ks), heads=(2, 4), **kw)) == []
     # the gradients with that keep-mask (the head shard's) against float64
     vc = v[:, 1:2, ks:ks + m]
     leaves = [t.clone().requires_grad_() for t in (qc, kc, vc)]

@@ -54,6 +54,14 @@ def test_all_terms_with_every_mask(kind, mode, dtype):
     check(shape, kind, kw, dtype, backend="cuda")
 
 
+@pytest.mark.parametrize("kind", ["cuda-all", "all"])
+def test_terms_at_positions_with_an_fp32_output(kind):
+    """A context-parallel chunk: the terms' distances are the positions' (q_start + i) - (k_start + j), in
+    the forward and in the backward's parameter gradients; two query tiles, the dQ pass's partials."""
+    check((1, 2, 2, 70, 40, 16), kind, dict(causal=True, window=90, positions=(100, 70), out_dtype=torch.float32),
+          torch.bfloat16, backend="cuda")
+
+
 def test_several_tiles_and_batch_slopes():
     """Query and key tiles beyond the first (64 rows): the slope partials of several tiles summed."""
     check((1, 2, 1, 80, 100, 16), "alibi-BH", dict(causal=True), torch.bfloat16, backend="cuda")
