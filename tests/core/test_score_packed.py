@@ -98,7 +98,12 @@ def test_kernels_positions_terms_match_the_oracle(backend, kind):
 def test_terms_dropout_at_positions_and_head_shards_draws_the_whole_calls_pairs(backend):
     """With terms, a chunk at positions on heads 2..3 of 4 (a Ulysses head shard) drops exactly the
     pairs the whole call drops there (V = identity reads the keep-mask off the output)."""
-    dt = torch.float64 if backend == "torch" else torch.float32
+    check_terms_dropout_mask(backend, torch.float64 if backend == "torch" else torch.float32)
+
+
+def check_terms_dropout_mask(backend, dt):
+    """`test_terms_dropout_at_positions_and_head_shards_draws_the_whole_calls_pairs` on ``backend`` in ``dt``
+    (the CUDA emulation's test calls it in bf16)."""
     p, L = 0.3, 40
     g = torch.Generator().manual_seed(8)
     q = torch.randn(1, 4, L, 8, generator=g).to(dt)

@@ -62,6 +62,13 @@ def test_terms_at_positions_with_an_fp32_output(kind):
           torch.bfloat16, backend="cuda")
 
 
+def test_terms_dropout_at_positions_and_a_head_shard():
+    """softcap and ALiBi with dropout on a chunk at positions on heads 2..3 of 4: the whole call's pairs
+    (the score kernels' forward takes drop_at)."""
+    from tests.core.test_score_packed import check_terms_dropout_mask
+    check_terms_dropout_mask("cuda", torch.bfloat16)
+
+
 def test_several_tiles_and_batch_slopes():
     """Query and key tiles beyond the first (64 rows): the slope partials of several tiles summed."""
     check((1, 2, 1, 80, 100, 16), "alibi-BH", dict(causal=True), torch.bfloat16, backend="cuda")
