@@ -23,7 +23,7 @@ import torch
 
 from effattn.backends import base
 from effattn.backends.cuda import _ext, targets
-from tests.backends.cuda.test_cuda_build import find_tool
+from tests.backends.cuda.nvcc_units import find_tool
 from tests.conftest import CSRC
 
 ROOT = os.path.dirname(CSRC)

@@ -1,0 +1,87 @@
+"""Offline checks of the CUDA kernels' build (nvcc only), the decode and linear-attention units:
+attention/decode.cu and linear/linear.cu (test_cuda_build.py says what is checked)."""
+import sys
+
+import pytest
+
+from effattn.backends.cuda import resources
+from tests.backends.cuda.nvcc_units import (
+    ARCHS,
+    MAX_REGISTERS,
+    Units,
+    check_spills_and_budget,
+    functions,
+    needs_nvcc,
+    ptxas_entries,
+    sass_of,
+)
+
+# attention/decode.cu: 4 buckets x 2 dtypes split kernels, their single-buffered instances at head dim 256
+# (GPUs with 99 KB of shared memory per block) and 2 combine kernels
+DECODE_KERNELS = 12
+DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
+# linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
+LINEAR_KERNELS = 9
+
+pytestmark = needs_nvcc
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return Units(tmp_path_factory.mktemp("nvcc"))
+
+
+@pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu"))
+def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
+    check_spills_and_budget(compiled, src)
+
+
+def test_decode_kernels_counts_register_caps_and_sass(compiled):
+    """csrc/attention/decode.cu: a split kernel per head-dim bucket and dtype and a combine kernel per dtype;
+    split kernels up to head dim 128 keep 3 blocks per SM by registers (their shared memory allows
+    3 at head dim 128); the split kernels' SASS has tensor-core mma, ldmatrix (.trans for V) and
+    async copies."""
+    report, obj = compiled["attention/decode.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e for e in entries if e[0] == arch]
+        assert len(mine) == DECODE_KERNELS, (arch, len(mine))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                hits = [e for e in mine if "attn_decode_split_kernel" in e[1] and f"ILi{hd}ELb{bf16}E" in e[1]]
+                assert len(hits) == len(resources.DECODE_STAGES[hd]), (arch, hd, bf16)
+                assert all(h[2] <= (DECODE_REGISTER_CAP if hd <= 128 else MAX_REGISTERS) for h in hits), hits
+        assert sum("attn_decode_combine_kernel" in e[1] for e in mine) == 2
+    for arch in ARCHS:
+        bodies = functions(sass_of(obj, arch), "attn_decode_split_kernel")
+        assert len(bodies) == 10, (arch, len(bodies))
+        for body in bodies:
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, op)
+
+
+def test_linear_kernels_counts_and_sass(compiled):
+    """csrc/linear/linear.cu: the chunk-state and output passes per operand split, the step and the FAVOR+
+    kernels; both passes and the FAVOR+ prologue multiply on bf16 tensor cores through ldmatrix
+    (.trans for the reduction-major tiles); their loads are plain (the feature map is applied
+    between global and shared memory)."""
+    report, obj = compiled["linear/linear.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        mine = [e[1] for e in entries if e[0] == arch]
+        assert len(mine) == LINEAR_KERNELS, (arch, len(mine))
+        for kernel in ("lin_state_kernel", "lin_out_kernel"):
+            for parts in (1, 2, 3):
+                assert sum(kernel in n and f"ILi{parts}E" in n for n in mine) == 1, (arch, kernel, parts)
+        sass = sass_of(obj, arch)
+        for fn, n, ldsm in (("lin_state_kernel", 3, "LDSM.16.MT88.4"), ("lin_out_kernel", 3, "LDSM.16.M88.4"),
+                            ("lin_favor_kernel", 2, "LDSM.16.M88.4")):
+            bodies = functions(sass, fn)
+            assert len(bodies) == n, (arch, fn, len(bodies))
+            for body in bodies:
+                for op in ("HMMA.16816.F32.BF16", ldsm):
+                    assert op in body, (arch, fn, op)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
