@@ -67,9 +67,10 @@ class ScoreTerms:
         terms = tuple(t.with_params(*[next(it) for _ in t.params()]) for t in self.terms)
         return ScoreTerms(self.softcap, sinks, terms)
 
-    def horizon(self) -> Optional[int]:
-        """Keys at a distance >= this are invisible to every head (adaptive span), or None."""
-        hs = [t.horizon for t in self.terms if isinstance(t, _bias.Span)]
+    def horizon(self, future: bool = False) -> Optional[int]:
+        """Keys at a distance >= this are invisible to every head (adaptive span), or None; with
+        ``future``, keys at a distance <= minus this (a bidirectional span)."""
+        hs = [t.horizon for t in self.terms if isinstance(t, _bias.Span) and (t.bidirectional or not future)]
         return min(hs) if hs else None
 
 
@@ -141,17 +142,18 @@ def _chunk_rows(B: int, H: int, Lq: int, Lk: int) -> int:
     return min(max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1))), max(Lq, 1), ROWS_MAX)
 
 
-def span_left(left: int, score: ScoreTerms) -> int:
+def span_left(left: int, score: ScoreTerms, future: bool = False) -> int:
     """The call's left window bound tightened to the span's horizon (keys beyond it are invisible to
-    every head), so that blocks and tiles beyond it are skipped."""
-    hz = score.horizon()
+    every head), so that blocks and tiles beyond it are skipped; with ``future``, the right bound
+    (a bidirectional span's horizon on the other side)."""
+    hz = score.horizon(future)
     if hz is not None:
         left = hz - 1 if left < 0 else min(left, hz - 1)
     return left
 
 
 def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms) -> Rule:
-    return Rule(Lq, Lk, span_left(left, score), right, layout_mask, layout_block)
+    return Rule(Lq, Lk, span_left(left, score), span_left(right, score, future=True), layout_mask, layout_block)
 
 
 def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms):

@@ -46,7 +46,11 @@ def reasons(call) -> List[str]:
     """Why the CUDA score-terms kernels cannot serve `call` (beyond the declared features)."""
     if call.score is None:
         return []
-    return several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
+    why = several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
+    if any(isinstance(t, _bias.Span) and t.bidirectional for t in call.score.terms):
+        why.append("a bidirectional adaptive span (the CUDA kernels bound the span on the past side only; "
+                   "the Triton and torch backends serve it)")
+    return why
 
 
 def has_bias_tensors(score) -> bool:
