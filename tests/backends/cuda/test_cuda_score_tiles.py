@@ -74,3 +74,16 @@ def _far_span(monkeypatch):
             return dict(bias=Span(torch.tensor([150.0, 20.5], dtype=torch.float64), ramp=8, max_span=160.0)), {}
         return base(kind, *a)
     monkeypatch.setattr(test_score, "_terms", terms)
+
+
+def test_bidirectional_span_is_named_not_served():
+    """The CUDA kernels bound a span on the past side only: a bidirectional span is a reason in
+    explain, and auto dispatch goes elsewhere (never a silent wrong answer)."""
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    span = Span(torch.tensor([2.0, 3.0]), ramp=2, max_span=4.0, bidirectional=True)
+    e = effattn.explain(q, q, q, backend="cuda", bias=span)
+    assert any("bidirectional adaptive span" in r for r in e.reasons["cuda"])
+    with pytest.raises((ValueError, RuntimeError), match="bidirectional adaptive span"):
+        effattn.attention(q, q, q, backend="cuda", bias=span)
+    one_sided = effattn.explain(q, q, q, backend="cuda", bias=Span(torch.tensor([2.0, 3.0]), ramp=2, max_span=4.0))
+    assert not one_sided.reasons.get("cuda")
