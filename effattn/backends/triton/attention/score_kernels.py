@@ -1,15 +1,15 @@
 """Kernels for calls with score terms (softcap, sinks, ALiBi, a relative table, adaptive span, a
 dense bias): FlashAttention-2's forward and backward (Dao 2023, Alg. 1 and 2) with the terms
-evaluated in the tile after the scale (`_scores`), in the order of docs/conventions.md ("Scores").
+evaluated in the tile after the scale (`_tile_scores`), in the order of docs/conventions.md ("Scores").
 
 Causal / window bounds choose the tiles (`key_tile_range`, `query_tile_range`; a layout is read
 per element); the adaptive span's horizon is folded into the left window bound by the launcher
 (both bounds for a bidirectional span), so key tiles beyond every head's span are skipped, and each
 kernel tightens it per head to ``z[h] + ramp`` (`_span_window`). A tile is masked and its terms
-evaluated elementwise (`_scores`) unless the window bounds show all of it and every term is
+evaluated elementwise (`_add_terms`) unless the window bounds show all of it and every term is
 constant on it (`_const_tile`: beyond a relative table's clip, inside a span's flat part; softcap
 and sinks alone are constant everywhere): such a tile adds one scalar to the soft-capped scores and
-nothing else (`_const_scores`), the same bits as the elementwise path. ALiBi, a dense bias, a layout
+nothing else (`_tile_scores`), the same bits as the elementwise path. ALiBi, a dense bias, a layout
 or key padding keep every tile elementwise (the launcher's ``FAST``).
 
 Deterministic, no atomics: `score_bwd_kernel` is one launch of dK/dV programs (one per key tile of a
@@ -43,33 +43,49 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l,
-            scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
-            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
-            SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
-            INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
-    """(s, tanh, d, ok, kt, seen) of a (BLOCK_M, BLOCK_N) tile in natural units: the scaled scores with
-    the soft-cap and every bias term, -inf where invisible; tanh of the soft-capped scores (for the
-    backward; s itself without softcap); the distances d = pos(i) - j; the visibility; the keys
-    ``kt`` with the columns of keys no row of the tile sees zeroed, and ``seen (BLOCK_N,)`` those
-    keys some row sees. With a mask (window, layout, padding, span) the callers zero the V rows of
-    the unseen keys too, so that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in
-    a product (and a finite tanh), never 0 * NaN."""
-    d = (offs_m[:, None] + off) - offs_n[None, :]
+def _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z, ramp,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+             SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, IDX64: tl.constexpr):
+    """The visibility of a (BLOCK_M, BLOCK_N) tile elementwise: window, layout, padding, beyond the span."""
     ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                  HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
     if SPAN:
-        ratio = _span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR)
-        ok = ok & (ratio > 0)
+        d = (offs_m[:, None] + off) - offs_n[None, :]
+        ok = ok & (_span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR) > 0)
     if HAS_KPM:
         pad = tl.load(kpm_base + offs_n * kpm_l, mask=offs_n < Lk, other=1)
         ok = ok & (pad[None, :] == 0)
-    seen = offs_n < Lk                  # without a mask every key in bounds is seen (the others load as 0)
-    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
-        seen = tl.max(ok.to(tl.int32), 0) > 0
-        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
-    s, t = _capped(q, kt, scale, softcap, SOFTCAP, DOT_PREC, INTERP_BF16)
+    return ok
+
+
+@triton.jit
+def _seen_keys(offs_n, m0, m_hi, Lk, off, left, right, Z, h, ramp, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr):
+    """(BLOCK_N,) the keys some row of [m0, m_hi] sees, per key without the tile (no layout, no
+    padding: the calls with constant tiles): the rows whose window holds key j form a run, and the
+    span's ratio is largest at the run's row nearest to j; the same keys as `_visible` marks."""
+    lo = offs_n * 0 + m0
+    hi = offs_n * 0 + m_hi
+    if HAS_RIGHT:
+        lo = tl.maximum(lo, offs_n - off - right)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, offs_n - off + left)
+    seen = (lo <= hi) & (offs_n < Lk)
+    if SPAN:
+        near = lo                                         # smallest d = pos(i) - j on the run
+        if SPAN_BIDIR:
+            near = tl.minimum(tl.maximum(offs_n - off, lo), hi)   # smallest |d|
+        seen = seen & (_span_ratio(near + off - offs_n, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR) > 0)
+    return seen
+
+
+@triton.jit
+def _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+               bias_b, bias_h, bias_q, bias_k, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
+               SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, IDX64: tl.constexpr):
+    """The soft-capped scores ``s`` of a tile evaluated elementwise with every bias term added at the
+    distances d = pos(i) - j, and -inf where not ``ok``."""
+    d = (offs_m[:, None] + off) - offs_n[None, :]
     if ALIBI:
         slope = tl.load(SL + b * alibi_b + h * alibi_h).to(tl.float32)
         s = s - slope * tl.abs(d).to(tl.float32)
@@ -80,20 +96,71 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
             idx = tl.minimum(tl.maximum(d, 0), max_dist)
         s = s + tl.load(TAB + h * tab_h + idx).to(tl.float32)
     if SPAN:            # exactly 0 on the flat part (ratio >= 1), as `_const_tile` assumes
+        ratio = _span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR)
         s = s + tl.where(ratio < 1.0, tl.log(tl.maximum(ratio, 1e-30)), 0.0)
     if DENSE:
         bias = tl.load(BIAS + b.to(tl.int64) * bias_b + h.to(tl.int64) * bias_h + i64(offs_m, IDX64)[:, None] * bias_q
                        + i64(offs_n, IDX64)[None, :] * bias_k, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
                        other=0.0)
         s = s + bias.to(tl.float32)
-    s = tl.where(ok, s, float("-inf"))
-    return s, t, d, ok, kt, seen
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _tile_scores(fast, c, q, kt, v, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                 kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b,
+                 bias_h, bias_q, bias_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_KEYS: tl.constexpr,
+                 FAST: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                 HAS_KPM: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
+                 REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """(s, tanh, ok, kt, v) of a (BLOCK_M, BLOCK_N) tile of rows [m0, m_hi] (m_hi < Lq) in natural
+    units: the scaled scores with the soft-cap and every bias term, -inf where invisible; tanh of the
+    soft-capped scores (for the backward; s itself without softcap); the visibility; the K and V tiles
+    with the keys no row of the tile sees zeroed (``V_KEYS``: the V tile's key axis), so that whatever
+    an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product (and a finite tanh), never
+    0 * NaN. With ``FAST`` the keys seen come per key (`_seen_keys`) and a constant tile (``fast``,
+    `_const_tile`) skips the elementwise visibility and terms: the terms are the one scalar ``c``;
+    the product and the soft-cap are shared, so its bits are those of the elementwise path. (Only
+    the scores branch: with the product or the K / V tiles inside the branch, sm_90 compiles spilled
+    in the tile loop.)"""
+    masked: tl.constexpr = (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN))
+    if FAST:
+        if masked:
+            seen = _seen_keys(offs_n, m0, m_hi, Lk, off, left, right, Z, h, ramp, HAS_LEFT, HAS_RIGHT, SPAN,
+                              SPAN_BIDIR)
+    else:
+        ok = _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z, ramp,
+                      HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN, SPAN_BIDIR, IDX64)
+        if masked:
+            seen = tl.max(ok.to(tl.int32), 0) > 0
+    if masked:
+        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
+        if V_KEYS == 0:
+            v = tl.where(seen[:, None], v, tl.zeros_like(v))
+        else:
+            v = tl.where(seen[None, :], v, tl.zeros_like(v))
+    s, t = _capped(q, kt, scale, softcap, SOFTCAP, DOT_PREC, INTERP_BF16)
+    if FAST:
+        if fast:
+            s = _add_const(s, c, REL)
+            ok = tl.full((BLOCK_M, BLOCK_N), True, tl.int1)
+        else:
+            ok = _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z,
+                          ramp, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN, SPAN_BIDIR, IDX64)
+            s = _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z,
+                           ramp, BIAS, bias_b, bias_h, bias_q, bias_k, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE,
+                           IDX64)
+    else:
+        s = _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp,
+                       BIAS, bias_b, bias_h, bias_q, bias_k, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, IDX64)
+    return s, t, ok, kt, v
 
 
 @triton.jit
 def _capped(q, kt, scale, softcap, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """(s, tanh): the scaled scores of a tile with the soft-cap, and tanh of the soft-capped scores
-    (s itself without softcap). Both tile paths (`_scores`, `_const_scores`) compute them here."""
+    (s itself without softcap), shared by constant and elementwise tiles (`_tile_scores`)."""
     s = dot(q, kt, DOT_PREC, INTERP_BF16) * scale
     t = s
     if SOFTCAP:
@@ -116,7 +183,7 @@ def _span_window(left, right, Z, h, ramp, SPAN: tl.constexpr, SPAN_BIDIR: tl.con
     """Head h's window bounds: with an adaptive span, keys at d >= z[h] + ramp (and at -d >= z[h] +
     ramp when bidirectional) are invisible, so the head's tiles stop at d <= floor(z[h] + ramp) (the
     launcher's bounds, from max_span, are the largest over heads): compute follows the sum of the
-    heads' spans, not the largest. Visibility itself stays with `_scores` (ratio > 0), so the bound
+    heads' spans, not the largest. Visibility itself stays with `_visible` (ratio > 0), so the bound
     only has to be no tighter than it: for an integer d, fl(x - d) > 0 implies d < x, hence
     d <= floor(x). The launcher makes both bounds finite (HAS_LEFT, and HAS_RIGHT when bidirectional)."""
     if SPAN:
@@ -136,7 +203,7 @@ def _const_tile(full, m_lo, m_hi, n_lo, n_hi, off, h, TAB, tab_h, max_dist, Z, r
     distance clamps to one entry (beyond the clip); a span where the largest distance (|d| when
     bidirectional) still has ratio > 1 (its flat part: the term adds exactly 0 and no gradient, and
     every key is visible): the clamped index and the ratio are monotone in d, so the tile's corners
-    decide, in the arithmetic `_scores` uses. ``FAST`` (the launcher's) is False where a term never
+    decide, in the arithmetic `_add_terms` uses. ``FAST`` (the launcher's) is False where a term never
     is (ALiBi, a dense bias) or visibility is per element (a layout, key padding): no tile is fast."""
     fast = full & FAST
     c = 0.0
@@ -162,25 +229,12 @@ def _const_tile(full, m_lo, m_hi, n_lo, n_hi, off, h, TAB, tab_h, max_dist, Z, r
 
 
 @triton.jit
-def _const_scores(q, kt, scale, softcap, c, SOFTCAP: tl.constexpr, REL: tl.constexpr, DOT_PREC: tl.constexpr,
-                  INTERP_BF16: tl.constexpr):
-    """(s, tanh) of a tile `_const_tile` found constant: `_scores`' arithmetic with the table's
-    entry added as one scalar (a span adds 0 there) and no mask: the same bits as `_scores` gives
-    for the tile."""
-    s, t = _capped(q, kt, scale, softcap, SOFTCAP, DOT_PREC, INTERP_BF16)
+def _add_const(s, c, REL: tl.constexpr):
+    """The soft-capped scores of a constant tile with its terms: the table's entry ``c`` as one scalar
+    (a span adds 0 on its flat part; softcap and sinks alone add nothing)."""
     if REL:
         s = s + c
-    return s, t
-
-
-@triton.jit
-def _zero_unseen(x, seen, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
-                 HAS_KPM: tl.constexpr, SPAN: tl.constexpr):
-    """A V tile ``x`` with the keys no row of the tile sees zeroed (with a mask); ``seen`` from
-    `_scores`, shaped to broadcast along the tile's key axis."""
-    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
-        x = tl.where(seen, x, tl.zeros_like(x))
-    return x
+    return s
 
 
 @triton.jit
@@ -214,7 +268,7 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
                      DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq) natural log, for one query tile of one (b, h); grid
     cdiv(Lq, BLOCK_M) * B * H, query tiles fastest. The full tiles on which every term is constant
-    (`_const_tile`; ``FAST``) take `_const_scores`, the others `_scores`; with ``COUNT`` (a test
+    (`_const_tile`; ``FAST``) skip the elementwise steps of `_tile_scores`; with ``COUNT`` (a test
     hook) each program writes the number of such tiles to ``CNT[pid]``.
 
     Scalar arguments named as the C++ `AttnParams` fields where it has them (csrc/attention/attention.h:
@@ -253,15 +307,11 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
         v = load_tile(v_base + on[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, True, True)
         fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h,
                                    max_dist, Z, ramp, FAST, REL, REL_BIDIR, SPAN, SPAN_BIDIR)
-        if fast:
-            s, _t = _const_scores(q, kt, scale, softcap, c, SOFTCAP, REL, DOT_PREC, INTERP_BF16)
-        else:
-            s, _t, _d, _ok, _kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr,
-                                                lay_nkb, lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h,
-                                                TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-                                                HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
-                                                REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
-            v = _zero_unseen(v, seen[:, None], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
+        s, _t, _ok, _kz, v = _tile_scores(fast, c, q, kt, v, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right,
+                                          lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b,
+                                          alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
+                                          BLOCK_M, BLOCK_N, 0, FAST, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
+                                          REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
         if COUNT:
             n_fast += fast.to(tl.int32)
         s = s * LOG2E
@@ -294,31 +344,10 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
 
 
 @triton.jit
-def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-           kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-           seed, drop_thresh, inv_keep,
-           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
-           DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
-           REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr,
-           DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
-    """The backward's recomputation for a (BLOCK_M, BLOCK_N) tile: (P with dropout applied, dT the
-    gradient of the biased scores, dS the gradient of the scaled scores, d, ok, the keys ``kt`` with
-    those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there."""
-    s, t, d, ok, kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
-                          bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
-                          REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
-    vt = _zero_unseen(vt, seen[None, :], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
-    pd, dt, ds = _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep, DROPOUT,
-                           SOFTCAP, DOT_PREC, INTERP_BF16)
-    return pd, dt, ds, d, ok, kt
-
-
-@triton.jit
 def _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep, DROPOUT: tl.constexpr,
               SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """(P with dropout applied, dT, dS) of a tile from its scores ``s`` and tanh ``t`` (`_scores` or
-    `_const_scores`)."""
+    """(P with dropout applied, dT, dS) of a tile from its scores ``s`` and tanh ``t``
+    (`_tile_scores`) and its V tile ``vt`` (unseen keys zeroed)."""
     p = tl.exp2(s * LOG2E - lse[:, None])
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     pd = p
@@ -357,7 +386,7 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
     the remaining ``cdiv(Lq, BLOCK_M) * B * H``: dQ of one query tile of one (b, h) and its partial
     parameter sums, written to ``PART[bh, tile, :]`` (slot 0 ALiBi, 1 span, 2.. the table), and
     dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32. Tiles on which
-    every term is constant take `_const_scores` as in the forward (a table's gradient then goes to
+    every term is constant skip the elementwise steps as in the forward (a table's gradient then goes to
     its one entry; a span's flat part has none); ``COUNT``: their number per program in ``CNT[pid]``.
 
     Arguments as `score_fwd_kernel`'s, and ``do_strides`` (``do_d`` has no C++ field), ``Hkv`` (C++:
@@ -404,21 +433,20 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                 do = load_tile(do_base + om[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv,
                                True, True)
                 lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
-                fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, tl.minimum(m0 + BLOCK_M, Lq) - 1, n0,
-                                           n0 + BLOCK_N - 1, off, h, TAB, tab_h, max_dist, Z, ramp, FAST, REL,
+                m_hi = tl.minimum(m0 + BLOCK_M, Lq) - 1
+                fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h, max_dist, Z, ramp, FAST, REL,
                                            REL_BIDIR, SPAN, SPAN_BIDIR)
-                if fast:
-                    s, t = _const_scores(q, kt, scale, softcap, c, SOFTCAP, REL, DOT_PREC, INTERP_BF16)
-                    pd, dt, ds = _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep,
-                                           DROPOUT, SOFTCAP, DOT_PREC, INTERP_BF16)
-                else:
-                    pd, dt, ds, _d, _ok, _kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk,
-                                                      off, left, right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                                      KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b,
-                                                      alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h,
-                                                      bias_q, bias_k, seed, drop_thresh, inv_keep, HAS_LEFT, HAS_RIGHT,
-                                                      HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN,
-                                                      SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+                s, t, _ok, _kz, vz = _tile_scores(fast, c, q, kt, vt, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left,
+                                                  right,
+                                                  LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
+                                                  KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b,
+                                                  alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q,
+                                                  bias_k, BLOCK_M, BLOCK_N, 1, FAST, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
+                                                  HAS_KPM,
+                                                  SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC,
+                                                  INTERP_BF16, IDX64)
+                pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep,
+                                       DROPOUT, SOFTCAP, DOT_PREC, INTERP_BF16)
                 if COUNT:
                     n_fast += fast.to(tl.int32)
                 dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
@@ -453,24 +481,20 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
             vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
             fast, c, ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h,
                                       max_dist, Z, ramp, FAST, REL, REL_BIDIR, SPAN, SPAN_BIDIR)
+            s, t, ok, kz, vz = _tile_scores(fast, c, q, kt, vt, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right,
+                                            LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs, KPM + b.to(tl.int64) * kpm_b,
+                                            kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp,
+                                            BIAS, bias_b, bias_h, bias_q, bias_k, BLOCK_M, BLOCK_N, 1, FAST, HAS_LEFT,
+                                            HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN,
+                                            SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+            pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep, DROPOUT,
+                                   SOFTCAP, DOT_PREC, INTERP_BF16)
+            dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
             if fast:
-                s, t = _const_scores(q, kt, scale, softcap, c, SOFTCAP, REL, DOT_PREC, INTERP_BF16)
-                pd, dt, ds = _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, bh, seed, drop_thresh, inv_keep,
-                                       DROPOUT, SOFTCAP, DOT_PREC, INTERP_BF16)
-                dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
-                if REL:         # the tile reads one entry: its whole dT goes there
-                    part += tl.where(slots == ci + 2, tl.sum(tl.sum(dt, 1), 0), 0.0)
+                part = _const_partials(part, slots, dt, ci, REL)
             else:
-                pd, dt, ds, d, ok, kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
-                                               right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                               KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b,
-                                               alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q,
-                                               bias_k, seed, drop_thresh, inv_keep, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
-                                               HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR,
-                                               DENSE, DOT_PREC, INTERP_BF16, IDX64)
-                dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
-                part = _param_partials(part, slots, dt, d, ok, offs_m, offs_n, bh, h, Lq, Lk, max_dist, Z, ramp, DBIAS,
-                                       ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE)
+                part = _param_partials(part, slots, dt, ok, offs_m, offs_n, bh, h, Lq, Lk, off, max_dist, Z, ramp,
+                                       DBIAS, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE)
             if COUNT:
                 n_fast += fast.to(tl.int32)
         tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * D + offs_d[None, :], cast(dq * scale,
@@ -481,11 +505,22 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
 
 
 @triton.jit
-def _param_partials(part, slots, dt, d, ok, offs_m, offs_n, bh, h, Lq, Lk, max_dist, Z, ramp, DBIAS,
+def _const_partials(part, slots, dt, ci, REL: tl.constexpr):
+    """`_param_partials` of a constant tile: it reads one table entry ``ci``, whose partial takes the
+    tile's whole dT (the masked sum `_param_partials` takes, without the mask); a span's flat part
+    has no gradient."""
+    if REL:
+        part += tl.where(slots == ci + 2, tl.sum(tl.sum(dt, 1), 0), 0.0)
+    return part
+
+
+@triton.jit
+def _param_partials(part, slots, dt, ok, offs_m, offs_n, bh, h, Lq, Lk, off, max_dist, Z, ramp, DBIAS,
                     ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
                     SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr):
     """A dQ program's parameter partial sums ``part`` (slot 0 ALiBi, 1 span, 2.. the table) with a
     per-element tile's dT added; with a dense bias, dT stored to DBIAS."""
+    d = (offs_m[:, None] + off) - offs_n[None, :]
     dt = tl.where(ok, dt, 0.0)
     if ALIBI:
         part += tl.where(slots == 0, -tl.sum(tl.sum(dt * tl.abs(d).to(tl.float32), 1), 0), 0.0)
