@@ -8,9 +8,8 @@ no term and once per term (softcap, sinks, ALiBi, a relative table, adaptive spa
 bidirectional, a dense bias) and with several of them; beside them the plain kernels (``fwd_kernel``,
 ``bwd_kernel``: a call without terms) in their default config. Reports registers, stack, spills and
 the tile loops' instructions per tile, each against the plain kernel, and, for the terms that have
-constant tiles, the loop with the elementwise tile code only (``FAST`` off): the difference is what
-the constant-tile path adds to the loop's code (a constant tile runs that part instead of the
-elementwise part).
+constant tiles, the loop with ``FAST`` off (every tile elementwise, the keys seen reduced from the
+tile's visibility), which is what the kernels compile to where the constant path cannot apply.
 
     python -m tools.triton.score_kernel_resources                    # sm_90, bf16, head dim 64: prints
     python -m tools.triton.score_kernel_resources --out benchmarks/results/offline-sm90   # score_terms.md, .json
@@ -150,12 +149,14 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
              "LDL/STL instructions (in loops / in all). Instructions per tile: the static length of the tile "
              "loops (innermost loops, summed; the backward's dK/dV and dQ loops together; with a relative "
              "table the dQ loop holds a loop over the tile's table entries, which counts instead), as launched; "
-             "where the term has constant tiles (`score_kernels._const_tile`) the loop holds both the constant "
-             "and the elementwise tile code, so `elementwise only` (the constant path compiled out) is what a "
-             "varying tile runs and the difference is the constant path's code (a constant tile runs that "
-             "instead). In parentheses: the difference to the plain kernel.", "",
+             "where the term has constant tiles (`score_kernels._const_tile`) the loop holds the constant and the "
+             "elementwise tile code side by side (a constant tile runs the first: the product, the soft-cap, "
+             "one scalar, the softmax) and the keys each tile sees are computed per key. `FAST off`: the same "
+             "kernel with the constant path compiled out (every tile elementwise, the keys seen reduced from "
+             "the tile's visibility), as for ALiBi, a dense bias, a layout or padding. In parentheses: the "
+             "difference to the plain kernel.", "",
              "| kernel | term | config | registers | stack | spills loop/all | instructions per tile | "
-             "elementwise only | constant-tile code |", "|---|---|---|---|---|---|---|---|---|"]
+             "FAST off: registers, spills loop/all, instructions per tile |", "|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
         if r.get("fast") is False:
@@ -168,14 +169,13 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
         b = base.get(r["kind"], {})
         regs, tile = r.get("regs"), _per_tile(r)
         o = off.get((r["kind"], r["term"]))
-        only = const = "-"
+        only = "-"
         if o is not None and "error" not in o:
-            only = f"{_per_tile(o)}{_diff(_per_tile(o), _per_tile(b) if b else None)}"
-            const = f"{tile - _per_tile(o):+d}"
+            only = (f"{o.get('regs')}, {o.get('loop_spills')}/{o.get('spills')}, "
+                    f"{_per_tile(o)}{_diff(_per_tile(o), _per_tile(b) if b else None)}")
         lines.append(f"| {r['kind']} | {r['term']} | {r['config']} | {regs}{_diff(regs, b.get('regs'))} | "
                      f"{r.get('stack')} | {r.get('loop_spills')}/{r.get('spills')} | "
-                     f"{tile}{'' if r['term'] == 'plain' else _diff(tile, _per_tile(b) if b else None)} | {only} | "
-                     f"{const} |")
+                     f"{tile}{'' if r['term'] == 'plain' else _diff(tile, _per_tile(b) if b else None)} | {only} |")
     return "\n".join(lines) + "\n"
 
 
