@@ -224,14 +224,18 @@ class Span(_Term):
     """Adaptive attention span (Sukhbaatar et al. 2019) as an additive term:
     ``log clamp((ramp + z[h] - d) / ramp, 0, 1)``: 0 for ``d <= z[h]``, a log ramp over the next
     ``ramp`` distances, and keys with ``d >= z[h] + ramp`` invisible (``-inf``; backends skip them).
+    ``bidirectional=True`` (encoders) reads ``|d|`` instead of ``d``: the span is symmetric, keys
+    with ``|d| >= z[h] + ramp`` on either side are invisible and their tiles skipped; with the
+    default ``False`` future keys (``d < 0``) get 0.
     ``z`` (H,) in tokens, within ``[0, max_span]`` (checked at each call: reading z back is a device
     sync on a GPU); differentiable:
     ``dz[h] = (1 / ramp) * sum over z[h] <= d < z[h] + ramp of exp(s - lse) (dP - Delta)``, with
     ``s`` the score before this term (the one-sided derivative at the ramp's far end, where keys are
-    invisible; at ``d == z`` the ramp's slope, as torch's clamp)."""
+    invisible; at ``d == z`` the ramp's slope, as torch's clamp); ``|d|`` for ``d`` when bidirectional."""
     z: Tensor
     ramp: float
     max_span: float
+    bidirectional: bool = False
     feature = "bias=span"
 
     _tensors = ("z",)
@@ -250,6 +254,8 @@ class Span(_Term):
             raise ValueError(f"{fn}: bias Span.ramp must be > 0, got {self.ramp!r}")
         if self.max_span < 0:
             raise ValueError(f"{fn}: bias Span.max_span must be >= 0, got {self.max_span!r}")
+        if not isinstance(self.bidirectional, bool):
+            raise TypeError(f"{fn}: bias Span.bidirectional must be a bool, got {self.bidirectional!r}")
         _float_tensor(fn, "bias Span.z", self.z, device)
         _per_head(fn, "bias Span.z", self.z, B, H, allow_batch=False)
         z = self.z.detach()
@@ -258,6 +264,7 @@ class Span(_Term):
                              f"effattn.nn.AdaptiveSpan.clamp_()), got values in [{float(z.min())}, {float(z.max())}]")
 
     def _ratio(self, d, cdt):
+        d = d.abs() if self.bidirectional else d
         return ((self.ramp + _by_head(self.z.to(cdt)) - d.to(cdt)) / self.ramp)           # (1, H, rows, keys)
 
     def values(self, d, block, cdt):

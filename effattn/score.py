@@ -67,9 +67,10 @@ class ScoreTerms:
         terms = tuple(t.with_params(*[next(it) for _ in t.params()]) for t in self.terms)
         return ScoreTerms(self.softcap, sinks, terms)
 
-    def horizon(self) -> Optional[int]:
-        """Keys at a distance >= this are invisible to every head (adaptive span), or None."""
-        hs = [t.horizon for t in self.terms if isinstance(t, _bias.Span)]
+    def horizon(self, future: bool = False) -> Optional[int]:
+        """Keys at a distance >= this are invisible to every head (adaptive span), or None; with
+        ``future``, keys at a distance <= minus this (a bidirectional span)."""
+        hs = [t.horizon for t in self.terms if isinstance(t, _bias.Span) and (t.bidirectional or not future)]
         return min(hs) if hs else None
 
 
@@ -141,13 +142,19 @@ def _chunk_rows(B: int, H: int, Lq: int, Lk: int) -> int:
     return min(max(16, SCORE_BUDGET // max(1, B * H * max(Lk, 1))), max(Lq, 1), ROWS_MAX)
 
 
-def span_left(left: int, score: ScoreTerms) -> int:
+def span_left(left: int, score: ScoreTerms, future: bool = False) -> int:
     """The call's left window bound tightened to the span's horizon (keys beyond it are invisible to
-    every head), so that blocks and tiles beyond it are skipped."""
-    hz = score.horizon()
+    every head), so that blocks and tiles beyond it are skipped; with ``future``, the right bound
+    (a bidirectional span's horizon on the other side)."""
+    hz = score.horizon(future)
     if hz is not None:
         left = hz - 1 if left < 0 else min(left, hz - 1)
     return left
+
+
+def _rule(Lq, Lk, left, right, layout_mask, layout_block, score: ScoreTerms, q_offset=None) -> Rule:
+    return Rule(Lq, Lk, span_left(left, score), span_left(right, score, future=True), layout_mask, layout_block,
+                q_offset=q_offset)
 
 
 def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: ScoreTerms, segments=None):
@@ -167,7 +174,7 @@ def _blocks(q, k, layout_mask, layout_block, kpm, scale, left, right, score: Sco
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     for sq0, sq1, sk0, sk1, off in segments if segments is not None else ((0, Lq, 0, Lk, Lk - Lq),):
         # a layout and a key padding mask come only with one segment over the whole call (effattn.packed)
-        rule = Rule(sq1 - sq0, sk1 - sk0, span_left(left, score), right, layout_mask, layout_block, q_offset=off)
+        rule = _rule(sq1 - sq0, sk1 - sk0, left, right, layout_mask, layout_block, score, q_offset=off)
         rows = _chunk_rows(B, H, sq1 - sq0, sk1 - sk0)
         for r0 in range(0, sq1 - sq0, rows):
             r1 = min(r0 + rows, sq1 - sq0)

@@ -32,6 +32,7 @@ from .cache import atomic_write
 from .model import Classifier, ModelConfig
 from .recipes import SCHEDULES, recipe
 from .tasks import PAD, Split, TaskData, load_task
+from .variants import clamp_spans, span_loss
 
 #: settings that only steer a run (where it writes, how long it may take, how it logs): a checkpoint
 #: resumes under other values of these; any other difference is refused
@@ -360,9 +361,10 @@ class Trainer:
             g["lr"] = lr_at(self.state["step"], self.cfg)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             loss = F.cross_entropy(self.net(x, x2).float(), y)
+        logged = loss.detach().clone()
+        loss = loss + span_loss(self.model)         # the adaptive-span variant's penalty (0 otherwise)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        logged = loss.detach().clone()
         if self.world > 1:        # the logged loss is the global batch's: the mean over the processes
             dist.all_reduce(logged)
             logged /= self.world
@@ -374,6 +376,7 @@ class Trainer:
         if self.cfg.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
         self.opt.step()
+        clamp_spans(self.model)
         return float(logged)
 
     def run(self, stop_after_steps: Optional[int] = None) -> Dict:

@@ -93,6 +93,41 @@ def _transformer_xl(bs, window, L):
     return {"encoder": TransformerXLEncoder}
 
 
+@_variant("adaptive-span", "adaptive attention span (Sukhbaatar et al. 2019), bidirectional: a learned span per "
+                           "head and layer, keys beyond it skipped; span loss added to the task's")
+def _adaptive_span(bs, window, L):
+    return {"encoder": functools.partial(span_encoder, max_span=L, init_span=window)}
+
+
+def span_encoder(cfg, max_span: int, init_span: int, ramp: int = 32, backend: str = "auto"):
+    """An `effattn.nn.TransformerEncoder` whose layers' attention adds a bidirectional
+    `effattn.nn.AdaptiveSpan` (own spans per layer, starting at ``init_span`` tokens)."""
+    import torch.nn as nn
+
+    import effattn
+    layer = effattn.nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, cfg.ff, cfg.dropout, activation="gelu",
+                                               batch_first=True, norm_first=True, backend=backend)
+    layer.self_attn.position_bias = effattn.nn.AdaptiveSpan(cfg.heads, max_span, ramp=ramp,
+                                                            init=min(1.0, init_span / max(max_span, 1)),
+                                                            bidirectional=True)
+    return effattn.nn.TransformerEncoder(layer, cfg.layers, norm=nn.LayerNorm(cfg.d_model))
+
+
+def span_loss(net):
+    """The adaptive spans' penalty (`effattn.nn.AdaptiveSpan.loss`) summed over ``net``'s modules:
+    the training loss adds it (0 for a model without spans)."""
+    from effattn.nn import AdaptiveSpan
+    return sum((m.loss() for m in net.modules() if isinstance(m, AdaptiveSpan)), 0.0)
+
+
+def clamp_spans(net) -> None:
+    """Keeps every adaptive span of ``net`` in [0, max_span] (after each optimizer step)."""
+    from effattn.nn import AdaptiveSpan
+    for m in net.modules():
+        if isinstance(m, AdaptiveSpan):
+            m.clamp_()
+
+
 def layer_kwargs(variant: str, block_size: int = 64, window: int = 128, max_length: int = 4096,
                  head_dim: int = 64) -> Dict:
     """Keyword arguments for `effattn.nn.TransformerEncoderLayer` (``max_length``: the longest input,
@@ -116,6 +151,13 @@ def backends_serving(variant: str, device: str = "cpu", length: int = 256, head_
             cl = kw["encoder"].keywords["chunk_len"]
             probe = torch.zeros(1, 1, cl, head_dim, device=device)
             rep = effattn.explain(probe, probe, probe, op="lsh_attention", chunk_len=cl)
+        elif variant == "adaptive-span":
+            from effattn.bias import Span
+            q = torch.zeros(1, 2, length, head_dim, device=device)
+            span = Span(torch.zeros(2, device=device), ramp=32, max_span=length, bidirectional=True)
+            rep = effattn.explain(q, q, q, key_padding_mask=torch.zeros(1, length, dtype=torch.bool, device=device),
+                                  bias=span)
+            return {name: "; ".join(why) for name, why in rep.reasons.items()}
         else:
             probe = torch.zeros(1, 1, 1, head_dim, device=device)
             rep = effattn.explain(probe, probe, probe, op="relative_attention", causal=True,

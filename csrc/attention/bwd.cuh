@@ -172,7 +172,9 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
       load_tile<HD, BM>(sdO, dob, p.do_l, m0, p.Lq, p.Dv);
       prim::cp_async_commit();
       load_row_stats(p, s_lse, s_delta, b, h, m0, BM);
-      if (TERMS) {
+      float cb = 0.f;                                   // a constant tile's bias: no s_bias fill
+      const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
+      if (TERMS && !cfast) {
         for (int idx = tid; idx < BM * BN; idx += 128) {
           const int qr = idx / BN, c = idx % BN;
           s_bias[qr * Cfg::kBiasStride + c] = bias_terms(p, br, m0 + qr, n0 + c) * 1.4426950408889634f;
@@ -203,7 +205,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           float dcap = 1.f;
           float x = score_log2(p, st[j][e], slope, i, kj, dcap);
-          if (TERMS) x += s_bias[qr * Cfg::kBiasStride + kj - n0];
+          if (TERMS) x += cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0];
           const float pt = ok ? prim::exp2(x - s_lse[qr]) : 0.f;
           float dp = dpt[j][e];
           float pd = pt;
@@ -345,6 +347,9 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
     mma_rows_rows<HD, BN, BF16>(dp, sdO, warp * 16, sV, kdv);
 
     const bool masked = sched.masked(it);
+    float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units); its dT
+    const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);   // gives a span no gradient
+    const bool tgrad = TERMS && (p.drel || p.dbias || (p.dspan && !cfast));
     if (masked || kpm) {                                 // keys no row sees: zero K rows for dS K
       prim::sync_block();                                // every warp is done reading sK for S
       zero_unseen<HD, BN>(sK, n0, [&](int j) { return key_seen(p, lay, kpm, m0, m0 + BM, j); });
@@ -360,7 +365,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;
         float x = score_log2(p, s[j][e], slope, i, kj, dcap);
-        if (TERMS) x += bias_terms(p, br, i, kj) * 1.4426950408889634f;
+        if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
         const float pr = ok ? prim::exp2(x - lse2[r]) : 0.f;
         float d = dp[j][e];
         if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
@@ -369,7 +374,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
           const int dd = i + p.off - kj;
           dslope += dt * float(dd < 0 ? -dd : dd);
         }
-        if (TERMS && (p.drel || p.dbias || p.dspan)) sT[(i - m0) * BN + kj - n0] = dt;
+        if (tgrad) sT[(i - m0) * BN + kj - n0] = dt;
         s[j][e] = dt * dcap;                             // dS
       }
 
@@ -380,9 +385,9 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
       acc_to_a<BF16>(a, s, kk);
       mma_a_rows<HD, NA, BF16>(dq, a, sK, kk, c0 / 8, p.D);
     }
-    if (TERMS && (p.drel || p.dbias || p.dspan)) {
+    if (tgrad) {
       prim::sync_block();                                // every thread's dT has landed
-      dz += tile_bias_grads<BM, BN>(p, br.z, sT, bh, m0, n0);
+      if (!cfast) dz += tile_bias_grads<BM, BN>(p, br.z, sT, bh, m0, n0);   // (a constant tile: no span gradient)
       if (p.drel) rel_tile_grad<BM, BN>(p, sT, sD, p.drel + (int64_t(bh) * n_mt + mt) * p.rel_w, m0 + p.off - n0);
     }
     prim::sync_block();                                  // every warp is done with sK, sV

@@ -237,6 +237,22 @@ EFFATTN_DEVICE float bias_terms(const AttnParams& p, const BiasRow& br, int i, i
   return t;
 }
 
+// Whether the bias tensors' sum is one number on rows [i0, i0 + rows) x keys [j0, j0 + cols) of a tile
+// (a constant tile: no dense bias; a relative table's distances all clamp to one entry, i.e. beyond its
+// clip; the span's farthest distance still on its flat part, ratio > 1), and then that number in log2
+// units in `c`: bias_terms at the tile's first element times log2(e), the bits every element's
+// bias_terms(...) * log2(e) has there (the same entry, logf(1) for the span). The index and the ratio
+// are monotone in d, so the tile's corner distances decide. The kernels add `c` as one scalar on such
+// tiles instead of evaluating the terms per element.
+EFFATTN_DEVICE bool const_bias(const AttnParams& p, const BiasRow& br, int i0, int rows, int j0, int cols, float& c) {
+  if (br.dense) return false;
+  const int d_lo = i0 + p.off - (j0 + cols - 1), d_hi = i0 + rows - 1 + p.off - j0;
+  if (br.rel && rel_index(p, d_lo) != rel_index(p, d_hi)) return false;
+  if (p.span_z && !(span_ratio(p, br.z, d_hi) > 1.f)) return false;
+  c = bias_terms(p, br, i0, j0) * 1.4426950408889634f;
+  return true;
+}
+
 // Head h's window with its span: keys at d > z[h] + ramp are invisible, so the left bound becomes
 // floor(z[h] + ramp) and the schedules skip the key (query) tiles beyond it (per-head tile skipping).
 EFFATTN_DEVICE void tighten_to_span(AttnParams& p, int h) {

@@ -45,11 +45,12 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int B
 // (dropped entries 0), acc is rescaled, m_i / l_i updated. S and acc are in the m16n8 accumulator
 // layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment). KIND
 // (MaskKind) compiles out what the kernel instance never sees: every mask test for kDense, the
-// layout, key padding and dropout for kWindow. TERMS: the bias tensors of `br` join the scores.
+// layout, key padding and dropout for kWindow. TERMS: the bias tensors of `br` join the scores, as the
+// one number `cb` (log2 units) where the tile is constant (`cfast`: const_bias), else per element.
 template <int KIND, bool TERMS = false, int NS, int ND>
 EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
                                  int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
-                                 float (&l_i)[2], const BiasRow& br = BiasRow{}) {
+                                 float (&l_i)[2], const BiasRow& br = BiasRow{}, bool cfast = false, float cb = 0.f) {
   const int t4 = prim::thread_x() & 3;
 #pragma unroll
   for (int j = 0; j < NS; ++j)
@@ -58,7 +59,7 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
       const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
       float dcap;
       float x = score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
-      if (TERMS) x += bias_terms(p, br, i, kj) * 1.4426950408889634f;
+      if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
       if (KIND != kDense && masked && !visible<KIND == kAny>(p, lay, i, kj)) x = -INFINITY;
       if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;
@@ -189,7 +190,9 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
 
-    softmax_step<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br);
+    float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
+    const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
+    softmax_step<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br, cfast, cb);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();

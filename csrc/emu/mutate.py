@@ -50,6 +50,9 @@ BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
+# the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
+TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
+         "relative and not past and causal")
 
 
 class Mutation(NamedTuple):
@@ -129,6 +132,18 @@ MUTATIONS: List[Mutation] = [
              "prim::cp_async_wait<0>();                     // one stage",
              "prim::cp_async_wait<1>();                     // one stage", DECODE_D256,
              "decode, single-buffered (head dim 256 on a 99 KB GPU): the tile's copies not waited for"),
+    Mutation("const-tile-fwd", "attention/fwd.cuh",
+             "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,
+             "forward: a constant tile's terms dropped (the constant path is taken and must add them)"),
+    Mutation("const-tile-dkdv", "attention/bwd.cuh",
+             "x += cfast ? cb : s_bias[", "x += cfast ? 0.f : s_bias[", TILES,
+             "dK/dV pass: a constant tile's terms dropped"),
+    Mutation("const-tile-dq", "attention/bwd.cuh",
+             "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,
+             "dQ pass: a constant tile's terms dropped"),
+    Mutation("const-tile-clip", "attention/common.cuh",
+             "if (br.rel && rel_index(p, d_lo) != rel_index(p, d_hi)) return false;", "", TILES,
+             "a tile that reads several table entries taken as constant (the first element's entry)"),
     Mutation("swizzle-dropped", "common/tiles.cuh",
              "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),

@@ -51,16 +51,21 @@ class AdaptiveSpan(nn.Module):
     tokens, followed by a soft ramp of ``ramp`` tokens; keys farther away are invisible and the
     kernels skip them. ``forward()`` -> :class:`effattn.bias.Span`; ``loss()`` is the paper's
     penalty ``loss_coeff * max_span * mean(ratio)``; call ``clamp_()`` after each optimizer step.
+    ``bidirectional=True`` (encoders): the span is symmetric, keys farther than the span on either
+    side are invisible (`effattn.bias.Span`'s ``bidirectional``).
     """
 
     def __init__(self, num_heads: int, max_span: int, ramp: int = 32, init: float = 0.0,
-                 loss_coeff: float = 2e-6):
+                 loss_coeff: float = 2e-6, bidirectional: bool = False):
         super().__init__()
         if not 0.0 <= init <= 1.0:
             raise ValueError(f"AdaptiveSpan: init must be a ratio in [0, 1], got {init!r}")
         if max_span < 0 or ramp <= 0:
             raise ValueError(f"AdaptiveSpan: max_span must be >= 0 and ramp > 0, got {max_span!r}, {ramp!r}")
+        if not isinstance(bidirectional, bool):
+            raise TypeError(f"AdaptiveSpan: bidirectional must be a bool, got {bidirectional!r}")
         self.max_span, self.ramp, self.loss_coeff = max_span, ramp, loss_coeff
+        self.bidirectional = bidirectional
         self.ratio = nn.Parameter(torch.full((num_heads,), float(init)))
 
     @property
@@ -70,7 +75,8 @@ class AdaptiveSpan(nn.Module):
 
     def forward(self) -> _bias.Span:
         # the clamp keeps z in [0, max_span] between an optimizer step and clamp_()
-        return _bias.Span(self.ratio.clamp(0, 1) * self.max_span, ramp=self.ramp, max_span=self.max_span)
+        return _bias.Span(self.ratio.clamp(0, 1) * self.max_span, ramp=self.ramp, max_span=self.max_span,
+                          bidirectional=self.bidirectional)
 
     def loss(self) -> Tensor:
         return self.loss_coeff * self.max_span * self.ratio.mean()

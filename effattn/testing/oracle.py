@@ -197,8 +197,8 @@ def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu", d=None):
     in `dtype`, and the adaptive-span weights m (or None): distance d = (i + Lk - Lq) - j (or the
     given `d`, see `distances`); ALiBi ``-slope * |d|``; Relative ``table[h, clamp(d, -M, M) + M]``
     (past only: ``clamp(d, 0, M)``); a dense tensor broadcast. Adaptive span is returned as its
-    multiplicative mask ``m = clamp((ramp + z - d) / ramp, 0, 1)``, applied after the exponential
-    (the paper's form)."""
+    multiplicative mask ``m = clamp((ramp + z - d) / ramp, 0, 1)`` (``|d|`` for ``d`` when
+    bidirectional), applied after the exponential (the paper's form)."""
     if d is None:
         d = distances(Lq, Lk, device=device)
     total = torch.zeros(B, H, Lq, Lk, dtype=dtype, device=device)
@@ -217,7 +217,8 @@ def score_bias(B, H, Lq, Lk, bias, dtype, device="cpu", d=None):
             col = (torch.clamp(d, -M, M) + M) if term.bidirectional else torch.clamp(d, 0, M)
             total = total + term.table.to(dtype)[:, col][None]
         elif kind == "Span":
-            m = torch.clamp((term.ramp + term.z.to(dtype)[:, None, None] - d.to(dtype)) / term.ramp, 0, 1)[None]
+            dist = d.abs() if term.bidirectional else d          # a symmetric span reads |d|
+            m = torch.clamp((term.ramp + term.z.to(dtype)[:, None, None] - dist.to(dtype)) / term.ramp, 0, 1)[None]
             span = m if span is None else span * m
         else:
             raise TypeError(kind)

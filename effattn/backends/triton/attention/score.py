@@ -24,6 +24,16 @@ from .score_kernels import score_bwd_kernel, score_fwd_kernel
 _KINDS = (_bias.ALiBi, _bias.Relative, _bias.Span, _bias.Dense)
 
 
+class TileProbe:
+    """A test hook on the constant-tile path (`score_kernels._const_tile`): ``fast = False`` makes
+    every tile take the elementwise path; ``count = True`` makes each launch record, per program, how
+    many tiles took the constant path, in ``counts`` (kernel name -> int32 tensor). Off by default
+    (then the kernels are compiled without the counter)."""
+    fast = True
+    count = False
+    counts: dict = {}
+
+
 def reasons(call) -> List[str]:
     """Why the score-terms kernels cannot serve `call` (beyond the declared features)."""
     if call.score is None:
@@ -32,8 +42,25 @@ def reasons(call) -> List[str]:
 
 
 def describe(call) -> str:
-    return ("score terms (" + ", ".join(sorted(call.score.features())) + "): the score-terms kernels, every "
-            "visited tile masked elementwise, fixed tiles (no autotuning)")
+    score = call.score
+    if _fast_tiles(score, call.layout is not None, call.key_padding_mask is not None):
+        tiles = ("tiles that the window shows whole and on which every term is constant (beyond a table's clip, "
+                 "inside a span's flat part) unmasked with one scalar added, the others masked elementwise")
+    else:
+        why = [n for n, x in (("ALiBi", any(isinstance(t, _bias.ALiBi) for t in score.terms)),
+                              ("a dense bias", any(isinstance(t, _bias.Dense) for t in score.terms)),
+                              ("a layout", call.layout is not None),
+                              ("key padding", call.key_padding_mask is not None)) if x] or ["TileProbe.fast off"]
+        tiles = "every visited tile masked elementwise (" + ", ".join(why) + ")"
+    return ("score terms (" + ", ".join(sorted(score.features())) + "): the score-terms kernels, " + tiles
+            + ", fixed tiles (no autotuning)")
+
+
+def _fast_tiles(score, layout: bool, kpm: bool) -> bool:
+    """Whether the kernels' constant-tile path can apply (`score_kernels._const_tile`): no term that
+    varies on every tile (ALiBi, a dense bias) and no per-element visibility (layout, padding)."""
+    varies = any(isinstance(t, (_bias.ALiBi, _bias.Dense)) for t in score.terms)
+    return TileProbe.fast and not (varies or layout or kpm)
 
 
 def _blocks(D, Dv, backward, score):
@@ -73,7 +100,8 @@ def _term_args(score, q, B, H, Lq, Lk):
                 bias_strides=dense.stride() if dense is not None else (0, 0, 0, 0), softcap=score.softcap or 1.0,
                 max_dist=tab.max_distance if tab else 0, ramp=float(z.ramp) if z else 1.0)
     flags = dict(SOFTCAP=score.softcap is not None, ALIBI=sl is not None, REL=tab is not None,
-                 REL_BIDIR=bool(tab.bidirectional) if tab else True, SPAN=z is not None, DENSE=dense is not None)
+                 REL_BIDIR=bool(tab.bidirectional) if tab else True, SPAN=z is not None,
+                 SPAN_BIDIR=bool(z.bidirectional) if z else False, DENSE=dense is not None)
     return ptrs, args, flags, tab
 
 
@@ -90,12 +118,13 @@ def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, rig
             tf32=False, segments=None, drop_at=None):
     """(the `LaunchPlan`, the meta arguments, the scalar arguments by name) shared by both score
     kernels (`score_kernels`; the C++ `AttnParams` names where it has the field)."""
-    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score), right, tf32,
-                 q_offset=_offset(segments))
+    p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score),
+                 span_left(right, score, future=True), tf32, q_offset=_offset(segments))
     bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
                 DROPOUT=dropout_p > 0, DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, IDX64=p.idx64,
+                FAST=_fast_tiles(score, layout_mask is not None, kpm is not None), COUNT=TileProbe.count,
                 num_warps=warps, enable_fp_fusion=True)
     args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), kpm_strides=p.kpm_strides, H=p.H,
                 G=p.G, Lq=p.Lq, Lk=p.Lk, D=p.D, Dv=p.Dv, off=p.off, left=p.left, right=p.right, lay_h=p.lay_h,
@@ -117,11 +146,21 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
     sinks = score.sinks.contiguous() if score.sinks is not None else None        # the kernel reads SINKS + h
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     grid = (cdiv(p.Lq, meta["BLOCK_M"]) * p.B * p.H,)
+    cnt = _counter(grid[0], q.device, "fwd")
     with _on_device(q.device):
         score_fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
-                               SINKS=_or_dummy(sinks, q), **ptrs, seed=philox_key(seed) if dropout_p > 0 else 0,
-                               **args, **term_args, SINKS_ON=sinks is not None, **flags, **meta)
+                               SINKS=_or_dummy(sinks, q), **ptrs, CNT=_or_dummy(cnt, lse),
+                               seed=philox_key(seed) if dropout_p > 0 else 0, **args, **term_args,
+                               SINKS_ON=sinks is not None, **flags, **meta)
     return out, lse
+
+
+def _counter(n: int, device, kernel: str):
+    """The constant-tile counter of a launch of `n` programs (`TileProbe.count`), or None."""
+    if not TileProbe.count:
+        return None
+    TileProbe.counts[kernel] = torch.zeros(n, dtype=torch.int32, device=device)
+    return TileProbe.counts[kernel]
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p,
@@ -149,8 +188,10 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
                                **delta_meta)
             n_kv = cdiv(p.Lk, meta["BLOCK_N"]) * p.B * p.Hkv
             grid = (n_kv + n_mt * p.B * p.H,)
+            cnt = _counter(grid[0], q.device, "bwd")
             score_bwd_kernel[grid](Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq, DK=dk, DV=dv, KPM=kpm_u8,
                                    LAY=_or_dummy(p.lay, q), **ptrs, PART=part, DBIAS=_or_dummy(dbias, q),
+                                   CNT=_or_dummy(cnt, lse),
                                    do_strides=grad_out.stride(), B=p.B, Hkv=p.Hkv,
                                    seed=philox_key(seed) if dropout_p > 0 else 0, n_part=n_part, **args, **term_args,
                                    BLOCK_P=max(16, _next_pow2(n_part)), **flags, **meta)

@@ -1,11 +1,16 @@
 """Kernels for calls with score terms (softcap, sinks, ALiBi, a relative table, adaptive span, a
 dense bias): FlashAttention-2's forward and backward (Dao 2023, Alg. 1 and 2) with the terms
-evaluated in the tile after the scale (`_scores`), in the order of docs/conventions.md ("Scores").
+evaluated in the tile after the scale (`_tile_scores`), in the order of docs/conventions.md ("Scores").
 
-Every visited tile is masked elementwise (causal / window bounds choose the tiles: `key_tile_range`,
-`query_tile_range`; a layout is read per element); the adaptive span's horizon is folded into the
-left window bound by the launcher, so key tiles beyond every head's span are skipped, and each
-kernel tightens it per head to ``z[h] + ramp`` (`_span_left`).
+Causal / window bounds choose the tiles (`key_tile_range`, `query_tile_range`; a layout is read
+per element); the adaptive span's horizon is folded into the left window bound by the launcher
+(both bounds for a bidirectional span), so key tiles beyond every head's span are skipped, and each
+kernel tightens it per head to ``z[h] + ramp`` (`_span_window`). A tile is masked and its terms
+evaluated elementwise (`_add_terms`) unless the window bounds show all of it and every term is
+constant on it (`_const_tile`: beyond a relative table's clip, inside a span's flat part; softcap
+and sinks alone are constant everywhere): such a tile adds one scalar to the soft-capped scores and
+nothing else (`_tile_scores`), the same bits as the elementwise path. ALiBi, a dense bias, a layout
+or key padding keep every tile elementwise (the launcher's ``FAST``).
 
 Deterministic, no atomics: `score_bwd_kernel` is one launch of dK/dV programs (one per key tile of a
 (b, kv head), looping over the group's query heads) and dQ programs (one per query tile of a (b, h)).
@@ -38,38 +43,49 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l,
-            scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
-            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
-            SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr,
-            IDX64: tl.constexpr):
-    """(s, tanh, d, ok, kt, seen) of a (BLOCK_M, BLOCK_N) tile in natural units: the scaled scores with
-    the soft-cap and every bias term, -inf where invisible; tanh of the soft-capped scores (for the
-    backward; s itself without softcap); the distances d = pos(i) - j; the visibility; the keys
-    ``kt`` with the columns of keys no row of the tile sees zeroed, and ``seen (BLOCK_N,)`` those
-    keys some row sees. With a mask (window, layout, padding, span) the callers zero the V rows of
-    the unseen keys too, so that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in
-    a product (and a finite tanh), never 0 * NaN."""
-    d = (offs_m[:, None] + off) - offs_n[None, :]
+def _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z, ramp,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
+             SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, IDX64: tl.constexpr):
+    """The visibility of a (BLOCK_M, BLOCK_N) tile elementwise: window, layout, padding, beyond the span."""
     ok = visible(offs_m[:, None], offs_n[None, :], Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                  HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, IDX64)
     if SPAN:
-        zh = tl.load(Z + h).to(tl.float32)
-        ratio = (ramp + zh - d.to(tl.float32)) / ramp
-        ok = ok & (ratio > 0)
+        d = (offs_m[:, None] + off) - offs_n[None, :]
+        ok = ok & (_span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR) > 0)
     if HAS_KPM:
         pad = tl.load(kpm_base + offs_n * kpm_l, mask=offs_n < Lk, other=1)
         ok = ok & (pad[None, :] == 0)
-    seen = offs_n < Lk                  # without a mask every key in bounds is seen (the others load as 0)
-    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
-        seen = tl.max(ok.to(tl.int32), 0) > 0
-        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
-    s = dot(q, kt, DOT_PREC, INTERP_BF16) * scale
-    t = s
-    if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = t * softcap
+    return ok
+
+
+@triton.jit
+def _seen_keys(offs_n, m0, m_hi, Lk, off, left, right, Z, h, ramp, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr):
+    """(BLOCK_N,) the keys some row of [m0, m_hi] sees, per key without the tile (no layout, no
+    padding: the calls with constant tiles): the rows whose window holds key j form a run, and the
+    span's ratio is largest at the run's row nearest to j; the same keys as `_visible` marks."""
+    lo = offs_n * 0 + m0
+    hi = offs_n * 0 + m_hi
+    if HAS_RIGHT:
+        lo = tl.maximum(lo, offs_n - off - right)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, offs_n - off + left)
+    seen = (lo <= hi) & (offs_n < Lk)
+    if SPAN:
+        near = lo                                         # smallest d = pos(i) - j on the run
+        if SPAN_BIDIR:
+            near = tl.minimum(tl.maximum(offs_n - off, lo), hi)   # smallest |d|
+        seen = seen & (_span_ratio(near + off - offs_n, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR) > 0)
+    return seen
+
+
+@triton.jit
+def _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
+               bias_b, bias_h, bias_q, bias_k, ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr,
+               SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, IDX64: tl.constexpr):
+    """The soft-capped scores ``s`` of a tile evaluated elementwise with every bias term added at the
+    distances d = pos(i) - j, and -inf where not ``ok``."""
+    d = (offs_m[:, None] + off) - offs_n[None, :]
     if ALIBI:
         slope = tl.load(SL + b * alibi_b + h * alibi_h).to(tl.float32)
         s = s - slope * tl.abs(d).to(tl.float32)
@@ -79,37 +95,146 @@ def _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, 
         else:
             idx = tl.minimum(tl.maximum(d, 0), max_dist)
         s = s + tl.load(TAB + h * tab_h + idx).to(tl.float32)
-    if SPAN:
-        s = s + tl.log(tl.minimum(tl.maximum(ratio, 1e-30), 1.0))
+    if SPAN:            # exactly 0 on the flat part (ratio >= 1), as `_const_tile` assumes
+        ratio = _span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR)
+        s = s + tl.where(ratio < 1.0, tl.log(tl.maximum(ratio, 1e-30)), 0.0)
     if DENSE:
         bias = tl.load(BIAS + b.to(tl.int64) * bias_b + h.to(tl.int64) * bias_h + i64(offs_m, IDX64)[:, None] * bias_q
                        + i64(offs_n, IDX64)[None, :] * bias_k, mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
                        other=0.0)
         s = s + bias.to(tl.float32)
-    s = tl.where(ok, s, float("-inf"))
-    return s, t, d, ok, kt, seen
+    return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
-def _span_left(left, Z, h, ramp, SPAN: tl.constexpr):
-    """Head h's left window bound: with an adaptive span, keys at d >= z[h] + ramp are invisible, so
-    the head's tiles stop at d <= floor(z[h] + ramp) (the launcher's bound, from max_span, is the
-    largest over heads): compute follows the sum of the heads' spans, not the largest. Visibility
-    itself stays with `_scores` (ratio > 0), so the bound only has to be no tighter than it: for an
-    integer d, fl(x - d) > 0 implies d < x, hence d <= floor(x)."""
+def _tile_scores(fast, c, q, kt, v, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
+                 kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b,
+                 bias_h, bias_q, bias_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_KEYS: tl.constexpr,
+                 FAST: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+                 HAS_KPM: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
+                 REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+    """(s, tanh, ok, kt, v) of a (BLOCK_M, BLOCK_N) tile of rows [m0, m_hi] (m_hi < Lq) in natural
+    units: the scaled scores with the soft-cap and every bias term, -inf where invisible; tanh of the
+    soft-capped scores (for the backward; s itself without softcap); the visibility; the K and V tiles
+    with the keys no row of the tile sees zeroed (``V_KEYS``: the V tile's key axis), so that whatever
+    an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product (and a finite tanh), never
+    0 * NaN. With ``FAST`` the keys seen come per key (`_seen_keys`) and a constant tile (``fast``,
+    `_const_tile`) skips the elementwise visibility and terms: the terms are the one scalar ``c``;
+    the product and the soft-cap are shared, so its bits are those of the elementwise path. (Only
+    the scores branch: with the product or the K / V tiles inside the branch, sm_90 compiles spilled
+    in the tile loop.)"""
+    masked: tl.constexpr = (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN))
+    if FAST:
+        if masked:
+            seen = _seen_keys(offs_n, m0, m_hi, Lk, off, left, right, Z, h, ramp, HAS_LEFT, HAS_RIGHT, SPAN,
+                              SPAN_BIDIR)
+    else:
+        ok = _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z, ramp,
+                      HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN, SPAN_BIDIR, IDX64)
+        if masked:
+            seen = tl.max(ok.to(tl.int32), 0) > 0
+    if masked:
+        kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
+        if V_KEYS == 0:
+            v = tl.where(seen[:, None], v, tl.zeros_like(v))
+        else:
+            v = tl.where(seen[None, :], v, tl.zeros_like(v))
+    s, t = _capped(q, kt, scale, softcap, SOFTCAP, DOT_PREC, INTERP_BF16)
+    if FAST:
+        if fast:
+            s = _add_const(s, c, REL)
+            ok = tl.full((BLOCK_M, BLOCK_N), True, tl.int1)
+        else:
+            ok = _visible(offs_m, offs_n, h, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, Z,
+                          ramp, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN, SPAN_BIDIR, IDX64)
+            s = _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z,
+                           ramp, BIAS, bias_b, bias_h, bias_q, bias_k, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE,
+                           IDX64)
+    else:
+        s = _add_terms(s, ok, offs_m, offs_n, b, h, Lq, Lk, off, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp,
+                       BIAS, bias_b, bias_h, bias_q, bias_k, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, IDX64)
+    return s, t, ok, kt, v
+
+
+@triton.jit
+def _capped(q, kt, scale, softcap, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """(s, tanh): the scaled scores of a tile with the soft-cap, and tanh of the soft-capped scores
+    (s itself without softcap), shared by constant and elementwise tiles (`_tile_scores`)."""
+    s = dot(q, kt, DOT_PREC, INTERP_BF16) * scale
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = t * softcap
+    return s, t
+
+
+@triton.jit
+def _span_ratio(d, zh, ramp, SPAN_BIDIR: tl.constexpr):
+    """The adaptive span's ``(ramp + z[h] - d) / ramp`` (``|d|`` when bidirectional): the key is
+    visible iff > 0, on the ramp iff in (0, 1], on the flat part (the term adds 0) iff >= 1."""
+    if SPAN_BIDIR:
+        d = tl.abs(d)
+    return (ramp + zh - d.to(tl.float32)) / ramp
+
+
+@triton.jit
+def _span_window(left, right, Z, h, ramp, SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr):
+    """Head h's window bounds: with an adaptive span, keys at d >= z[h] + ramp (and at -d >= z[h] +
+    ramp when bidirectional) are invisible, so the head's tiles stop at d <= floor(z[h] + ramp) (the
+    launcher's bounds, from max_span, are the largest over heads): compute follows the sum of the
+    heads' spans, not the largest. Visibility itself stays with `_visible` (ratio > 0), so the bound
+    only has to be no tighter than it: for an integer d, fl(x - d) > 0 implies d < x, hence
+    d <= floor(x). The launcher makes both bounds finite (HAS_LEFT, and HAS_RIGHT when bidirectional)."""
     if SPAN:
-        left = tl.minimum(left, (tl.load(Z + h).to(tl.float32) + ramp).to(tl.int32))
-    return left
+        hz = (tl.load(Z + h).to(tl.float32) + ramp).to(tl.int32)
+        left = tl.minimum(left, hz)
+        if SPAN_BIDIR:
+            right = tl.minimum(right, hz)
+    return left, right
 
 
 @triton.jit
-def _zero_unseen(x, seen, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
-                 HAS_KPM: tl.constexpr, SPAN: tl.constexpr):
-    """A V tile ``x`` with the keys no row of the tile sees zeroed (with a mask); ``seen`` from
-    `_scores`, shaped to broadcast along the tile's key axis."""
-    if (HAS_LEFT or HAS_RIGHT) or (HAS_LAYOUT or (HAS_KPM or SPAN)):
-        x = tl.where(seen, x, tl.zeros_like(x))
-    return x
+def _const_tile(full, m_lo, m_hi, n_lo, n_hi, off, h, TAB, tab_h, max_dist, Z, ramp, FAST: tl.constexpr,
+                REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, SPAN_BIDIR: tl.constexpr):
+    """Whether every term is constant on rows [m_lo, m_hi] x keys [n_lo, n_hi] of a tile that is
+    ``full`` (the window bounds show every pair), and then the one scalar the terms add there: (fast,
+    the table's entry (0.0 without a table), its index). A relative table is constant where every
+    distance clamps to one entry (beyond the clip); a span where the largest distance (|d| when
+    bidirectional) still has ratio > 1 (its flat part: the term adds exactly 0 and no gradient, and
+    every key is visible): the clamped index and the ratio are monotone in d, so the tile's corners
+    decide, in the arithmetic `_add_terms` uses. ``FAST`` (the launcher's) is False where a term never
+    is (ALiBi, a dense bias) or visibility is per element (a layout, key padding): no tile is fast."""
+    fast = full & FAST
+    c = 0.0
+    ci = off * 0
+    if FAST:
+        d_lo = m_lo + off - n_hi
+        d_hi = m_hi + off - n_lo
+        if REL:
+            if REL_BIDIR:
+                ci = tl.minimum(tl.maximum(d_lo, -max_dist), max_dist) + max_dist
+                c_hi = tl.minimum(tl.maximum(d_hi, -max_dist), max_dist) + max_dist
+            else:
+                ci = tl.minimum(tl.maximum(d_lo, 0), max_dist)
+                c_hi = tl.minimum(tl.maximum(d_hi, 0), max_dist)
+            fast = fast & (ci == c_hi)
+            c = tl.load(TAB + h * tab_h + ci).to(tl.float32)
+        if SPAN:
+            far = d_hi
+            if SPAN_BIDIR:
+                far = tl.maximum(d_hi, -d_lo)
+            fast = fast & (_span_ratio(far, tl.load(Z + h).to(tl.float32), ramp, False) > 1.0)
+    return fast, c, ci
+
+
+@triton.jit
+def _add_const(s, c, REL: tl.constexpr):
+    """The soft-capped scores of a constant tile with its terms: the table's entry ``c`` as one scalar
+    (a span adds 0 on its flat part; softcap and sinks alone add nothing)."""
+    if REL:
+        s = s + c
+    return s
 
 
 @triton.jit
@@ -131,7 +256,7 @@ def _query_tile(pid, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
-def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
+def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
                      q_strides, k_strides, v_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
@@ -139,9 +264,12 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                      HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS_ON: tl.constexpr,
                      ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
-                     DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+                     SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
+                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq) natural log, for one query tile of one (b, h); grid
-    cdiv(Lq, BLOCK_M) * B * H, query tiles fastest.
+    cdiv(Lq, BLOCK_M) * B * H, query tiles fastest. The full tiles on which every term is constant
+    (`_const_tile`; ``FAST``) skip the elementwise steps of `_tile_scores`; with ``COUNT`` (a test
+    hook) each program writes the number of such tiles to ``CNT[pid]``.
 
     Scalar arguments named as the C++ `AttnParams` fields where it has them (csrc/attention/attention.h:
     ``scale``, ``softcap``, ``alibi_b``, the sizes, bounds and dropout numbers) and passed by name;
@@ -169,17 +297,25 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right, BLOCK_M,
-                                      BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    h_left, h_right = _span_window(left, right, Z, h, ramp, SPAN, SPAN_BIDIR)
+    t0, t1, t2, t3 = key_tile_range(m0, Lq, Lk, off, h_left, h_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_hi = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    n_fast = t0 * 0
     for tile in range(t0, t3):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tile * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
         kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
-        s, _t, _d, _ok, _kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr,
-                                            lay_nkb, lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
-                                            tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT,
-                                            HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
-                                            DOT_PREC, INTERP_BF16, IDX64)
+        v = load_tile(v_base + on[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, True, True)
+        fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h,
+                                   max_dist, Z, ramp, FAST, REL, REL_BIDIR, SPAN, SPAN_BIDIR)
+        s, _t, _ok, _kz, v = _tile_scores(fast, c, q, kt, v, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right,
+                                          lay_ptr, lay_nkb, lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b,
+                                          alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
+                                          BLOCK_M, BLOCK_N, 0, FAST, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
+                                          REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+        if COUNT:
+            n_fast += fast.to(tl.int32)
         s = s * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -189,8 +325,6 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
         if DROPOUT:
             p = tl.where(dropout_keep(seed, b * drop_H + drop_h0 + h, offs_m[:, None] + drop_q0,
                                       offs_n[None, :] + drop_k0, drop_thresh), p * inv_keep, 0.0)
-        v = load_tile(v_base + on[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, True, True)
-        v = _zero_unseen(v, seen[:, None], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     if SINKS_ON:        # the sink's exp joins the normalizer: lse = log(sum exp(s) + exp(sink))
@@ -208,26 +342,16 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS,
     tl.store(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], cast(out, O.dtype.element_ty,
              INTERP_BF16), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
     tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+    if COUNT:
+        tl.store(CNT + tl.program_id(0), n_fast)
 
 
 @triton.jit
-def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
-           kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k,
-           seed, drop_thresh, inv_keep, drop_bh, drop_q0, drop_k0,
-           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_KPM: tl.constexpr,
-           DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, REL: tl.constexpr,
-           REL_BIDIR: tl.constexpr, SPAN: tl.constexpr, DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
-           INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
-    """The backward's recomputation for a (BLOCK_M, BLOCK_N) tile: (P with dropout applied, dT the
-    gradient of the biased scores, dS the gradient of the scaled scores, d, ok, the keys ``kt`` with
-    those no row sees zeroed). The V tile's unseen keys are zeroed too, so dP, dT and dS are 0 there.
-    Dropout draws at head ``drop_bh``, rows and keys moved by ``drop_q0`` / ``drop_k0``."""
-    s, t, d, ok, kt, seen = _scores(q, kt, offs_m, offs_n, b, h, bh, Lq, Lk, off, left, right, lay_ptr, lay_nkb,
-                          lay_bs, kpm_base, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS,
-                          bias_b, bias_h, bias_q, bias_k, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL,
-                          REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+def _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, drop_bh, drop_q0, drop_k0, seed, drop_thresh, inv_keep,
+              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """(P with dropout applied, dT, dS) of a tile from its scores ``s`` and tanh ``t``
+    (`_tile_scores`) and its V tile ``vt`` (unseen keys zeroed)."""
     p = tl.exp2(s * LOG2E - lse[:, None])
-    vt = _zero_unseen(vt, seen[None, :], HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SPAN)
     dp = dot(do, vt, DOT_PREC, INTERP_BF16)
     pd = p
     if DROPOUT:
@@ -238,7 +362,7 @@ def _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, lef
     ds = dt
     if SOFTCAP:
         ds = dt * (1.0 - t * t)
-    return pd, dt, ds, d, ok, kt
+    return pd, dt, ds
 
 
 @triton.jit
@@ -250,7 +374,7 @@ def _row_stats(LSE, DELTA, bh, offs_m, Lq):
 
 
 @triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
-def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS,
+def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS, CNT,
                      q_strides, k_strides, v_strides, do_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
@@ -260,11 +384,14 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                      HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
-                     DENSE: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+                     SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
+                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
     """The first ``cdiv(Lk, BLOCK_N) * B * Hkv`` programs: dK, dV of one key tile of one (b, kv head);
     the remaining ``cdiv(Lq, BLOCK_M) * B * H``: dQ of one query tile of one (b, h) and its partial
     parameter sums, written to ``PART[bh, tile, :]`` (slot 0 ALiBi, 1 span, 2.. the table), and
-    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32.
+    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32. Tiles on which
+    every term is constant skip the elementwise steps as in the forward (a table's gradient then goes to
+    its one entry; a span's flat part has none); ``COUNT``: their number per program in ``CNT[pid]``.
 
     Arguments as `score_fwd_kernel`'s, and ``do_strides`` (``do_d`` has no C++ field), ``Hkv`` (C++:
     H / G) and ``n_part`` (the parameter slots per program), which have none."""
@@ -294,32 +421,46 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+        n_fast = pid * 0
         for g in range(0, G):
             h = hk * G + g
             bh = b * H + h
-            t0, _t1, _t2, t3 = query_tile_range(n0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right,
-                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            h_left, h_right = _span_window(left, right, Z, h, ramp, SPAN, SPAN_BIDIR)
+            t0, t1, t2, t3 = query_tile_range(n0, Lq, Lk, off, h_left, h_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             q_base = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
             do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h
             for tile in range(t0, t3):
-                offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+                m0 = tile * BLOCK_M
+                offs_m = m0 + tl.arange(0, BLOCK_M)
                 om = i64(offs_m, IDX64)
                 q = load_tile(q_base + om[:, None] * q_l + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, True)
                 do = load_tile(do_base + om[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv,
                                True, True)
                 lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
-                pd, dt, ds, d, ok, _kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off,
-                                           left, right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                           KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
-                                           tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
-                                           inv_keep, b * drop_H + drop_h0 + h, drop_q0, drop_k0, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP,
-                                           ALIBI, REL, REL_BIDIR, SPAN, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+                m_hi = tl.minimum(m0 + BLOCK_M, Lq) - 1
+                fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h, max_dist, Z, ramp, FAST, REL,
+                                           REL_BIDIR, SPAN, SPAN_BIDIR)
+                s, t, _ok, _kz, vz = _tile_scores(fast, c, q, kt, vt, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left,
+                                                  right,
+                                                  LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
+                                                  KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b,
+                                                  alibi_h, TAB, tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q,
+                                                  bias_k, BLOCK_M, BLOCK_N, 1, FAST, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
+                                                  HAS_KPM,
+                                                  SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC,
+                                                  INTERP_BF16, IDX64)
+                pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h, drop_q0, drop_k0, seed, drop_thresh, inv_keep,
+                                       DROPOUT, SOFTCAP, DOT_PREC, INTERP_BF16)
+                if COUNT:
+                    n_fast += fast.to(tl.int32)
                 dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
                 dk += dot(tl.trans(cast(ds, q.dtype, INTERP_BF16)), q, DOT_PREC, INTERP_BF16)
         ok_k = offs_n[:, None] < Lk
         rows = (bhk.to(tl.int64) * Lk + offs_n[:, None])
         tl.store(DK + rows * D + offs_d[None, :], dk * scale, mask=ok_k & (offs_d[None, :] < D))
         tl.store(DV + rows * Dv + offs_dv[None, :], dv, mask=ok_k & (offs_dv[None, :] < Dv))
+        if COUNT:
+            tl.store(CNT + pid, n_fast)
     else:
         pid_m, bh, b, h, hk, offs_m, om, q = _query_tile(pid - n_kv, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M,
                                                          BLOCK_D, IDX64)
@@ -332,43 +473,77 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         slots = tl.arange(0, BLOCK_P)
         part = tl.zeros((BLOCK_P,), tl.float32)
-        t0, _t1, _t2, t3 = key_tile_range(m0, Lq, Lk, off, _span_left(left, Z, h, ramp, SPAN), right, BLOCK_M,
-                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        h_left, h_right = _span_window(left, right, Z, h, ramp, SPAN, SPAN_BIDIR)
+        t0, t1, t2, t3 = key_tile_range(m0, Lq, Lk, off, h_left, h_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        m_hi = tl.minimum(m0 + BLOCK_M, Lq) - 1
+        n_fast = t0 * 0
         for tile in range(t0, t3):
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n0 = tile * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             on = i64(offs_n, IDX64)
             kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
             vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
-            pd, dt, ds, d, ok, kz = _probs(q, kt, do, vt, lse, delta, offs_m, offs_n, b, h, bh, Lq, Lk, off, left,
-                                       right, LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
-                                       KPM + b.to(tl.int64) * kpm_b, kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB,
-                                       tab_h, max_dist, Z, ramp, BIAS, bias_b, bias_h, bias_q, bias_k, seed, drop_thresh,
-                                       inv_keep, b * drop_H + drop_h0 + h, drop_q0, drop_k0, HAS_LEFT, HAS_RIGHT,
-                                       HAS_LAYOUT, HAS_KPM, DROPOUT, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, DENSE,
-                                       DOT_PREC, INTERP_BF16, IDX64)
+            fast, c, ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h,
+                                      max_dist, Z, ramp, FAST, REL, REL_BIDIR, SPAN, SPAN_BIDIR)
+            s, t, ok, kz, vz = _tile_scores(fast, c, q, kt, vt, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left, right,
+                                            LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs, KPM + b.to(tl.int64) * kpm_b,
+                                            kpm_l, scale, softcap, SL, alibi_b, alibi_h, TAB, tab_h, max_dist, Z, ramp,
+                                            BIAS, bias_b, bias_h, bias_q, bias_k, BLOCK_M, BLOCK_N, 1, FAST, HAS_LEFT,
+                                            HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN,
+                                            SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
+            pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h, drop_q0, drop_k0, seed, drop_thresh, inv_keep, DROPOUT,
+                                   SOFTCAP, DOT_PREC, INTERP_BF16)
             dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
-            dt = tl.where(ok, dt, 0.0)
-            if ALIBI:
-                part += tl.where(slots == 0, -tl.sum(tl.sum(dt * tl.abs(d).to(tl.float32), 1), 0), 0.0)
-            if SPAN:
-                zh = tl.load(Z + h).to(tl.float32)
-                ratio = (ramp + zh - d.to(tl.float32)) / ramp
-                on_ramp = (ratio > 0) & (ratio <= 1)
-                g_sp = tl.where(on_ramp, dt / tl.where(on_ramp, ratio, 1.0), 0.0)
-                part += tl.where(slots == 1, tl.sum(tl.sum(g_sp, 1), 0) / ramp, 0.0)
-            if REL:
-                if REL_BIDIR:
-                    idx = tl.minimum(tl.maximum(d, -max_dist), max_dist) + max_dist
-                else:
-                    idx = tl.minimum(tl.maximum(d, 0), max_dist)
-                # the tile's table entries form one run [lo, hi]: one masked sum per entry
-                lo = tl.min(tl.min(idx, 1), 0)
-                hi = tl.max(tl.max(idx, 1), 0)
-                for c in range(lo, hi + 1):
-                    part += tl.where(slots == c + 2, tl.sum(tl.sum(tl.where(idx == c, dt, 0.0), 1), 0), 0.0)
-            if DENSE:
-                tl.store(DBIAS + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Lk + offs_n[None, :], dt,
-                         mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+            if fast:
+                part = _const_partials(part, slots, dt, ci, REL)
+            else:
+                part = _param_partials(part, slots, dt, ok, offs_m, offs_n, bh, h, Lq, Lk, off, max_dist, Z, ramp,
+                                       DBIAS, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE)
+            if COUNT:
+                n_fast += fast.to(tl.int32)
         tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * D + offs_d[None, :], cast(dq * scale,
                  DQ.dtype.element_ty, INTERP_BF16), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
         tl.store(PART + (bh.to(tl.int64) * n_mt + pid_m) * n_part + slots, part, mask=slots < n_part)
+        if COUNT:
+            tl.store(CNT + pid, n_fast)
+
+
+@triton.jit
+def _const_partials(part, slots, dt, ci, REL: tl.constexpr):
+    """`_param_partials` of a constant tile: it reads one table entry ``ci``, whose partial takes the
+    tile's whole dT (the masked sum `_param_partials` takes, without the mask); a span's flat part
+    has no gradient."""
+    if REL:
+        part += tl.where(slots == ci + 2, tl.sum(tl.sum(dt, 1), 0), 0.0)
+    return part
+
+
+@triton.jit
+def _param_partials(part, slots, dt, ok, offs_m, offs_n, bh, h, Lq, Lk, off, max_dist, Z, ramp, DBIAS,
+                    ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
+                    SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr):
+    """A dQ program's parameter partial sums ``part`` (slot 0 ALiBi, 1 span, 2.. the table) with a
+    per-element tile's dT added; with a dense bias, dT stored to DBIAS."""
+    d = (offs_m[:, None] + off) - offs_n[None, :]
+    dt = tl.where(ok, dt, 0.0)
+    if ALIBI:
+        part += tl.where(slots == 0, -tl.sum(tl.sum(dt * tl.abs(d).to(tl.float32), 1), 0), 0.0)
+    if SPAN:
+        ratio = _span_ratio(d, tl.load(Z + h).to(tl.float32), ramp, SPAN_BIDIR)
+        on_ramp = (ratio > 0) & (ratio <= 1)
+        g_sp = tl.where(on_ramp, dt / tl.where(on_ramp, ratio, 1.0), 0.0)
+        part += tl.where(slots == 1, tl.sum(tl.sum(g_sp, 1), 0) / ramp, 0.0)
+    if REL:
+        if REL_BIDIR:
+            idx = tl.minimum(tl.maximum(d, -max_dist), max_dist) + max_dist
+        else:
+            idx = tl.minimum(tl.maximum(d, 0), max_dist)
+        # the tile's table entries form one run [lo, hi]: one masked sum per entry
+        lo = tl.min(tl.min(idx, 1), 0)
+        hi = tl.max(tl.max(idx, 1), 0)
+        for c in range(lo, hi + 1):
+            part += tl.where(slots == c + 2, tl.sum(tl.sum(tl.where(idx == c, dt, 0.0), 1), 0), 0.0)
+    if DENSE:
+        tl.store(DBIAS + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Lk + offs_n[None, :], dt,
+                 mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+    return part
