@@ -1,4 +1,5 @@
-"""The CUDA backend's softmax-attention paths: ``cuda/decode`` (split-KV, a few query rows) and
-``cuda/prefill`` (FA2-class kernels; the Hopper forward inside, `hopper`). `tiling` holds the kernels'
-tile shapes and layout lists, `ops` the torch ops."""
-from . import decode, ops  # noqa: F401  (each registers its row)
+"""The CUDA backend's softmax-attention paths: ``cuda/decode`` (split-KV, a few query rows),
+``cuda/prefill`` (FA2-class kernels; the Hopper forward inside, `hopper`) and, for op
+``"paged_attention"``, ``cuda/paged-decode`` (the split-KV kernels reading pages in place). `tiling`
+holds the kernels' tile shapes and layout lists, `ops` the torch ops."""
+from . import decode, ops, paged  # noqa: F401  (each registers its row)
