@@ -49,6 +49,8 @@ SHARED = (f"{ATT}::test_shared_cases_against_float64", "-k",
 BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",)
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
+PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
+               "-k", "gqa4")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 
 
@@ -129,6 +131,9 @@ MUTATIONS: List[Mutation] = [
              "prim::cp_async_wait<0>();                     // one stage",
              "prim::cp_async_wait<1>();                     // one stage", DECODE_D256,
              "decode, single-buffered (head dim 256 on a 99 KB GPU): the tile's copies not waited for"),
+    Mutation("paged-page-index", "attention/decode_kernels.cuh",
+             "return kb + int64_t(bt[t / dp.page_size]) * dp.k_page", "return kb + int64_t(bt[(t + 1) / dp.page_size]) * dp.k_page",
+             PAGED_CASES, "paged decode: keys read from the next key's page"),
     Mutation("swizzle-dropped", "common/tiles.cuh",
              "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),
