@@ -43,6 +43,8 @@ LINEAR_KERNELS = 9
 # attention/terms.cu: the instances with bias tensors (TERMS): per bucket and dtype the forward (kAny),
 # dK/dV and dQ, plus the 2 Delta kernels
 TERMS_KERNELS = 4 * 2 * 3 + 2
+# attention/relkeys.cu: the forward with relative keys (RELK, mask kind kAny) per bucket and dtype
+RELK_KERNELS = 4 * 2
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -189,7 +191,7 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled):
         assert len(names) == TERMS_KERNELS, (arch, len(names))
         for hd in (32, 64, 128, 256):
             for bf16 in (0, 1):
-                for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
+                for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1ELb0EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
                                      ("attn_dq_terms_kernel", "EEEv")):
                     want = f"{kernel}ILi{hd}ELb{bf16}{tail}"
                     assert sum(want in n for n in names) == 1, (arch, want)
@@ -201,6 +203,25 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled):
         for e in ptxas_entries(compiled[src][0]):
             if "attn_delta_kernel" not in e[1]:
                 assert "Lb0EEEv" in e[1], e[1]
+
+
+def test_relative_keys_forward_lives_in_its_own_unit(compiled):
+    """The forward with relative keys (template flag RELK, the last template argument) is compiled in
+    attention/relkeys.cu only, for every bucket and dtype (mask kind kAny), with tensor-core products;
+    no other unit holds a RELK instance."""
+    report, obj = compiled["attention/relkeys.cu"]
+    for arch in ARCHS:
+        names = [e[1] for e in ptxas_entries(report) if e[0] == arch]
+        assert len(names) == RELK_KERNELS, (arch, len(names))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1EEEv" in n for n in names) == 1, (arch, hd, bf16)
+        for body in sass_of(obj, arch).split("Function : ")[1:]:
+            assert "HMMA.16816.F32" in body and "LDSM.16.M88.4" in body and "LDGSTS" in body, arch
+    for src, (report, _) in compiled.items():
+        if src != "attention/relkeys.cu":
+            assert not any("ELb1EEEv" in e[1] and "attn_fwd_kernel" in e[1] and "Lb0ELb1E" in e[1]
+                           for e in ptxas_entries(report)), src
 
 
 if __name__ == "__main__":
