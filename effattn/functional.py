@@ -172,17 +172,17 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
 
 def explain_paged(q, k_pages, v_pages, **kwargs) -> Explanation:
     """`explain` of a paged call: the rows of op ``"paged_attention"`` (``triton/paged``,
-    ``torch/paged-gather``) with their reasons; when the gather serves it, the rows of the contiguous
+    ``cuda/paged-decode``, ``torch/paged-gather``) with their reasons; when the gather serves it, the rows of the contiguous
     call it makes follow, each that can serve noting the gather."""
     call = make_paged_call(q, k_pages, v_pages, **kwargs)
     report = explain_call(PAGED_OP, call)
     chosen = paged_row(call) if call.backend != "triton" else None
-    if chosen is None or chosen.backend == "triton":
+    if chosen is None or chosen.backend != "torch":           # an in-place kernel
         return report
     k, v, kpm = contiguous_keys(call, shapes_only=True)
     inner = explain(q, k, v, causal=call.causal, window=call.window, key_padding_mask=kpm, scale=call.scale,
                     return_lse=call.return_lse)
-    paged = [r._replace(notes=["paged kernel not taken"] + r.notes) if r.backend == "triton" else
+    paged = [r._replace(notes=["paged kernel not taken"] + r.notes) if r.backend != "torch" else
              r._replace(detail=f"then effattn.attention(backend={call.backend!r}) on the copy: "
                                f"{inner.chosen_path or 'no row can serve'}") if r.path == chosen.name else r
              for r in report.rows]

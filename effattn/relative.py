@@ -21,7 +21,8 @@ interior distances, prefix/suffix sums for the clamped ends: no scatter, determi
 dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
 (`effattn/backends/triton/relative/`: the term per tile, a `tl.gather` for the shift; a deterministic
 backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
-CUDA). No CUDA C++ kernel yet (`explain_relative` says which path runs). The term itself
+CUDA). A CUDA C++ forward (`effattn/backends/cuda/attention/relative.py`, row ``cuda/relative``) serves calls
+that need no gradient; its backward is not written yet (`explain_relative` says which path runs). The term itself
 (`RelativeKeys`, `relative_index`, `relative_scores`) lives in `effattn.bias`: ``effattn.attention(...,
 bias=RelativeKeys(r, query, max_distance))`` runs `relative_attention`.
 """
@@ -45,7 +46,7 @@ from .visibility import Rule, normalize_window
 FN = "relative_attention"
 UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
                 "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
-                "Triton kernels serve CUDA calls without dropout; no CUDA C++ kernel")
+                "Triton kernels serve CUDA calls without dropout; the CUDA C++ kernel is forward only")
 
 
 def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: str = FN) -> None:
@@ -86,8 +87,8 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
         query: ``(B, H, Lq, D)`` query of the position term; default ``q``.
         max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
         causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
-        backend: ``"auto"``, ``"triton"`` (fused forward, see `effattn/backends/triton/relative/`) or ``"torch"``;
-            `explain_relative` says which runs.
+        backend: ``"auto"``, ``"triton"`` (fused forward and backward, see `effattn/backends/triton/relative/`),
+            ``"cuda"`` (fused forward only: no gradients) or ``"torch"``; `explain_relative` says which runs.
 
     Every input receives its gradient (r and query included). Torch path, not fused (module docstring).
 
@@ -130,8 +131,9 @@ def make_relative_call(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
     check_relative(q, r, query, max_distance, causal, window)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("auto",) + tuple(base.BACKENDS):
+        names = ", ".join(repr(n) for n in ("auto",) + tuple(base.BACKENDS))
+        raise ValueError(f"{FN}: backend must be one of {names}, got {backend!r}")
     return RelativeCall(q, k, v, r, q if query is None else query, max_distance, attn, float(dropout_p))
 
 

@@ -92,6 +92,14 @@ struct AttnParams {
   float* drel;                   // backward: (B * H, n_query_tiles, rel_w) fp32 partial sums of dT per table entry
   float* dspan;                  // backward: (B * H, n_query_tiles) fp32 partial sums of dT / ratio on the ramp
   float* dbias;                  // backward: (B, H, Lq, Lk) fp32 contiguous, dT (zero where no tile was visited)
+  // relative keys (effattn.bias.RelativeKeys; the forward instances compiled with RELK only): adds
+  // query_i . relk[h, idx(d)] to the raw score q_i . k_j (before the scale), d = pos(i) - j, idx(d) =
+  // clamp(d, 0, relk_n - 1) (relk_max < 0: past distances only) or clamp(d, -M, M) + M (M = relk_max)
+  const void* relk;              // (H, relk_n, D) 16-bit, cp.async-readable rows; null: none
+  int64_t relk_h, relk_l;
+  int relk_n, relk_max;
+  const void* relkq;             // the term's query (B, H, Lq, D), rows as q's; null: q itself
+  int64_t relkq_b, relkq_h, relkq_l;
 };
 
 // Whether a call has a relative table, an adaptive span or a dense bias (the TERMS instances).
@@ -114,6 +122,9 @@ int attention_bwd(const AttnParams& p, bool bf16, void* stream);
 // compiled with TERMS = true); attention_fwd / attention_bwd call them when has_bias_tensors(p).
 int attention_fwd_terms(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd_terms(const AttnParams& p, bool bf16, void* stream);
+// The forward with relative keys (relkeys.cu: the mma.sync forward of mask kind kAny compiled with
+// RELK = true; p.relk set, no other score term or bias tensor). Forward only.
+int attention_fwd_relk(const AttnParams& p, bool bf16, void* stream);
 // The Hopper forward (fwd_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
 // no sm_90a code). Only for devices of compute capability 9.0.
 int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);

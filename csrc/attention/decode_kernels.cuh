@@ -6,6 +6,8 @@
 //   whose shared memory per block cannot hold two) and warp w takes keys
 //   [16w, 16w + 16) of each: S = Q K_w^T, an online softmax of its own, O_w += P V_w. At the end the
 //   four warps' (max, sum, O) are merged through shared memory in a fixed order.
+//   Paged keys/values (DecodeParams::block_table): each block works on its sequence's seqlens[b] keys
+//   (decode_view) and loads key t from slot t % page_size of page block_table[b, t / page_size].
 // attn_decode_combine_kernel: one warp per output row merges the splits' partial rows with weights
 //   2^(lse_s - max), in split order. Both are deterministic (no atomics).
 #pragma once
@@ -43,11 +45,21 @@ EFFATTN_DEVICE PackedRow packed_row(const DecodeParams& dp, int hk, int pr) {
   return r;
 }
 
+// The params of batch entry b as a block works on them: paged, sequence b's own key count
+// (seqlens[b]) with its queries bottom-right; otherwise dp.a itself.
+EFFATTN_DEVICE AttnParams decode_view(const DecodeParams& dp, int b) {
+  AttnParams p = dp.a;
+  if (dp.block_table) {
+    p.Lk = dp.seqlens[b];
+    p.off = p.Lk - p.Lq;
+  }
+  return p;
+}
+
 template <int HD, bool BF16, int STAGES>
 EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   using Cfg = DecodeConfig<HD, STAGES>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, ND = HD / 8, C = HD / 8;
-  const AttnParams& p = dp.a;
   EFFATTN_SMEM(smem);
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sKV = sQ + BM * HD;                   // stage s: K at sKV + 2 s BN HD, V BN HD further
@@ -58,8 +70,9 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   const int split = int(prim::block_x() % unsigned(dp.splits));
   const int rest = int(prim::block_x() / unsigned(dp.splits));
   const int rt = rest % dp.row_tiles, bk = rest / dp.row_tiles;
-  const int Hkv = p.H / p.G, b = bk / Hkv, hk = bk % Hkv;
+  const int Hkv = dp.a.H / dp.a.G, b = bk / Hkv, hk = bk % Hkv;
   const int r0 = rt * BM;
+  const AttnParams p = decode_view(dp, b);
 
   // Q: packed row r0 + r is query i of head hk * G + g (rows are not evenly strided: one copy each)
   const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b;
@@ -81,11 +94,21 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   const int first = split * per;
   const int n_tiles = imax(imin(first + per, sched.count()) - first, 0);
 
+  const int32_t* bt = dp.block_table ? dp.block_table + b * dp.bt_b : nullptr;   // paged: sequence b's pages
   auto load_kv = [&](int it, int stage) {
     const int n0 = sched.tile(first + it) * BN;
     uint16_t* sK = sKV + stage * 2 * BN * HD;
-    load_tile<HD, BN>(sK, kb, p.k_l, n0, p.Lk, p.D);
-    load_tile<HD, BN>(sK + BN * HD, vb, p.v_l, n0, p.Lk, p.Dv);
+    if (bt) {                                       // key t: slot t % page_size of page bt[t / page_size]
+      load_rows<HD, BN>(sK, kb, [&](int t) {
+        return kb + int64_t(bt[t / dp.page_size]) * dp.k_page + int64_t(t % dp.page_size) * p.k_l;
+      }, n0, p.Lk, p.D);
+      load_rows<HD, BN>(sK + BN * HD, vb, [&](int t) {
+        return vb + int64_t(bt[t / dp.page_size]) * dp.v_page + int64_t(t % dp.page_size) * p.v_l;
+      }, n0, p.Lk, p.Dv);
+    } else {
+      load_tile<HD, BN>(sK, kb, p.k_l, n0, p.Lk, p.D);
+      load_tile<HD, BN>(sK + BN * HD, vb, p.v_l, n0, p.Lk, p.Dv);
+    }
   };
   if (n_tiles > 0) load_kv(0, 0);
   prim::cp_async_commit();

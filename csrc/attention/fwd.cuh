@@ -16,7 +16,54 @@ struct FwdConfig {
   static constexpr int BM = kBlockM;
   static constexpr int BN = HD >= 256 ? 32 : 64;
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
+  // RELK: the band of r rows one (query tile, key tile) pair reads (BM + BN - 1 distances, one spare
+  // row), the term's query tile, and each warp's fp32 products with its 16 + BN band rows
+  static constexpr int kBand = BM + BN;
+  static constexpr int kWarpBand = 16 + BN;
+  static constexpr int kRelkSmemBytes = kSmemBytes + (kBand + BM) * HD * 2 + 4 * 16 * kWarpBand * 4;
 };
+
+// RELK: the row of r for distance d (attention.h).
+EFFATTN_DEVICE int relk_index(const AttnParams& p, int d) {
+  return p.relk_max < 0 ? imin(imax(d, 0), p.relk_n - 1) : imin(imax(d, -p.relk_max), p.relk_max) + p.relk_max;
+}
+
+// RELK: adds query_i . relk[h, idx(pos(i) - j)] to this warp's raw S tile (rows m0 + 16 warp + [0, 16),
+// keys n0 + [0, BN)). The pair's distances are d0 + t, t < BM + BN - 1, d0 = pos(m0) - (n0 + BN - 1):
+// the band rows relk[h, idx(d0 + t)] are loaded (cp.async, waited at once: every earlier group lands too),
+// warp w multiplies its query rows with band rows [16 w, 16 w + 16 + BN) into an fp32 block of its own in
+// shared memory, and element (ri, jl) of the tile reads column ri + BN - 1 - jl of it: the relative
+// shift, done in the tile. All 128 threads; sR is free again after the caller's next block sync.
+template <int HD, int BM, int BN, bool BF16, int NS>
+EFFATTN_DEVICE void relk_add(const AttnParams& p, int h, int m0, int n0, uint16_t* sR, const uint16_t* sQt,
+                             float* sPR, int kd, float (&s)[NS][4]) {
+  constexpr int WB = 16 + BN;
+  const int lane = prim::thread_x() & 31, warp = prim::thread_x() >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int d0 = m0 + p.off - (n0 + BN - 1);
+  const uint16_t* rb = static_cast<const uint16_t*>(p.relk) + h * p.relk_h;
+  load_rows<HD, BM + BN>(sR, rb, [&](int t) { return rb + int64_t(relk_index(p, d0 + t)) * p.relk_l; }, 0, BM + BN, p.D);
+  prim::cp_async_commit();
+  prim::cp_async_wait<0>();
+  prim::sync_block();
+  float pr[WB / 8][4];
+#pragma unroll
+  for (int j = 0; j < WB / 8; ++j) pr[j][0] = pr[j][1] = pr[j][2] = pr[j][3] = 0.f;
+  mma_rows_rows<HD, WB, BF16>(pr, sQt, warp * 16, sR + warp * 16 * HD, kd);   // a 16-row shift keeps the swizzle
+  float* w = sPR + warp * 16 * WB;
+#pragma unroll
+  for (int j = 0; j < WB / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[(g + 8 * (e >> 1)) * WB + 8 * j + 2 * t4 + (e & 1)] = pr[j][e];
+  prim::sync_block();
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = g + 8 * (e >> 1), jl = 8 * j + 2 * t4 + (e & 1);
+      s[j][e] += w[ri * WB + ri + BN - 1 - jl];
+    }
+}
 
 // What a forward block works on: the (b, h) pair, the query tile and the base pointers of its
 // operands (packed: its segment's, `segment_view`).
@@ -135,8 +182,9 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
   }
 }
 
-// TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny).
-template <int HD, bool BF16, int KIND, bool TERMS = false>
+// TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny). RELK: the
+// instance with relative keys (KIND = kAny; relk_add per tile).
+template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false>
 EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -146,6 +194,9 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sK = sQ + BM * HD;
   uint16_t* sV = sK + BN * HD;
+  [[maybe_unused]] uint16_t* sR = sV + BN * HD;         // RELK: the band of r, the term's query tile,
+  [[maybe_unused]] uint16_t* sQr = sR + Cfg::kBand * HD;  //   the warps' products (FwdConfig)
+  [[maybe_unused]] float* sPR = reinterpret_cast<float*>(sQr + BM * HD);
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2;
@@ -162,6 +213,9 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   const int n_tiles = sched.count();
 
   load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
+  if (RELK && p.relkq)
+    load_tile<HD, BM>(sQr, static_cast<const uint16_t*>(p.relkq) + b * p.relkq_b + h * p.relkq_h, p.relkq_l, m0, p.Lq, p.D);
+  [[maybe_unused]] const uint16_t* sQt = RELK && p.relkq ? sQr : sQ;   // RELK: the query of the position term
   if (n_tiles > 0) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
   prim::cp_async_commit();
 
@@ -189,6 +243,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
     prim::sync_block();                                  // every warp is done reading K(t)
     if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
+    if constexpr (RELK) relk_add<HD, BM, BN, BF16>(p, h, m0, n0, sR, sQt, sPR, kd, s);
 
     float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
     const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);

@@ -63,6 +63,14 @@ int fwd_terms(const AttnParams& p, prim::stream_t stream) {
                 stream, p);
 }
 
+// The forward with relative keys: one instance (mask kind kAny, RELK).
+template <int HD, bool BF16>
+int fwd_relk(const AttnParams& p, prim::stream_t stream) {
+  using Cfg = FwdConfig<HD>;
+  return launch(attn_fwd_kernel<HD, BF16, kAny, false, true>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
+                Cfg::kRelkSmemBytes, stream, p);
+}
+
 template <int HD, bool BF16, bool TERMS = false>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;

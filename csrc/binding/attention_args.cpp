@@ -8,13 +8,16 @@
 namespace effattn {
 namespace binding {
 
-// A tensor the kernels can read with 16-byte cp.async rows: last dim contiguous and a multiple of
-// 8, row/head/batch strides multiples of 8 elements, 16-byte aligned base. Otherwise a zero-padded
-// contiguous copy (explain() names it).
-Tensor aligned(const Tensor& t) {
+// Whether the kernels can read a 4-D tensor with 16-byte cp.async rows: last dim contiguous and a
+// multiple of 8, the other strides multiples of 8 elements, 16-byte aligned base.
+bool cp_async_rows(const Tensor& t) {
   bool ok = t.stride(3) == 1 && t.size(3) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int d = 0; d < 3 && ok; ++d) ok = t.stride(d) % 8 == 0 || t.size(d) <= 1;
-  if (ok) return t;
+  return ok;
+}
+
+Tensor aligned(const Tensor& t) {
+  if (cp_async_rows(t)) return t;
   int64_t pad = (8 - t.size(3) % 8) % 8;
   return at::constant_pad_nd(t, {0, pad}).contiguous();
 }

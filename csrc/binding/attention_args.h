@@ -29,7 +29,11 @@ struct Prepared {
   bool bf16 = false;
 };
 
-// A tensor the kernels can read with 16-byte cp.async rows (or a zero-padded copy).
+// Whether the kernels can read a 4-D tensor with 16-byte cp.async rows in place.
+bool cp_async_rows(const Tensor& t);
+
+// A tensor the kernels can read with 16-byte cp.async rows: t itself, or a zero-padded contiguous copy
+// (explain() names it).
 Tensor aligned(const Tensor& t);
 
 // Fills everything but the output / gradient pointers.

@@ -22,9 +22,23 @@ struct Tile {
   }
 };
 
-// Loads rows [r0, r0 + ROWS) of a (L, width) matrix (row stride `ld` elements, width a multiple
-// of 8) into a swizzled tile (layout `Lay`: offset(row, 16-byte chunk)), zero-filling rows >= L and
-// columns >= width. All 128 threads.
+// Loads rows [r0, r0 + ROWS) of an (L, width) matrix whose row gr starts at `row(gr)` (width a
+// multiple of 8, rows 16-byte aligned) into a swizzled tile (layout `Lay`: offset(row, 16-byte chunk)),
+// zero-filling rows >= L and columns >= width; `row` is called for rows < L only. All 128 threads.
+template <int HD, int ROWS, class Lay = Tile<HD>, class RowPtr>
+EFFATTN_DEVICE void load_rows(uint16_t* tile, const uint16_t* any, const RowPtr& row, int r0, int L, int width) {
+  constexpr int C = HD / 8;
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+    int r = idx / C, c = idx % C;
+    int gr = r0 + r;
+    bool ok = gr < L && c * 8 < width;
+    const uint16_t* src = ok ? row(gr) + c * 8 : any;
+    prim::cp_async_16(tile + Lay::offset(r, c), src, ok ? 16 : 0);
+  }
+}
+
+// load_rows of a strided matrix (row gr at base + gr * ld), written out: as a call of load_rows with a
+// lambda, nvcc 13.0 spilled 8 bytes in attn_dq_terms_kernel at head dim 128 on sm_80.
 template <int HD, int ROWS, class Lay = Tile<HD>>
 EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) {
   constexpr int C = HD / 8;

@@ -49,6 +49,8 @@ SHARED = (f"{ATT}::test_shared_cases_against_float64", "-k",
 BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",)
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
+PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
+               "-k", "gqa4")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
 TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
@@ -144,6 +146,13 @@ MUTATIONS: List[Mutation] = [
     Mutation("const-tile-clip", "attention/common.cuh",
              "if (br.rel && rel_index(p, d_lo) != rel_index(p, d_hi)) return false;", "", TILES,
              "a tile that reads several table entries taken as constant (the first element's entry)"),
+    Mutation("paged-page-index", "attention/decode_kernels.cuh",
+             "return kb + int64_t(bt[t / dp.page_size]) * dp.k_page", "return kb + int64_t(bt[(t + 1) / dp.page_size]) * dp.k_page",
+             PAGED_CASES, "paged decode: keys read from the next key's page"),
+    Mutation("relk-skew-off-by-one", "attention/fwd.cuh",
+             "s[j][e] += w[ri * WB + ri + BN - 1 - jl];", "s[j][e] += w[ri * WB + ri + BN - jl];",
+             ("tests/backends/cuda/test_cuda_relative.py::test_relative_forward_against_float64", "-k", "txl"),
+             "relative keys: the relative shift one distance off"),
     Mutation("swizzle-dropped", "common/tiles.cuh",
              "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),

@@ -102,8 +102,10 @@ def test_explain_lists_the_rows():
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
     r = torch.randn(2, 3, 4)
     rep = effattn.explain(q, k, v, op="relative_attention", r=r, max_distance=1, dropout_p=0.2)
-    assert [x.path for x in rep.rows] == ["triton/relative", "torch/relative"]
-    assert rep.chosen_path == "torch/relative" and "does not support dropout" in "; ".join(rep.row("triton/relative").reasons)
+    assert [x.path for x in rep.rows] == ["triton/relative", "cuda/relative", "torch/relative"]
+    assert rep.chosen_path == "torch/relative"
+    for row in ("triton/relative", "cuda/relative"):
+        assert "does not support dropout" in "; ".join(rep.row(row).reasons)
     with pytest.raises(ValueError, match="relative_attention: backend 'triton' cannot serve this call: .*dropout"):
         effattn.relative_attention(q, k, v, r, max_distance=1, dropout_p=0.2, backend="triton")
 

@@ -57,6 +57,13 @@ def fwd_smem(hd: int) -> int:
     return (64 + 2 * bn) * hd * 2
 
 
+def relk_smem(hd: int) -> int:
+    """The forward with relative keys (FwdConfig::kRelkSmemBytes): the forward's tiles, the band of r
+    (64 + BN rows), the term's query tile and each warp's fp32 products with 16 + BN band rows."""
+    bn = 32 if hd >= 256 else 64
+    return fwd_smem(hd) + (64 + bn + 64) * hd * 2 + 4 * 16 * (16 + bn) * 4
+
+
 def dkdv_smem(hd: int) -> int:
     """The dK/dV pass (BwdConfig::kDkdvSmem): K, V (64 keys), Q, dO (64 rows, 32 from head dim 128),
     and the rows' lse and Delta."""

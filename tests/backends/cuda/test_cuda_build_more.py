@@ -1,5 +1,8 @@
-"""Offline checks of the CUDA kernels' build (nvcc only), the decode and linear-attention units:
-attention/decode.cu and linear/linear.cu (test_cuda_build.py says what is checked)."""
+"""Offline checks of the CUDA kernels' build (nvcc only), the decode, linear-attention and relative-key
+units: attention/decode.cu, linear/linear.cu and attention/relkeys.cu (test_cuda_build.py says what is
+checked). attention/relkeys.cu holds mma.sync instances only and is built for sm_80 here, for sm_90a as
+well with EFFATTN_CUDA_ARCH_SWEEP=1 (as attention/terms.cu in test_cuda_build_bwd.py)."""
+import os
 import sys
 
 import pytest
@@ -22,16 +25,20 @@ DECODE_KERNELS = 12
 DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks of 128 threads per SM
 # linear/linear.cu: 2 passes x 3 operand splits (bf16 parts) + step + FAVOR+ x 2 splits
 LINEAR_KERNELS = 9
+# attention/relkeys.cu: the forward with relative keys (RELK, mask kind kAny) per bucket and dtype
+RELK_KERNELS = 4 * 2
+SWEEP_ON = os.environ.get("EFFATTN_CUDA_ARCH_SWEEP") == "1"
+RELK_ARCHS = ARCHS if SWEEP_ON else ("sm_80",)
 
 pytestmark = needs_nvcc
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    return Units(tmp_path_factory.mktemp("nvcc"))
+    return Units(tmp_path_factory.mktemp("nvcc"), {"attention/relkeys.cu": RELK_ARCHS})
 
 
-@pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu"))
+@pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu", "attention/relkeys.cu"))
 def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
@@ -81,6 +88,23 @@ def test_linear_kernels_counts_and_sass(compiled):
             for body in bodies:
                 for op in ("HMMA.16816.F32.BF16", ldsm):
                     assert op in body, (arch, fn, op)
+
+
+@pytest.mark.parametrize("arch", RELK_ARCHS)
+def test_relative_keys_forward_lives_in_its_own_unit(compiled, arch):
+    """The forward with relative keys (template flag RELK, the last template argument) is compiled in
+    attention/relkeys.cu for every bucket and dtype (mask kind kAny, no bias tensors), with tensor-core
+    products and async copies (test_cuda_build.py checks that fwd.cu holds no RELK instance)."""
+    report, obj = compiled["attention/relkeys.cu"]
+    names = [e[1] for e in ptxas_entries(report) if e[0] == arch]
+    assert len(names) == RELK_KERNELS, (arch, len(names))
+    for hd in (32, 64, 128, 256):
+        for bf16 in (0, 1):
+            assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1EEEv" in n for n in names) == 1, (arch, hd, bf16)
+    bodies = sass_of(obj, arch).split("Function : ")[1:]
+    assert bodies
+    for body in bodies:
+        assert "HMMA.16816.F32" in body and "LDSM.16.M88.4" in body and "LDGSTS" in body, arch
 
 
 if __name__ == "__main__":

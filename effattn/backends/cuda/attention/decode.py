@@ -109,15 +109,16 @@ _FAKES_DONE = set()
 
 
 def kernels(device: torch.device):
-    """The C++ op namespace for `device`, the decode op's fake kernel registered once."""
+    """The C++ op namespace for `device`, the fake kernels of the decode ops (contiguous and paged)
+    registered once."""
     lib = cpp.kernels(device)
     ns = "effattn_cuda" if device.type == "cuda" else "effattn_cuda_emu"
     if ns not in _FAKES_DONE:
-        @torch.library.register_fake(f"{ns}::attention_decode")
-        def _(q, k, v, key_padding_mask, layout, layout_block, layout_check, lists, list_wf, scale, window_left,
-              window_right, splits, stages=2):
+        def fake(q, k, v, *args):
             B, H, Lq, _ = q.shape
             return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+        torch.library.register_fake(f"{ns}::attention_decode")(fake)
+        torch.library.register_fake(f"{ns}::attention_decode_paged")(fake)
         _FAKES_DONE.add(ns)
     return lib
 

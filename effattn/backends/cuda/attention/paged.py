@@ -1,0 +1,98 @@
+"""The row ``cuda/paged-decode`` of op ``"paged_attention"``: the split-KV decode kernels
+(csrc/attention/decode_kernels.cuh) reading keys and values from their pages in place through the
+block table (vLLM's layout, `effattn.paged`), for decode-shaped calls (``Lq <= 16``).
+
+Each block of the decode kernel works on one sequence: it reads ``seqlens[b]`` on the device and runs
+the contiguous kernel's schedule over that many keys (queries bottom-right), loading key row ``t`` from
+slot ``t % page_size`` of page ``block_table[b, t // page_size]``; rows past the sequence are zero-filled
+without reading the table. The split count comes from shapes only (the table's capacity, or the
+window's reach), so a step reads nothing back to the host (CUDA graphs). Pools whose rows cp.async
+cannot read (head dim not a multiple of 8, strided or unaligned rows) are refused, not copied: a copy of
+the pool per step would cost more than the gather row's copy of the used pages.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ....paged import OP, kernel_scale
+from ....splits import DECODE_MIN_KEYS, MAX_QUERIES, num_splits, sm_count
+from ....tiles import cdiv
+from ....visibility import Rule
+from ...base import FEATURES, Capabilities, Path, register
+from .. import _ext
+from . import decode
+from .ops import DEVICES, DTYPES
+
+
+def _reads_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels read a pool's rows with 16-byte cp.async as it is (the binding's
+    ``cp_async_rows``)."""
+    return (t.stride(-1) == 1 and t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0
+            and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:3], t.shape[:3])))
+
+
+def key_tiles(call) -> int:
+    """Key tiles of 64 the longest sequence may visit: the table's capacity, or the window's reach."""
+    capacity = call.block_table.shape[1] * call.k_pages.shape[1]
+    k0, k1 = Rule(call.q.shape[2], capacity, call.left, call.right).key_range(0, call.q.shape[2])
+    return cdiv(k1, decode.BLOCK_N) - k0 // decode.BLOCK_N if k1 > k0 else 0
+
+
+def plan(call):
+    """(row tiles, key tiles, splits) of a paged call."""
+    B, H, Lq = call.q.shape[:3]
+    Hkv = call.k_pages.shape[2]
+    row_tiles = cdiv((H // Hkv) * Lq, decode.ROWS)
+    tiles = key_tiles(call)
+    return row_tiles, tiles, num_splits(B, Hkv, row_tiles, tiles, sm_count(call.q.device, decode.EMU_SM_COUNT))
+
+
+def _admits(call) -> List[str]:
+    why = []
+    Lq = call.q.shape[2]
+    if Lq > MAX_QUERIES:
+        why.append(f"Lq={Lq} not in 1..{MAX_QUERIES}: the CUDA backend has no paged prefill kernel (chunked "
+                   f"prefill over pages runs on triton/paged or the gather)")
+    for name, t in (("k_pages", call.k_pages), ("v_pages", call.v)):
+        if not _reads_in_place(t):
+            why.append(f"{name} is read in place with 16-byte rows: needs a contiguous last dim that is a multiple "
+                       f"of 8, strides multiples of 8 and a 16-byte aligned base (head dim {t.shape[-1]}, strides "
+                       f"{tuple(t.stride())})")
+    return why or decode.stages(call.q, call.v)[1]
+
+
+def _notes(call) -> List[str]:
+    q = call.q
+    if q.numel() and (q.stride(-1) != 1 or q.shape[-1] % 8 or any(s % 8 for s in q.stride()[:3])):
+        return [f"q is copied into zero-padded 16-byte rows (head dim {q.shape[-1]}, strides {tuple(q.stride())})"]
+    return []
+
+
+def _describe(call) -> str:
+    row_tiles, tiles, splits = plan(call)
+    G = call.q.shape[1] // call.k_pages.shape[2]
+    return (f"paged split-KV decode: reads the key/value pages in place; {G} query heads x {call.q.shape[2]} row(s) "
+            f"packed per KV head ({row_tiles} tile(s) of {decode.ROWS} rows), up to {tiles} key tiles of "
+            f"{decode.BLOCK_N} in {splits} split(s) for {sm_count(call.q.device, decode.EMU_SM_COUNT)} SMs")
+
+
+def run(call):
+    splits = plan(call)[2]
+    out, lse = decode.kernels(call.q.device).attention_decode_paged(
+        call.q, call.k_pages, call.v, call.block_table.to(torch.int32), call.seqlens.to(torch.int32),
+        kernel_scale(call), call.left, call.right, splits, decode.stages(call.q, call.v)[0])
+    return (out, lse) if call.return_lse else out
+
+
+def _rank(call) -> int:
+    """Ahead of ``triton/paged`` (10) for a cache of at least `DECODE_MIN_KEYS` keys (the split-KV plan's
+    threshold, as ``cuda/decode``), after it below that."""
+    return 5 if call is not None and key_tiles(call) * decode.BLOCK_N >= DECODE_MIN_KEYS else 15
+
+
+PATH = register(Path(
+    backend="cuda", op=OP, name="cuda/paged-decode", priority=_rank,
+    caps=Capabilities(devices=DEVICES, dtypes=DTYPES, features=FEATURES[OP]), run=run, admits=_admits,
+    available=_ext.available, notes=_notes, describe=_describe, explicit_only_devices=frozenset({"cpu"})))
