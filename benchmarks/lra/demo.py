@@ -37,6 +37,15 @@ def _run(cfg: TrainConfig) -> Dict:
     return train(cfg, quiet=True)
 
 
+def demo_configs(out: Path, minutes_each: float, cache_dir: Optional[str] = None, threads: int = 1,
+                 variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1, 2)) -> List[TrainConfig]:
+    """The demo's runs: every variant with every seed, each within ``minutes_each``."""
+    return [TrainConfig(recipe="demo", variant=v, seed=seed, out=str(Path(out) / f"{v}-seed{seed}"),
+                        block_size=BLOCK, window=WINDOW, max_minutes=minutes_each, cache_dir=cache_dir, threads=threads,
+                        overrides=DATA, log_every=1000)
+            for seed in seeds for v in variants]
+
+
 def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, threads: int = 1, jobs: int = 2,
              variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1, 2)) -> List[Dict]:
     t0 = time.perf_counter()
@@ -45,9 +54,7 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
     rounds = -(-len(variants) * len(seeds) // jobs)
     # each run's share of the time left, less about 10 s a run of process start-up
     share = max(0.1, (minutes - data_minutes) / rounds - 10 / 60)
-    cfgs = [TrainConfig(recipe="demo", variant=v, seed=seed, out=str(Path(out) / f"{v}-seed{seed}"),
-                        block_size=BLOCK, window=WINDOW, max_minutes=share, cache_dir=cache_dir, threads=threads, overrides=DATA, log_every=1000)
-            for seed in seeds for v in variants]
+    cfgs = demo_configs(out, share, cache_dir, threads, variants, seeds)
     # a fresh process per run (its own peak memory), ``jobs`` at a time
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
         rows = list(pool.map(_run, cfgs))
