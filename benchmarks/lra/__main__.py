@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     lp.add_argument("--epochs", type=int, default=12)
     lp.add_argument("--minutes", type=float, default=15.0, help="stop after the epoch that passes this")
     lp.add_argument("--width", type=int, default=32, help="channels of the CNN's first layers")
+    lp.add_argument("--batch-norm", action="store_true", help="a BatchNorm after each convolution")
     lp.add_argument("--lr", type=float, default=2e-3)
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -217,7 +218,8 @@ def _run(a) -> int:
         from .baselines import run_learnability
         _positive(epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, threads=a.threads, workers=a.workers)
         run_learnability(Path(a.out), a.task, _sets(a.set), cache_dir=a.cache_dir, workers=a.workers,
-                         threads=a.threads, epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, seed=a.seed)
+                         threads=a.threads, epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, seed=a.seed,
+                         batch_norm=a.batch_norm)
         return 0
     if a.cmd == "gpu-plan":
         from .gpu import plan, plan_markdown, run_plan

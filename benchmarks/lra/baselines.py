@@ -137,15 +137,19 @@ def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
 
 
 class SmallCNN(torch.nn.Module):
-    def __init__(self, width: int = 32, classes: int = 2):
+    """Five 3x3 convolutions (``width``, ``width``, pool, ``2 width`` x 2, pool, ``2 width``), a global
+    max pool and a linear layer; ``batch_norm`` puts a BatchNorm after each convolution."""
+
+    def __init__(self, width: int = 32, classes: int = 2, batch_norm: bool = False):
         super().__init__()
         c = width
+
+        def conv(i, o):
+            return [torch.nn.Conv2d(i, o, 3, padding=1)] + ([torch.nn.BatchNorm2d(o)] if batch_norm else []) + \
+                [torch.nn.ReLU()]
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, c, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2), torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
-            torch.nn.Flatten(), torch.nn.Linear(2 * c, classes))
+            *conv(1, c), *conv(c, c), torch.nn.MaxPool2d(2), *conv(c, 2 * c), *conv(2 * c, 2 * c), torch.nn.MaxPool2d(2),
+            *conv(2 * c, 2 * c), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(), torch.nn.Linear(2 * c, classes))
 
     def forward(self, x):
         return self.net(x)
@@ -168,7 +172,7 @@ def binomial_tail(hits: int, n: int, p: float) -> float:
 
 def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1, epochs: int = 12,
                      minutes: float = 15.0, seed: int = 0, overrides: Optional[Dict] = None, width: int = 32,
-                     lr: float = 2e-3) -> Dict:
+                     lr: float = 2e-3, batch_norm: bool = False) -> Dict:
     """A small CNN (``width`` channels) on the task's short generated set (Pathfinder*: 8K train;
     Image*: 9K), ``overrides`` of the generator's parameters over it: the best dev epoch's test
     accuracy, and the chance of scoring as much by guessing (a one-sided binomial tail at chance)."""
@@ -180,7 +184,7 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
         return x, torch.as_tensor(split.y)
     (xtr, ytr), (xdv, ydv), (xte, yte) = map(tensors, (d.train, d.dev, d.test))
     torch.manual_seed(seed)
-    model = SmallCNN(width, classes=d.num_classes)
+    model = SmallCNN(width, classes=d.num_classes, batch_norm=batch_norm)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     acc = lambda x, y: float((torch.cat([model(x[i:i + 500]) for i in range(0, len(x), 500)]).argmax(1)  # noqa: E731
                               == y).float().mean())
@@ -206,7 +210,7 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
             "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
             "test examples": len(xte), P_CHANCE: binomial_tail(
                 round(best[1] * len(xte)), len(xte), chance),
-            "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "lr": lr, "seed": seed,
+            "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm, "lr": lr, "seed": seed,
             "minutes": (time.perf_counter() - t0) / 60}
 
 
@@ -229,15 +233,15 @@ def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: boo
 
 def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Dict] = None, cache_dir=None,
                      workers: int = 2, threads: int = 2, epochs: int = 12, minutes: float = 15.0, width: int = 32,
-                     lr: float = 2e-3, seed: int = 0) -> Dict:
+                     lr: float = 2e-3, seed: int = 0, batch_norm: bool = False) -> Dict:
     """`cnn_learnability` as a command: ``results.json`` and ``results.md`` in ``out``, with the
     command line that reproduces them."""
     torch.set_num_threads(threads)
     load0 = os.getloadavg()[0]
-    res = cnn_learnability(task, cache_dir, workers, epochs, minutes, seed, overrides, width, lr)
+    res = cnn_learnability(task, cache_dir, workers, epochs, minutes, seed, overrides, width, lr, batch_norm)
     sets = "".join(f" --set '{k}={json.dumps(v, separators=(',', ':'))}'" for k, v in (overrides or {}).items())
     res["command"] = (f"python -m benchmarks.lra learnability --task {task}{sets} --epochs {epochs} --minutes {minutes:g} "
-                      f"--width {width} --lr {lr:g} --seed {seed} --threads {threads}")
+                      f"--width {width}{' --batch-norm' if batch_norm else ''} --lr {lr:g} --seed {seed} --threads {threads}")
     res["threads"], res["load average (1 min) at start, end"] = threads, [load0, os.getloadavg()[0]]
     from .train import environment
     res.update(environment(torch.device("cpu")))

@@ -148,12 +148,13 @@ def test_learnability_command_writes_its_result_and_command(tmp_path):
     from benchmarks.lra.__main__ import main
     out = tmp_path / "learn"
     assert main(["learnability", "--task", "pathfinder", "--set", "sizes=[24,8,8]", "--set", "contour_length=6",
-                 "--epochs", "1", "--width", "4", "--threads", "1", "--workers", "1", "--cache-dir",
+                 "--epochs", "1", "--width", "4", "--batch-norm", "--threads", "1", "--workers", "1", "--cache-dir",
                  str(tmp_path / "cache"), "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["generator overrides"] == {"sizes": [24, 8, 8], "contour_length": 6}
     assert res["train examples"] == 24 and res["test examples"] == 8 and res["epochs"] == 1 and res["chance"] == 0.5
-    assert "--set 'contour_length=6'" in res["command"] and "--width 4" in res["command"]
+    assert "--set 'contour_length=6'" in res["command"] and "--width 4 --batch-norm" in res["command"]
+    assert res["batch norm"] is True
     assert 0.0 < res["p(chance scores as much on test)"] <= 1.0
     assert "| pathfinder* |" in (out / "results.md").read_text()
     assert main(["learnability", "--epochs", "0"]) == 2                 # a one-line error, not a traceback
