@@ -112,6 +112,9 @@ def main(argv=None) -> int:
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1)")
     demo.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     demo.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    demo.add_argument("--cpu-cost", action="store_true",
+                      help="measure the CPU seconds of the demo's pieces per variant and estimate its idle wall clock "
+                           "(runs no demo)")
     sp = sub.add_parser("speed", help="Table 2: training steps/s and memory per variant and length")
     sp.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     sp.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 3072, 4096])
@@ -186,8 +189,11 @@ def _run(a) -> int:
         print(tasks_markdown())
         return 0
     if a.cmd == "demo":
-        from .demo import run_demo
+        from .demo import cpu_cost, cpu_cost_markdown, run_demo
         _positive(minutes=a.minutes, jobs=a.jobs, threads=a.threads)
+        if a.cpu_cost:
+            print(cpu_cost_markdown(cpu_cost(a.cache_dir, a.variants, len(a.seeds), a.jobs)))
+            return 0
         run_demo(Path(a.out), minutes=a.minutes, cache_dir=a.cache_dir, threads=a.threads, jobs=a.jobs,
                  variants=a.variants, seeds=a.seeds)
         return 0

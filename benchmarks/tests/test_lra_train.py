@@ -133,6 +133,17 @@ def test_demo_runs_every_variant_with_three_seeds(tmp_path):
     assert all(c.recipe == "demo" and c.max_minutes == 1.0 for c in cfgs)
 
 
+def test_demo_cpu_cost_adds_its_measured_pieces(cache, tiny):
+    from benchmarks.lra.demo import cpu_cost, cpu_cost_markdown
+    res = cpu_cost(str(cache), ("softmax", "reformer"), seeds=3, jobs=2, steps=2, data=TINY, startup=1.5)
+    assert res["startup"] == 1.5 and set(res["variants"]) == {"softmax", "reformer"}
+    for d in res["variants"].values():
+        assert d["step"] > 0 and d["dev_eval"] > 0
+        assert d["run"] == pytest.approx(res["startup"] + d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
+    assert res["idle_minutes_estimate"] == pytest.approx(3 * sum(d["run"] for d in res["variants"].values()) / 120)
+    assert "| reformer |" in cpu_cost_markdown(res)
+
+
 def test_resume_equals_uninterrupted_run(tmp_path, cache, tiny):
     a = Trainer(small_cfg(tmp_path / "a", cache, dropout=0.1), quiet=True)
     a.run()
