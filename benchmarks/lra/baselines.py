@@ -9,7 +9,8 @@
 - Image*: a logistic regression on the raw pixels, the majority class, and the same small CNN as
   below (the classes are learnable from the pixels).
 - Pathfinder*: a flood fill from one marker (at two thresholds) and the count of lit pixels, and a
-  learnability check: a small CNN trained a few epochs on the short set beats chance.
+  learnability check: does a small CNN trained a few epochs on the short set beat chance (not yet
+  shown on a CPU: see the README; `learnability` reruns it alone with other generator settings).
 
 Each regression is fitted on the train split and scored on the test split of the "short" sets.
 """
