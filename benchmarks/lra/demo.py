@@ -90,8 +90,7 @@ def cpu_cost(cache_dir: Optional[str] = None, variants: Sequence[str] = tuple(VA
     evaluation, per variant. A run costs start-up + build + 300 steps + 5 dev-sized evaluations (3
     of dev, the test at twice dev's size); the estimate of the demo's wall clock on ``jobs`` idle
     cores is the sum over variants and seeds divided by ``jobs`` (making the data, 0.7 minutes, comes
-    on top). CPU time measured
-    on a loaded machine overstates an idle one's (shared caches and cores)."""
+    on top). CPU time measured on a loaded machine overstates an idle one's (shared caches and cores)."""
     import numpy as np
     import torch
 
