@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks.lra {tasks,train,demo,speed,budget,baselines,report,generate,variants}``.
+"""Command line: ``python -m benchmarks.lra {tasks,train,demo,speed,budget,baselines,learnability,report,generate,variants}``.
 
     python -m benchmarks.lra tasks                                           # the six tasks, recipes, commands
     python -m benchmarks.lra train --task listops --recipe lra --variant bigbird   # one task x variant
@@ -7,6 +7,7 @@
     python -m benchmarks.lra speed --lengths 1024 2048 3072 4096             # Table 2 rows
     python -m benchmarks.lra budget --task pathx                             # hours a recipe takes here
     python -m benchmarks.lra baselines                                       # stand-in shortcut baselines
+    python -m benchmarks.lra learnability --task pathfinder --set contour_length=6   # a small CNN vs chance
     python -m benchmarks.lra gpu-plan [--run]                                # the runs planned for a GPU
     python -m benchmarks.lra report --runs lra-runs --out lra-report         # Tables 1 and 2
     python -m benchmarks.lra generate --task pathfinder --workers 16         # fill the data cache
@@ -59,10 +60,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-at-step", type=int, help=argparse.SUPPRESS)
 
 
-def _config(a):
-    from .train import TrainConfig, resolve
+def _sets(items) -> dict:
+    """``--set KEY=JSON`` options as a dict of generator parameters."""
     overrides = {}
-    for item in a.set:
+    for item in items:
         key, eq, value = item.partition("=")
         try:
             if not eq:
@@ -70,6 +71,12 @@ def _config(a):
             overrides[key] = json.loads(value)
         except ValueError:
             raise ValueError(f"--set {item!r}: expected KEY=JSON, e.g. --set 'sizes=[2000,200,200]'") from None
+    return overrides
+
+
+def _config(a):
+    from .train import TrainConfig, resolve
+    overrides = _sets(a.set)
     names = TrainConfig.__dataclass_fields__
     kw = {k: getattr(a, k) for k in names if hasattr(a, k) and k not in ("out", "overrides")}
     kw["out"] = a.out or f"lra-runs/{a.task}-{a.variant}"
@@ -105,6 +112,9 @@ def main(argv=None) -> int:
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1)")
     demo.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     demo.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    demo.add_argument("--cpu-cost", action="store_true",
+                      help="measure the CPU seconds of the demo's pieces per variant and estimate its idle wall clock "
+                           "(runs no demo)")
     sp = sub.add_parser("speed", help="Table 2: training steps/s and memory per variant and length")
     sp.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     sp.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 3072, 4096])
@@ -127,6 +137,20 @@ def main(argv=None) -> int:
     bl.add_argument("--cache-dir")
     bl.add_argument("--workers", type=int, default=2)
     bl.add_argument("--skip-learnability", action="store_true", help="skip the Pathfinder* CNN (minutes)")
+    lp = sub.add_parser("learnability", help="a small CNN on a generated image task: does it beat chance")
+    lp.add_argument("--task", choices=("pathfinder", "image"), default="pathfinder")
+    lp.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="generator parameter over the short preset, e.g. --set contour_length=6")
+    lp.add_argument("--epochs", type=int, default=12)
+    lp.add_argument("--minutes", type=float, default=15.0, help="stop after the epoch that passes this")
+    lp.add_argument("--width", type=int, default=32, help="channels of the CNN's first layers")
+    lp.add_argument("--batch-norm", action="store_true", help="a BatchNorm after each convolution")
+    lp.add_argument("--lr", type=float, default=2e-3)
+    lp.add_argument("--seed", type=int, default=0)
+    lp.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    lp.add_argument("--workers", type=int, default=2, help="processes generating the data")
+    lp.add_argument("--cache-dir")
+    lp.add_argument("--out", default="lra-runs/learnability")
     gpu = sub.add_parser("gpu-plan", help="the runs planned for a GPU: full ListOps per variant, Table 2")
     gpu.add_argument("--out", default="lra-runs/gpu")
     gpu.add_argument("--minutes", type=float, default=8.0, help="time budget of each training command")
@@ -165,8 +189,11 @@ def _run(a) -> int:
         print(tasks_markdown())
         return 0
     if a.cmd == "demo":
-        from .demo import run_demo
+        from .demo import cpu_cost, cpu_cost_markdown, run_demo
         _positive(minutes=a.minutes, jobs=a.jobs, threads=a.threads)
+        if a.cpu_cost:
+            print(cpu_cost_markdown(cpu_cost(a.cache_dir, a.variants, len(a.seeds), a.jobs)))
+            return 0
         run_demo(Path(a.out), minutes=a.minutes, cache_dir=a.cache_dir, threads=a.threads, jobs=a.jobs,
                  variants=a.variants, seeds=a.seeds)
         return 0
@@ -192,6 +219,13 @@ def _run(a) -> int:
     if a.cmd == "baselines":
         from .baselines import run_baselines
         run_baselines(Path(a.out), cache_dir=a.cache_dir, workers=a.workers, learnability=not a.skip_learnability)
+        return 0
+    if a.cmd == "learnability":
+        from .baselines import run_learnability
+        _positive(epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, threads=a.threads, workers=a.workers)
+        run_learnability(Path(a.out), a.task, _sets(a.set), cache_dir=a.cache_dir, workers=a.workers,
+                         threads=a.threads, epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, seed=a.seed,
+                         batch_norm=a.batch_norm)
         return 0
     if a.cmd == "gpu-plan":
         from .gpu import plan, plan_markdown, run_plan

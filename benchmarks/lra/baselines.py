@@ -9,13 +9,16 @@
 - Image*: a logistic regression on the raw pixels, the majority class, and the same small CNN as
   below (the classes are learnable from the pixels).
 - Pathfinder*: a flood fill from one marker (at two thresholds) and the count of lit pixels, and a
-  learnability check: a small CNN trained a few epochs on the short set beats chance.
+  learnability check: does a small CNN trained a few epochs on the short set beat chance (not yet
+  shown on a CPU: see the README; `learnability` reruns it alone with other generator settings).
 
 Each regression is fitted on the train split and scored on the test split of the "short" sets.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import time
 from pathlib import Path
@@ -135,33 +138,55 @@ def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
 
 
 class SmallCNN(torch.nn.Module):
-    def __init__(self, width: int = 32, classes: int = 2):
+    """Five 3x3 convolutions (``width``, ``width``, pool, ``2 width`` x 2, pool, ``2 width``), a global
+    max pool and a linear layer; ``batch_norm`` puts a BatchNorm after each convolution."""
+
+    def __init__(self, width: int = 32, classes: int = 2, batch_norm: bool = False):
         super().__init__()
         c = width
+
+        def conv(i, o):
+            return [torch.nn.Conv2d(i, o, 3, padding=1)] + ([torch.nn.BatchNorm2d(o)] if batch_norm else []) + \
+                [torch.nn.ReLU()]
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, c, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2), torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
-            torch.nn.Flatten(), torch.nn.Linear(2 * c, classes))
+            *conv(1, c), *conv(c, c), torch.nn.MaxPool2d(2), *conv(c, 2 * c), *conv(2 * c, 2 * c), torch.nn.MaxPool2d(2),
+            *conv(2 * c, 2 * c), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(), torch.nn.Linear(2 * c, classes))
 
     def forward(self, x):
         return self.net(x)
 
 
+P_CHANCE = "p(chance scores as much on test)"
+#: float entries of a result that are not accuracies
+NOT_ACCURACY = ("minutes", "lr", P_CHANCE)
+
+
+def binomial_tail(hits: int, n: int, p: float) -> float:
+    """P(X >= hits) for X ~ Binomial(n, p): how often guessing at chance ``p`` scores ``hits`` of ``n``."""
+    if hits <= 0:
+        return 1.0
+    logs = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p)
+            + (n - k) * math.log1p(-p) for k in range(hits, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
+
+
 def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1, epochs: int = 12,
-                     minutes: float = 15.0, seed: int = 0) -> Dict:
-    """A small CNN on the task's short generated set (Pathfinder*: 8K train; Image*: 9K): the best
-    dev epoch's test accuracy."""
-    d = load_task(task, preset="short", cache_dir=cache_dir, workers=workers, progress=True)
+                     minutes: float = 15.0, seed: int = 0, overrides: Optional[Dict] = None, width: int = 32,
+                     lr: float = 2e-3, batch_norm: bool = False) -> Dict:
+    """A small CNN (``width`` channels) on the task's short generated set (Pathfinder*: 8K train;
+    Image*: 9K), ``overrides`` of the generator's parameters over it: the best dev epoch's test
+    accuracy, and the chance of scoring as much by guessing (a one-sided binomial tail at chance)."""
+    d = load_task(task, preset="short", cache_dir=cache_dir, workers=workers, progress=True, overrides=overrides)
+    side = int(round(math.sqrt(len(d.train.x[0]))))
 
     def tensors(split):
-        x = torch.as_tensor(np.stack(split.x) - 2, dtype=torch.float32).view(-1, 1, 32, 32) / 255
+        x = torch.as_tensor(np.stack(split.x) - 2, dtype=torch.float32).view(-1, 1, side, side) / 255
         return x, torch.as_tensor(split.y)
     (xtr, ytr), (xdv, ydv), (xte, yte) = map(tensors, (d.train, d.dev, d.test))
     torch.manual_seed(seed)
-    model = SmallCNN(classes=d.num_classes)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+    model = SmallCNN(width, classes=d.num_classes, batch_norm=batch_norm)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     acc = lambda x, y: float((torch.cat([model(x[i:i + 500]) for i in range(0, len(x), 500)]).argmax(1)  # noqa: E731
                               == y).float().mean())
     best, curve, t0 = (-1.0, 0.0, 0), [], time.perf_counter()
@@ -181,8 +206,12 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
         curve.append((epoch, dev))
         if time.perf_counter() - t0 > minutes * 60:
             break
+    chance = 1.0 / d.num_classes
     return {"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
             "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
+            "test examples": len(xte), P_CHANCE: binomial_tail(
+                round(best[1] * len(xte)), len(xte), chance),
+            "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm, "lr": lr, "seed": seed,
             "minutes": (time.perf_counter() - t0) / 60}
 
 
@@ -203,6 +232,39 @@ def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: boo
     return res
 
 
+def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Dict] = None, cache_dir=None,
+                     workers: int = 2, threads: int = 2, epochs: int = 12, minutes: float = 15.0, width: int = 32,
+                     lr: float = 2e-3, seed: int = 0, batch_norm: bool = False) -> Dict:
+    """`cnn_learnability` as a command: ``results.json`` and ``results.md`` in ``out``, with the
+    command line that reproduces them."""
+    torch.set_num_threads(threads)
+    load0 = os.getloadavg()[0]
+    res = cnn_learnability(task, cache_dir, workers, epochs, minutes, seed, overrides, width, lr, batch_norm)
+    sets = "".join(f" --set '{k}={json.dumps(v, separators=(',', ':'))}'" for k, v in (overrides or {}).items())
+    res["command"] = (f"python -m benchmarks.lra learnability --task {task}{sets} --epochs {epochs} --minutes {minutes:g} "
+                      f"--width {width}{' --batch-norm' if batch_norm else ''} --lr {lr:g} --seed {seed} --threads {threads}")
+    res["threads"], res["load average (1 min) at start, end"] = threads, [load0, os.getloadavg()[0]]
+    from .train import environment
+    res.update(environment(torch.device("cpu")))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    acc, dev = res["small CNN, test accuracy (best dev epoch)"], res["small CNN, dev accuracy of the best epoch"]
+    curve = ", ".join(f"{100 * a:.1f}" for _, a in res["dev curve"])
+    md = (f"# Learnability of {task}*: a small CNN\n\n`{res['command']}`\n\n"
+          f"| task | generator overrides | train examples | epochs | minutes | best dev (%) | test (%) | "
+          f"chance (%) | p of chance |\n|---|---|---|---|---|---|---|---|---|\n"
+          f"| {task}* | {json.dumps(res['generator overrides']) if overrides else 'none (short preset)'} | "
+          f"{res['train examples']} | {res['epochs']} | {res['minutes']:.1f} | {100 * dev:.1f} | {100 * acc:.1f} | "
+          f"{100 * res['chance']:.1f} | {res[P_CHANCE]:.2g} |\n\n"
+          f"Dev accuracy by epoch (%): {curve}. Test: {res['test examples']} examples, scored with the best dev "
+          f"epoch; p of chance: the probability that guessing scores as much (one-sided binomial). "
+          f"{res['device']}, torch {res['torch']}, {res['date']}; load average {load0:.1f} at the start, "
+          f"{res['load average (1 min) at start, end'][1]:.1f} at the end (other jobs share the machine).\n")
+    (out / "results.md").write_text(md)
+    print(md)
+    return res
+
+
 def baselines_markdown(res: Dict) -> str:
     md = ["# Shortcut baselines of the generated sets", "",
           "`python -m benchmarks.lra baselines`: fitted on the train split, accuracy (%) on the test split of the "
@@ -213,9 +275,11 @@ def baselines_markdown(res: Dict) -> str:
         if task == "chance":
             continue
         for name, v in vals.items():
-            if isinstance(v, float) and name != "minutes":
+            if isinstance(v, float) and name not in NOT_ACCURACY:
                 md.append(f"| {task} | {name} | {100 * v:.1f} |")
         if "epochs" in vals:
-            md.append(f"| {task} | (epochs trained, minutes) | {vals['epochs']}, {vals['minutes']:.1f} |")
+            md.append(f"| {task} | (epochs trained, minutes{', p of chance' if P_CHANCE in vals else ''}) | "
+                      f"{vals['epochs']}, {vals['minutes']:.1f}"
+                      f"{f', {vals[P_CHANCE]:.1g}' if P_CHANCE in vals else ''} |")
         md.append(f"| {task.split(' ')[0]} | *chance* | {100 * res['chance'][task.split(' ')[0]]:.1f} |")
     return "\n".join(md) + "\n"

@@ -16,6 +16,8 @@ majority-class and chance rows, and the learning curves; the checkpoints are del
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -37,6 +39,16 @@ def _run(cfg: TrainConfig) -> Dict:
     return train(cfg, quiet=True)
 
 
+def demo_configs(out: Path, minutes_each: float, cache_dir: Optional[str] = None, threads: int = 1,
+                 variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1, 2),
+                 data: Dict = DATA) -> List[TrainConfig]:
+    """The demo's runs: every variant with every seed, each within ``minutes_each``."""
+    return [TrainConfig(recipe="demo", variant=v, seed=seed, out=str(Path(out) / f"{v}-seed{seed}"),
+                        block_size=BLOCK, window=WINDOW, max_minutes=minutes_each, cache_dir=cache_dir, threads=threads,
+                        overrides=data, log_every=1000)
+            for seed in seeds for v in variants]
+
+
 def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, threads: int = 1, jobs: int = 2,
              variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1, 2)) -> List[Dict]:
     t0 = time.perf_counter()
@@ -45,9 +57,7 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
     rounds = -(-len(variants) * len(seeds) // jobs)
     # each run's share of the time left, less about 10 s a run of process start-up
     share = max(0.1, (minutes - data_minutes) / rounds - 10 / 60)
-    cfgs = [TrainConfig(recipe="demo", variant=v, seed=seed, out=str(Path(out) / f"{v}-seed{seed}"),
-                        block_size=BLOCK, window=WINDOW, max_minutes=share, cache_dir=cache_dir, threads=threads, overrides=DATA, log_every=1000)
-            for seed in seeds for v in variants]
+    cfgs = demo_configs(out, share, cache_dir, threads, variants, seeds)
     # a fresh process per run (its own peak memory), ``jobs`` at a time
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
         rows = list(pool.map(_run, cfgs))
@@ -70,3 +80,55 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
             ck.unlink()
     print("\n".join(md))
     return rows
+
+
+def cpu_cost(cache_dir: Optional[str] = None, variants: Sequence[str] = tuple(VARIANTS), seeds: int = 3,
+             jobs: int = 2, steps: int = 20, data: Dict = DATA, startup: Optional[float] = None) -> Dict:
+    """What the demo costs in CPU seconds (process time, one thread), measured piece by piece: the
+    start-up of a run's process (importing the harness and effattn, timed in a fresh interpreter),
+    building a trainer, a training step (mean of ``steps`` after 3 warm-up steps) and a dev
+    evaluation, per variant. A run costs start-up + build + 300 steps + 5 dev-sized evaluations (3
+    of dev, the test at twice dev's size); the estimate of the demo's wall clock on ``jobs`` idle
+    cores is the sum over variants and seeds divided by ``jobs`` (making the data, 0.7 minutes, comes
+    on top). CPU time measured on a loaded machine overstates an idle one's (shared caches and cores)."""
+    import numpy as np
+    import torch
+
+    from .train import Trainer, batch_of, epoch_order
+    torch.set_num_threads(1)
+    if startup is None:     # given: the tests skip the fresh interpreter
+        code = "import time; t = time.process_time(); import benchmarks.lra.train, effattn; print(time.process_time() - t)"
+        startup = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    load_task("listops", preset="short", cache_dir=cache_dir, overrides=data)
+    per = {}
+    for cfg in demo_configs(Path("lra-runs/demo-cost"), 60.0, cache_dir, 1, variants, (0,), data):
+        t = time.process_time()
+        tr = Trainer(cfg, quiet=True)
+        build = time.process_time() - t
+        order, G = epoch_order(0, 0, len(tr.data.train)), tr.cfg.batch_size
+        times = []
+        for b in range(steps + 3):
+            idx = order[np.arange(b * G, (b + 1) * G) % len(order)]       # wraps on a small set (tests)
+            x, x2, y = batch_of(tr.data.train, idx, tr.max_length, tr.device)
+            t = time.process_time()
+            tr.train_step(x, x2, y)
+            times.append(time.process_time() - t)
+        t = time.process_time()
+        tr.evaluate(tr.data.dev)
+        ev = time.process_time() - t
+        step = sum(times[3:]) / steps
+        per[cfg.variant] = {"build": build, "step": step, "dev_eval": ev,
+                            "run": startup + build + tr.cfg.steps * step + 5 * ev}
+    total = seeds * sum(v["run"] for v in per.values())
+    return {"startup": startup, "variants": per, "seeds": seeds, "jobs": jobs, "cpu_seconds": total,
+            "idle_minutes_estimate": total / jobs / 60}
+
+
+def cpu_cost_markdown(res: Dict) -> str:
+    lines = ["| variant | train step (CPU s) | dev evaluation (CPU s) | run (CPU s) |", "|---|---|---|---|"]
+    for v, d in res["variants"].items():
+        lines.append(f"| {v} | {d['step']:.3f} | {d['dev_eval']:.2f} | {d['run']:.0f} |")
+    return "\n".join(lines) + (
+        f"\n\nStart-up of a run's process: {res['startup']:.1f} CPU s. {res['seeds']} seeds x {len(res['variants'])} "
+        f"variants: {res['cpu_seconds'] / 60:.1f} CPU minutes, about {res['idle_minutes_estimate']:.1f} minutes on "
+        f"{res['jobs']} idle cores (an estimate from CPU time, not a measured wall clock).\n")

@@ -128,6 +128,38 @@ def test_pathfinder_flood_fill_and_pixel_count_baselines_at_chance(pf_samples):
     assert acc <= 0.68
 
 
+def test_binomial_tail_against_exact_sums():
+    from math import comb
+
+    from benchmarks.lra.baselines import binomial_tail
+    assert binomial_tail(0, 10, 0.5) == 1.0
+    assert binomial_tail(10, 10, 0.5) == pytest.approx(2.0 ** -10)
+    assert binomial_tail(60, 100, 0.5) == pytest.approx(sum(comb(100, k) for k in range(60, 101)) / 2 ** 100)
+    assert binomial_tail(3, 20, 0.1) == pytest.approx(
+        1 - sum(comb(20, k) * 0.1 ** k * 0.9 ** (20 - k) for k in range(3)))
+    assert binomial_tail(560, 1000, 0.5) < 1e-4 < binomial_tail(520, 1000, 0.5)
+
+
+def test_learnability_command_writes_its_result_and_command(tmp_path):
+    """`learnability` (a small CNN vs chance) on a tiny set at Pathfinder's easiest length: the files,
+    the reproducing command and the generator parameters it ran with."""
+    import json
+
+    from benchmarks.lra.__main__ import main
+    out = tmp_path / "learn"
+    assert main(["learnability", "--task", "pathfinder", "--set", "sizes=[24,8,8]", "--set", "contour_length=6",
+                 "--epochs", "1", "--width", "4", "--batch-norm", "--threads", "1", "--workers", "1", "--cache-dir",
+                 str(tmp_path / "cache"), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["generator overrides"] == {"sizes": [24, 8, 8], "contour_length": 6}
+    assert res["train examples"] == 24 and res["test examples"] == 8 and res["epochs"] == 1 and res["chance"] == 0.5
+    assert "--set 'contour_length=6'" in res["command"] and "--width 4 --batch-norm" in res["command"]
+    assert res["batch norm"] is True
+    assert 0.0 < res["p(chance scores as much on test)"] <= 1.0
+    assert "| pathfinder* |" in (out / "results.md").read_text()
+    assert main(["learnability", "--epochs", "0"]) == 2                 # a one-line error, not a traceback
+
+
 def test_pathfinder_flood_fill_solves_touching_paddles():
     # the baseline itself works: without gaps a flood fill finds the connection
     rng = random.Random(4)

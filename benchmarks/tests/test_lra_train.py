@@ -109,6 +109,41 @@ def test_overfits_64_samples(tmp_path, cache, tiny):
     assert np.mean(tr.state["losses"][-10:]) < 0.3 * np.mean(tr.state["losses"][:10])
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_trains_a_few_steps(tmp_path, cache, variant):
+    """Each variant, the own-encoder ones (reformer, transformer-xl) included, goes through the
+    trainer on tiny ListOps: its loss falls on 16 repeated examples, its row names it and is tested."""
+    tr = Trainer(small_cfg(tmp_path, cache, variant=variant, steps=12, batch_size=16, warmup=2, eval_every=6,
+                           dropout=0.0, weight_decay=0.0, block_size=16, window=8,
+                           overrides={**TINY, "sizes": [16, 16, 16]}), quiet=True)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "attn" in n}
+    row = tr.run()
+    losses = tr.state["losses"]
+    assert len(losses) == 12 and all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    assert any(not torch.equal(p, before[n]) for n, p in tr.model.named_parameters() if n in before)
+    assert row["variant"] == variant and row["finished"] and 0.0 <= row["test_accuracy"] <= 1.0
+
+
+def test_demo_runs_every_variant_with_three_seeds(tmp_path):
+    from benchmarks.lra.demo import demo_configs
+    cfgs = demo_configs(tmp_path, 1.0)
+    assert {"reformer", "transformer-xl"} <= set(VARIANTS)
+    assert sorted((c.variant, c.seed) for c in cfgs) == sorted((v, s) for v in VARIANTS for s in (0, 1, 2))
+    assert all(c.recipe == "demo" and c.max_minutes == 1.0 for c in cfgs)
+
+
+def test_demo_cpu_cost_adds_its_measured_pieces(cache, tiny):
+    from benchmarks.lra.demo import cpu_cost, cpu_cost_markdown
+    res = cpu_cost(str(cache), ("softmax", "reformer"), seeds=3, jobs=2, steps=2, data=TINY, startup=1.5)
+    assert res["startup"] == 1.5 and set(res["variants"]) == {"softmax", "reformer"}
+    for d in res["variants"].values():
+        assert d["step"] > 0 and d["dev_eval"] > 0
+        assert d["run"] == pytest.approx(res["startup"] + d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
+    assert res["idle_minutes_estimate"] == pytest.approx(3 * sum(d["run"] for d in res["variants"].values()) / 120)
+    assert "| reformer |" in cpu_cost_markdown(res)
+
+
 def test_resume_equals_uninterrupted_run(tmp_path, cache, tiny):
     a = Trainer(small_cfg(tmp_path / "a", cache, dropout=0.1), quiet=True)
     a.run()
