@@ -49,18 +49,21 @@ DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee:
 # split) and the stride of its partial-sum buffers then (0).
 _UNIT = {"q_d", "k_d", "v_d", "kpm_l", "do_d", "dk_d", "dv_d", "dq_d", "dl_l", "n_split"}
 _DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b", "do_b", "do_h", "do_l", "dq_b",
-          "dq_h", "dq_l", "dk_s", "dk_b", "dk_h", "dk_l", "dv_s", "dv_b", "dv_h", "dv_l", "dl_b", "dl_h", "Lq", "Lk",
+          "dq_h", "dq_l", "dqp_t", "dqp_b", "dqp_h", "dqp_l", "dk_s", "dk_b", "dk_h", "dk_l", "dv_s", "dv_b", "dv_h", "dv_l", "dl_b", "dl_h", "Lq", "Lk",
           "D", "Dv", "lay_h", "list_h", "list_t", "listk_h", "listk_t", "keys_per_split"}
 # strides passed as one tuple argument (``<name>_strides``): the names of its elements, each specialized as
 # the scalar of that name would be (Triton specializes a tuple's ints one by one at launch)
 STRIDE_TUPLES = {f"{t}_strides": tuple(f"{t}_{a}" for a in "bhld") for t in ("q", "k", "v", "do", "dq")}
 STRIDE_TUPLES.update(dk_strides=tuple(f"dk_{a}" for a in "sbhld"), dv_strides=tuple(f"dv_{a}" for a in "sbhld"),
-                     dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"))
+                     dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"),
+                     dqp_strides=("dqp_t", "dqp_b", "dqp_h", "dqp_l"))
+# a config's trailing tags -> the constexpr switch they turn on (forward trials, five-product backward)
+TAGS = {"tma": "KV_TMA", "ws": "WARP_SPEC", "dq5": "FIVE"}
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LAY_SEEN": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
-             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
+             "LSE": "*fp32", "DELTA": "*fp32", "DQP": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -123,11 +126,12 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from effattn.backends.triton import attention as ta
     fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
           "decode": ta.decode.decode_kernel}[kind]
-    *blocks, warps, stages = config
+    *blocks, warps, stages = (c for c in config if not isinstance(c, str))
+    switches = dict({TAGS[t]: True for t in config if isinstance(t, str)}, **(switches or {}))
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
-                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False,
+                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False, FIVE=False,
                   **FEATURES[features])                      # FOLD_SCALE: any positive scale
     if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
         from effattn.backends.triton.attention import decode
@@ -244,6 +248,11 @@ def resources(kernel) -> Dict[str, object]:
     return out
 
 
+def warps_of(config: tuple) -> int:
+    """The warps of a config: its second-to-last number (trailing tags such as ``"dq5"`` skipped)."""
+    return [c for c in config if not isinstance(c, str)][-2]
+
+
 SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}     # shared memory per SM (1 KiB of it reserved per CTA)
 
 
@@ -263,7 +272,7 @@ def measure(job: tuple) -> Dict[str, object]:
     try:
         row.update(resources(compile_kernel(arch, kind, head_dim, dtype, config, features, idx64, gqa=gqa)))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
-        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), warps_of(config))
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a result, not a crash
         row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
     return row
@@ -370,6 +379,9 @@ def exact_variants(length: int = 8192):
             kw_v = dict(v.kwargs)
             if v.name == "fwd_kernel":
                 out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"]), v))
+            elif v.name == "bwd_kernel" and kw_v.get("FIVE"):        # the five-product backward: no dQ tiles
+                out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], 0, 0, kw_v["num_warps"],
+                                          kw_v["num_stages"], "dq5"), v))
             elif v.name == "bwd_kernel":
                 out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], kw_v["BLOCK_M2"], kw_v["BLOCK_N2"],
                                           kw_v["num_warps"], kw_v["num_stages"]), v))
@@ -404,7 +416,7 @@ def measure_exact(job: tuple) -> Dict[str, object]:
         compiled = fn.warmup(*var.args, grid=(1,), **dict(var.kwargs))
         row.update(resources(compiled))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
-        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), warps_of(config))
     except Exception as e:  # noqa: BLE001 - a result
         row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
     return row

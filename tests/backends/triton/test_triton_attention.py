@@ -295,7 +295,7 @@ class GridRecorder:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel"):
+        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel", "dq_reduce_kernel"):
             monkeypatch.setattr(ta.launch, name, self._wrap(getattr(ta.launch, name)))
 
     def _wrap(self, kernel):
