@@ -191,6 +191,7 @@ def cuobjdump() -> Optional[str]:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 _HGMMA_N = re.compile(r"\bHGMMA\.\d+x(\d+)x")     # wgmma's N: 64 x N x K per warp group
+_BAR = re.compile(r"^(@!?U?P\w+\s+)?BAR\.")        # CTA barriers (bar.sync / bar.arrive)
 _WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
 # copies into shared memory: TMA (UTMALDG), cp.async (LDGSTS); register reallocation between warp
 # groups (USETMAXREG: warp specialization); opcode = the first word after a predicate
@@ -202,8 +203,8 @@ def sass_stats(sass: str) -> Dict[str, object]:
     and its target), matrix instructions, the narrowest wgmma N inside a loop (``wgmma_min_n``:
     64 x 16 products run far below the tensor cores' rate; None without wgmma in a loop), and per
     innermost loop (the tile loops: full tiles first)
-    its length in instructions and whether it waits for all its async copies (``DEPBAR.LE SB0, 0x0``:
-    nothing stays in flight across iterations, i.e. no prefetch)."""
+    its length in instructions, its CTA barriers (``BAR.*``) and whether it waits for all its async
+    copies (``DEPBAR.LE SB0, 0x0``: nothing stays in flight across iterations, i.e. no prefetch)."""
     instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
     loops = []
     for addr, text in instrs:
@@ -220,6 +221,7 @@ def sass_stats(sass: str) -> Dict[str, object]:
                 hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs),
                 loop_instrs=[sum(lo <= a <= hi for a, _ in instrs) for lo, hi in inner],
                 tile_loop_spills=[sum(lo <= a <= hi for a in spills) for lo, hi in inner],
+                loop_barriers=[sum(lo <= a <= hi and bool(_BAR.match(t)) for a, t in instrs) for lo, hi in inner],
                 loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
