@@ -220,7 +220,9 @@ def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
     assert got["compiled"][0].startswith("delta_kernel") and got["compiled"][2] == "", got["compiled"]
     cfg = lambda kw: (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])      # noqa: E731
     fwd = [cfg(kw) for name, kw in got["variants"] if name == "fwd_kernel"]
-    cands = [tuple(c) for c in got["candidates"]["fwd"]]
+    cands = [tuple(c[:4]) for c in got["candidates"]["fwd"]]
+    # planned for an sm_90 target: K / V through TMA in every forward variant (the launchers' default there)
+    assert all(kw["KV_TMA"] for name, kw in got["variants"] if name == "fwd_kernel")
     # prefill (causal) launches every forward candidate once; decode (Lq = 1 against 16k keys) takes the
     # split-KV decode kernel (one config, never autotuned; the merge of its splits folded in)
     assert sorted(fwd) == sorted(cands), fwd

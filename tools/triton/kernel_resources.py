@@ -57,7 +57,8 @@ STRIDE_TUPLES = {f"{t}_strides": tuple(f"{t}_{a}" for a in "bhld") for t in ("q"
 STRIDE_TUPLES.update(dk_strides=tuple(f"dk_{a}" for a in "sbhld"), dv_strides=tuple(f"dv_{a}" for a in "sbhld"),
                      dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"),
                      dqp_strides=("dqp_t", "dqp_b", "dqp_h", "dqp_l"))
-# a config's trailing tags -> the constexpr switch they turn on (forward trials, five-product backward)
+# a config's trailing tags -> the constexpr switch they turn on (forward trials, five-product backward);
+# a tag "r<N>" caps the registers per thread at N (Triton's maxnreg option)
 TAGS = {"tma": "KV_TMA", "ws": "WARP_SPEC", "dq5": "FIVE"}
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
@@ -127,7 +128,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
           "decode": ta.decode.decode_kernel}[kind]
     *blocks, warps, stages = (c for c in config if not isinstance(c, str))
-    switches = dict({TAGS[t]: True for t in config if isinstance(t, str)}, **(switches or {}))
+    maxnreg = next((int(t[1:]) for t in config if isinstance(t, str) and t[:1] == "r" and t[1:].isdigit()), None)
+    switches = dict({TAGS[t]: True for t in config if t in TAGS}, **(switches or {}))
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
@@ -138,6 +140,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
         merge_rows = 4 if blocks[0] == 16 else blocks[0]
         consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps),
                       LAYOUT_ROWS=False)                     # a layout's first query block holds the queries
+    if kind == "fwd" and arch >= 90 and elem != "fp32":    # the launcher's TMA default there (`launch.tma_default`)
+        consts["KV_TMA"] = True
     consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
@@ -167,7 +171,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
         if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16 and not fn.params[j].do_not_specialize):
             attrs[(j,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
+                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def stride_tuple(j: int, names, unit, div16, consts: dict, attrs: dict) -> tuple:
@@ -379,8 +384,11 @@ def exact_variants(length: int = 8192):
             raise RuntimeError(f"{mode}: {failed}")
         for v in variants:
             kw_v = dict(v.kwargs)
-            if v.name == "fwd_kernel":
-                out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"]), v))
+            if v.name == "fwd_kernel":         # K / V through TMA: the launchers' default on sm_90
+                tags = ("tma",) * bool(kw_v.get("KV_TMA")) + tuple(f"r{kw_v['maxnreg']}" for _ in [0]
+                                                                   if kw_v.get("maxnreg"))
+                out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"])
+                            + tags, v))
             elif v.name == "bwd_kernel" and kw_v.get("FIVE"):        # the five-product backward: no dQ tiles
                 out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], 0, 0, kw_v["num_warps"],
                                           kw_v["num_stages"], "dq5"), v))
@@ -431,7 +439,9 @@ def exact_jobs(arch: int, tuned: Optional[str], which: str) -> List[tuple]:
     picks = tuned_picks(tuned) if tuned else {}
     jobs = []
     for mode, kind, cfg, var in exact_variants():
-        index = configs.candidates(kind, 128, 2).index(cfg) if cfg in configs.candidates(kind, 128, 2) else -1
+        cands = [tuple(c) + ("tma",) * (kind == "fwd" and "tma" in cfg and "tma" not in c)
+                 for c in configs.candidates(kind, 128, 2)]        # the TMA default tags every forward config
+        index = cands.index(cfg) if cfg in cands else -1
         picked = cfg in picks.get((kind, mode), set())
         if which == "all" or index == 0 or picked:
             jobs.append((arch, mode, kind, cfg, var, index, picked))

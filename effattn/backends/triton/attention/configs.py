@@ -16,11 +16,19 @@ from ..runtime import _INTERPRET
 
 # element size (2: fp16/bf16, 4: fp32) -> kernel -> head-dim class -> candidates, best guess first
 GPU_CONFIGS = {
-    2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+    # a trailing "tma": only where the forward reads K / V through TMA (`launch.tma_default`: sm_90+,
+    # then every config does); "r<N>": at most N registers per thread (Triton's maxnreg)
+    2: {"fwd": {64: [(128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3),
+                     # 128 registers: 2 CTAs per SM (190 without the cap on triton 3.9: 1 CTA); no spill in
+                     # the full-tile loop, 18-29 instructions in the partial one (offline sm_90)
+                     (128, 64, 8, 4, "r128")],
                 # D = 128: the H100 autotuner (triton 3.6, 2026-11-27) picked 64 x 64 on 4 warps for 5 of
                 # its 6 kinds of call (dense 4k, causal, window, layout) and 128 x 64 for dense 16k;
                 # 128 x 128 (2 stages: no prefetch) never won
-                128: [(64, 64, 4, 3), (128, 64, 8, 3)],
+                # 128 x 128 on 8 warps with 3 stages fits sm_90 only with TMA (225 KiB, 253 registers, no
+                # spill; 27 spill instructions per partial tile without): 0.25 warp instructions per
+                # score in its full-tile loop against 0.35 for 64 x 64 (triton 3.9)
+                128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3, "tma")],
                 # D = 256: 16-key tiles on 8 warps keep 3 stages without a spill (32-key ones spill)
                 256: [(64, 16, 8, 3), (64, 32, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
         # the backward (`bwd_kernel`): (BLOCK_M1, BLOCK_N1) of the dK/dV programs, (BLOCK_M2, BLOCK_N2)

@@ -221,8 +221,9 @@ class LaunchPlan:
                         inv_keep=self.inv_keep, heads_per_group=group, rows_out=self.Lq)
             grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
             trials = {}
-            if len(cfg) > 4:        # trial switches of the forward (forward.py): "tma", "ws"
+            if len(cfg) > 4:        # switches of the forward (forward.py): "tma", "ws"; "r<N>": maxnreg N
                 trials = dict(KV_TMA="tma" in cfg[4:], WARP_SPEC="ws" in cfg[4:])
+                trials.update({"maxnreg": int(t[1:]) for t in cfg[4:] if t[:1] == "r" and t[1:].isdigit()})
             got = self._args[key] = (grid, lists, args, dict(self.flags(cfg), COUNT=counts, ORDER=order,
                                                              **trials))
         return got
@@ -334,8 +335,11 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     seed_key = philox_key(seed) if dropout_p > 0 else 0
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     visits = [None]
+    tma = tma_default(q, k, v)
 
     def launch(cfg):
+        if tma and "tma" not in cfg[4:]:
+            cfg = tuple(cfg) + ("tma",)
         if "tma" in cfg[4:]:
             kv_tma_check(k, v)
         grid, lists, args, meta = p.fwd_args(cfg, q, k, v, counts)
@@ -349,8 +353,8 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
         with _on_device(q.device):
             if config is not None:
                 launch(config)
-            else:
-                _launch_tuned("fwd", p, launch, q.device)
+            else:                  # "tma" candidates only where TMA applies (`tma_default`)
+                _launch_tuned("fwd", p, launch, q.device, usable=lambda c: tma or "tma" not in c[4:])
     return (out, lse, visits[0]) if counts else (out, lse)
 
 
@@ -382,8 +386,9 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
         with _on_device(q.device):
             if config is not None:
                 launch(config)
-            else:
-                _launch_tuned("fwd", p, launch, q.device)
+            else:                  # packed calls read K / V without TMA (its descriptors span one sequence)
+                _launch_tuned("fwd", p, launch, q.device, usable=lambda c: "tma" not in c[4:],
+                              key_extra=("packed",))
     return out, lse
 
 
@@ -493,15 +498,51 @@ def _varlen_bwd_launch(p, cfg, segments, splits, args, meta, device):
             dict(meta, ORDER1=0, ORDER2=0, VARLEN=True))
 
 
-def kv_tma_check(k, v) -> None:
-    """Raises ValueError unless K and V can be read through tensor descriptors (the forward's
-    ``KV_TMA`` trial): unit stride along D, rows and base addresses 16-byte aligned; and sets
-    Triton's allocator for the in-kernel descriptors on a GPU."""
+# The capability the launchers assume for meta tensors (the GPU suite's precompile planner runs them on
+# meta tensors and sets its target here); None: no GPU, no TMA
+META_CAPABILITY = None
+
+
+def kv_tma_applies(k, v, capability) -> bool:
+    """Whether the forward can read K and V through TMA: a GPU of compute capability 9.0 or later
+    (``capability`` = (major, minor) or None), 16-bit K / V with unit stride along D, 16-byte
+    aligned rows and base addresses (`kv_tma_check`'s conditions)."""
+    if capability is None or capability[0] < 9 or k.element_size() != 2 or v.element_size() != 2:
+        return False
+    try:
+        _tma_layout_check(k, v)
+    except ValueError:
+        return False
+    return True
+
+
+def tma_default(q, k, v) -> bool:
+    """The forward's default for ``KV_TMA``: on where `kv_tma_applies` (the TMA loads cut the
+    registers and instructions per tile on sm_90 with no spill: benchmarks/results/offline-sm90/
+    tma_ws_trials.md), unless ``EFFATTN_TRITON_TMA=0``; never in the interpreter (its configs ask for
+    it by their "tma" tag)."""
+    if _INTERPRET or os.environ.get("EFFATTN_TRITON_TMA", "1") == "0":
+        return False
+    if q.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(q.device)
+    else:
+        capability = META_CAPABILITY if q.device.type == "meta" else None
+    return kv_tma_applies(k, v, capability)
+
+
+def _tma_layout_check(k, v) -> None:
     for name, t in (("k", k), ("v", v)):
         e = t.element_size()
         if t.stride(3) != 1 or (t.stride(2) * e) % 16 or t.data_ptr() % 16 or t.shape[3] * e < 16:
             raise ValueError(f"KV_TMA: {name} needs unit stride along D and 16-byte aligned rows")
-    if not _INTERPRET and not getattr(kv_tma_check, "allocator_set", False):
+
+
+def kv_tma_check(k, v) -> None:
+    """Raises ValueError unless K and V can be read through tensor descriptors (the forward's
+    ``KV_TMA`` trial): unit stride along D, rows and base addresses 16-byte aligned; and sets
+    Triton's allocator for the in-kernel descriptors on a GPU."""
+    _tma_layout_check(k, v)
+    if not _INTERPRET and k.device.type == "cuda" and not getattr(kv_tma_check, "allocator_set", False):
         import triton
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         kv_tma_check.allocator_set = True
