@@ -146,12 +146,17 @@ def triton_modules():
 def recording():
     """Within: Triton launches append a `Variant` to the yielded list instead of running; effattn's
     autotuners "time" each candidate by calling it once (every candidate is recorded); their
-    caches of chosen configs are emptied on entry and restored on exit."""
+    caches of chosen configs are emptied on entry and restored on exit. The attention launchers
+    plan for this GPU's capability, or sm_90 without a GPU (their TMA default, `launch.tma_default`)."""
     def once(fn, *a, **k):
         fn()
         return 0.0
 
     mods = triton_modules()
+    from effattn.backends.triton.attention import launch as attn_launch
+    saved_cap = attn_launch.META_CAPABILITY       # the launchers' TMA default on meta tensors: this GPU's,
+    attn_launch.META_CAPABILITY = (torch.cuda.get_device_capability() if torch.cuda.is_available()
+                                   else (9, 0))   # or the suite's H100 / H200 target
     saved_bench = [(m, m.do_bench) for m in mods if hasattr(m, "do_bench")]
     saved_tuned = [(m._TUNED, dict(m._TUNED)) for m in mods if isinstance(getattr(m, "_TUNED", None), dict)]
     orig_capturing = torch.cuda.is_current_stream_capturing
@@ -166,6 +171,7 @@ def recording():
         with spy(launch=False) as seen:
             yield seen
     finally:
+        attn_launch.META_CAPABILITY = saved_cap
         torch.cuda.is_current_stream_capturing = orig_capturing
         for m, f in saved_bench:
             m.do_bench = f

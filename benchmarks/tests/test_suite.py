@@ -189,6 +189,7 @@ calls = [kernels.Call("attention", 4, 16, 16, 4096, 4096, 128, bf, True),
          kernels.Call("attention", 4, 32, 8, 1, 16384, 128, bf, False)]
 variants, failed = kernels.plan_variants(calls)
 again, _ = kernels.plan_variants(calls + calls)
+one, _ = kernels.plan_variants([kernels.Call("attention", 1, 16, 16, 4096, 4096, 128, bf, True)])   # 1 GiB of dQ partials
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
     main(["--dry-run", "--sections", "gqa,decode"])
@@ -197,6 +198,8 @@ compiled = kernels._compile_one(delta, arch=90)
 print(json.dumps(dict(compiled=compiled,
     variants=[[v.name, dict(v.kwargs)] for v in variants], failed=[str(f) for f in failed], again=len(again),
     tuned_left=len(launch._TUNED), candidates={k: configs.candidates(k, 128, 2) for k in ("fwd", "bwd")},
+    five_fits=configs.five_fits((4096 // 128, 4, 16, 4096, 128)),
+    one=[[v.name, dict(v.kwargs).get("FIVE")] for v in one],
     dry=text.getvalue())))
 """
 
@@ -217,14 +220,20 @@ def test_precompile_plan_lists_every_autotune_candidate_without_a_gpu():
     assert got["compiled"][0].startswith("delta_kernel") and got["compiled"][2] == "", got["compiled"]
     cfg = lambda kw: (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])      # noqa: E731
     fwd = [cfg(kw) for name, kw in got["variants"] if name == "fwd_kernel"]
-    cands = [tuple(c) for c in got["candidates"]["fwd"]]
+    cands = [tuple(c[:4]) for c in got["candidates"]["fwd"]]
+    # planned for an sm_90 target: K / V through TMA in every forward variant (the launchers' default there)
+    assert all(kw["KV_TMA"] for name, kw in got["variants"] if name == "fwd_kernel")
     # prefill (causal) launches every forward candidate once; decode (Lq = 1 against 16k keys) takes the
     # split-KV decode kernel (one config, never autotuned; the merge of its splits folded in)
     assert sorted(fwd) == sorted(cands), fwd
     assert {name for name, kw in got["variants"]} >= {"decode_kernel", "bwd_kernel"}
-    backward = {(kw["BLOCK_M1"], kw["BLOCK_N1"], kw["BLOCK_M2"], kw["BLOCK_N2"], kw["num_warps"], kw["num_stages"])
+    # the five-product backward ("dq5"): a candidate where its fp32 dQ partials fit configs.DQ5_MAX_BYTES
+    backward = {(kw["BLOCK_M1"], kw["BLOCK_N1"], 0, 0, kw["num_warps"], kw["num_stages"], "dq5") if kw["FIVE"] else
+                (kw["BLOCK_M1"], kw["BLOCK_N1"], kw["BLOCK_M2"], kw["BLOCK_N2"], kw["num_warps"], kw["num_stages"])
                 for name, kw in got["variants"] if name == "bwd_kernel"}
-    assert backward == {tuple(c) for c in got["candidates"]["bwd"]}, backward
+    assert backward == {tuple(c) for c in got["candidates"]["bwd"] if "dq5" not in c or got["five_fits"]}, backward
+    assert any("dq5" in c for c in got["candidates"]["bwd"]) and not got["five_fits"]
+    assert ["bwd_kernel", True] in got["one"] and ["dq_reduce_kernel", None] in got["one"], got["one"]
     assert got["again"] == len(got["variants"])                  # the same calls twice: nothing new
     dry = got["dry"]
     n = int(dry.split("[precompile]")[1].split(": ")[1].split()[0])

@@ -49,18 +49,22 @@ DTYPES = ("bf16", "fp32", "fp32ieee", "fp32x3")     # fp32: TF32 dots; fp32ieee:
 # split) and the stride of its partial-sum buffers then (0).
 _UNIT = {"q_d", "k_d", "v_d", "kpm_l", "do_d", "dk_d", "dv_d", "dq_d", "dl_l", "n_split"}
 _DIV16 = {"q_b", "q_h", "q_l", "k_b", "k_h", "k_l", "v_b", "v_h", "v_l", "kpm_b", "do_b", "do_h", "do_l", "dq_b",
-          "dq_h", "dq_l", "dk_s", "dk_b", "dk_h", "dk_l", "dv_s", "dv_b", "dv_h", "dv_l", "dl_b", "dl_h", "Lq", "Lk",
+          "dq_h", "dq_l", "dqp_t", "dqp_b", "dqp_h", "dqp_l", "dk_s", "dk_b", "dk_h", "dk_l", "dv_s", "dv_b", "dv_h", "dv_l", "dl_b", "dl_h", "Lq", "Lk",
           "D", "Dv", "lay_h", "list_h", "list_t", "listk_h", "listk_t", "keys_per_split"}
 # strides passed as one tuple argument (``<name>_strides``): the names of its elements, each specialized as
 # the scalar of that name would be (Triton specializes a tuple's ints one by one at launch)
 STRIDE_TUPLES = {f"{t}_strides": tuple(f"{t}_{a}" for a in "bhld") for t in ("q", "k", "v", "do", "dq")}
 STRIDE_TUPLES.update(dk_strides=tuple(f"dk_{a}" for a in "sbhld"), dv_strides=tuple(f"dv_{a}" for a in "sbhld"),
-                     dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"))
+                     dl_strides=("dl_b", "dl_h", "dl_l"), kpm_strides=("kpm_b", "kpm_l"),
+                     dqp_strides=("dqp_t", "dqp_b", "dqp_h", "dqp_l"))
+# a config's trailing tags -> the constexpr switch they turn on (forward trials, five-product backward);
+# a tag "r<N>" caps the registers per thread at N (Triton's maxnreg option)
+TAGS = {"tma": "KV_TMA", "ws": "WARP_SPEC", "dq5": "FIVE"}
 _DOT_PREC = {"fp32": "tf32", "fp32x3": "tf32x3"}
 _FLOATS = {"qk_scale", "scale", "inv_keep"}
 _DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LAY_SEEN": "*u8", "LISTS": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32", "LISTS1": "*i32", "LISTS2": "*i32", "COUNTS": "*i32",
-             "LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
+             "LSE": "*fp32", "DELTA": "*fp32", "DQP": "*fp32", "DLSE": "*fp32", "OP": "*fp32", "LP": "*fp32", "CNT": "*i32"}
 # which constraints a compile enables: "causal" is the hot path of the benchmarks; "layout" a causal
 # block-sparse layout whose blocks the tiles nest in (e.g. block 128: partial tiles need no layout
 # lookup), "layout-gather" one they do not nest in (block 16, 32, 48: partial tiles read the layout
@@ -123,17 +127,21 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     from effattn.backends.triton import attention as ta
     fn = {"fwd": ta.fwd_kernel, "bwd": ta.bwd_kernel, "delta": ta.delta_kernel,
           "decode": ta.decode.decode_kernel}[kind]
-    *blocks, warps, stages = config
+    *blocks, warps, stages = (c for c in config if not isinstance(c, str))
+    maxnreg = next((int(t[1:]) for t in config if isinstance(t, str) and t[:1] == "r" and t[1:].isdigit()), None)
+    switches = dict({TAGS[t]: True for t in config if t in TAGS}, **(switches or {}))
     elem = "fp32" if dtype.startswith("fp32") else dtype
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
-                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False,
+                  IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False, FIVE=False,
                   **FEATURES[features])                      # FOLD_SCALE: any positive scale
     if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
         from effattn.backends.triton.attention import decode
         merge_rows = 4 if blocks[0] == 16 else blocks[0]
         consts.update(MERGE_ROWS=merge_rows, SPLIT_CHUNK=decode.split_chunk(merge_rows, head_dim, warps),
                       LAYOUT_ROWS=False)                     # a layout's first query block holds the queries
+    if kind == "fwd" and arch >= 90 and elem != "fp32":    # the launcher's TMA default there (`launch.tma_default`)
+        consts["KV_TMA"] = True
     consts.update(switches or {})
     # heaviest-first program order as the launcher picks it for calls with a right bound (causal):
     # query tiles from the last down, key tiles (the backward's dK/dV programs) from the first up
@@ -163,7 +171,8 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
         if sig[n].startswith("*") or (sig[n] == "i32" and n in _DIV16 and not fn.params[j].do_not_specialize):
             attrs[(j,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
+                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def stride_tuple(j: int, names, unit, div16, consts: dict, attrs: dict) -> tuple:
@@ -187,6 +196,7 @@ def cuobjdump() -> Optional[str]:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SPILL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 _HGMMA_N = re.compile(r"\bHGMMA\.\d+x(\d+)x")     # wgmma's N: 64 x N x K per warp group
+_BAR = re.compile(r"^(@!?U?P\w+\s+)?BAR\.")        # CTA barriers (bar.sync / bar.arrive)
 _WAIT_ALL = re.compile(r"^(@!?U?P\w+\s+)?DEPBAR\.LE\s+SB0,\s*0x0\b")
 # copies into shared memory: TMA (UTMALDG), cp.async (LDGSTS); register reallocation between warp
 # groups (USETMAXREG: warp specialization); opcode = the first word after a predicate
@@ -198,8 +208,8 @@ def sass_stats(sass: str) -> Dict[str, object]:
     and its target), matrix instructions, the narrowest wgmma N inside a loop (``wgmma_min_n``:
     64 x 16 products run far below the tensor cores' rate; None without wgmma in a loop), and per
     innermost loop (the tile loops: full tiles first)
-    its length in instructions and whether it waits for all its async copies (``DEPBAR.LE SB0, 0x0``:
-    nothing stays in flight across iterations, i.e. no prefetch)."""
+    its length in instructions, its CTA barriers (``BAR.*``) and whether it waits for all its async
+    copies (``DEPBAR.LE SB0, 0x0``: nothing stays in flight across iterations, i.e. no prefetch)."""
     instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
     loops = []
     for addr, text in instrs:
@@ -216,6 +226,7 @@ def sass_stats(sass: str) -> Dict[str, object]:
                 hmma=sum(t.startswith("HMMA") or " HMMA" in t for _, t in instrs),
                 loop_instrs=[sum(lo <= a <= hi for a, _ in instrs) for lo, hi in inner],
                 tile_loop_spills=[sum(lo <= a <= hi for a in spills) for lo, hi in inner],
+                loop_barriers=[sum(lo <= a <= hi and bool(_BAR.match(t)) for a, t in instrs) for lo, hi in inner],
                 loop_wait_all=[any(lo <= a <= hi and _WAIT_ALL.match(t) for a, t in instrs) for lo, hi in inner])
 
 
@@ -244,6 +255,11 @@ def resources(kernel) -> Dict[str, object]:
     return out
 
 
+def warps_of(config: tuple) -> int:
+    """The warps of a config: its second-to-last number (trailing tags such as ``"dq5"`` skipped)."""
+    return [c for c in config if not isinstance(c, str)][-2]
+
+
 SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}     # shared memory per SM (1 KiB of it reserved per CTA)
 
 
@@ -263,7 +279,7 @@ def measure(job: tuple) -> Dict[str, object]:
     try:
         row.update(resources(compile_kernel(arch, kind, head_dim, dtype, config, features, idx64, gqa=gqa)))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
-        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), warps_of(config))
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a result, not a crash
         row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
     return row
@@ -368,8 +384,14 @@ def exact_variants(length: int = 8192):
             raise RuntimeError(f"{mode}: {failed}")
         for v in variants:
             kw_v = dict(v.kwargs)
-            if v.name == "fwd_kernel":
-                out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"]), v))
+            if v.name == "fwd_kernel":         # K / V through TMA: the launchers' default on sm_90
+                tags = ("tma",) * bool(kw_v.get("KV_TMA")) + tuple(f"r{kw_v['maxnreg']}" for _ in [0]
+                                                                   if kw_v.get("maxnreg"))
+                out.append((mode, "fwd", (kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"], kw_v["num_stages"])
+                            + tags, v))
+            elif v.name == "bwd_kernel" and kw_v.get("FIVE"):        # the five-product backward: no dQ tiles
+                out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], 0, 0, kw_v["num_warps"],
+                                          kw_v["num_stages"], "dq5"), v))
             elif v.name == "bwd_kernel":
                 out.append((mode, "bwd", (kw_v["BLOCK_M1"], kw_v["BLOCK_N1"], kw_v["BLOCK_M2"], kw_v["BLOCK_N2"],
                                           kw_v["num_warps"], kw_v["num_stages"]), v))
@@ -404,7 +426,7 @@ def measure_exact(job: tuple) -> Dict[str, object]:
         compiled = fn.warmup(*var.args, grid=(1,), **dict(var.kwargs))
         row.update(resources(compiled))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
-        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), config[-2])
+        row["ctas_per_sm"] = ctas_per_sm(arch, row["shared"], row.get("regs"), warps_of(config))
     except Exception as e:  # noqa: BLE001 - a result
         row["error"] = f"{type(e).__name__}: {str(e)[-500:]}"
     return row
@@ -417,7 +439,9 @@ def exact_jobs(arch: int, tuned: Optional[str], which: str) -> List[tuple]:
     picks = tuned_picks(tuned) if tuned else {}
     jobs = []
     for mode, kind, cfg, var in exact_variants():
-        index = configs.candidates(kind, 128, 2).index(cfg) if cfg in configs.candidates(kind, 128, 2) else -1
+        cands = [tuple(c) + ("tma",) * (kind == "fwd" and "tma" in cfg and "tma" not in c)
+                 for c in configs.candidates(kind, 128, 2)]        # the TMA default tags every forward config
+        index = cands.index(cfg) if cfg in cands else -1
         picked = cfg in picks.get((kind, mode), set())
         if which == "all" or index == 0 or picked:
             jobs.append((arch, mode, kind, cfg, var, index, picked))

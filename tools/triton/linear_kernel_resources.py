@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Dict, List
 
-from .kernel_resources import SMEM_LIMIT, compile_all, resources, stride_tuple, write_tables
+from .kernel_resources import SMEM_LIMIT, _prefetch, compile_all, resources, stride_tuple, write_tables
 
 # role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
 _STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
@@ -51,9 +51,9 @@ _UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "o_f", "st_f", "base_f"}   # contiguou
 _NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "G", "gbase", "n_chunks", "chunks_per_block"}
 
 
-def compile_role(arch: int, role: str, feat: int, dtype: str):
-    """Compiles `role` for sm_<arch> with F = Dv = `feat` in its default config. Returns (kernel,
-    config string)."""
+def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
+    """Compiles `role` for sm_<arch> with F = Dv = `feat` in its default config (``config``: this
+    (BK, BV, warps, stages) instead). Returns (kernel, config string)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -69,7 +69,8 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
         consts.update(BF=bf, BV=bv, INTERP_BF16=False)
         cfg = f"BF{bf}xBV{bv}x{warps}"
     else:
-        bk, bv, warps, stages = launch._fit(launch.candidates(kind, 4 if dtype == "fp32" else 2)[0], feat, feat)
+        bk, bv, warps, stages = launch._fit(config or launch.candidates(kind, 4 if dtype == "fp32" else 2)[0], feat,
+                                            feat)
         consts.update(CH=64, BK=bk, BV=bv, DT=tl.bfloat16 if dtype == "bf16" else tl.float32,
                       DOT_PREC="tf32" if dtype != "bf16" else "ieee", INTERP_BF16=False)
         if kind == "state":
@@ -100,10 +101,10 @@ def compile_role(arch: int, role: str, feat: int, dtype: str):
 
 
 def measure(job) -> Dict[str, object]:
-    arch, role, feat, dtype = job
+    arch, role, feat, dtype, *config = job
     row = dict(arch=arch, role=role, feat=feat, dtype=dtype)
     try:
-        k, cfg = compile_role(arch, role, feat, dtype)
+        k, cfg = compile_role(arch, role, feat, dtype, config[0] if config else None)
         row["config"] = cfg
         row.update(resources(k))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
@@ -119,8 +120,11 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
              f"memory in KiB (limit {SMEM_LIMIT.get(meta['arch'], 0) // 1024}); regs per thread; stack "
              "bytes; spills = LDL/STL instructions in loops / in all; HGMMA = wgmma instructions. fp16 "
              "calls run their dots on fp32 operands (TF32), hence no HGMMA on bf16 operands there.", "",
-             "| role | F = Dv | dtype | config | smem | regs | stack | spills loop/all | HGMMA | HMMA |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Per chunk loop (the innermost loops, in SASS order): instructions, CTA barriers (BAR) and "
+             "prefetch (no loop waits for all its async copies).", "",
+             "| role | F = Dv | dtype | config | smem | regs | stack | spills loop/all | HGMMA | HMMA | "
+             "instrs per chunk | barriers per chunk | prefetch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | error: {r['error'][:100]} ||||||")
@@ -128,7 +132,8 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
         smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
         lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['config']} | {smem} | {r.get('regs', '?')} | "
                      f"{r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
-                     f"{r.get('hgmma', '?')} | {r.get('hmma', '?')} |")
+                     f"{r.get('hgmma', '?')} | {r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
+                     f"{'/'.join(map(str, r.get('loop_barriers', [])))} | {_prefetch(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--roles", default=",".join(ROLES))
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--config", help="BKxBVxWARPSxSTAGES instead of each kind's default (e.g. 64x64x4x3)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
     ap.add_argument("--out", help="write linear_resources.md / .json here")
     args = ap.parse_args(argv)
@@ -147,8 +153,9 @@ def main(argv=None) -> int:
     roles = args.roles.split(",")
     if not set(roles) <= set(ROLES):
         ap.error(f"--roles takes {', '.join(ROLES)}")
-    jobs = [(args.arch, role, int(f), dt) for f in args.feature_dims.split(",") for dt in args.dtypes.split(",")
-            for role in roles]
+    extra = (tuple(int(x) for x in args.config.split("x")),) if args.config else ()
+    jobs = [(args.arch, role, int(f), dt, *extra) for f in args.feature_dims.split(",")
+            for dt in args.dtypes.split(",") for role in roles]
     rows, meta = compile_all(measure, jobs, args, "tools.triton.linear_kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:

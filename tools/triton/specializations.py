@@ -44,10 +44,11 @@ class _Recorder:
         return record
 
 
-def count(case: str, lengths, arch: int = 90, kernels=None) -> Dict[str, int]:
+def count(case: str, lengths, arch: int = 90, kernels=None, bwd_config=None) -> Dict[str, int]:
     """Distinct specializations per kernel over forward and backward calls of `case` at `lengths`
     (Lq = Lk = L; "decode": Lq = 1, Lk = L). `kernels`: name -> a kernel read in place of the launch
-    module's (e.g. the same function with another ``do_not_specialize``)."""
+    module's (e.g. the same function with another ``do_not_specialize``); ``bwd_config``: the
+    backward's config instead of the first candidate (e.g. a five-product one)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -77,7 +78,7 @@ def count(case: str, lengths, arch: int = 90, kernels=None) -> Dict[str, int]:
             args = (mask, bs, None, None, D ** -0.5, 0.0, left, right)
             out, lse = launch.fwd(q, k, v, *args, config=cfg["fwd"])
             if case != "decode":
-                launch.bwd(torch.randn_like(out), None, q, k, v, out, lse, *args, config=cfg["bwd"])
+                launch.bwd(torch.randn_like(out), None, q, k, v, out, lse, *args, config=bwd_config or cfg["bwd"])
     finally:
         for n, k in saved.items():
             setattr(launch, n, k)

@@ -22,7 +22,8 @@ import os
 import sys
 from typing import Dict, List
 
-SWITCHES = {"default": {}, "tma": dict(KV_TMA=True), "ws": dict(WARP_SPEC=True),
+# "default": the plain loads (compile_kernel turns KV_TMA on for sm_90 otherwise: the launcher's default)
+SWITCHES = {"default": dict(KV_TMA=False), "tma": dict(KV_TMA=True), "ws": dict(KV_TMA=False, WARP_SPEC=True),
             "tma+ws": dict(KV_TMA=True, WARP_SPEC=True)}
 
 

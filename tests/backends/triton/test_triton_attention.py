@@ -295,7 +295,7 @@ class GridRecorder:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel"):
+        for name in ("fwd_kernel", "delta_kernel", "bwd_kernel", "dq_reduce_kernel"):
             monkeypatch.setattr(ta.launch, name, self._wrap(getattr(ta.launch, name)))
 
     def _wrap(self, kernel):
@@ -619,7 +619,8 @@ def test_kernels_compile_for_sm90_and_sm80_offline():
 def test_sass_loop_spill_counting():
     """The SASS reader behind the spill and prefetch checks: a spill between a backward branch and
     its target is inside a loop, one before or after is not; tile loops are the innermost loops, and
-    one waits for all its copies when it holds a DEPBAR.LE SB0, 0x0 (the outer loop's does not count)."""
+    one waits for all its copies when it holds a DEPBAR.LE SB0, 0x0 (the outer loop's does not count);
+    CTA barriers are counted per tile loop."""
     from tools.triton.kernel_resources import sass_stats
     sass = """
         /*0000*/                   STL [R1], R2 ;
@@ -630,14 +631,15 @@ def test_sass_loop_spill_counting():
         /*0050*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
         /*0060*/                   DEPBAR.LE SB0, 0x0 ;
         /*0070*/                   DEPBAR.LE SB0, 0x1 ;
-        /*0080*/                   NOP ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0090*/               @P1 BRA 0x70 ;
         /*00a0*/               @P2 BRA 0x60 ;
         /*00b0*/                   DEPBAR.LE SB0, 0x0 ;
         /*00c0*/               @P3 BRA 0xb0 ;
     """
     assert sass_stats(sass) == dict(spills=3, loop_spills=1, hgmma=1, hmma=1, loop_instrs=[3, 3, 2],
-                                    loop_wait_all=[False, False, True], wgmma_min_n=64, tile_loop_spills=[1, 0, 0])
+                                    loop_wait_all=[False, False, True], wgmma_min_n=64, tile_loop_spills=[1, 0, 0],
+                                    loop_barriers=[0, 1, 0])
     # a 64 x 16 wgmma in a loop is the narrowest; one outside every loop does not count
     narrow = sass.replace("NOP ;", "HGMMA.64x16x16.F32.BF16 R4, gdesc[UR8], R4 ;").replace(
         "/*0000*/                   STL [R1], R2 ;", "/*0000*/                   HGMMA.64x8x16.F32.BF16 R2, gdesc[UR4], RZ ;")

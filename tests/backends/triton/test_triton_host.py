@@ -164,10 +164,15 @@ def test_lengths_do_not_multiply_compiled_kernels():
     listing = [n for n, k in vars(ta.launch).items() if n.endswith("_kernel")
                and set(UNSPECIALIZED_ARGS) & set(k.arg_names) <= set(_do_not_specialize(k))]
     assert "fwd_kernel" in listing
+    five = next(c for c in ta.configs.candidates("bwd", 64, 2) if ta.configs.five_product(c))
+    launched = set()
     for lengths in ((1024, 1536, 2560), (1000, 1013, 1500)):
         for case in ("causal", "layout"):
-            variants = count(case, lengths)
-            assert all(variants[n] == 1 for n in listing), (case, lengths, variants)
+            for bwd_config in (None, five):          # the five-product backward launches dq_reduce_kernel
+                variants = count(case, lengths, bwd_config=bwd_config)
+                launched |= set(variants)
+                assert all(variants[n] == 1 for n in listing if n in variants), (case, lengths, variants)
+    assert set(listing) <= launched, (listing, launched)
     specialized = JITFunction(ta.launch.fwd_kernel.fn, do_not_specialize=["seed"])
     assert count("layout", (1024, 1536, 2560), kernels={"fwd_kernel": specialized})["fwd_kernel"] > 1
 

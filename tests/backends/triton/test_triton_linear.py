@@ -233,3 +233,44 @@ def test_kernels_compile_for_sm90_offline():
     assert len(rows) == len(roles) and not [r for r in rows if "error" in r], rows
     assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
     assert all(r["hgmma"] > 0 for r in rows if r["role"] != "step"), rows
+
+
+@pytest.mark.parametrize("bv, fc, rows, n_sm, want", [
+    (64, 128, 64, 132, 32),    # 64 x 2 = 128 programs < 132: one halving (256)
+    (64, 128, 512, 132, 64),   # enough programs: as chosen
+    (64, 128, 4, 132, 16),     # few heads: down to the 16-wide floor
+    (64, 128, 4, 0, 64),       # SM count unknown (the CPU): as chosen
+])
+def test_state_pass_output_tile_rule(bv, fc, rows, n_sm, want):
+    from effattn.backends.triton.linear import launch
+    assert launch.dv_tile(bv, fc, rows, n_sm) == want
+
+
+def test_state_pass_splits_dv_at_small_batch_heads(monkeypatch):
+    """With an SM count (forced on the CPU) above the state pass's programs, its output features are
+    cut in narrower tiles (more programs on the grid's second axis) and the results match the
+    unsplit pass's (the same sums per state element)."""
+    from effattn.backends.triton.linear import launch
+    torch.manual_seed(6)
+    q, k = (torch.randn(1, 2, 40, 32, device=DEVICE) for _ in range(2))
+    v = torch.randn(1, 2, 40, 32, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    plain = effattn.linear_attention(*leaves, causal=True, backend="triton")
+    plain_g = torch.autograd.grad(plain.square().sum(), leaves)
+    grids = []
+    real = launch.chunk_state_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return real[grid]
+
+    monkeypatch.setattr(launch, "chunk_state_kernel", Spy())
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    split = effattn.linear_attention(*leaves, causal=True, backend="triton")
+    split_g = torch.autograd.grad(split.square().sum(), leaves)
+    assert grids and all(g[1] == 2 for g in grids), grids        # 32 features: two 16-wide tiles, not one
+    torch.testing.assert_close(split, plain, atol=1e-5, rtol=1e-5)
+    for a, b in zip(split_g, plain_g):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -51,3 +51,75 @@ def test_opcode_counts_of_the_trial_table():
         /*0030*/                   UTMALDG.2D [UR16], [UR4] ;
     """
     assert opcode_counts(sass) == dict(instrs=4, utmaldg=2, ldgsts=1, setmaxreg=1)
+
+
+@pytest.mark.parametrize("capability, dtype, transposed, want", [
+    ((9, 0), torch.bfloat16, False, True),      # H100 / H200, contiguous 16-bit K / V: TMA
+    ((10, 0), torch.float16, False, True),
+    ((8, 0), torch.bfloat16, False, False),     # A100: no TMA
+    (None, torch.bfloat16, False, False),       # no GPU
+    ((9, 0), torch.float32, False, False),      # 4-byte inputs keep their loads
+    ((9, 0), torch.bfloat16, True, False),      # D not the unit-stride axis
+])
+def test_tma_applies_rule(capability, dtype, transposed, want):
+    k = torch.empty(1, 2, 64, 64, dtype=dtype)
+    k = k.transpose(2, 3) if transposed else k
+    assert launch.kv_tma_applies(k, k, capability) == want
+
+
+def test_tma_is_the_forward_default_where_it_applies(monkeypatch):
+    """Off the interpreter the forward reads K / V through TMA when `kv_tma_applies` (here meta
+    tensors with the planner's capability), not with EFFATTN_TRITON_TMA=0 nor for an A100; in the
+    interpreter a config asks for it by its tag. A forward whose default turns TMA on launches its
+    config with the switch and computes what the plain loads do."""
+    q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "META_CAPABILITY", (9, 0))
+    assert launch.tma_default(q, q, q)
+    monkeypatch.setenv("EFFATTN_TRITON_TMA", "0")
+    assert not launch.tma_default(q, q, q)
+    monkeypatch.delenv("EFFATTN_TRITON_TMA")
+    monkeypatch.setattr(launch, "META_CAPABILITY", (8, 0))
+    assert not launch.tma_default(q, q, q)
+    monkeypatch.undo()
+    assert not launch.tma_default(q, q, q)                     # the interpreter
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+    plain, _ = launch.fwd(q, k, v, None, 0, None, None, 0.2, 0.0, -1, 0, config=(32, 32, 4, 1))
+    seen = []
+    real = launch.fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(**kw):
+                seen.append(kw["KV_TMA"])
+                return real[grid](**kw)
+            return run
+
+    monkeypatch.setattr(launch, "tma_default", lambda q, k, v: True)
+    monkeypatch.setattr(launch, "fwd_kernel", Spy())
+    got, _ = launch.fwd(q, k, v, None, 0, None, None, 0.2, 0.0, -1, 0, config=(32, 32, 4, 1))
+    assert seen == [True]
+    torch.testing.assert_close(got, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_tma_and_register_capped_candidates(monkeypatch):
+    """The "tma"-tagged candidates (128 x 128 at D = 128) are tried only where TMA applies; a
+    "r<N>" tag launches with Triton's maxnreg = N (the interpreter takes and ignores it: same bits)."""
+    from effattn.backends.triton.attention import configs
+    assert (128, 128, 8, 3, "tma") in configs.candidates("fwd", 128, 2)
+    assert (128, 64, 8, 4, "r128") in configs.candidates("fwd", 64, 2)
+    q = torch.randn(1, 1, 16, 16)
+    p = launch.plan_for(q, q, q, None, 0, None, 0.2, 0.0, -1, 0)
+    assert p.fwd_args((32, 32, 4, 1, "r128"), q, q, q, False)[3]["maxnreg"] == 128
+    tried = []
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "candidates", lambda *a, **k: [(64, 64, 4, 3, "tma"), (32, 32, 4, 1, "r128")])
+    monkeypatch.setenv("EFFATTN_TRITON_AUTOTUNE", "0")
+    launch._launch_tuned("fwd", p, tried.append, q.device, usable=lambda c: "tma" not in c[4:], key_extra=("t",))
+    launch._TUNED.pop(("fwd",) + p.tune_key + ("t",))
+    assert tried == [(32, 32, 4, 1, "r128")]
+    monkeypatch.undo()
+    base, _ = launch.fwd(q, q, q, None, 0, None, None, 0.2, 0.0, -1, 0, config=(32, 32, 4, 1))
+    capped, _ = launch.fwd(q, q, q, None, 0, None, None, 0.2, 0.0, -1, 0, config=(32, 32, 4, 1, "r128"))
+    assert torch.equal(base, capped)

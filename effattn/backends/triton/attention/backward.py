@@ -28,6 +28,14 @@ from .schedule import (
 
 
 @triton.jit
+def _row_tile(pid, Lq, H, BLOCK_M: tl.constexpr):
+    """(query tile, b * H + h, b, h) of program `pid` of a 1-D grid of query tiles, tiles fastest."""
+    n_mt = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // n_mt
+    return pid % n_mt, bh, bh // H, bh % H
+
+
+@triton.jit
 def delta_kernel(O, DO, DLSE, DELTA, do_strides, dl_strides, H, Lq, Dv,
                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
                  IDX64: tl.constexpr):
@@ -38,12 +46,7 @@ def delta_kernel(O, DO, DLSE, DELTA, do_strides, dl_strides, H, Lq, Dv,
     do_h, do_l, do_d), ``dl_strides`` = (dl_b, dl_h, dl_l); ``do_d`` (unit there) has no C++ field."""
     do_b, do_h, do_l, do_d = do_strides
     dl_b, dl_h, dl_l = dl_strides
-    n_mt = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = pid % n_mt
-    bh = pid // n_mt
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _row_tile(tl.program_id(0), Lq, H, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
@@ -69,17 +72,20 @@ def _row_stats(lse_row, delta_row, offs_m, Lq):
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
-               offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
+def _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_base, dqp_base, start_m, offs_n,
+               offs_d,
+               offs_dv, q_l, q_d, do_l, do_d, dqp_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                qk_scale, seed, bh, q_row0, k_row0, drop_thresh, inv_keep,
                BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-               FOLD_SCALE: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, FIVE: tl.constexpr):
     """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows).
     ``PARTIAL``: a partial tile, masked elementwise; ``FOLD_SCALE``: the scale folded into exp2's
-    argument (one FMA per score; ``qk_scale > 0``)."""
+    argument (one FMA per score; ``qk_scale > 0``). ``FIVE``: also this key tile's share of the query
+    tile's dQ (dS K, unscaled: FA-2 Alg. 2 line 17 as a fifth product), stored in fp32 at
+    ``dqp_base`` (the tile's rows of its slot in the partial buffer; `dq_reduce_kernel` adds them)."""
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     offs_m = start_m + rel_m
     q_tile = q_base + start_m.to(tl.int64) * q_l
@@ -111,7 +117,16 @@ def _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, star
     dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
     if PARTIAL:                   # an invisible key's dP may be NaN (from its V): 0, not 0 * NaN
         dst = tl.where(ok, dst, 0.0)
-    dk += dot(cast(dst, q.dtype, INTERP_BF16), q, DOT_PREC, INTERP_BF16)           # dK += dS^T Q (scale later)
+    ds = cast(dst, q.dtype, INTERP_BF16)
+    dk += dot(ds, q, DOT_PREC, INTERP_BF16)                                  # dK += dS^T Q (scale later)
+    if FIVE:
+        kz = k                    # its rows of keys no query sees are zeros (`_dkdv_program`)
+        if PARTIAL and LAYOUT_MASK:   # a layout read per element may hide keys inside the tile from every
+            seen = (tl.max(ok.to(tl.int32), 1) > 0) & keep_k      # row: read those K rows again as zeros,
+            kz = tl.load(k_ptrs, mask=seen[:, None] & (offs_d[None, :] < D), other=0.0)   # so NaN there give 0
+        dqp = dot(tl.trans(ds), kz, DOT_PREC, INTERP_BF16)                   # dS K of this key tile
+        tl.store(dqp_base + start_m.to(tl.int64) * dqp_l + rel_m[:, None] * dqp_l + offs_d[None, :], dqp,
+                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     return dk, dv
 
 
@@ -155,10 +170,10 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
 
 
 @triton.jit
-def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS, COUNTS,
-                  ITEMS, rows_out,
+def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, DQP, KPM, LAY, LISTS,
+                  COUNTS, ITEMS, rows_out,
                   q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
-                  dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, kpm_b, kpm_l,
+                  dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, dqp_t, dqp_b, dqp_h, dqp_l, kpm_b, kpm_l,
                   H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                   list_h, list_t, list_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                   inv_keep,
@@ -167,12 +182,14 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                   HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                   DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                   DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr):
+                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr, FIVE: tl.constexpr):
     """dK, dV of one key tile of one (b, kv head) over its share of the group's G query heads and
     their visible query tiles, accumulated in registers (no atomics: deterministic). The
     ``n_slices = B * Hkv * n_split`` slices are (b, kv head, split): with ``n_split > 1`` the G
     heads are cut into n_split runs of ceil(G / n_split), and each split writes its fp32 partial
-    sums at ``DK + split * dk_s`` (the launcher adds them in a fixed order)."""
+    sums at ``DK + split * dk_s`` (the launcher adds them in a fixed order). ``FIVE``: each visited
+    (query tile, head) also gets this key tile's dQ share, in fp32 at ``DQP + key tile * dqp_t +
+    b * dqp_b + h * dqp_h + row * dqp_l`` (unit stride along D; no VARLEN)."""
     n_nt = tl.cdiv(Lk, BLOCK_N)
     pid_n, slc = slice_tile(pid, n_nt, n_slices, heads_per_group, ORDER)
     bhk = slc // n_split
@@ -204,6 +221,13 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
         keep_k = pad == 0
         k = tl.where(keep_k[:, None], k, tl.zeros_like(k))    # padded keys: zeros, whatever they hold
         v = tl.where(keep_k[:, None], v, tl.zeros_like(v))
+    if FIVE:                     # keys no query sees (the window's bounds): zero K rows, whatever they hold
+        seen_any = keep_k        # (NaN, inf), as the dQ products take every row of K
+        if HAS_LEFT:
+            seen_any = seen_any & (offs_n >= off - left)
+        if HAS_RIGHT:
+            seen_any = seen_any & (offs_n <= Lq - 1 + off + right)
+        k = tl.where(seen_any[:, None], k, tl.zeros_like(k))
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     visits = pid * 0                                         # int32 counter (COUNT only)
@@ -218,6 +242,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
         do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + q_row0.to(tl.int64) * do_l
         lse_base = LSE + bh.to(tl.int64) * rows_out + q_row0
         delta_base = DELTA + bh.to(tl.int64) * rows_out + q_row0
+        dqp_base = DQP + pid_n.to(tl.int64) * dqp_t + b.to(tl.int64) * dqp_b + h.to(tl.int64) * dqp_h
         lay_ptr = LAY + h.to(tl.int64) * lay_h
         if HAS_LAYOUT:
             row = LISTS + h.to(tl.int64) * list_h + pid_n.to(tl.int64) * list_t
@@ -227,22 +252,24 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
         for i in range(0, n_full):
             tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
             start_m = tile * BLOCK_M
-            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_base, dqp_base, start_m,
+                                offs_n, offs_d, offs_dv, q_l, q_d, do_l, do_d, dqp_l, Lq, Lk, D, Dv, off, left, right,
+                                lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE)
         listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
         for i in range(0, n_part):
             tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
             start_m = tile * BLOCK_M
-            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, q_base, do_base, lse_base, delta_base, start_m, offs_n,
-                                offs_d, offs_dv, q_l, q_d, do_l, do_d, Lq, Lk, D, Dv, off, left, right, lay_ptr,
+            dk, dv = _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_base, dqp_base, start_m,
+                                offs_n, offs_d, offs_dv, q_l, q_d, do_l, do_d, dqp_l, Lq, Lk, D, Dv, off, left, right,
+                                lay_ptr,
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE)
         visits += n_full + n_part
     dk = dk * scale                                                          # dK = scale dS^T Q
     ok_k = offs_n[:, None] < Lk
@@ -328,8 +355,9 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
 
 
 @triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_BWD_ARGS)
-def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
-               q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, kpm_strides,
+def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
+               q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, dqp_strides,
+               kpm_strides,
                B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                listk_h, listk_t, listk_wf, list_h, list_t, list_wf,
                scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh, inv_keep, n_split, group1, group2,
@@ -339,7 +367,8 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
                HAS_LAYOUT: tl.constexpr, LAYOUT_MASK1: tl.constexpr, LAYOUT_MASK2: tl.constexpr,
                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr,
                PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr, VARLEN: tl.constexpr = False):
+               FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr, VARLEN: tl.constexpr = False,
+               FIVE: tl.constexpr = False):
     """The whole backward but Delta in one launch (as FlexAttention's): a 1-D grid whose first
     ``cdiv(Lk, BLOCK_N1) * B * Hkv * n_split`` programs each compute dK, dV of one key tile
     (`_dkdv_program`, tiles BLOCK_M1 x BLOCK_N1, tile lists LISTS1 by key) and whose remaining
@@ -359,7 +388,13 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
     ``dv_*``: C++ writes them contiguous); ``Hkv`` (C++: H / G); ``n_split``, ``group1`` /
     ``group2`` (the L2 head groups of the two kinds of programs) and ``rows_out`` (rows of LSE and
     Delta per (b, h)); ``seed`` is C++'s seed_lo / seed_hi; ``drop_q0``, ``drop_k0``, ``drop_h0``,
-    ``drop_H`` (no C++ field): where dropout draws, as in `fwd_kernel`."""
+    ``drop_H`` (no C++ field): where dropout draws, as in `fwd_kernel`.
+
+    ``FIVE`` (the five-product backward, FlashAttention-3's count): the grid holds only the dK/dV
+    programs, which also compute dQ = dS K per visited tile pair into the fp32 partial buffer DQP
+    ``(key tiles, B, H, Lq, D)`` (``dqp_strides`` = (dqp_t, dqp_b, dqp_h, dqp_l)); `dq_reduce_kernel`
+    then sums each query tile's partials in a fixed order (deterministic, no atomics). The dQ
+    programs' S and dP products (the seven-product backward's extra two) are gone."""
     q_b, q_h, q_l, q_d = q_strides
     k_b, k_h, k_l, k_d = k_strides
     v_b, v_h, v_l, v_d = v_strides
@@ -368,19 +403,20 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
     dk_s, dk_b, dk_h, dk_l, dk_d = dk_strides
     dv_s, dv_b, dv_h, dv_l, dv_d = dv_strides
     kpm_b, kpm_l = kpm_strides
+    dqp_t, dqp_b, dqp_h, dqp_l = dqp_strides
     pid = tl.program_id(0)
     n_slices1 = B * Hkv * n_split
     n_kv = tl.cdiv(Lk, BLOCK_N1) * n_slices1
-    if pid < n_kv:
-        _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, KPM, LAY, LISTS1, COUNTS,
-                      ITEMS1, rows_out,
+    if FIVE or pid < n_kv:
+        _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, DQP, KPM, LAY, LISTS1,
+                      COUNTS, ITEMS1, rows_out,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
-                      dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, kpm_b, kpm_l,
-                      H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
+                      dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, dqp_t, dqp_b, dqp_h, dqp_l,
+                      kpm_b, kpm_l, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                       listk_h, listk_t, listk_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                       inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                       LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                      FOLD_SCALE, ORDER1, VARLEN)
+                      FOLD_SCALE, ORDER1, VARLEN, FIVE)
     else:
         _dq_program(pid - n_kv, B * H, group2, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS2, COUNTS + n_kv,
                     ITEMS2, rows_out,
@@ -391,3 +427,41 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, LISTS1, LISTS2, CO
                     inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                     LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
                     FOLD_SCALE, ORDER2, VARLEN)
+
+
+@triton.jit(do_not_specialize=["list_h", "list_t", "list_wf"])
+def dq_reduce_kernel(DQP, DQ, LISTS, COUNTS, dqp_strides, dq_strides, H, Lq, Lk, D, off, left, right,
+                     list_h, list_t, list_wf, scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+                     HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr, COUNT: tl.constexpr,
+                     INTERP_BF16: tl.constexpr):
+    """dQ of the five-product backward (`bwd_kernel` with ``FIVE``): per (b, h, query tile of
+    BLOCK_M rows), the fp32 partials the dK/dV programs of its visible key tiles (BLOCK_N keys,
+    the forward's tile lists LISTS for these tiles) wrote into DQP, added in the tile schedule's
+    order (full tiles, then partial ones: the same order every run, so the same bits), scaled and
+    cast. A row no key tile reaches gets 0. COUNTS (COUNT only): the key tiles each program added."""
+    dqp_t, dqp_b, dqp_h, dqp_l = dqp_strides
+    dq_b, dq_h, dq_l, dq_d = dq_strides
+    pid_m, bh, b, h = _row_tile(tl.program_id(0), Lq, H, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
+    tile_ptrs = (DQP + b.to(tl.int64) * dqp_b + h.to(tl.int64) * dqp_h + m0.to(tl.int64) * dqp_l
+                 + tl.arange(0, BLOCK_M)[:, None] * dqp_l + offs_d[None, :])
+    row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq, Lk, off, left,
+                                                        right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    listed = first_listed(row, 2, n_full, HAS_LAYOUT)
+    for i in range(0, n_full):
+        tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
+        dq += tl.load(tile_ptrs + tile.to(tl.int64) * dqp_t, mask=ok, other=0.0)
+    listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
+    for i in range(0, n_part):
+        tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
+        dq += tl.load(tile_ptrs + tile.to(tl.int64) * dqp_t, mask=ok, other=0.0)
+    dq = dq * scale
+    tl.store(DQ + b.to(tl.int64) * dq_b + h.to(tl.int64) * dq_h + offs_m[:, None].to(tl.int64) * dq_l
+             + offs_d[None, :] * dq_d, cast(dq, DQ.dtype.element_ty, INTERP_BF16), mask=ok)
+    if COUNT:
+        tl.store(COUNTS + tl.program_id(0), n_full + n_part)

@@ -1,8 +1,10 @@
 """Forward kernel: FlashAttention-2's online softmax (Dao 2023, Alg. 1) over the visible key tiles of
 one query tile, full tiles first (no masking code), then partial ones.
 
-Two trial switches, off by default (benchmarks/results/offline-sm90/tma_ws_trials.md compares their
-offline sm_90 code with the default's; the GPU suite's explore section times them): ``KV_TMA`` loads
+Two switches (benchmarks/results/offline-sm90/tma_ws_trials.md compares their offline sm_90 code
+with the plain loads'; the GPU suite's explore section times them). ``KV_TMA`` is on by default
+where it applies (the launcher's `tma_default`: sm_90 or later, 16-bit K / V with aligned rows; not
+for packed calls), ``WARP_SPEC`` is a trial, off. ``KV_TMA`` loads
 the K and V tiles through tensor descriptors (TMA on sm_90; rows past Lk and columns past D read as
 zeros, as the masked loads give), which needs unit-stride rows and 16-byte aligned K / V rows
 (the launcher's `kv_tma_ok`) and ``triton.set_allocator`` for the in-kernel descriptors;

@@ -18,8 +18,8 @@ from ....splits import sm_count  # 0 off the GPU: no split
 from ....tiles import cdiv, layout_plan, layout_tile_lists
 from ....visibility import clamp_window
 from ..runtime import _I32_MAX, _INTERPRET, _log, _next_pow2
-from .backward import bwd_kernel, delta_kernel
-from .configs import INTERPRET_CONFIGS, candidates, delta_block, head_class
+from .backward import bwd_kernel, delta_kernel, dq_reduce_kernel
+from .configs import INTERPRET_CONFIGS, candidates, delta_block, five_fits, five_product, head_class
 from .forward import fwd_kernel
 
 _TUNED: Dict[tuple, tuple] = {}      # (kernel,) + LaunchPlan.tune_key -> config, for the process
@@ -34,13 +34,15 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _launch_tuned(kind: str, p: "LaunchPlan", launch, device) -> None:
+def _launch_tuned(kind: str, p: "LaunchPlan", launch, device, usable=None, key_extra=()) -> None:
     """Launches `kind` with its config for this call's key, chosen once per process: the
     interpreter's; else the fastest candidate by ``do_bench``; with ``EFFATTN_TRITON_AUTOTUNE=0`` or
     while the stream is being captured into a CUDA graph, the first candidate that runs, untimed
     (not cached when capturing). Candidates the compiler or the GPU reject (e.g. out of shared
-    memory for fp32 at head dim 256) are skipped and logged."""
-    key = (kind,) + p.tune_key
+    memory for fp32 at head dim 256) are skipped and logged. ``usable``: a predicate on the
+    candidates (those it refuses are not tried, e.g. the five-product backward's for packed
+    calls); ``key_extra`` keys its choice apart."""
+    key = (kind,) + p.tune_key + tuple(key_extra)
     cfg = _TUNED.get(key)
     if cfg is None and _INTERPRET:
         cfg = INTERPRET_CONFIGS[kind]
@@ -51,6 +53,8 @@ def _launch_tuned(kind: str, p: "LaunchPlan", launch, device) -> None:
     tune = not capturing and os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") != "0"
     timed, error = [], None
     for c in candidates(kind, head_class(max(p.block_d, p.block_dv)), p.element_size, gqa=p.G > 1):
+        if usable is not None and not usable(c):
+            continue
         try:
             if tune:
                 timed.append((do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"), c))
@@ -217,8 +221,9 @@ class LaunchPlan:
                         inv_keep=self.inv_keep, heads_per_group=group, rows_out=self.Lq)
             grid = (cdiv(self.Lq, cfg[0]) * self.B * self.H,)
             trials = {}
-            if len(cfg) > 4:        # trial switches of the forward (forward.py): "tma", "ws"
+            if len(cfg) > 4:        # switches of the forward (forward.py): "tma", "ws"; "r<N>": maxnreg N
                 trials = dict(KV_TMA="tma" in cfg[4:], WARP_SPEC="ws" in cfg[4:])
+                trials.update({"maxnreg": int(t[1:]) for t in cfg[4:] if t[:1] == "r" and t[1:].isdigit()})
             got = self._args[key] = (grid, lists, args, dict(self.flags(cfg), COUNT=counts, ORDER=order,
                                                              **trials))
         return got
@@ -233,16 +238,21 @@ class LaunchPlan:
         key = ("bwd", cfg, counts, n_split, dout.stride(), None if dlse is None else dlse.stride())
         got = self._args.get(key)
         if got is None:
-            m1, n1, m2, n2, warps, stages = cfg
+            m1, n1, m2, n2, warps, stages = cfg[:6]
+            five = five_product(cfg)
+            if five:                           # no dQ programs: their tile numbers are unused
+                m2, n2 = m1, n1
             idx64 = self.idx64 or _wide(dout, dq, dk, dv, dlse)
             lists1, listk_h, listk_t, listk_wf = self.lists(m1, n1, by_key=True)
-            lists2, list_h, list_t, list_wf = self.lists(m2, n2, by_key=False)
+            lists2, list_h, list_t, list_wf = (None, 0, 0, 0) if five else self.lists(m2, n2, by_key=False)
             order1, group1 = self.order("dkdv", n_split)
             order2, group2 = self.order("dq")
             split = n_split > 1                # the partial buffers' leading (split) stride, else none
             args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), do_strides=dout.stride(),
                         dq_strides=dq.stride(), dk_strides=dk.stride() if split else (0, *dk.stride()),
-                        dv_strides=dv.stride() if split else (0, *dv.stride()), kpm_strides=self.kpm_strides,
+                        dv_strides=dv.stride() if split else (0, *dv.stride()),
+                        dqp_strides=self.dq_partial_strides(n1) if five else (0, 0, 0, 0),
+                        kpm_strides=self.kpm_strides,
                         B=self.B, H=self.H, Hkv=self.Hkv, G=self.G, Lq=self.Lq, Lk=self.Lk, D=self.D, Dv=self.Dv,
                         off=self.off, left=self.left, right=self.right, lay_h=self.lay_h, lay_nkb=self.lay_nkb,
                         lay_bs=max(self.layout_block, 1), listk_h=listk_h, listk_t=listk_t, listk_wf=listk_wf,
@@ -250,15 +260,38 @@ class LaunchPlan:
                         drop_thresh=self.drop_thresh, inv_keep=self.inv_keep, n_split=n_split, group1=group1,
                         group2=group2, rows_out=self.Lq)
             n_kv = cdiv(self.Lk, n1) * self.B * self.Hkv * n_split
-            n = n_kv + cdiv(self.Lq, m2) * self.B * self.H
+            n = n_kv if five else n_kv + cdiv(self.Lq, m2) * self.B * self.H
             meta = self.flags((m1, n1, warps, stages), idx64)
             for name in ("BLOCK_M", "BLOCK_N", "LAYOUT_MASK"):
                 del meta[name]
             meta.update(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
                         LAYOUT_MASK1=self.layout_mask_needed(m1, n1), LAYOUT_MASK2=self.layout_mask_needed(m2, n2),
-                        COUNT=counts, ORDER1=order1, ORDER2=order2)
+                        COUNT=counts, ORDER1=order1, ORDER2=order2, FIVE=five)
             got = self._args[key] = ((n,), n_kv, (lists1, lists2), args, meta)
         return got
+
+    def dq_partial_shape(self, block_n: int) -> tuple:
+        """The five-product backward's fp32 dQ partial buffer: one (B, H, Lq, D) slot per key tile."""
+        return (cdiv(self.Lk, block_n), self.B, self.H, self.Lq, self.D)
+
+    def dq_partial_strides(self, block_n: int) -> tuple:
+        """(per key tile, batch, head, row) strides of the contiguous `dq_partial_shape` buffer."""
+        _, B, H, Lq, D = self.dq_partial_shape(block_n)
+        return (B * H * Lq * D, H * Lq * D, Lq * D, D)
+
+    def dq_reduce_args(self, cfg, dq, counts):
+        """(grid, LISTS, the scalar arguments by name, the meta arguments) of `dq_reduce_kernel` after a
+        five-product backward with config ``cfg``: its query tiles are the dK/dV programs' (BLOCK_M1 x
+        BLOCK_N1), whose key tiles it reads from the forward-ordered tile lists for those tiles."""
+        m1, n1 = cfg[:2]
+        lists, list_h, list_t, list_wf = self.lists(m1, n1, by_key=False)
+        args = dict(dqp_strides=self.dq_partial_strides(n1), dq_strides=dq.stride(), H=self.H, Lq=self.Lq,
+                    Lk=self.Lk, D=self.D, off=self.off, left=self.left, right=self.right, list_h=list_h,
+                    list_t=list_t, list_wf=list_wf, scale=self.scale)
+        meta = dict(BLOCK_M=m1, BLOCK_N=n1, BLOCK_D=self.block_d, HAS_LEFT=self.left >= 0,
+                    HAS_RIGHT=self.right >= 0, HAS_LAYOUT=self.layout_mask is not None, COUNT=counts,
+                    INTERP_BF16=self.interp_bf16)
+        return (cdiv(self.Lq, m1) * self.B * self.H,), lists, args, meta
 
     def delta_args(self, dout, dlse, idx64=None):
         """(grid, the scalar arguments by name, the meta arguments) of `delta_kernel` for the
@@ -302,8 +335,11 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
     seed_key = philox_key(seed) if dropout_p > 0 else 0
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
     visits = [None]
+    tma = tma_default(q, k, v)
 
     def launch(cfg):
+        if tma and "tma" not in cfg[4:]:
+            cfg = tuple(cfg) + ("tma",)
         if "tma" in cfg[4:]:
             kv_tma_check(k, v)
         grid, lists, args, meta = p.fwd_args(cfg, q, k, v, counts)
@@ -317,8 +353,8 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
         with _on_device(q.device):
             if config is not None:
                 launch(config)
-            else:
-                _launch_tuned("fwd", p, launch, q.device)
+            else:                  # "tma" candidates only where TMA applies (`tma_default`)
+                _launch_tuned("fwd", p, launch, q.device, usable=lambda c: tma or "tma" not in c[4:])
     return (out, lse, visits[0]) if counts else (out, lse)
 
 
@@ -350,8 +386,9 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
         with _on_device(q.device):
             if config is not None:
                 launch(config)
-            else:
-                _launch_tuned("fwd", p, launch, q.device)
+            else:                  # packed calls read K / V without TMA (its descriptors span one sequence)
+                _launch_tuned("fwd", p, launch, q.device, usable=lambda c: "tma" not in c[4:],
+                              key_extra=("packed",))
     return out, lse
 
 
@@ -383,6 +420,9 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
     lay = _or_dummy(p.lay, q)
 
     def launch(cfg):
+        five = five_product(cfg)
+        if five and segments is not None:
+            raise ValueError(f"config {cfg}: the five-product backward does not take packed sequences")
         n_kv_tiles = cdiv(p.Lk, cfg[1]) * p.B * p.Hkv
         splits = n_split if n_split is not None else gqa_splits(n_kv_tiles, p.G, sm_count(q.device))
         if splits > 1:
@@ -396,11 +436,18 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         if segments is not None:
             grid, n_kv, items, args, meta = _varlen_bwd_launch(p, cfg, segments, splits, args, meta, q.device)
         cnt = torch.zeros(grid[0], dtype=torch.int32, device=q.device) if counts else None
+        dqp = dq_partials(p.dq_partial_shape(cfg[1]), q.device) if five else None
         if grid[0] > 0:
-            bwd_kernel[grid](Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DK=dk_out, DV=dv_out, KPM=kpm_u8,
+            bwd_kernel[grid](Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DK=dk_out, DV=dv_out,
+                             DQP=_or_dummy(dqp, delta), KPM=kpm_u8,
                              LAY=lay, LISTS1=_or_dummy(lists[0], q), LISTS2=_or_dummy(lists[1], q),
                              COUNTS=_or_dummy(cnt, q), ITEMS1=items[0], ITEMS2=items[1], seed=seed_key, drop_q0=drop_q0,
                              drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H, **args, **meta)
+        if five:                                       # dQ: each query tile's partials summed in a fixed order
+            rgrid, rlists, rargs, rmeta = p.dq_reduce_args(cfg, dq, counts)
+            rcnt = torch.zeros(rgrid[0], dtype=torch.int32, device=q.device) if counts else None
+            dq_reduce_kernel[rgrid](DQP=dqp, DQ=dq, LISTS=_or_dummy(rlists, q), COUNTS=_or_dummy(rcnt, q), **rargs,
+                                    **rmeta)
         if splits > 1:                                 # fixed order: bitwise the same every run
             for part, grad in ((dk_out, dk), (dv_out, dv)):
                 acc = part[0]
@@ -409,7 +456,7 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
                 grad.copy_(acc)
         if counts:
             visits[0] = cnt[:n_kv].view(p.B * p.Hkv, splits, -1).sum(1, dtype=torch.int32)
-            visits[1] = cnt[n_kv:].view(p.B * p.H, -1)
+            visits[1] = (rcnt if five else cnt[n_kv:]).view(p.B * p.H, -1)
 
     with _on_device(q.device):
         grid, args, meta = p.delta_args(dout, dlse)
@@ -417,8 +464,15 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
         if config is not None:
             launch(config)
         else:
-            _launch_tuned("bwd", p, launch, q.device)
+            _launch_tuned("bwd", p, launch, q.device, usable=lambda c: not five_product(c) or (
+                segments is None and five_fits(p.dq_partial_shape(c[1]))), key_extra=("packed",) if segments else ())
     return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
+
+
+def dq_partials(shape, device):
+    """The five-product backward's fp32 dQ partial buffer (uninitialized: `dq_reduce_kernel` reads
+    only the slots the dK/dV programs wrote)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _work_items(segments, block: int, by_key: bool, descending: bool):
@@ -444,15 +498,51 @@ def _varlen_bwd_launch(p, cfg, segments, splits, args, meta, device):
             dict(meta, ORDER1=0, ORDER2=0, VARLEN=True))
 
 
-def kv_tma_check(k, v) -> None:
-    """Raises ValueError unless K and V can be read through tensor descriptors (the forward's
-    ``KV_TMA`` trial): unit stride along D, rows and base addresses 16-byte aligned; and sets
-    Triton's allocator for the in-kernel descriptors on a GPU."""
+# The capability the launchers assume for meta tensors (the GPU suite's precompile planner runs them on
+# meta tensors and sets its target here); None: no GPU, no TMA
+META_CAPABILITY = None
+
+
+def kv_tma_applies(k, v, capability) -> bool:
+    """Whether the forward can read K and V through TMA: a GPU of compute capability 9.0 or later
+    (``capability`` = (major, minor) or None), 16-bit K / V with unit stride along D, 16-byte
+    aligned rows and base addresses (`kv_tma_check`'s conditions)."""
+    if capability is None or capability[0] < 9 or k.element_size() != 2 or v.element_size() != 2:
+        return False
+    try:
+        _tma_layout_check(k, v)
+    except ValueError:
+        return False
+    return True
+
+
+def tma_default(q, k, v) -> bool:
+    """The forward's default for ``KV_TMA``: on where `kv_tma_applies` (the TMA loads cut the
+    registers and instructions per tile on sm_90 with no spill: benchmarks/results/offline-sm90/
+    tma_ws_trials.md), unless ``EFFATTN_TRITON_TMA=0``; never in the interpreter (its configs ask for
+    it by their "tma" tag)."""
+    if _INTERPRET or os.environ.get("EFFATTN_TRITON_TMA", "1") == "0":
+        return False
+    if q.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(q.device)
+    else:
+        capability = META_CAPABILITY if q.device.type == "meta" else None
+    return kv_tma_applies(k, v, capability)
+
+
+def _tma_layout_check(k, v) -> None:
     for name, t in (("k", k), ("v", v)):
         e = t.element_size()
         if t.stride(3) != 1 or (t.stride(2) * e) % 16 or t.data_ptr() % 16 or t.shape[3] * e < 16:
             raise ValueError(f"KV_TMA: {name} needs unit stride along D and 16-byte aligned rows")
-    if not _INTERPRET and not getattr(kv_tma_check, "allocator_set", False):
+
+
+def kv_tma_check(k, v) -> None:
+    """Raises ValueError unless K and V can be read through tensor descriptors (the forward's
+    ``KV_TMA`` trial): unit stride along D, rows and base addresses 16-byte aligned; and sets
+    Triton's allocator for the in-kernel descriptors on a GPU."""
+    _tma_layout_check(k, v)
+    if not _INTERPRET and k.device.type == "cuda" and not getattr(kv_tma_check, "allocator_set", False):
         import triton
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         kv_tma_check.allocator_set = True

@@ -36,10 +36,13 @@ CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
 # tools/triton/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
 # fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
-CONFIGS = {"state": {2: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3), (64, 128, 8, 2)],
-                     4: [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
-           "out": {2: [(64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 128, 4, 3)],
-                   4: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)]}}
+# 3 stages: with 2 the chunk loops waited for all their copies at every chunk (no prefetch; offline
+# sm_90, triton 3.9: the state pass 690 instructions and 10 barriers per chunk, waiting; 3 stages 717
+# and 10, one chunk's copies in flight)
+CONFIGS = {"state": {2: [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (32, 32, 4, 2), (64, 128, 8, 3)],
+                     4: [(64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)]},
+           "out": {2: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (32, 128, 4, 3)],
+                   4: [(64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2)]}}
 INTERPRET_CONFIG = (32, 32, 4, 1)
 _TUNED: Dict[tuple, tuple] = {}
 
@@ -138,6 +141,16 @@ def _n_split(programs: int, n_chunks: int, device) -> int:
     return max(1, min(n_chunks, cdiv(2 * sm_count(device), programs)))
 
 
+def dv_tile(bv: int, fc: int, rows: int, n_sm: int) -> int:
+    """The state pass's output-feature tile for ``rows`` programs per output tile (B * H x Fb tiles):
+    ``bv`` halved (down to 16) while the programs are fewer than the ``n_sm`` SMs (0: unknown, as
+    is). Each program runs the whole sequence's chunks one after another, so at small B * H only
+    more output tiles give more programs (each maps its b tile again: a few exp per element)."""
+    while bv > 16 and rows * cdiv(fc, bv) < n_sm:
+        bv //= 2
+    return bv
+
+
 def state_args(b: Rows, c: Rows, cx: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
                finz: Optional[Tensor], n_chunks: int, chunks_per_block: int) -> dict:
     """The chunk-state kernel's arguments by name (`LinStateParams`' fields, strides as tuples); an absent
@@ -170,6 +183,8 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
 
     def launch(cfg):
         bk, bv, warps, stages = cfg
+        if not split:                # the chunk loop is sequential: parallel only over heads and tiles
+            bv = dv_tile(bv, FC, B * Hs * cdiv(FB, bk), sm_count(dev))
         nv = cdiv(FC, bv)
         programs = B * Hs * cdiv(FB, bk) * nv
         ns = _n_split(programs, nc, dev) if split else 1
