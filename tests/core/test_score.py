@@ -42,11 +42,11 @@ def _terms(kind, B, H, Lq, Lk, g):
         return dict(bias=r(1, H, Lq, Lk)), {"dense": None}
     if kind == "dense-bcast":
         return dict(bias=r(Lk)), {"dense": None}
-    if kind == "all":
+    if kind in ("all", "all-packed"):     # all-packed: no dense bias (refused with cu_seqlens)
         z = torch.full((H,), 5.5, dtype=torch.float64)
         return dict(softcap=3.0, sinks=r(H), bias=[ALiBi(0.1 * torch.rand(H, generator=g, dtype=torch.float64)),
-                                                   Relative(r(H, 9), max_distance=4), Span(z, ramp=3, max_span=9),
-                                                   r(B, 1, Lq, 1)]), {}
+                                                   Relative(r(H, 9), max_distance=4), Span(z, ramp=3, max_span=9)]
+                    + ([r(B, 1, Lq, 1)] if kind == "all" else [])), {}
     raise KeyError(kind)
 
 
