@@ -196,5 +196,6 @@ def test_explain_serves_terms_with_packing_and_positions():
     if "triton" in KERNELS:
         e = effattn.explain(q, k, k, cu_seqlens=_cu(), bias=bias, backend="triton")
         assert e.paths["triton"].startswith("triton/score"), (e.paths, e.reasons)
+        assert "(segment, tile) work lists" in e.paths["triton"]
         e = effattn.explain(q, k, k, positions=(40, 3), bias=bias, backend="triton")
         assert e.paths["triton"].startswith("triton/score"), (e.paths, e.reasons)

@@ -34,8 +34,9 @@ def reasons(call) -> List[str]:
 
 
 def describe(call) -> str:
+    packed = "; packed sequences on (segment, tile) work lists" if call.cu_seqlens is not None else ""
     return ("score terms (" + ", ".join(sorted(call.score.features())) + "): the score-terms kernels, every "
-            "visited tile masked elementwise, fixed tiles (no autotuning)")
+            "visited tile masked elementwise, fixed tiles (no autotuning)" + packed)
 
 
 def _blocks(D, Dv, backward, score):
