@@ -25,15 +25,16 @@ TERMS["all"] = {k: v for t in TERMS.values() for k, v in t.items()}
 _FLOATS = {"scale", "softcap", "ramp", "inv_keep"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "SINKS": "*fp32", "SL": "*fp32",
              "TAB": "*fp32", "Z": "*fp32", "BIAS": "*fp32", "PART": "*fp32", "DBIAS": "*fp32", "DK": "*fp32",
-             "DV": "*fp32"}
+             "DV": "*fp32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32"}
 _UNIT = {"q_d", "k_d", "v_d", "do_d", "kpm_l", "bias_k"}
 _TUPLES = dict(STRIDE_TUPLES, bias_strides=("bias_b", "bias_h", "bias_q", "bias_k"))
 
 
 def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: str, block=(64, 64), warps=4,
-                         stages=2):
+                         stages=2, varlen=False):
     """One of the score kernels compiled for ``sm_<arch>`` with causal masking and the constexprs of
-    `term`, for contiguous inputs. Returns Triton's CompiledKernel."""
+    `term`, for contiguous inputs (``varlen``: on packed sequences' work lists). Returns Triton's
+    CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +44,7 @@ def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: 
     consts = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, BLOCK_P=16,
                   HAS_LEFT=False, HAS_RIGHT=True, HAS_LAYOUT=False, HAS_KPM=False, DROPOUT=False, SOFTCAP=False,
                   SINKS_ON=False, ALIBI=False, REL=False, REL_BIDIR=True, SPAN=False, DENSE=False,
-                  DOT_PREC="ieee", INTERP_BF16=False, IDX64=False)
+                  DOT_PREC="ieee", INTERP_BF16=False, IDX64=False, VARLEN=varlen)
     consts.update(TERMS[term])
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
     consts.update({n: 1 for n in fn.arg_names if n in _UNIT})
