@@ -641,7 +641,7 @@ def test_sass_loop_spill_counting():
                                     loop_wait_all=[False, False, True], wgmma_min_n=64, tile_loop_spills=[1, 0, 0],
                                     loop_barriers=[0, 1, 0])
     # a 64 x 16 wgmma in a loop is the narrowest; one outside every loop does not count
-    narrow = sass.replace("NOP ;", "HGMMA.64x16x16.F32.BF16 R4, gdesc[UR8], R4 ;").replace(
+    narrow = sass.replace("BAR.SYNC.DEFER_BLOCKING 0x0 ;", "HGMMA.64x16x16.F32.BF16 R4, gdesc[UR8], R4 ;").replace(
         "/*0000*/                   STL [R1], R2 ;", "/*0000*/                   HGMMA.64x8x16.F32.BF16 R2, gdesc[UR4], RZ ;")
     assert sass_stats(narrow)["wgmma_min_n"] == 16
 
