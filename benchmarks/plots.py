@@ -34,8 +34,10 @@ def make_plots(rows: List[dict], meta: dict, out: Path, dpi: int = 80) -> List[P
     paths = []
     for key, by_L in groups.items():
         variant, mode, section = key
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.6))
         lengths = sorted(by_L)
+        if not lengths or lengths[-1] <= 0:                  # a bookkeeping row (the GPU suite's precompile)
+            continue
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.6))
         missing_any, plotted = False, 0
         for i, name in enumerate(order[key]):
             mine = [by_L[L][name] for L in lengths if name in by_L[L]]

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("call", [1, 2])
 def test_each_call_fits_one_device_call(call):
-    assert gpu_call.total_budget(call) <= gpu_call.CALL_LIMIT_S <= 600
+    assert gpu_call.total_budget(call) <= gpu_call.CALL_LIMITS[call] <= gpu_call.CALL_LIMIT_S <= 600
+    assert sum(gpu_call.CALL_LIMITS.values()) + 60 <= 900        # 15 device minutes, the start and idle included
     for s in gpu_call.stages(call):
         assert s.wait_for is None or s.wait_for in {x.name for x in gpu_call.stages(call) if x.background}
 

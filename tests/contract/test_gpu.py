@@ -113,14 +113,25 @@ def _params():
     return out
 
 
+def naive_error(lo, r):
+    """The naive computation's largest error over the entries it computed at all: in fp16 a naive
+    normalizer over 16k keys can overflow (inf / NaN rows), which says nothing of the kernel's error;
+    the kernel's own output is held to be finite everywhere by `judge`."""
+    d = (lo.double() - r.double()).abs()
+    ok = torch.isfinite(d)
+    if not ok.any():
+        raise AssertionError("the naive reference is not finite anywhere: no error scale to judge by")
+    return d[ok].max().item()
+
+
 def judge(got, ref, low, dtype, names=("out", "dq", "dk", "dv")):
     """The low-precision rule: |got - ref| <= m x |naive - ref| + floor, m = 2 (out) / 3 (grads)."""
     for name, x, r, lo, mult in zip(names, got, ref, low, (2, 3, 3, 3)):
-        assert not torch.isnan(x).any(), f"{name}: NaN"
+        assert torch.isfinite(x).all(), f"{name}: not finite (NaN or inf)"
         if x.numel() == 0:
             continue
         err = (x.double() - r.double()).abs().max().item()
-        nerr = (lo.double() - r.double()).abs().max().item()
+        nerr = naive_error(lo, r)
         assert err <= mult * nerr + FLOOR[dtype], f"{name}: error {err:.3g} > {mult} x naive {nerr:.3g} + floor"
 
 
