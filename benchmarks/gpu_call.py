@@ -82,8 +82,8 @@ def stages(call: int) -> List[Stage]:
     if call == 2:
         return [
             env, install, build,
-            Stage("suite", SUITE + " --time-limit 2.3 --sections anchors-d64,gqa,sparse-long --budget precompile=30,"
-                  "explore=0,anchors-d64=35,gqa=20,sparse-long=40,recheck=10,checks=0", 140, wait_for="cuda-build"),
+            Stage("suite", SUITE + " --time-limit 2.3 --sections anchors-d64,gqa,sparse-long,host --budget precompile=30,"
+                  "explore=0,anchors-d64=30,gqa=20,sparse-long=35,host=10,recheck=10,checks=0", 140, wait_for="cuda-build"),
             Stage("sanitizer", " && ".join(SANITIZE.format(tool=t) for t in ("racecheck", "synccheck")), 45),
         ]
     raise SystemExit(f"--call: 1 or 2, not {call}")
