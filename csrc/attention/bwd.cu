@@ -1,5 +1,6 @@
-// Entry point of the softmax-attention backward (Delta, dK/dV, dQ): dispatch on dtype and head-dim
-// bucket to the launchers of launch.cuh; the forward's is fwd.cu.
+// Entry point of the softmax-attention backward (Delta, then the fused dK/dV/dQ kernel when the call asks
+// for it with dq_accum, else the dK/dV and dQ passes): dispatch on dtype and head-dim bucket to the
+// launchers of launch.cuh; the forward's is fwd.cu.
 #include "attention/launch.cuh"
 
 namespace effattn {
@@ -17,6 +18,11 @@ int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
 }
 
 }  // namespace
+
+bool attention_bwd_fused_serves(const AttnParams& p) {
+  return !has_bias_tensors(p) && !p.layout && !p.lists && !p.lists_by_key && !p.dalibi &&
+         head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) <= 128 && head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) > 0;
+}
 
 int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {
   const auto stream = static_cast<prim::stream_t>(stream_ptr);

@@ -5,6 +5,7 @@
 
 #include "attention/attention.h"
 #include "attention/bwd.cuh"
+#include "attention/bwd_fused.cuh"
 #include "attention/fwd.cuh"
 
 namespace effattn {
@@ -12,18 +13,20 @@ namespace detail {
 
 #if defined(EFFATTN_CUDA_EMU)
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p) {
-  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{128, 1, 1}, size_t(smem), [&] { kernel(p); });
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p,
+           unsigned threads = 128) {
+  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{threads, 1, 1}, size_t(smem), [&] { kernel(p); });
   return 0;
 }
 #else
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p) {
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p,
+           unsigned threads = 128) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return int(e);
   }
-  kernel<<<dim3(grid, 1, split), dim3(128, 1, 1), smem, stream>>>(p);
+  kernel<<<dim3(grid, 1, split), dim3(threads, 1, 1), smem, stream>>>(p);
   return int(cudaGetLastError());
 }
 #endif
@@ -63,11 +66,26 @@ int fwd_terms(const AttnParams& p, prim::stream_t stream) {
                 stream, p);
 }
 
+// The fused backward (bwd_fused.cuh) after the Delta kernel: dK, dV, dQ's fp32 accumulator, then dq.
+template <int HD, bool BF16>
+int bwd_fused(const AttnParams& p, prim::stream_t stream) {
+  using Cfg = BwdFusedConfig<HD>;
+  if (p.Lk > 0) {
+    const int err = launch(attn_bwd_fused_kernel<HD, BF16>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), 1,
+                           Cfg::kSmem, stream, p, Cfg::kThreads);
+    if (err) return err;
+  }
+  return launch(attn_dq_convert_kernel<BF16>, cdiv(p.dq_numel, 512), 1, 0, stream, p);
+}
+
 template <int HD, bool BF16, bool TERMS = false>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;
   int err = launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
   if (err) return err;
+  if constexpr (!TERMS && HD <= 128) {
+    if (p.dq_accum) return bwd_fused<HD, BF16>(p, stream);
+  }
   AttnParams pk = p;                                    // the dK/dV pass reads the by-key lists
   pk.lists = p.lists_by_key;
   pk.list_h = p.listk_h;

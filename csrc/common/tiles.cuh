@@ -24,11 +24,11 @@ struct Tile {
 
 // Loads rows [r0, r0 + ROWS) of a (L, width) matrix (row stride `ld` elements, width a multiple
 // of 8) into a swizzled tile (layout `Lay`: offset(row, 16-byte chunk)), zero-filling rows >= L and
-// columns >= width. All 128 threads.
-template <int HD, int ROWS, class Lay = Tile<HD>>
+// columns >= width. All NT threads of the block.
+template <int HD, int ROWS, class Lay = Tile<HD>, int NT = 128>
 EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) {
   constexpr int C = HD / 8;
-  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += NT) {
     int r = idx / C, c = idx % C;
     int gr = r0 + r;
     bool ok = gr < L && c * 8 < width;
@@ -59,6 +59,13 @@ EFFATTN_DEVICE void mma_rows_rows(float (&acc)[NB / 8][4], const uint16_t* sa, i
       prim::mma_16816<BF16>(acc[2 * nn + 1], a, b[2], b[3]);
     }
   }
+}
+
+// Zeroes fragment accumulators.
+template <int N>
+EFFATTN_DEVICE void zero_acc(float (&x)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
 }
 
 // The A operand for reduction step kk from fp32 accumulators x (16 x K, K = 8 * subtiles).
