@@ -27,7 +27,8 @@ ARCHS = tuple(f.rsplit("code=", 1)[1] for f in GENCODE)
 assert ARCHS == ("sm_80", "sm_90a"), ARCHS
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
 KERNEL_BUDGET = 32           # per .cu and arch; attention/fwd.cu: 4 head-dim buckets x 2 dtypes x 3 mask
-                             # kinds = 24; attention/bwd.cu: 4 x 2 x 2 kernels + 2 Delta = 18
+                             # kinds = 24; attention/bwd.cu: 4 x 2 x 2 kernels + 2 Delta + the fused
+                             # backward (3 buckets x 2 dtypes) + 2 dQ conversions = 26
 MASK_KINDS = 3               # forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
 SOFTMAX = ("attention/fwd.cu", "attention/bwd.cu")   # the forward's and the backward's translation units
 # attention/decode.cu: 4 buckets x 2 dtypes split kernels, their single-buffered instances at head dim 256
@@ -138,6 +139,29 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
         assert "LDSM.16.MT88.4" in sass, arch          # the .trans loads of V, dO, Q, K
 
 
+def test_fused_backward_five_products_and_ordered_dq_adds(compiled):
+    """The fused backward (attention/bwd_fused.cuh, in bwd.cu) for buckets 32, 64, 128 and both dtypes, no
+    spills (checked above) and at most 255 registers; per step its SASS runs five products of equal size
+    (S^T, dP^T: 16 keys x 64 queries over HD, dV, dK: 16 keys x HD over 64 queries, dQ: 16 queries x HD / 2
+    over 128 keys; HD / 16 x 8 HMMA each per warp, the step's body fully unrolled), ldmatrix (.trans), async copies, the dQ adds (RED.ADD.F32 at GPU scope), the
+    semaphore's acquire load and release store, and two barriers in the step (four in all: the key padding's,
+    the last release's)."""
+    report, obj = compiled["attention/bwd.cu"]
+    for arch in ARCHS:
+        names = sorted(e[1] for e in ptxas_entries(report) if e[0] == arch and "attn_bwd_fused_kernel" in e[1])
+        assert len(names) == 6 and all(f"ILi{hd}ELb{bf}E" in "".join(names) for hd in (32, 64, 128) for bf in (0, 1))
+        bodies = {b.split("\n", 1)[0]: b for b in sass_of(obj, arch).split("Function : ")[1:]
+                  if "attn_bwd_fused_kernel" in b[:200]}
+        assert len(bodies) == 6, arch
+        for name, body in bodies.items():
+            hd = int(re.search(r"ILi(\d+)E", name).group(1))
+            assert body.count("HMMA.16816.F32") == 5 * (hd // 16) * 8, (arch, name, body.count("HMMA.16816.F32"))
+            for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS", "RED.E.ADD.F32", "LDG.E.STRONG.GPU",
+                       "STG.E.STRONG.GPU"):
+                assert op in body, (arch, name, op)
+            assert body.count("BAR.SYNC") == 4, (arch, name, body.count("BAR.SYNC"))
+
+
 def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
     """The Hopper forward's sm_90a SASS multiplies on HGMMA (64x64 for S, 64xHD for P V) between
     warpgroup arrive / wait, loads with LDGSTS and uses no HMMA; its sm_80 build is empty stubs."""
@@ -199,7 +223,7 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled):
                 assert "HMMA.16816.F32" in body and "LDSM.16.M88.4" in body, arch
     for src in SOFTMAX:
         for e in ptxas_entries(compiled[src][0]):
-            if "attn_delta_kernel" not in e[1]:
+            if not any(k in e[1] for k in ("attn_delta_kernel", "attn_bwd_fused_kernel", "attn_dq_convert_kernel")):
                 assert "Lb0EEEv" in e[1], e[1]
 
 
