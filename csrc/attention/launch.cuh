@@ -5,7 +5,6 @@
 
 #include "attention/attention.h"
 #include "attention/bwd.cuh"
-#include "attention/bwd_fused.cuh"
 #include "attention/fwd.cuh"
 
 namespace effattn {
@@ -66,26 +65,17 @@ int fwd_terms(const AttnParams& p, prim::stream_t stream) {
                 stream, p);
 }
 
-// The fused backward (bwd_fused.cuh) after the Delta kernel: dK, dV, dQ's fp32 accumulator, then dq.
-template <int HD, bool BF16>
-int bwd_fused(const AttnParams& p, prim::stream_t stream) {
-  using Cfg = BwdFusedConfig<HD>;
-  if (p.Lk > 0) {
-    const int err = launch(attn_bwd_fused_kernel<HD, BF16>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), 1,
-                           Cfg::kSmem, stream, p, Cfg::kThreads);
-    if (err) return err;
-  }
-  return launch(attn_dq_convert_kernel<BF16>, cdiv(p.dq_numel, 512), 1, 0, stream, p);
+// Delta = rowsum(dO * O) - dlse, the first kernel of every backward.
+template <bool BF16>
+int delta(const AttnParams& p, prim::stream_t stream) {
+  return launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
 }
 
 template <int HD, bool BF16, bool TERMS = false>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;
-  int err = launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
+  int err = delta<BF16>(p, stream);
   if (err) return err;
-  if constexpr (!TERMS && HD <= 128) {
-    if (p.dq_accum) return bwd_fused<HD, BF16>(p, stream);
-  }
   AttnParams pk = p;                                    // the dK/dV pass reads the by-key lists
   pk.lists = p.lists_by_key;
   pk.list_h = p.listk_h;
