@@ -116,28 +116,48 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
     const float* lse_s = s_lse + stage * BM;
     const float* delta_s = s_delta + stage * BM;
 
-    float st[NS][4], dpt[NS][4];
-    st_dpt<HD, BM, BF16>(st, dpt, sK, sV, q_s, do_s, warp, kd, kdv);
-
+    // S^T = K Q^T for this warp's 16 keys and the 64 queries, then dP^T = V dO^T a half (32 queries) at
+    // a time: each half's P^T (dropout applied) and dS^T go straight into the bf16 / fp16 A operands of
+    // dV += P^T dO and dK += dS^T Q (fewer fp32 values live next to the dK / dV accumulators: with the
+    // whole dP^T in fp32, ptxas spilled at head dim 128 on sm_90a)
+    float st[NS][4];
+    zero_acc(st);
+    mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, q_s, kd);
     const bool masked = sched.masked(it);
     const float slope = alibi_slope(p, b, h);
+    uint32_t ap[BM / 16][4], as[BM / 16][4];
 #pragma unroll
-    for (int j = 0; j < NS; ++j)
+    for (int half = 0; half < 2; ++half) {
+      float dpt[NS / 2][4];
+      zero_acc(dpt);
+      mma_rows_rows<HD, BM / 2, BF16>(dpt, sV, warp * 16, do_s + half * (BM / 2) * HD, kdv);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int kj = key0 + 8 * (e >> 1);
-        const int qr = 8 * j + 2 * t4 + (e & 1);
-        const int i = m0 + qr;
-        bool ok = !masked || visible<false>(p, nullptr, i, kj);
-        if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-        const PdS r = p_and_ds(p, st[j][e], dpt[j][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok);
-        st[j][e] = r.pd;
-        dpt[j][e] = r.ds;
-        const int kr = kj - n0;
-        sdS[Tile<BN>::offset(qr, kr >> 3) + (kr & 7)] = prim::from_float<BF16>(r.ds);
+      for (int jj = 0; jj < NS / 2; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = half * (NS / 2) + jj;
+          const int kj = key0 + 8 * (e >> 1);
+          const int qr = 8 * j + 2 * t4 + (e & 1);
+          const int i = m0 + qr;
+          bool ok = !masked || visible<false>(p, nullptr, i, kj);
+          if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
+          const PdS r = p_and_ds(p, st[j][e], dpt[jj][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok);
+          st[j][e] = r.pd;
+          dpt[jj][e] = r.ds;
+          const int kr = kj - n0;
+          sdS[Tile<BN>::offset(qr, kr >> 3) + (kr & 7)] = prim::from_float<BF16>(r.ds);
+        }
+#pragma unroll
+      for (int k2 = 0; k2 < BM / 32; ++k2) {
+        acc_to_a<BF16>(ap[half * (BM / 32) + k2], st, half * (BM / 32) + k2);
+        acc_to_a<BF16>(as[half * (BM / 32) + k2], dpt, k2);
       }
-
-    dv_dk_update<HD, BM, NA, BF16>(dv, dk, st, dpt, q_s, do_s, 0, p);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      mma_a_rows<HD, NA, BF16>(dv, ap[kk], do_s, kk, 0, p.Dv);
+      mma_a_rows<HD, NA, BF16>(dk, as[kk], q_s, kk, 0, p.D);
+    }
 
     // this key tile's place among the key tiles query tile mt sees: its turn to add into dQ
     int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt + mt;
