@@ -4,7 +4,7 @@
 //
 // One block of 8 warps per (key tile of 128, b, kv head). Warp w owns keys [16w, 16w + 16). The block
 // walks the G query heads of the group and, for each, the query tiles of 64 rows that see its keys
-// (query_schedule), with Q, dO and the rows' lse / Delta double-buffered: the copies of step u + 1 are
+// (query_schedule; from the last down, see below), with Q, dO and the rows' lse / Delta double-buffered: the copies of step u + 1 are
 // issued (cp.async) before step u's products, so they are in flight while the tensor cores work. Per step:
 //   S^T = K Q^T, dP^T = V dO^T            (warp: 16 keys x 64 queries)
 //   P^T, dS^T elementwise; dS to shared memory (query-major, bf16 / fp16)
@@ -76,11 +76,15 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
     zero_unseen<HD, BN, KT, NT>(sK, n0, [&](int j) { return j < p.Lk && !kpm[int64_t(j) * p.kpm_l]; });
   }
 
-  // no layout: every head of the group visits the same query tiles
+  // No layout: every head of the group visits the same query tiles, [t0, t3) (analytic). Step u is tile
+  // t3 - 1 - u / G of head hk G + u % G: tiles from the last down, the group's heads inside each, so the
+  // block of key tile n - 1 reaches each (tile, head) it shares with this block no later than this block
+  // (its last tile is at most this block's; causal: 2 tiles lower) and the dQ turns seldom wait. (Tiles
+  // in ascending order, or heads outside, would make the causal block n wait about 2n steps.)
   const Schedule sched = query_schedule(p, nullptr, hk * p.G, nt, BM, BN);
-  const int count = sched.count(), total = p.G * count;
+  const int count = sched.count(), total = p.G * count, t3 = sched.t0 + count;
   auto issue = [&](int u, int stage) {       // Q, dO (cp.async) and the row statistics of step u
-    const int h = hk * p.G + u / count, m0 = sched.tile(u % count) * BM;
+    const int h = hk * p.G + u % p.G, m0 = (t3 - 1 - u / p.G) * BM;
     load_tile<HD, BM, KT, NT>(sQ + stage * BM * HD,
                               static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l, p.q_l, m0,
                               p.Lq, p.D);
@@ -102,7 +106,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
 
   for (int u = 0; u < total; ++u) {
     const int stage = u & 1;
-    const int h = hk * p.G + u / count, it = u % count, mt = sched.tile(it), m0 = mt * BM;
+    const int h = hk * p.G + u % p.G, mt = t3 - 1 - u / p.G, m0 = mt * BM;
     const int bh = b * p.H + h;
     if (u + 1 < total) issue(u + 1, stage ^ 1);   // its buffers were last read before step u - 1's dQ barrier
     prim::cp_async_commit();
@@ -123,7 +127,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
     float st[NS][4];
     zero_acc(st);
     mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, q_s, kd);
-    const bool masked = sched.masked(it);
+    const bool masked = mt < sched.t1 || mt >= sched.t2;   // outside the full tiles [t1, t2)
     const float slope = alibi_slope(p, b, h);
     uint32_t ap[BM / 16][4], as[BM / 16][4];
 #pragma unroll
