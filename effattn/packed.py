@@ -15,7 +15,8 @@ Both become one thing a backend serves: a work list of segments ``(q0, q1, k0, k
 reference row walks it with its chunked reference, forward and backward, and the ``torch/cpu-segments``
 row runs each segment of a packed CPU call on the CPU paths. The Triton kernels serve ``positions`` and ``out_fp32`` (one
 segment: their offset is the segment's) and ``varlen`` through (segment, tile) work lists
-(``launch.fwd_varlen``, ``launch.bwd(segments=...)``), the CUDA kernels all three (``varlen`` through a
+(``launch.fwd_varlen``, ``launch.bwd(segments=...)``; with score terms the score kernels on the same
+work lists), the CUDA kernels all three (``varlen`` through a
 grid of (segment, tile) blocks sized by ``max_seqlen`` that read their bounds from ``cu_seqlens``).
 
 Without ``max_seqlen`` a call reads ``cu_seqlens`` to the host once (validation, the work list and

@@ -42,11 +42,11 @@ def _terms(kind, B, H, Lq, Lk, g):
         return dict(bias=r(1, H, Lq, Lk)), {"dense": None}
     if kind == "dense-bcast":
         return dict(bias=r(Lk)), {"dense": None}
-    if kind == "all":
+    if kind in ("all", "all-packed"):     # all-packed: no dense bias (refused with cu_seqlens)
         z = torch.full((H,), 5.5, dtype=torch.float64)
         return dict(softcap=3.0, sinks=r(H), bias=[ALiBi(0.1 * torch.rand(H, generator=g, dtype=torch.float64)),
-                                                   Relative(r(H, 9), max_distance=4), Span(z, ramp=3, max_span=9),
-                                                   r(B, 1, Lq, 1)]), {}
+                                                   Relative(r(H, 9), max_distance=4), Span(z, ramp=3, max_span=9)]
+                    + ([r(B, 1, Lq, 1)] if kind == "all" else [])), {}
     raise KeyError(kind)
 
 
@@ -459,7 +459,8 @@ def test_alibi_module():
 
 def test_score_kernels_compile_for_sm90_offline():
     """The interpreter skips Triton's compiler: compile the score-terms kernels with every term on
-    for an H100 target (tools/triton/score_kernel_resources.py), so a GPU-only compile error fails CI."""
+    for an H100 target (tools/triton/score_kernel_resources.py), plain and on packed sequences' work
+    lists, so a GPU-only compile error fails CI."""
     import os
     import subprocess
     import sys
@@ -469,7 +470,8 @@ def test_score_kernels_compile_for_sm90_offline():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     code = ("from tools.triton.score_kernel_resources import compile_score_kernel\n"
             "for kind in ('fwd', 'bwd'):\n"
-            "    k = compile_score_kernel(90, kind, 64, 'bf16', 'all')\n"
+            "    for varlen in (False, True):\n"
+            "        k = compile_score_kernel(90, kind, 64, 'bf16', 'all', varlen=varlen)\n"
             "    print(kind, k.metadata.shared)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=1200)

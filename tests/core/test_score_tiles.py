@@ -109,6 +109,20 @@ def test_constant_tile_count_is_exact(probe):
     assert counts["fwd"].tolist() == want * H
 
 
+
+@pytest.mark.parametrize("kind,mode", [("relative", "full"), ("span-bidirectional", "window"),
+                                       ("all-constant-kinds", "causal")])
+def test_constant_tiles_on_packed_sequences(probe, kind, mode):
+    """Packed sequences (cu_seqlens: the (segment, tile) work lists) take the constant path in each
+    segment's coordinates, in the forward and both backward program kinds, with the same bits as the
+    elementwise path."""
+    cu = (torch.tensor([0, 40, 88], dtype=torch.int32, device=DEVICE),
+          torch.tensor([0, 40, 96], dtype=torch.int32, device=DEVICE))
+    counts = _both_paths(probe, (1, H, 1, 88, 96, 8), _cases()[kind], dict(MODES[mode], cu_seqlens=cu))
+    assert int(counts["fwd"].sum()) > 0, "no forward tile took the constant path"
+    n_kv = 3 + 4                                          # key work items of 16: 40 and 56 keys, one kv head
+    assert int(counts["bwd"][:n_kv].sum()) > 0 and int(counts["bwd"][n_kv:].sum()) > 0
+
 @pytest.mark.parametrize("kind", ["alibi", "dense"])
 def test_terms_that_vary_take_no_constant_tile(probe, kind):
     bias = ALiBi(torch.rand(H, dtype=torch.float64)) if kind == "alibi" else torch.randn(64, dtype=torch.float64)

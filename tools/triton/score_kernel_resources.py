@@ -38,7 +38,7 @@ TERMS = {"none": {}, "softcap": dict(SOFTCAP=True), "sinks": dict(SINKS_ON=True)
 _FLOATS = {"scale", "softcap", "ramp", "inv_keep"}
 _POINTERS = {"KPM": "*u8", "LAY": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "SINKS": "*fp32", "SL": "*fp32",
              "TAB": "*fp32", "Z": "*fp32", "BIAS": "*fp32", "PART": "*fp32", "DBIAS": "*fp32", "DK": "*fp32",
-             "DV": "*fp32", "CNT": "*i32"}
+             "DV": "*fp32", "CNT": "*i32", "ITEMS": "*i32", "ITEMS1": "*i32", "ITEMS2": "*i32"}
 _UNIT = {"q_d", "k_d", "v_d", "do_d", "kpm_l", "bias_k"}
 _TUPLES = dict(STRIDE_TUPLES, bias_strides=("bias_b", "bias_h", "bias_q", "bias_k"))
 
@@ -56,10 +56,10 @@ def launch_config(kind: str, head_dim: int, term: str):
 
 
 def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: str, block=None, warps=None,
-                         stages=2, fast: Optional[bool] = None):
+                         stages=2, fast: Optional[bool] = None, varlen=False):
     """One of the score kernels compiled for ``sm_<arch>`` with causal masking and the constexprs of
-    `term`, for contiguous inputs; tiles, warps and ``FAST`` as the launcher's unless given. Returns
-    Triton's CompiledKernel."""
+    `term`, for contiguous inputs (``varlen``: on packed sequences' work lists); tiles, warps and
+    ``FAST`` as the launcher's unless given. Returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -73,7 +73,7 @@ def compile_score_kernel(arch: int, kind: str, head_dim: int, dtype: str, term: 
                   HAS_LEFT=False, HAS_RIGHT=True, HAS_LAYOUT=False, HAS_KPM=False, DROPOUT=False, SOFTCAP=False,
                   SINKS_ON=False, ALIBI=False, REL=False, REL_BIDIR=True, SPAN=False, SPAN_BIDIR=False, DENSE=False,
                   FAST=launch_fast if fast is None else fast, COUNT=False, DOT_PREC="ieee", INTERP_BF16=False,
-                  IDX64=False)
+                  IDX64=False, VARLEN=varlen)
     consts.update(TERMS[term])
     if consts["SPAN"]:       # the launcher bounds the window by the span's horizon (both sides: bidirectional)
         consts["HAS_LEFT"] = True

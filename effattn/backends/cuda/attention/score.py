@@ -50,7 +50,7 @@ def reasons(call) -> List[str]:
     why = several_of_a_kind(call.score, _ONE_EACH, "the CUDA kernels")
     if call.cu_seqlens is not None:
         why.append("score terms with packed sequences (cu_seqlens): the CUDA kernels' parameter-gradient partials "
-                   "are per (batch, head, query tile), not per segment (the torch row serves the call)")
+                   "are per (batch, head, query tile), not per segment (torch/score and triton/score serve the call)")
     if any(isinstance(t, _bias.Span) and t.bidirectional for t in call.score.terms):
         why.append("a bidirectional adaptive span (the CUDA kernels bound the span on the past side only; "
                    "the Triton and torch backends serve it)")

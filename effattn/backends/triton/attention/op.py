@@ -271,15 +271,15 @@ def _admits_score(call):
 
 
 # the plain kernels take no score terms (the triton/score row's kernels do); the split-KV decode leaves
-# packed sequences, positions and fp32 outputs to the prefill kernels; the score kernels take positions and fp32
-# outputs, not packed sequences (the torch row serves packed calls with terms).
+# packed sequences, positions and fp32 outputs to the prefill kernels; the score kernels take positions, fp32
+# outputs and packed sequences (the plain packed kernels' (segment, tile) work lists).
 # triton/score is registered before triton/prefill (same rank): prefill stays the backend's most general row
 DECODE = register(Path(name="triton/decode", priority=_rank(9), run=_run_decode,
                        caps=_caps(FEATURES["attention"] - PACKED_FEATURES - SCORE_FEATURES),
                        admits=lambda call: decode.admits(call), describe=lambda call: decode.describe(call),
                        **_COMMON))
 SCORE = register(Path(name="triton/score", priority=_rank(10), run=_run_score,
-                      caps=_caps(FEATURES["attention"] - {"varlen"}), admits=_admits_score,
+                      caps=_caps(FEATURES["attention"]), admits=_admits_score,
                       describe=lambda call: score_path.describe(call), **_COMMON))
 BACKEND = PREFILL = register(Path(name="triton/prefill", priority=_rank(10), run=_run_prefill,
                                   caps=_caps(FEATURES["attention"] - SCORE_FEATURES), **_COMMON))

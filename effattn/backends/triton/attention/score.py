@@ -3,8 +3,10 @@ call's terms are not served, and the implementation `effattn.score.ScoreAttentio
 
 Served: softcap, sinks and at most one term of each kind (ALiBi, Relative, Span, a dense tensor),
 with causal / window / layout / key padding / GQA / dropout, positions (the terms' distances and the
-dropout draws absolute; dropout at a head shard's global heads) and fp32 outputs; packed sequences
-(cu_seqlens) with terms run on the torch row. Tile sizes are fixed (no autotuning):
+dropout draws absolute; dropout at a head shard's global heads), fp32 outputs and packed sequences
+(cu_seqlens: the plain packed kernels' (segment, tile) work lists, `launch._work_items`; the terms
+read segment-local distances, dropout draws at the packed rows, and the parameters' partial sums
+take one slot per (head, query work item), summed in a fixed order). Tile sizes are fixed (no autotuning):
 the result is bitwise the same on every run. The dense bias's gradient goes through a fp32
 (B, H, Lq, Lk) buffer (the bias itself is that large before broadcasting)."""
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ....score import several_of_a_kind, span_left
 from ....tiles import cdiv
 from ..runtime import _INTERPRET, _next_pow2
 from .backward import delta_kernel
-from .launch import _on_device, _or_dummy, philox_key, plan_for
+from .launch import _on_device, _or_dummy, _work_items, philox_key, plan_for
 from .score_kernels import score_bwd_kernel, score_fwd_kernel
 
 _KINDS = (_bias.ALiBi, _bias.Relative, _bias.Span, _bias.Dense)
@@ -52,8 +54,9 @@ def describe(call) -> str:
                               ("a layout", call.layout is not None),
                               ("key padding", call.key_padding_mask is not None)) if x] or ["TileProbe.fast off"]
         tiles = "every visited tile masked elementwise (" + ", ".join(why) + ")"
+    packed = "; packed sequences on (segment, tile) work lists" if call.cu_seqlens is not None else ""
     return ("score terms (" + ", ".join(sorted(score.features())) + "): the score-terms kernels, " + tiles
-            + ", fixed tiles (no autotuning)")
+            + ", fixed tiles (no autotuning)" + packed)
 
 
 def _fast_tiles(score, layout: bool, kpm: bool) -> bool:
@@ -105,33 +108,44 @@ def _term_args(score, q, B, H, Lq, Lk):
     return ptrs, args, flags, tab
 
 
-def _offset(segments):
-    """The kernels' offset of a call's work list: None (bottom-right) or its one segment's (positions,
-    an fp32 output: `effattn.packed`; the row refuses packed sequences)."""
+def _packed(segments, Lq: int, Lk: int):
+    """(the kernels' offset, whether the call is packed) of a call's work list: a single segment over
+    the whole call (positions, an fp32 output: `effattn.packed`) is a plain call at its offset; any
+    other list (cu_seqlens: bottom-right segments) runs on the (segment, tile) work lists."""
     if segments is None:
-        return None
-    (_, _, _, _, off), = segments
-    return off
+        return None, False
+    if len(segments) == 1 and tuple(segments[0][:4]) == (0, Lq, 0, Lk):
+        return segments[0][4], False
+    return None, True
 
 
 def _common(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, score, backward=False,
             tf32=False, segments=None, drop_at=None):
     """(the `LaunchPlan`, the meta arguments, the scalar arguments by name) shared by both score
-    kernels (`score_kernels`; the C++ `AttnParams` names where it has the field)."""
+    kernels (`score_kernels`; the C++ `AttnParams` names where it has the field). A packed call's
+    ``VARLEN`` launches replace ``Lq`` / ``Lk`` by their work lists' lengths (`_items`)."""
+    q_offset, varlen = _packed(segments, q.shape[2], k.shape[2])
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, span_left(left, score),
-                 span_left(right, score, future=True), tf32, q_offset=_offset(segments))
+                 span_left(right, score, future=True), tf32, q_offset=q_offset)
     bm, bn, warps = _blocks(p.D, p.Dv, backward, score)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv, HAS_LEFT=p.left >= 0,
                 HAS_RIGHT=p.right >= 0, HAS_LAYOUT=layout_mask is not None, HAS_KPM=kpm is not None,
                 DROPOUT=dropout_p > 0, DOT_PREC=p.dot_prec, INTERP_BF16=p.interp_bf16, IDX64=p.idx64,
                 FAST=_fast_tiles(score, layout_mask is not None, kpm is not None), COUNT=TileProbe.count,
-                num_warps=warps, enable_fp_fusion=True)
+                VARLEN=varlen, num_warps=warps, enable_fp_fusion=True)
     args = dict(q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), kpm_strides=p.kpm_strides, H=p.H,
                 G=p.G, Lq=p.Lq, Lk=p.Lk, D=p.D, Dv=p.Dv, off=p.off, left=p.left, right=p.right, lay_h=p.lay_h,
                 lay_nkb=p.lay_nkb, lay_bs=max(layout_block, 1), scale=scale, drop_thresh=p.drop_thresh,
-                inv_keep=p.inv_keep)
+                inv_keep=p.inv_keep, rows_q=p.Lq)
     args.update(zip(("drop_q0", "drop_k0", "drop_h0", "drop_H"), drop_at or (0, 0, 0, p.H)))
     return p, meta, args
+
+
+def _items(segments, block: int, by_key: bool, causal: bool, device):
+    """(number of items, the int32 (segment, tile) work list of a packed call on `device`): the plain
+    packed kernels' (`launch._work_items`), causal query tiles heaviest first."""
+    items = _work_items(segments, block, by_key, causal and not by_key)
+    return len(items), torch.tensor(items or [(0, 0, 0, 0, 0)], dtype=torch.int32).to(device)
 
 
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, tf32=False,
@@ -145,11 +159,15 @@ def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, lef
     ptrs, term_args, flags, _ = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
     sinks = score.sinks.contiguous() if score.sinks is not None else None        # the kernel reads SINKS + h
     kpm_u8 = kpm.view(torch.uint8) if kpm is not None else q
-    grid = (cdiv(p.Lq, meta["BLOCK_M"]) * p.B * p.H,)
+    items = q
+    if meta["VARLEN"]:
+        n, items = _items(segments, meta["BLOCK_M"], False, p.right >= 0, q.device)
+        args["Lq"] = n * meta["BLOCK_M"]
+    grid = (cdiv(args["Lq"], meta["BLOCK_M"]) * p.B * p.H,)
     cnt = _counter(grid[0], q.device, "fwd")
     with _on_device(q.device):
         score_fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
-                               SINKS=_or_dummy(sinks, q), **ptrs, CNT=_or_dummy(cnt, lse),
+                               SINKS=_or_dummy(sinks, q), **ptrs, CNT=_or_dummy(cnt, lse), ITEMS=items,
                                seed=philox_key(seed) if dropout_p > 0 else 0, **args, **term_args,
                                SINKS_ON=sinks is not None, **flags, **meta)
     return out, lse
@@ -173,7 +191,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
     dk = torch.zeros((p.B, p.Hkv, p.Lk, p.D), dtype=torch.float32, device=q.device)
     dv = torch.zeros((p.B, p.Hkv, p.Lk, p.Dv), dtype=torch.float32, device=q.device)
     ptrs, term_args, flags, tab = _term_args(score, q, p.B, p.H, p.Lq, p.Lk)
-    n_mt = cdiv(p.Lq, meta["BLOCK_M"]) if p.Lq else 0
+    items = (q, q)
+    if meta["VARLEN"]:                  # one partial slot per (head, query work item)
+        (n_k, items_k), (n_q, items_q) = (_items(segments, meta[b], by_key, p.right >= 0, q.device)
+                                          for b, by_key in (("BLOCK_N", True), ("BLOCK_M", False)))
+        items = (items_k, items_q)
+        args.update(Lq=n_q * meta["BLOCK_M"], Lk=n_k * meta["BLOCK_N"])
+    n_mt = cdiv(args["Lq"], meta["BLOCK_M"]) if p.Lq else 0
     n_part = 2 + (tab.width if tab is not None else 0)
     part = torch.zeros((p.B * p.H, n_mt, n_part), dtype=torch.float32, device=q.device)
     dbias = (torch.zeros((p.B, p.H, p.Lq, p.Lk), dtype=torch.float32, device=q.device) if flags["DENSE"]
@@ -186,12 +210,12 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
             grid, delta_args, delta_meta = p.delta_args(grad_out, grad_lse, idx64=p.idx64)
             delta_kernel[grid](O=out, DO=grad_out, DLSE=_or_dummy(grad_lse, lse), DELTA=delta, **delta_args,
                                **delta_meta)
-            n_kv = cdiv(p.Lk, meta["BLOCK_N"]) * p.B * p.Hkv
+            n_kv = cdiv(args["Lk"], meta["BLOCK_N"]) * p.B * p.Hkv
             grid = (n_kv + n_mt * p.B * p.H,)
             cnt = _counter(grid[0], q.device, "bwd")
             score_bwd_kernel[grid](Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq, DK=dk, DV=dv, KPM=kpm_u8,
                                    LAY=_or_dummy(p.lay, q), **ptrs, PART=part, DBIAS=_or_dummy(dbias, q),
-                                   CNT=_or_dummy(cnt, lse),
+                                   CNT=_or_dummy(cnt, lse), ITEMS1=items[0], ITEMS2=items[1], rows_k=p.Lk,
                                    do_strides=grad_out.stride(), B=p.B, Hkv=p.Hkv,
                                    seed=philox_key(seed) if dropout_p > 0 else 0, n_part=n_part, **args, **term_args,
                                    BLOCK_P=max(16, _next_pow2(n_part)), **flags, **meta)

@@ -10,7 +10,9 @@ evaluated elementwise (`_add_terms`) unless the window bounds show all of it and
 constant on it (`_const_tile`: beyond a relative table's clip, inside a span's flat part; softcap
 and sinks alone are constant everywhere): such a tile adds one scalar to the soft-capped scores and
 nothing else (`_tile_scores`), the same bits as the elementwise path. ALiBi, a dense bias, a layout
-or key padding keep every tile elementwise (the launcher's ``FAST``).
+or key padding keep every tile elementwise (the launcher's ``FAST``). Packed sequences (``VARLEN``:
+the plain packed kernels' (segment, tile) work lists) run every step above, constant tiles
+included, in each segment's coordinates.
 
 Deterministic, no atomics: `score_bwd_kernel` is one launch of dK/dV programs (one per key tile of a
 (b, kv head), looping over the group's query heads) and dQ programs (one per query tile of a (b, h)).
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..jit import cast, dot, i64, load_tile
-from .schedule import dropout_keep, key_tile_range, query_tile_range, visible
+from .schedule import dropout_keep, key_tile_range, query_tile_range, visible, work_item
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -238,38 +240,52 @@ def _add_const(s, c, REL: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(pid, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                IDX64: tl.constexpr):
-    """Query tile `pid` of cdiv(Lq, BLOCK_M) x B * H (tiles fastest): (bh, b, h, kv head, its rows,
-    the rows as offsets, the Q tile)."""
+def _query_tile(pid, Q, ITEMS, q_b, q_h, q_l, q_d, H, G, Lq, Lk, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                IDX64: tl.constexpr, VARLEN: tl.constexpr):
+    """Query tile `pid` of cdiv(Lq, BLOCK_M) x B * H (tiles fastest): (the program's tile slot, the
+    tile, bh, b, h, kv head, its rows, the rows as offsets, the Q tile, the first query and key rows, Lq, Lk).
+    ``VARLEN``: the slot is an item of the work list ITEMS (`schedule.work_item`), and the rows, Lq
+    and Lk are its segment's (the first rows added to every pointer)."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
-    pid_m = pid % n_mt
+    slot = pid % n_mt
     bh = pid // n_mt
     b = bh // H
     h = bh % H
+    pid_m = slot
+    q_row0 = slot * 0
+    k_row0 = slot * 0
+    if VARLEN:
+        q_row0, k_row0, Lq, Lk, pid_m = work_item(ITEMS, slot)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     om = i64(offs_m, IDX64)
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
-    q = load_tile(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + om[:, None] * q_l + offs_d[None, :] * q_d,
-                  offs_m, Lq, offs_d, D, True, True)
-    return pid_m, bh, b, h, h // G, offs_m, om, q
+    q = load_tile(Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + q_row0.to(tl.int64) * q_l + om[:, None] * q_l
+                  + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, True)
+    return slot, pid_m, bh, b, h, h // G, offs_m, om, q, q_row0, k_row0, Lq, Lk
 
 
 @triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
-def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
+def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT, ITEMS,
                      q_strides, k_strides, v_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
+                     rows_q,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                      HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS_ON: tl.constexpr,
                      ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
                      SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
-                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
-    """O (B, H, Lq, Dv) and LSE (B, H, Lq) natural log, for one query tile of one (b, h); grid
+                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+                     VARLEN: tl.constexpr = False):
+    """O (B, H, rows_q, Dv) and LSE (B, H, rows_q) natural log, for one query tile of one (b, h); grid
     cdiv(Lq, BLOCK_M) * B * H, query tiles fastest. The full tiles on which every term is constant
     (`_const_tile`; ``FAST``) skip the elementwise steps of `_tile_scores`; with ``COUNT`` (a test
-    hook) each program writes the number of such tiles to ``CNT[pid]``.
+    hook) each program writes the number of such tiles to ``CNT[pid]``. ``VARLEN`` (packed
+    sequences, B = 1, no layout, key padding or dense bias): ``Lq`` is ``n_items * BLOCK_M`` and
+    ITEMS the (segment, query tile) work list of the plain packed kernels (`schedule.work_item`); a
+    program works in its segment's coordinates (its lengths, bottom-right offset, first rows), so the
+    terms, the window's tile ranges and the constant tiles read segment-local distances and dropout
+    draws at the packed rows. ``rows_q``: the rows of O and LSE per (b, h).
 
     Scalar arguments named as the C++ `AttnParams` fields where it has them (csrc/attention/attention.h:
     ``scale``, ``softcap``, ``alibi_b``, the sizes, bounds and dropout numbers) and passed by name;
@@ -285,13 +301,15 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
     v_b, v_h, v_l, v_d = v_strides
     kpm_b, kpm_l = kpm_strides
     bias_b, bias_h, bias_q, bias_k = bias_strides
-    pid_m, bh, b, h, hk, offs_m, _, q = _query_tile(tl.program_id(0), Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M,
-                                                    BLOCK_D, IDX64)
+    _, pid_m, bh, b, h, hk, offs_m, _, q, q_row0, k_row0, Lq, Lk = _query_tile(
+        tl.program_id(0), Q, ITEMS, q_b, q_h, q_l, q_d, H, G, Lq, Lk, D, BLOCK_M, BLOCK_D, IDX64, VARLEN)
+    if VARLEN:
+        off = Lk - Lq
     m0 = pid_m * BLOCK_M
     offs_d = i64(tl.arange(0, BLOCK_D), IDX64)
     offs_dv = i64(tl.arange(0, BLOCK_DV), IDX64)
-    k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-    v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+    k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h + k_row0.to(tl.int64) * k_l
+    v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h + k_row0.to(tl.int64) * v_l
     kpm_base = KPM + b.to(tl.int64) * kpm_b
     lay_ptr = LAY + h.to(tl.int64) * lay_h
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -323,8 +341,8 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, b * drop_H + drop_h0 + h, offs_m[:, None] + drop_q0,
-                                      offs_n[None, :] + drop_k0, drop_thresh), p * inv_keep, 0.0)
+            p = tl.where(dropout_keep(seed, b * drop_H + drop_h0 + h, offs_m[:, None] + (q_row0 + drop_q0),
+                                      offs_n[None, :] + (k_row0 + drop_k0), drop_thresh), p * inv_keep, 0.0)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)
         m_i = m_new
     if SINKS_ON:        # the sink's exp joins the normalizer: lse = log(sum exp(s) + exp(sink))
@@ -339,9 +357,10 @@ def score_fwd_kernel(Q, K, V, O, LSE, KPM, LAY, SINKS, SL, TAB, Z, BIAS, CNT,
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / LOG2E)
     row_ok = offs_m < Lq
-    tl.store(O + (bh.to(tl.int64) * Lq + offs_m[:, None]) * Dv + offs_dv[None, :], cast(out, O.dtype.element_ty,
-             INTERP_BF16), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+    rows = bh.to(tl.int64) * rows_q + q_row0 + offs_m
+    tl.store(O + rows[:, None] * Dv + offs_dv[None, :], cast(out, O.dtype.element_ty, INTERP_BF16),
+             mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(LSE + rows, lse, mask=row_ok)
     if COUNT:
         tl.store(CNT + tl.program_id(0), n_fast)
 
@@ -366,32 +385,39 @@ def _grads_of(s, t, do, vt, lse, delta, offs_m, offs_n, drop_bh, drop_q0, drop_k
 
 
 @triton.jit
-def _row_stats(LSE, DELTA, bh, offs_m, Lq):
-    """lse (log2 units; +inf where no row or no key, so P = 0) and Delta of a query tile."""
-    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
+def _row_stats(LSE, DELTA, row0, offs_m, Lq):
+    """lse (log2 units; +inf where no row or no key, so P = 0) and Delta of a query tile whose row 0
+    is row ``row0`` of LSE and DELTA."""
+    lse = tl.load(LSE + row0 + offs_m, mask=offs_m < Lq, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    return lse, tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    return lse, tl.load(DELTA + row0 + offs_m, mask=offs_m < Lq, other=0.0)
 
 
 @triton.jit(do_not_specialize=["drop_q0", "drop_k0", "drop_h0", "drop_H"])
-def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS, CNT,
+def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, BIAS, PART, DBIAS, CNT, ITEMS1,
+                     ITEMS2,
                      q_strides, k_strides, v_strides, do_strides, kpm_strides, alibi_b, alibi_h, tab_h, bias_strides,
                      B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                      scale, softcap, max_dist, ramp, seed, drop_thresh, inv_keep, drop_q0, drop_k0, drop_h0, drop_H,
-                     n_part,
+                     n_part, rows_q, rows_k,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_P: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_LAYOUT: tl.constexpr,
                      HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, REL: tl.constexpr, REL_BIDIR: tl.constexpr, SPAN: tl.constexpr,
                      SPAN_BIDIR: tl.constexpr, DENSE: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
-                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr):
+                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
+                     VARLEN: tl.constexpr = False):
     """The first ``cdiv(Lk, BLOCK_N) * B * Hkv`` programs: dK, dV of one key tile of one (b, kv head);
     the remaining ``cdiv(Lq, BLOCK_M) * B * H``: dQ of one query tile of one (b, h) and its partial
     parameter sums, written to ``PART[bh, tile, :]`` (slot 0 ALiBi, 1 span, 2.. the table), and
-    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous; DK, DV fp32. Tiles on which
-    every term is constant skip the elementwise steps as in the forward (a table's gradient then goes to
-    its one entry; a span's flat part has none); ``COUNT``: their number per program in ``CNT[pid]``.
+    dT to DBIAS (B, H, Lq, Lk) with a dense bias. Outputs contiguous, ``rows_q`` / ``rows_k`` rows per
+    (b, head); DK, DV fp32. Tiles on which every term is constant skip the elementwise steps as in the
+    forward (a table's gradient then goes to its one entry; a span's flat part has none); ``COUNT``:
+    their number per program in ``CNT[pid]``. ``VARLEN`` (as the forward's): ``Lk`` / ``Lq`` count
+    the key / query work lists ITEMS1 / ITEMS2 in rows (``n_items * BLOCK``), each program works in
+    its item's segment, and a dQ program's partial sums go to the slot of its item
+    (``PART[bh, item, :]``).
 
     Arguments as `score_fwd_kernel`'s, and ``do_strides`` (``do_d`` has no C++ field), ``Hkv`` (C++:
     H / G) and ``n_part`` (the parameter slots per program), which have none."""
@@ -412,11 +438,16 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
         bhk = pid // n_nt
         b = bhk // Hkv
         hk = bhk % Hkv
+        q_row0 = pid_n * 0
+        k_row0 = pid_n * 0
+        if VARLEN:              # (segment, key tile) work list, as the plain packed kernels'
+            q_row0, k_row0, Lq, Lk, pid_n = work_item(ITEMS1, pid_n)
+            off = Lk - Lq
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         on = i64(offs_n, IDX64)
-        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h + k_row0.to(tl.int64) * k_l
+        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h + k_row0.to(tl.int64) * v_l
         kt = load_tile(k_base + offs_d[:, None] * k_d + on[None, :] * k_l, offs_d, D, offs_n, Lk, True, True)
         vt = load_tile(v_base + offs_dv[:, None] * v_d + on[None, :] * v_l, offs_dv, Dv, offs_n, Lk, True, True)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -427,8 +458,8 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
             bh = b * H + h
             h_left, h_right = _span_window(left, right, Z, h, ramp, SPAN, SPAN_BIDIR)
             t0, t1, t2, t3 = query_tile_range(n0, Lq, Lk, off, h_left, h_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            q_base = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h
-            do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h
+            q_base = Q + b.to(tl.int64) * q_b + h.to(tl.int64) * q_h + q_row0.to(tl.int64) * q_l
+            do_base = DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + q_row0.to(tl.int64) * do_l
             for tile in range(t0, t3):
                 m0 = tile * BLOCK_M
                 offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -436,10 +467,10 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                 q = load_tile(q_base + om[:, None] * q_l + offs_d[None, :] * q_d, offs_m, Lq, offs_d, D, True, True)
                 do = load_tile(do_base + om[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv,
                                True, True)
-                lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
+                lse, delta = _row_stats(LSE, DELTA, bh.to(tl.int64) * rows_q + q_row0, offs_m, Lq)
                 m_hi = tl.minimum(m0 + BLOCK_M, Lq) - 1
-                fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB, tab_h, max_dist, Z, ramp, FAST, REL,
-                                           REL_BIDIR, SPAN, SPAN_BIDIR)
+                fast, c, _ci = _const_tile((tile >= t1) & (tile < t2), m0, m_hi, n0, n0 + BLOCK_N - 1, off, h, TAB,
+                                           tab_h, max_dist, Z, ramp, FAST, REL, REL_BIDIR, SPAN, SPAN_BIDIR)
                 s, t, _ok, _kz, vz = _tile_scores(fast, c, q, kt, vt, offs_m, offs_n, m0, m_hi, b, h, Lq, Lk, off, left,
                                                   right,
                                                   LAY + h.to(tl.int64) * lay_h, lay_nkb, lay_bs,
@@ -449,27 +480,31 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                                                   HAS_KPM,
                                                   SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE, DOT_PREC,
                                                   INTERP_BF16, IDX64)
-                pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h, drop_q0, drop_k0, seed, drop_thresh, inv_keep,
+                pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h,
+                                       q_row0 + drop_q0, k_row0 + drop_k0, seed, drop_thresh, inv_keep,
                                        DROPOUT, SOFTCAP, DOT_PREC, INTERP_BF16)
                 if COUNT:
                     n_fast += fast.to(tl.int32)
                 dv += dot(tl.trans(cast(pd, do.dtype, INTERP_BF16)), do, DOT_PREC, INTERP_BF16)
                 dk += dot(tl.trans(cast(ds, q.dtype, INTERP_BF16)), q, DOT_PREC, INTERP_BF16)
         ok_k = offs_n[:, None] < Lk
-        rows = (bhk.to(tl.int64) * Lk + offs_n[:, None])
+        rows = (bhk.to(tl.int64) * rows_k + k_row0 + offs_n[:, None])
         tl.store(DK + rows * D + offs_d[None, :], dk * scale, mask=ok_k & (offs_d[None, :] < D))
         tl.store(DV + rows * Dv + offs_dv[None, :], dv, mask=ok_k & (offs_dv[None, :] < Dv))
         if COUNT:
             tl.store(CNT + pid, n_fast)
     else:
-        pid_m, bh, b, h, hk, offs_m, om, q = _query_tile(pid - n_kv, Q, q_b, q_h, q_l, q_d, H, G, Lq, D, BLOCK_M,
-                                                         BLOCK_D, IDX64)
+        slot, pid_m, bh, b, h, hk, offs_m, om, q, q_row0, k_row0, Lq, Lk = _query_tile(
+            pid - n_kv, Q, ITEMS2, q_b, q_h, q_l, q_d, H, G, Lq, Lk, D, BLOCK_M, BLOCK_D, IDX64, VARLEN)
+        if VARLEN:
+            off = Lk - Lq
         m0 = pid_m * BLOCK_M
-        do = load_tile(DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + om[:, None] * do_l
-                       + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv, True, True)
-        lse, delta = _row_stats(LSE, DELTA, bh, offs_m, Lq)
-        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h
-        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h
+        do = load_tile(DO + b.to(tl.int64) * do_b + h.to(tl.int64) * do_h + q_row0.to(tl.int64) * do_l
+                       + om[:, None] * do_l + offs_dv[None, :] * do_d, offs_m, Lq, offs_dv, Dv, True, True)
+        row0 = bh.to(tl.int64) * rows_q + q_row0
+        lse, delta = _row_stats(LSE, DELTA, row0, offs_m, Lq)
+        k_base = K + b.to(tl.int64) * k_b + hk.to(tl.int64) * k_h + k_row0.to(tl.int64) * k_l
+        v_base = V + b.to(tl.int64) * v_b + hk.to(tl.int64) * v_h + k_row0.to(tl.int64) * v_l
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         slots = tl.arange(0, BLOCK_P)
         part = tl.zeros((BLOCK_P,), tl.float32)
@@ -491,8 +526,9 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                                             BIAS, bias_b, bias_h, bias_q, bias_k, BLOCK_M, BLOCK_N, 1, FAST, HAS_LEFT,
                                             HAS_RIGHT, HAS_LAYOUT, HAS_KPM, SOFTCAP, ALIBI, REL, REL_BIDIR, SPAN,
                                             SPAN_BIDIR, DENSE, DOT_PREC, INTERP_BF16, IDX64)
-            pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h, drop_q0, drop_k0, seed, drop_thresh, inv_keep, DROPOUT,
-                                   SOFTCAP, DOT_PREC, INTERP_BF16)
+            pd, dt, ds = _grads_of(s, t, do, vz, lse, delta, offs_m, offs_n, b * drop_H + drop_h0 + h, q_row0 + drop_q0,
+                                   k_row0 + drop_k0, seed, drop_thresh, inv_keep, DROPOUT, SOFTCAP, DOT_PREC,
+                                   INTERP_BF16)
             dq += dot(cast(ds, kz.dtype, INTERP_BF16), tl.trans(kz), DOT_PREC, INTERP_BF16)
             if fast:
                 part = _const_partials(part, slots, dt, ci, REL)
@@ -501,9 +537,9 @@ def score_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KPM, LAY, SL, TAB, Z, 
                                        DBIAS, ALIBI, REL, REL_BIDIR, SPAN, SPAN_BIDIR, DENSE)
             if COUNT:
                 n_fast += fast.to(tl.int32)
-        tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * D + offs_d[None, :], cast(dq * scale,
-                 DQ.dtype.element_ty, INTERP_BF16), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
-        tl.store(PART + (bh.to(tl.int64) * n_mt + pid_m) * n_part + slots, part, mask=slots < n_part)
+        tl.store(DQ + (row0 + offs_m[:, None]) * D + offs_d[None, :], cast(dq * scale, DQ.dtype.element_ty,
+                 INTERP_BF16), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        tl.store(PART + (bh.to(tl.int64) * n_mt + slot) * n_part + slots, part, mask=slots < n_part)
         if COUNT:
             tl.store(CNT + pid, n_fast)
 
