@@ -156,7 +156,7 @@ MUTATIONS: List[Mutation] = [
              "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,
              "forward: a constant tile's terms dropped (the constant path is taken and must add them)"),
     Mutation("const-tile-dkdv", "attention/bwd.cuh",
-             "x += cfast ? cb : s_bias[", "x += cfast ? 0.f : s_bias[", TILES,
+             "TERMS ? (cfast ? cb : s_bias[", "TERMS ? (cfast ? 0.f : s_bias[", TILES,
              "dK/dV pass: a constant tile's terms dropped"),
     Mutation("const-tile-dq", "attention/bwd.cuh",
              "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,

@@ -355,11 +355,13 @@ VISITS = {
 
 
 @pytest.mark.parametrize("case_id", list(VISITS))
-def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation):
+def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch):
     """The emulation counts warp mma: each visited (query tile, key tile) pair costs every warp a
     fixed number of them (forward: Q K^T over D, P V over Dv; dK/dV: S^T, dP^T, dV, dK; dQ: S, dP,
     dQ), so the counts give the tiles each pass visited. They must be the pairs of the Triton
     backend's plan (`visited_tiles`, the code that builds the layout lists) for each pass's tiles."""
+    monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", "0")        # the two passes' products (the fused kernel's:
+                                                              # test_cuda_fused_bwd.py)
     from effattn.backends.cuda.attention.tiling import tiles
     from effattn.tiles import visited_tiles
     Lq, Lk, D, left, right, lay = VISITS[case_id]
