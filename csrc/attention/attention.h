@@ -73,6 +73,12 @@ struct AttnParams {
   void* dk;                      // (B, Hkv, Lk, D), contiguous
   void* dv;                      // (B, Hkv, Lk, Dv), contiguous
   float* delta_out;              // written by the Delta kernel
+  // the fused backward (bwd_fused.cuh) when non-null, else the two-pass one: dQ accumulated in fp32 (dq's
+  // shape and rows, zeroed) by the key blocks in key-tile order, each query tile's turns kept by a semaphore
+  // (int32 (B, H, ceil(Lq / 64)), zeroed; packed: B segments, Lq the longest); dq_numel: dq's elements
+  float* dq_accum;
+  int* dq_sem;
+  int64_t dq_numel;
   // score terms (effattn.score; order: scale, soft-cap, ALiBi, mask, sinks in the normalizer).
   // `score` = 0: none of them, the scores are scale * q.k (the plain kernels' arithmetic).
   int score;
@@ -118,6 +124,10 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
+// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors): the
+// backend decides from resources.py (shared memory of the device) and asks for it with dq_accum; the binding
+// refuses a request this says no to.
+bool attention_bwd_fused_serves(const AttnParams& p);
 // The instances with bias tensors (terms.cu: the mma.sync forward of mask kind kAny and the backward,
 // compiled with TERMS = true); attention_fwd / attention_bwd call them when has_bias_tensors(p).
 int attention_fwd_terms(const AttnParams& p, bool bf16, void* stream);
