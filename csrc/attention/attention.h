@@ -61,6 +61,10 @@ struct AttnParams {
   int dropout;
   int drop_q0, drop_k0, drop_h0, drop_H;
   uint32_t seed_lo, seed_hi;
+  // Philox's round keys, drop_key[2r] = seed_lo + r * 0x9E3779B9 and drop_key[2r + 1] = seed_hi + r * 0xBB67AE85
+  // for rounds r = 0..9 (set_dropout_seed): the rounds read them as kernel parameters from constant space (when
+  // computed in the kernel, ptxas held all 20 in registers through the loops: the fused backward spilled)
+  uint32_t drop_key[20];
   int drop_thresh;
   float inv_keep;                // 1 / (1 - p)
   // backward
@@ -107,6 +111,16 @@ struct AttnParams {
   const void* relkq;             // the term's query (B, H, Lq, D), rows as q's; null: q itself
   int64_t relkq_b, relkq_h, relkq_l;
 };
+
+// Sets the dropout seed (one 64-bit Philox key) and its round keys.
+inline void set_dropout_seed(AttnParams& p, uint64_t key) {
+  p.seed_lo = uint32_t(key & 0xffffffffu);
+  p.seed_hi = uint32_t(key >> 32);
+  for (int r = 0; r < 10; ++r) {
+    p.drop_key[2 * r] = p.seed_lo + uint32_t(r) * 0x9E3779B9u;
+    p.drop_key[2 * r + 1] = p.seed_hi + uint32_t(r) * 0xBB67AE85u;
+  }
+}
 
 // Whether a call has a relative table, an adaptive span or a dense bias (the TERMS instances).
 inline bool has_bias_tensors(const AttnParams& p) { return p.rel || p.span_z || p.bias; }

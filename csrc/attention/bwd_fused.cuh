@@ -70,11 +70,6 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   load_tile<HD, BN, KT, NT>(sV, static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h + p.k0 * p.v_l, p.v_l, n0,
                             p.Lk, p.Dv);
   prim::cp_async_commit();
-  if (kpm) {                                 // padded keys may hold anything: zero their K rows (dQ = dS K)
-    prim::cp_async_wait<0>();
-    prim::sync_block();
-    zero_unseen<HD, BN, KT, NT>(sK, n0, [&](int j) { return j < p.Lk && !kpm[int64_t(j) * p.kpm_l]; });
-  }
 
   // No layout: every head of the group visits the same query tiles, [t0, t3) (analytic). Step u is tile
   // t3 - 1 - u / G of head hk G + u % G: tiles from the last down, the group's heads inside each, so the
@@ -95,6 +90,16 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   };
   if (total > 0) issue(0, 0);
   prim::cp_async_commit();
+  // Keys no query row sees (padded, past the window of every row) may hold anything, NaN included: zero
+  // their K rows, so that dQ = dS K adds 0 * 0 for them, never 0 * NaN (dS is 0 there, a select). Keys that
+  // some row sees are finite or poison that row's output anyway. (V needs nothing: its products with a
+  // masked key are selected away in p_and_ds; Q / dO rows past Lq land as zeros.) Step 0's copies stay
+  // in flight behind K and V's.
+  if (kpm || p.left >= 0 || p.right >= 0) {
+    prim::cp_async_wait<1>();
+    prim::sync_block();
+    zero_unseen<HD, BN, KT, NT>(sK, n0, [&](int j) { return key_seen(p, nullptr, kpm, 0, p.Lq, j); });
+  }                                          // the loop's first barrier orders the zeros before the reads
 
   float dk[NA][4], dv[NA][4];
   zero_acc(dk);
@@ -122,14 +127,14 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
 
     // S^T = K Q^T for this warp's 16 keys and the 64 queries, then dP^T = V dO^T a half (32 queries) at
     // a time: each half's P^T (dropout applied) and dS^T go straight into the bf16 / fp16 A operands of
-    // dV += P^T dO and dK += dS^T Q (fewer fp32 values live next to the dK / dV accumulators: with the
-    // whole dP^T in fp32, ptxas spilled at head dim 128 on sm_90a)
+    // dV += P^T dO and dK += dS^T Q, one 16-query step of both products after the other (fewer values live
+    // next to the dK / dV accumulators: with the whole dP^T in fp32, or both halves' A operands held for the
+    // products after the loop, ptxas spilled at head dim 128)
     float st[NS][4];
     zero_acc(st);
     mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, q_s, kd);
     const bool masked = mt < sched.t1 || mt >= sched.t2;   // outside the full tiles [t1, t2)
     const float slope = alibi_slope(p, b, h);
-    uint32_t ap[BM / 16][4], as[BM / 16][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float dpt[NS / 2][4];
@@ -153,14 +158,13 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
         }
 #pragma unroll
       for (int k2 = 0; k2 < BM / 32; ++k2) {
-        acc_to_a<BF16>(ap[half * (BM / 32) + k2], st, half * (BM / 32) + k2);
-        acc_to_a<BF16>(as[half * (BM / 32) + k2], dpt, k2);
+        const int kk = half * (BM / 32) + k2;
+        uint32_t a[4];
+        acc_to_a<BF16>(a, st, kk);
+        mma_a_rows<HD, NA, BF16>(dv, a, do_s, kk, 0, p.Dv);
+        acc_to_a<BF16>(a, dpt, k2);
+        mma_a_rows<HD, NA, BF16>(dk, a, q_s, kk, 0, p.D);
       }
-    }
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      mma_a_rows<HD, NA, BF16>(dv, ap[kk], do_s, kk, 0, p.Dv);
-      mma_a_rows<HD, NA, BF16>(dk, as[kk], q_s, kk, 0, p.D);
     }
 
     // this key tile's place among the key tiles query tile mt sees: its turn to add into dQ
