@@ -61,6 +61,10 @@ struct AttnParams {
   int dropout;
   int drop_q0, drop_k0, drop_h0, drop_H;
   uint32_t seed_lo, seed_hi;
+  // Philox's round keys, drop_key[2r] = seed_lo + r * 0x9E3779B9 and drop_key[2r + 1] = seed_hi + r * 0xBB67AE85
+  // for rounds r = 0..9 (set_dropout_seed): the rounds read them as kernel parameters from constant space (when
+  // computed in the kernel, ptxas held all 20 in registers through the loops: the fused backward spilled)
+  uint32_t drop_key[20];
   int drop_thresh;
   float inv_keep;                // 1 / (1 - p)
   // backward
@@ -73,6 +77,12 @@ struct AttnParams {
   void* dk;                      // (B, Hkv, Lk, D), contiguous
   void* dv;                      // (B, Hkv, Lk, Dv), contiguous
   float* delta_out;              // written by the Delta kernel
+  // the fused backward (bwd_fused.cuh) when non-null, else the two-pass one: dQ accumulated in fp32 (dq's
+  // shape and rows, zeroed) by the key blocks in key-tile order, each query tile's turns kept by a semaphore
+  // (int32 (B, H, ceil(Lq / 64)), zeroed; packed: B segments, Lq the longest); dq_numel: dq's elements
+  float* dq_accum;
+  int* dq_sem;
+  int64_t dq_numel;
   // score terms (effattn.score; order: scale, soft-cap, ALiBi, mask, sinks in the normalizer).
   // `score` = 0: none of them, the scores are scale * q.k (the plain kernels' arithmetic).
   int score;
@@ -102,6 +112,16 @@ struct AttnParams {
   int64_t relkq_b, relkq_h, relkq_l;
 };
 
+// Sets the dropout seed (one 64-bit Philox key) and its round keys.
+inline void set_dropout_seed(AttnParams& p, uint64_t key) {
+  p.seed_lo = uint32_t(key & 0xffffffffu);
+  p.seed_hi = uint32_t(key >> 32);
+  for (int r = 0; r < 10; ++r) {
+    p.drop_key[2 * r] = p.seed_lo + uint32_t(r) * 0x9E3779B9u;
+    p.drop_key[2 * r + 1] = p.seed_hi + uint32_t(r) * 0xBB67AE85u;
+  }
+}
+
 // Whether a call has a relative table, an adaptive span or a dense bias (the TERMS instances).
 inline bool has_bias_tensors(const AttnParams& p) { return p.rel || p.span_z || p.bias; }
 
@@ -118,6 +138,10 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
+// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors): the
+// backend decides from resources.py (shared memory of the device) and asks for it with dq_accum; the binding
+// refuses a request this says no to.
+bool attention_bwd_fused_serves(const AttnParams& p);
 // The instances with bias tensors (terms.cu: the mma.sync forward of mask kind kAny and the backward,
 // compiled with TERMS = true); attention_fwd / attention_bwd call them when has_bias_tensors(p).
 int attention_fwd_terms(const AttnParams& p, bool bf16, void* stream);

@@ -68,9 +68,10 @@ EFFATTN_KERNEL attn_delta_kernel(const AttnParams params) {
 }
 
 // The saved lse of query rows [m0, m0 + rows) in log2 units, +inf for rows past Lq or that saw no
-// key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory.
+// key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory. All NT threads.
+template <int NT = 128>
 EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int b, int h, int m0, int rows) {
-  for (int r = prim::thread_x(); r < rows; r += 128) {
+  for (int r = prim::thread_x(); r < rows; r += NT) {
     const int i = m0 + r;
     float l = INFINITY, d = 0.f;
     if (i < p.Lq) {
@@ -108,6 +109,76 @@ EFFATTN_DEVICE void rel_tile_grad(const AttnParams& p, const float* sT, float* s
       for (int u = t; u < ND && rel_index(p, d00 + u - (BN - 1)) == e; ++u) sum += sD[u];
       if (prim::block_z() == 0) part[e] += sum;
     }
+  }
+}
+
+// S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys (rows [16 warp, 16 warp + 16) of sK, sV) and
+// the BM query rows of sQ, sdO (the dK/dV pass's and the fused backward's first two products).
+template <int HD, int BM, bool BF16>
+EFFATTN_DEVICE void st_dpt(float (&st)[BM / 8][4], float (&dpt)[BM / 8][4], const uint16_t* sK, const uint16_t* sV,
+                           const uint16_t* sQ, const uint16_t* sdO, int warp, int kd, int kdv) {
+  zero_acc(st);
+  zero_acc(dpt);
+  mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, sQ, kd);
+  mma_rows_rows<HD, BM, BF16>(dpt, sV, warp * 16, sdO, kdv);
+}
+
+// dV += P^T dO and dK += dS^T Q over columns [c0, c0 + 8 NA) (`pt`: P^T with dropout applied, `dst`: dS^T).
+template <int HD, int BM, int NA, bool BF16>
+EFFATTN_DEVICE void dv_dk_update(float (&dv)[NA][4], float (&dk)[NA][4], const float (&pt)[BM / 8][4],
+                                 const float (&dst)[BM / 8][4], const uint16_t* sQ, const uint16_t* sdO, int c0,
+                                 const AttnParams& p) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) {
+    uint32_t ap[4], as[4];
+    acc_to_a<BF16>(ap, pt, kk);
+    acc_to_a<BF16>(as, dst, kk);
+    mma_a_rows<HD, NA, BF16>(dv, ap, sdO, kk, c0 / 8, p.Dv);
+    mma_a_rows<HD, NA, BF16>(dk, as, sQ, kk, c0 / 8, p.D);
+  }
+}
+
+// P^T with dropout applied (for dV) and dS^T = dT^T * dcap (for dK) of one score: `x` the raw product
+// q_i . k_j, `dp` its dO_i . v_j, `bias` the bias tensors' terms (log2 units), `lse` (log2 units) and
+// `delta` of row i; `ok`: key j visible to row i (an ignored V row's NaN gives 0, not 0 * NaN).
+struct PdS {
+  float pd, ds;
+};
+
+EFFATTN_DEVICE PdS p_and_ds(const AttnParams& p, float x, float dp, float bias, float lse, float delta, float slope,
+                            int bh, int i, int kj, bool ok) {
+  float dcap = 1.f;
+  const float s = score_log2(p, x, slope, i, kj, dcap) + bias;
+  const float pt = ok ? prim::exp2(s - lse) : 0.f;
+  float pd = pt;
+  if (p.dropout) {
+    const bool keep = dropout_keep(p, bh, i, kj);
+    pd = keep ? pt * p.inv_keep : 0.f;
+    dp = keep ? dp * p.inv_keep : 0.f;
+  }
+  return {pd, ok ? pt * (dp - delta) * dcap : 0.f};
+}
+
+// Stores this thread's rows of dK (times the scale) and dV: keys key0 and key0 + 8, columns c0 + the
+// accumulators' (the dK/dV pass's fragment layout: warp rows are keys).
+template <int NA, bool BF16>
+EFFATTN_DEVICE void store_dkdv(const AttnParams& p, const float (&dk)[NA][4], const float (&dv)[NA][4], int b, int hk,
+                               int key0, int c0) {
+  const int t4 = prim::thread_x() & 3;
+  uint16_t* dkb = static_cast<uint16_t*>(p.dk) + k_row(p, b, hk, 0) * p.D;
+  uint16_t* dvb = static_cast<uint16_t*>(p.dv) + k_row(p, b, hk, 0) * p.Dv;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kj = key0 + 8 * r;
+    if (kj >= p.Lk) continue;
+#pragma unroll
+    for (int j = 0; j < NA; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = c0 + 8 * j + 2 * t4 + e;
+        if (c < p.D) dkb[int64_t(kj) * p.D + c] = prim::from_float<BF16>(dk[j][2 * r + e] * p.scale);
+        if (c < p.Dv) dvb[int64_t(kj) * p.Dv + c] = prim::from_float<BF16>(dv[j][2 * r + e]);
+      }
   }
 }
 
@@ -149,10 +220,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   prim::cp_async_commit();
 
   float dk[NA][4], dv[NA][4];
-#pragma unroll
-  for (int j = 0; j < NA; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+  zero_acc(dk);
+  zero_acc(dv);
   const int key0 = n0 + warp * 16 + g;                  // this thread's keys: key0, key0 + 8
 
   for (int h = hk * p.G; h < (hk + 1) * p.G; ++h) {
@@ -183,14 +252,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
       prim::cp_async_wait<0>();
       prim::sync_block();
 
-      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the 64 queries
       float st[NS][4], dpt[NS][4];
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-      mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, sQ, kd);
-      mma_rows_rows<HD, BM, BF16>(dpt, sV, warp * 16, sdO, kdv);
+      st_dpt<HD, BM, BF16>(st, dpt, sK, sV, sQ, sdO, warp, kd, kdv);
 
       // P^T, dS^T; st becomes P^T with dropout applied (for dV), dpt becomes dS^T (for dK)
       const bool masked = sched.masked(it);
@@ -203,51 +266,18 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           const int i = m0 + qr;
           bool ok = !masked || visible(pw, lay, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-          float dcap = 1.f;
-          float x = score_log2(p, st[j][e], slope, i, kj, dcap);
-          if (TERMS) x += cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0];
-          const float pt = ok ? prim::exp2(x - s_lse[qr]) : 0.f;
-          float dp = dpt[j][e];
-          float pd = pt;
-          if (p.dropout) {
-            const bool keep = dropout_keep(p, bh, i, kj);
-            pd = keep ? pt * p.inv_keep : 0.f;
-            dp = keep ? dp * p.inv_keep : 0.f;
-          }
-          st[j][e] = pd;
-          // dS^T = dT^T * dcap (an ignored V row's NaN: 0, not 0 * NaN)
-          dpt[j][e] = ok ? pt * (dp - s_delta[qr]) * dcap : 0.f;
+          const float bias = TERMS ? (cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0]) : 0.f;
+          const PdS r = p_and_ds(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok);
+          st[j][e] = r.pd;
+          dpt[j][e] = r.ds;
         }
 
-      // dV += P^T dO and dK += dS^T Q over this block's columns [c0, c0 + ACC)
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        uint32_t ap[4], as[4];
-        acc_to_a<BF16>(ap, st, kk);
-        acc_to_a<BF16>(as, dpt, kk);
-        mma_a_rows<HD, NA, BF16>(dv, ap, sdO, kk, c0 / 8, p.Dv);
-        mma_a_rows<HD, NA, BF16>(dk, as, sQ, kk, c0 / 8, p.D);
-      }
+      dv_dk_update<HD, BM, NA, BF16>(dv, dk, st, dpt, sQ, sdO, c0, p);   // over this block's columns
       prim::sync_block();                                // every warp is done with sQ, sdO, stats
     }
   }
   prim::cp_async_wait<0>();                              // K, V when no query tile was visited
-
-  uint16_t* dkb = static_cast<uint16_t*>(p.dk) + k_row(p, b, hk, 0) * p.D;
-  uint16_t* dvb = static_cast<uint16_t*>(p.dv) + k_row(p, b, hk, 0) * p.Dv;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int kj = key0 + 8 * r;
-    if (kj >= p.Lk) continue;
-#pragma unroll
-    for (int j = 0; j < NA; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = c0 + 8 * j + 2 * t4 + e;
-        if (c < p.D) dkb[int64_t(kj) * p.D + c] = prim::from_float<BF16>(dk[j][2 * r + e] * p.scale);
-        if (c < p.Dv) dvb[int64_t(kj) * p.Dv + c] = prim::from_float<BF16>(dv[j][2 * r + e]);
-      }
-  }
+  store_dkdv<NA, BF16>(p, dk, dv, b, hk, key0, c0);
 }
 
 // The bias tensors' gradients from one (BM x BN) tile of dT in shared memory (sT; the tile's first row

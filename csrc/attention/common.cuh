@@ -162,11 +162,11 @@ EFFATTN_DEVICE bool key_seen(const AttnParams& p, const uint8_t* lay, const uint
 
 // Zeroes the rows (keys n0 + r) of a landed swizzled K or V tile for which `seen(key)` is false, so
 // that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product, never 0 * NaN.
-// Masked tiles only; all 128 threads, between two block syncs.
-template <int HD, int ROWS, class Lay = Tile<HD>, class Seen>
+// Masked tiles only; all NT threads of the block, between two block syncs.
+template <int HD, int ROWS, class Lay = Tile<HD>, int NT = 128, class Seen>
 EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
   constexpr int C = HD / 8;
-  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += NT) {
     const int r = idx / C, c = idx % C;
     if (seen(n0 + r)) continue;
     uint16_t* dst = tile + Lay::offset(r, c);
@@ -283,17 +283,16 @@ EFFATTN_DEVICE float block_sum(float v, float* red) {
   return ((red[0] + red[1]) + red[2]) + red[3];
 }
 
-// Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word.
-EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+// Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word; `key`: the seed's round keys
+// (AttnParams::drop_key).
+EFFATTN_DEVICE uint32_t philox_first(const uint32_t (&key)[20], uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
     uint32_t a0 = c0, a2 = c2;
-    c0 = prim::umulhi(0xCD9E8D57u, a2) ^ c1 ^ k0;
-    c2 = prim::umulhi(0xD2511F53u, a0) ^ c3 ^ k1;
+    c0 = prim::umulhi(0xCD9E8D57u, a2) ^ c1 ^ key[2 * r];
+    c2 = prim::umulhi(0xD2511F53u, a0) ^ c3 ^ key[2 * r + 1];
     c1 = 0xCD9E8D57u * a2;
     c3 = 0xD2511F53u * a0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
   }
   return c0;
 }
@@ -303,7 +302,7 @@ EFFATTN_DEVICE uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint
 // b * drop_H + drop_h0 + h (bh = b * H + h; drop_H = 0 reads as H; the division is loop-invariant in every caller).
 EFFATTN_DEVICE bool dropout_keep(const AttnParams& p, int bh, int i, int j) {
   const int head = p.drop_H ? bh + (bh / p.H) * (p.drop_H - p.H) + p.drop_h0 : bh;
-  return int(philox_first(p.seed_lo, p.seed_hi, uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j),
+  return int(philox_first(p.drop_key, uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j),
                           uint32_t(head), 0u) >> 8) >= p.drop_thresh;
 }
 

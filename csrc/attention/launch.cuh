@@ -12,18 +12,20 @@ namespace detail {
 
 #if defined(EFFATTN_CUDA_EMU)
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p) {
-  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{128, 1, 1}, size_t(smem), [&] { kernel(p); });
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p,
+           unsigned threads = 128) {
+  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{threads, 1, 1}, size_t(smem), [&] { kernel(p); });
   return 0;
 }
 #else
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p) {
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p,
+           unsigned threads = 128) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return int(e);
   }
-  kernel<<<dim3(grid, 1, split), dim3(128, 1, 1), smem, stream>>>(p);
+  kernel<<<dim3(grid, 1, split), dim3(threads, 1, 1), smem, stream>>>(p);
   return int(cudaGetLastError());
 }
 #endif
@@ -71,10 +73,16 @@ int fwd_relk(const AttnParams& p, prim::stream_t stream) {
                 Cfg::kRelkSmemBytes, stream, p);
 }
 
+// Delta = rowsum(dO * O) - dlse, the first kernel of every backward.
+template <bool BF16>
+int delta(const AttnParams& p, prim::stream_t stream) {
+  return launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
+}
+
 template <int HD, bool BF16, bool TERMS = false>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;
-  int err = launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
+  int err = delta<BF16>(p, stream);
   if (err) return err;
   AttnParams pk = p;                                    // the dK/dV pass reads the by-key lists
   pk.lists = p.lists_by_key;

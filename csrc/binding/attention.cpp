@@ -182,14 +182,17 @@ struct TermGrads {
 };
 
 // The backward with score terms and packed sequences. The ops below are its two entries: attention_bwd
-// (packed, no score terms) and attention_bwd_score (score terms, no packed sequences).
+// (packed, no score terms) and attention_bwd_score (score terms, no packed sequences). `fused`: the fused
+// five-product kernel (csrc/attention/bwd_fused.cuh; the backend decides from the device's shared memory,
+// effattn/backends/cuda/resources.py) with its zeroed dQ accumulator and semaphores, else the two passes.
 std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
-    const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl, const BiasTensors& bt, bool bias_grad) {
+    const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl, const BiasTensors& bt, bool bias_grad,
+    bool fused) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
                        scale, dropout_p, left, right, vl);
@@ -244,6 +247,17 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     if (p.rel) p.drel = tg.drel.data_ptr<float>();
     if (p.span_z) p.dspan = tg.dspan.data_ptr<float>();
     if (bias_grad) p.dbias = tg.dbias.data_ptr<float>();
+    Tensor dq_accum, dq_sem;                            // the fused backward's dQ accumulator and turns
+    if (fused) {
+      check(effattn::attention_bwd_fused_serves(p),
+            "fused: the fused backward serves head dims up to 128 without a block layout, bias tensors or "
+            "alibi_grad");
+      dq_accum = at::zeros({B, p.H, Lq, p.D}, f32);
+      dq_sem = at::zeros({p.B, p.H, n_mt}, q.options().dtype(at::kInt));
+      p.dq_accum = dq_accum.data_ptr<float>();
+      p.dq_sem = dq_sem.data_ptr<int>();
+      p.dq_numel = dq.numel();
+    }
     run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
   }
   auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
@@ -258,11 +272,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_bwd
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
     const optional<Tensor>& sinks, bool alibi_grad, const optional<Tensor>& rel, int64_t rel_max, bool rel_bidir,
     const optional<Tensor>& span_z, double span_ramp, const optional<Tensor>& bias, bool bias_grad,
-    optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at) {
+    optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at, bool fused) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
                     listk_wf, seed, scale, dropout_p, left, right, softcap, alibi, sinks, alibi_grad,
                     varlen_of(c10::nullopt, c10::nullopt, 0, 0, q_offset, drop_at),
-                    bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias), bias_grad);
+                    bias_tensors_of(rel, rel_max, rel_bidir, span_z, span_ramp, bias), bias_grad, fused);
   const TermGrads& tg = std::get<3>(g);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g), tg.dalibi, tg.drel, tg.dspan, tg.dbias};
 }
@@ -273,10 +287,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
-    int64_t max_q, int64_t max_k, optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at) {
+    int64_t max_q, int64_t max_k, optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at, bool fused) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
                     listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt, c10::nullopt, false,
-                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), BiasTensors{}, false);
+                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), BiasTensors{}, false, fused);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
@@ -293,13 +307,13 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0, int? q_offset=None, int[]? drop_at=None) -> (Tensor, Tensor, Tensor)");
+        "int max_seqlen_k=0, int? q_offset=None, int[]? drop_at=None, bool fused=False) -> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
         "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "
         "int window_left, int window_right, float softcap, Tensor? alibi, Tensor? sinks, bool alibi_grad, "
         "Tensor? rel=None, int rel_max=0, bool rel_bidir=True, Tensor? span_z=None, float span_ramp=1., "
-        "Tensor? bias=None, bool bias_grad=False, int? q_offset=None, int[]? drop_at=None) "
+        "Tensor? bias=None, bool bias_grad=False, int? q_offset=None, int[]? drop_at=None, bool fused=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, "
         "int layout_block, int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, "

@@ -134,8 +134,7 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
     // one 64-bit Philox key, the same as the Triton backend's for the same seed tensor
     const uint64_t key = ((s0 << 31) ^ s1) | (uint64_t(1) << 62);
     p.dropout = 1;
-    p.seed_lo = uint32_t(key & 0xffffffffu);
-    p.seed_hi = uint32_t(key >> 32);
+    set_dropout_seed(p, key);
     p.drop_thresh = int(std::min<double>(std::nearbyint(dropout_p * (1 << 24)), (1 << 24) - 1));
     p.inv_keep = float(1.0 / (1.0 - dropout_p));
   }

@@ -12,6 +12,8 @@
 //   cp_async_commit / _wait  cp.async.commit_group / cp.async.wait_group N
 //   exp2                     ex2.approx.ftz.f32
 //   pack2 / to_float / from_float   fp32 <-> bf16 / fp16, round to nearest even
+//   sem_wait / sem_release   ld.acquire.gpu spin until a global int holds a turn / st.release.gpu of the next
+//   add_global / fence_gpu   red.global.add.f32 (one adder at a time: ordered by the semaphore) / membar.gl
 // Hopper-only operations (wgmma, its shared-memory descriptors, fence.proxy.async) are in
 // prims_sm90.cuh, on top of this header.
 #pragma once
@@ -27,6 +29,7 @@
 #define EFFATTN_KERNEL inline void
 #define EFFATTN_FWD_KERNEL inline void
 #define EFFATTN_KERNEL_1 inline void
+#define EFFATTN_KERNEL_256 inline void
 #define EFFATTN_SMEM(name) char* name = ::effattn::emu::cur_block()->smem
 #else
 #define EFFATTN_DEVICE __device__ __forceinline__
@@ -36,6 +39,8 @@
 #define EFFATTN_FWD_KERNEL __global__ void __launch_bounds__(128, 2)
 // at least 1 block per SM: the whole register file ptxas's (kernels that need more than 168)
 #define EFFATTN_KERNEL_1 __global__ void __launch_bounds__(128, 1)
+// blocks of 8 warps (the fused backward), one per SM at least: the whole register file ptxas's
+#define EFFATTN_KERNEL_256 __global__ void __launch_bounds__(256, 1)
 #define EFFATTN_SMEM(name) extern __shared__ __align__(128) char name[]
 #endif
 
@@ -67,6 +72,10 @@ template <int N>
 EFFATTN_DEVICE void cp_async_wait() { emu::cp_async_wait(N); }
 EFFATTN_DEVICE float exp2(float x) { return std::exp2(x); }
 EFFATTN_DEVICE uint32_t umulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t(a) * b) >> 32); }
+EFFATTN_DEVICE void sem_wait(const int* sem, int turn) { emu::sem_wait(sem, turn); }
+EFFATTN_DEVICE void sem_release(int* sem, int value) { emu::sem_release(sem, value); }
+EFFATTN_DEVICE void add_global(float* dst, float v) { *dst += v; }
+EFFATTN_DEVICE void fence_gpu() {}
 
 template <bool BF16>
 EFFATTN_DEVICE uint16_t from_float(float f) {
@@ -128,6 +137,17 @@ EFFATTN_DEVICE float exp2(float x) {
   return y;
 }
 EFFATTN_DEVICE uint32_t umulhi(uint32_t a, uint32_t b) { return __umulhi(a, b); }
+EFFATTN_DEVICE void sem_wait(const int* sem, int turn) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+  } while (v != turn);
+}
+EFFATTN_DEVICE void sem_release(int* sem, int value) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
+}
+EFFATTN_DEVICE void add_global(float* dst, float v) { atomicAdd(dst, v); }
+EFFATTN_DEVICE void fence_gpu() { __threadfence(); }
 
 template <bool BF16>
 EFFATTN_DEVICE uint16_t from_float(float f) {

@@ -38,11 +38,12 @@ EFFATTN_DEVICE void load_rows(uint16_t* tile, const uint16_t* any, const RowPtr&
 }
 
 // load_rows of a strided matrix (row gr at base + gr * ld), written out: as a call of load_rows with a
-// lambda, nvcc 13.0 spilled 8 bytes in attn_dq_terms_kernel at head dim 128 on sm_80.
-template <int HD, int ROWS, class Lay = Tile<HD>>
+// lambda, nvcc 13.0 spilled 8 bytes in attn_dq_terms_kernel at head dim 128 on sm_80. All NT threads of
+// the block.
+template <int HD, int ROWS, class Lay = Tile<HD>, int NT = 128>
 EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) {
   constexpr int C = HD / 8;
-  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += NT) {
     int r = idx / C, c = idx % C;
     int gr = r0 + r;
     bool ok = gr < L && c * 8 < width;
@@ -73,6 +74,13 @@ EFFATTN_DEVICE void mma_rows_rows(float (&acc)[NB / 8][4], const uint16_t* sa, i
       prim::mma_16816<BF16>(acc[2 * nn + 1], a, b[2], b[3]);
     }
   }
+}
+
+// Zeroes fragment accumulators.
+template <int N>
+EFFATTN_DEVICE void zero_acc(float (&x)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
 }
 
 // The A operand for reduction step kk from fp32 accumulators x (16 x K, K = 8 * subtiles).

@@ -408,6 +408,23 @@ inline void cp_async_wait(int n) {
   }
 }
 
+// ---------------------------------------------------------------------------- ordered turns in global memory
+
+// A per-tile semaphore that orders the blocks adding into one global accumulator (the fused backward's
+// dQ). Blocks run one after another in grid order here, so a block whose turn has not come waits for a
+// later block (or for none): on a GPU that block would spin until a later-scheduled block released the
+// turn, which can deadlock when the grid does not fit the GPU at once. Both are kernel errors.
+inline void sem_wait(const int* sem, int turn) {
+  if (*sem != turn) {
+    char what[200];
+    std::snprintf(what, sizeof what,
+                  "waits for turn %d of a semaphore that holds %d: no earlier block releases it (a deadlock on a GPU)",
+                  turn, *sem);
+    fail_here(what);
+  }
+}
+inline void sem_release(int* sem, int value) { *sem = value; }
+
 // ---------------------------------------------------------------------------- launch
 
 inline Dim3& block_idx_ref() {

@@ -51,6 +51,7 @@ DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
 PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
                "-k", "gqa4")
+FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_against_float64", "-k", "fp16")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
 TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
@@ -101,9 +102,9 @@ MUTATIONS: List[Mutation] = [
              "      acc[j][2 * r] *= alpha;\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
              "forward: half of the output accumulators not rescaled when the row maximum grows"),
     Mutation("delta-sign", "attention/bwd.cuh",
-             "dpt[j][e] = ok ? pt * (dp - s_delta[qr]) * dcap : 0.f;",
-             "dpt[j][e] = ok ? pt * (dp + s_delta[qr]) * dcap : 0.f;", SHARED,
-             "dK/dV: dS^T with the wrong sign of Delta"),
+             "return {pd, ok ? pt * (dp - delta) * dcap : 0.f};",
+             "return {pd, ok ? pt * (dp + delta) * dcap : 0.f};", SHARED,
+             "dK/dV and the fused backward: dS^T with the wrong sign of Delta"),
     Mutation("dropout-counters-dkdv", "attention/bwd.cuh",
              "const bool keep = dropout_keep(p, bh, i, kj);", "const bool keep = dropout_keep(p, bh, kj, i);",
              DROPOUT, "dK/dV: the dropout counters of row and key swapped (not the forward's keep-mask)"),
@@ -123,6 +124,23 @@ MUTATIONS: List[Mutation] = [
     Mutation("barrier-dq", "attention/bwd.cuh",
              "    prim::sync_block();                                  // every warp is done with sK, sV\n", "",
              BARRIERS, "dQ: no barrier before the next key tile overwrites K and V"),
+    Mutation("barrier-fused-ds", "attention/bwd_fused.cuh",
+             "    prim::sync_block();                      // dS is whole, this stage's Q and dO are read, the turn "
+             "is ours\n", "", BARRIERS + FUSED,
+             "fused backward: no barrier between the dS tile's writes and dQ = dS K (and before the next step's "
+             "copies overwrite Q, dO)"),
+    Mutation("fused-dq-partial-rows", "attention/bwd_fused.cuh",
+             "const int i = m0 + r0 + g + 8 * r;", "const int i = m0 + g + 8 * r;", FUSED,
+             "fused backward: every warp adds its dQ partial into the first warp's rows of the accumulator"),
+    Mutation("fused-semaphore-index", "attention/bwd_fused.cuh",
+             "int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt + mt;",
+             "int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt;", FUSED,
+             "fused backward: one semaphore for all query tiles of a head (the turns no longer match: a deadlock "
+             "on a GPU, an emulator failure here)"),
+    Mutation("fused-stage-wait", "attention/bwd_fused.cuh",
+             "prim::cp_async_wait<1>();                // step u's group (and K, V) landed",
+             "prim::cp_async_wait<2>();                // step u's group (and K, V) landed", FUSED,
+             "fused backward: a wait count one too high (reads the Q / dO tile still in flight)"),
     Mutation("decode-padding-ignored", "attention/decode_kernels.cuh",
              "if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;", "if (kpm && kj >= p.Lk) x = -INFINITY;",
              DECODE_CASES + ("-k", "key-padding"), "decode: key padding ignored"),
@@ -138,7 +156,7 @@ MUTATIONS: List[Mutation] = [
              "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,
              "forward: a constant tile's terms dropped (the constant path is taken and must add them)"),
     Mutation("const-tile-dkdv", "attention/bwd.cuh",
-             "x += cfast ? cb : s_bias[", "x += cfast ? 0.f : s_bias[", TILES,
+             "TERMS ? (cfast ? cb : s_bias[", "TERMS ? (cfast ? 0.f : s_bias[", TILES,
              "dK/dV pass: a constant tile's terms dropped"),
     Mutation("const-tile-dq", "attention/bwd.cuh",
              "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,

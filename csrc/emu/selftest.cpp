@@ -160,7 +160,10 @@ int attention() {
     for (int i = 0; i < s.B * s.Lk; ++i) kpm[i] = (rng() % 4) == 0;
     AttnParams p{};
     set_params(p, s, q, k, v, o, lse, kpm);
-    if (s.dropout) p.dropout = 1, p.seed_lo = 12345, p.seed_hi = 678, p.drop_thresh = 1 << 22, p.inv_keep = 1.f / 0.75f;
+    if (s.dropout) {
+      p.dropout = 1, p.drop_thresh = 1 << 22, p.inv_keep = 1.f / 0.75f;
+      set_dropout_seed(p, (uint64_t(678) << 32) | 12345u);
+    }
     p.dout = dout, p.do_b = p.o_b, p.do_h = p.o_h, p.do_l = p.o_l;
     p.delta = delta, p.delta_out = delta, p.dq = dq, p.dk = dk, p.dv = dv;
     // the instances of these head dims only (each instance adds to the sanitizer build's time)

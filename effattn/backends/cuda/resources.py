@@ -77,6 +77,20 @@ def dq_smem(hd: int) -> int:
     return (2 * 64 + 2 * bn) * hd * 2
 
 
+def bwd_fused_smem(hd: int) -> int:
+    """The fused backward (BwdFusedConfig::kSmem): K, V (128 keys), Q and dO (two stages of 64 rows), the
+    dS tile (64 x 128) and the rows' lse and Delta (two stages)."""
+    return (2 * 128 + 2 * 2 * 64) * hd * 2 + 64 * 128 * 2 + 2 * 2 * 64 * 4
+
+
+FUSED_BWD_THREADS = 256  # the fused backward's block: 8 warps
+
+
+def fused_bwd_needs(hd: int) -> List["Need"]:
+    """The fused backward's launch requirements at head-dim bucket `hd`."""
+    return [Need("fused backward", bwd_fused_smem(hd), FUSED_BWD_THREADS)]
+
+
 def hopper_smem(hd: int) -> int:
     """The Hopper forward (FwdSm90Config): Q, K, V tiles of 64 rows and 1 KB to align them."""
     return 3 * 64 * hd * 2 + 1024
@@ -137,11 +151,13 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
     return why
 
 
-def prefill_needs(hd: int, hopper: bool, backward: bool) -> List[Need]:
+def prefill_needs(hd: int, hopper: bool, backward: bool, fused: bool = False) -> List[Need]:
     """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
-    forward; with `backward`, the two backward passes)."""
+    forward; with `backward`, the fused backward when `fused`, else the two backward passes)."""
     needs = [Need("Hopper forward", hopper_smem(hd)) if hopper else Need("forward", fwd_smem(hd))]
-    if backward:
+    if backward and fused:
+        needs += fused_bwd_needs(hd)
+    elif backward:
         needs += [Need("dK/dV backward", dkdv_smem(hd)), Need("dQ backward", dq_smem(hd))]
     return needs
 

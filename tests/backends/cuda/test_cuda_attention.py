@@ -23,14 +23,25 @@ pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ 
               pytest.mark.usefixtures("emulation")]   # EFFATTN_CUDA_EMU=1 for this module (tests/conftest.py)
 
 DTYPES = [torch.float16, torch.bfloat16]
-SCHEDULES = {"lockstep": 0, "warp-serial": 1}
+# schedule -> (its number, the backward's switch): lockstep runs the two-pass backward
+# (EFFATTN_CUDA_FUSED_BWD=0), warp-serial the fused one wherever it applies, so the shared cases check both
+SCHEDULES = {"lockstep-two-pass-bwd": (0, "0"), "warp-serial": (1, "1")}
 
 
 @pytest.fixture(params=list(SCHEDULES))
-def schedule(request, emulation):
-    emulation.emu_set_schedule(SCHEDULES[request.param])
+def schedule(request, emulation, monkeypatch):
+    number, fused = SCHEDULES[request.param]
+    monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", fused)
+    emulation.emu_set_schedule(number)
     yield request.param
     emulation.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
+
+
+@pytest.fixture(params=["fused-bwd", "two-pass-bwd"])
+def backward(request, monkeypatch):
+    """The fused backward (where it applies) or the two passes (EFFATTN_CUDA_FUSED_BWD=0)."""
+    monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", "1" if request.param == "fused-bwd" else "0")
+    return request.param
 
 
 # ------------------------------------------------------------------------ the shared softmax suite
@@ -203,7 +214,7 @@ def test_dropout_keep_mask_equals_the_triton_kernels_bit_for_bit():
     assert torch.equal(keep_mask("cuda", torch.bfloat16, q, k), keep_mask("triton", torch.float32, q, k))
 
 
-def test_dropout_gradients_follow_the_forwards_keep_mask():
+def test_dropout_gradients_follow_the_forwards_keep_mask(backward):
     """Without Triton: the keep-mask read off the CUDA forward keeps only visible pairs, about 1 - p of
     them, and the backward's gradients (dK/dV and dQ regenerate it from their own Philox counters)
     match float64 with that mask: a backward pass whose counters differ from the forward's fails."""
@@ -246,7 +257,7 @@ def test_running_max_grows_at_every_key_tile():
 
 # ------------------------------------------------------------------------------------- barriers
 
-def test_barrier_removal_is_caught_under_the_default_schedule():
+def test_barrier_removal_is_caught_under_the_default_schedule(backward):
     """Forward and backward over three query and key tiles, with partial tiles (the zeroing of unseen
     keys between barriers) and key padding, under the emulator's default schedule (warp-serial: a
     warp runs on to its next barrier, so without a barrier it overwrites a tile the other warps still
@@ -280,13 +291,13 @@ def residue_inputs(D):
     return q.half(), k.half(), v.half()
 
 
-def test_window_edges_at_every_tile_residue_forward_and_backward():
+def test_window_edges_at_every_tile_residue_forward_and_backward(backward):
     q, k, v = residue_inputs(16)
     for i in RESIDUE_SHIFTS:
         check_against_oracle(q, k, v, dict(window=(28 + i, i)), torch.float16, "cuda")
 
 
-def test_one_sided_window_edges_at_every_tile_residue():
+def test_one_sided_window_edges_at_every_tile_residue(backward):
     """The coupled windows above make the tile at a query tile's right edge partial from the left too,
     so a right bound one too far in the full-tile test (`fhi` in key_schedule) hid there (found by
     csrc/emu/mutate.py). One-sided windows put each edge alone at every residue: right-only (no left
@@ -344,11 +355,13 @@ VISITS = {
 
 
 @pytest.mark.parametrize("case_id", list(VISITS))
-def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation):
+def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch):
     """The emulation counts warp mma: each visited (query tile, key tile) pair costs every warp a
     fixed number of them (forward: Q K^T over D, P V over Dv; dK/dV: S^T, dP^T, dV, dK; dQ: S, dP,
     dQ), so the counts give the tiles each pass visited. They must be the pairs of the Triton
     backend's plan (`visited_tiles`, the code that builds the layout lists) for each pass's tiles."""
+    monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", "0")        # the two passes' products (the fused kernel's:
+                                                              # test_cuda_fused_bwd.py)
     from effattn.backends.cuda.attention.tiling import tiles
     from effattn.tiles import visited_tiles
     Lq, Lk, D, left, right, lay = VISITS[case_id]

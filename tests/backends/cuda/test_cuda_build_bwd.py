@@ -7,6 +7,7 @@ the same source for another arch and takes this unit's compile from about two to
 on two cores; EFFATTN_CUDA_ARCH_SWEEP=1 builds it for sm_90a as well.
 """
 import os
+import re
 import sys
 
 import pytest
@@ -47,8 +48,8 @@ def test_every_backward_is_built_for_each_bucket_and_dtype_without_bias_terms(co
         for hd in (32, 64, 128, 256):
             for bf16 in (0, 1):
                 assert any(kernel in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (kernel, hd, bf16)
-    for e in entries:
-        if "attn_delta_kernel" not in e[1]:
+    for e in entries:            # the TERMS flag off (the Delta, fused backward and dQ conversion kernels have none)
+        if not any(k in e[1] for k in ("attn_delta_kernel", "attn_bwd_fused_kernel", "attn_dq_convert_kernel")):
             assert "Lb0EEEv" in e[1], e[1]
 
 
@@ -62,6 +63,30 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
                 for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
                     assert op in body, (arch, fn, op)
         assert "LDSM.16.MT88.4" in sass, arch          # the .trans loads of dO, Q, K
+
+
+def test_fused_backward_five_products_and_ordered_dq_adds(compiled):
+    """The fused backward (attention/bwd_fused.cuh, in bwd.cu) for buckets 32, 64, 128 and both dtypes, no
+    spills (checked above) and at most 255 registers; per step its SASS runs five products of equal size
+    (S^T, dP^T: 16 keys x 64 queries over HD, dV, dK: 16 keys x HD over 64 queries, dQ: 16 queries x HD / 2
+    over 128 keys; HD / 16 x 8 HMMA each per warp, the step's body fully unrolled), ldmatrix (.trans), async
+    copies, the dQ adds (fp32 adds at GPU scope), the semaphore's acquire load and release store, and two
+    barriers in the step (four in all: the key padding's, the last release's)."""
+    report, obj = compiled["attention/bwd.cu"]
+    for arch in ARCHS:
+        names = sorted(e[1] for e in ptxas_entries(report) if e[0] == arch and "attn_bwd_fused_kernel" in e[1])
+        assert len(names) == 6 and all(f"ILi{hd}ELb{bf}E" in "".join(names) for hd in (32, 64, 128) for bf in (0, 1))
+        bodies = {b.split("\n", 1)[0]: b for b in sass_of(obj, arch).split("Function : ")[1:]
+                  if "attn_bwd_fused_kernel" in b[:200]}
+        assert len(bodies) == 6, arch
+        for name, body in bodies.items():
+            hd = int(re.search(r"ILi(\d+)E", name).group(1))
+            assert body.count("HMMA.16816.F32") == 5 * (hd // 16) * 8, (arch, name, body.count("HMMA.16816.F32"))
+            for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS", "LDG.E.STRONG.GPU", "STG.E.STRONG.GPU"):
+                assert op in body, (arch, name, op)
+            # the dQ adds: RED on sm_80, ATOMG (result unused) on sm_90a
+            assert "RED.E.ADD.F32" in body or "ATOMG.E.ADD.F32" in body, (arch, name)
+            assert body.count("BAR.SYNC") == 4, (arch, name, body.count("BAR.SYNC"))
 
 
 @pytest.mark.parametrize("arch", TERMS_ARCHS)

@@ -51,8 +51,9 @@ def qkv(hd, Lq=16, Lk=16, Hkv=1, dtype=torch.bfloat16, seed=0):
 
 def test_sizes_are_what_the_launches_ask_for(emulation, smem_limit, monkeypatch):
     """One byte of shared memory: every launch fails, naming the size it asked for (forward, decode at
-    each stage count, Hopper forward); the backward completes at exactly the larger of its two passes'
-    sizes and fails one byte under the dK/dV pass's (and under the dQ pass's where that is larger)."""
+    each stage count, Hopper forward); the two-pass backward completes at exactly the larger of its two
+    passes' sizes and fails one byte under the dK/dV pass's (and under the dQ pass's where that is
+    larger); the fused backward (buckets 32..128) completes at its size and fails one byte under."""
     for hd in BUCKETS:
         q, k, v = qkv(hd)
         smem_limit(1)
@@ -70,8 +71,12 @@ def test_sizes_are_what_the_launches_ask_for(emulation, smem_limit, monkeypatch)
         monkeypatch.setattr(resources, "device_limits", lambda device: resources.Limits("big", 1 << 30, 65536))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         dkdv, dq = resources.dkdv_smem(hd), resources.dq_smem(hd)
-        runs = [(max(dkdv, dq), None), (dkdv - 1, dkdv)] + ([(dq - 1, dq)] if dq > dkdv else [])
-        for limit, refused in runs:
+        runs = [("0", max(dkdv, dq), None), ("0", dkdv - 1, dkdv)] + ([("0", dq - 1, dq)] if dq > dkdv else [])
+        if hd <= 128:
+            fused = resources.bwd_fused_smem(hd)
+            runs += [("1", fused, None), ("1", fused - 1, fused)]
+        for switch, limit, refused in runs:
+            monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", switch)
             smem_limit(limit)
             out = effattn.attention(*leaves, causal=True, backend="cuda")
             if refused is None:
@@ -91,6 +96,10 @@ def test_every_kernel_fits_each_architecture(arch):
     for hd in BUCKETS:
         for hopper in ((False, True) if hd in (64, 128) else (False,)):
             assert resources.refusals(resources.prefill_needs(hd, hopper, backward=True), limits) == [], (arch, hd)
+        # the fused backward where it fits (else the two passes run): every bucket it serves on the 163 and
+        # 227 KB GPUs, up to 64 on the 99 KB ones
+        fits = resources.refusals(resources.prefill_needs(hd, False, True, fused=True), limits) == []
+        assert fits == (hd <= (128 if ARCH_SMEM[arch] >= 163 * KB else 64)), (arch, hd)
         stages, why = resources.decode_stages(hd, limits)
         assert why == [] and stages == (1 if hd == 256 and ARCH_SMEM[arch] < 136 * KB else 2), (arch, hd, stages)
     assert resources.decode_smem(256, 2) == 136 * KB       # the size that needs the second instance

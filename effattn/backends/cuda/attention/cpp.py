@@ -30,7 +30,7 @@ def _register_fakes(ns: str) -> None:
     def _(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout, layout_block, layout_check, lists, list_wf,
           lists_by_key, listk_wf, seed, scale, dropout_p, window_left, window_right, softcap, alibi, sinks, alibi_grad,
           rel=None, rel_max=0, rel_bidir=True, span_z=None, span_ramp=1.0, bias=None, bias_grad=False, q_offset=None,
-          drop_at=None):
+          drop_at=None, fused=False):
         B, H, Lq = q.shape[:3]
         Lk, n_mt, f32 = k.shape[2], -(-Lq // BLOCK_M), torch.float32
         width = (2 * rel_max + 1 if rel_bidir else rel_max + 1) if rel is not None else 0

@@ -5,7 +5,7 @@ The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128
 every mask and the score terms softcap, sinks and ALiBi (not packed sequences, relative tables, adaptive
 span or dense bias tensors: the mma.sync forward serves those), on a GPU of compute capability 9.0 when the extension was built with sm_90a code
 (setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
-always the mma.sync one. Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
+always an mma.sync one (`backward`). Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
 ``EFFATTN_CUDA_HOPPER=0`` turns the Hopper forward off everywhere (the mma.sync forward serves: for
 timing one against the other on the same GPU, or to step around it).
@@ -64,5 +64,5 @@ def describe(call, terms: bool = False) -> str:
     """Which kernels serve a call (for effattn.explain; ``terms``: as `why_not`)."""
     why = why_not(call.q, call.v, packed=call.cu_seqlens is not None, terms=terms)
     if why is None:
-        return "forward: Hopper wgmma kernel (sm_90a); backward: mma.sync kernels"
+        return "forward: Hopper wgmma kernel (sm_90a)"
     return f"forward: mma.sync kernel (the Hopper forward is not used: {why})"

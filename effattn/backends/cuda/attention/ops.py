@@ -22,6 +22,7 @@ from ....visibility import clamp_window
 from ...autograd import attention_autograd
 from ...base import PACKED_FEATURES, Capabilities, Path, register
 from .. import _ext, resources
+from . import backward as bwd_path
 from . import hopper
 from . import score as score_path
 from .cpp import kernels
@@ -68,11 +69,12 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     """The backward of `cuda_attention_fwd` (``out_fp32`` is read from ``out``'s dtype)."""
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
+    fused = bwd_path.why_not(q, v, layout_mask is not None) is None
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
                                            *clamp_window(window_left, window_right, q.shape[2], k.shape[2],
                                                          q_offset), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, q_offset, drop_at)
+                                           max_seqlen_k, q_offset, drop_at, fused)
 
 
 @cuda_attention_bwd.register_fake
@@ -134,13 +136,23 @@ def launch_refusals(call) -> List[str]:
     """Why a kernel this call launches (the forward the call gets; the backward passes when inputs
     need gradients) cannot launch on its device (shared memory per block, registers: resources.py)."""
     hopper_fwd = hopper.why_not(call.q, call.v, packed=call.cu_seqlens is not None) is None
+    fused = _fused_why_not(call) is None
     needs = resources.prefill_needs(bucket(call.q.shape[-1], call.v.shape[-1]), hopper_fwd,
-                                    needs_grad(call.q, call.k, call.v))
+                                    needs_grad(call.q, call.k, call.v), fused)
     return resources.refusals(needs, resources.device_limits(call.q.device))
 
 
+def _fused_why_not(call):
+    """Why the fused backward does not serve `call` (None: it does)."""
+    score = call.score
+    return bwd_path.why_not(call.q, call.v, call.layout is not None,
+                            score is not None and score_path._slopes(score) is not None,
+                            score is not None and score_path.has_bias_tensors(score))
+
+
 def _describe(call) -> str:
-    return score_path.describe(call) if call.score is not None else hopper.describe(call)
+    fwd = score_path.describe(call) if call.score is not None else hopper.describe(call)
+    return fwd + "; " + bwd_path.describe(_fused_why_not(call))
 
 
 # after Triton for "auto" until the GPU acceptance run has measured these kernels

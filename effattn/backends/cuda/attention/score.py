@@ -34,6 +34,7 @@ import torch
 from .... import bias as _bias
 from ....score import several_of_a_kind, span_left
 from ....visibility import clamp_window
+from . import backward as bwd_path
 from . import hopper
 from .cpp import kernels
 from .tiling import layout_lists
@@ -133,12 +134,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, k
     dense = _term(score, _bias.Dense)
     bias_grad = dense is not None and dense.tensor.requires_grad       # dT is (B, H, Lq, Lk): only if wanted
     sinks = None if score.sinks is None else score.sinks.detach().float()
+    fused = bwd_path.why_not(q, v, layout_mask is not None, alibi_grad, has_bias_tensors(score)) is None
     dq, dk, dv, part, drel, dspan, dbias = kernels(q.device).attention_bwd_score(
         grad_out, grad_lse, q, k, v, out, lse,
         **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, True, score, segments,
                 drop_at),
         softcap=score.softcap or 0.0, alibi=slopes, sinks=sinks, alibi_grad=alibi_grad, **_tensor_args(score),
-        bias_grad=bias_grad)
+        bias_grad=bias_grad, fused=fused)
     grads = []
     if sinks is not None:
         delta = (grad_out.float() * out.float()).sum(-1)
