@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Dict, List
 
 from .kernel_resources import SMEM_LIMIT, _prefetch, compile_all, resources, stride_tuple, write_tables
 
-# role -> (kernel, constexpr flags); MAP 1 = elu + 1 (the identity map compiles to a subset of it)
+# role -> (kernel, constexpr flags); MAP 1 = elu + 1. The identity map (0) is not a subset of it: with no
+# map between a load and its dot, Triton feeds the dot straight from the pipelined shared-memory buffer,
+# and any other use of the tile reads that buffer again (the "-identity" roles: FAVOR+ / callable features)
 _STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
 _OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_A=1, MAP_B=1, MAP_C=0, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
             STATE_Z=False, Z_MODE=0, HAS_BASE=False, BASE_Z=False, WITH_DEN=False, NORMALIZE=False)
@@ -31,6 +34,10 @@ ROLES = {
     "state-noncausal-split": ("state", dict(_STATE, STORE=False)),
     "out-fwd-normalized": ("out", dict(_OUT, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
     "out-fwd-plain": ("out", dict(_OUT, MAP_A=0, MAP_B=0)),
+    "state-fwd-identity": ("state", dict(_STATE, MAP_B=0)),
+    "state-bwd-reverse-identity": ("state", dict(_STATE, REVERSE=True, MAP_B=0, MAP_C=0, C_X=2)),
+    "out-fwd-normalized-identity": ("out", dict(_OUT, MAP_A=0, MAP_B=0, STATE_Z=True, Z_MODE=1, WITH_DEN=True,
+                                                NORMALIZE=True)),
     "out-dq": ("out", dict(_OUT, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=2, B_X=1, STATE_Z=True, Z_MODE=2)),
     "out-dk": ("out", dict(_OUT, REVERSE=True, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=1, B_X=2, STATE_Z=True,
                            Z_MODE=2)),
@@ -100,6 +107,51 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
     return k, cfg
 
 
+def shared_tile_reductions(ttgir: str) -> List[str]:
+    """The ``tt.reduce`` ops of a TTGIR module that reduce (through elementwise ops, not through a dot) a
+    tile read from a shared-memory buffer that an async copy fills (a pipelined load) and that is read
+    more than once (also by a dot, in another layout). Triton 3.6's pipeliner on sm_90 got such a
+    reduction wrong: the linear kernels' normalizer ``z`` of bf16 FAVOR+ features on an H200. The
+    kernels take those sums as products instead (``_pairs`` in kernels.py); this finds the pattern."""
+    lines = ttgir.splitlines()
+    defs = {}
+    for ln in lines:
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)?(?:,\s*%[\w.]+)*\s*=\s*(.*)", ln)
+        if m:
+            defs[m.group(1)] = m.group(2)
+
+    def root(md: str) -> str:                      # a buffer view -> its allocation
+        d = defs.get(md, "")
+        while d.startswith("ttg.memdesc"):
+            md = re.findall(r"%[\w.]+", d)[0]
+            d = defs.get(md, "")
+        return md
+
+    filled = {root(m.group(1)) for m in (re.search(r"ttg\.async_copy_global_to_local %[\w.]+, (%[\w.]+)", ln)
+                                         for ln in lines) if m}
+    found = []
+    for ln in lines:
+        m = re.search(r'"tt\.reduce"\((%[\w.]+)\)', ln)
+        stack, seen = ([m.group(1)] if m else []), set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            d = defs.get(v, "")
+            if "warp_group_dot" in d or d.startswith("tt.dot"):
+                continue                           # a product's result: registers of its own
+            if d.startswith("ttg.local_load"):
+                buf = re.findall(r"%[\w.]+", d)[0]
+                readers = [x for x in lines if re.search(re.escape(buf) + r"\b", x)
+                           and not re.match(r"\s*" + re.escape(buf) + r"\b", x)]
+                if root(buf) in filled and len(readers) > 1:
+                    found.append(ln.strip())
+                    break
+            stack += re.findall(r"%[\w.]+", d.split(" : ")[0])
+    return found
+
+
 def measure(job) -> Dict[str, object]:
     arch, role, feat, dtype, *config = job
     row = dict(arch=arch, role=role, feat=feat, dtype=dtype)
@@ -107,6 +159,7 @@ def measure(job) -> Dict[str, object]:
         k, cfg = compile_role(arch, role, feat, dtype, config[0] if config else None)
         row["config"] = cfg
         row.update(resources(k))
+        row["tile_reductions"] = len(shared_tile_reductions(k.asm["ttgir"]))
         row["fits"] = row["shared"] <= SMEM_LIMIT.get(arch, SMEM_LIMIT[80])
     except Exception as e:  # noqa: BLE001 - a compile error is a result
         row["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
@@ -121,10 +174,11 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
              "bytes; spills = LDL/STL instructions in loops / in all; HGMMA = wgmma instructions. fp16 "
              "calls run their dots on fp32 operands (TF32), hence no HGMMA on bf16 operands there.", "",
              "Per chunk loop (the innermost loops, in SASS order): instructions, CTA barriers (BAR) and "
-             "prefetch (no loop waits for all its async copies).", "",
+             "prefetch (no loop waits for all its async copies). Tile reductions: `shared_tile_reductions` (a "
+             "reduction of a pipelined shared-memory tile that a dot also reads; must be 0).", "",
              "| role | F = Dv | dtype | config | smem | regs | stack | spills loop/all | HGMMA | HMMA | "
-             "instrs per chunk | barriers per chunk | prefetch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "instrs per chunk | barriers per chunk | prefetch | tile reductions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | error: {r['error'][:100]} ||||||")
@@ -133,7 +187,8 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
         lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['config']} | {smem} | {r.get('regs', '?')} | "
                      f"{r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
                      f"{r.get('hgmma', '?')} | {r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
-                     f"{'/'.join(map(str, r.get('loop_barriers', [])))} | {_prefetch(r)} |")
+                     f"{'/'.join(map(str, r.get('loop_barriers', [])))} | {_prefetch(r)} | "
+                     f"{r.get('tile_reductions', '?')} |")
     return "\n".join(lines) + "\n"
 
 

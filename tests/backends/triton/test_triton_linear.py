@@ -87,6 +87,29 @@ def test_empty_lengths_match_torch(Lq, Lk, causal):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("base", [False, True], ids=["state", "state+base"])
+def test_denominator_state_terms_keep_fp32_precision(base):
+    """The denominator's state terms ``phi(q) . z`` are products on the tensor cores' operands (z as
+    bf16 hi + lo, `_pairs` in kernels.py), not reductions of the loaded tile: with bf16 features of a
+    wide range (as FAVOR+'s) the denominators match float64 to ~2^-17 relative; z rounded to bf16
+    once would leave 2^-9."""
+    from effattn.backends.triton.linear.ops import triton_linear_causal_fwd
+    from effattn.feature_maps import FMAP_IDENTITY
+    g = torch.Generator().manual_seed(3)
+    B, H, L, F, Dv = 1, 2, 100, 48, 16                # 4 chunks of 32 in the interpreter
+    fq, fk = ((torch.randn(B, H, L, F, generator=g) * 1.5 - 2).exp().to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, H, L, Dv, generator=g).to(torch.bfloat16)
+    s0 = torch.rand(B, H, F, Dv, generator=g) if base else None
+    z0 = torch.rand(B, H, F, generator=g) * 7 + 0.1 if base else None
+    _, den, _, _ = triton_linear_causal_fwd(*(t.to(DEVICE) for t in (fq, fk, v)),
+                                            *(None if t is None else t.to(DEVICE) for t in (s0, z0)),
+                                            0, FMAP_IDENTITY, True, 1e-6, False)
+    a = (fq.double() @ fk.double().transpose(-1, -2)).tril()
+    want = a.sum(-1) + 1e-6 + (fq.double() @ z0.double()[..., None])[..., 0] if base else a.sum(-1) + 1e-6
+    rel = ((den.view(B, H, L).cpu().double() - want) / want).abs().max().item()
+    assert rel < 2.0 ** -14, rel
+
+
 def test_gradient_reaches_a_trainable_favor_projection():
     """FAVOR+ features are computed in torch: a projection made trainable gets its gradient, the same
     as through the torch reference."""
@@ -213,7 +236,11 @@ def test_kernels_compile_for_sm90_offline():
     """The interpreter skips Triton's compiler: compile the roles of the two linear kernels (and the
     step kernel) for sm_90 in the default bf16 config at F = Dv = 128, so a GPU-only compile error
     fails CI, and check they fit, use wgmma and spill nothing inside their loops
-    (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype)."""
+    (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype).
+    No kernel reduces a pipelined shared-memory tile that a dot also reads (the "-identity" roles,
+    features fed as they are: FAVOR+): Triton 3.6 computed that reduction wrongly on an H200 (the
+    normalizer of bf16 FAVOR+ attention at L = 4096; the kernels before the fix have one in each
+    identity role)."""
     import json
     import os
     import subprocess
@@ -224,7 +251,7 @@ def test_kernels_compile_for_sm90_offline():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     # the roles whose flags are not a subset of another's (the committed table has all of them)
     roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
-             "step"]
+             "step", "state-fwd-identity", "state-bwd-reverse-identity", "out-fwd-normalized-identity"]
     proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes", "2",
                            "--dtypes", "bf16", "--roles", ",".join(roles)], cwd=root, capture_output=True, text=True,
                           env=env, timeout=1200)
@@ -233,6 +260,7 @@ def test_kernels_compile_for_sm90_offline():
     assert len(rows) == len(roles) and not [r for r in rows if "error" in r], rows
     assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
     assert all(r["hgmma"] > 0 for r in rows if r["role"] != "step"), rows
+    assert all(r["tile_reductions"] == 0 for r in rows), rows
 
 
 @pytest.mark.parametrize("bv, fc, rows, n_sm, want", [

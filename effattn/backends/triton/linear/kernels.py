@@ -18,6 +18,8 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
 The forward is (state pass on (phi(k), v); output pass), the backward four more launches of the same
 two kernels with the operands swapped (see ``ops.py``). Feature maps (``MAP``: the codes of
 `effattn.feature_maps.KERNEL_MAPS`, identity / elu + 1 / relu) are applied to a tile right after its load, in fp32.
+A loaded tile is only ever an operand of products: its weighted row sums (``z``, the denominator's state
+terms) are products too (`_pairs`), never an elementwise reduction beside a dot (see `_pairs` for why).
 
 Arguments mirror the CUDA kernels' parameter blocks (`LinStateParams`, `LinOutParams`, `LinStepParams` in
 csrc/linear/linear.h) under their names, a nested row operand ``a`` / ``b`` / ``c`` / ``gx`` (C++ `LinRows`)
@@ -38,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ....feature_maps import FMAP_ELU, FMAP_IDENTITY, FMAP_RELU
-from ..jit import cast, dot
+from ..jit import cast, dot, round_tf32
 
 IDENTITY: tl.constexpr = tl.constexpr(FMAP_IDENTITY)   # feature-map codes (effattn.feature_maps.KERNEL_MAPS)
 ELU: tl.constexpr = tl.constexpr(FMAP_ELU)
@@ -67,6 +69,23 @@ def _mm(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexp
     else:
         c = dot(a.to(DT), b.to(DT), DOT_PREC, INTERP_BF16)    # fp32 at TF32: rounded to nearest first
     return c
+
+
+@triton.jit
+def _pairs(x, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """fp32 vector ``x (n,)`` -> ``(n, 16)`` tile: column 0 ``hi`` (``x`` at the dot's precision), column 1
+    ``lo = x - hi``, zeros elsewhere. ``_mm(t, _pairs(x)).sum(1)`` is ``t @ x`` to about 2^-17 (bf16) /
+    2^-22 (TF32) relative: the weighted row sums of a tile (``z``, the denominator) taken on the tensor
+    cores like the tile's other products. An elementwise reduction of a loaded tile that also feeds a
+    dot is not used: Triton 3.6's pipeliner (3 stages, sm_90) then reads the tile's shared-memory
+    buffer twice, in two layouts, and the reduction came out wrong on an H200 (FAVOR+ features, a
+    bf16 tile with no map applied: the normalizer ``z`` and the output off by up to 0.09)."""
+    if DOT_PREC == "tf32":
+        hi = round_tf32(x)
+    else:
+        hi = cast(x, DT, INTERP_BF16).to(tl.float32)   # fp32: x itself
+    col = tl.arange(0, 16)[None, :]
+    return tl.where(col == 0, hi[:, None], tl.where(col == 1, (x - hi)[:, None], 0.0))
 
 
 @triton.jit
@@ -102,7 +121,7 @@ def chunk_state_kernel(
     cx_base = CX + pid_bh.to(tl.int64) * b_L
     z_ok = (fb < b_F) & ((fb * 0 + pid_kv % NV) == 0)   # one program per Fb tile writes z
     state = tl.zeros((BK, BV), dtype=tl.float32)
-    z = tl.zeros((BK,), dtype=tl.float32)
+    z2 = tl.zeros((BK, 16), dtype=tl.float32)         # z = z2.sum(1) (see _pairs)
     first = pid_s * chunks_per_block
     last = tl.minimum(first + chunks_per_block, n_chunks)
     for i in range(first, last):
@@ -113,18 +132,19 @@ def chunk_state_kernel(
                      mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
             if C_X != 0:
                 stz = STZ + pid_bh.to(tl.int64) * stz_bh + c.to(tl.int64) * stz_c
-                tl.store(stz + fb, z, mask=z_ok)
+                tl.store(stz + fb, tl.sum(z2, 1), mask=z_ok)
         r = c * CH + tl.arange(0, CH) + b_shift
         bt = _rows(b_base, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)             # (CH, BK)
         ct = _rows(c_base, r, b_L, c_sl, fc, c_F, c_sf, MAP_C)             # (CH, BV)
         state += _mm(tl.trans(bt), ct, DT, DOT_PREC, INTERP_BF16)
-        if C_X != 0:
-            z += tl.sum(bt * _row_scalars(cx_base, r, b_L, C_X)[:, None], 0)
+        if C_X != 0:                                  # z += bt^T cx, a product (see _pairs)
+            cx = _pairs(_row_scalars(cx_base, r, b_L, C_X), DT, DOT_PREC, INTERP_BF16)
+            z2 += _mm(tl.trans(bt), cx, DT, DOT_PREC, INTERP_BF16)
     fin = FIN + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F * c_F
     tl.store(fin + fb[:, None] * c_F + fc[None, :], state, mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
     if C_X != 0:
         finz = FINZ + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F
-        tl.store(finz + fb, z, mask=z_ok)
+        tl.store(finz + fb, tl.sum(z2, 1), mask=z_ok)
 
 
 @triton.jit
@@ -159,6 +179,7 @@ def chunk_out_kernel(
     a_base = Ap + b.to(tl.int64) * a_sb + ha.to(tl.int64) * a_sh
     acc = tl.zeros((CH, BV), dtype=tl.float32)
     den = tl.zeros((CH,), dtype=tl.float32)
+    den2 = tl.zeros((CH, 16), dtype=tl.float32)       # the denominator's state terms, summed at the end
     if A_X != 0:
         ax = _row_scalars(AX + pid_bh.to(tl.int64) * a_L, ra, a_L, A_X)
     if CAUSAL:
@@ -185,8 +206,9 @@ def chunk_out_kernel(
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
                             mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
                 acc += _mm(at, h.to(tl.float32), DT, DOT_PREC, INTERP_BF16)
-                if STATE_Z and Z_MODE == 1:
-                    den += tl.sum(at * tl.load(stz + fa, mask=fa < FA, other=0.0)[None, :], 1)
+                if STATE_Z and Z_MODE == 1:                 # a . z_c, a product (see _pairs)
+                    zc = tl.load(stz + fa, mask=fa < FA, other=0.0)
+                    den2 += _mm(at, _pairs(zc, DT, DOT_PREC, INTERP_BF16), DT, DOT_PREC, INTERP_BF16)
         if HAS_STATE and STATE_Z:
             if Z_MODE == 2:
                 acc += ax[:, None] * tl.load(stz + fc, mask=fc < FC, other=0.0)[None, :]
@@ -212,11 +234,12 @@ def chunk_out_kernel(
             if BASE_Z:
                 if Z_MODE == 1:
                     zb = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)
-                    den += tl.sum(at * zb[None, :], 1)
+                    den2 += _mm(at, _pairs(zb, DT, DOT_PREC, INTERP_BF16), DT, DOT_PREC, INTERP_BF16)
         if BASE_Z:
             if Z_MODE == 2:
                 zc = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fc, mask=fc < FC, other=0.0)
                 acc += ax[:, None] * zc[None, :]
+    den += tl.sum(den2, 1)
     ok_a = (ra >= 0) & (ra < a_L)
     if NORMALIZE:
         den = den + eps

@@ -4,7 +4,9 @@ Numerics: dots run in bf16 on tensor cores for bf16 calls; fp16 and fp32 calls r
 operands (TF32 on the GPU for fp16, whose 10-bit mantissa TF32 keeps, and for fp32 when torch allows
 TF32; IEEE fp32 otherwise), because a state summed over many keys can exceed fp16's range. States
 are accumulated in fp32; the per-chunk states the output pass reads are stored in bf16 for bf16
-calls (the dot rounds them to bf16 anyway) and fp32 otherwise. Final states are fp32.
+calls (the dot rounds them to bf16 anyway) and fp32 otherwise. Final states are fp32. The normalizer
+``z`` stays fp32 and enters the denominators as a product on the tensor cores (hi + lo, about 2^-17
+relative for bf16: ``_pairs`` in kernels.py).
 
 Configs: a chunk of ``CHUNK`` timeline positions, feature tiles ``BK`` (the contracted features)
 and ``BV`` (the output features). On the GPU the first candidate is the default
