@@ -45,6 +45,13 @@ LONG_RUN = (
     "tests/backends/cuda/test_cuda_mutations.py::test_fast_subset_is_caught[barrier-dq]",
     # the sanitizer build's second schedule: CI runs lockstep
     "tests/backends/cuda/test_cuda_emulation.py::test_attention_kernels_under_address_and_ub_sanitizers[warp-serial]",
+    # Triton's compiler offline (minutes of CPU in all): CI compiles the attention kernels for sm_90 and
+    # sm_80 (tests/backends/triton/test_triton_attention.py), these the paged and linear ones for sm_90
+    "tests/core/test_paged.py::test_paged_kernels_compile_for_sm90_offline",
+    "tests/backends/triton/test_triton_linear.py::test_kernels_compile_for_sm90_offline",
+    # constant score tiles on packed sequences, one kind at a time: CI runs all kinds at once (causal)
+    "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[relative-full]",
+    "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[span-bidirectional-window]",
     # a killed two-process LRA run: CI resumes one process (test_resume_equals_uninterrupted_run)
     "benchmarks/tests/test_lra_train.py::test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run",
 )
