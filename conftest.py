@@ -5,6 +5,8 @@ benchmarks/tests/ for the benchmarks); each folder's own fixtures stay in it.
   triton is first imported, so it is set here, at collection time.
 - Triton configs are pinned (no per-kind autotuning compiles): a GPU test run stays within one
   device call; the benchmark suite (python -m benchmarks.suite) exercises the autotuned configs.
+- Checks too long for CI's time budget are listed in LONG_RUN (one place for both folders): marked
+  `long` and skipped unless ``EFFATTN_LONG=1`` (README.md, "Tests").
 """
 import os
 
@@ -20,6 +22,60 @@ os.environ.setdefault("EFFATTN_TRITON_AUTOTUNE", "0")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+# The checks CI leaves out for time (2 cores, the whole suite under 15 minutes): node ids, a test's id
+# without parameters for all of them, or a module. Each kind of check keeps a representative in CI
+# (named in the comment). ``EFFATTN_LONG=1`` runs them with the rest; with ``-m long`` alone.
+_BUILD = "tests/backends/cuda/test_cuda_build"
+LONG_RUN = (
+    # nvcc builds (1-3 CPU minutes per unit and arch): CI builds attention/decode.cu for sm_80 and
+    # sm_90a with its spill, register and SASS checks (test_cuda_build_more.py)
+    f"{_BUILD}.py::test_no_spills_registers_under_cap_and_kernel_budget",
+    f"{_BUILD}.py::test_every_forward_is_built_for_each_bucket_and_dtype_without_bias_terms",
+    f"{_BUILD}.py::test_sass_uses_tensor_cores_ldmatrix_and_async_copies",
+    f"{_BUILD}.py::test_hopper_forward_is_wgmma_on_sm90a_only",
+    f"{_BUILD}.py::test_dense_and_window_forwards_carry_no_dropout_or_layout_code",
+    f"{_BUILD}_bwd.py",
+    f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[linear/linear.cu]",
+    f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys.cu]",
+    f"{_BUILD}_more.py::test_linear_kernels_counts_and_sass",
+    f"{_BUILD}_more.py::test_relative_keys_forward_lives_in_its_own_unit",
+    # mutants (a kernel rebuild and a pytest process each): CI runs decode-wait-count
+    "tests/backends/cuda/test_cuda_mutations.py::test_fast_subset_is_caught[barrier-dq]",
+    # the sanitizer build's second schedule: CI runs lockstep
+    "tests/backends/cuda/test_cuda_emulation.py::test_attention_kernels_under_address_and_ub_sanitizers[warp-serial]",
+    # Triton's compiler offline (minutes of CPU in all): CI compiles the attention kernels for sm_90 and
+    # sm_80 (tests/backends/triton/test_triton_attention.py), these the paged and linear ones for sm_90
+    "tests/core/test_paged.py::test_paged_kernels_compile_for_sm90_offline",
+    "tests/backends/triton/test_triton_linear.py::test_kernels_compile_for_sm90_offline",
+    # constant score tiles on packed sequences, one kind at a time: CI runs all kinds at once (causal)
+    "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[relative-full]",
+    "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[span-bidirectional-window]",
+    # a killed two-process LRA run: CI resumes one process (test_resume_equals_uninterrupted_run)
+    "benchmarks/tests/test_lra_train.py::test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run",
+)
+LONG_ON = os.environ.get("EFFATTN_LONG") == "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks LONG_RUN's tests `long` (before -m / -k select: `-m long` picks them) and skips them
+    without EFFATTN_LONG=1; an entry that names no test of a collected module is an error (a renamed
+    test would otherwise return to CI silently)."""
+    used, files = set(), {item.nodeid.split("::", 1)[0] for item in items}
+    skip = pytest.mark.skip(reason="long run (EFFATTN_LONG=1; README.md, Tests)")
+    for item in items:
+        hit = [e for e in LONG_RUN if e in (item.nodeid, item.nodeid.split("[", 1)[0], item.nodeid.split("::", 1)[0])]
+        if hit:
+            used.update(hit)
+            item.add_marker(pytest.mark.long)
+            if not LONG_ON:
+                item.add_marker(skip)
+    whole = not any("::" in str(a) for a in config.args)      # a run of node ids collects some tests only
+    stale = [e for e in LONG_RUN if whole and e.split("::", 1)[0] in files and e not in used]
+    if stale:
+        raise pytest.UsageError(f"conftest.py LONG_RUN names tests that do not exist: {stale}")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
@@ -23,6 +24,11 @@ import threading
 from typing import Optional
 
 import torch
+
+try:
+    import fcntl
+except ImportError:      # not POSIX: builds are not shared between processes there
+    fcntl = None
 
 from . import targets
 
@@ -115,6 +121,29 @@ def build_kernels(extra_cflags=()) -> str:
     lib = os.path.join(root, f"emu_kernels-{_digest(sources(), cxx, *flags[:4], *extra_cflags)}", KERNELS_LIB)
     if os.path.exists(lib):
         return lib
+    with _build_lock(root):
+        if not os.path.exists(lib):         # another process built it while this one waited
+            _compile_and_link(cxx, flags, extra_cflags, root, lib)
+    return lib
+
+
+@contextlib.contextmanager
+def _build_lock(root):
+    """One kernel build at a time per cache folder across processes (pytest-xdist's workers start
+    their first emulated test together): the one that waits then finds the objects it needs built."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "build.lock"), "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile_and_link(cxx, flags, extra_cflags, root, lib) -> None:
+    """Compiles the units whose objects are not cached yet, side by side, and links `lib`."""
     objdir = os.path.join(root, "emu_objects")
     os.makedirs(objdir, exist_ok=True)
     units = sorted(glob.glob(os.path.join(_CSRC, "*", "*.cu"))) + [os.path.join(_CSRC, "emu", "api.cpp")]
@@ -136,7 +165,6 @@ def build_kernels(extra_cflags=()) -> str:
     if res.returncode:
         raise RuntimeError(f"linking the emulated kernels failed:\n{res.stderr[-4000:]}")
     os.replace(tmp, lib)
-    return lib
 
 
 def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):

@@ -10,11 +10,14 @@
 - the attention kernels (and the Hopper forward) run clean under AddressSanitizer and UBSan on
   exact-size buffers.
 """
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import fragment_maps, run_sanitized, selftest_runner
+from tests.conftest import CSRC, fragment_maps, run_sanitized, selftest_runner
 
 SCHEDULES = {"lockstep": 0, "warp-serial": 1, "warp-serial-reversed": 2}
 
@@ -165,3 +168,23 @@ def test_failures_leave_no_leak_or_stale_state_under_sanitizers():
     """The abandoned fibers of a failed block are released (AddressSanitizer's leak check passes)."""
     out = run_sanitized("selftest.cpp", "caught", SCHEDULES["warp-serial"])
     assert out.count("caught: ") == len(PLANTED) + 1 and "after: ok" in out, out
+
+
+def test_concurrent_kernel_builds_compile_each_unit_once(tmp_path):
+    """Two processes (pytest-xdist's workers) asking for the same emulated kernels at once: one builds,
+    the other waits on the cache folder's lock and loads the result (no unit compiled twice). A
+    csrc/ of two one-line units, through a compiler wrapper that logs its compiles."""
+    for rel, text in (("op/a.cu", "int a() { return 1; }\n"), ("emu/api.cpp", "int api() { return 2; }\n")):
+        (tmp_path / "csrc" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "csrc" / rel).write_text(text)
+    log, cxx = tmp_path / "compiles.log", tmp_path / "cxx.sh"
+    cxx.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "$*" >> {log}; sleep 3;; esac\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    env = dict(os.environ, EFFATTN_CSRC=str(tmp_path / "csrc"), EFFATTN_CUDA_EMU_DIR=str(tmp_path / "cache"),
+               CXX=str(cxx), PYTHONPATH=os.path.dirname(CSRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "from effattn.backends.cuda import _ext; print(_ext.build_kernels())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    libs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and libs[0] == libs[1] and os.path.exists(libs[0]), libs
+    assert len(log.read_text().splitlines()) == 2, log.read_text()
