@@ -162,11 +162,11 @@ EFFATTN_DEVICE bool key_seen(const AttnParams& p, const uint8_t* lay, const uint
 
 // Zeroes the rows (keys n0 + r) of a landed swizzled K or V tile for which `seen(key)` is false, so
 // that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product, never 0 * NaN.
-// Masked tiles only; all 128 threads, between two block syncs.
-template <int HD, int ROWS, class Lay = Tile<HD>, class Seen>
+// Masked tiles only; all NT threads of the block, between two block syncs.
+template <int HD, int ROWS, class Lay = Tile<HD>, int NT = 128, class Seen>
 EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
   constexpr int C = HD / 8;
-  for (int idx = prim::thread_x(); idx < ROWS * C; idx += 128) {
+  for (int idx = prim::thread_x(); idx < ROWS * C; idx += NT) {
     const int r = idx / C, c = idx % C;
     if (seen(n0 + r)) continue;
     uint16_t* dst = tile + Lay::offset(r, c);

@@ -12,18 +12,20 @@ namespace detail {
 
 #if defined(EFFATTN_CUDA_EMU)
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p) {
-  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{128, 1, 1}, size_t(smem), [&] { kernel(p); });
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t, const Params& p,
+           unsigned threads = 128) {
+  emu::launch(emu::Dim3{grid, 1, split}, emu::Dim3{threads, 1, 1}, size_t(smem), [&] { kernel(p); });
   return 0;
 }
 #else
 template <class Kernel, class Params>
-int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p) {
+int launch(Kernel kernel, unsigned grid, unsigned split, int smem, prim::stream_t stream, const Params& p,
+           unsigned threads = 128) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return int(e);
   }
-  kernel<<<dim3(grid, 1, split), dim3(128, 1, 1), smem, stream>>>(p);
+  kernel<<<dim3(grid, 1, split), dim3(threads, 1, 1), smem, stream>>>(p);
   return int(cudaGetLastError());
 }
 #endif
@@ -32,11 +34,11 @@ inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
 
 // A forward kernel instance per MaskKind (common.cuh): `kernel<KIND>` for the kind mask_kind picks.
 template <template <int> class Kernel, class Params>
-int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, const Params& p) {
+int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, const Params& p, unsigned threads = 128) {
   switch (kind) {
-    case kDense: return launch(Kernel<kDense>::value, grid, 1, smem, stream, p);
-    case kWindow: return launch(Kernel<kWindow>::value, grid, 1, smem, stream, p);
-    default: return launch(Kernel<kAny>::value, grid, 1, smem, stream, p);
+    case kDense: return launch(Kernel<kDense>::value, grid, 1, smem, stream, p, threads);
+    case kWindow: return launch(Kernel<kWindow>::value, grid, 1, smem, stream, p, threads);
+    default: return launch(Kernel<kAny>::value, grid, 1, smem, stream, p, threads);
   }
 }
 

@@ -98,7 +98,7 @@ MUTATIONS: List[Mutation] = [
              "p.lse[q_row(p, b, h, i)] = empty ? -INFINITY : (m + log2f(l) + 0.01f) * 0.6931471805599453f;", SHARED,
              "the forward's log-sum-exp off by 0.007 (the backward reads it too)"),
     Mutation("online-softmax-rescale", "attention/fwd.cuh",
-             "      acc[j][2 * r] *= alpha;\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
+             "      acc[j][2 * r] *= alpha[r];\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
              "forward: half of the output accumulators not rescaled when the row maximum grows"),
     Mutation("delta-sign", "attention/bwd.cuh",
              "dpt[j][e] = ok ? pt * (dp - s_delta[qr]) * dcap : 0.f;",
