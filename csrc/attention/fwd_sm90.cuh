@@ -170,8 +170,11 @@ EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
   auto softmax = [&](int it, float (&alpha)[2]) {        // S(t) -> P(t) in s, m_i, l_i, alpha
     const int n0 = sched.tile(it) * BN;
     const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
-    if (p.score)
-      softmax_scores<KIND, false, 1>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i, alpha);
+    // kDense / kWindow: a softmax without the score terms' code for calls without them; kAny (layouts,
+    // padding, dropout) keeps one copy that reads p.score per element (its loop would double)
+    if (KIND == kAny || p.score)
+      softmax_scores<KIND, false, KIND == kAny ? -1 : 1>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i,
+                                                         alpha);
     else
       softmax_scores<KIND, false, 0>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i, alpha);
   };
