@@ -89,15 +89,19 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int B
 
 // Masks one S tile (to log2 units; -inf where a key is not visible) and runs the online softmax
 // (Alg. 1 lines 8-10) on this thread's rows row0 (r = 0) and row0 + 8 (r = 1): S becomes P in place
-// (dropped entries 0), acc is rescaled, m_i / l_i updated. S and acc are in the m16n8 accumulator
-// layout (mma.sync, or a warp's 16 rows of a wgmma accumulator: the same fragment). KIND
-// (MaskKind) compiles out what the kernel instance never sees: every mask test for kDense, the
-// layout, key padding and dropout for kWindow. TERMS: the bias tensors of `br` join the scores, as the
-// one number `cb` (log2 units) where the tile is constant (`cfast`: const_bias), else per element.
-template <int KIND, bool TERMS = false, int NS, int ND>
-EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
-                                 int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
-                                 float (&l_i)[2], const BiasRow& br = BiasRow{}, bool cfast = false, float cb = 0.f) {
+// (dropped entries 0), m_i / l_i are updated and alpha[r] receives the factor by which the row's
+// output accumulators must be rescaled (`rescale_rows`; the Hopper forward applies it only once the
+// previous tile's P V has retired). S is in the m16n8 accumulator layout (mma.sync, or a warp's 16
+// rows of a wgmma accumulator: the same fragment). KIND (MaskKind) compiles out what the kernel
+// instance never sees: every mask test for kDense, the layout, key padding and dropout for kWindow.
+// SCORE: -1 reads p.score per element (score_log2), 0 compiles the score terms out (the caller knows
+// p.score is 0), 1 keeps them. TERMS: the bias tensors of `br` join the scores, as the one number `cb`
+// (log2 units) where the tile is constant (`cfast`: const_bias), else per element.
+template <int KIND, bool TERMS = false, int SCORE = -1, int NS>
+EFFATTN_DEVICE void softmax_scores(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
+                                   int n0, bool masked, float slope, float (&s)[NS][4], float (&m_i)[2],
+                                   float (&l_i)[2], float (&alpha)[2], const BiasRow& br = BiasRow{},
+                                   bool cfast = false, float cb = 0.f) {
   const int t4 = prim::thread_x() & 3;
 #pragma unroll
   for (int j = 0; j < NS; ++j)
@@ -105,7 +109,7 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
     for (int e = 0; e < 4; ++e) {
       const int i = row0 + 8 * (e >> 1), kj = n0 + 8 * j + 2 * t4 + (e & 1);
       float dcap;
-      float x = score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
+      float x = SCORE == 0 ? s[j][e] * p.qk_scale : score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
       if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
       if (KIND != kDense && masked && !visible<KIND == kAny>(p, lay, i, kj)) x = -INFINITY;
       if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
@@ -121,7 +125,7 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
     const float m_new = fmaxf(m_i[r], mx);
     // a row that has seen nothing keeps m = -inf; the shift 0 keeps exp2(-inf - 0) = 0, not NaN
     const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = prim::exp2(m_i[r] - m_ref);
+    alpha[r] = prim::exp2(m_i[r] - m_ref);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < NS; ++j)
@@ -133,14 +137,31 @@ EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const 
         if (KIND == kAny && p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
         s[j][2 * r + e] = pv;
       }
-    l_i[r] = l_i[r] * alpha + sum;                     // per-thread partial row sums
+    l_i[r] = l_i[r] * alpha[r] + sum;                  // per-thread partial row sums
     m_i[r] = m_new;
+  }
+}
+
+// The output accumulators of rows row0 (r = 0) and row0 + 8 (r = 1) times alpha[r].
+template <int ND>
+EFFATTN_DEVICE void rescale_rows(float (&acc)[ND][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
-      acc[j][2 * r] *= alpha;
-      acc[j][2 * r + 1] *= alpha;
+      acc[j][2 * r] *= alpha[r];
+      acc[j][2 * r + 1] *= alpha[r];
     }
-  }
+}
+
+// softmax_scores, then the rescale of acc (the mma.sync forward: its P V of the last tile is done).
+template <int KIND, bool TERMS = false, int NS, int ND>
+EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
+                                 int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
+                                 float (&l_i)[2], const BiasRow& br = BiasRow{}, bool cfast = false, float cb = 0.f) {
+  float alpha[2];
+  softmax_scores<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, m_i, l_i, alpha, br, cfast, cb);
+  rescale_rows(acc, alpha);
 }
 
 // Alg. 1 lines 12-13 for this thread's rows row0, row0 + 8: O = O / l, L = m + log(l); a row that

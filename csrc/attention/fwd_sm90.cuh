@@ -1,13 +1,18 @@
-// Hopper (sm_90a) forward: the FA2 forward of fwd.cuh with its two products on warpgroup MMA.
+// Hopper (sm_90a) forward: the FA2 forward of fwd.cuh with its two products on warpgroup MMA,
+// two consumer warpgroups per block, double-buffered K and V and asynchronous wgmma.
 //
-// One block = one warpgroup (4 warps, 128 threads) per (query tile of 64 rows, b, h), the same grid,
-// tile plan (key tiles of 64), mask code, online softmax and epilogue as the mma.sync forward. Per
-// key tile: S (64 x 64) = Q K^T by wgmma m64n64k16 with both operands in shared memory; the
-// softmax on S's accumulators (warp w holds rows 16w..16w+15 in the m16n8 fragment layout, so
-// softmax_step serves both kernels); O (64 x HD) += P V by wgmma m64nHDk16 with P from registers
-// and V read N-major. Q, K and V sit in shared memory in wgmma's canonical 128-byte-swizzled
-// layout (Sw128Tile), loaded with cp.async, one buffer each, pipelined as the mma.sync forward.
-// TMA, mbarriers and producer/consumer warp specialization are later steps.
+// One block = two warpgroups (8 warps, 256 threads) per (query tile of 128 rows, b, h); warpgroup w
+// owns rows [64 w, 64 w + 64) (warp 4 w + i: 16 of them, in the m16n8 fragment layout, so the
+// mask code, online softmax and epilogue of the mma.sync forward serve both kernels). Key tiles of 64,
+// the same tile plan. Per key tile t: S(t) (64 x 64 per warpgroup) = Q K(t)^T by wgmma m64n64k16, both
+// operands in shared memory; O (64 x HD) += P(t - 1) V(t - 1) by wgmma m64nHDk16 with P from registers
+// and V read N-major, issued right behind S(t) without waiting: the tensor cores run P V of the last tile
+// while the warps mask and exponentiate S(t) (the rescale of O waits for that product only).
+// Q, K and V sit in shared memory in wgmma's canonical 128-byte-swizzled layout (Sw128Tile), loaded
+// with cp.async by all 256 threads (Sw128Copy: per-thread addresses computed once per block), K and V
+// in two buffers each: the copies of K(t + 1) and V(t) fly while the products of tile t run. One block
+// barrier per key tile (two on a masked tile: the zeroed keys). TMA, mbarriers and a producer warp are
+// later steps.
 #pragma once
 
 #include "attention/fwd.cuh"
@@ -39,12 +44,44 @@ struct Sw128Tile {
   }
 };
 
+// One thread's share of the cp.async copies of a ROWS x HD tile (Sw128Tile layout) by NT threads: the
+// thread copies 16-byte chunk c = tid % (HD / 8) of rows r1 + STEP i (r1 = tid / (HD / 8), STEP =
+// NT / (HD / 8), i < ROWS / STEP). STEP is a multiple of 8, so the chunk's swizzled place is the same
+// in each of those rows: the addresses are computed once per block, a copy adds constant strides.
+template <int HD, int ROWS, int NT>
+struct Sw128Copy {
+  static constexpr int C = HD / 8, STEP = NT / C, N = ROWS / STEP;
+  static_assert(NT % C == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "Sw128Copy: whole 8-row groups per step");
+  int soff, r1, col;
+  EFFATTN_DEVICE Sw128Copy() {
+    const int t = int(prim::thread_x());
+    r1 = t / C;
+    col = (t % C) * 8;
+    soff = Sw128Tile<HD, ROWS>::offset(r1, t % C);
+  }
+  // Rows [r0, r0 + ROWS) of an (L, width) matrix whose rows lie `ld` elements apart from `base` (width
+  // a multiple of 8, rows 16-byte aligned), zero-filled at rows >= L and columns >= width.
+  EFFATTN_DEVICE void load(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) const {
+    const int left = L - r0 - r1;                       // this thread's rows i with STEP i < left exist
+    const bool col_ok = col < width;
+    const uint16_t* src = base + int64_t(r0 + r1) * ld + col;
+    uint16_t* dst = tile + soff;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const bool ok = col_ok && STEP * i < left;
+      prim::cp_async_16(dst + STEP * i * 64, ok ? src + STEP * i * ld : base, ok ? 16 : 0);
+    }
+  }
+};
+
 template <int HD>
 struct FwdSm90Config {
-  static constexpr int BM = kBlockM;       // 64: one warpgroup's m64 rows
+  static constexpr int kThreads = 256;     // two warpgroups
+  static constexpr int BM = 128;           // 64 query rows per warpgroup (wgmma's m64)
   static constexpr int BN = 64;
-  static constexpr int kTileBytes = 64 * HD * 2;
-  static constexpr int kSmemBytes = 3 * kTileBytes + 1024;   // Q, K, V + slack to align to 1024
+  static constexpr int kQBytes = BM * HD * 2, kKVBytes = BN * HD * 2;
+  // Q, two K and two V buffers, and the slack to align them to 1024 bytes
+  static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes + 1024;
 };
 
 template <class A>
@@ -54,95 +91,130 @@ EFFATTN_DEVICE void keep_all(A& x) {
 }
 
 template <int HD, bool BF16, int KIND>
-EFFATTN_KERNEL attn_fwd_sm90_kernel(const AttnParams params) {
+EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
 #if EFFATTN_SM90A
   using Cfg = FwdSm90Config<HD>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::kThreads;
   constexpr int NS = BN / 8, ND = HD / 8;
   using TQ = Sw128Tile<HD, BM>;
   using TKV = Sw128Tile<HD, BN>;
   EFFATTN_SMEM(smem_raw);
   char* smem = smem_raw + ((1024 - (prim::smem_u32(smem_raw) & 1023)) & 1023);
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sK = sQ + BM * HD;
-  uint16_t* sV = sK + BN * HD;
-  const uint32_t aQ = prim::smem_u32(sQ), aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
-
+  uint16_t* sK = sQ + BM * HD;                          // K buffers 0, 1
+  uint16_t* sV = sK + 2 * BN * HD;                      // V buffers 0, 1
   const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
+  // this warpgroup's 64 rows of Q: 64 rows of 128 bytes into each panel (a multiple of 1024 bytes)
+  const uint32_t aQ = prim::smem_u32(sQ) + (warp >> 2) * 64 * 128;
+  const uint32_t aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
+
   // not packed (the binding refuses cu_seqlens here): a segment view (`segment_view`, a copy of the
-  // params with the segment's bounds) took the D=128 instances from 168 to 192-203 registers, 3 -> 2
-  // blocks per SM; packed calls run on the mma.sync forward
+  // params with the segment's bounds) costs registers in every instance; packed calls run on the
+  // mma.sync forward
   const GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
   const AttnParams& p = params;
   const FwdBlock fb = fwd_block(p, gt, BM);
-  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_step)
+  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_scores)
   const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);
   const int n_tiles = sched.count();
+  const Sw128Copy<HD, BM, NT> q_copy;
+  const Sw128Copy<HD, BN, NT> kv_copy;
 
-  load_tile<HD, BM, TQ>(sQ, fb.qb, p.q_l, fb.m0, p.Lq, p.D);
-  if (n_tiles > 0) load_tile<HD, BN, TKV>(sK, fb.kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
+  q_copy.load(sQ, fb.qb, p.q_l, fb.m0, p.Lq, p.D);
+  if (n_tiles > 0) kv_copy.load(sK, fb.kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
   prim::cp_async_commit();
 
-  float acc[ND][4];
+  float acc[ND][4], s[NS][4];
 #pragma unroll
   for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  uint32_t pa[BN / 16][4] = {};                         // P(t - 1) as wgmma A fragments
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
   const int row0 = fb.m0 + warp * 16 + g;               // this thread's rows: row0, row0 + 8
   const float slope = alibi_slope(p, fb.b, fb.h);
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int n0 = sched.tile(it) * BN;
-    const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
-    load_tile<HD, BN, TKV>(sV, fb.vb, p.v_l, n0, p.Lk, p.Dv);
-    prim::cp_async_commit();
-    prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
-    prim::fence_proxy_async();                           // ... visible to wgmma's async proxy
+  // Step t (t < n_tiles) runs S(t) and P(t - 1) V(t - 1); step n_tiles only the last P V. At a step's
+  // start every copy issued (K(t), V(t - 1)) has landed and, past the barrier, every thread is done
+  // with the previous step's reads. The first and the last step are peeled off the loop: ptxas then
+  // sees each wgmma wait in straight-line code (with branches around the issues it serialized them).
+  auto begin_step = [&](int it) {
+    prim::cp_async_wait<0>();
+    prim::fence_proxy_async();                           // the copies visible to wgmma's async proxy
     prim::sync_block();                                  // ... and every thread's
-
-    // S = Q K^T: HD / 16 reduction steps, one commit group
-    float s[NS][4];
-#pragma unroll
-    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    keep_all(s);
-    prim::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      prim::wgmma_ss<BN, BF16, false>(s, TQ::desc_k(aQ, kk), TKV::desc_k(aK, kk), kk > 0);
-    prim::wgmma_commit();
-    prim::wgmma_wait<0>();
-    keep_all(s);
-    prim::sync_block();                                  // every thread's wgmma is done reading K(t)
-    if (it + 1 < n_tiles) load_tile<HD, BN, TKV>(sK, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
-    prim::cp_async_commit();                             // (an empty group on the last tile)
-
-    softmax_step<KIND>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, acc, m_i, l_i);
-
-    // P as wgmma A fragments (per warp the m16n8k16 A layout), all of them: the registers must
-    // stay unchanged until the products retire
-    uint32_t pa[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk], s, kk);
-    prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
-    prim::fence_proxy_async();
-    prim::sync_block();
-    if (masked || kpm) {                                 // keys no row sees: zero values (NaN-safe)
-      zero_unseen<HD, BN, TKV>(sV, n0, [&](int j) { return key_seen(p, fb.lay, kpm, fb.m0, fb.m0 + BM, j); });
+    if (it > 0 && (KIND != kDense && sched.masked(it - 1) || kpm)) {   // keys no row sees: zero values
+      zero_unseen<HD, BN, TKV, NT>(sV + ((it - 1) & 1) * BN * HD, sched.tile(it - 1) * BN,
+                                   [&](int j) { return key_seen(p, fb.lay, kpm, fb.m0, fb.m0 + BM, j); });
       prim::fence_proxy_async();                         // the zeros visible to wgmma's async proxy
       prim::sync_block();
     }
-    // O += P V
-    keep_all(acc);
-    keep_all(pa);
-    prim::wgmma_fence();
+  };
+  // K(t + 1) into the buffer S(t - 1) read, V(t) into the one P V(t - 2) read: both retired
+  auto issue_copies = [&](int it) {
+    if (it + 1 < n_tiles) kv_copy.load(sK + ((it + 1) & 1) * BN * HD, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
+    kv_copy.load(sV + (it & 1) * BN * HD, fb.vb, p.v_l, sched.tile(it) * BN, p.Lk, p.Dv);
+    prim::cp_async_commit();
+  };
+  auto issue_s = [&](int it) {                           // S(t) = Q K(t)^T: HD / 16 steps, one group
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) prim::wgmma_rs<HD, BF16, true>(acc, pa[kk], TKV::desc_mn(aV, kk), true);
+    for (int kk = 0; kk < HD / 16; ++kk)
+      prim::wgmma_ss<BN, BF16, false>(s, TQ::desc_k(aQ, kk), TKV::desc_k(aK + (it & 1) * Cfg::kKVBytes, kk), kk > 0);
     prim::wgmma_commit();
+  };
+  auto issue_pv = [&](int it) {                          // O += P(t) V(t): BN / 16 steps, one group
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      prim::wgmma_rs<HD, BF16, true>(acc, pa[kk], TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk), true);
+    prim::wgmma_commit();
+  };
+  auto softmax = [&](int it, float (&alpha)[2]) {        // S(t) -> P(t) in s, m_i, l_i, alpha
+    const int n0 = sched.tile(it) * BN;
+    const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
+    // kDense / kWindow: a softmax without the score terms' code for calls without them; kAny (layouts,
+    // padding, dropout) keeps one copy that reads p.score per element (its loop would double)
+    if (KIND == kAny || p.score)
+      softmax_scores<KIND, false, KIND == kAny ? -1 : 1>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i,
+                                                         alpha);
+    else
+      softmax_scores<KIND, false, 0>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i, alpha);
+  };
+  auto to_pa = [&](const float (&alpha)[2]) {            // once P V(t - 1) retired: O rescaled, P(t) packed
+    rescale_rows(acc, alpha);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk], s, kk);
+  };
+
+  if (n_tiles > 0) {
+    float alpha[2];
+    begin_step(0);
+    issue_copies(0);
+    prim::wgmma_fence();
+    issue_s(0);
+    prim::wgmma_wait<0>();
+    keep_all(s);
+    softmax(0, alpha);
+    to_pa(alpha);
+    for (int it = 1; it < n_tiles; ++it) {
+      begin_step(it);
+      issue_copies(it);
+      prim::wgmma_fence();
+      issue_s(it);
+      issue_pv(it - 1);
+      prim::wgmma_wait<1>();                             // S(t) has retired; P V(t - 1) may still run
+      keep_all(s);
+      softmax(it, alpha);
+      prim::wgmma_wait<0>();                             // P V(t - 1) has retired: O and P(t - 1) are free
+      keep_all(acc);
+      keep_all(pa);
+      to_pa(alpha);
+    }
+    begin_step(n_tiles);
+    prim::wgmma_fence();
+    issue_pv(n_tiles - 1);
     prim::wgmma_wait<0>();
     keep_all(acc);
-    keep_all(pa);
-    prim::sync_block();                                  // every thread's wgmma is done reading V(t)
   }
-  prim::cp_async_wait<0>();
+  prim::cp_async_wait<0>();                              // (Q's copies when there is no key tile)
 
   store_rows<BF16>(p, fb.b, fb.h, fb.bh, row0, acc, m_i, l_i);
 #endif

@@ -34,11 +34,11 @@ inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
 
 // A forward kernel instance per MaskKind (common.cuh): `kernel<KIND>` for the kind mask_kind picks.
 template <template <int> class Kernel, class Params>
-int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, const Params& p) {
+int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, const Params& p, unsigned threads = 128) {
   switch (kind) {
-    case kDense: return launch(Kernel<kDense>::value, grid, 1, smem, stream, p);
-    case kWindow: return launch(Kernel<kWindow>::value, grid, 1, smem, stream, p);
-    default: return launch(Kernel<kAny>::value, grid, 1, smem, stream, p);
+    case kDense: return launch(Kernel<kDense>::value, grid, 1, smem, stream, p, threads);
+    case kWindow: return launch(Kernel<kWindow>::value, grid, 1, smem, stream, p, threads);
+    default: return launch(Kernel<kAny>::value, grid, 1, smem, stream, p, threads);
   }
 }
 

@@ -18,6 +18,13 @@
 
 #include "common/prims.cuh"
 
+// A kernel of two warpgroups (256 threads), one block per SM: the whole register file is ptxas's
+#if defined(EFFATTN_CUDA_EMU)
+#define EFFATTN_KERNEL_WG2 inline void
+#else
+#define EFFATTN_KERNEL_WG2 __global__ void __launch_bounds__(256, 1)
+#endif
+
 #if defined(EFFATTN_CUDA_EMU)
 #include "emu/wgmma.h"
 #define EFFATTN_SM90A 1

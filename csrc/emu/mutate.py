@@ -53,6 +53,8 @@ PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_agains
                "-k", "gqa4")
 FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_against_float64", "-k", "fp16")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
+# the Hopper forward's pipeline over several key tiles
+PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
 TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
          "relative and not past and causal")
@@ -99,7 +101,7 @@ MUTATIONS: List[Mutation] = [
              "p.lse[q_row(p, b, h, i)] = empty ? -INFINITY : (m + log2f(l) + 0.01f) * 0.6931471805599453f;", SHARED,
              "the forward's log-sum-exp off by 0.007 (the backward reads it too)"),
     Mutation("online-softmax-rescale", "attention/fwd.cuh",
-             "      acc[j][2 * r] *= alpha;\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
+             "      acc[j][2 * r] *= alpha[r];\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
              "forward: half of the output accumulators not rescaled when the row maximum grows"),
     Mutation("delta-sign", "attention/bwd.cuh",
              "return {pd, ok ? pt * (dp - delta) * dcap : 0.f};",
@@ -175,6 +177,19 @@ MUTATIONS: List[Mutation] = [
              "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),
              "tiles without the XOR swizzle: still correct, 8-way bank conflicts (a speed bug)"),
+    Mutation("hopper-k-buffer", "attention/fwd_sm90.cuh",
+             "kv_copy.load(sK + ((it + 1) & 1) * BN * HD,", "kv_copy.load(sK + (it & 1) * BN * HD,", (PIPELINE,),
+             "Hopper forward: K(t + 1) copied into the buffer S(t) reads"),
+    Mutation("hopper-v-buffer", "attention/fwd_sm90.cuh",
+             "TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk)", "TKV::desc_mn(aV + ((it + 1) & 1) * Cfg::kKVBytes, kk)",
+             (PIPELINE,), "Hopper forward: P V(t) reads the other V buffer (V(t + 1), in flight)"),
+    Mutation("hopper-wait-s", "attention/fwd_sm90.cuh",
+             "prim::wgmma_wait<1>();                             // S(t) has retired",
+             "prim::wgmma_wait<2>();                             // S(t) has retired", (PIPELINE,),
+             "Hopper forward: the softmax reads S(t) before its wgmma retired"),
+    Mutation("hopper-barrier", "attention/fwd_sm90.cuh",
+             "    prim::sync_block();                                  // ... and every thread's\n", "", (PIPELINE,),
+             "Hopper forward: no barrier at a step's start (copies of other threads unseen, buffers still read)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

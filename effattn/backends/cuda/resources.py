@@ -1,7 +1,7 @@
 """What the CUDA kernels ask of a GPU at launch, and whether a device has it.
 
 A kernel launches only if its block fits one SM: its dynamic shared memory within the device's
-opt-in shared memory per block, its 128 threads x registers within the registers of an SM. The
+opt-in shared memory per block, its threads (128; 256 for the Hopper forward) x registers within the registers of an SM. The
 capability check of the rows ``cuda/prefill`` and ``cuda/decode`` reads both from
 ``torch.cuda.get_device_properties`` (``shared_memory_per_block_optin``,
 ``regs_per_multiprocessor``), so a kernel that cannot launch on a device is never ranked there, and
@@ -24,7 +24,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-THREADS = 128            # every attention kernel's block (csrc/attention/launch.cuh, decode.cu)
+THREADS = 128            # the attention kernels' block (csrc/attention/launch.cuh, decode.cu), but the Hopper forward's
 MAX_REGISTERS = 255      # per thread: ptxas's cap (tests/backends/cuda/test_cuda_build.py checks each kernel)
 
 # Opt-in shared memory per block by compute capability, for a torch whose device properties lack
@@ -91,9 +91,13 @@ def fused_bwd_needs(hd: int) -> List["Need"]:
     return [Need("fused backward", bwd_fused_smem(hd), FUSED_BWD_THREADS)]
 
 
+HOPPER_THREADS = 256     # the Hopper forward's block: two warpgroups (FwdSm90Config::kThreads)
+
+
 def hopper_smem(hd: int) -> int:
-    """The Hopper forward (FwdSm90Config): Q, K, V tiles of 64 rows and 1 KB to align them."""
-    return 3 * 64 * hd * 2 + 1024
+    """The Hopper forward (FwdSm90Config): Q (128 rows), two K and two V buffers (64 keys each) and
+    1 KB to align them."""
+    return (128 + 4 * 64) * hd * 2 + 1024
 
 
 def decode_smem(hd: int, stages: int) -> int:
@@ -154,7 +158,7 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
 def prefill_needs(hd: int, hopper: bool, backward: bool, fused: bool = False) -> List[Need]:
     """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
     forward; with `backward`, the fused backward when `fused`, else the two backward passes)."""
-    needs = [Need("Hopper forward", hopper_smem(hd)) if hopper else Need("forward", fwd_smem(hd))]
+    needs = [Need("Hopper forward", hopper_smem(hd), HOPPER_THREADS) if hopper else Need("forward", fwd_smem(hd))]
     if backward and fused:
         needs += fused_bwd_needs(hd)
     elif backward:

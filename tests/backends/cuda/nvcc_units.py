@@ -123,3 +123,28 @@ def sass_of(obj, arch):
 def functions(sass, fn):
     """The bodies of the SASS functions whose name contains `fn`."""
     return [b for b in sass.split("Function : ")[1:] if fn in b.split("\n", 1)[0]]
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def tile_loop(body, mma="HGMMA"):
+    """The main loop of one SASS function (`functions`): the outermost loop (a backward branch and its
+    target) that holds `mma` instructions. A dict: its instructions (static count), block barriers
+    (BAR.SYNC), loops nested in it, the `mma`, LDGSTS and WARPGROUP.DEPBAR lines in it; None without one."""
+    instrs = [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(body)]
+    loops = []
+    for addr, text in instrs:
+        m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    hits = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and mma in t for a, t in instrs)]
+    if not hits:
+        return None
+    lo, hi = max(hits, key=lambda span: span[1] - span[0])
+    inside = [t for a, t in instrs if lo <= a <= hi]
+    return dict(instrs=len(inside), barriers=sum(bool(re.search(r"\bBAR\.SYNC", t)) for t in inside),
+                inner_loops=sum(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops),
+                mma=[t.split()[0] if not t.startswith("@") else t.split()[1] for t in inside if mma in t],
+                ldgsts=sum("LDGSTS" in t for t in inside),
+                wg_waits=[t for t in inside if "WARPGROUP.DEPBAR" in t])

@@ -31,13 +31,15 @@ from tests.backends.cuda.nvcc_units import (
     needs_nvcc,
     ptxas_entries,
     sass_of,
+    tile_loop,
 )
 
 MASK_KINDS = 3               # forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
-# empty stubs the launcher never starts); 168 registers at head dim 128 (2026-11-22, nvcc 13.0)
+# empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
+# (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
 HOPPER_KERNELS = 4 * MASK_KINDS
-HOPPER_MAX_REGISTERS = 192
+HOPPER_MAX_REGISTERS = 255
 FORWARD_UNITS = ("attention/fwd.cu", "attention/fwd_sm90.cu")
 
 pytestmark = needs_nvcc
@@ -98,6 +100,28 @@ def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
         assert ("HGMMA.64x64x16.F32.BF16" in body) == bf16, name
         assert "HMMA" not in body.replace("HGMMA", ""), name
     assert "HGMMA" not in sass_of(obj, "sm_80")
+
+
+def test_hopper_forward_pipeline_in_its_sass(compiled):
+    """The Hopper forward's key-tile loop (sm_90a SASS): S(t) and P(t - 1) V(t - 1) issued back to back
+    and the warps wait for S only (WARPGROUP.DEPBAR.LE gsb0, 0x1) before the softmax; one block barrier
+    per key tile (two on masked tiles: the zeroed V rows, not in kDense); the copies of K(t + 1) and
+    V(t) unrolled with addresses computed before the loop (no loop nested in it; K and V: 2 x 64 rows x
+    HD / 8 chunks over 256 threads); ptxas does not serialize the wgmma (its C7514 advisory)."""
+    report, obj = compiled["attention/fwd_sm90.cu"]
+    assert "wgmma.mma_async instructions are serialized" not in report, report[-3000:]
+    for name, body in ((b.split("\n", 1)[0], b) for b in functions(sass_of(obj, "sm_90a"), "attn_fwd_sm90_kernel")):
+        hd = 128 if "ILi128E" in name else 64
+        kind = int(re.search(r"Lb[01]ELi([012])E", name).group(1))
+        loop = tile_loop(body)
+        assert loop is not None, name
+        assert {m.split(".F32")[0] for m in loop["mma"]} == {"HGMMA.64x64x16", f"HGMMA.64x{hd}x16"}, (name, loop)
+        assert len(loop["mma"]) == hd // 16 + 64 // 16, (name, loop)
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in loop["wg_waits"], (name, loop["wg_waits"])
+        assert loop["ldgsts"] == 2 * 64 * (hd // 8) // 256, (name, loop)
+        if kind == 0:
+            assert loop["barriers"] == 1 and loop["inner_loops"] == 0, (name, loop)
+        assert loop["barriers"] <= 2, (name, loop)
 
 
 def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):

@@ -9,8 +9,9 @@
   mistakes (another swizzle, a wrong SBO, an unswizzled store, a tile off the 1024-byte boundary)
   give wrong results; planted misuses of wgmma abort or read NaN;
 - the emulated Hopper forward (EFFATTN_CUDA_EMU_HOPPER=1) against the float64 oracle by the
-  low-precision rule, every mask kind at head dims 64 and 128 in fp16 and bf16; explain says which
-  forward runs.
+  low-precision rule, every mask kind at head dims 64 and 128 in fp16 and bf16; its pipeline (two K and
+  V buffers, P V behind the next S) over several key tiles, bitwise equal to the mma.sync forward;
+  explain says which forward runs.
 """
 import random
 import shutil
@@ -244,6 +245,37 @@ def test_hopper_forward_against_float64(hopper, mask, D, dtype):
     fin = torch.isfinite(ref_lse)
     if fin.any():
         assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-3
+
+
+# (B, H, Hkv, Lq, Lk, mask kwargs): several key tiles of 64 per query tile of 128, so that both K and both
+# V buffers are reused and each tile's P V runs behind the next tile's S; a partial last query tile
+PIPELINE = {
+    "dense-4-tiles": (1, 1, 1, 130, 256, {}),                       # kDense: Lk a multiple of 64
+    "ragged-5-tiles-gqa": (1, 2, 1, 130, 300, {}),                  # kWindow: the last key tile partial
+    "causal-kpm": (2, 1, 1, 200, 200, dict(causal=True, kpm=0.2)),   # kAny: masked tiles zero V rows
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE))
+def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
+    """The double-buffered, asynchronous pipeline over 4-5 key tiles (the emulation aborts where a copy
+    lands in a buffer an in-flight wgmma reads, or an accumulator is read before its wait): against the
+    float64 oracle, and bitwise equal to the mma.sync forward (per row the same fp32 operations in the
+    same order: O rescaled, then P V added, tile by tile)."""
+    B, H, Hkv, Lq, Lk, kw = PIPELINE[case]
+    q, k, v, kwargs = make_inputs((B, H, Hkv, Lq, Lk, 64, 64, kw), torch.bfloat16, seed=7)
+    q, k, v, kwargs = q.cpu(), k.cpu(), v.cpu(), to_device(kwargs, "cpu")
+    hopper.emu_stats()
+    out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
+    blocks, mma = hopper.emu_stats()[:2].tolist()
+    assert mma == 0 and blocks == B * H * 2                  # the wgmma kernel, 128 query rows per block
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
+    low, _ = naive_in(torch.bfloat16, q, k, v, kwargs)
+    judge(out, ref, low, 2, torch.bfloat16, "out")
+    monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "0")
+    out2, lse2 = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
+    assert hopper.emu_stats()[1].item() > 0                  # the mma.sync forward this time
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 def test_hopper_forward_same_under_warp_serial_schedules_and_with_dropout(hopper, monkeypatch):

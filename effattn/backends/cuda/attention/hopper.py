@@ -1,5 +1,6 @@
-"""Which forward kernel the CUDA backend runs: the Hopper one (csrc/attention/fwd_sm90.cuh: wgmma from
-128-byte-swizzled shared memory, sm_90a) or the FA2-class mma.sync one (csrc/attention/fwd.cuh).
+"""Which forward kernel the CUDA backend runs: the Hopper one (csrc/attention/fwd_sm90.cuh, sm_90a: two
+warpgroups per 128-row query tile, asynchronous wgmma from 128-byte-swizzled shared memory, K and V
+double-buffered) or the FA2-class mma.sync one (csrc/attention/fwd.cuh).
 
 The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128), bf16 and fp16,
 every mask and the score terms softcap, sinks and ALiBi (not packed sequences, relative tables, adaptive

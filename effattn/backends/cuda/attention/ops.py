@@ -40,10 +40,12 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
                        window_right: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                        q_offset: Optional[int] = None, out_fp32: bool = False,
                        drop_at: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
-    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
-    # the Hopper forward reads the same plan (same tiles: 64 query rows, 64 keys at buckets 64 / 128)
+    sm90 = hopper.why_not(q, v, packed=cu_seqlens_q is not None) is None
+    # the Hopper forward reads the plan of its own tiles (128 query rows, 64 keys)
+    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False,
+                                    hopper=sm90)
     kops = kernels(q.device)
-    fwd = kops.attention_fwd if hopper.why_not(q, v, packed=cu_seqlens_q is not None) else kops.attention_fwd_sm90
+    fwd = kops.attention_fwd_sm90 if sm90 else kops.attention_fwd
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,
                *clamp_window(window_left, window_right, q.shape[2], k.shape[2], q_offset), cu_seqlens_q=cu_seqlens_q,
                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_offset=q_offset,

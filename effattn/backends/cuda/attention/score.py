@@ -96,13 +96,14 @@ def _tensor_args(score) -> dict:
 
 
 def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, by_key, score,
-          segments=None, drop_at=None) -> dict:
+          segments=None, drop_at=None, sm90=False) -> dict:
     """The C++ ops' mask, plan and scalar arguments by their schema's names (csrc/binding/attention.cpp);
     ``by_key``: with the backward's tile lists by key. ``segments``: None or the one segment of a call
     with positions / an fp32 output (its offset: ``q_offset``; `reasons` refuses packed sequences);
-    ``drop_at``: where dropout draws (`AttnCall.drop_at`)."""
+    ``drop_at``: where dropout draws (`AttnCall.drop_at`); ``sm90``: the forward's plan for the Hopper kernel's
+    tiles."""
     left = span_left(left, score)                 # keys beyond every head's span: tiles skipped
-    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False)
+    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False, hopper=sm90)
     q_offset = None if segments is None else segments[0][4]
     window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2], q_offset)
     args = dict(key_padding_mask=kpm, layout=layout_mask, layout_block=layout_block, layout_check=check, lists=lists,
@@ -117,9 +118,10 @@ def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
 def forward(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, score, segments=None,
             out_dtype=None, drop_at=None):
     kops = kernels(q.device)
-    fwd = kops.attention_fwd if hopper.why_not(q, v, terms=has_bias_tensors(score)) else kops.attention_fwd_sm90
+    sm90 = hopper.why_not(q, v, terms=has_bias_tensors(score)) is None
+    fwd = kops.attention_fwd_sm90 if sm90 else kops.attention_fwd
     return fwd(q, k, v, **_args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, False,
-                                score, segments, drop_at),
+                                score, segments, drop_at, sm90),
                out_fp32=out_dtype is not None, softcap=score.softcap or 0.0, alibi=_slopes(score),
                sinks=None if score.sinks is None else score.sinks.detach().float(), **_tensor_args(score))
 
