@@ -86,7 +86,7 @@ EFFATTN_DEVICE void rows_lse_delta(const AttnParams& p, int b, int h, int row0, 
 }
 
 template <int HD, bool BF16>
-EFFATTN_KERNEL relk_dq_kernel(const AttnParams params) {
+EFFATTN_KERNEL_1 relk_dq_kernel(const AttnParams params) {
   using Cfg = RelkBwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, WB = Cfg::WB, ACC = Cfg::ACC;
   constexpr int NS = BN / 8, NA = ACC / 8;
@@ -209,7 +209,7 @@ EFFATTN_KERNEL relk_dq_kernel(const AttnParams params) {
 }
 
 template <int HD, bool BF16>
-EFFATTN_KERNEL relk_dkdv_kernel(const AttnParams params) {
+EFFATTN_KERNEL_1 relk_dkdv_kernel(const AttnParams params) {
   using Cfg = RelkBwdConfig<HD>;
   constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, WB = Cfg::WB, ACC = Cfg::ACC;
   constexpr int NS = BM / 8, NA = ACC / 8;
@@ -324,7 +324,7 @@ EFFATTN_KERNEL relk_dkdv_kernel(const AttnParams params) {
 }
 
 template <int HD, bool BF16>
-EFFATTN_KERNEL relk_dr_kernel(const AttnParams params) {
+EFFATTN_KERNEL_1 relk_dr_kernel(const AttnParams params) {
   using Cfg = RelkBwdConfig<HD>;
   constexpr int BM = Cfg::BM, BD = Cfg::BN, WB = Cfg::WB, ACC = Cfg::ACC;
   constexpr int NS = BD / 8, NA = ACC / 8;
