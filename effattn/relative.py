@@ -21,8 +21,9 @@ interior distances, prefix/suffix sums for the clamped ends: no scatter, determi
 dropout it differentiates the dense ``(B, H, Lq, Lk)`` scores with autograd. Triton kernels
 (`effattn/backends/triton/relative/`: the term per tile, a `tl.gather` for the shift; a deterministic
 backward with a distance-band pass for ``r``) serve calls without dropout (``backend="auto"`` on
-CUDA). A CUDA C++ forward (`effattn/backends/cuda/attention/relative.py`, row ``cuda/relative``) serves calls
-that need no gradient; its backward is not written yet (`explain_relative` says which path runs). The term itself
+CUDA). CUDA C++ kernels (`effattn/backends/cuda/attention/relative.py`, row ``cuda/relative``), forward and
+backward (gradients up to head dim 128; the same distance-band pass for ``r``, its sums folded by
+`fold_distances`), serve ``backend="cuda"`` (`explain_relative` says which path runs). The term itself
 (`RelativeKeys`, `relative_index`, `relative_scores`) lives in `effattn.bias`: ``effattn.attention(...,
 bias=RelativeKeys(r, query, max_distance))`` runs `relative_attention`.
 """
@@ -46,7 +47,7 @@ from .visibility import Rule, normalize_window
 FN = "relative_attention"
 UNFUSED_NOTE = ("relative keys: torch path, not fused: a block of query rows at a time with a recomputing backward, "
                 "memory O(rows x max(Lk, n_dist)); with dropout, the dense (B, H, Lq, Lk) scores under autograd; "
-                "Triton kernels serve CUDA calls without dropout; the CUDA C++ kernel is forward only")
+                "Triton kernels serve CUDA calls without dropout; so do CUDA C++ kernels (backend='cuda')")
 
 
 def check_relative(q: Tensor, r, query, max_distance, causal: bool, window, fn: str = FN) -> None:
@@ -88,7 +89,7 @@ def relative_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, *, query: Opt
         max_distance: None (r holds past distances ``0..n_dist-1``, needs causal) or M (``n_dist = 2M+1``).
         causal, window, key_padding_mask, scale, dropout_p, return_lse: as :func:`effattn.attention`.
         backend: ``"auto"``, ``"triton"`` (fused forward and backward, see `effattn/backends/triton/relative/`),
-            ``"cuda"`` (fused forward only: no gradients) or ``"torch"``; `explain_relative` says which runs.
+            ``"cuda"`` (fused forward and backward; gradients up to head dim 128) or ``"torch"``; `explain_relative` says which runs.
 
     Every input receives its gradient (r and query included). Torch path, not fused (module docstring).
 
@@ -203,6 +204,20 @@ def _band_sums(dT: Tensor, i0: int, Lq: int, n: int, max_distance: Optional[int]
     g[..., 0] = total - before(near[:, None])                                       # j >= near (d <= d(0))
     g[..., -1] = before(far[:, None] + 1)                                           # j <= far (d >= d(n-1))
     return g
+
+
+def fold_distances(gd: Tensor, Lq: int, n_dist: int, max_distance: Optional[int]) -> Tensor:
+    """``dr (H, n_dist, D)`` from per-distance sums ``gd (H, Lq + Lk - 1, D)`` (distances ``1 - Lq ..
+    Lk - 1``): interior rows take their one distance, the clamped end rows the sum of theirs."""
+    d = torch.arange(gd.shape[1], device=gd.device) + (1 - Lq)
+    idx = d.clamp(0, n_dist - 1) if max_distance is None else d.clamp(-max_distance, max_distance) + max_distance
+    dr = gd.new_zeros(gd.shape[0], n_dist, gd.shape[2])
+    dr[:, 0] = gd[:, idx == 0].sum(1)
+    if n_dist > 1:
+        dr[:, n_dist - 1] = gd[:, idx == n_dist - 1].sum(1)
+        inner = (idx > 0) & (idx < n_dist - 1)
+        dr[:, idx[inner]] = gd[:, inner]
+    return dr
 
 
 def stash(ctx, q, k, v, r, query, out, lse, *args):

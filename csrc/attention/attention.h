@@ -110,6 +110,10 @@ struct AttnParams {
   int relk_n, relk_max;
   const void* relkq;             // the term's query (B, H, Lq, D), rows as q's; null: q itself
   int64_t relkq_b, relkq_h, relkq_l;
+  // relative keys, backward (relkeys_bwd.cu): the term query's gradient (B, H, Lq, D) contiguous, rows as dq's
+  // (written when relkq is set), and the per-distance sums gd (H, Lq + Lk - 1, D) fp32 for distances off - (Lk - 1) ..
+  void* drelkq;
+  float* drelk_gd;
 };
 
 // Sets the dropout seed (one 64-bit Philox key) and its round keys.
@@ -147,8 +151,11 @@ bool attention_bwd_fused_serves(const AttnParams& p);
 int attention_fwd_terms(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd_terms(const AttnParams& p, bool bf16, void* stream);
 // The forward with relative keys (relkeys.cu: the mma.sync forward of mask kind kAny compiled with
-// RELK = true; p.relk set, no other score term or bias tensor). Forward only.
+// RELK = true; p.relk set, no other score term or bias tensor).
 int attention_fwd_relk(const AttnParams& p, bool bf16, void* stream);
+// Its backward (relkeys_bwd.cu: Delta, dQ with the term query's gradient, dK/dV, the distance-band pass
+// for r; head-dim buckets 32 to 128). p.drelkq, p.drelk_gd and the backward fields set.
+int attention_bwd_relk(const AttnParams& p, bool bf16, void* stream);
 // The Hopper forward (fwd_sm90.cu: wgmma, head-dim buckets 64 and 128; -2 when this build has
 // no sm_90a code). Only for devices of compute capability 9.0.
 int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);

@@ -28,6 +28,51 @@ EFFATTN_DEVICE int relk_index(const AttnParams& p, int d) {
   return p.relk_max < 0 ? imin(imax(d, 0), p.relk_n - 1) : imin(imax(d, -p.relk_max), p.relk_max) + p.relk_max;
 }
 
+// RELK: the rows of r for distances d0 + t, t < ROWS (clamped to the table). All 128 threads.
+template <int HD, int ROWS>
+EFFATTN_DEVICE void load_relk_rows(uint16_t* tile, const AttnParams& p, int h, int d0) {
+  const uint16_t* rb = static_cast<const uint16_t*>(p.relk) + h * p.relk_h;
+  load_rows<HD, ROWS>(tile, rb, [&](int t) { return rb + int64_t(relk_index(p, d0 + t)) * p.relk_l; }, 0, ROWS, p.D);
+}
+
+// acc (16 x NB) = A B^T for warp w: A = rows [16 w, 16 w + 16) of tile `sa`, B = rows [16 w, 16 w + NB) of tile
+// `sb` (a band: the rows of a 16-row shift keep their swizzle), the first `k16` 16-wide steps.
+template <int HD, int NB, bool BF16>
+EFFATTN_DEVICE void warp_band_product(float (&acc)[NB / 8][4], const uint16_t* sa, const uint16_t* sb, int k16) {
+  const int warp = prim::thread_x() >> 5;
+#pragma unroll
+  for (int j = 0; j < NB / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  mma_rows_rows<HD, NB, BF16>(acc, sa, warp * 16, sb + warp * 16 * HD, k16);
+}
+
+// A warp's 16 x NB fp32 accumulators into its block w of shared memory (row-major, row stride NB).
+template <int NB>
+EFFATTN_DEVICE void store_acc(float* w, const float (&x)[NB / 8][4]) {
+  const int lane = prim::thread_x() & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[(g + 8 * (e >> 1)) * NB + 8 * j + 2 * t4 + (e & 1)] = x[j][e];
+}
+
+// store_acc, then, after a barrier, element (ri, c) of a 16 x 8 NT tile from column ri + SH - c of the block
+// into y (ADD: added to y): the relative shift (SH = the tile's width - 1). All 128 threads (the barrier);
+// each warp reads only its own block.
+template <int NB, int SH, int NT, bool ADD = false>
+EFFATTN_DEVICE void skew_read(float* w, const float (&x)[NB / 8][4], float (&y)[NT][4]) {
+  const int lane = prim::thread_x() & 31, g = lane >> 2, t4 = lane & 3;
+  store_acc<NB>(w, x);
+  prim::sync_block();
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
+      const float v = w[ri * NB + ri + SH - c];
+      y[j][e] = ADD ? y[j][e] + v : v;
+    }
+}
+
 // RELK: adds query_i . relk[h, idx(pos(i) - j)] to this warp's raw S tile (rows m0 + 16 warp + [0, 16),
 // keys n0 + [0, BN)). The pair's distances are d0 + t, t < BM + BN - 1, d0 = pos(m0) - (n0 + BN - 1):
 // the band rows relk[h, idx(d0 + t)] are loaded (cp.async, waited at once: every earlier group lands too),
@@ -38,31 +83,14 @@ template <int HD, int BM, int BN, bool BF16, int NS>
 EFFATTN_DEVICE void relk_add(const AttnParams& p, int h, int m0, int n0, uint16_t* sR, const uint16_t* sQt,
                              float* sPR, int kd, float (&s)[NS][4]) {
   constexpr int WB = 16 + BN;
-  const int lane = prim::thread_x() & 31, warp = prim::thread_x() >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int d0 = m0 + p.off - (n0 + BN - 1);
-  const uint16_t* rb = static_cast<const uint16_t*>(p.relk) + h * p.relk_h;
-  load_rows<HD, BM + BN>(sR, rb, [&](int t) { return rb + int64_t(relk_index(p, d0 + t)) * p.relk_l; }, 0, BM + BN, p.D);
+  const int warp = prim::thread_x() >> 5;
+  load_relk_rows<HD, BM + BN>(sR, p, h, m0 + p.off - (n0 + BN - 1));
   prim::cp_async_commit();
   prim::cp_async_wait<0>();
   prim::sync_block();
   float pr[WB / 8][4];
-#pragma unroll
-  for (int j = 0; j < WB / 8; ++j) pr[j][0] = pr[j][1] = pr[j][2] = pr[j][3] = 0.f;
-  mma_rows_rows<HD, WB, BF16>(pr, sQt, warp * 16, sR + warp * 16 * HD, kd);   // a 16-row shift keeps the swizzle
-  float* w = sPR + warp * 16 * WB;
-#pragma unroll
-  for (int j = 0; j < WB / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[(g + 8 * (e >> 1)) * WB + 8 * j + 2 * t4 + (e & 1)] = pr[j][e];
-  prim::sync_block();
-#pragma unroll
-  for (int j = 0; j < NS; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int ri = g + 8 * (e >> 1), jl = 8 * j + 2 * t4 + (e & 1);
-      s[j][e] += w[ri * WB + ri + BN - 1 - jl];
-    }
+  warp_band_product<HD, WB, BF16>(pr, sQt, sR, kd);
+  skew_read<WB, BN - 1, NS, true>(sPR + warp * 16 * WB, pr, s);
 }
 
 // What a forward block works on: the (b, h) pair, the query tile and the base pointers of its

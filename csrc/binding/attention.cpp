@@ -225,20 +225,7 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     dq.zero_(), dk.zero_(), dv.zero_();
   } else {
     poison(dq), poison(dk), poison(dv), poison(delta);
-    Tensor dl;
-    if (dlse.has_value()) {
-      dl = dlse->to(at::kFloat);
-      p.dlse = dl.data_ptr<float>();
-      p.dl_b = dl.stride(0), p.dl_h = dl.stride(1), p.dl_l = dl.stride(2);
-    }
-    p.dout = dout.data_ptr();
-    p.do_b = stride_or_0(dout, 0), p.do_h = stride_or_0(dout, 1), p.do_l = dout.stride(2);
-    p.o = out.data_ptr();
-    p.o_f32 = int(out.scalar_type() == at::kFloat);
-    p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
-    p.lse = lse.data_ptr<float>();
-    p.delta = delta.data_ptr<float>();
-    p.delta_out = delta.data_ptr<float>();
+    const Tensor dl = set_backward_inputs(p, dout, dlse, out, lse, delta);
     p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     if (alibi_grad) {
       poison(tg.dalibi);

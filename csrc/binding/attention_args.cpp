@@ -152,5 +152,24 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
   return r;
 }
 
+Tensor set_backward_inputs(effattn::AttnParams& p, const Tensor& dout, const optional<Tensor>& dlse, const Tensor& out,
+                           const Tensor& lse, const Tensor& delta) {
+  Tensor dl;
+  if (dlse.has_value()) {
+    dl = dlse->to(at::kFloat);
+    p.dlse = dl.data_ptr<float>();
+    p.dl_b = dl.stride(0), p.dl_h = dl.stride(1), p.dl_l = dl.stride(2);
+  }
+  p.dout = dout.data_ptr();
+  p.do_b = stride_or_0(dout, 0), p.do_h = stride_or_0(dout, 1), p.do_l = dout.stride(2);
+  p.o = out.data_ptr();
+  p.o_f32 = int(out.scalar_type() == at::kFloat);
+  p.o_b = out.stride(0), p.o_h = out.stride(1), p.o_l = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.delta_out = delta.data_ptr<float>();
+  return dl;
+}
+
 }  // namespace binding
 }  // namespace effattn

@@ -43,5 +43,11 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
                  int64_t listk_wf, const optional<Tensor>& seed, double scale, double dropout_p, int64_t left,
                  int64_t right, const Varlen& varlen = Varlen{});
 
+// Points p at a backward's inputs: dO (`aligned`), the forward's out (q's dtype or fp32) and lse, the Delta
+// buffer (written by the Delta kernel, read by the passes) and the lse's gradient, if any, as fp32: the
+// returned tensor (keep it alive for the launch; undefined without one).
+Tensor set_backward_inputs(effattn::AttnParams& p, const Tensor& dout, const optional<Tensor>& dlse, const Tensor& out,
+                           const Tensor& lse, const Tensor& delta);
+
 }  // namespace binding
 }  // namespace effattn

@@ -64,6 +64,18 @@ def relk_smem(hd: int) -> int:
     return fwd_smem(hd) + (64 + bn + 64) * hd * 2 + 4 * 16 * (16 + bn) * 4
 
 
+def relk_bwd_smem(hd: int) -> dict:
+    """The backward passes with relative keys (RelkBwdConfig, csrc/attention/relkeys_bwd.cuh; head dims up to
+    128), by pass: dQ (Q, dO, the term's query, K, V, the band of r, the warps' fp32 products), dK/dV (K, V,
+    64 keys; Q, dO, the term's query of 64 rows, 32 at 128; the band; the products; lse and Delta) and the
+    distance pass (Q, dO, the term's query, the key / value band, the block's rows of r, the products)."""
+    bm_kv = 32 if hd >= 128 else 64
+    prods = 4 * 16 * 80 * 4
+    return {"dQ": (3 * 64 + 2 * 64 + 128) * hd * 2 + prods,
+            "dK/dV": (2 * 64 + 4 * bm_kv + 64) * hd * 2 + (bm_kv // 16) * 16 * 80 * 4 + 2 * bm_kv * 4,
+            "distances": (3 * 64 + 128 + 64) * hd * 2 + prods}
+
+
 def dkdv_smem(hd: int) -> int:
     """The dK/dV pass (BwdConfig::kDkdvSmem): K, V (64 keys), Q, dO (64 rows, 32 from head dim 128),
     and the rows' lse and Delta."""

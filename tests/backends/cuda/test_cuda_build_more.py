@@ -1,7 +1,8 @@
 """Offline checks of the CUDA kernels' build (nvcc only), the decode, linear-attention and relative-key
-units: attention/decode.cu, linear/linear.cu and attention/relkeys.cu (test_cuda_build.py says what is
-checked). attention/relkeys.cu holds mma.sync instances only and is built for sm_80 here, for sm_90a as
-well with EFFATTN_CUDA_ARCH_SWEEP=1 (as attention/terms.cu in test_cuda_build_bwd.py)."""
+units: attention/decode.cu, linear/linear.cu, attention/relkeys.cu and attention/relkeys_bwd.cu
+(test_cuda_build.py says what is checked). The relative-key units hold mma.sync instances only and are
+built for sm_80 here, for sm_90a as well with EFFATTN_CUDA_ARCH_SWEEP=1 (as attention/terms.cu in
+test_cuda_build_bwd.py)."""
 import os
 import sys
 
@@ -27,6 +28,8 @@ DECODE_REGISTER_CAP = 168    # decode split kernels up to head dim 128: 3 blocks
 LINEAR_KERNELS = 9
 # attention/relkeys.cu: the forward with relative keys (RELK, mask kind kAny) per bucket and dtype
 RELK_KERNELS = 4 * 2
+# attention/relkeys_bwd.cu: its backward (dQ, dK/dV, distance pass) per bucket up to 128 and dtype, 2 Delta kernels
+RELK_BWD_KERNELS = 3 * 3 * 2 + 2
 SWEEP_ON = os.environ.get("EFFATTN_CUDA_ARCH_SWEEP") == "1"
 RELK_ARCHS = ARCHS if SWEEP_ON else ("sm_80",)
 
@@ -35,10 +38,11 @@ pytestmark = needs_nvcc
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    return Units(tmp_path_factory.mktemp("nvcc"), {"attention/relkeys.cu": RELK_ARCHS})
+    return Units(tmp_path_factory.mktemp("nvcc"), {"attention/relkeys.cu": RELK_ARCHS, "attention/relkeys_bwd.cu": RELK_ARCHS})
 
 
-@pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu", "attention/relkeys.cu"))
+@pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu", "attention/relkeys.cu",
+                                 "attention/relkeys_bwd.cu"))
 def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
@@ -105,6 +109,23 @@ def test_relative_keys_forward_lives_in_its_own_unit(compiled, arch):
     assert bodies
     for body in bodies:
         assert "HMMA.16816.F32" in body and "LDSM.16.M88.4" in body and "LDGSTS" in body, arch
+
+
+@pytest.mark.parametrize("arch", RELK_ARCHS)
+def test_relative_keys_backward_lives_in_its_own_unit(compiled, arch):
+    """The backward with relative keys (relk_dq_kernel, relk_dkdv_kernel, relk_dr_kernel and the Delta kernel
+    they share with bwd.cu) is compiled in attention/relkeys_bwd.cu for head-dim buckets 32 to 128 and both
+    dtypes, with tensor-core products (ldmatrix, .trans for the reduction-major operands) and async copies."""
+    report, obj = compiled["attention/relkeys_bwd.cu"]
+    names = [e[1] for e in ptxas_entries(report) if e[0] == arch]
+    assert len(names) == RELK_BWD_KERNELS, (arch, len(names))
+    for kernel in ("relk_dq_kernel", "relk_dkdv_kernel", "relk_dr_kernel"):
+        for hd in (32, 64, 128):
+            for bf16 in (0, 1):
+                assert sum(f"{kernel}ILi{hd}ELb{bf16}EE" in n for n in names) == 1, (arch, kernel, hd, bf16)
+        for body in functions(sass_of(obj, arch), kernel):
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, kernel, op)
 
 
 if __name__ == "__main__":

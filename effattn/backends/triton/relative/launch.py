@@ -8,6 +8,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ....relative import fold_distances
 from .kernels import relative_dkv_kernel, relative_dq_kernel, relative_dr_kernel, relative_fwd_kernel
 
 
@@ -49,20 +50,6 @@ def relative_forward(q, k, v, r, query, max_distance: Optional[int], left: int, 
     relative_fwd_kernel[(triton.cdiv(Lq, bm), B * H)](**args, O=out, LSE=lse, BM=bm, BN=bm, W=_pow2(2 * bm - 1),
                                                       **flags)
     return out, lse
-
-
-def fold_distances(gd: Tensor, Lq: int, n_dist: int, max_distance: Optional[int]) -> Tensor:
-    """``dr (H, n_dist, D)`` from per-distance sums ``gd (H, Lq + Lk - 1, D)`` (distances ``1 - Lq ..
-    Lk - 1``): interior rows take their one distance, the clamped end rows the sum of theirs."""
-    d = torch.arange(gd.shape[1], device=gd.device) + (1 - Lq)
-    idx = d.clamp(0, n_dist - 1) if max_distance is None else d.clamp(-max_distance, max_distance) + max_distance
-    dr = gd.new_zeros(gd.shape[0], n_dist, gd.shape[2])
-    dr[:, 0] = gd[:, idx == 0].sum(1)
-    if n_dist > 1:
-        dr[:, n_dist - 1] = gd[:, idx == n_dist - 1].sum(1)
-        inner = (idx > 0) & (idx < n_dist - 1)
-        dr[:, idx[inner]] = gd[:, inner]
-    return dr
 
 
 def relative_backward(dout, dlse, q, k, v, r, query, out, lse, max_distance, left, right, key_padding_mask, scale):
