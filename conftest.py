@@ -28,6 +28,18 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # without parameters for all of them, or a module. Each kind of check keeps a representative in CI
 # (named in the comment). ``EFFATTN_LONG=1`` runs them with the rest; with ``-m long`` alone.
 _BUILD = "tests/backends/cuda/test_cuda_build"
+_ORACLE_CASES_KEPT = ("causal-B1-H2-L67-D32", "causal-Lq>Lk-q50-k19-emptyrows", "dv!=d-D24-Dv8",
+                      "layout-perhead-bs16-partial", "all-gqa-window-layout-kpm")
+_ORACLE_CASES_LONG = {
+    "bfloat16": ("dense-B2-H2-L40-D16", "causal-Lq<Lk-q19-k50", "noncausal-Lq>Lk-q33-k70", "window-int-noncausal-w5",
+                 "window-int-causal-w7", "window-pair-3-9", "window-causal-right-ignored-6-4", "window-Lq<Lk-decode",
+                 "gqa-H4-Hkv2-causal", "mqa-H4-Hkv1", "headdim-odd-D5-Dv3", "headdim-1", "kpm-B2",
+                 "layout-shared-bs16", "layout-gqa-perhead-causal", "scale-custom"),
+    # fp16 keeps the window and GQA cases too
+    "float16": ("dense-B2-H2-L40-D16", "causal-Lq<Lk-q19-k50", "noncausal-Lq>Lk-q33-k70", "window-int-noncausal-w5",
+                "window-causal-right-ignored-6-4", "mqa-H4-Hkv1", "headdim-odd-D5-Dv3", "headdim-1", "kpm-B2",
+                "layout-shared-bs16", "scale-custom"),
+}
 LONG_RUN = (
     # nvcc builds (1-3 CPU minutes per unit and arch): CI builds attention/decode.cu for sm_80 and
     # sm_90a with its spill, register and SASS checks (test_cuda_build_more.py)
@@ -41,6 +53,9 @@ LONG_RUN = (
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys.cu]",
     f"{_BUILD}_more.py::test_linear_kernels_counts_and_sass",
     f"{_BUILD}_more.py::test_relative_keys_forward_lives_in_its_own_unit",
+    f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys_bwd.cu]",
+    f"{_BUILD}_more.py::test_relative_keys_backward_lives_in_its_own_unit",
+    f"{_BUILD}.py::test_hopper_forward_pipeline_in_its_sass",
     # mutants (a kernel rebuild and a pytest process each): CI runs decode-wait-count
     "tests/backends/cuda/test_cuda_mutations.py::test_fast_subset_is_caught[barrier-dq]",
     # the sanitizer build's second schedule: CI runs lockstep
@@ -52,6 +67,13 @@ LONG_RUN = (
     # constant score tiles on packed sequences, one kind at a time: CI runs all kinds at once (causal)
     "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[relative-full]",
     "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[span-bidirectional-window]",
+    # the Triton kernels in the interpreter against the oracle, bf16 and fp16 (~2 s a case): CI runs every
+    # case in fp32 and the cases below in both (masks, GQA, layouts, padding, empty rows, Dv != D)
+    *(f"tests/core/test_attention.py::test_matches_oracle[triton-{dt}-{case}]"
+      for dt in ("bfloat16", "float16") for case in _ORACLE_CASES_LONG[dt]),
+    # 16k keys through the float64 reference (a memory bound): CI keeps the blocks path's at 16k
+    # (tests/backends/torch/test_cpu_paths.py)
+    "tests/core/test_attention.py::test_reference_backend_memory_is_bounded_at_16k",
     # a killed two-process LRA run: CI resumes one process (test_resume_equals_uninterrupted_run)
     "benchmarks/tests/test_lra_train.py::test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run",
 )
