@@ -283,14 +283,29 @@ EFFATTN_DEVICE float block_sum(float v, float* red) {
   return ((red[0] + red[1]) + red[2]) + red[3];
 }
 
-// Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word; `key`: the seed's round keys
-// (AttnParams::drop_key).
-EFFATTN_DEVICE uint32_t philox_first(const uint32_t (&key)[20], uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+// Internal linkage: the key source below differs between units (EFFATTN_PHILOX_KEYS_FROM_SEED), so each
+// unit keeps its own copy of these functions (the host emulation links the units into one library).
+namespace {
+
+// Philox's round key i (round i / 2, word i % 2) of the call's seed: by default a kernel parameter
+// (AttnParams::drop_key, constant space: computed in the kernel, ptxas held all 20 in registers through the
+// fused backward's loop, which spilled); a unit that defines EFFATTN_PHILOX_KEYS_FROM_SEED computes them from the
+// seed (terms.cu: its dQ kernel at head dim 128 spilled on sm_80 with the parameter reads). Equal values either way.
+EFFATTN_DEVICE uint32_t philox_round_key(const AttnParams& p, int i) {
+#ifdef EFFATTN_PHILOX_KEYS_FROM_SEED
+  return (i & 1) ? p.seed_hi + uint32_t(i >> 1) * 0xBB67AE85u : p.seed_lo + uint32_t(i >> 1) * 0x9E3779B9u;
+#else
+  return p.drop_key[i];
+#endif
+}
+
+// Triton's tl.philox(seed, c0, c1, c2, c3) with 10 rounds, first output word, for the call's seed.
+EFFATTN_DEVICE uint32_t philox_first(const AttnParams& p, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
     uint32_t a0 = c0, a2 = c2;
-    c0 = prim::umulhi(0xCD9E8D57u, a2) ^ c1 ^ key[2 * r];
-    c2 = prim::umulhi(0xD2511F53u, a0) ^ c3 ^ key[2 * r + 1];
+    c0 = prim::umulhi(0xCD9E8D57u, a2) ^ c1 ^ philox_round_key(p, 2 * r);
+    c2 = prim::umulhi(0xD2511F53u, a0) ^ c3 ^ philox_round_key(p, 2 * r + 1);
     c1 = 0xCD9E8D57u * a2;
     c3 = 0xD2511F53u * a0;
   }
@@ -302,8 +317,10 @@ EFFATTN_DEVICE uint32_t philox_first(const uint32_t (&key)[20], uint32_t c0, uin
 // b * drop_H + drop_h0 + h (bh = b * H + h; drop_H = 0 reads as H; the division is loop-invariant in every caller).
 EFFATTN_DEVICE bool dropout_keep(const AttnParams& p, int bh, int i, int j) {
   const int head = p.drop_H ? bh + (bh / p.H) * (p.drop_H - p.H) + p.drop_h0 : bh;
-  return int(philox_first(p.drop_key, uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j),
+  return int(philox_first(p, uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j),
                           uint32_t(head), 0u) >> 8) >= p.drop_thresh;
 }
+
+}  // namespace
 
 }  // namespace effattn

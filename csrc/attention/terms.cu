@@ -3,6 +3,8 @@
 // and dQ kernels compiled with TERMS = true, per dtype and head-dim bucket. A translation unit of its
 // own, so that calls without those terms run the kernels of fwd.cu / bwd.cu, compiled without the
 // terms' code, and each unit stays within the kernel budget.
+// the round keys of the dropout hash computed from the seed here (common.cuh: philox_round_key)
+#define EFFATTN_PHILOX_KEYS_FROM_SEED 1
 #include "attention/launch.cuh"
 
 namespace effattn {
