@@ -133,14 +133,46 @@ def test_demo_runs_every_variant_with_three_seeds(tmp_path):
     assert all(c.recipe == "demo" and c.max_minutes == 1.0 for c in cfgs)
 
 
+def test_demo_time_shares_follow_cost_and_give_back_what_runs_leave():
+    from benchmarks.lra.demo import COST, Shares
+    sh = Shares(jobs=2, deadline=600.0)
+    cheap, dear = "softmax", max(COST, key=COST.get)
+    a = sh.start(0, dear, [cheap], now=0.0)            # 1200 core-seconds for two runs, split by cost
+    assert a == pytest.approx(1200 * COST[dear] / (COST[dear] + COST[cheap]))
+    b = sh.start(1, cheap, [], now=0.0)                # what the first was not promised
+    assert b == pytest.approx(1200 - a)
+    sh.finish(1, cheap, seconds=30.0, steps=150, target=300)      # stopped half way: a whole run is 60 s
+    assert sh.weight(cheap) == 60.0 and sh.weight("no-such-variant") == pytest.approx(2.0 * 60.0)
+    c = sh.start(2, cheap, [cheap], now=100.0)         # 2 x 500 s left, less the first run's 100 s to go ...
+    assert c == pytest.approx((1000 - (a - 100)) / 2)  # ... shared by two runs of equal cost
+    assert sh.start(3, cheap, [], now=599.0) == 6.0    # however late, enough for a few steps
+
+
+def test_batches_by_length_are_a_deterministic_partition():
+    from benchmarks.lra.train import epoch_order
+    lengths = np.random.default_rng(0).integers(16, 128, 1000)
+    order = epoch_order(3, 1, 1000, 32, lengths, buckets=5)
+    assert sorted(order) == list(range(1000))
+    assert np.array_equal(order, epoch_order(3, 1, 1000, 32, lengths, buckets=5))
+    assert not np.array_equal(order, epoch_order(3, 2, 1000, 32, lengths, buckets=5))
+    spread = np.ptp(lengths[order[:31 * 32]].reshape(31, 32), axis=1)
+    assert spread.mean() < 0.25 * np.ptp(lengths)      # a batch holds similar lengths ...
+    assert np.ptp(lengths[order[:31 * 32]].reshape(31, 32).mean(1)) > 50   # ... batches differ
+    assert np.array_equal(epoch_order(3, 1, 1000, 32, lengths, buckets=0), epoch_order(3, 1, 1000))
+
+
 def test_demo_cpu_cost_adds_its_measured_pieces(cache, tiny):
     from benchmarks.lra.demo import cpu_cost, cpu_cost_markdown
     res = cpu_cost(str(cache), ("softmax", "reformer"), seeds=3, jobs=2, steps=2, data=TINY, startup=1.5)
     assert res["startup"] == 1.5 and set(res["variants"]) == {"softmax", "reformer"}
     for d in res["variants"].values():
         assert d["step"] > 0 and d["dev_eval"] > 0
-        assert d["run"] == pytest.approx(res["startup"] + d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
-    assert res["idle_minutes_estimate"] == pytest.approx(3 * sum(d["run"] for d in res["variants"].values()) / 120)
+        assert d["run"] == pytest.approx(d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
+    assert res["variants"]["softmax"]["relative"] == 1.0
+    assert res["variants"]["reformer"]["relative"] == pytest.approx(res["variants"]["reformer"]["run"] /
+                                                                    res["variants"]["softmax"]["run"])
+    assert res["idle_minutes_estimate"] == pytest.approx(
+        (3 * sum(d["run"] for d in res["variants"].values()) + 2 * 1.5) / 120)
     assert "| reformer |" in cpu_cost_markdown(res)
 
 
