@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import time
@@ -92,6 +93,12 @@ class Shares:
         self.jobs, self.deadline = jobs, deadline
         self.measured: Dict[str, float] = {}
         self.promised: Dict[int, float] = {}      # run id -> when its budget ends
+        self.overheads: List[float] = []          # seconds a finished run took beyond its trainer's budget
+
+    def overhead(self) -> float:
+        """What a run takes outside its trainer's clock (building the model, the last evaluations
+        beyond the trainer's estimate, writing results): the mean over the finished runs, else `BUILD`."""
+        return sum(self.overheads) / len(self.overheads) if self.overheads else BUILD
 
     def weight(self, variant: str) -> float:
         if variant in self.measured:
@@ -107,14 +114,31 @@ class Shares:
         self.promised[run] = now + share
         return share
 
-    def finish(self, run: int, variant: str, seconds: float, steps: int, target: int) -> None:
+    def finish(self, run: int, variant: str, seconds: float, budget: float, train_seconds: float, steps: int,
+               target: int) -> None:
+        """Run ``run`` took ``seconds`` for a trainer's ``budget``, of which ``train_seconds`` in
+        ``steps`` training steps of ``target``."""
         self.promised.pop(run, None)
-        self.measured[variant] = max(self.measured.get(variant, 0.0), seconds * target / max(steps, 1))
+        self.overheads.append(max(0.0, seconds - budget))
+        whole = seconds - train_seconds + train_seconds * target / max(steps, 1)
+        self.measured[variant] = max(self.measured.get(variant, 0.0), whole)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, threads: int = 1, jobs: int = 2,
              variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1, 2)) -> List[Dict]:
-    t0 = time.perf_counter()
+    load = os.getloadavg()
+    t0 = time.perf_counter() - process_age()       # the interpreter's start and imports count
     load_task("listops", preset="short", cache_dir=cache_dir, workers=jobs, overrides=DATA)    # fills the cache
     data_minutes = (time.perf_counter() - t0) / 60
     cfgs = demo_configs(out, minutes, cache_dir, threads, variants, seeds)
@@ -133,8 +157,8 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
             while nxt < len(cfgs) and len(running) < jobs:
                 now = time.perf_counter()
                 seconds = shares.start(nxt, cfgs[nxt].variant, [c.variant for c in cfgs[nxt + 1:]], now)
-                # the trainer's clock starts after the worker has built the model: a few seconds less
-                cfg = replace(cfgs[nxt], max_minutes=max(0.05, (seconds - BUILD) / 60))
+                # the trainer's clock covers neither the model's building nor writing the results
+                cfg = replace(cfgs[nxt], max_minutes=max(0.05, (seconds - shares.overhead()) / 60))
                 running[pool.submit(_run, cfg)] = (nxt, cfg, now)
                 nxt += 1
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -142,7 +166,8 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
                 i, cfg, began = running.pop(fut)
                 row = fut.result()
                 row["demo_run_seconds"], row["demo_budget_minutes"] = time.perf_counter() - began, cfg.max_minutes
-                shares.finish(i, cfg.variant, row["demo_run_seconds"], row["steps"], row["target_steps"])
+                shares.finish(i, cfg.variant, row["demo_run_seconds"], cfg.max_minutes * 60, row["train_minutes"] * 60,
+                              row["steps"], row["target_steps"])
                 rows.append(row)
     rows.sort(key=lambda r: (list(variants).index(r["variant"]), r["seed"]))
     total = (time.perf_counter() - t0) / 60
@@ -159,8 +184,10 @@ def run_demo(out: Path, minutes: float = 9.5, cache_dir: Optional[str] = None, t
           f"seeds {', '.join(map(str, seeds))} (the "
           "model's initialization, batch order and dropout; the data is the same).", "",
           seeds_markdown(rows),
-          f"Whole demo: {total:.1f} minutes wall clock, of which {data_minutes:.1f} making or reading the data and "
-          f"{ready_minutes:.1f} starting the workers.", ""]
+          f"Whole demo: {total:.1f} minutes wall clock from the start of its process, of which {data_minutes:.1f} "
+          f"starting and making or reading the data and {ready_minutes:.1f} starting the workers; 1-minute load "
+          f"average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 runs at a time fill 2 idle "
+          "cores: a higher load means other jobs took CPU time from the demo).", ""]
     write_rows(rows, Path(out), "\n".join(md))
     plots(rows, Path(out))
     for cfg in cfgs:            # the checkpoints are of no use once the demo is scored

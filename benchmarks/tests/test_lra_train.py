@@ -141,8 +141,11 @@ def test_demo_time_shares_follow_cost_and_give_back_what_runs_leave():
     assert a == pytest.approx(1200 * COST[dear] / (COST[dear] + COST[cheap]))
     b = sh.start(1, cheap, [], now=0.0)                # what the first was not promised
     assert b == pytest.approx(1200 - a)
-    sh.finish(1, cheap, seconds=30.0, steps=150, target=300)      # stopped half way: a whole run is 60 s
-    assert sh.weight(cheap) == 60.0 and sh.weight("no-such-variant") == pytest.approx(2.0 * 60.0)
+    assert sh.overhead() == 2.0                        # BUILD until a run has finished
+    # stopped half way through its steps: 20 s training, 10 s else, so a whole run is 50 s
+    sh.finish(1, cheap, seconds=30.0, budget=25.0, train_seconds=20.0, steps=150, target=300)
+    assert sh.weight(cheap) == 50.0 and sh.weight("no-such-variant") == pytest.approx(2.0 * 50.0)
+    assert sh.overhead() == 5.0                        # 5 s beyond its trainer's budget
     c = sh.start(2, cheap, [cheap], now=100.0)         # 2 x 500 s left, less the first run's 100 s to go ...
     assert c == pytest.approx((1000 - (a - 100)) / 2)  # ... shared by two runs of equal cost
     assert sh.start(3, cheap, [], now=599.0) == 6.0    # however late, enough for a few steps
