@@ -121,11 +121,14 @@ def image_baselines(cache_dir=None) -> Dict[str, float]:
             "raw pixels, logistic": logistic_accuracy(xtr, d.train.y, xte, d.test.y, l2=1e-2)}
 
 
-def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
-    """Flood fill and pixel count on ``n`` fresh Pathfinder* samples (they need the markers'
-    positions, which only the generator knows)."""
+def pathfinder_shortcuts(n: int = 400, seed: int = 0, overrides: Optional[Dict] = None) -> Dict[str, float]:
+    """Flood fill, pixel count and the markers' distance on ``n`` fresh Pathfinder* samples (they
+    need the markers' positions, which only the generator knows), drawn with ``overrides`` of the
+    generator's parameters (``sizes`` ignored). The distance regression (on d, d^2 and sqrt d) finds
+    a set whose label shows in how far apart the markers are, which needs no path to be followed."""
     rng = random.Random(f"baselines:{seed}")
-    ss = [pathfinder.draw_sample(rng, i % 2) for i in range(n)]
+    params = pathfinder.Params(**{k: v for k, v in (overrides or {}).items() if k != "sizes"})
+    ss = [pathfinder.draw_sample(rng, i % 2, params) for i in range(n)]
     labels = np.array([s.label for s in ss])
     out = {}
     for thr in (1, 128):
@@ -134,6 +137,9 @@ def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
     counts = np.array([(s.image > 0).sum() for s in ss], dtype=float)[:, None]
     half = n // 2
     out["lit-pixel count, logistic"] = logistic_accuracy(counts[:half], labels[:half], counts[half:], labels[half:])
+    d = np.array([math.dist(*pathfinder.marker_centres(s)) for s in ss])
+    d = np.stack([d, d * d, np.sqrt(d)], 1)
+    out["marker distance, logistic"] = logistic_accuracy(d[:half], labels[:half], d[half:], labels[half:])
     return out
 
 
@@ -206,13 +212,14 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
         curve.append((epoch, dev))
         if time.perf_counter() - t0 > minutes * 60:
             break
-    chance = 1.0 / d.num_classes
-    return {"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
+    chance, minutes = 1.0 / d.num_classes, (time.perf_counter() - t0) / 60
+    shortcuts = {} if task != "pathfinder" else pathfinder_shortcuts(min(400, len(xtr)), seed, overrides)
+    return {"shortcuts on fresh samples of the same setting": shortcuts,"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
             "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
             "test examples": len(xte), P_CHANCE: binomial_tail(
                 round(best[1] * len(xte)), len(xte), chance),
             "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm, "lr": lr, "seed": seed,
-            "minutes": (time.perf_counter() - t0) / 60}
+            "minutes": minutes}
 
 
 def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: bool = True) -> Dict:
@@ -256,6 +263,9 @@ def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Di
           f"| {task}* | {json.dumps(res['generator overrides']) if overrides else 'none (short preset)'} | "
           f"{res['train examples']} | {res['epochs']} | {res['minutes']:.1f} | {100 * dev:.1f} | {100 * acc:.1f} | "
           f"{100 * res['chance']:.1f} | {res[P_CHANCE]:.2g} |\n\n"
+          + "".join(f"Shortcut on {min(400, res['train examples'])} fresh samples of the same setting (half fitted, "
+                    f"half scored): {name} {100 * v:.1f}%. " for name, v in
+                    res["shortcuts on fresh samples of the same setting"].items()) +
           f"Dev accuracy by epoch (%): {curve}. Test: {res['test examples']} examples, scored with the best dev "
           f"epoch; p of chance: the probability that guessing scores as much (one-sided binomial). "
           f"{res['device']}, torch {res['torch']}, {res['date']}; load average {load0:.1f} at the start, "
