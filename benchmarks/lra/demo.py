@@ -38,7 +38,7 @@ DATA = {"sizes": [20000, 1000, 2000]}
 BLOCK, WINDOW = 16, 16
 #: seconds of the budget kept for the end (the last runs' test, the report and plots), and what a
 #: worker takes to build a run's model before the trainer's clock starts
-RESERVE, BUILD = 20.0, 2.0
+RESERVE, BUILD = 30.0, 2.0
 
 
 #: a demo run's cost relative to softmax (CPU time of its 300 steps and evaluations, batches by
