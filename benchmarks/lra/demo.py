@@ -4,12 +4,14 @@ CPU cores.
 
     python -m benchmarks.lra demo --out benchmarks/results/cpu/lra-demo
 
-Each run (recipe ``demo``: 300 steps of batch 32, lr 3e-3; sparse blocks of 16 tokens, a local
-window of 16 keys a side, so that no sparse pattern covers a whole tree) trains on the same 20K trees, is scored
-on 1K dev trees every 100 steps and tested on 2K test trees with its best dev checkpoint. Runs go two
-at a time (``--jobs``), each in a fresh process with one torch thread, so the peak memory reported
-(the process's peak RSS) is its own. ``minutes`` bounds the whole demo: each run gets its share of
-what is left after the data is made, and a run that must stop early says so ("stopped early").
+Each run (recipe ``demo``: 300 steps of batch 32, lr 3e-3, batches of similar length; sparse blocks
+of 16 tokens, a local window of 16 keys a side, so that no sparse pattern covers a whole tree) trains
+on the same 20K trees, is scored on 1K dev trees every 100 steps and tested on 2K test trees with its
+best dev checkpoint. Runs go two at a time (``--jobs``) on worker processes with one torch thread
+each, started and given the data before the first run; each run's peak memory is its own (the peak
+RSS is reset between runs). ``minutes`` bounds the whole demo from the start of its process: each
+run gets a share of what is left in proportion to its variant's cost (`Shares`), and a run that must
+stop early says so ("stopped early").
 The report gives mean +- std over the seeds per variant, the
 majority-class and chance rows, and the learning curves; the checkpoints are deleted afterwards.
 """
