@@ -40,6 +40,10 @@ RUN_CONTROL = ("out", "resume", "max_minutes", "workers", "threads", "log_every"
                "save_first_grads", "kill_at_step")
 
 
+#: settings added later, with the value that reproduces a checkpoint written without them
+BEFORE = {"buckets": 0}
+
+
 @dataclass
 class TrainConfig:
     """A run. Fields left None come from the recipe (`recipes`): ``lra`` (the published LRA
@@ -129,7 +133,8 @@ def task_data(cfg: TrainConfig, wait: bool = False, progress: bool = False) -> T
 def config_differences(saved: Dict, cfg: TrainConfig) -> List[str]:
     """The settings (other than `RUN_CONTROL`) in which a checkpoint's config and ``cfg`` differ."""
     now = asdict(cfg)
-    return sorted(k for k in set(saved) | set(now) if k not in RUN_CONTROL and saved.get(k) != now.get(k))
+    return sorted(k for k in set(saved) | set(now)
+                  if k not in RUN_CONTROL and saved.get(k, BEFORE.get(k)) != now.get(k))
 
 
 def rank_seed(seed: int, rank: int) -> int:

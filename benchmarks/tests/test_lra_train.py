@@ -229,6 +229,16 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
     assert row["steps"] == 10
 
 
+def test_a_checkpoint_from_before_buckets_resumes_only_without_them():
+    from dataclasses import asdict
+
+    from benchmarks.lra.train import config_differences, resolve
+    cfg = resolve(TrainConfig(task="listops", recipe="small"))
+    old = {k: v for k, v in asdict(cfg).items() if k != "buckets"}       # written before the setting existed
+    assert cfg.buckets == 0 and config_differences(old, cfg) == []
+    assert config_differences(old, resolve(TrainConfig(task="listops", recipe="small", buckets=50))) == ["buckets"]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     (["--eval-every", "0"], "--eval-every must be a positive integer, got 0"),
