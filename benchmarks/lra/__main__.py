@@ -42,7 +42,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="generated-set parameter, e.g. --set 'sizes=[2000,200,200]' --set max_length=256")
     for name in ("seed", "data_seed", "eval_batch_size", "block_size", "window", "workers", "log_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("steps", "batch_size", "warmup", "eval_every"):
+    for name in ("steps", "batch_size", "warmup", "eval_every", "buckets"):
         p.add_argument("--" + name.replace("_", "-"), type=int, help="default: the recipe's")
     for name in ("lr", "weight_decay", "clip", "dropout"):
         p.add_argument("--" + name.replace("_", "-"), type=float, help="default: the recipe's")

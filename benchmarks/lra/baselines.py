@@ -8,7 +8,8 @@
 - Text*: the same prefix and bag-of-words regressions on the one document, and the byte histogram.
 - Image*: a logistic regression on the raw pixels, the majority class, and the same small CNN as
   below (the classes are learnable from the pixels).
-- Pathfinder*: a flood fill from one marker (at two thresholds) and the count of lit pixels, and a
+- Pathfinder*: a flood fill from one marker (at two thresholds), the count of lit pixels and the
+  markers' distance (at contour length 14 at chance, at 6 not: `learnability` reports it), and a
   learnability check: does a small CNN trained a few epochs on the short set beat chance (not yet
   shown on a CPU: see the README; `learnability` reruns it alone with other generator settings).
 
@@ -121,11 +122,14 @@ def image_baselines(cache_dir=None) -> Dict[str, float]:
             "raw pixels, logistic": logistic_accuracy(xtr, d.train.y, xte, d.test.y, l2=1e-2)}
 
 
-def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
-    """Flood fill and pixel count on ``n`` fresh Pathfinder* samples (they need the markers'
-    positions, which only the generator knows)."""
+def pathfinder_shortcuts(n: int = 400, seed: int = 0, overrides: Optional[Dict] = None) -> Dict[str, float]:
+    """Flood fill, pixel count and the markers' distance on ``n`` fresh Pathfinder* samples (they
+    need the markers' positions, which only the generator knows), drawn with ``overrides`` of the
+    generator's parameters (``sizes`` ignored). The distance regression (on d, d^2 and sqrt d) finds
+    a set whose label shows in how far apart the markers are, which needs no path to be followed."""
     rng = random.Random(f"baselines:{seed}")
-    ss = [pathfinder.draw_sample(rng, i % 2) for i in range(n)]
+    params = pathfinder.Params(**{k: v for k, v in (overrides or {}).items() if k != "sizes"})
+    ss = [pathfinder.draw_sample(rng, i % 2, params) for i in range(n)]
     labels = np.array([s.label for s in ss])
     out = {}
     for thr in (1, 128):
@@ -134,6 +138,9 @@ def pathfinder_shortcuts(n: int = 400, seed: int = 0) -> Dict[str, float]:
     counts = np.array([(s.image > 0).sum() for s in ss], dtype=float)[:, None]
     half = n // 2
     out["lit-pixel count, logistic"] = logistic_accuracy(counts[:half], labels[:half], counts[half:], labels[half:])
+    d = np.array([math.dist(*pathfinder.marker_centres(s)) for s in ss])
+    d = np.stack([d, d * d, np.sqrt(d)], 1)
+    out["marker distance, logistic"] = logistic_accuracy(d[:half], labels[:half], d[half:], labels[half:])
     return out
 
 
@@ -206,13 +213,14 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
         curve.append((epoch, dev))
         if time.perf_counter() - t0 > minutes * 60:
             break
-    chance = 1.0 / d.num_classes
-    return {"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
+    chance, minutes = 1.0 / d.num_classes, (time.perf_counter() - t0) / 60
+    shortcuts = {} if task != "pathfinder" else pathfinder_shortcuts(min(400, len(xtr)), seed, overrides)
+    return {"shortcuts on fresh samples of the same setting": shortcuts,"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
             "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
             "test examples": len(xte), P_CHANCE: binomial_tail(
                 round(best[1] * len(xte)), len(xte), chance),
             "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm, "lr": lr, "seed": seed,
-            "minutes": (time.perf_counter() - t0) / 60}
+            "minutes": minutes}
 
 
 def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: bool = True) -> Dict:
@@ -243,11 +251,21 @@ def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Di
     sets = "".join(f" --set '{k}={json.dumps(v, separators=(',', ':'))}'" for k, v in (overrides or {}).items())
     res["command"] = (f"python -m benchmarks.lra learnability --task {task}{sets} --epochs {epochs} --minutes {minutes:g} "
                       f"--width {width}{' --batch-norm' if batch_norm else ''} --lr {lr:g} --seed {seed} --threads {threads}")
-    res["threads"], res["load average (1 min) at start, end"] = threads, [load0, os.getloadavg()[0]]
+    res["task"], res["threads"], res["load average (1 min) at start, end"] = task, threads, [load0, os.getloadavg()[0]]
     from .train import environment
     res.update(environment(torch.device("cpu")))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    md = learnability_markdown(res)
+    (out / "results.md").write_text(md)
+    print(md)
+    return res
+
+
+def learnability_markdown(res: Dict) -> str:
+    """The ``results.md`` of a `run_learnability` result."""
+    shortcuts = res.get("shortcuts on fresh samples of the same setting", {})
+    task, overrides, (load0, load1) = res["task"], res["generator overrides"], res["load average (1 min) at start, end"]
     acc, dev = res["small CNN, test accuracy (best dev epoch)"], res["small CNN, dev accuracy of the best epoch"]
     curve = ", ".join(f"{100 * a:.1f}" for _, a in res["dev curve"])
     md = (f"# Learnability of {task}*: a small CNN\n\n`{res['command']}`\n\n"
@@ -256,13 +274,14 @@ def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Di
           f"| {task}* | {json.dumps(res['generator overrides']) if overrides else 'none (short preset)'} | "
           f"{res['train examples']} | {res['epochs']} | {res['minutes']:.1f} | {100 * dev:.1f} | {100 * acc:.1f} | "
           f"{100 * res['chance']:.1f} | {res[P_CHANCE]:.2g} |\n\n"
+          + (f"Shortcuts on {min(400, res['train examples'])} fresh samples of the same setting (half fitted, half "
+             "scored): " + "; ".join(f"{name} {100 * v:.1f}%" for name, v in shortcuts.items()) + ". "
+             if shortcuts else "") +
           f"Dev accuracy by epoch (%): {curve}. Test: {res['test examples']} examples, scored with the best dev "
           f"epoch; p of chance: the probability that guessing scores as much (one-sided binomial). "
           f"{res['device']}, torch {res['torch']}, {res['date']}; load average {load0:.1f} at the start, "
-          f"{res['load average (1 min) at start, end'][1]:.1f} at the end (other jobs share the machine).\n")
-    (out / "results.md").write_text(md)
-    print(md)
-    return res
+          f"{load1:.1f} at the end (other jobs share the machine).\n")
+    return md
 
 
 def baselines_markdown(res: Dict) -> str:

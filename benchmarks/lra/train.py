@@ -40,6 +40,10 @@ RUN_CONTROL = ("out", "resume", "max_minutes", "workers", "threads", "log_every"
                "save_first_grads", "kill_at_step")
 
 
+#: settings added later, with the value that reproduces a checkpoint written without them
+BEFORE = {"buckets": 0}
+
+
 @dataclass
 class TrainConfig:
     """A run. Fields left None come from the recipe (`recipes`): ``lra`` (the published LRA
@@ -59,6 +63,7 @@ class TrainConfig:
     weight_decay: Optional[float] = None
     warmup: Optional[int] = None
     clip: Optional[float] = None          # gradient-norm clip, 0 = none
+    buckets: Optional[int] = None         # batches drawn from pools of this many sorted by length (0 = none)
     eval_every: Optional[int] = None
     eval_batch_size: int = 64
     max_minutes: Optional[float] = None
@@ -90,7 +95,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}, got {cfg.variant!r}")
     r = recipe(cfg.recipe, cfg.task)
     filled = {k: getattr(r, k) for k in ("steps", "batch_size", "lr", "schedule", "weight_decay", "warmup", "clip",
-                                         "eval_every", "preset") if getattr(cfg, k) is None}
+                                         "eval_every", "preset", "buckets") if getattr(cfg, k) is None}
     if cfg.dropout is None:
         filled["dropout"] = r.model.dropout
     cfg = replace(cfg, **filled)
@@ -99,7 +104,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         v = getattr(cfg, name)
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    for name, ok, what in (("warmup", cfg.warmup >= 0, ">= 0"), ("lr", cfg.lr > 0, "> 0"),
+    for name, ok, what in (("warmup", cfg.warmup >= 0, ">= 0"), ("buckets", cfg.buckets >= 0, ">= 0"), ("lr", cfg.lr > 0, "> 0"),
                            ("weight_decay", cfg.weight_decay >= 0, ">= 0"), ("clip", cfg.clip >= 0, ">= 0"),
                            ("dropout", 0 <= cfg.dropout < 1, "in [0, 1)"),
                            ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "> 0"),
@@ -118,10 +123,18 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def task_data(cfg: TrainConfig, wait: bool = False, progress: bool = False) -> TaskData:
+    """The data a resolved ``cfg`` trains on (generated and cached when missing)."""
+    return load_task(cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.data_seed, cache_dir=cfg.cache_dir,
+                     workers=cfg.workers, max_length=cfg.max_length, overrides=cfg.overrides, wait=wait,
+                     progress=progress)
+
+
 def config_differences(saved: Dict, cfg: TrainConfig) -> List[str]:
     """The settings (other than `RUN_CONTROL`) in which a checkpoint's config and ``cfg`` differ."""
     now = asdict(cfg)
-    return sorted(k for k in set(saved) | set(now) if k not in RUN_CONTROL and saved.get(k) != now.get(k))
+    return sorted(k for k in set(saved) | set(now)
+                  if k not in RUN_CONTROL and saved.get(k, BEFORE.get(k)) != now.get(k))
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -157,8 +170,24 @@ def batch_of(split: Split, idx, max_length: int, device):
     return x, x2, torch.as_tensor(split.y[idx], dtype=torch.long, device=device)
 
 
-def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+def epoch_order(seed: int, epoch: int, n: int, batch: int = 1, lengths: Optional[np.ndarray] = None,
+                buckets: int = 0) -> np.ndarray:
+    """The order in which epoch ``epoch`` visits ``n`` examples: a permutation drawn from
+    ``(seed, epoch)``. With ``buckets`` > 0 (and the examples' ``lengths``), each run of ``batch``
+    consecutive entries holds examples of similar length, so batches carry little padding: the
+    permutation is cut into pools of ``buckets`` batches, each pool sorted by length and cut into
+    batches, and the whole epoch's batches shuffled; a remainder that fills no batch stays last."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    if not buckets or lengths is None or batch < 1:
+        return order
+    full = n // batch * batch
+    pool = buckets * batch
+    for start in range(0, full, pool):
+        part = order[start:min(start + pool, full)]
+        order[start:start + len(part)] = part[np.argsort(lengths[part], kind="stable")]
+    blocks = order[:full].reshape(-1, batch)[rng.permutation(full // batch)]
+    return np.concatenate([blocks.reshape(-1), order[full:]])
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -179,9 +208,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
 
 
+def reset_peak_rss() -> bool:
+    """Restarts the process's peak resident set (Linux: ``/proc/self/clear_refs``), so that a process
+    running several trainings reports each one's own peak; False where the system does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_mib(device: torch.device) -> tuple:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "peak CUDA memory allocated"
+    try:                # since the last reset_peak_rss (else since the process started)
+        with open("/proc/self/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM:"))
+        return int(hwm.split()[1]) / 2**10, "peak RSS of the training process (data included)"
+    except (OSError, StopIteration, ValueError):
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak RSS of the training process (data included)"
 
@@ -232,11 +278,10 @@ class Trainer:
         if data is None:
             # rank 0 generates (and caches) a missing set; the others wait for the cache file, not on a
             # collective, so a generation of any length trips no process-group timeout
-            data = load_task(cfg.task, cfg.data_dir, preset=cfg.preset, seed=cfg.data_seed, cache_dir=cfg.cache_dir,
-                             workers=cfg.workers, max_length=cfg.max_length, overrides=cfg.overrides,
-                             wait=self.rank > 0, progress=not quiet and self.rank == 0)
+            data = task_data(cfg, wait=self.rank > 0, progress=not quiet and self.rank == 0)
         self.data = data
-        lengths = [len(s) for s in self.data.train.x[:2000]]
+        self.train_lengths = np.array([len(s) for s in self.data.train.x])
+        lengths = self.train_lengths[:2000]
         self.max_length = cfg.max_length or max(max(len(s) for s in sp.x) for sp in
                                                 (self.data.train, self.data.dev, self.data.test))
         self.recipe = recipe(cfg.recipe, cfg.task)
@@ -262,7 +307,7 @@ class Trainer:
         self.state = dict(step=0, epoch=0, pos=0, best_dev=-1.0, best_step=-1, losses=[], evals=[],
                           train_seconds=0.0, timed_steps=0)
         self.progress = Progress(cfg.steps, f"{self.data.label}/{cfg.variant}", enabled=not quiet and self.rank == 0)
-        self.mean_length = float(np.mean(lengths)) if lengths else 0.0
+        self.mean_length = float(np.mean(lengths)) if len(lengths) else 0.0
 
     # ---- checkpoints
     def checkpoint_path(self) -> Path:
@@ -395,6 +440,7 @@ class Trainer:
         if per_epoch == 0:
             raise ValueError(f"train: {n} training examples cannot fill one global batch of {G}")
         this_call, stopped = 0, None
+        order, order_epoch = None, -1
         self.model.train()
         try:
             while s["step"] < cfg.steps:
@@ -408,7 +454,9 @@ class Trainer:
                     break
                 if s["pos"] >= per_epoch:
                     s["epoch"], s["pos"] = s["epoch"] + 1, 0
-                order = epoch_order(cfg.seed, s["epoch"], n)
+                if order_epoch != s["epoch"]:
+                    order, order_epoch = epoch_order(cfg.seed, s["epoch"], n, G, self.train_lengths, cfg.buckets), \
+                        s["epoch"]
                 b = s["pos"]
                 idx = order[b * G + self.rank * cfg.batch_size: b * G + (self.rank + 1) * cfg.batch_size]
                 x, x2, y = batch_of(self.data.train, idx, self.max_length, self.device)

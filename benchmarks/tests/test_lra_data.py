@@ -157,6 +157,10 @@ def test_learnability_command_writes_its_result_and_command(tmp_path):
     assert res["batch norm"] is True
     assert 0.0 < res["p(chance scores as much on test)"] <= 1.0
     assert "| pathfinder* |" in (out / "results.md").read_text()
+    shortcuts = res["shortcuts on fresh samples of the same setting"]      # 24 fresh samples: 12 fitted, 12 scored
+    assert set(shortcuts) >= {"marker distance, logistic", "lit-pixel count, logistic"}
+    assert all(v in {k / 12 for k in range(13)} for v in shortcuts.values())
+    assert "marker distance, logistic" in (out / "results.md").read_text()
     assert main(["learnability", "--epochs", "0"]) == 2                 # a one-line error, not a traceback
 
 

@@ -133,14 +133,49 @@ def test_demo_runs_every_variant_with_three_seeds(tmp_path):
     assert all(c.recipe == "demo" and c.max_minutes == 1.0 for c in cfgs)
 
 
+def test_demo_time_shares_follow_cost_and_give_back_what_runs_leave():
+    from benchmarks.lra.demo import COST, Shares
+    sh = Shares(jobs=2, deadline=600.0)
+    cheap, dear = "softmax", max(COST, key=COST.get)
+    a = sh.start(0, dear, [cheap], now=0.0)            # 1200 core-seconds for two runs, split by cost
+    assert a == pytest.approx(1200 * COST[dear] / (COST[dear] + COST[cheap]))
+    b = sh.start(1, cheap, [], now=0.0)                # what the first was not promised
+    assert b == pytest.approx(1200 - a)
+    assert sh.overhead() == 2.0                        # BUILD until a run has finished
+    # stopped half way through its steps: 20 s training, 10 s else, so a whole run is 50 s
+    sh.finish(1, cheap, seconds=30.0, budget=25.0, train_seconds=20.0, steps=150, target=300)
+    assert sh.weight(cheap) == 50.0 and sh.weight("no-such-variant") == pytest.approx(2.0 * 50.0)
+    assert sh.overhead() == 5.0                        # 5 s beyond its trainer's budget
+    c = sh.start(2, cheap, [cheap], now=100.0)         # 2 x 500 s left, less the first run's 100 s to go ...
+    assert c == pytest.approx((1000 - (a - 100)) / 2)  # ... shared by two runs of equal cost
+    assert sh.start(3, cheap, [], now=599.0) == 6.0    # however late, enough for a few steps
+
+
+def test_batches_by_length_are_a_deterministic_partition():
+    from benchmarks.lra.train import epoch_order
+    lengths = np.random.default_rng(0).integers(16, 128, 1000)
+    order = epoch_order(3, 1, 1000, 32, lengths, buckets=5)
+    assert sorted(order) == list(range(1000))
+    assert np.array_equal(order, epoch_order(3, 1, 1000, 32, lengths, buckets=5))
+    assert not np.array_equal(order, epoch_order(3, 2, 1000, 32, lengths, buckets=5))
+    spread = np.ptp(lengths[order[:31 * 32]].reshape(31, 32), axis=1)
+    assert spread.mean() < 0.25 * np.ptp(lengths)      # a batch holds similar lengths ...
+    assert np.ptp(lengths[order[:31 * 32]].reshape(31, 32).mean(1)) > 50   # ... batches differ
+    assert np.array_equal(epoch_order(3, 1, 1000, 32, lengths, buckets=0), epoch_order(3, 1, 1000))
+
+
 def test_demo_cpu_cost_adds_its_measured_pieces(cache, tiny):
     from benchmarks.lra.demo import cpu_cost, cpu_cost_markdown
     res = cpu_cost(str(cache), ("softmax", "reformer"), seeds=3, jobs=2, steps=2, data=TINY, startup=1.5)
     assert res["startup"] == 1.5 and set(res["variants"]) == {"softmax", "reformer"}
     for d in res["variants"].values():
         assert d["step"] > 0 and d["dev_eval"] > 0
-        assert d["run"] == pytest.approx(res["startup"] + d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
-    assert res["idle_minutes_estimate"] == pytest.approx(3 * sum(d["run"] for d in res["variants"].values()) / 120)
+        assert d["run"] == pytest.approx(d["build"] + 300 * d["step"] + 5 * d["dev_eval"])
+    assert res["variants"]["softmax"]["relative"] == 1.0
+    assert res["variants"]["reformer"]["relative"] == pytest.approx(res["variants"]["reformer"]["run"] /
+                                                                    res["variants"]["softmax"]["run"])
+    assert res["idle_minutes_estimate"] == pytest.approx(
+        (3 * sum(d["run"] for d in res["variants"].values()) + 2 * 1.5) / 120)
     assert "| reformer |" in cpu_cost_markdown(res)
 
 
@@ -192,6 +227,16 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
     # settings that only steer the run may change
     row = Trainer(small_cfg(tmp_path, cache, resume=True, max_minutes=60, log_every=7), quiet=True).run()
     assert row["steps"] == 10
+
+
+def test_a_checkpoint_from_before_buckets_resumes_only_without_them():
+    from dataclasses import asdict
+
+    from benchmarks.lra.train import config_differences, resolve
+    cfg = resolve(TrainConfig(task="listops", recipe="small"))
+    old = {k: v for k, v in asdict(cfg).items() if k != "buckets"}       # written before the setting existed
+    assert cfg.buckets == 0 and config_differences(old, cfg) == []
+    assert config_differences(old, resolve(TrainConfig(task="listops", recipe="small", buckets=50))) == ["buckets"]
 
 
 @pytest.mark.parametrize("argv, needle", [
