@@ -71,6 +71,27 @@ LONG_RUN = (
     # case in fp32 and the cases below in both (masks, GQA, layouts, padding, empty rows, Dv != D)
     *(f"tests/core/test_attention.py::test_matches_oracle[triton-{dt}-{case}]"
       for dt in ("bfloat16", "float16") for case in _ORACLE_CASES_LONG[dt]),
+    *(f"tests/core/test_attention.py::test_matches_oracle[triton-float32-{case}]" for case in _ORACLE_CASES_LONG["float16"]),
+    # poisoned keys the masks hide: CI runs NaN under each mask, the long run inf too (Triton's two rows)
+    *(f"tests/contract/test_fuzz_regressions.py::test_nan_in_ignored_key_does_not_poison_row[{m}-inf-triton/{r}]"
+      for m in ("padding", "window", "layout") for r in ("score", "prefill")),
+    *(f"tests/contract/test_fuzz_regressions.py::test_paged_window_hidden_key_does_not_poison_row[{c}-inf]"
+      for c in ("packed", "unpacked", "no-window")),
+    # constant score tiles (interpreter): CI keeps relative causal / past window, span bidirectional window,
+    # softcap + sinks and every kind at once
+    *(f"tests/core/test_score_tiles.py::test_constant_tiles_taken_and_bitwise_equal[{c}]"
+      for c in ("relative-full", "span-causal", "span-bidirectional-full")),
+    # per-head span tile skipping: CI runs the causal mode
+    "tests/core/test_score.py::test_span_per_head_tile_skipping[mode1-triton]",
+    "tests/core/test_score.py::test_span_per_head_tile_skipping[mode2-triton]",
+    # window edges at every tile residue: CI runs them through the fused backward (the default), the long run
+    # through the two passes too
+    "tests/backends/cuda/test_cuda_attention.py::test_window_edges_at_every_tile_residue_forward_and_backward[two-pass-bwd]",
+    "tests/backends/cuda/test_cuda_attention.py::test_one_sided_window_edges_at_every_tile_residue[two-pass-bwd]",
+    # the linear kernels' AddressSanitizer / UBSan build: CI runs the attention kernels' (lockstep)
+    "tests/backends/cuda/test_cuda_linear.py::test_linear_kernels_under_address_and_ub_sanitizers",
+    # the GPU suite's precompile plan against every autotune candidate: CI runs the suite's smoke run
+    "benchmarks/tests/test_suite.py::test_precompile_plan_lists_every_autotune_candidate_without_a_gpu",
     # 16k keys through the float64 reference (a memory bound): CI keeps the blocks path's at 16k
     # (tests/backends/torch/test_cpu_paths.py)
     "tests/core/test_attention.py::test_reference_backend_memory_is_bounded_at_16k",
