@@ -58,21 +58,55 @@ def test_real_kernels_match_their_emulation(case_id, dtype, real_and_emulated):
         assert err <= 4 * eps * scale, f"{name}: real vs emulated {err:.3g} (scale {scale:.3g})"
 
 
-def test_gpu_backward_is_bitwise_deterministic():
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused-bwd", "two-pass-bwd"])
+def test_gpu_backward_is_bitwise_deterministic(fused, monkeypatch):
+    """Ten backward runs on the same inputs give the same bits: the fused backward's dQ is added under an
+    ordered per-tile semaphore (its acquire / release order is what the emulation cannot show), the two
+    passes write every element once."""
     need_cuda_extension()
+    monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", fused)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     q = torch.randn(2, 8, 2048, 128, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 2048, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
     go = torch.randn_like(q)
-    runs = []
-    for _ in range(2):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        torch.manual_seed(1)
-        out = effattn.attention(*leaves, causal=True, window=500, dropout_p=0.1, backend="cuda")
-        runs.append((out,) + torch.autograd.grad(out, leaves, go))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for kw in (dict(causal=True, window=500, dropout_p=0.1), dict(causal=False)):
+        runs = []
+        for _ in range(10):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            torch.manual_seed(1)
+            out = effattn.attention(*leaves, backend="cuda", **kw)
+            runs.append((out,) + torch.autograd.grad(out, leaves, go))
+        for run in runs[1:]:
+            for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], run):
+                assert torch.equal(a, b), (kw, name)
+
+
+@pytest.mark.parametrize("case_id", ["txl-past-causal-query-gqa", "shaw-M20-bidir-q-itself-kpm-lse"])
+def test_relative_keys_real_kernels_match_their_emulation(case_id, real_and_emulated):
+    """The relative-keys forward and backward (csrc/attention/relkeys*.cu) on the GPU against their
+    emulation on the same inputs (tests/backends/cuda/test_cuda_relative.py checks the emulation against
+    float64): gradients of q, k, v, r and the term's query."""
+    from tests.backends.cuda.test_cuda_relative import GRAD_CASES, _inputs
+    *case, with_lse = GRAD_CASES[case_id]
+    q, k, v, r, query, M, kw, kpm, g = _inputs(*case, torch.Generator().manual_seed(len(case_id)))
+    w_out = torch.randn(*q.shape[:3], v.shape[3], generator=g)
+    dtype = torch.bfloat16
+    leaves0 = [t.to(dtype) for t in (q, k, v, r)] + ([query.to(dtype)] if query is not None else [])
+    results = {}
+    for dev in ("cuda", "cpu"):
+        leaves = [t.to(dev).requires_grad_() for t in leaves0]
+        query_ = leaves[4] if len(leaves) == 5 else None
+        out, lse = effattn.relative_attention(*leaves[:4], query=query_, max_distance=M, scale=0.4, return_lse=True,
+                                              key_padding_mask=None if kpm is None else kpm.to(dev), backend="cuda",
+                                              **kw)
+        loss = (out.float() * w_out.to(dev)).sum() + (lse.nan_to_num(neginf=0.0).sum() if with_lse else 0)
+        results[dev] = [t.detach().cpu() for t in (out, lse) + torch.autograd.grad(loss, leaves)]
+    eps = 2.0 ** -7
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dr", "dquery"), results["cuda"], results["cpu"]):
+        scale = b.float().abs().nan_to_num(posinf=0.0, neginf=0.0).max().clamp_min(1.0).item()
+        err = (a.float() - b.float()).abs().nan_to_num(posinf=0.0, neginf=0.0).max().item()
+        assert err <= 8 * eps * scale, f"{name}: real vs emulated {err:.3g} (scale {scale:.3g})"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
