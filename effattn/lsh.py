@@ -8,12 +8,16 @@ Shared-QK attention where a query only looks at keys that fall into the same has
     chunk c of the sorted sequence (chunk_len rows) attends to the chunks c + o (mod n_chunks),
             o in [-chunks_before, chunks_after]             (a fixed block layout, `lsh_layout`)
     per round r: out_r, lse_r = softmax attention of those chunks, with
+            s_ij = scale * qk_i . k_j                       (scale 1 by default, see below)
             s_ij = -inf   where key j is padding, or causal and pos(j) > pos(i)  (original positions)
             s_ii = SELF_SCORE (-1e5)                        (a token sees itself only when nothing else)
     out     = sum_r exp(lse_r - lse) out_r,  lse = logsumexp_r lse_r     (rounds merged by their lse)
 
 A key found by several rounds counts once per round (the merge sums the rounds' probability mass),
-as in trax's reference. The sort makes the pattern a fixed block layout at block ``chunk_len``; what
+as in trax's reference. The default ``scale`` is 1, as in trax and Hugging Face's Reformer (their keys
+are ``qk / rms(qk) / sqrt(D)``, unit vectors, and the scores are not scaled again): a unit key already
+takes out the ``|k| ~ sqrt(D)`` that ``1/sqrt(D)`` takes out of dot-product attention, so ``qk_i . k_j``
+has its unit variance; ``1/sqrt(D)`` on top would flatten every softmax by ``sqrt(D)``. The sort makes the pattern a fixed block layout at block ``chunk_len``; what
 depends on the data (causal and padding on the original positions, the self score) is evaluated
 elementwise from the gathered positions. Un-sorting is a gather by the inverse permutation, so the
 backward is deterministic.
@@ -156,7 +160,7 @@ def _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buc
         if buckets.device != qk.device:
             raise ValueError(f"{FN}: buckets is on {buckets.device}, qk on {qk.device}")
     if scale is None:
-        scale = 1.0 / math.sqrt(qk.shape[-1])
+        scale = 1.0          # keys are unit vectors: no 1/sqrt(D) (trax's Reformer; module docstring)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{FN}: scale must be a finite float, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -273,7 +277,8 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
         buckets: int ``(B, H, n_hashes, L)`` to reuse a previous call's hashing (e.g. in a reversible
             recomputation, where recomputed inputs differ by rounding and an argmax could flip).
         return_buckets: also return the buckets used.
-        scale: score scale, default ``1/sqrt(D)``.
+        scale: score scale, default 1 (trax's: the keys are unit vectors, so ``qk . k`` needs no
+            ``1/sqrt(D)``; see the module docstring).
         dropout_p: dropout on each round's probabilities, drawn from torch's default generator.
         backend: ``"auto"`` or ``"torch"`` (the only path so far, see `explain_lsh`).
 

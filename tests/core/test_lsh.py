@@ -20,7 +20,7 @@ def reference_lsh(qk, v, buckets, chunk_len, chunks_before, chunks_after, causal
     B, H, L, D = qk.shape
     R = buckets.shape[2]
     nc = L // chunk_len
-    scale = 1 / math.sqrt(D) if scale is None else scale
+    scale = 1.0 if scale is None else scale
     offs = {o % nc for o in range(-chunks_before, chunks_after + 1)}
     k = qk / qk.norm(dim=-1, keepdim=True)
     s = torch.einsum("bhid,bhjd->bhij", qk, k) * scale
@@ -83,6 +83,23 @@ def test_lsh_matches_float64_reference(case):
     for a, b in zip(grads, ref_grads):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_default_scale_is_traxs_and_scale_is_honoured():
+    # trax / Hugging Face: keys qk / rms(qk) / sqrt(D) (unit vectors), scores q . k not scaled again;
+    # one chunk, so every key is visible and the result is a dense softmax with the self score
+    g = torch.Generator().manual_seed(2)
+    B, H, L, D = 1, 2, 8, 16
+    qk = 3 * torch.randn(B, H, L, D, dtype=torch.float64, generator=g)
+    v = torch.randn(B, H, L, D, dtype=torch.float64, generator=g)
+    buckets = torch.zeros(B, H, 1, L, dtype=torch.long)
+    k = qk / qk.pow(2).mean(-1, keepdim=True).sqrt() / math.sqrt(D)
+    s = (qk @ k.transpose(-1, -2)).masked_fill(torch.eye(L, dtype=torch.bool), SELF_SCORE)
+    out = effattn.lsh_attention(qk, v, n_hashes=1, chunk_len=L, buckets=buckets)
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v, rtol=1e-12, atol=1e-12)
+    flat = effattn.lsh_attention(qk, v, n_hashes=1, chunk_len=L, buckets=buckets, scale=1 / math.sqrt(D))
+    torch.testing.assert_close(flat, torch.softmax(s / math.sqrt(D), -1) @ v, rtol=1e-12, atol=1e-12)
+    assert (flat - out).abs().max() > 0.1
 
 
 def test_self_only_when_nothing_else():
@@ -211,7 +228,7 @@ def reference_rounds_with_dropout(qk, v, buckets, chunk_len, before, causal, kpm
     out = torch.zeros(B, H, L, v.shape[-1], dtype=qk.dtype)
     for b in range(B):
         for h in range(H):
-            s = (qk[b, h] @ k[b, h].T) / math.sqrt(D)
+            s = qk[b, h] @ k[b, h].T
             s = torch.where(torch.eye(L, dtype=torch.bool), torch.full_like(s, SELF_SCORE), s)
             outs, lses = [], []
             for r in range(R):
