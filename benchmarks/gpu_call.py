@@ -4,7 +4,9 @@ A GPU is lent rarely and for minutes, so a call is planned here and run there as
 is a list of stages (a shell command, a time budget in seconds, a log file); call 1 installs effattn
 without dependencies, builds the CUDA extension for the local arch in the background while the Triton
 correctness tests run at real sizes, then runs the CUDA tests and the first sections of the benchmark
-suite; call 2 takes what call 1 did not reach (the other sections, the sanitizers). Every stage runs
+suite; call 2 takes what call 1 did not reach (the other sections, the sanitizers); call 3, a session
+of its own, runs the Long Range Arena plan (``python -m benchmarks.lra gpu-plan``: Table 2, then a
+full ListOps run per variant) within its limit, the steps already committed skipped. Every stage runs
 under ``timeout`` within its budget and within what is left of the whole call (``--limit`` seconds);
 a stage that fails or runs out of time is recorded and the call goes on. Logs and results go under
 ``--out`` (default ``$OUT``) as one archive and a summary (a lent GPU returns at most 8 files); the last thing printed is a table of the stages and then the suite's
@@ -29,7 +31,9 @@ from typing import Dict, List, Optional
 CALL_LIMIT_S = 590            # one device call: at most 600 s; what is left after the machine's start
 # a session has 15 minutes of device time in all, the machine's start (~30 s) and its idle 30 s after each
 # call included: call 1 takes most of it, call 2 runs on the still-warm machine right after
-CALL_LIMITS = {1: 585, 2: 240}
+CALL_LIMITS = {1: 585, 2: 240, 3: 585}
+#: the calls one session makes (15 device minutes each): call 3 has a session to itself
+SESSIONS = ((1, 2), (3,))
 FLA_WHEELS = ".whl"           # ignored folder carried to the GPU: fla-core (pure Python) and its kin
 
 
@@ -52,6 +56,14 @@ CUDA_TESTS = ("tests/contract/test_gpu.py tests/backends/cuda/test_cuda_gpu.py t
 PYTEST = ("EFFATTN_FAILURE_LOG={out}/failures.txt python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "
           "--durations=15 -n 4")
 SUITE = "python3 -m benchmarks.suite --no-plots --out {out}/suite{call}"
+# the LRA plan writes into the repository's copy on the machine, where the results committed from
+# earlier calls mark their steps done; its results (not its checkpoints) come back under {out}/lra, to
+# be committed in benchmarks/results/lra-gpu-plan/. A run cut short restarts in the next session (its
+# checkpoint stays on the machine).
+LRA_RESULTS = "benchmarks/results/lra-gpu-plan"
+LRA_PLAN = (f"python3 -m benchmarks.lra gpu-plan --run --out {LRA_RESULTS} --total-minutes 8.3; rc=$?; "
+            f"mkdir -p {{out}}/lra && cd {LRA_RESULTS} && find . -name '*.json' -o -name '*.md' -o -name '*.csv' "
+            "-o -name '*.png' | xargs -r cp --parents -t {out}/lra; exit $rc")
 SANITIZE = ("compute-sanitizer --tool {tool} --error-exitcode 9 python3 -m pytest -q -m gpu -p no:cacheprovider "
             "tests/backends/cuda/test_cuda_gpu.py -k 'bf16 and not deterministic' -x")
 
@@ -86,7 +98,9 @@ def stages(call: int) -> List[Stage]:
                   "explore=0,anchors-d64=30,gqa=20,sparse-long=35,host=10,recheck=10,checks=0", 140, wait_for="cuda-build"),
             Stage("sanitizer", " && ".join(SANITIZE.format(tool=t) for t in ("racecheck", "synccheck")), 45),
         ]
-    raise SystemExit(f"--call: 1 or 2, not {call}")
+    if call == 3:
+        return [env, install, Stage("lra", LRA_PLAN, 520)]
+    raise SystemExit(f"--call: 1, 2 or 3, not {call}")
 
 
 def total_budget(call: int) -> int:

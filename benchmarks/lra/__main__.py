@@ -97,7 +97,7 @@ def tasks_markdown() -> str:
     return "\n".join(lines) + "\n\n* marks data that is not LRA's: a stand-in, or a regeneration not yet validated.\n"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from .recipes import RECIPE_NAMES
     ap = argparse.ArgumentParser(prog="python -m benchmarks.lra", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     gpu.add_argument("--out", default="lra-runs/gpu")
     gpu.add_argument("--minutes", type=float, default=8.0, help="time budget of each training command")
     gpu.add_argument("--run", action="store_true", help="run the unfinished steps (else only list them)")
+    gpu.add_argument("--total-minutes", type=float, help="bound the whole run (steps that do not fit wait for the "
+                                                         "next call)")
     rp = sub.add_parser("report", help="Tables 1 and 2 from every results.json under --runs")
     rp.add_argument("--runs", default="lra-runs")
     rp.add_argument("--out", default="lra-report")
@@ -166,7 +168,11 @@ def main(argv=None) -> int:
     gp.add_argument("--seed", type=int, default=0)
     gp.add_argument("--workers", type=int, default=1)
     gp.add_argument("--cache-dir")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         return _run(a)
     except ValueError as e:           # a bad argument: one line naming it, no traceback
@@ -229,10 +235,10 @@ def _run(a) -> int:
         return 0
     if a.cmd == "gpu-plan":
         from .gpu import plan, plan_markdown, run_plan
-        _positive(minutes=a.minutes)
+        _positive(minutes=a.minutes, total_minutes=a.total_minutes)
         steps = plan(a.out, a.minutes)
         print(plan_markdown(steps))
-        return run_plan(steps) if a.run else 0
+        return run_plan(steps, a.total_minutes) if a.run else 0
     if a.cmd == "report":
         from .report import full_report, gather
         rows = gather(Path(a.runs))

@@ -7,7 +7,9 @@
 
 A full ListOps run does not fit one 10-minute device command on every GPU, so each training command
 carries ``--max-minutes`` and ``--resume``: calling the plan again continues every unfinished run
-where its checkpoint left it (a finished run is skipped), then writes the report.
+where its checkpoint left it (a finished run is skipped), then writes the report. ``--total-minutes``
+bounds the whole call (``benchmarks/gpu_call.py --call 3`` runs it that way): no step starts with
+less than `MIN_START_MINUTES` left, and a training step's ``--max-minutes`` shrinks to what is left.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -23,6 +26,8 @@ from .variants import VARIANTS
 
 #: the LRA Transformer's ListOps test accuracy (Tay et al. 2021, Table 1), rounded down
 LISTOPS_SOFTMAX_TARGET = 0.36
+#: a step of a bounded call starts only with this much left (building, a few steps, the evaluations)
+MIN_START_MINUTES = 1.5
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,15 @@ class Step:
 
 
 def plan(out: str = "lra-runs/gpu", minutes: float = 8.0) -> List[Step]:
-    steps = [Step("generate listops", ["generate", "--task", "listops", "--workers", "16"])]
+    """Table 2 first (a few minutes for every variant), then the data and a ListOps run per variant
+    (minutes each: a call bounded by ``--total-minutes`` leaves the rest to the next), the report last."""
+    steps = [Step("Table 2: 1K-4K, Text's model (recipe lra)",
+                  ["speed", "--task", "text", "--recipe", "lra", "--lengths", "1024", "2048", "3072", "4096",
+                   "--batch-size", "32", "--out", f"{out}/speed"], done_file=f"{out}/speed/results.json"),
+             Step("Table 2: 16K, Path-X's model (recipe lra)",
+                  ["speed", "--task", "pathx", "--recipe", "lra", "--lengths", "16384", "--batch-size", "16",
+                   "--out", f"{out}/speed-pathx"], done_file=f"{out}/speed-pathx/results.json"),
+             Step("generate listops", ["generate", "--task", "listops", "--workers", "16"])]
     for v in VARIANTS:
         run = f"{out}/listops-{v}"
         steps.append(Step(f"listops {v} (recipe lra)",
@@ -45,12 +58,6 @@ def plan(out: str = "lra-runs/gpu", minutes: float = 8.0) -> List[Step]:
                            "--max-minutes", f"{minutes:g}", "--resume", "--workers", "16"],
                           target=LISTOPS_SOFTMAX_TARGET if v == "softmax" else None,
                           done_file=f"{run}/results.json"))
-    steps.append(Step("Table 2: 1K-4K, Text's model (recipe lra)",
-                      ["speed", "--task", "text", "--recipe", "lra", "--lengths", "1024", "2048", "3072", "4096",
-                       "--batch-size", "32", "--out", f"{out}/speed"], done_file=f"{out}/speed/results.json"))
-    steps.append(Step("Table 2: 16K, Path-X's model (recipe lra)",
-                      ["speed", "--task", "pathx", "--recipe", "lra", "--lengths", "16384", "--batch-size", "16",
-                       "--out", f"{out}/speed-pathx"], done_file=f"{out}/speed-pathx/results.json"))
     steps.append(Step("report", ["report", "--runs", out, "--out", f"{out}/report"]))
     return steps
 
@@ -69,15 +76,38 @@ def plan_markdown(steps: List[Step]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_plan(steps: List[Step]) -> int:
-    """Runs the unfinished steps; returns 1 when a run with a target finished below it."""
+def bounded(step: Step, minutes_left: float) -> Step:
+    """``step`` with its training budget (``--max-minutes``) cut to ``minutes_left`` less a minute
+    for the process's start and the final evaluations."""
+    if "--max-minutes" not in step.argv:
+        return step
+    argv = list(step.argv)
+    i = argv.index("--max-minutes") + 1
+    argv[i] = f"{max(0.5, min(float(argv[i]), minutes_left - 1.0)):g}"
+    return Step(step.name, argv, step.target, step.done_file)
+
+
+def run_plan(steps: List[Step], total_minutes: Optional[float] = None) -> int:
+    """Runs the unfinished steps (within ``total_minutes`` when given: the steps that do not fit are
+    left for the next call); returns 1 when a step failed or a run with a target finished below it."""
     bad = 0
+    end = None if total_minutes is None else time.monotonic() + 60 * total_minutes
     for s in steps:
         if finished(s):
             print(f"done already: {s.name}", flush=True)
             continue
+        timeout = None
+        if end is not None:
+            left = (end - time.monotonic()) / 60
+            if left < MIN_START_MINUTES:
+                print(f"left for the next call ({left:.1f} min left): {s.name}", flush=True)
+                continue
+            s, timeout = bounded(s, left), 60 * left
         print(f"running: {s.command()}", flush=True)
-        rc = subprocess.run([sys.executable, "-m", "benchmarks.lra", *s.argv]).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.lra", *s.argv], timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
         if rc != 0:
             print(f"failed ({rc}): {s.name}", flush=True)
             bad = 1

@@ -11,15 +11,17 @@ from benchmarks.suite import runner
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("call", [1, 2])
+@pytest.mark.parametrize("call", [1, 2, 3])
 def test_each_call_fits_one_device_call(call):
     assert gpu_call.total_budget(call) <= gpu_call.CALL_LIMITS[call] <= gpu_call.CALL_LIMIT_S <= 600
-    assert sum(gpu_call.CALL_LIMITS.values()) + 60 <= 900        # 15 device minutes, the start and idle included
+    assert sorted(c for session in gpu_call.SESSIONS for c in session) == sorted(gpu_call.CALL_LIMITS)
+    for session in gpu_call.SESSIONS:      # 15 device minutes a session, the start and idle included
+        assert sum(gpu_call.CALL_LIMITS[c] for c in session) + 60 <= 900
     for s in gpu_call.stages(call):
         assert s.wait_for is None or s.wait_for in {x.name for x in gpu_call.stages(call) if x.background}
 
 
-@pytest.mark.parametrize("call", [1, 2])
+@pytest.mark.parametrize("call", [1, 2, 3])
 def test_the_test_files_and_suite_options_exist(call):
     for s in gpu_call.stages(call):
         words = shlex.split(s.command.format(out="/tmp/o", call=call))
@@ -32,6 +34,16 @@ def test_the_test_files_and_suite_options_exist(call):
             budgets = runner._budgets(args, chosen)           # ... or an unknown budget key
             assert args.time_limit * 60 <= s.budget_s
             assert chosen and budgets
+
+
+def test_call_3_runs_the_lra_plan_within_its_stage():
+    from benchmarks.lra import __main__ as lra_main
+    stage = next(s for s in gpu_call.stages(3) if s.name == "lra")
+    words = shlex.split(stage.command.format(out="/tmp/o", call=3).split(";")[0])
+    args = lra_main.build_parser().parse_args(words[words.index("benchmarks.lra") + 1:])
+    assert args.cmd == "gpu-plan" and args.run and args.out == gpu_call.LRA_RESULTS
+    assert 60 * args.total_minutes + 15 <= stage.budget_s           # the plan stops in time to copy its results
+    assert "/tmp/o/lra" in stage.command.format(out="/tmp/o", call=3)
 
 
 def test_dry_run_prints_the_plan(capsys):

@@ -428,6 +428,24 @@ def test_tables_average_present_tasks_and_mark_standins(tmp_path):
     assert (tmp_path / "rep" / "results.csv").exists()
 
 
+def test_gpu_plan_within_total_minutes_cuts_budgets_and_leaves_the_rest(tmp_path, monkeypatch, capsys):
+    import types
+
+    from benchmarks.lra import gpu
+    ran = []
+    monkeypatch.setattr(gpu.subprocess, "run", lambda argv, timeout=None: ran.append((argv, timeout))
+                        or types.SimpleNamespace(returncode=0))
+    steps = gpu.plan(str(tmp_path), minutes=8.0)
+    assert gpu.run_plan(steps, total_minutes=1.0) == 0 and not ran       # less than MIN_START_MINUTES
+    assert capsys.readouterr().out.count("left for the next call") == len(steps)
+    assert gpu.run_plan(steps, total_minutes=5.0) == 0 and len(ran) == len(steps)
+    for argv, timeout in ran:
+        assert timeout <= 300
+        if "--max-minutes" in argv:                      # 8 minutes cut to what is left less one
+            assert float(argv[argv.index("--max-minutes") + 1]) <= 4.0
+    assert ran[0][0][3] == "speed" and ran[-1][0][3] == "report"    # Table 2 first: minutes, not hours
+
+
 def test_speed_row_on_cpu():
     from benchmarks.lra.speed import measure
     row = measure("linear", 64, 2, steps=1, warmup=0)
