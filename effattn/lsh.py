@@ -17,8 +17,9 @@ A key found by several rounds counts once per round (the merge sums the rounds' 
 as in trax's reference. The default ``scale`` is 1, as in trax and Hugging Face's Reformer (their keys
 are ``qk / rms(qk) / sqrt(D)``, unit vectors, and the scores are not scaled again): a unit key already
 takes out the ``|k| ~ sqrt(D)`` that ``1/sqrt(D)`` takes out of dot-product attention, so ``qk_i . k_j``
-has its unit variance; ``1/sqrt(D)`` on top would flatten every softmax by ``sqrt(D)``. The sort makes the pattern a fixed block layout at block ``chunk_len``; what
-depends on the data (causal and padding on the original positions, the self score) is evaluated
+has its unit variance; ``1/sqrt(D)`` on top would flatten every softmax by ``sqrt(D)``.
+
+The sort makes the pattern a fixed block layout at block ``chunk_len``; what depends on the data (causal and padding on the original positions, the self score) is evaluated
 elementwise from the gathered positions. Un-sorting is a gather by the inverse permutation, so the
 backward is deterministic.
 
