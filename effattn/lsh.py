@@ -19,9 +19,10 @@ are ``qk / rms(qk) / sqrt(D)``, unit vectors, and the scores are not scaled agai
 takes out the ``|k| ~ sqrt(D)`` that ``1/sqrt(D)`` takes out of dot-product attention, so ``qk_i . k_j``
 has its unit variance; ``1/sqrt(D)`` on top would flatten every softmax by ``sqrt(D)``.
 
-The sort makes the pattern a fixed block layout at block ``chunk_len``; what depends on the data (causal and padding on the original positions, the self score) is evaluated
-elementwise from the gathered positions. Un-sorting is a gather by the inverse permutation, so the
-backward is deterministic.
+The sort makes the pattern a fixed block layout at block ``chunk_len``; what depends on the data
+(causal and padding on the original positions, the self score) is evaluated elementwise from the
+gathered positions. Un-sorting is a gather by the inverse permutation, so the backward is
+deterministic.
 
 Two registry rows of the op ``"lsh_attention"`` (`explain_lsh` says which one runs and why):
 
