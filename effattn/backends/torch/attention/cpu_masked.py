@@ -115,12 +115,19 @@ def visible_fraction(call) -> float:
     return frac
 
 
+def mask_entries(call) -> int:
+    """The entries of the call's materialized mask (`_masks`): Lq * Lk, per batch entry with key
+    padding and per head with a per-head layout; key padding alone is a (B, 1, 1, Lk) mask."""
+    lay = call.layout.mask if call.layout is not None else None
+    rows = call.Lq if call.rule.has_window or lay is not None else 1
+    return rows * call.Lk * (call.B if call.key_padding_mask is not None else 1) * \
+        (lay.shape[0] if lay is not None else 1)
+
+
 def _rule(call) -> List[str]:
     """[] when the masked kernel is measured faster than the blocks path for this call, else why not."""
     pairs = call.Lq * call.Lk
-    lay = call.layout.mask if call.layout is not None else None
-    entries = pairs * (call.B if call.key_padding_mask is not None else 1) * \
-        (lay.shape[0] if lay is not None else 1)
+    entries = mask_entries(call)
     if entries > MASK_BUDGET:
         return [f"the mask would hold {entries} entries > {MASK_BUDGET} (memory)"]
     if pairs <= ADMIT.small_pairs:
@@ -147,7 +154,10 @@ def _describe(call) -> str:
     pairs = call.Lq * call.Lk
     why = (f"Lq * Lk = {pairs} <= {ADMIT.small_pairs}" if pairs <= ADMIT.small_pairs else
            f"visible fraction {visible_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D, pairs)}")
-    return f"torch's fused flash-attention CPU kernel, mask materialized; {why}: measured faster than the blocks path"
+    entries = mask_entries(call)
+    size = entries * call.q.element_size()
+    return (f"torch's fused flash-attention CPU kernel, mask materialized ({entries} entries, "
+            f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path")
 
 
 # ------------------------------------------------------------------------------------ the masks
@@ -198,8 +208,7 @@ def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
 
 # ---------------------------------------------------------------------------------- custom ops
 
-@torch.library.custom_op("effattn::cpu_sdpa_mask_fwd", mutates_args=())
-def cpu_sdpa_mask_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+def sdpa_mask_forward(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                       key_padding_mask: Optional[Tensor], scale: float, window_left: int,
                       window_right: int) -> Tuple[Tensor, Tensor]:
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
@@ -211,17 +220,19 @@ def cpu_sdpa_mask_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Ten
     return out, lse.contiguous()
 
 
+cpu_sdpa_mask_fwd = torch.library.custom_op("effattn::cpu_sdpa_mask_fwd", mutates_args=())(sdpa_mask_forward)
+
+
 @cpu_sdpa_mask_fwd.register_fake
 def _(q, k, v, layout_mask, layout_block, key_padding_mask, scale, window_left, window_right):
     B, H, Lq, _ = q.shape
     return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
 
 
-@torch.library.custom_op("effattn::cpu_sdpa_mask_bwd", mutates_args=())
-def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                      lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
-                      key_padding_mask: Optional[Tensor], scale: float, window_left: int,
-                      window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
+def sdpa_mask_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, layout_mask: Optional[Tensor], layout_block: int,
+                       key_padding_mask: Optional[Tensor], scale: float, window_left: int,
+                       window_right: int) -> Tuple[Tensor, Tensor, Tensor]:
     if (grad_lse is not None and bool(grad_lse.any())) or q.dtype in BLOCKS_BACKWARD or \
             not kernel_backward_exact(lse):
         # the kernel's backward has no lse gradient input (is slow in float16, and inexact for huge
@@ -237,7 +248,9 @@ def cpu_sdpa_mask_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k
     return dq, dk, dv
 
 
+cpu_sdpa_mask_bwd = torch.library.custom_op("effattn::cpu_sdpa_mask_bwd", mutates_args=())(sdpa_mask_backward)
+
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-sdpa-mask", priority=92,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
-    run=masked_op_pair(cpu_sdpa_mask_fwd, cpu_sdpa_mask_bwd), admits=_admits, describe=_describe))
+    run=masked_op_pair(cpu_sdpa_mask_fwd, cpu_sdpa_mask_bwd, sdpa_mask_forward, sdpa_mask_backward), admits=_admits, describe=_describe))
