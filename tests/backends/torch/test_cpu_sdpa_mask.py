@@ -272,3 +272,18 @@ def test_eager_calls_skip_the_ops_bitwise(row, kw, grads, monkeypatch):
         assert torch.equal(a, b), name
     with torch.no_grad():                                    # a forward without autograd: the body itself
         assert effattn.attention(q, k, v, **kw).grad_fn is None
+
+
+def test_kernel_backward_exact_reads_finite_lse_only():
+    """The kernel's backward takes a call unless a finite |lse| passes 2**-10 / eps; rows that see no
+    key (lse -inf) do not count, whichever reduction finds that out."""
+    from effattn.backends.torch.attention.cpu_flash import kernel_backward_exact
+    bound = 2.0 ** -10 / torch.finfo(torch.float32).eps          # 8192
+    lse = torch.tensor([[1.0, -3.0, 100.0]])
+    assert kernel_backward_exact(lse) and kernel_backward_exact(lse[:, :0])
+    assert kernel_backward_exact(torch.tensor([bound, -bound]))
+    assert not kernel_backward_exact(torch.tensor([1.0, 2 * bound]))
+    assert kernel_backward_exact(torch.tensor([1.0, -math.inf, -math.inf]))
+    assert kernel_backward_exact(torch.full((4,), -math.inf))
+    assert not kernel_backward_exact(torch.tensor([-math.inf, -2 * bound]))
+    assert not kernel_backward_exact(torch.tensor([-math.inf, 2 * bound], dtype=torch.float64) * 2 ** 29)
