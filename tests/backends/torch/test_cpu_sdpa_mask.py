@@ -287,3 +287,36 @@ def test_kernel_backward_exact_reads_finite_lse_only():
     assert kernel_backward_exact(torch.full((4,), -math.inf))
     assert not kernel_backward_exact(torch.tensor([-math.inf, -2 * bound]))
     assert not kernel_backward_exact(torch.tensor([-math.inf, 2 * bound], dtype=torch.float64) * 2 ** 29)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_masks_are_kept_for_the_same_tensor_only(causal):
+    """The masks of the last key padding tensor are reused by the next call with that tensor, and
+    built again when it was changed in place (the oracle follows the change) or is another tensor;
+    one entry is kept."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 30, dtype=torch.bool)
+    pad[:, 20:] = True
+    args = (q, k, None, 0, pad, -1, 0 if causal else -1)
+    first = cpu_masked._masks(*args)
+    assert cpu_masked._masks(*args) is first and cpu_masked._LAST_PADDING[0][0]() is pad
+    assert cpu_masked.visible_fraction(make_attn_call(q, k, v, key_padding_mask=pad)) == pytest.approx(20 / 30)
+    pad[1, 5:] = True                                           # in place: built again
+    assert cpu_masked._masks(*args) is not first
+    assert cpu_masked.visible_fraction(make_attn_call(q, k, v, key_padding_mask=pad)) == pytest.approx(12.5 / 30)
+    assert effattn.explain(q, k, v, key_padding_mask=pad, causal=causal).chosen_path == ROW
+    out = effattn.attention(q, k, v, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(out, naive_attention(q, k, v, key_padding_mask=pad, causal=causal)[0])
+    other = pad.clone()
+    assert cpu_masked._masks(q, k, None, 0, other, -1, 0 if causal else -1) is not cpu_masked._masks(*args)
+
+
+def test_dropout_never_takes_torchs_kernel():
+    """torch's CPU kernel has no dropout of effattn's (reproducible, position-keyed) kind: calls with
+    dropout_p > 0 go to the reference, and explain says why the fused rows do not take them."""
+    x = _x(64)
+    ex = effattn.explain(x, x, x, causal=True, window=8, dropout_p=0.1)
+    assert ex.chosen_path == "torch/reference", str(ex)
+    for row in (ROW, "torch/cpu-flash", "torch/cpu-blocks"):
+        assert any("dropout" in w for w in ex.row(row).reasons), (row, ex.row(row).reasons)

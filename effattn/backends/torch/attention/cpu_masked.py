@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -110,9 +111,15 @@ def visible_fraction(call) -> float:
     frac = cache.get(key)
     if frac is None:                      # counted once per rule and kept, as the rule's masks
         frac = cache[key] = r.visible_pairs(call.H) / (call.H * call.Lq * call.Lk)
-    if call.key_padding_mask is not None:
-        frac *= 1.0 - call.key_padding_mask.sum().item() / call.key_padding_mask.numel()
+    kpm = call.key_padding_mask
+    if kpm is not None:
+        frac *= 1.0 - _padding_share(kpm)
     return frac
+
+
+def _padding_share(kpm: Tensor) -> float:
+    """The share of padding entries in ``kpm`` (counted once per tensor and version, `_last_padding`)."""
+    return _last_padding(kpm, "share", lambda: kpm.sum().item() / kpm.numel(), _LAST_SHARE)
 
 
 def mask_entries(call) -> int:
@@ -191,14 +198,37 @@ def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
     cache = _RULE_MASKS if layout_mask is None else _LAYOUT_MASKS.setdefault(layout_mask, {})
     if kpm is None and key in cache:
         return cache[key]
+    if kpm is not None:                  # the last key padding's masks are kept (one call's: memory)
+        return _last_padding(kpm, key, lambda: _padded(Rule(Lq, Lk, wl, wr, layout_mask, layout_block), kpm,
+                                                       H, Hkv, q.dtype))
     vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
-    if kpm is not None:
-        keep = ~kpm[:, None, None, :]
-        return _build(keep if vis is None else vis & keep, H, Hkv, q.dtype)
     if len(cache) > 32:
         cache.clear()
     cache[key] = _build(vis, H, Hkv, q.dtype)
     return cache[key]
+
+
+def _padded(rule: Rule, kpm: Tensor, H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
+    vis = rule.materialize(device="cpu")
+    keep = ~kpm[:, None, None, :]
+    return _build(keep if vis is None else vis & keep, H, Hkv, dtype)
+
+
+# one entry each, (weak reference to the key padding tensor, (key, its version), value): replaced whole,
+# so a thread reading it sees one call's entry
+_LAST_PADDING: list = [None]
+_LAST_SHARE: list = [None]
+
+
+def _last_padding(kpm: Tensor, key, build, slot: list = _LAST_PADDING):
+    """``build()``, or what it gave on the last call for the same key padding tensor (unchanged
+    since: same version) and the same ``key``; one entry per slot, so the memory kept is one call's."""
+    entry, full = slot[0], (key, kpm._version)
+    if entry is not None and entry[0]() is kpm and entry[1] == full:
+        return entry[2]
+    value = build()
+    slot[0] = (weakref.ref(kpm), full, value)
+    return value
 
 
 def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
