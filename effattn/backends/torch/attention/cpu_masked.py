@@ -59,6 +59,9 @@ FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
 #   the blocks path's backward (`BLOCKS_BACKWARD`); the forward alone:
 #     L = 1024: window 256 (0.22) 1.42, fixed layout (0.34) 1.37, causal + padding 1/4 (0.38) 0.67
 #     L = 2048: window 256 (0.12) 2.07
+# Again on 2026-11-27 from L = 256 to 4096 at 1 and 2 threads (the same file, first section): the rule
+# picks the faster row on 48 of 54 calls, the other six are close calls that trade places between
+# repeats; the order at 2 threads is that at 1, so the rule does not read the thread count.
 # Where a point is close the rule leans to the masked kernel: it is what SDPA runs, so choosing it
 # is never slower than SDPA. Up to 1024 x 1024 pairs the blocks path's fixed costs weigh more, so the
 # fraction needed there is lower (L = 1024, window 256, 0.22: the masked kernel, as fast as the blocks
