@@ -1,19 +1,22 @@
 """effattn's CPU paths against SDPA in the same process: time ratios at 1 thread and at torch's
 default thread count, forward and forward+backward.
 
-    python3 -m benchmarks.cpu_vs_sdpa                      # B=1, H=8, D=64, L=2048, fp32
+    python3 -m benchmarks.cpu_vs_sdpa                      # B=1, H=8, D=64, L=256..4096, fp32
     python3 -m benchmarks.cpu_vs_sdpa --lengths 2048 4096 --out benchmarks/results/cpu/cpu_vs_sdpa.md
 
 SDPA gets the same problem in its best CPU form: ``is_causal`` for causal attention, a boolean
 ``(L, L)`` mask for the sliding window and the block layout (SDPA has no other way to express them),
-causal softmax attention for causal linear attention (the quadratic computation linear attention
-replaces). A ratio below 1 means effattn is faster. Each time is the median of --runs runs after
-one warm-up run, effattn's and SDPA's runs interleaved.
+a boolean ``(B, 1, 1, L)`` mask for key padding (``(B, 1, L, L)`` with causal), causal softmax
+attention for causal linear attention (the quadratic computation linear attention replaces). Masks
+are built outside the timing. A ratio below 1 means effattn is faster. Each time is the median of
+--runs runs after one warm-up run, effattn's and SDPA's runs interleaved; the "load" column is the
+machine's 1-minute load average when the row was measured.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -40,18 +43,30 @@ CASES = {
     "fixed layout": (lambda q, k, v, L, m: effattn.attention(q, k, v, causal=True, layout=m[1]),
                      lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m[0]),
                      "bool (L, L) mask"),
+    "padding 1/4": (lambda q, k, v, L, m: effattn.attention(q, k, v, key_padding_mask=m[1]),
+                    lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m[0]),
+                    "bool (B, 1, 1, L) mask"),
+    "causal, padding 1/4": (lambda q, k, v, L, m: effattn.attention(q, k, v, causal=True, key_padding_mask=m[1]),
+                            lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m[0]),
+                            "bool (B, 1, L, L) mask"),
     "causal linear elu": (lambda q, k, v, L, m: effattn.linear_attention(q, k, v, causal=True, feature_map="elu"),
                           lambda q, k, v, L, m: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                           "is_causal (softmax)"),
 }
 
 
-def masks_for(name: str, L: int):
+def masks_for(name: str, L: int, batch: int = 1):
     if name.startswith("window"):
         return Rule.of(L, L, causal=True, window=WINDOW).materialize()
     if name == "fixed layout":
         layout = variant("fixed").layout(L)
         return Rule.of(L, L, causal=True, layout=layout).materialize(), layout
+    if "padding" in name:                      # the last quarter of the keys is padding (True = ignore)
+        pad = (torch.arange(L) >= (3 * L) // 4)[None].expand(batch, L)
+        keep = ~pad[:, None, None, :]
+        if name.startswith("causal"):
+            keep = keep & Rule.of(L, L, causal=True).materialize()
+        return keep, pad
     return None
 
 
@@ -76,7 +91,7 @@ def measure(name: str, L: int, args, threads: int):
                for _ in range(3))
     dout = torch.randn(args.batch, args.heads, L, args.head_dim, generator=g)
     ours, sdpa, _ = CASES[name]
-    m = masks_for(name, L)
+    m = masks_for(name, L, args.batch)
     row = {}
 
     def timed(f, mode):
@@ -97,7 +112,7 @@ def measure(name: str, L: int, args, threads: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
@@ -109,12 +124,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     default = args.default_threads or torch.get_num_threads()
     header = (f"effattn {effattn.__version__} vs SDPA on CPU: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-              f"{datetime.date.today()}, fp32, B={args.batch}, H={args.heads}, D={args.head_dim}, "
-              f"median of {args.runs}; torch's default thread count here: {default}")
+              f"{os.cpu_count()} CPUs, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, fp32, "
+              f"B={args.batch}, H={args.heads}, D={args.head_dim}, median of {args.runs}; torch's default thread "
+              f"count here: {default}")
     lines = [header, "",
              "| case | SDPA form | L | threads | effattn fwd ms | SDPA fwd ms | fwd ratio | effattn fwd+bwd ms "
-             "| SDPA fwd+bwd ms | fwd+bwd ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| SDPA fwd+bwd ms | fwd+bwd ratio | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
     for L in args.lengths:
         for name in args.cases:
@@ -124,9 +140,11 @@ def main(argv=None):
                 for mode in ("fwd", "fwd+bwd"):
                     a, b = r[("effattn", mode)], r[("sdpa", mode)]
                     cells += [f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}"]
+                cells.append(f"{os.getloadavg()[0]:.1f}")
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
     torch.set_num_threads(default)
+    lines += ["", f"finished {datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC"]
     write_table(lines, args.out)
 
 

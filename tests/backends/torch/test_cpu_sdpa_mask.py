@@ -166,14 +166,21 @@ def test_poison_in_keys_no_query_sees_per_head_layout_gqa(poison):
 
 
 def test_the_mask_memory_is_bounded(monkeypatch):
-    """Past MASK_BUDGET entries (counting batch entries with key padding) the row refuses, saying so."""
+    """Past MASK_BUDGET entries (counting batch entries with key padding) the row refuses, saying so;
+    explain gives the mask's size."""
+    y = torch.zeros(1, 8, 1024, 64)
+    ex = effattn.explain(y, y, y, causal=True, window=256)
+    assert f"mask materialized (1048576 entries, 4.0 MiB; at most {cpu_masked.MASK_BUDGET})" in ex.paths["torch"], \
+        str(ex)
     x = torch.zeros(4, 2, 100, 8)
     pad = torch.zeros(4, 100, dtype=torch.bool)
     monkeypatch.setattr(cpu_masked, "MASK_BUDGET", 4 * 100 * 100 - 1)
     assert not cpu_masked.PATH.reasons(make_attn_call(x, x, x, causal=True, window=3))
-    why = cpu_masked.PATH.reasons(make_attn_call(x, x, x, key_padding_mask=pad))
+    why = cpu_masked.PATH.reasons(make_attn_call(x, x, x, causal=True, key_padding_mask=pad))
     assert why == [f"the mask would hold 40000 entries > {4 * 100 * 100 - 1} (memory)"]
-    assert effattn.explain(x, x, x, key_padding_mask=pad).chosen_path == "torch/cpu-blocks"
+    assert effattn.explain(x, x, x, causal=True, key_padding_mask=pad).chosen_path == "torch/cpu-blocks"
+    ex = effattn.explain(x, x, x, key_padding_mask=pad)      # key padding alone: a (B, 1, 1, Lk) mask
+    assert ex.chosen_path == ROW and f"(400 entries, 0.0 MiB; at most {4 * 100 * 100 - 1})" in ex.paths["torch"]
 
 
 def test_dispatch_at_the_issue_lengths():
@@ -230,3 +237,86 @@ def test_a_forked_child_takes_the_blocks_path():
         torch.set_num_threads(prev)
     assert path == "torch/cpu-blocks" and any("forked process" in w for w in why), why
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("row,kw", [
+    ("torch/cpu-flash", dict(causal=True)),
+    (ROW, dict(causal=True, window=5)),
+    ("torch/cpu-blocks", dict(causal=True, window=5)),
+], ids=["flash", "sdpa-mask", "blocks"])
+@pytest.mark.parametrize("grads", ["out", "lse", "both"])
+def test_eager_calls_skip_the_ops_bitwise(row, kw, grads, monkeypatch):
+    """Eager calls on plain tensors run the CPU rows' op bodies directly (autograd.eager_op_pair):
+    forward, lse and gradients bitwise those of the torch.library ops, with a gradient of out only,
+    of lse only (out's gradient is None then) or both."""
+    from effattn.backends import autograd
+    if row == "torch/cpu-blocks":
+        monkeypatch.setattr(cpu_masked, "ENABLED", False)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    go, gl = torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64), torch.randn(2, 4, 40, generator=g,
+                                                                                     dtype=torch.float64)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        assert effattn.explain(*leaves, **kw).chosen_path == row
+        out, lse = effattn.attention(*leaves, return_lse=True, **kw)
+        loss = {"out": (out * go).sum(), "lse": (lse * gl).sum(), "both": (out * go).sum() + (lse * gl).sum()}[grads]
+        return out.grad_fn.name(), [out, lse, *torch.autograd.grad(loss, leaves)]
+
+    eager_fn, eager = run()
+    monkeypatch.setattr(autograd, "direct", lambda *tensors: False)
+    op_fn, ops = run()
+    assert eager_fn == "EagerBackward" and op_fn != eager_fn, (eager_fn, op_fn)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], eager, ops):
+        assert torch.equal(a, b), name
+    with torch.no_grad():                                    # a forward without autograd: the body itself
+        assert effattn.attention(q, k, v, **kw).grad_fn is None
+
+
+def test_kernel_backward_exact_reads_finite_lse_only():
+    """The kernel's backward takes a call unless a finite |lse| passes 2**-10 / eps; rows that see no
+    key (lse -inf) do not count, whichever reduction finds that out."""
+    from effattn.backends.torch.attention.cpu_flash import kernel_backward_exact
+    bound = 2.0 ** -10 / torch.finfo(torch.float32).eps          # 8192
+    lse = torch.tensor([[1.0, -3.0, 100.0]])
+    assert kernel_backward_exact(lse) and kernel_backward_exact(lse[:, :0])
+    assert kernel_backward_exact(torch.tensor([bound, -bound]))
+    assert not kernel_backward_exact(torch.tensor([1.0, 2 * bound]))
+    assert kernel_backward_exact(torch.tensor([1.0, -math.inf, -math.inf]))
+    assert kernel_backward_exact(torch.full((4,), -math.inf))
+    assert not kernel_backward_exact(torch.tensor([-math.inf, -2 * bound]))
+    assert not kernel_backward_exact(torch.tensor([-math.inf, 2 * bound], dtype=torch.float64) * 2 ** 29)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_masks_are_kept_for_the_same_tensor_only(causal):
+    """The masks of the last key padding tensor are reused by the next call with that tensor, and
+    built again when it was changed in place (the oracle follows the change) or is another tensor;
+    one entry is kept."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 30, dtype=torch.bool)
+    pad[:, 20:] = True
+    args = (q, k, None, 0, pad, -1, 0 if causal else -1)
+    first = cpu_masked._masks(*args)
+    assert cpu_masked._masks(*args) is first and cpu_masked._LAST_PADDING[0][0]() is pad
+    assert cpu_masked.visible_fraction(make_attn_call(q, k, v, key_padding_mask=pad)) == pytest.approx(20 / 30)
+    pad[1, 5:] = True                                           # in place: built again
+    assert cpu_masked._masks(*args) is not first
+    assert cpu_masked.visible_fraction(make_attn_call(q, k, v, key_padding_mask=pad)) == pytest.approx(12.5 / 30)
+    assert effattn.explain(q, k, v, key_padding_mask=pad, causal=causal).chosen_path == ROW
+    out = effattn.attention(q, k, v, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(out, naive_attention(q, k, v, key_padding_mask=pad, causal=causal)[0])
+    other = pad.clone()
+    assert cpu_masked._masks(q, k, None, 0, other, -1, 0 if causal else -1) is not cpu_masked._masks(*args)
+
+
+def test_dropout_never_takes_torchs_kernel():
+    """torch's CPU kernel has no dropout of effattn's (reproducible, position-keyed) kind: calls with
+    dropout_p > 0 go to the reference, and explain says why the fused rows do not take them."""
+    x = _x(64)
+    ex = effattn.explain(x, x, x, causal=True, window=8, dropout_p=0.1)
+    assert ex.chosen_path == "torch/reference", str(ex)
+    for row in (ROW, "torch/cpu-flash", "torch/cpu-blocks"):
+        assert any("dropout" in w for w in ex.row(row).reasons), (row, ex.row(row).reasons)

@@ -23,7 +23,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ....numerics import compute_dtype
 from ....visibility import Rule
-from ...autograd import attention_autograd
+from ...autograd import eager_op_pair
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from .. import threads
 
@@ -321,8 +321,9 @@ def _backward_slice(grad_out, grad_lse, q, k, v, out, lse, kpm, scale, wl, wr, g
 
 
 def blocks_backward(grad_out, grad_lse, q, k, v, out, lse, layout_mask, layout_block, key_padding_mask,
-                    scale, wl, wr):
+                    scale, window_left, window_right):
     """(dq, dk, dv) of `blocks_forward` given the saved out and lse; grad_lse may be None."""
+    wl, wr = window_left, window_right
     bs, per_head, by_heads, slices, groups = _setup(q, k, v, layout_mask, layout_block, wl, wr)
     G = q.shape[1] // k.shape[1]
 
@@ -367,21 +368,20 @@ def cpu_blocks_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: T
                            scale, window_left, window_right)
 
 
-def masked_op_pair(fwd, bwd):
+def masked_op_pair(fwd, bwd, fwd_fn, bwd_fn):
     """Registers the fake backward and the autograd formula of a CPU op pair taking this path's
-    arguments (the layout, key padding, scale and window, no seed) and returns the row's ``run``."""
+    arguments (the layout, key padding, scale and window, no seed), whose bodies are ``fwd_fn`` and
+    ``bwd_fn`` (eager calls run those directly: `eager_op_pair`), and returns the row's ``run``."""
     @bwd.register_fake
     def _(grad_out, grad_lse, q, k, v, *args):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
-    setup, grad = attention_autograd(fwd, bwd, prepare=lambda g: g.contiguous())
-    fwd.register_autograd(grad, setup_context=setup)
+    call = eager_op_pair(fwd, bwd, fwd_fn, bwd_fn, prepare=lambda g: g.contiguous())
 
-    def run(call):
-        a = call.op_args()
-        return fwd(a.q, a.k, a.v, layout_mask=a.layout_mask, layout_block=a.layout_block,
-                   key_padding_mask=a.key_padding_mask, scale=a.scale, window_left=a.window_left,
-                   window_right=a.window_right)
+    def run(c):
+        a = c.op_args()
+        return call(a.q, a.k, a.v, a.layout_mask, a.layout_block, a.key_padding_mask, a.scale, a.window_left,
+                    a.window_right)
     return run
 
 
@@ -389,5 +389,5 @@ PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-blocks", priority=95,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES,
                       features=FEATURES["attention"] - {"dropout"} - PACKED_FEATURES - SCORE_FEATURES),
-    run=masked_op_pair(cpu_blocks_fwd, cpu_blocks_bwd), admits=cpu_reasons,
+    run=masked_op_pair(cpu_blocks_fwd, cpu_blocks_bwd, blocks_forward, blocks_backward), admits=cpu_reasons,
     describe=lambda call: "visible key blocks only, one batched matmul per group of query blocks"))

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ....numerics import compute_dtype
+from ...autograd import eager_op_pair
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons
 
@@ -32,8 +33,11 @@ def kernel_backward_exact(lse: Tensor) -> bool:
     compute dtype (8192 in float32) that factor is no longer ~1 (scores of 1e10 in float32 gave
     P = inf and NaN gradients from finite input); the blocks path's backward, whose P never
     exceeds 1, takes those calls."""
-    fin = lse[torch.isfinite(lse)]
-    return not fin.numel() or fin.abs().max().item() <= 2.0 ** -10 / torch.finfo(lse.dtype).eps
+    bound = 2.0 ** -10 / torch.finfo(lse.dtype).eps
+    if not lse.numel() or lse.abs().max().item() <= bound:      # one reduction where every row sees a key
+        return True
+    fin = lse[torch.isfinite(lse)]                               # rows that see no key have lse -inf
+    return not fin.numel() or fin.abs().max().item() <= bound
 
 
 def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
@@ -42,10 +46,12 @@ def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
-@torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())
-def cpu_flash_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     out, lse = _FLASH(*unit_stride(q, k, v), 0.0, causal, scale=scale)
     return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+
+
+cpu_flash_fwd = torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())(flash_forward)
 
 
 @cpu_flash_fwd.register_fake
@@ -54,9 +60,8 @@ def _(q, k, v, causal, scale):
     return q.new_empty(B, Lq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Lq, dtype=compute_dtype(q.dtype))
 
 
-@torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())
-def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                  lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+def flash_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     if grad_lse is not None and not bool(grad_lse.any()):
         grad_lse = None                      # autograd materializes an unused lse's gradient as zeros
     if grad_lse is not None or not kernel_backward_exact(lse):
@@ -68,24 +73,15 @@ def cpu_flash_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Te
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+cpu_flash_bwd = torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())(flash_backward)
+
+
 @cpu_flash_bwd.register_fake
 def _(grad_out, grad_lse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _flash_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1])
-    ctx.static = (causal, scale)
-
-
-def _flash_grad(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = cpu_flash_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, *ctx.static)
-    return dq, dk, dv, None, None
-
-
-cpu_flash_fwd.register_autograd(_flash_grad, setup_context=_flash_setup)
+_CALL = eager_op_pair(cpu_flash_fwd, cpu_flash_bwd, flash_forward, flash_backward, prepare=lambda g: g.contiguous())
 
 
 def _admits(call) -> List[str]:
@@ -105,7 +101,7 @@ def _copied(call) -> List[str]:
 
 def _run(call):
     q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (call.q, call.k, call.v))
-    return cpu_flash_fwd(q, k, v, call.causal, call.scale)
+    return _CALL(q, k, v, call.causal, call.scale)
 
 
 def _describe(call) -> str:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .... import score
 from ....packed import segment_list
-from ...autograd import attention_autograd, op_arg_names, saved_output
+from ...autograd import attention_autograd, direct, op_arg_names, saved_output
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
@@ -110,18 +110,7 @@ def _or_zeros(grad, ctx):
     return grad if grad is not None else torch.zeros_like(saved_output(ctx))
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _direct(*tensors) -> bool:
-    """Whether a call may skip the torch.library layer: eager (not traced by torch.compile, export
-    or torch.jit.trace), no torch function or dispatch mode, no functorch transform, no profiler,
-    and every tensor a plain one (None allowed). Anything else sees the ops."""
-    return (not torch.compiler.is_compiling() and not torch._C._get_tracing_state()
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._functorch.peek_interpreter_stack() is None
-            and not torch._C._autograd._profiler_enabled()
-            and all(t is None or type(t) in _PLAIN for t in tensors))
+_direct = direct                # the eager test every backend's ops share (backends/autograd.py)
 
 
 def _tf32(call) -> bool:
