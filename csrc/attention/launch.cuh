@@ -1,11 +1,13 @@
-// Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype): grid,
-// shared memory, launch. fwd.cu / bwd.cu dispatch to them; the host self-test
+// Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype; the forward's
+// also one mask kind and dropout flag): grid, shared memory, launch. fwd.cu (through attention/inst/) and
+// bwd.cu dispatch to them; the host self-test
 // instantiates a few directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
 #pragma once
 
 #include "attention/attention.h"
 #include "attention/bwd.cuh"
 #include "attention/fwd.cuh"
+#include "attention/launchers.cuh"
 
 namespace effattn {
 namespace detail {
@@ -42,19 +44,16 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
   }
 }
 
-template <int HD, bool BF16>
-struct FwdKernel {
-  template <int KIND>
-  struct Of {
-    static constexpr auto value = attn_fwd_kernel<HD, BF16, KIND>;
-  };
-};
-
-template <int HD, bool BF16>
+// The mma.sync forward (declared in launchers.cuh; attention/inst/ instantiates it per head-dim bucket,
+// dtype, mask kind and dropout flag, and fwd.cu picks one per call).
+template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdConfig<HD>;
-  return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
-                                                         Cfg::kSmemBytes, stream, p);
+#if defined(EFFATTN_CUDA_EMU)
+  emu_record::last_fwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
+#endif
+  return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
+                Cfg::kSmemBytes, stream, p);
 }
 
 // The forward with bias tensors: one instance (mask kind kAny, TERMS).

@@ -176,7 +176,7 @@ def test_extension_carries_sass_per_target_and_forward_compatible_ptx(cuda_torch
     if exe is None:
         pytest.fail("cuobjdump not found: pip install nvidia-cuda-cuobjdump (the 'test' extra)")
     (lib,) = glob.glob(os.path.join(site, "effattn", "_C*.so"))
-    units = len(glob.glob(os.path.join(CSRC, "*", "*.cu")))
+    units = len(glob.glob(os.path.join(CSRC, "*", "*.cu")) + glob.glob(os.path.join(CSRC, "*", "inst", "*.cu")))
     listing = {}
     for what in ("elf", "ptx"):
         res = subprocess.run([exe, f"--list-{what}", lib], capture_output=True, text=True)
