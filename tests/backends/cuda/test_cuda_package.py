@@ -109,7 +109,9 @@ def test_sdist_carries_what_the_cuda_build_needs(sdist):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     needed = kernel_and_binding_sources()
     assert any(n.startswith("csrc/binding/") for n in needed) and any(n.endswith(".cu") for n in needed)
-    missing = [n for n in needed + ["setup.py", "pyproject.toml", "MANIFEST.in", "effattn/backends/cuda/targets.py"]
+    assert len([n for n in needed if n.startswith("csrc/attention/inst/") and n.endswith(".cu")]) >= 80
+    missing = [n for n in needed + ["setup.py", "pyproject.toml", "MANIFEST.in", "effattn/backends/cuda/targets.py",
+                                    "csrc/generate_instances.py"]
                if n not in names]
     assert not missing, missing
 
