@@ -1,7 +1,8 @@
-// Declarations of the forward launchers that attention/inst/ instantiates, one translation unit per
-// (head-dim bucket, dtype, mask kind, dropout) (csrc/generate_instances.py writes them): fwd.cu
-// includes only these declarations, so it compiles no kernel, and the build compiles the instances
-// side by side. The definition is in launch.cuh.
+// Declarations of the launchers that attention/inst/ instantiates, one translation unit per forward
+// (head-dim bucket, dtype, mask kind, dropout) and per backward (head-dim bucket, dtype) instance
+// (csrc/generate_instances.py writes them): fwd.cu and bwd.cu include only these declarations, so they
+// compile no kernel, and the build compiles the instances side by side. The definitions are in
+// launch.cuh (forward) and bwd_launch.cuh (backward).
 #pragma once
 
 #include "attention/attention.h"
@@ -10,9 +11,13 @@
 namespace effattn {
 namespace detail {
 
-// The mma.sync forward of one head-dim bucket, dtype, MaskKind (common.cuh) and dropout flag.
+// The mma.sync forward of one head-dim bucket, dtype, MaskKind (common.cuh) and dropout flag (launch.cuh).
 template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream);
+
+// The backward of one head-dim bucket and dtype: fused or two passes, as the call asks (bwd_launch.cuh).
+template <int HD, bool BF16>
+int bwd_of_call(const AttnParams& p, prim::stream_t stream);
 
 }  // namespace detail
 }  // namespace effattn

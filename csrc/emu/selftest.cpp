@@ -19,7 +19,7 @@
 
 #include "attention/fwd_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "attention/decode_kernels.cuh"
-#include "attention/launch.cuh"
+#include "attention/bwd_launch.cuh"
 #include "selftest_util.h"
 
 using namespace effattn;

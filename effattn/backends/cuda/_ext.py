@@ -154,16 +154,17 @@ def _build_lock(root):
 
 
 def _unity_units(units, folder):
-    """[(source, name, text)]: the generated instance units (csrc/*/inst/*.cu) grouped per file-name
-    prefix before the last two parts (``fwd_64_bf16``: that bucket and dtype's mask kinds and dropout
-    flags), each group one unit that includes them, written to `folder`: the host compiler parses the
-    kernel headers once per group instead of once per instance (most of an instance's compile time).
+    """[(source, name, text)]: the generated instance units (csrc/*/inst/*.cu) grouped per the first three
+    parts of their names (``fwd_64_bf16``: that bucket and dtype's mask kinds and dropout flags;
+    ``bwd_64_bf16`` alone), each group one unit that includes them, written to `folder`: the host
+    compiler parses the kernel headers once per group instead of once per instance (most of a forward
+    instance's compile time).
     The includes are relative to csrc/, so a copy of csrc/ (EFFATTN_CSRC) reuses the objects."""
     groups = {}
     for src in units:
         rel = os.path.relpath(src, _CSRC).replace(os.sep, "/")
         head, base = rel.rsplit("/", 1)
-        groups.setdefault(f"{head}/{base.rsplit('_', 2)[0]}", []).append(rel)
+        groups.setdefault(f"{head}/{'_'.join(base[:-len('.cu')].split('_')[:3])}", []).append(rel)
     out = []
     os.makedirs(folder, exist_ok=True)
     for key, rels in sorted(groups.items()):

@@ -1,5 +1,5 @@
-"""The forward's generated instances (csrc/generate_instances.py -> csrc/attention/inst/): the committed
-files are what the script writes, the dispatch in csrc/attention/fwd.cu names every generated instance,
+"""The generated instances (csrc/generate_instances.py -> csrc/attention/inst/): the committed files are
+what the script writes, the dispatch in csrc/attention/fwd.cu and bwd.cu names every generated instance,
 and each (mask kind, dropout) instance a call picks is the one that runs (the emulation's record), gives
 the general instance's bits (kAny with the dropout code: the one every call ran before the split) and
 passes the float64 rule.
@@ -40,13 +40,14 @@ def test_committed_instances_equal_the_generators_output(tmp_path):
     assert written == committed
     (tmp_path / next(iter(written))).write_text("// edited by hand\n")
     assert gen.main(["--check", "--out", str(tmp_path)]) == 1
-    assert len(written) == len(gen.HEAD_DIMS) * len(gen.DTYPES) * len(gen.MASK_KINDS) * len(gen.DROPOUT)
+    fwd = len(gen.HEAD_DIMS) * len(gen.DTYPES) * len(gen.MASK_KINDS) * len(gen.DROPOUT)
+    assert len(written) == fwd + len(gen.HEAD_DIMS) * len(gen.DTYPES) == 88
 
 
 def test_dispatch_names_every_generated_instance():
     """fwd.cu's switches reach exactly the generated set: its head-dim buckets are the script's, its
     mask-kind switch names every kind the script instantiates (and no other), and the dropout flag
-    takes both values. (A dispatched instance that is not generated fails at link time, when the
+    takes both values; bwd.cu's switch names every bucket, for both dtypes. (A dispatched instance that is not generated fails at link time, when the
     emulated kernels' library is loaded.)"""
     gen = generator()
     with open(os.path.join(CSRC, "attention", "fwd.cu"), encoding="utf-8") as f:
@@ -58,6 +59,13 @@ def test_dispatch_names_every_generated_instance():
     for name, (hd, bf16, enum, flag) in gen.forward_instances():
         with open(os.path.join(gen.FOLDER, name), encoding="utf-8") as f:
             assert f"template int fwd<{hd}, {bf16}, {enum}, {flag}>(" in f.read(), name
+    with open(os.path.join(CSRC, "attention", "bwd.cu"), encoding="utf-8") as f:
+        src = f.read()
+    assert {int(x) for x in re.findall(r"case (\d+): return detail::bwd_of_call<\1, BF16>", src)} == set(gen.HEAD_DIMS)
+    assert "dispatch_bwd<true>" in src and "dispatch_bwd<false>" in src
+    for name, (hd, bf16) in gen.backward_instances():
+        with open(os.path.join(gen.FOLDER, name), encoding="utf-8") as f:
+            assert f"template int bwd_of_call<{hd}, {bf16}>(" in f.read(), name
 
 
 # ---------------------------------------------------------------------------------- the emulation
