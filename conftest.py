@@ -44,10 +44,10 @@ LONG_RUN = (
     # nvcc builds (1-3 CPU minutes per unit and arch): CI builds attention/decode.cu for sm_80 and
     # sm_90a with its spill, register and SASS checks (test_cuda_build_more.py)
     f"{_BUILD}.py::test_no_spills_registers_under_cap_and_kernel_budget",
-    f"{_BUILD}.py::test_every_forward_is_built_for_each_bucket_and_dtype_without_bias_terms",
+    f"{_BUILD}.py::test_each_instance_unit_builds_its_own_kernel_without_bias_terms",
     f"{_BUILD}.py::test_sass_uses_tensor_cores_ldmatrix_and_async_copies",
     f"{_BUILD}.py::test_hopper_forward_is_wgmma_on_sm90a_only",
-    f"{_BUILD}.py::test_dense_and_window_forwards_carry_no_dropout_or_layout_code",
+    f"{_BUILD}.py::test_only_dropout_instances_carry_dropout_code_and_dense_is_short",
     f"{_BUILD}_bwd.py",
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[linear/linear.cu]",
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys.cu]",

@@ -68,9 +68,10 @@ def cuda_build():
     want = os.environ.get("EFFATTN_BUILD_CUDA", "auto")
     if want == "0":
         return [], {}
-    # one folder per op (csrc/attention, csrc/linear) holds its kernels' .cu files; csrc/binding the
-    # torch glue, the only sources that include torch
-    kernels = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
+    # one folder per op (csrc/attention, csrc/linear) holds its kernels' .cu files, and its inst/ folder
+    # the generated instance units (csrc/generate_instances.py); csrc/binding the torch glue, the only
+    # sources that include torch. BuildExtension compiles them with ninja, MAX_JOBS at a time.
+    kernels = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")) + glob.glob(os.path.join("csrc", "*", "inst", "*.cu")))
     bindings = sorted(glob.glob(os.path.join("csrc", "binding", "*.cpp")))
     why = None
     find_toolkit()

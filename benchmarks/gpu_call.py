@@ -74,9 +74,9 @@ def stages(call: int) -> List[Stage]:
                     f"--target /tmp/site {FLA_WHEELS}/*.whl || true)", 30)
     # on the warm machine of call 1 the built extension is still there (ignored build outputs stay)
     build = Stage("cuda-build", "if ls effattn/_C*.so >/dev/null 2>&1 && [ \"$(cat build/.sources 2>/dev/null)\" = "
-                  "\"$(cat csrc/*/*.cu* csrc/*/*.h* csrc/*/*.cpp 2>/dev/null | md5sum)\" ]; then echo kept the built extension; "
+                  "\"$(cat csrc/*/*.cu* csrc/*/inst/*.cu csrc/*/*.h* csrc/*/*.cpp 2>/dev/null | md5sum)\" ]; then echo kept the built extension; "
                   "else TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=12 EFFATTN_BUILD_CUDA=1 python3 setup.py -q build_ext --inplace "
-                  "&& mkdir -p build && cat csrc/*/*.cu* csrc/*/*.h* csrc/*/*.cpp 2>/dev/null | md5sum > build/.sources; fi",
+                  "&& mkdir -p build && cat csrc/*/*.cu* csrc/*/inst/*.cu csrc/*/*.h* csrc/*/*.cpp 2>/dev/null | md5sum > build/.sources; fi",
                   240, background=True)
     env = Stage("env", "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, torch.version.cuda, "
                 "triton.__version__, torch.cuda.get_device_name())'; nvcc --version | tail -2", 20)

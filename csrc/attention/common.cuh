@@ -133,17 +133,38 @@ EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int 
   return true;
 }
 
-// What one forward kernel instance handles (the launcher picks the narrowest kind for a call):
-// kDense: no window, layout, key padding or dropout, and Lk a multiple of the key tile, so that
-// every key tile is full and the tile loop carries no mask, padding or dropout code; kWindow:
-// causal / sliding windows and ragged lengths (the analytic schedule's partial tiles, checked
-// elementwise without a layout; packed sequences: each segment's own Lk); kAny: everything (block layouts, key padding, dropout).
-enum MaskKind : int { kDense = 0, kWindow = 1, kAny = 2 };
+// What one forward kernel instance handles (the launcher picks the narrowest kind for a call; dropout
+// is a template flag of its own, DROP, orthogonal to the kind):
+// kDense: no window, layout or key padding, and Lk a multiple of the key tile, so that every key tile
+// is full and the tile loop carries no mask or padding code; kCausal: window (-1, 0) without a layout
+// or key padding (the diagonal's test `j <= i + off` with constant bounds; ragged lengths and packed
+// sequences too); kWindow: any other sliding window and ragged lengths (the analytic schedule's partial
+// tiles, checked elementwise without a layout; packed sequences: each segment's own Lk); kLayout: block
+// layouts (the packed tile lists, their partial tiles checked per layout block) without key padding;
+// kAny (padding): key padding with anything else. The values 0..2 are those the Hopper forward is
+// instantiated for (`coarse_kind`).
+enum MaskKind : int { kDense = 0, kWindow = 1, kAny = 2, kCausal = 3, kLayout = 4 };
 
 inline int mask_kind(const AttnParams& p, int block_n) {
-  if (p.lists || p.layout || p.lay_check || p.kpm || p.dropout) return kAny;
+  if (p.kpm) return kAny;
+  if (p.lists || p.layout || p.lay_check) return kLayout;
+  if (p.left < 0 && p.right == 0) return kCausal;
   if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0 || p.cu_q) return kWindow;
   return kDense;
+}
+
+// The kinds of an instance family built for kDense, kWindow and kAny only (the Hopper forward): causal
+// runs the window instance, layouts the kAny one, and so does every call with dropout.
+inline int coarse_kind(int kind, bool dropout) {
+  if (dropout || kind == kLayout) return kAny;
+  return kind == kCausal ? kWindow : kind;
+}
+
+// `visible` for a partial tile of a forward instance of mask kind KIND (kDense never asks).
+template <int KIND>
+EFFATTN_DEVICE bool visible_kind(const AttnParams& p, const uint8_t* lay, int i, int j) {
+  if (KIND == kCausal) return i < p.Lq && j < p.Lk && j <= i + p.off;
+  return visible<KIND == kAny || KIND == kLayout>(p, lay, i, j);
 }
 
 // Whether some query row in [i0, i1) sees key j: lengths, window, key padding (`kpm`: this batch

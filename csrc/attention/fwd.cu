@@ -1,20 +1,44 @@
-// Entry point of the softmax-attention forward: dispatch on dtype and head-dim bucket to the
-// launchers of launch.cuh (the backward's is bwd.cu: two translation units, so that
-// nvcc builds them in parallel and each in about half the time). Compiled by nvcc for the GPU, or by
-// a host compiler with EFFATTN_CUDA_EMU for the emulation (the same code; common/prims.cuh hides the
-// difference).
-#include "attention/launch.cuh"
+// Entry point of the softmax-attention forward: dispatch on dtype, head-dim bucket, mask kind
+// (MaskKind, common.cuh) and dropout to the launchers of launch.cuh. This unit compiles no kernel: it
+// sees only their declarations (launchers.cuh); each instance is a translation unit of its own in
+// attention/inst/ (written by csrc/generate_instances.py), so nvcc builds them side by side. The
+// backward's entry point is bwd.cu. Compiled by nvcc for the GPU, or by a host compiler with
+// EFFATTN_CUDA_EMU for the emulation (the same code; common/prims.cuh hides the difference).
+#include "attention/fwd.cuh"
+#include "attention/launchers.cuh"
 
 namespace effattn {
 namespace {
 
+template <int HD, bool BF16, bool DROP>
+int fwd_of_kind(int kind, const AttnParams& p, prim::stream_t stream) {
+  switch (kind) {
+    case kDense: return detail::fwd<HD, BF16, kDense, DROP>(p, stream);
+    case kCausal: return detail::fwd<HD, BF16, kCausal, DROP>(p, stream);
+    case kWindow: return detail::fwd<HD, BF16, kWindow, DROP>(p, stream);
+    case kLayout: return detail::fwd<HD, BF16, kLayout, DROP>(p, stream);
+    default: return detail::fwd<HD, BF16, kAny, DROP>(p, stream);
+  }
+}
+
+// The narrowest instance for the call: its mask kind, and the dropout code only when it drops.
+template <int HD, bool BF16>
+int fwd_of_call(const AttnParams& p, prim::stream_t stream) {
+  int kind = mask_kind(p, FwdConfig<HD>::BN);
+  bool drop = p.dropout != 0;
+#if defined(EFFATTN_CUDA_EMU)
+  if (emu_record::fwd_general) kind = kAny, drop = true;
+#endif
+  return drop ? fwd_of_kind<HD, BF16, true>(kind, p, stream) : fwd_of_kind<HD, BF16, false>(kind, p, stream);
+}
+
 template <bool BF16>
 int dispatch_fwd(const AttnParams& p, prim::stream_t stream) {
   switch (head_dim_bucket(p.D > p.Dv ? p.D : p.Dv)) {
-    case 32: return detail::fwd<32, BF16>(p, stream);
-    case 64: return detail::fwd<64, BF16>(p, stream);
-    case 128: return detail::fwd<128, BF16>(p, stream);
-    case 256: return detail::fwd<256, BF16>(p, stream);
+    case 32: return fwd_of_call<32, BF16>(p, stream);
+    case 64: return fwd_of_call<64, BF16>(p, stream);
+    case 128: return fwd_of_call<128, BF16>(p, stream);
+    case 256: return fwd_of_call<256, BF16>(p, stream);
     default: return -1;
   }
 }
@@ -29,3 +53,8 @@ int attention_fwd(const AttnParams& p, bool bf16, void* stream_ptr) {
 }
 
 }  // namespace effattn
+
+#if defined(EFFATTN_CUDA_EMU)
+extern "C" int effattn_emu_last_fwd_instance() { return effattn::emu_record::last_fwd; }
+extern "C" void effattn_emu_set_fwd_general(int on) { effattn::emu_record::fwd_general = on; }
+#endif

@@ -121,11 +121,12 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int B
 // output accumulators must be rescaled (`rescale_rows`; the Hopper forward applies it only once the
 // previous tile's P V has retired). S is in the m16n8 accumulator layout (mma.sync, or a warp's 16
 // rows of a wgmma accumulator: the same fragment). KIND (MaskKind) compiles out what the kernel
-// instance never sees: every mask test for kDense, the layout, key padding and dropout for kWindow.
+// instance never sees: every mask test for kDense, the layout and key padding for kCausal / kWindow, key
+// padding for kLayout; DROP (default: kAny's) compiles the dropout keep-mask in.
 // SCORE: -1 reads p.score per element (score_log2), 0 compiles the score terms out (the caller knows
 // p.score is 0), 1 keeps them. TERMS: the bias tensors of `br` join the scores, as the one number `cb`
 // (log2 units) where the tile is constant (`cfast`: const_bias), else per element.
-template <int KIND, bool TERMS = false, int SCORE = -1, int NS>
+template <int KIND, bool TERMS = false, int SCORE = -1, bool DROP = KIND == kAny, int NS>
 EFFATTN_DEVICE void softmax_scores(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
                                    int n0, bool masked, float slope, float (&s)[NS][4], float (&m_i)[2],
                                    float (&l_i)[2], float (&alpha)[2], const BiasRow& br = BiasRow{},
@@ -139,7 +140,7 @@ EFFATTN_DEVICE void softmax_scores(const AttnParams& p, const uint8_t* lay, cons
       float dcap;
       float x = SCORE == 0 ? s[j][e] * p.qk_scale : score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
       if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
-      if (KIND != kDense && masked && !visible<KIND == kAny>(p, lay, i, kj)) x = -INFINITY;
+      if (KIND != kDense && masked && !visible_kind<KIND>(p, lay, i, kj)) x = -INFINITY;
       if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;
     }
@@ -162,7 +163,7 @@ EFFATTN_DEVICE void softmax_scores(const AttnParams& p, const uint8_t* lay, cons
         float pv = prim::exp2(s[j][2 * r + e] - m_ref);
         sum += pv;
         // the normalizer sums undropped probabilities; dropout acts on P V only
-        if (KIND == kAny && p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
+        if (DROP && p.dropout && !dropout_keep(p, bh, row0 + 8 * r, n0 + 8 * j + 2 * t4 + e)) pv = 0.f;
         s[j][2 * r + e] = pv;
       }
     l_i[r] = l_i[r] * alpha[r] + sum;                  // per-thread partial row sums
@@ -183,12 +184,12 @@ EFFATTN_DEVICE void rescale_rows(float (&acc)[ND][4], const float (&alpha)[2]) {
 }
 
 // softmax_scores, then the rescale of acc (the mma.sync forward: its P V of the last tile is done).
-template <int KIND, bool TERMS = false, int NS, int ND>
+template <int KIND, bool TERMS = false, bool DROP = KIND == kAny, int NS, int ND>
 EFFATTN_DEVICE void softmax_step(const AttnParams& p, const uint8_t* lay, const uint8_t* kpm, int bh, int row0,
                                  int n0, bool masked, float slope, float (&s)[NS][4], float (&acc)[ND][4], float (&m_i)[2],
                                  float (&l_i)[2], const BiasRow& br = BiasRow{}, bool cfast = false, float cb = 0.f) {
   float alpha[2];
-  softmax_scores<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, m_i, l_i, alpha, br, cfast, cb);
+  softmax_scores<KIND, TERMS, -1, DROP>(p, lay, kpm, bh, row0, n0, masked, slope, s, m_i, l_i, alpha, br, cfast, cb);
   rescale_rows(acc, alpha);
 }
 
@@ -232,8 +233,9 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
 }
 
 // TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny). RELK: the
-// instance with relative keys (KIND = kAny; relk_add per tile).
-template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false>
+// instance with relative keys (KIND = kAny; relk_add per tile). DROP: the dropout code (the Philox keep-mask) is
+// compiled in (attention/inst/: an instance per mask kind and DROP).
+template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny>
 EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -296,7 +298,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
 
     float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
     const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
-    softmax_step<KIND, TERMS>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br, cfast, cb);
+    softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br, cfast, cb);
 
     prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
     prim::sync_block();

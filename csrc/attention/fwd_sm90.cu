@@ -21,8 +21,8 @@ template <int HD, bool BF16>
 int fwd_sm90(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdSm90Config<HD>;
   return detail::launch_by_kind<Sm90Kernel<HD, BF16>::template Of>(
-      mask_kind(p, Cfg::BN), detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSmemBytes, stream, p,
-      Cfg::kThreads);
+      coarse_kind(mask_kind(p, Cfg::BN), p.dropout != 0), detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
+      Cfg::kSmemBytes, stream, p, Cfg::kThreads);
 }
 
 template <bool BF16>

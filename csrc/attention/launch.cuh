@@ -1,11 +1,13 @@
-// Per-instance launchers of the softmax-attention kernels (one head-dim bucket and dtype): grid,
-// shared memory, launch. fwd.cu / bwd.cu dispatch to them; the host self-test
-// instantiates a few directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
+// Per-instance launchers of the softmax-attention forward kernels (one head-dim bucket, dtype, mask kind
+// and dropout flag; the bias-term and relative-key instances): grid, shared memory, launch; and `launch`
+// itself, which every op's launchers use. fwd.cu dispatches to the forward's through attention/inst/;
+// the backward's are in bwd_launch.cuh (a forward unit does not include the backward's kernels); the
+// host self-test instantiates a few directly. Under EFFATTN_CUDA_EMU a "launch" runs the grid through the emulation.
 #pragma once
 
 #include "attention/attention.h"
-#include "attention/bwd.cuh"
 #include "attention/fwd.cuh"
+#include "attention/launchers.cuh"
 
 namespace effattn {
 namespace detail {
@@ -42,19 +44,16 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
   }
 }
 
-template <int HD, bool BF16>
-struct FwdKernel {
-  template <int KIND>
-  struct Of {
-    static constexpr auto value = attn_fwd_kernel<HD, BF16, KIND>;
-  };
-};
-
-template <int HD, bool BF16>
+// The mma.sync forward (declared in launchers.cuh; attention/inst/ instantiates it per head-dim bucket,
+// dtype, mask kind and dropout flag, and fwd.cu picks one per call).
+template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdConfig<HD>;
-  return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
-                                                         Cfg::kSmemBytes, stream, p);
+#if defined(EFFATTN_CUDA_EMU)
+  emu_record::last_fwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
+#endif
+  return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
+                Cfg::kSmemBytes, stream, p);
 }
 
 // The forward with bias tensors: one instance (mask kind kAny, TERMS).
@@ -71,35 +70,6 @@ int fwd_relk(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdConfig<HD>;
   return launch(attn_fwd_kernel<HD, BF16, kAny, false, true>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
                 Cfg::kRelkSmemBytes, stream, p);
-}
-
-// Delta = rowsum(dO * O) - dlse, the first kernel of every backward.
-template <bool BF16>
-int delta(const AttnParams& p, prim::stream_t stream) {
-  return launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
-}
-
-template <int HD, bool BF16, bool TERMS = false>
-int bwd(const AttnParams& p, prim::stream_t stream) {
-  using Cfg = BwdConfig<HD>;
-  int err = delta<BF16>(p, stream);
-  if (err) return err;
-  AttnParams pk = p;                                    // the dK/dV pass reads the by-key lists
-  pk.lists = p.lists_by_key;
-  pk.list_h = p.listk_h;
-  pk.list_t = p.listk_t;
-  pk.list_wf = p.listk_wf;
-  if (p.Lk > 0) {
-    err = launch(attn_dkdv_kernel<HD, BF16, TERMS>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)),
-                 TERMS ? Cfg::kSplitTerms : Cfg::kSplit, TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
-    if (err) return err;
-  }
-  if constexpr (TERMS)
-    return launch(attn_dq_terms_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
-                  Cfg::kDqSmemTerms, stream, p);
-  else
-    return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
-                  stream, p);
 }
 
 }  // namespace detail

@@ -5,7 +5,7 @@
 // terms' code, and each unit stays within the kernel budget.
 // the round keys of the dropout hash computed from the seed here (common.cuh: philox_round_key)
 #define EFFATTN_PHILOX_KEYS_FROM_SEED 1
-#include "attention/launch.cuh"
+#include "attention/bwd_launch.cuh"
 
 namespace effattn {
 namespace {

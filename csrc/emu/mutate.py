@@ -55,6 +55,8 @@ FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_agains
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 # the Hopper forward's pipeline over several key tiles
 PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
+# the forward's generated instances: which one a call runs, bitwise against the general one
+INSTANCES = "tests/backends/cuda/test_cuda_instances.py::test_each_call_runs_its_instance_with_the_general_instances_bits"
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
 TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
          "relative and not past and causal")
@@ -154,6 +156,15 @@ MUTATIONS: List[Mutation] = [
              "prim::cp_async_wait<0>();                     // one stage",
              "prim::cp_async_wait<1>();                     // one stage", DECODE_D256,
              "decode, single-buffered (head dim 256 on a 99 KB GPU): the tile's copies not waited for"),
+    Mutation("dense-routed-to-any", "attention/common.cuh",
+             "  return kDense;\n}", "  return kAny;\n}", (INSTANCES,),
+             "forward dispatch: a dense call runs the general instance (every mask and padding test compiled in)"),
+    Mutation("dropout-code-always", "attention/fwd.cu",
+             "bool drop = p.dropout != 0;", "bool drop = true;", (INSTANCES,),
+             "forward dispatch: calls without dropout run the instance with the Philox code"),
+    Mutation("causal-kind-diagonal", "attention/common.cuh",
+             "return i < p.Lq && j < p.Lk && j <= i + p.off;", "return i < p.Lq && j < p.Lk && j <= i + p.off + 1;",
+             SHARED, "the causal instance's diagonal one key too far (its own test, not `visible`'s)"),
     Mutation("const-tile-fwd", "attention/fwd.cuh",
              "x += cfast ? cb : bias_terms(p, br, i, kj)", "x += cfast ? 0.f : bias_terms(p, br, i, kj)", TILES,
              "forward: a constant tile's terms dropped (the constant path is taken and must add them)"),

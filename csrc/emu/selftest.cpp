@@ -19,7 +19,7 @@
 
 #include "attention/fwd_sm90.cu"   // the Hopper forward (its launcher and kernels)
 #include "attention/decode_kernels.cuh"
-#include "attention/launch.cuh"
+#include "attention/bwd_launch.cuh"
 #include "selftest_util.h"
 
 using namespace effattn;
@@ -168,8 +168,8 @@ int attention() {
     p.delta = delta, p.delta_out = delta, p.dq = dq, p.dk = dk, p.dv = dv;
     // the instances of these head dims only (each instance adds to the sanitizer build's time)
     const bool small = std::max(s.D, s.Dv) <= 32;
-    const int err = small ? detail::fwd<32, true>(p, nullptr) || detail::bwd<32, true>(p, nullptr)
-                          : detail::fwd<64, true>(p, nullptr) || detail::bwd<64, true>(p, nullptr);
+    const int err = small ? detail::fwd<32, true, kAny, true>(p, nullptr) || detail::bwd<32, true>(p, nullptr)
+                          : detail::fwd<64, true, kAny, true>(p, nullptr) || detail::bwd<64, true>(p, nullptr);
     if (err) return 2;
     int nan = 0;
     for (size_t i = 0; i < no; ++i) nan += std::isnan(prim::to_float<true>(o[i]));

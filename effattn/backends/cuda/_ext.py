@@ -5,7 +5,7 @@
 - On CPU tensors, with ``EFFATTN_CUDA_EMU=1``: the same binding compiled by the host compiler with
   the emulation of csrc/emu/ (``torch.ops.effattn_cuda_emu.*``), built on first use and cached under
   ``~/.cache/effattn`` (``EFFATTN_CUDA_EMU_DIR``) keyed on the sources' hash. Two parts: the kernels
-  (every csrc/*/*.cu and csrc/emu/api.cpp, compiled by g++ into ``libeffattn_emu_kernels.so``, no
+  (every csrc/*/*.cu, csrc/*/inst/*.cu and csrc/emu/api.cpp, compiled by g++ into ``libeffattn_emu_kernels.so``, no
   torch: seconds) and the binding (csrc/binding/*.cpp through ``torch.utils.cpp_extension.load``,
   linked against that library: minutes, redone only when the binding or a ``.h`` changes), so a
   kernel edit rebuilds only the first. ``EFFATTN_CSRC`` points both at another copy of csrc/ (the
@@ -96,25 +96,36 @@ def _cache_root() -> str:
     return os.environ.get("EFFATTN_CUDA_EMU_DIR", os.path.join(os.path.expanduser("~"), ".cache", "effattn"))
 
 
-def _unit_object(cxx, flags, src, folder) -> tuple:
+def _unit_object(cxx, flags, src, folder, name=None, text="") -> tuple:
     """(object path, compile command or None when cached) of one translation unit: the object is
     keyed on the contents of every file the unit includes (``-MM``), so a change to one kernel header
-    recompiles only the units that include it."""
+    recompiles only the units that include it. A unit outside csrc/ (`_unity_units`) passes its
+    `name` and `text`, which key it instead of its path."""
     res = subprocess.run([cxx, *flags, "-x", "c++", "-MM", src], capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"compiling the emulated kernels failed:\n{res.stderr[-4000:]}")
     deps = sorted(os.path.abspath(d) for d in res.stdout.replace("\\\n", " ").split(":", 1)[1].split())
-    name = os.path.relpath(src, _CSRC).replace(os.sep, "_")
-    obj = os.path.join(folder, f"{name}-{_digest(deps, cxx, *flags)}.o")
+    if name is None:
+        name = os.path.relpath(src, _CSRC).replace(os.sep, "_")
+    else:
+        deps = [d for d in deps if d != os.path.abspath(src)]
+    obj = os.path.join(folder, f"{name}-{_digest(deps, cxx, *flags, text)}.o")
     if os.path.exists(obj):
         return obj, None
     return obj, [cxx, *flags, "-x", "c++", "-c", src, "-o", f"{obj}.{os.getpid()}.tmp"]
 
 
+def kernel_units():
+    """The kernels' translation units, as setup.py's nvcc build takes them: every csrc/*/*.cu and the
+    generated instances of csrc/*/inst/*.cu (csrc/generate_instances.py)."""
+    return sorted(glob.glob(os.path.join(_CSRC, "*", "*.cu")) + glob.glob(os.path.join(_CSRC, "*", "inst", "*.cu")))
+
+
 def build_kernels(extra_cflags=()) -> str:
-    """The emulated kernels' library (every csrc/*/*.cu, as setup.py's nvcc build takes them, and
+    """The emulated kernels' library (`kernel_units`, as setup.py's nvcc build takes them, and
     csrc/emu/api.cpp), built with the host compiler and cached on the sources' hash; returns its
-    path. Objects are cached per translation unit (`_unit_object`) and compiled side by side."""
+    path. Objects are cached per translation unit (`_unit_object`) and compiled side by side, MAX_JOBS
+    (default: the CPU count) at a time."""
     cxx = os.environ.get("CXX", "g++")
     flags = ["-std=c++17", "-O2", "-fPIC", "-DEFFATTN_CUDA_EMU", "-I", _CSRC, *extra_cflags]
     root = _cache_root()
@@ -142,20 +153,58 @@ def _build_lock(root):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _unity_units(units, folder):
+    """[(source, name, text)]: the generated instance units (csrc/*/inst/*.cu) grouped per the first three
+    parts of their names (``fwd_64_bf16``: that bucket and dtype's mask kinds and dropout flags;
+    ``bwd_64_bf16`` alone), each group one unit that includes them, written to `folder`: the host
+    compiler parses the kernel headers once per group instead of once per instance (most of a forward
+    instance's compile time).
+    The includes are relative to csrc/, so a copy of csrc/ (EFFATTN_CSRC) reuses the objects."""
+    groups = {}
+    for src in units:
+        rel = os.path.relpath(src, _CSRC).replace(os.sep, "/")
+        head, base = rel.rsplit("/", 1)
+        groups.setdefault(f"{head}/{'_'.join(base[:-len('.cu')].split('_')[:3])}", []).append(rel)
+    out = []
+    os.makedirs(folder, exist_ok=True)
+    for key, rels in sorted(groups.items()):
+        text = "".join(f'#include "{r}"\n' for r in sorted(rels))
+        name = key.replace("/", "_") + "-unity"
+        path = os.path.join(folder, f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}.cpp")
+        if not os.path.exists(path):
+            with open(f"{path}.{os.getpid()}.tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+        out.append((path, name, text))
+    return out
+
+
 def _compile_and_link(cxx, flags, extra_cflags, root, lib) -> None:
     """Compiles the units whose objects are not cached yet, side by side, and links `lib`."""
     objdir = os.path.join(root, "emu_objects")
     os.makedirs(objdir, exist_ok=True)
-    units = sorted(glob.glob(os.path.join(_CSRC, "*", "*.cu"))) + [os.path.join(_CSRC, "emu", "api.cpp")]
+    inst = os.sep + "inst" + os.sep
+    units = [u for u in kernel_units() if inst not in u] + [os.path.join(_CSRC, "emu", "api.cpp")]
     plan = [_unit_object(cxx, flags, src, objdir) for src in units]
-    procs = [(obj, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)) for obj, cmd in plan if cmd]
-    errors = []
-    for obj, proc in procs:
+    plan += [_unit_object(cxx, flags, src, objdir, name, text)
+             for src, name, text in _unity_units([u for u in kernel_units() if inst in u], os.path.join(root, "emu_unity"))]
+    todo = [(obj, cmd) for obj, cmd in plan if cmd]
+    jobs = max(1, int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1))
+    errors, running = [], []
+
+    def finish(obj, proc):
         err = proc.communicate()[1]
         if proc.returncode:
             errors.append(err)
         else:
             os.replace(f"{obj}.{os.getpid()}.tmp", obj)
+
+    for obj, cmd in todo:                   # MAX_JOBS (default: the CPU count) compilers at a time
+        if len(running) >= jobs:
+            finish(*running.pop(0))
+        running.append((obj, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+    for obj, proc in running:
+        finish(obj, proc)
     if errors:
         raise RuntimeError("compiling the emulated kernels failed:\n" + "\n".join(errors)[-4000:])
     os.makedirs(os.path.dirname(lib), exist_ok=True)

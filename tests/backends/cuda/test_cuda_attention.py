@@ -326,7 +326,8 @@ def test_window_edges_at_every_tile_residue_hopper_forward(monkeypatch):
 def test_each_mask_kind_instance_against_float64(hopper, monkeypatch):
     """The launcher runs one forward instance per mask kind (MaskKind in csrc/attention/common.cuh):
     kDense (no mask and Lk a multiple of the key tile: no mask code at all; a ragged Lq is fine),
-    kWindow (a dense call with a ragged Lk, causal, Lq != Lk) and kAny (key padding)."""
+    kWindow (a dense call with a ragged Lk), kCausal (causal, Lq != Lk; the Hopper forward's kWindow) and
+    kAny (key padding). test_cuda_instances.py: every kind and dropout flag, and which instance ran."""
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1" if hopper else "0")
     g = torch.Generator().manual_seed(4)
     for Lq, Lk, kw in ((70, 128, {}), (70, 120, {}), (50, 128, dict(causal=True)), (64, 128, dict(kpm=0.3))):

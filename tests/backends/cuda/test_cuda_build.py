@@ -1,7 +1,8 @@
 """Offline checks of the CUDA kernels' build (no GPU needed, only nvcc), forward units:
 
 - every csrc/{attention,linear}/*.cu compiles on its own (no torch) for sm_80 and sm_90a (this module:
-  attention/fwd.cu and attention/fwd_sm90.cu; test_cuda_build_bwd.py: the backward and the bias-term
+  the forward's dispatch attention/fwd.cu, a set of its generated instances attention/inst/*.cu, and
+  attention/fwd_sm90.cu; test_cuda_build_bwd.py: the backward and the bias-term
   units; test_cuda_build_more.py: decode and linear attention; nvcc_units.py: what they share);
 - ptxas reports no spills, registers under the cap, and a kernel count within the budget;
 - the SASS uses the tensor-core and async-copy instructions the source asks for (HMMA, LDSM,
@@ -34,13 +35,19 @@ from tests.backends.cuda.nvcc_units import (
     tile_loop,
 )
 
-MASK_KINDS = 3               # forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
+MASK_KINDS = 3               # Hopper forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
+# the mma.sync forward: one generated unit per (bucket, dtype, mask kind, dropout) (attention/inst/); compiled
+# here: every (kind, dropout) at head dim 128 bf16, the biggest (head dim 256, kAny with dropout) and the
+# smallest (head dim 32 fp16, kDense without)
+KIND_NAMES = ("dense", "window", "any", "causal", "layout")        # MaskKind 0..4
+INSTANCES = tuple(f"attention/inst/fwd_128_bf16_{k}_{d}.cu" for k in KIND_NAMES for d in ("nodrop", "drop")) + (
+    "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu")
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
 # (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
 HOPPER_KERNELS = 4 * MASK_KINDS
 HOPPER_MAX_REGISTERS = 255
-FORWARD_UNITS = ("attention/fwd.cu", "attention/fwd_sm90.cu")
+FORWARD_UNITS = ("attention/fwd_sm90.cu", *INSTANCES)
 
 pytestmark = needs_nvcc
 
@@ -55,29 +62,39 @@ def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
 
-def test_every_forward_is_built_for_each_bucket_and_dtype_without_bias_terms(compiled):
-    """Every head-dim bucket and dtype has its forward; none carries the bias-tensor code or the relative
-    keys' (template flags TERMS and RELK, the last two template arguments: those instances live in
-    attention/terms.cu and attention/relkeys.cu, so a call without those terms runs kernels without
-    their code)."""
-    entries = ptxas_entries(compiled["attention/fwd.cu"][0])
-    names = {e[1] for e in entries}
-    for hd in (32, 64, 128, 256):
-        for bf16 in (0, 1):
-            assert any("attn_fwd_kernel" in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (hd, bf16)
-    for e in entries:            # template arguments TERMS and RELK (relative keys: attention/relkeys.cu) off
-        assert "Lb0ELb0EEEv" in e[1], e[1]
+def test_forward_dispatch_unit_holds_no_kernel(compiled):
+    """attention/fwd.cu only dispatches: it sees the launchers' declarations, so every kernel is
+    compiled in its own generated unit."""
+    assert ptxas_entries(compiled["attention/fwd.cu"][0]) == []
+
+
+def instance_args(name):
+    """(head dim, bf16, mask kind, TERMS, RELK, dropout) of a mangled attn_fwd_kernel name."""
+    m = re.search(r"attn_fwd_kernelILi(\d+)ELb([01])ELi(\d)ELb([01])ELb([01])ELb([01])E", name)
+    return tuple(map(int, m.groups()))
+
+
+def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
+    """Each generated unit holds one kernel per arch, the one its file name says (head dim, dtype, mask
+    kind, dropout); none carries the bias-tensor code or the relative keys' (template flags TERMS and
+    RELK: those instances live in attention/terms.cu and attention/relkeys.cu, so a call without those
+    terms runs kernels without their code)."""
+    for src in INSTANCES:
+        _, hd, dtype, kind, drop = os.path.basename(src)[:-3].split("_")
+        entries = ptxas_entries(compiled[src][0])
+        assert sorted(e[0] for e in entries) == sorted(ARCHS), (src, entries)
+        for e in entries:
+            assert instance_args(e[1]) == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
+                                           int(drop == "drop")), (src, e[1])
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     for arch in ARCHS:
-        sass = sass_of(compiled["attention/fwd.cu"][1], arch)
-        bodies = functions(sass, "attn_fwd_kernel")
-        assert len(bodies) == 8 * MASK_KINDS, (arch, len(bodies))
-        for body in bodies:
-            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
-                assert op in body, (arch, op)
-        assert "LDSM.16.MT88.4" in sass, arch          # the .trans loads of V
+        for src in INSTANCES:
+            bodies = functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")
+            assert len(bodies) == 1, (arch, src, len(bodies))
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS", "LDSM.16.MT88.4"):   # MT88: V's .trans loads
+                assert op in bodies[0], (arch, src, op)
 
 
 def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
@@ -124,22 +141,31 @@ def test_hopper_forward_pipeline_in_its_sass(compiled):
         assert loop["barriers"] <= 2, (name, loop)
 
 
-def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):
-    """One forward instance per mask kind (MaskKind, template argument 0 / 1 / 2): only kAny's
-    SASS holds Philox's multipliers (dropout), and kDense's listing is under two thirds of kAny's."""
-    objs = [compiled[src][1] for src in FORWARD_UNITS]
+def test_only_dropout_instances_carry_dropout_code_and_dense_is_short(compiled):
+    """One forward instance per mask kind and dropout flag: the mma.sync forward's SASS holds Philox's
+    multipliers exactly when its DROP flag is set (the Hopper forward's: kAny only), and the kDense
+    listing without dropout is under two thirds of kAny's without dropout (the Hopper forward's: of kAny's)."""
     for arch in ARCHS:
-        for obj in objs:
-            if arch == "sm_80" and obj == objs[1]:
+        bodies = {}
+        for src in FORWARD_UNITS:
+            if arch == "sm_80" and src == "attention/fwd_sm90.cu":
                 continue                                   # the Hopper kernels are stubs there
-            bodies = {b.split("\n", 1)[0]: b for b in sass_of(obj, arch).split("Function : ")[1:]
-                      if "attn_fwd" in b[:200]}
-            for name, body in bodies.items():
+            bodies.update({b.split("\n", 1)[0]: b for b in sass_of(compiled[src][1], arch).split("Function : ")[1:]
+                           if "attn_fwd" in b[:200]})
+        for name, body in bodies.items():
+            philox = "0xd2511f53" in body.lower()
+            if "sm90" in name:
                 kind = int(re.search(r"Lb[01]ELi([012])E", name).group(1))
-                assert ("0xd2511f53" in body.lower()) == (kind == 2), (arch, name)
+                assert philox == (kind == 2), (arch, name)
                 if kind == 0:
                     anyk = bodies[name.replace("ELi0E", "ELi2E")]
                     assert 3 * body.count("\n") < 2 * anyk.count("\n"), (arch, name)
+                continue
+            hd, bf16, kind, _, _, drop = instance_args(name)
+            assert philox == bool(drop), (arch, name)
+            if kind == 0 and not drop and hd == 128:
+                anyk = next(b for n, b in bodies.items() if "sm90" not in n and instance_args(n) == (hd, bf16, 2, 0, 0, 0))
+                assert 3 * body.count("\n") < 2 * anyk.count("\n"), (arch, name)
 
 
 def test_header_the_binding_includes_is_host_cpp(tmp_path):
@@ -193,6 +219,9 @@ def test_kernels_fit_more_architectures(arch, tmp_path):
     for src in kernel_sources():
         report, _ = compile_unit(src, tmp_path, [f"-gencode=arch=compute_{arch[3:]},code={arch}"])
         entries = ptxas_entries(report)
+        if src == "attention/fwd.cu":                      # the forward's dispatch: its kernels are in inst/
+            assert entries == [], entries
+            continue
         assert 0 < len(entries) <= KERNEL_BUDGET and {e[0] for e in entries} == {arch}, (src, len(entries))
         assert not [e for e in entries if e[3] or e[4]], (src, arch)
         assert max(e[2] for e in entries) <= MAX_REGISTERS, (src, arch)

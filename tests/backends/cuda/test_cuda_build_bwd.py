@@ -1,4 +1,5 @@
-"""Offline checks of the CUDA kernels' build (nvcc only), backward units: attention/bwd.cu and the
+"""Offline checks of the CUDA kernels' build (nvcc only), backward units: the generated units
+attention/inst/bwd_<hd>_<dtype>.cu (attention/bwd.cu dispatches to them and holds no kernel) and the
 instances with bias tensors, attention/terms.cu (test_cuda_build.py says what is checked).
 
 attention/terms.cu is built for sm_80 only here: its kernels are the mma.sync instances of the
@@ -25,6 +26,8 @@ from tests.backends.cuda.nvcc_units import (
 # attention/terms.cu: the instances with bias tensors (TERMS): per bucket and dtype the forward (kAny),
 # dK/dV and dQ, plus the 2 Delta kernels
 TERMS_KERNELS = 4 * 2 * 3 + 2
+# the backward per (bucket, dtype): Delta, dK/dV, dQ, and at buckets 32..128 the fused kernel and its dQ conversion
+BWD_UNITS = tuple(f"attention/inst/bwd_{hd}_{dt}.cu" for hd in (32, 64, 128, 256) for dt in ("fp16", "bf16"))
 SWEEP_ON = os.environ.get("EFFATTN_CUDA_ARCH_SWEEP") == "1"
 TERMS_ARCHS = ARCHS if SWEEP_ON else ("sm_80",)
 
@@ -36,18 +39,28 @@ def compiled(tmp_path_factory):
     return Units(tmp_path_factory.mktemp("nvcc"), {"attention/terms.cu": TERMS_ARCHS})
 
 
-@pytest.mark.parametrize("src", ("attention/bwd.cu", "attention/terms.cu"))
+def entries_of(compiled, units=BWD_UNITS):
+    return [e for src in units for e in ptxas_entries(compiled[src][0])]
+
+
+@pytest.mark.parametrize("src", ("attention/terms.cu", *BWD_UNITS))
 def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
 
 def test_every_backward_is_built_for_each_bucket_and_dtype_without_bias_terms(compiled):
-    entries = ptxas_entries(compiled["attention/bwd.cu"][0])
-    names = {e[1] for e in entries}
-    for kernel in ("attn_dkdv_kernel", "attn_dq_kernel"):
-        for hd in (32, 64, 128, 256):
-            for bf16 in (0, 1):
-                assert any(kernel in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (kernel, hd, bf16)
+    """Each generated unit holds its bucket and dtype's Delta, dK/dV and dQ kernels (and the fused
+    backward with its dQ conversion up to bucket 128), no other bucket's; bwd.cu holds none."""
+    assert ptxas_entries(compiled["attention/bwd.cu"][0]) == []
+    for src in BWD_UNITS:
+        hd, dt = int(src.split("_")[1]), src.split("_")[2][:4]
+        names = {e[1] for e in ptxas_entries(compiled[src][0]) if e[0] == ARCHS[0]}
+        tag = f"ILi{hd}ELb{int(dt == 'bf16')}E"
+        want = ("attn_dkdv_kernel", "attn_dq_kernel") + (("attn_bwd_fused_kernel",) if hd <= 128 else ())
+        assert sorted(n.split("ILi")[0] for n in names if "ILi" in n) == sorted(f"_ZN7effattn{len(k)}{k}" for k in want), (src, names)
+        assert all(tag in n for n in names if "ILi" in n), (src, names)
+        assert len(names) == len(want) + 1 + (hd <= 128), (src, names)   # + Delta (+ the dQ conversion)
+    entries = entries_of(compiled)
     for e in entries:            # the TERMS flag off (the Delta, fused backward and dQ conversion kernels have none)
         if not any(k in e[1] for k in ("attn_delta_kernel", "attn_bwd_fused_kernel", "attn_dq_convert_kernel")):
             assert "Lb0EEEv" in e[1], e[1]
@@ -55,7 +68,7 @@ def test_every_backward_is_built_for_each_bucket_and_dtype_without_bias_terms(co
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     for arch in ARCHS:
-        sass = sass_of(compiled["attention/bwd.cu"][1], arch)
+        sass = "".join(sass_of(compiled[src][1], arch) for src in BWD_UNITS)
         for fn in ("attn_dkdv_kernel", "attn_dq_kernel"):
             bodies = functions(sass, fn)
             assert len(bodies) == 8, (arch, fn, len(bodies))
@@ -66,17 +79,16 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
 
 
 def test_fused_backward_five_products_and_ordered_dq_adds(compiled):
-    """The fused backward (attention/bwd_fused.cuh, in bwd.cu) for buckets 32, 64, 128 and both dtypes, no
+    """The fused backward (attention/bwd_fused.cuh, in inst/bwd_*.cu) for buckets 32, 64, 128 and both dtypes, no
     spills (checked above) and at most 255 registers; per step its SASS runs five products of equal size
     (S^T, dP^T: 16 keys x 64 queries over HD, dV, dK: 16 keys x HD over 64 queries, dQ: 16 queries x HD / 2
     over 128 keys; HD / 16 x 8 HMMA each per warp, the step's body fully unrolled), ldmatrix (.trans), async
     copies, the dQ adds (fp32 adds at GPU scope), the semaphore's acquire load and release store, and two
     barriers in the step (four in all: the key padding's, the last release's)."""
-    report, obj = compiled["attention/bwd.cu"]
     for arch in ARCHS:
-        names = sorted(e[1] for e in ptxas_entries(report) if e[0] == arch and "attn_bwd_fused_kernel" in e[1])
+        names = sorted(e[1] for e in entries_of(compiled) if e[0] == arch and "attn_bwd_fused_kernel" in e[1])
         assert len(names) == 6 and all(f"ILi{hd}ELb{bf}E" in "".join(names) for hd in (32, 64, 128) for bf in (0, 1))
-        bodies = {b.split("\n", 1)[0]: b for b in sass_of(obj, arch).split("Function : ")[1:]
+        bodies = {b.split("\n", 1)[0]: b for src in BWD_UNITS for b in sass_of(compiled[src][1], arch).split("Function : ")[1:]
                   if "attn_bwd_fused_kernel" in b[:200]}
         assert len(bodies) == 6, arch
         for name, body in bodies.items():
@@ -99,7 +111,7 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled, arch):
     assert len(names) == TERMS_KERNELS, (arch, len(names))
     for hd in (32, 64, 128, 256):
         for bf16 in (0, 1):
-            for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1ELb0EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
+            for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1ELb0ELb1EEEv"), ("attn_dkdv_kernel", "ELb1EEEv"),
                                  ("attn_dq_terms_kernel", "EEEv")):
                 want = f"{kernel}ILi{hd}ELb{bf16}{tail}"
                 assert sum(want in n for n in names) == 1, (arch, want)

@@ -10,6 +10,7 @@
 - the attention kernels (and the Hopper forward) run clean under AddressSanitizer and UBSan on
   exact-size buffers.
 """
+import ctypes
 import os
 import shutil
 import subprocess
@@ -173,8 +174,12 @@ def test_failures_leave_no_leak_or_stale_state_under_sanitizers():
 def test_concurrent_kernel_builds_compile_each_unit_once(tmp_path):
     """Two processes (pytest-xdist's workers) asking for the same emulated kernels at once: one builds,
     the other waits on the cache folder's lock and loads the result (no unit compiled twice). A
-    csrc/ of two one-line units, through a compiler wrapper that logs its compiles."""
-    for rel, text in (("op/a.cu", "int a() { return 1; }\n"), ("emu/api.cpp", "int api() { return 2; }\n")):
+    csrc/ of two one-line units and three generated ones (inst/: the first two of one head dim and
+    dtype, compiled as one unit that includes both), through a compiler wrapper that logs its compiles."""
+    for rel, text in (("op/a.cu", "int a() { return 1; }\n"), ("emu/api.cpp", "int api() { return 2; }\n"),
+                      ("op/inst/k_1_a_x.cu", 'extern "C" int k1x() { return 3; }\n'),
+                      ("op/inst/k_1_a_y.cu", 'extern "C" int k1y() { return 4; }\n'),
+                      ("op/inst/k_2_a_x.cu", 'extern "C" int k2x() { return 5; }\n')):
         (tmp_path / "csrc" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "csrc" / rel).write_text(text)
     log, cxx = tmp_path / "compiles.log", tmp_path / "cxx.sh"
@@ -187,4 +192,6 @@ def test_concurrent_kernel_builds_compile_each_unit_once(tmp_path):
              for _ in range(2)]
     libs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs) and libs[0] == libs[1] and os.path.exists(libs[0]), libs
-    assert len(log.read_text().splitlines()) == 2, log.read_text()
+    assert len(log.read_text().splitlines()) == 4, log.read_text()
+    lib = ctypes.CDLL(libs[0])
+    assert (lib.k1x(), lib.k1y(), lib.k2x()) == (3, 4, 5)

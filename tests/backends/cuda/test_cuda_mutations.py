@@ -46,7 +46,8 @@ def test_every_pattern_occurs_once_and_a_stale_one_fails_loudly(tmp_path):
 
 @pytest.mark.parametrize("mutation", mutate.FAST)
 def test_fast_subset_is_caught(mutation):
-    """The mutant's kernels rebuilt (only the units that include the mutated file: bwd.cu, decode.cu)
+    """The mutant's kernels rebuilt (only the units that include the mutated file: the backward's
+    attention/inst/bwd_*.cu, or decode.cu)
     and its tests run in a fresh process: about 50 s of CPU per mutation (CI runs decode-wait-count;
     barrier-dq is in conftest.py's LONG_RUN)."""
     [r] = mutate.run([mutation])

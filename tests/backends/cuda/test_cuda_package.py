@@ -109,7 +109,9 @@ def test_sdist_carries_what_the_cuda_build_needs(sdist):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     needed = kernel_and_binding_sources()
     assert any(n.startswith("csrc/binding/") for n in needed) and any(n.endswith(".cu") for n in needed)
-    missing = [n for n in needed + ["setup.py", "pyproject.toml", "MANIFEST.in", "effattn/backends/cuda/targets.py"]
+    assert len([n for n in needed if n.startswith("csrc/attention/inst/") and n.endswith(".cu")]) >= 80
+    missing = [n for n in needed + ["setup.py", "pyproject.toml", "MANIFEST.in", "effattn/backends/cuda/targets.py",
+                                    "csrc/generate_instances.py"]
                if n not in names]
     assert not missing, missing
 
@@ -176,7 +178,7 @@ def test_extension_carries_sass_per_target_and_forward_compatible_ptx(cuda_torch
     if exe is None:
         pytest.fail("cuobjdump not found: pip install nvidia-cuda-cuobjdump (the 'test' extra)")
     (lib,) = glob.glob(os.path.join(site, "effattn", "_C*.so"))
-    units = len(glob.glob(os.path.join(CSRC, "*", "*.cu")))
+    units = len(glob.glob(os.path.join(CSRC, "*", "*.cu")) + glob.glob(os.path.join(CSRC, "*", "inst", "*.cu")))
     listing = {}
     for what in ("elf", "ptx"):
         res = subprocess.run([exe, f"--list-{what}", lib], capture_output=True, text=True)

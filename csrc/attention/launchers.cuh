@@ -1,0 +1,36 @@
+// Declarations of the launchers that attention/inst/ instantiates, one translation unit per forward
+// (head-dim bucket, dtype, mask kind, dropout) and per backward (head-dim bucket, dtype) instance
+// (csrc/generate_instances.py writes them): fwd.cu and bwd.cu include only these declarations, so they
+// compile no kernel, and the build compiles the instances side by side. The definitions are in
+// launch.cuh (forward) and bwd_launch.cuh (backward).
+#pragma once
+
+#include "attention/attention.h"
+#include "common/prims.cuh"
+
+namespace effattn {
+namespace detail {
+
+// The mma.sync forward of one head-dim bucket, dtype, MaskKind (common.cuh) and dropout flag (launch.cuh).
+template <int HD, bool BF16, int KIND, bool DROP>
+int fwd(const AttnParams& p, prim::stream_t stream);
+
+// The backward of one head-dim bucket and dtype: fused or two passes, as the call asks (bwd_launch.cuh).
+template <int HD, bool BF16>
+int bwd_of_call(const AttnParams& p, prim::stream_t stream);
+
+}  // namespace detail
+}  // namespace effattn
+
+#if defined(EFFATTN_CUDA_EMU)
+namespace effattn {
+namespace emu_record {
+// The emulation's record of the forward instance that ran last (HD * 1000 + BF16 * 100 + KIND * 10 +
+// DROP), and its switch that makes fwd.cu run the general instance (kAny with dropout) for every call
+// (the specialized instances must give its bits). The tests read and set them through fwd.cu's
+// extern "C" accessors (ctypes on the kernels' library).
+inline int last_fwd = -1;
+inline int fwd_general = 0;
+}  // namespace emu_record
+}  // namespace effattn
+#endif
