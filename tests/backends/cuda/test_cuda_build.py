@@ -57,16 +57,16 @@ def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
 
 def test_every_forward_is_built_for_each_bucket_and_dtype_without_bias_terms(compiled):
     """Every head-dim bucket and dtype has its forward; none carries the bias-tensor code or the relative
-    keys' (template flags TERMS and RELK, the last two template arguments: those instances live in
-    attention/terms.cu and attention/relkeys.cu, so a call without those terms runs kernels without
-    their code)."""
+    keys' (template flags TERMS and RELK, the two template arguments before the row policy: those instances
+    live in attention/terms.cu and attention/relkeys.cu, so a call without those terms runs kernels without
+    their code); every one reads strided rows (StridedRows; the paged policy is attention/paged_prefill.cu's)."""
     entries = ptxas_entries(compiled["attention/fwd.cu"][0])
     names = {e[1] for e in entries}
     for hd in (32, 64, 128, 256):
         for bf16 in (0, 1):
             assert any("attn_fwd_kernel" in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (hd, bf16)
     for e in entries:            # template arguments TERMS and RELK (relative keys: attention/relkeys.cu) off
-        assert "Lb0ELb0EEEv" in e[1], e[1]
+        assert "Lb0ELb0ENS_11StridedRowsEEEv" in e[1], e[1]
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
