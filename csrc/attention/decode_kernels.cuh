@@ -49,7 +49,9 @@ EFFATTN_DEVICE PackedRow packed_row(const DecodeParams& dp, int hk, int pr) {
 // The params of batch entry b as a block works on them: paged, sequence b's own key count (paged_view);
 // otherwise dp.a itself.
 EFFATTN_DEVICE AttnParams decode_view(const DecodeParams& dp, int b) {
-  return dp.kv.block_table ? paged_view(dp.a, dp.kv, b) : dp.a;
+  AttnParams p = dp.a;
+  if (dp.kv.block_table) paged_view(p, dp.kv, b);
+  return p;
 }
 
 template <int HD, bool BF16, int STAGES>
@@ -90,12 +92,13 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   const int first = split * per;
   const int n_tiles = imax(imin(first + per, sched.count()) - first, 0);
 
+  const int32_t* bt = dp.kv.block_table ? paged_row(dp.kv, b) : nullptr;   // paged: sequence b's pages
   auto load_kv = [&](int it, int stage) {
     const int n0 = sched.tile(first + it) * BN;
     uint16_t* sK = sKV + stage * 2 * BN * HD;
-    if (dp.kv.block_table) {                        // key t: slot t % page_size of page block_table[b, t / page_size]
-      load_paged<HD, BN>(sK, kb, dp.kv, b, dp.kv.k_page, p.k_l, n0, p.Lk, p.D);
-      load_paged<HD, BN>(sK + BN * HD, vb, dp.kv, b, dp.kv.v_page, p.v_l, n0, p.Lk, p.Dv);
+    if (bt) {                                       // key t: slot t % page_size of page bt[t / page_size]
+      load_paged<HD, BN>(sK, kb, bt, dp.kv.page_size, dp.kv.k_page, p.k_l, n0, p.Lk, p.D);
+      load_paged<HD, BN>(sK + BN * HD, vb, bt, dp.kv.page_size, dp.kv.v_page, p.v_l, n0, p.Lk, p.Dv);
     } else {
       load_tile<HD, BN>(sK, kb, p.k_l, n0, p.Lk, p.D);
       load_tile<HD, BN>(sK + BN * HD, vb, p.v_l, n0, p.Lk, p.Dv);
