@@ -55,6 +55,8 @@ LONG_RUN = (
     f"{_BUILD}_more.py::test_relative_keys_forward_lives_in_its_own_unit",
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys_bwd.cu]",
     f"{_BUILD}_more.py::test_relative_keys_backward_lives_in_its_own_unit",
+    f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/paged_prefill.cu]",
+    f"{_BUILD}_more.py::test_paged_prefill_is_the_forward_with_the_paged_row_policy",
     f"{_BUILD}.py::test_hopper_forward_pipeline_in_its_sass",
     # mutants (a kernel rebuild and a pytest process each): CI runs decode-wait-count
     "tests/backends/cuda/test_cuda_mutations.py::test_fast_subset_is_caught[barrier-dq]",

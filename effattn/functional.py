@@ -172,8 +172,8 @@ def explain(q, k, v, op: str = "attention", **kwargs) -> Explanation:
 
 def explain_paged(q, k_pages, v_pages, **kwargs) -> Explanation:
     """`explain` of a paged call: the rows of op ``"paged_attention"`` (``triton/paged``,
-    ``cuda/paged-decode``, ``torch/paged-gather``) with their reasons; when the gather serves it, the rows of the contiguous
-    call it makes follow, each that can serve noting the gather."""
+    ``cuda/paged-decode``, ``cuda/paged-prefill``, ``torch/paged-gather``) with their reasons; when the
+    gather serves it, the rows of the contiguous call it makes follow, each that can serve noting the gather."""
     call = make_paged_call(q, k_pages, v_pages, **kwargs)
     report = explain_call(PAGED_OP, call)
     chosen = paged_row(call) if call.backend != "triton" else None

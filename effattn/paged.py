@@ -20,8 +20,11 @@ seqlens=...)`` lists them with their reasons):
 - ``cuda/paged-decode`` (``effattn/backends/cuda/attention/paged.py``): the CUDA C++ split-KV decode
   kernels reading the pages in place, for decode-shaped calls (``Lq <= 16``), bf16/fp16, pools whose
   rows are 16-byte aligned with a head dim that is a multiple of 8. Ahead of ``triton/paged`` for a
-  cache of at least 1024 keys. ``backend="cuda"`` on a call it refuses (chunked prefill) runs the
-  gather row with the CUDA prefill kernels on the copy, and explain says why.
+  cache of at least 1024 keys.
+- ``cuda/paged-prefill`` (the same file): the CUDA C++ mma.sync forward reading the pages in place, any
+  ``Lq`` (chunked prefill), the same dtypes and pools; after ``triton/paged`` and, for decode-shaped
+  calls, after ``cuda/paged-decode``. ``backend="cuda"`` on a call both refuse (pools they cannot read
+  in place) runs the gather row with the CUDA prefill kernels on the copy, and explain says why.
 - ``torch/paged-gather``: the used pages are gathered into a contiguous ``(B, Hkv, max_pages * page_size, D)``
   copy, **right-aligned** per row (row b's keys end at the last slot, the slots before them are
   masked as padding), and handed to :func:`effattn.attention` with the given ``backend``, whose
@@ -155,9 +158,10 @@ def make_paged_call(q: Tensor, k_pages: Tensor, v_pages: Tensor, *, block_table:
 
 def paged_row(call: PagedCall) -> "base.Path":
     """The row serving a paged call: ``"auto"`` the first that admits it; ``"triton"`` the in-place
-    kernel (or an error saying why not); ``"cuda"`` its in-place decode kernel when that admits the call;
-    any other backend name (and ``"cuda"`` otherwise: prefill-shaped calls) the gather row, which then
-    runs that backend's attention on the contiguous copy (explain says why the in-place row did not)."""
+    kernel (or an error saying why not); ``"cuda"`` its in-place decode or prefill kernel when one
+    admits the call; any other backend name (and ``"cuda"`` otherwise: pools its kernels cannot read in
+    place) the gather row, which then runs that backend's attention on the contiguous copy (explain says
+    why the in-place rows did not)."""
     if call.backend in ("auto", "triton"):
         return base.select(OP, call, call.backend)
     own = base._REGISTRY[OP].get(call.backend)

@@ -11,7 +11,7 @@
 // first kernel writes the output directly.
 #pragma once
 
-#include "attention/attention.h"
+#include "attention/paged.h"
 
 namespace effattn {
 
@@ -25,16 +25,7 @@ struct DecodeParams {
   int mask_full;                 // full tiles are masked too (tile lists of a layout OR-ed over a GQA group)
   int stages;                    // K/V buffers: 2 (the next tile's copies in flight), or 1 at head dim 256
                                  // where 2 exceed the GPU's shared memory (decode_smem_bytes)
-  // Paged keys/values (vLLM's layout; block_table null: the contiguous a.k / a.v). a.k / a.v point at the
-  // pools (num_pages, page_size, Hkv, D / Dv): a.k_h / a.v_h the head strides, a.k_l / a.v_l the slot
-  // strides, a.k_b = a.v_b = 0. Sequence b's logical key t is slot t % page_size of page
-  // block_table[b * bt_b + t / page_size]; it holds seqlens[b] keys, so each block works on
-  // a.Lk = seqlens[b] with its queries bottom-right (off = seqlens[b] - Lq). a.Lk as given is the
-  // table's capacity (max_pages * page_size), which bounds every sequence's.
-  const int32_t* block_table;    // (B, max_pages) int32
-  const int32_t* seqlens;        // (B,) int32
-  int64_t bt_b, k_page, v_page;  // the table's row stride; the pools' page strides
-  int page_size;
+  PagedKV kv;                    // paged keys/values (paged.h; kv.block_table null: the contiguous a.k / a.v)
 };
 
 constexpr int kDecodeRows = 16;      // packed rows per block (one m16n8k16 tile)

@@ -6,7 +6,7 @@
 //   whose shared memory per block cannot hold two) and warp w takes keys
 //   [16w, 16w + 16) of each: S = Q K_w^T, an online softmax of its own, O_w += P V_w. At the end the
 //   four warps' (max, sum, O) are merged through shared memory in a fixed order.
-//   Paged keys/values (DecodeParams::block_table): each block works on its sequence's seqlens[b] keys
+//   Paged keys/values (DecodeParams::kv, paged.h): each block works on its sequence's seqlens[b] keys
 //   (decode_view) and loads key t from slot t % page_size of page block_table[b, t / page_size].
 // attn_decode_combine_kernel: one warp per output row merges the splits' partial rows with weights
 //   2^(lse_s - max), in split order. Both are deterministic (no atomics).
@@ -14,6 +14,7 @@
 
 #include "attention/common.cuh"
 #include "attention/decode.h"
+#include "attention/paged.cuh"
 
 namespace effattn {
 
@@ -45,14 +46,11 @@ EFFATTN_DEVICE PackedRow packed_row(const DecodeParams& dp, int hk, int pr) {
   return r;
 }
 
-// The params of batch entry b as a block works on them: paged, sequence b's own key count
-// (seqlens[b]) with its queries bottom-right; otherwise dp.a itself.
+// The params of batch entry b as a block works on them: paged, sequence b's own key count (paged_view);
+// otherwise dp.a itself.
 EFFATTN_DEVICE AttnParams decode_view(const DecodeParams& dp, int b) {
   AttnParams p = dp.a;
-  if (dp.block_table) {
-    p.Lk = dp.seqlens[b];
-    p.off = p.Lk - p.Lq;
-  }
+  if (dp.kv.block_table) paged_view(p, dp.kv, b);
   return p;
 }
 
@@ -94,17 +92,13 @@ EFFATTN_KERNEL attn_decode_split_kernel(const DecodeParams dp) {
   const int first = split * per;
   const int n_tiles = imax(imin(first + per, sched.count()) - first, 0);
 
-  const int32_t* bt = dp.block_table ? dp.block_table + b * dp.bt_b : nullptr;   // paged: sequence b's pages
+  const int32_t* bt = dp.kv.block_table ? paged_row(dp.kv, b) : nullptr;   // paged: sequence b's pages
   auto load_kv = [&](int it, int stage) {
     const int n0 = sched.tile(first + it) * BN;
     uint16_t* sK = sKV + stage * 2 * BN * HD;
     if (bt) {                                       // key t: slot t % page_size of page bt[t / page_size]
-      load_rows<HD, BN>(sK, kb, [&](int t) {
-        return kb + int64_t(bt[t / dp.page_size]) * dp.k_page + int64_t(t % dp.page_size) * p.k_l;
-      }, n0, p.Lk, p.D);
-      load_rows<HD, BN>(sK + BN * HD, vb, [&](int t) {
-        return vb + int64_t(bt[t / dp.page_size]) * dp.v_page + int64_t(t % dp.page_size) * p.v_l;
-      }, n0, p.Lk, p.Dv);
+      load_paged<HD, BN>(sK, kb, bt, dp.kv.page_size, dp.kv.k_page, p.k_l, n0, p.Lk, p.D);
+      load_paged<HD, BN>(sK + BN * HD, vb, bt, dp.kv.page_size, dp.kv.v_page, p.v_l, n0, p.Lk, p.Dv);
     } else {
       load_tile<HD, BN>(sK, kb, p.k_l, n0, p.Lk, p.D);
       load_tile<HD, BN>(sK + BN * HD, vb, p.v_l, n0, p.Lk, p.Dv);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "attention/common.cuh"
+#include "attention/key_rows.cuh"
 
 namespace effattn {
 
@@ -234,9 +235,12 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
 
 // TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny). RELK: the
 // instance with relative keys (KIND = kAny; relk_add per tile). DROP: the dropout code (the Philox keep-mask) is
-// compiled in (attention/inst/: an instance per mask kind and DROP).
-template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny>
-EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
+// compiled in (attention/inst/: an instance per mask kind and DROP). ROWS: where key / value rows are read
+// (key_rows.cuh: the strided tensors, or pages through a block table).
+template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny,
+          class ROWS = StridedRows>
+EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
+  const AttnParams& params = ROWS::attn(kparams);
   using Cfg = FwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   constexpr int NS = BN / 8;        // 8-wide key subtiles of S
@@ -252,7 +256,8 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2;
   GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
-  const AttnParams p = block_view<TERMS>(params, gt);
+  AttnParams p = block_view<TERMS>(params, gt);
+  ROWS::view(kparams, p, gt.b);                         // paged: the sequence's own key count
   if (gt.t * BM >= p.Lq) return;                       // packed: past the segment's queries (uniform)
   const FwdBlock fb = fwd_block(p, gt, BM);
   const int b = fb.b, h = fb.h, bh = fb.bh, mt = fb.mt, m0 = fb.m0;
@@ -267,7 +272,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   if (RELK && p.relkq)
     load_tile<HD, BM>(sQr, static_cast<const uint16_t*>(p.relkq) + b * p.relkq_b + h * p.relkq_h, p.relkq_l, m0, p.Lq, p.D);
   [[maybe_unused]] const uint16_t* sQt = RELK && p.relkq ? sQr : sQ;   // RELK: the query of the position term
-  if (n_tiles > 0) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
+  if (n_tiles > 0) ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
   prim::cp_async_commit();
 
   float acc[ND][4];
@@ -281,7 +286,7 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
     const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
-    load_tile<HD, BN>(sV, vb, p.v_l, n0, p.Lk, p.Dv);
+    ROWS::template load<HD, BN, true>(kparams, b, sV, vb, p.v_l, n0, p.Lk, p.Dv);
     prim::cp_async_commit();
     prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
     prim::sync_block();                                  // ... and every thread's
@@ -292,7 +297,8 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
     for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     mma_rows_rows<HD, BN, BF16>(s, sQ, warp * 16, sK, kd);
     prim::sync_block();                                  // every warp is done reading K(t)
-    if (it + 1 < n_tiles) load_tile<HD, BN>(sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
+    if (it + 1 < n_tiles)
+      ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // (an empty group on the last tile)
     if constexpr (RELK) relk_add<HD, BM, BN, BF16>(p, h, m0, n0, sR, sQt, sPR, kd, s);
 

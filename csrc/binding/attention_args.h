@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention/attention.h"
+#include "attention/paged.h"
 #include "binding/common.h"
 
 #include <vector>
@@ -48,6 +49,20 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
 // returned tensor (keep it alive for the launch; undefined without one).
 Tensor set_backward_inputs(effattn::AttnParams& p, const Tensor& dout, const optional<Tensor>& dlse, const Tensor& out,
                            const Tensor& lse, const Tensor& delta);
+
+// A paged call's arguments (paged.h; binding/paged.cpp): the pools k_pages (num_pages, page_size, Hkv, D),
+// v_pages (..., Dv), read in place, never copied (refused unless cp.async reads their rows); block_table int32
+// (B, max_pages), seqlens int32 (B,), on q's device. `p.Lk` is the table's capacity; the window (normalized,
+// -1 = unbounded) may be wider than a sequence. The table's and seqlens' values are trusted: the Python
+// caller checks that the used entries lie in the pool and seqlens in [0, capacity] (effattn/paged.py).
+struct PagedPrepared {
+  Prepared r;
+  Tensor table, lens;
+  effattn::PagedKV kv{};
+};
+
+PagedPrepared prepare_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
+                            const Tensor& seqlens, double scale, int64_t left, int64_t right);
 
 }  // namespace binding
 }  // namespace effattn

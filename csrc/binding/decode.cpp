@@ -63,53 +63,18 @@ std::tuple<Tensor, Tensor> attention_decode(const Tensor& q, const Tensor& k, co
   return launch_decode(q, v.size(3), d, r.bf16, splits);
 }
 
-// The same kernels over paged keys/values (effattn/paged.py's layout): pools k_pages (num_pages, page_size,
-// Hkv, D), v_pages (..., Dv), read in place (never copied); block_table int32 (B, max_pages), seqlens int32
-// (B,): sequence b holds keys 0 .. seqlens[b] - 1 with its queries bottom-right. The values are trusted
-// (the Python caller checks that the used entries lie in the pool and seqlens in [0, capacity]). The
-// window (normalized: -1 = unbounded) may be wider than a sequence.
+// The same kernels over paged keys/values (prepare_paged, attention_args.h).
 std::tuple<Tensor, Tensor> attention_decode_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
                                                   const Tensor& block_table, const Tensor& seqlens, double scale,
                                                   int64_t left, int64_t right, int64_t splits, int64_t stages) {
   EFFATTN_GUARD(q);
   check_decode(q, v_pages, splits, stages);
-  check(k_pages.dim() == 4 && v_pages.dim() == 4 && k_pages.size(0) >= 1 &&
-            k_pages.sizes().slice(0, 3) == v_pages.sizes().slice(0, 3),
-        "k_pages, v_pages must be 4-D (num_pages >= 1, page_size, Hkv, D / Dv) of the same pages");
-  check(cp_async_rows(k_pages) && cp_async_rows(v_pages),
-        "k_pages and v_pages are read in place: their last dim must be contiguous, a multiple of 8, the other "
-        "strides multiples of 8 elements and the base 16-byte aligned");
-  check(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == q.size(0),
-        "block_table must be int32 (B, max_pages)");
-  check(seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.size(0) == q.size(0),
-        "seqlens must be int32 (B,)");
-  check(block_table.device() == q.device() && seqlens.device() == q.device() && k_pages.device() == q.device() &&
-            v_pages.device() == q.device(),
-        "k_pages, v_pages, block_table and seqlens must be on q's device");
-  const int64_t capacity = block_table.size(1) * k_pages.size(1);
-  check(capacity < (int64_t(1) << 30), "max_pages * page_size must be below 2^30");
-  check(left >= -1 && left < (int64_t(1) << 30) && right >= -1 && right < (int64_t(1) << 30),
-        "window_left / window_right must be -1 (no bound) or in [0, 2^30)");
-  // page 0 as a (B, Hkv, page_size, D) view (batch stride 0): prepare() takes the dtypes, head and slot
-  // strides from it; the window goes in after its checks, which assume one key length for every row
-  auto page0 = [&](const Tensor& pool) { return pool.select(0, 0).transpose(0, 1).unsqueeze(0).expand({q.size(0), -1, -1, -1}); };
-  Prepared r = prepare(q, page0(k_pages), page0(v_pages), c10::nullopt, c10::nullopt, 0, 0, c10::nullopt, 0,
-                       c10::nullopt, 0, c10::nullopt, scale, 0.0, -1, -1);
-  const Tensor table = block_table.contiguous(), lens = seqlens.contiguous();
+  PagedPrepared pp = prepare_paged(q, k_pages, v_pages, block_table, seqlens, scale, left, right);
   effattn::DecodeParams d{};
-  d.a = r.p;
-  d.a.Lk = int(capacity);
-  d.a.off = d.a.Lk - d.a.Lq;
-  d.a.left = int(left);
-  d.a.right = int(right);
+  d.a = pp.r.p;
+  d.kv = pp.kv;
   d.stages = int(stages);
-  d.block_table = table.data_ptr<int32_t>();
-  d.seqlens = lens.data_ptr<int32_t>();
-  d.bt_b = table.size(1);
-  d.k_page = k_pages.stride(0);
-  d.v_page = v_pages.stride(0);
-  d.page_size = int(k_pages.size(1));
-  return launch_decode(q, v_pages.size(3), d, r.bf16, splits);
+  return launch_decode(q, v_pages.size(3), d, pp.r.bf16, splits);
 }
 
 }  // namespace

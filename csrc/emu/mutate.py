@@ -50,6 +50,7 @@ BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
 PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
+               "tests/backends/cuda/test_cuda_paged_prefill.py::test_paged_prefill_against_float64_and_the_contiguous_forward",
                "-k", "gqa4")
 FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_against_float64", "-k", "fp16")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
@@ -177,9 +178,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("const-tile-clip", "attention/common.cuh",
              "if (br.rel && rel_index(p, d_lo) != rel_index(p, d_hi)) return false;", "", TILES,
              "a tile that reads several table entries taken as constant (the first element's entry)"),
-    Mutation("paged-page-index", "attention/decode_kernels.cuh",
-             "return kb + int64_t(bt[t / dp.page_size]) * dp.k_page", "return kb + int64_t(bt[(t + 1) / dp.page_size]) * dp.k_page",
-             PAGED_CASES, "paged decode: keys read from the next key's page"),
+    Mutation("paged-page-index", "attention/paged.cuh",
+             "return base + int64_t(bt[t / page_size]) * page_stride",
+             "return base + int64_t(bt[(t + 1) / page_size]) * page_stride",
+             PAGED_CASES, "paged decode and prefill: rows read from the next key's page"),
     Mutation("relk-skew-off-by-one", "attention/fwd.cuh",
              "const float v = w[ri * NB + ri + SH - c];", "const float v = w[ri * NB + ri + SH + 1 - c];",
              ("tests/backends/cuda/test_cuda_relative.py::test_relative_forward_against_float64", "-k", "txl"),

@@ -170,10 +170,11 @@ def test_explain_paged_names_the_gather():
     assert rep.chosen is not None
     assert "gathered into a contiguous" in str(rep) and "paged kernel not taken" in str(rep)
     # the op's rows first
-    assert [r.path for r in rep.rows[:3]] == ["triton/paged", "cuda/paged-decode", "torch/paged-gather"]
+    assert [r.path for r in rep.rows[:4]] == ["triton/paged", "cuda/paged-decode", "cuda/paged-prefill",
+                                              "torch/paged-gather"]
     assert rep.chosen_path == "torch/paged-gather"
     inner = rep.row("torch/paged-gather").detail.split(": ")[-1]       # the contiguous call's pick
-    assert inner in [r.path for r in rep.rows[3:] if not r.reasons]
+    assert inner in [r.path for r in rep.rows[4:] if not r.reasons]
     with pytest.raises(ValueError, match="paged_attention: backend 'triton' cannot serve this call: .*head dim 512"):
         big = [t.new_zeros(*t.shape[:-1], 512) for t in (q, kp, vp)]
         effattn.attention(*big, block_table=table, seqlens=seqlens, backend="triton")

@@ -86,6 +86,7 @@ def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
         for e in entries:
             assert instance_args(e[1]) == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
                                            int(drop == "drop")), (src, e[1])
+            assert "NS_11StridedRowsE" in e[1], e[1]    # strided rows (the paged policy: paged_prefill.cu)
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):

@@ -1,6 +1,6 @@
-"""Offline checks of the CUDA kernels' build (nvcc only), the decode, linear-attention and relative-key
-units: attention/decode.cu, linear/linear.cu, attention/relkeys.cu and attention/relkeys_bwd.cu
-(test_cuda_build.py says what is checked). The relative-key units hold mma.sync instances only and are
+"""Offline checks of the CUDA kernels' build (nvcc only), the decode, paged prefill, linear-attention and
+relative-key units: attention/decode.cu, attention/paged_prefill.cu, linear/linear.cu, attention/relkeys.cu
+and attention/relkeys_bwd.cu (test_cuda_build.py says what is checked). The relative-key units hold mma.sync instances only and are
 built for sm_80 here, for sm_90a as well with EFFATTN_CUDA_ARCH_SWEEP=1 (as attention/terms.cu in
 test_cuda_build_bwd.py)."""
 import os
@@ -30,6 +30,8 @@ LINEAR_KERNELS = 9
 RELK_KERNELS = 4 * 2
 # attention/relkeys_bwd.cu: its backward (dQ, dK/dV, distance pass) per bucket up to 128 and dtype, 2 Delta kernels
 RELK_BWD_KERNELS = 3 * 3 * 2 + 2
+# attention/paged_prefill.cu: the forward with the paged row policy (mask kind kWindow) per bucket and dtype
+PAGED_PREFILL_KERNELS = 4 * 2
 SWEEP_ON = os.environ.get("EFFATTN_CUDA_ARCH_SWEEP") == "1"
 RELK_ARCHS = ARCHS if SWEEP_ON else ("sm_80",)
 
@@ -42,7 +44,7 @@ def compiled(tmp_path_factory):
 
 
 @pytest.mark.parametrize("src", ("attention/decode.cu", "linear/linear.cu", "attention/relkeys.cu",
-                                 "attention/relkeys_bwd.cu"))
+                                 "attention/relkeys_bwd.cu", "attention/paged_prefill.cu"))
 def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
@@ -94,9 +96,27 @@ def test_linear_kernels_counts_and_sass(compiled):
                     assert op in body, (arch, fn, op)
 
 
+def test_paged_prefill_is_the_forward_with_the_paged_row_policy(compiled):
+    """attention/paged_prefill.cu holds attn_fwd_kernel with PagedRows (mask kind kWindow, no TERMS / RELK) for
+    every bucket and dtype, and nothing else; their SASS multiplies on tensor cores through ldmatrix (.trans for
+    V) and loads rows with async copies (cp.async through the block table)."""
+    report, obj = compiled["attention/paged_prefill.cu"]
+    entries = ptxas_entries(report)
+    for arch in ARCHS:
+        names = [e[1] for e in entries if e[0] == arch]
+        assert len(names) == PAGED_PREFILL_KERNELS, (arch, len(names))
+        for hd in (32, 64, 128, 256):
+            for bf16 in (0, 1):
+                assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi1ELb0ELb0E" in n and "PagedRows" in n
+                           for n in names) == 1, (arch, hd, bf16, names)
+        for body in functions(sass_of(obj, arch), "attn_fwd_kernel"):
+            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+                assert op in body, (arch, op)
+
+
 @pytest.mark.parametrize("arch", RELK_ARCHS)
 def test_relative_keys_forward_lives_in_its_own_unit(compiled, arch):
-    """The forward with relative keys (template flag RELK, the last template argument) is compiled in
+    """The forward with relative keys (template flag RELK, before the row policy) is compiled in
     attention/relkeys.cu for every bucket and dtype (mask kind kAny, no bias tensors), with tensor-core
     products and async copies (test_cuda_build.py checks that fwd.cu holds no RELK instance)."""
     report, obj = compiled["attention/relkeys.cu"]
@@ -104,7 +124,7 @@ def test_relative_keys_forward_lives_in_its_own_unit(compiled, arch):
     assert len(names) == RELK_KERNELS, (arch, len(names))
     for hd in (32, 64, 128, 256):
         for bf16 in (0, 1):
-            assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1ELb1EEEv" in n for n in names) == 1, (arch, hd, bf16)
+            assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1ELb1ENS_11StridedRowsEEEv" in n for n in names) == 1, (arch, hd, bf16)
     bodies = sass_of(obj, arch).split("Function : ")[1:]
     assert bodies
     for body in bodies:

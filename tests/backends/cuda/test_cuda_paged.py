@@ -52,17 +52,38 @@ def run_paged(q, kp, vp, table, seqlens, kw):
         return effattn.attention(q, kp, vp, block_table=table, seqlens=seqlens, return_lse=True, backend="cuda", **kw)
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_paged_decode_against_float64_and_the_contiguous_kernel(case_id):
-    lens, ps, H, Hkv, D, Dv, Lq, kw = CASES[case_id]
+def run_case(case, case_id, run, path):
+    """A case of CASES on backend "cuda": the pools, then (out, lse) checked for the row `path` in explain,
+    shapes, dtype, NaN and bitwise determinism. Returns (q, kp, vp, table, dtype, out, lse)."""
+    lens, ps, H, Hkv, D, Dv, Lq, kw = case
     dtype = torch.bfloat16 if len(case_id) % 2 else torch.float16
     q, kp, vp, table, seqlens = pools(lens, ps, H, Hkv, D, Dv, Lq, dtype, seed=len(case_id))
     rep = effattn.explain(q, kp, vp, block_table=table, seqlens=seqlens, backend="cuda", **kw)
-    assert rep.paths["cuda"].startswith("cuda/paged-decode: paged split-KV decode: reads the key/value pages in place")
-    out, lse = run_paged(q, kp, vp, table, seqlens, kw)
+    assert rep.paths["cuda"].startswith(path), rep.paths["cuda"]
+    out, lse = run(q, kp, vp, table, seqlens, kw)
     assert out.dtype == dtype and out.shape == (len(lens), H, Lq, Dv) and lse.shape == (len(lens), H, Lq)
-    again = run_paged(q, kp, vp, table, seqlens, kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    again = run(q, kp, vp, table, seqlens, kw)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse), "not bitwise deterministic"
+    return q, kp, vp, table, dtype, out, lse
+
+
+def against_oracle(out, lse, q, k, v, dtype, kw, what):
+    """out / lse of one sequence (q (1, H, Lq, D); its contiguous keys k, v) against the float64 oracle."""
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kw)
+    judge(out, ref, naive_in(dtype, q, k, v, kw)[0], 2, dtype, what)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), what
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-3, what
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_paged_decode_against_float64_and_the_contiguous_kernel(case_id):
+    lens, ps, H, Hkv, D, Dv, Lq, kw = CASES[case_id]
+    q, kp, vp, table, dtype, out, lse = run_case(CASES[case_id], case_id, run_paged,
+                                                 "cuda/paged-decode: paged split-KV decode: reads the key/value pages in place")
+    seqlens = torch.tensor(lens, dtype=torch.int32)
 
     call = make_paged_call(q, kp, vp, block_table=table, seqlens=seqlens, backend="cuda", **kw)
     splits = cuda_paged.plan(call)[2]
@@ -72,12 +93,7 @@ def test_paged_decode_against_float64_and_the_contiguous_kernel(case_id):
     for b, n in enumerate(lens):
         k, v = contiguous(kp, table[b], n, ps), contiguous(vp, table[b], n, ps)
         qb = q[b:b + 1]
-        ref, ref_lse = naive_attention(qb.double(), k.double(), v.double(), **kw)
-        judge(out[b:b + 1], ref, naive_in(dtype, qb, k, v, kw)[0], 2, dtype, f"sequence {b} ({n} keys)")
-        assert torch.equal(torch.isneginf(lse[b:b + 1]), torch.isneginf(ref_lse))
-        fin = torch.isfinite(ref_lse)
-        if fin.any():
-            assert (lse[b:b + 1].double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-3
+        against_oracle(out[b:b + 1], lse[b:b + 1], qb, k, v, dtype, kw, f"sequence {b} ({n} keys)")
         # the contiguous decode kernel over the same keys, with the paged call's split count: bitwise
         c_out, c_lse = decode.kernels(q.device).attention_decode(
             qb, k, v, None, None, 0, 0, None, 0, scale, *clamp_window(left, right, Lq, n), splits,
@@ -105,14 +121,15 @@ def test_forced_splits_and_a_table_wider_than_the_pool_use():
 def test_explain_and_dispatch_of_the_paged_cuda_row():
     q, kp, vp, table, seqlens = pools([40, 9], 4, 4, 2, 32, 32, 1, torch.float16, seed=1)
     rep = effattn.explain(q, kp, vp, block_table=table, seqlens=seqlens, causal=True)
-    names = [r.path for r in rep.rows[:3]]
-    assert names[-1] == "torch/paged-gather" and set(names[:2]) == {"triton/paged", "cuda/paged-decode"}
+    names = [r.path for r in rep.rows[:4]]
+    assert names[-1] == "torch/paged-gather" and names[2] == "cuda/paged-prefill"
+    assert set(names[:2]) == {"triton/paged", "cuda/paged-decode"}
     assert rep.chosen_path != "cuda/paged-decode"                 # CPU tensors: the emulation only by name
-    # prefill-shaped (Lq > 16): backend="cuda" gathers and runs the CUDA prefill kernels, and says why
+    # prefill-shaped (Lq > 16): backend="cuda" runs the paged prefill kernel (test_cuda_paged_prefill.py)
     q20 = torch.randn(2, 4, 20, 32).half()
     rep = effattn.explain(q20, kp, vp, block_table=table, seqlens=seqlens, causal=True, backend="cuda")
-    assert rep.chosen_path == "torch/paged-gather"
-    assert "no paged prefill kernel" in str(rep) and "paged kernel not taken" in str(rep)
+    assert rep.paths["cuda"].startswith("cuda/paged-prefill: ")
+    assert "decode-shaped calls only" in str(rep)
     out = effattn.attention(q20, kp, vp, block_table=table, seqlens=seqlens, causal=True, backend="cuda")
     ref = effattn.attention(q20.float(), kp.float(), vp.float(), block_table=table, seqlens=seqlens, causal=True)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)

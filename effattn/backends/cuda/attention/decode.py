@@ -109,8 +109,8 @@ _FAKES_DONE = set()
 
 
 def kernels(device: torch.device):
-    """The C++ op namespace for `device`, the fake kernels of the decode ops (contiguous and paged)
-    registered once."""
+    """The C++ op namespace for `device`, the fake kernels of the decode ops (contiguous and paged) and of
+    the paged prefill registered once."""
     lib = cpp.kernels(device)
     ns = "effattn_cuda" if device.type == "cuda" else "effattn_cuda_emu"
     if ns not in _FAKES_DONE:
@@ -119,6 +119,7 @@ def kernels(device: torch.device):
             return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
         torch.library.register_fake(f"{ns}::attention_decode")(fake)
         torch.library.register_fake(f"{ns}::attention_decode_paged")(fake)
+        torch.library.register_fake(f"{ns}::attention_prefill_paged")(fake)
         _FAKES_DONE.add(ns)
     return lib
 
