@@ -109,18 +109,17 @@ def map_kernel(Xp, x_strides, Y, H, L, F, BL: tl.constexpr, BF: tl.constexpr, MA
                INTERP_BF16: tl.constexpr):
     """``Y = phi(X)`` for one head x ``BL`` rows: X ``(B, H, L, F)`` with strides ``x_strides`` = (x_sb,
     x_sh, x_sl, x_sf), Y contiguous ``(B, H, L, F)`` in its dtype (the input's: rounded to nearest, as
-    the passes' dots round it). The map in fp32 as `_rows` applies it; grid (B * H, cdiv(L, BL))."""
+    the passes' dots round it). The map in fp32 as `_rows` applies it; grid (B * H, cdiv(L, BL), cdiv(F, BF)):
+    one tile a program, no loop."""
     x_sb, x_sh, x_sl, x_sf = x_strides
-    pid_bh, pid_l = tl.program_id(0), tl.program_id(1)
+    pid_bh, pid_l, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     r = pid_l * BL + tl.arange(0, BL)
+    cols = pid_f * BF + tl.arange(0, BF)
     x_base = Xp + b.to(tl.int64) * x_sb + h.to(tl.int64) * x_sh
-    y_base = Y + pid_bh.to(tl.int64) * L * F
-    for f0 in range(0, F, BF):
-        cols = f0 + tl.arange(0, BF)
-        x = _rows(x_base, r, L, x_sl, cols, F, x_sf, MAP)
-        tl.store(y_base + r.to(tl.int64)[:, None] * F + cols[None, :], cast(x, Y.dtype.element_ty, INTERP_BF16),
-                 mask=(r < L)[:, None] & (cols < F)[None, :])
+    x = _rows(x_base, r, L, x_sl, cols, F, x_sf, MAP)
+    y = Y + pid_bh.to(tl.int64) * L * F + r.to(tl.int64)[:, None] * F + cols[None, :]
+    tl.store(y, cast(x, Y.dtype.element_ty, INTERP_BF16), mask=(r < L)[:, None] & (cols < F)[None, :])
 
 
 @triton.jit

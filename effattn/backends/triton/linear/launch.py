@@ -173,9 +173,10 @@ def mapped(r: Rows) -> Rows:
     B, H, L, F = x.shape
     y = torch.empty(B, H, L, F, dtype=x.dtype, device=x.device)
     if y.numel():
-        map_kernel[(B * H, cdiv(L, MAP_ROWS))](
-            Xp=x, x_strides=tuple(x.stride()), Y=y, H=H, L=L, F=F, BL=MAP_ROWS, BF=min(128, max(16, _next_pow2(F))),
-            MAP=r.fmap, INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
+        bf = min(128, max(16, _next_pow2(F)))
+        map_kernel[(B * H, cdiv(L, MAP_ROWS), cdiv(F, bf))](
+            Xp=x, x_strides=tuple(x.stride()), Y=y, H=H, L=L, F=F, BL=MAP_ROWS, BF=bf, MAP=r.fmap,
+            INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
     return Rows(y, r.shift)
 
 
