@@ -176,7 +176,7 @@ def mapped(r: Rows) -> Rows:
         bf = min(128, max(16, _next_pow2(F)))
         map_kernel[(B * H, cdiv(L, MAP_ROWS), cdiv(F, bf))](
             Xp=x, x_strides=tuple(x.stride()), Y=y, H=H, L=L, F=F, BL=MAP_ROWS, BF=bf, MAP=r.fmap,
-            INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4)
+            INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=True)
     return Rows(y, r.shift)
 
 
