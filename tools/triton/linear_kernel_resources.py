@@ -3,7 +3,7 @@
 The companion of ``tools/triton/kernel_resources.py`` (whose measuring helpers it reuses) for
 ``effattn/backends/triton/linear``: each of the two kernels is compiled once per role it plays in a
 call (forward state and output passes, the backward's reverse state pass and its dq / dk / dv output
-passes, the non-causal reduction and output, the decoding step) in its default config, for
+passes, the non-causal reduction and output, the decoding step, the feature map) in its default config, for
 contiguous inputs, and reported with shared memory, registers, stack, spills (in loops / all) and
 the matrix instructions (HGMMA = Hopper wgmma).
 
@@ -22,37 +22,35 @@ from typing import Dict, List
 
 from .kernel_resources import SMEM_LIMIT, _prefetch, compile_all, resources, stride_tuple, write_tables
 
-# role -> (kernel, constexpr flags); MAP 1 = elu + 1. The identity map (0) is not a subset of it: with no
-# map between a load and its dot, Triton feeds the dot straight from the pipelined shared-memory buffer,
-# and any other use of the tile reads that buffer again (the "-identity" roles: FAVOR+ / callable features)
-_STATE = dict(REVERSE=False, STORE=True, MAP_B=1, MAP_C=0, C_X=1)
-_OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_A=1, MAP_B=1, MAP_C=0, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
+# role -> (kernel, constexpr flags). The passes read their operands as they are: the feature map (MAP 1 =
+# elu + 1) runs once per token in the "map" kernel, and the output pass applies only its derivative
+# (MAP_X, the backward's dq / dk). With no map between a load and its dot, Triton feeds the dot straight
+# from the pipelined shared-memory buffer, and any other use of the tile reads that buffer again: the
+# row sums are products (`_pairs`), `shared_tile_reductions` checks it
+_STATE = dict(REVERSE=False, STORE=True, C_X=1)
+_OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
             STATE_Z=False, Z_MODE=0, HAS_BASE=False, BASE_Z=False, WITH_DEN=False, NORMALIZE=False)
 ROLES = {
     "state-fwd": ("state", dict(_STATE)),
-    "state-bwd-reverse": ("state", dict(_STATE, REVERSE=True, MAP_C=0, C_X=2)),
+    "state-bwd-reverse": ("state", dict(_STATE, REVERSE=True, C_X=2)),
     "state-noncausal-split": ("state", dict(_STATE, STORE=False)),
     "out-fwd-normalized": ("out", dict(_OUT, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
-    "out-fwd-plain": ("out", dict(_OUT, MAP_A=0, MAP_B=0)),
-    "state-fwd-identity": ("state", dict(_STATE, MAP_B=0)),
-    "state-bwd-reverse-identity": ("state", dict(_STATE, REVERSE=True, MAP_B=0, MAP_C=0, C_X=2)),
-    "out-fwd-normalized-identity": ("out", dict(_OUT, MAP_A=0, MAP_B=0, STATE_Z=True, Z_MODE=1, WITH_DEN=True,
-                                                NORMALIZE=True)),
-    "out-dq": ("out", dict(_OUT, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=2, B_X=1, STATE_Z=True, Z_MODE=2)),
-    "out-dk": ("out", dict(_OUT, REVERSE=True, MAP_A=0, MAP_B=0, MAP_C=1, MAP_X=1, A_X=1, B_X=2, STATE_Z=True,
-                           Z_MODE=2)),
+    "out-fwd-plain": ("out", dict(_OUT)),
+    "out-dq": ("out", dict(_OUT, MAP_X=1, A_X=2, B_X=1, STATE_Z=True, Z_MODE=2)),
+    "out-dk": ("out", dict(_OUT, REVERSE=True, MAP_X=1, A_X=1, B_X=2, STATE_Z=True, Z_MODE=2)),
     "out-dv": ("out", dict(_OUT, REVERSE=True)),
     "out-noncausal": ("out", dict(_OUT, CAUSAL=False, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
     "step": ("step", dict(MAP=1, NORMALIZE=True)),
+    "map": ("map", dict(MAP=1)),
 }
-_BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V"}
-_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
+_BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y"}
+_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
              "BASEZ", "DEN", "S", "Z", "S_OUT", "Z_OUT"}
 # stride tuples (kernels.py): the names of their elements
-_TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx")}
+_TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx", "x")}
 _TUPLES.update(st_strides=("st_bh", "st_c", "st_a", "st_f"), stz_strides=("stz_bh", "stz_c"),
                base_strides=("base_bh", "base_a", "base_f"), o_strides=("o_b", "o_h", "o_l", "o_f"))
-_UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "o_f", "st_f", "base_f"}   # contiguous (B, H, L, F) operands
+_UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "x_sf", "o_f", "st_f", "base_f"}   # contiguous (B, H, L, F) operands
 # runtime ints without the divisibility hint (every other int and every pointer gets it, as at a launch
 # with contiguous inputs and feature dims multiple of 16)
 _NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "G", "gbase", "n_chunks", "chunks_per_block"}
@@ -61,6 +59,7 @@ _NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "G", "gbase", "n
 def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
     """Compiles `role` for sm_<arch> with F = Dv = `feat` in its default config (``config``: this
     (BK, BV, warps, stages) instead). Returns (kernel, config string)."""
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -68,16 +67,21 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
 
     from effattn.backends.triton.linear import kernels, launch
     kind, flags = ROLES[role]
-    fn = {"state": kernels.chunk_state_kernel, "out": kernels.chunk_out_kernel, "step": kernels.step_kernel}[kind]
+    fn = {"state": kernels.chunk_state_kernel, "out": kernels.chunk_out_kernel, "step": kernels.step_kernel,
+          "map": kernels.map_kernel}[kind]
     elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     consts = dict(flags)
     if kind == "step":
         bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
         consts.update(BF=bf, BV=bv, INTERP_BF16=False)
         cfg = f"BF{bf}xBV{bv}x{warps}"
+    elif kind == "map":
+        bl, bf, warps, stages = launch.MAP_ROWS, min(128, feat), 4, 3
+        consts.update(BL=bl, BF=bf, INTERP_BF16=False)
+        cfg = f"BL{bl}xBF{bf}x{warps}"
     else:
-        bk, bv, warps, stages = launch._fit(config or launch.candidates(kind, 4 if dtype == "fp32" else 2)[0], feat,
-                                            feat)
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        bk, bv, warps, stages = launch._fit(config or launch.candidates(kind, torch_dtype)[0], feat, feat)
         consts.update(CH=64, BK=bk, BV=bv, DT=tl.bfloat16 if dtype == "bf16" else tl.float32,
                       DOT_PREC="tf32" if dtype != "bf16" else "ieee", INTERP_BF16=False)
         if kind == "state":

@@ -207,5 +207,5 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
     S, z = torch.zeros(1, 2, 16, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE)
     linear_launch.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], S, z, 0, True, 1e-6)
     names = {n for n, _ in seen}
-    assert {"fwd_kernel", "delta_kernel", "chunk_out_kernel", "step_kernel"} <= names, names
+    assert {"fwd_kernel", "delta_kernel", "chunk_out_kernel", "map_kernel", "step_kernel"} <= names, names
     assert all(f is True for _, f in seen), [n for n, f in seen if f is not True]

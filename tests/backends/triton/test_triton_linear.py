@@ -234,13 +234,13 @@ def test_gpu_step_kernel_and_determinism(monkeypatch):
 
 def test_kernels_compile_for_sm90_offline():
     """The interpreter skips Triton's compiler: compile the roles of the two linear kernels (and the
-    step kernel) for sm_90 in the default bf16 config at F = Dv = 128, so a GPU-only compile error
-    fails CI, and check they fit, use wgmma and spill nothing inside their loops
+    step and feature-map kernels) for sm_90 in the default bf16 config at F = Dv = 128, and the fp16
+    output pass (which spilled 9 registers in its loop at a 128-wide output tile), so a GPU-only
+    compile error fails CI, and check they fit, use wgmma and spill nothing inside their loops
     (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype).
-    No kernel reduces a pipelined shared-memory tile that a dot also reads (the "-identity" roles,
-    features fed as they are: FAVOR+): Triton 3.6 computed that reduction wrongly on an H200 (the
-    normalizer of bf16 FAVOR+ attention at L = 4096; the kernels before the fix have one in each
-    identity role)."""
+    No kernel reduces a pipelined shared-memory tile that a dot also reads (features fed to the
+    passes as they are): Triton 3.6 computed that reduction wrongly on an H200 (the normalizer of
+    bf16 FAVOR+ attention at L = 4096)."""
     import json
     import os
     import subprocess
@@ -251,15 +251,17 @@ def test_kernels_compile_for_sm90_offline():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     # the roles whose flags are not a subset of another's (the committed table has all of them)
     roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
-             "step", "state-fwd-identity", "state-bwd-reverse-identity", "out-fwd-normalized-identity"]
-    proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes", "2",
-                           "--dtypes", "bf16", "--roles", ",".join(roles)], cwd=root, capture_output=True, text=True,
-                          env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
-    assert len(rows) == len(roles) and not [r for r in rows if "error" in r], rows
+             "step", "map"]
+    rows = []
+    for dtype, which in (("bf16", roles), ("fp16", ["out-fwd-normalized"])):
+        proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes",
+                               "2", "--dtypes", dtype, "--roles", ",".join(which)], cwd=root, capture_output=True,
+                              text=True, env=env, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows += [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(rows) == len(roles) + 1 and not [r for r in rows if "error" in r], rows
     assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
-    assert all(r["hgmma"] > 0 for r in rows if r["role"] != "step"), rows
+    assert all(r["hgmma"] > 0 for r in rows if r["role"] not in ("step", "map")), rows
     assert all(r["tile_reductions"] == 0 for r in rows), rows
 
 
@@ -302,3 +304,76 @@ def test_state_pass_splits_dv_at_small_batch_heads(monkeypatch):
     torch.testing.assert_close(split, plain, atol=1e-5, rtol=1e-5)
     for a, b in zip(split_g, plain_g):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def map_launches(monkeypatch):
+    """Records the feature maps `map_kernel` applies (one entry per launch: the map's code)."""
+    from effattn.backends.triton.linear import launch
+    maps = []
+    real = launch.map_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(**kw):
+                maps.append(kw["MAP"])
+                return real[grid](**kw)
+            return run
+
+    monkeypatch.setattr(launch, "map_kernel", Spy())
+    return maps
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_feature_map_once_per_token_matches_float64(fmap, causal, map_launches):
+    """The feature map runs once per token and call (one launch each for q and k in the forward,
+    again in the backward; none in the passes, which read the features as they are) and the result is
+    the float64 dense rule's, forward and backward, with an initial state passed in and the final
+    state and its gradients (GQA, two chunks and a partial one under the interpreter's 32-row chunks)."""
+    from effattn.feature_maps import KERNEL_MAPS
+    from tests.core.test_linear_attention import close_to, oracle, oracle_phi, oracle_state
+    torch.manual_seed(21)
+    f64 = torch.float64
+    B, H, Hkv, L, Lp, D, Dv = 1, 2, 1, 70, 9, 16, 8
+    phi = oracle_phi(fmap)
+    q, k = (torch.randn(B, h, L, D, dtype=f64) for h in (H, Hkv))
+    v = torch.randn(B, Hkv, L, Dv, dtype=f64)
+    kp, vp = torch.randn(B, H, Lp, D, dtype=f64), torch.randn(B, H, Lp, Dv, dtype=f64)
+    S0, z0 = phi(kp).transpose(-1, -2) @ vp, phi(kp).sum(-2)
+    leaves64 = [t.requires_grad_() for t in (q, k, v, S0, z0)]
+    leaves = [t.detach().float().requires_grad_() for t in leaves64]
+    out, (S, z) = effattn.linear_attention(*leaves[:3], causal=causal, feature_map=fmap,
+                                           initial_state=tuple(leaves[3:]), return_state=True, backend="triton")
+    assert map_launches == [KERNEL_MAPS[fmap]] * 2          # k and q, once each
+    ref = oracle(q, k, v, phi, causal=causal, normalize=True, S0=S0, z0=z0)
+    S_ref, z_ref = oracle_state(k, v, phi, H, S0, z0)
+    close_to(out, ref, torch.float32, "out")
+    close_to(S, S_ref, torch.float32, "S")
+    close_to(z, z_ref, torch.float32, "z")
+    douts = [torch.randn_like(t) for t in (ref, S_ref, z_ref)]
+    g = torch.autograd.grad((out, S, z), leaves, [d.float() for d in douts])
+    g_ref = torch.autograd.grad((ref, S_ref, z_ref), leaves64, douts)
+    assert len(map_launches) == 4                            # the backward: q and k once more
+    for a, b, name in zip(g, g_ref, ("q", "k", "v", "S0", "z0")):
+        close_to(a, b, torch.float32, f"d{name}", grad=True)
+
+
+def test_map_kernel_rounds_to_the_input_dtype():
+    """`mapped` writes phi(x) in x's dtype, rounded to nearest from the fp32 map (as the passes' dots
+    round a tile), for a strided operand; the passes refuse an operand that still carries a map."""
+    from effattn.backends.triton.linear import launch
+    from effattn.feature_maps import FMAP_ELU, FMAP_RELU
+    x = torch.randn(1, 40, 3, 24, dtype=torch.float32).mul(4).transpose(1, 2)       # (1, 3, 40, 24) strided
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dtype)
+        elu = launch.mapped(launch.Rows(xd, -2, FMAP_ELU))
+        relu = launch.mapped(launch.Rows(xd, 0, FMAP_RELU))
+        assert elu.shift == -2 and elu.fmap == 0 and elu.x.dtype == dtype and elu.x.is_contiguous()
+        ref = torch.where(xd > 0, xd.float() + 1, xd.float().exp())
+        # rounded to nearest (half an ulp of the dtype), beside a few fp32 ulps of exp's own error
+        tol = (torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps) * ref.abs()
+        assert ((elu.x.float() - ref).abs() <= tol + (2 ** -25 if dtype == torch.float16 else 0)).all()
+        assert torch.equal(relu.x, xd.clamp_min(0))
+    with pytest.raises(ValueError, match="map it first"):
+        launch.state_pass(launch.Rows(x, 0, FMAP_ELU), launch.Rows(x), 40, launch.Numerics(torch.float32, False))

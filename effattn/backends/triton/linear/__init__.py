@@ -71,8 +71,11 @@ def _run_step(call):
 
 def _note(call) -> str:
     name = call.feature_map_name
-    if name in ("elu", "relu", "identity"):
-        return f"feature map {name!r} fused into the kernels"
+    if name == "identity":
+        return "feature map 'identity' fused into the kernels"
+    if name in ("elu", "relu"):
+        return (f"feature map {name!r} fused into the kernels: a map kernel applies it once per token, the "
+                "passes read the mapped features")
     what = "FAVOR+ features" if name == "favor" else "the callable feature map"
     return (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
             "'elu', 'relu' and 'identity'")

@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ....feature_maps import FMAP_IDENTITY  # noqa: F401
+from ....feature_maps import FMAP_IDENTITY
 from ....splits import sm_count
 from ..runtime import _INTERPRET, _log, _next_pow2, triton
 
@@ -32,19 +32,23 @@ if triton is not None:
     import triton.language as tl
     from triton.testing import do_bench
 
-    from .kernels import chunk_out_kernel, chunk_state_kernel, step_kernel
+    from .kernels import chunk_out_kernel, chunk_state_kernel, map_kernel, step_kernel
 
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
 # tools/triton/linear_kernel_resources.py (wgmma, no spills in the chunk loop).
 # fp32 inputs (4-byte tiles) get a 64-wide output tile: at 128 the output pass spills inside its loop.
+# fp16 calls too (their dots take fp32 operands at TF32): at 128 the output pass spilled 9 registers in its
+# loop at F = Dv = 128 (offline sm_90, triton 3.9; 0 at 64).
 # 3 stages: with 2 the chunk loops waited for all their copies at every chunk (no prefetch; offline
 # sm_90, triton 3.9: the state pass 690 instructions and 10 barriers per chunk, waiting; 3 stages 717
 # and 10, one chunk's copies in flight)
-CONFIGS = {"state": {2: [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (32, 32, 4, 2), (64, 128, 8, 3)],
-                     4: [(64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)]},
-           "out": {2: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (32, 128, 4, 3)],
-                   4: [(64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2)]}}
+_STATE16 = [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (32, 32, 4, 2), (64, 128, 8, 3)]
+CONFIGS = {"state": {torch.bfloat16: _STATE16, torch.float16: _STATE16,
+                     torch.float32: [(64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)]},
+           "out": {torch.bfloat16: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (32, 128, 4, 3)],
+                   torch.float16: [(64, 64, 4, 3), (64, 128, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2)],
+                   torch.float32: [(64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2)]}}
 INTERPRET_CONFIG = (32, 32, 4, 1)
 _TUNED: Dict[tuple, tuple] = {}
 
@@ -56,7 +60,8 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class Rows:
     """A row operand: ``x (B, H, L, F)`` read at row ``t + shift`` of the timeline, through the
-    feature map ``fmap`` (MAPS code; 0: as is)."""
+    feature map ``fmap`` (MAPS code; 0: as is). The passes read their operands as they are (`mapped`
+    applies a map first); only an output pass's ``grad_x`` (the map's derivative) keeps its map."""
     x: Tensor
     shift: int = 0
     fmap: int = FMAP_IDENTITY
@@ -100,12 +105,12 @@ def _fit(cfg, fa: int, fc: int):
     return min(bk, max(16, _next_pow2(fa))), min(bv, max(16, _next_pow2(fc))), w, s
 
 
-def candidates(kind: str, elem_bytes: int):
-    """The GPU configs of `kind` ("state" or "out") for inputs of `elem_bytes`, the default first."""
-    return CONFIGS[kind][4 if elem_bytes >= 4 else 2]
+def candidates(kind: str, dtype: torch.dtype):
+    """The GPU configs of `kind` ("state" or "out") for inputs of `dtype`, the default first."""
+    return CONFIGS[kind][dtype]
 
 
-def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
+def _launch(kind: str, key: tuple, launch, fa: int, fc: int, dtype: torch.dtype) -> None:
     """Runs `launch(cfg)` with this kind's config: the interpreter's, the cached one, the first
     candidate (EFFATTN_TRITON_AUTOTUNE=0 or CUDA-graph capture), or the fastest by do_bench."""
     if _INTERPRET:
@@ -116,7 +121,7 @@ def _launch(kind: str, key: tuple, launch, fa: int, fc: int, elem: int) -> None:
     if cfg is not None:
         launch(cfg)
         return
-    cands = [_fit(c, fa, fc) for c in candidates(kind.split(":")[0], elem)]
+    cands = [_fit(c, fa, fc) for c in candidates(kind.split(":")[0], dtype)]
     cands = list(dict.fromkeys(cands))
     capturing = torch.cuda.is_current_stream_capturing()
     if capturing or os.environ.get("EFFATTN_TRITON_AUTOTUNE", "1") == "0":
@@ -153,6 +158,35 @@ def dv_tile(bv: int, fc: int, rows: int, n_sm: int) -> int:
     return bv
 
 
+MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_90 offline, bf16 and fp16)
+
+
+def mapped(r: Rows) -> Rows:
+    """``r`` with its feature map applied once per token (`map_kernel`): ``phi(x)`` contiguous in x's
+    dtype (O(L) memory, as the input), read as it is by the passes. bf16 and fp32 calls lose nothing (their
+    dots round each mapped tile to that dtype, or read fp32). fp16 calls run their dots at TF32, whose
+    10-bit mantissa is fp16's: a mapped feature below fp16's normal range (2^-14: elu + 1 of x < -9.7)
+    keeps an absolute error under 2^-25. The identity map returns ``r`` itself."""
+    if r.fmap == FMAP_IDENTITY:
+        return r
+    x = r.x
+    B, H, L, F = x.shape
+    y = torch.empty(B, H, L, F, dtype=x.dtype, device=x.device)
+    if y.numel():
+        bf = min(128, max(16, _next_pow2(F)))
+        map_kernel[(B * H, cdiv(L, MAP_ROWS), cdiv(F, bf))](
+            Xp=x, x_strides=tuple(x.stride()), Y=y, H=H, L=L, F=F, BL=MAP_ROWS, BF=bf, MAP=r.fmap,
+            INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=True)
+    return Rows(y, r.shift)
+
+
+def _as_is(*rows: Optional[Rows]) -> None:
+    for r in rows:
+        if r is not None and r.fmap != FMAP_IDENTITY:
+            raise ValueError(f"effattn triton linear: a pass operand with feature map {r.fmap}: map it first "
+                             "(`mapped`)")
+
+
 def state_args(b: Rows, c: Rows, cx: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
                finz: Optional[Tensor], n_chunks: int, chunks_per_block: int) -> dict:
     """The chunk-state kernel's arguments by name (`LinStateParams`' fields, strides as tuples); an absent
@@ -173,6 +207,7 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
     sums ``(B*Hs, Fb, Fc)``, ``(B*Hs, Fb)`` (fp32). ``split`` (non-causal, no ``store``): the chunks are
     split over several programs per head and their partial sums added in a fixed order. ``role``
     names the use, for the tuned-config cache."""
+    _as_is(b, c)
     B, Hs, _, FB = b.x.shape
     FC = c.F
     dev = b.x.device
@@ -194,13 +229,13 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         finz = torch.empty(ns, B * Hs, FB, dtype=f32, device=dev) if cx_mode else None
         chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
             **state_args(b, c, cx, st, stz, fin, finz, nc, cdiv(nc, ns)),
-            CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, MAP_B=b.fmap, MAP_C=c.fmap, C_X=cx_mode,
+            CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, C_X=cx_mode,
             num_warps=warps, num_stages=stages, **num.flags())
         res["fin"] = fin[0] if ns == 1 else fin.sum(0)        # a fixed order: deterministic
         res["finz"] = None if finz is None else (finz[0] if ns == 1 else finz.sum(0))
 
     key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
-    _launch("state:" + role, key, launch, FB, FC, num.dtype.itemsize)
+    _launch("state:" + role, key, launch, FB, FC, num.dtype)
     return st, stz, res["fin"], res["finz"]
 
 
@@ -234,6 +269,7 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
     strides ``(bh, chunk, fa, fc)`` (a transposed read swaps the last two; a chunk stride of 0 gives every
     chunk one state); ``state_z`` likewise with 2 strides. ``base``: ``(B*Hbase, FA, Fc)`` tensor with 3
     strides, ``base_z`` with 1; ``grad_x``: multiply the output by ``phi'(x)`` of these rows."""
+    _as_is(a, b, c)
     B, Ha, La, FA = a.x.shape
     b = b if b is not None else a                     # not read without the intra-chunk term
     Hb = hb or b.x.shape[1]
@@ -251,15 +287,15 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
         bk, bv, warps, stages = cfg
         # heads on the first grid axis (no 65535 limit there): B * H can be large, chunks rarely are
         chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
-            **args, CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse, MAP_A=a.fmap, MAP_B=b.fmap,
-            MAP_C=c.fmap, MAP_X=grad_x.fmap if grad_x is not None else 0, A_X=a_x, B_X=b_x,
+            **args, CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse,
+            MAP_X=grad_x.fmap if grad_x is not None else FMAP_IDENTITY, A_X=a_x, B_X=b_x,
             HAS_STATE=state is not None, STATE_Z=state_z is not None, Z_MODE=z_mode, HAS_BASE=base is not None,
             BASE_Z=base_z is not None, WITH_DEN=with_den, NORMALIZE=normalize,
             num_warps=warps, num_stages=stages, **num.flags())
 
     if B * Ha * La * FC > 0:
         key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb)
-        _launch("out:" + role, key, launch, FA, FC, num.dtype.itemsize)
+        _launch("out:" + role, key, launch, FA, FC, num.dtype)
     return out, den
 
 

@@ -16,6 +16,8 @@ normalize), and ``(dS, dz)`` the gradient of the final state:
 Each line is the forward's shape again (a chunk-state pass and an output pass), forward or reverse in
 time, with the operands permuted: one reverse state pass over (f, g, e) serves dp, dv and dS0. For
 GQA the key-side passes sum the group's query heads in a fixed order (no atomics: deterministic).
+The feature maps run once per token and call (`mapped`): the forward maps q and k once, the backward
+once more (the features are not kept: memory as the inputs'), and the chain rule reads the raw rows.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from ...linear_common import (
 )
 from ...linear_common import opt as _opt
 from ...linear_common import out_grads as _out_grads
-from .launch import Numerics, Rows, out_pass, state_pass, step
+from .launch import Numerics, Rows, mapped, out_pass, state_pass, step
 
 
 def _t(x: Tensor):
@@ -75,9 +77,9 @@ def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
     num = Numerics(v.dtype, tf32)
     B, H, Lq, F = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
-    kb, vb = Rows(k, shift, fmap), Rows(v, shift)
+    kb, vb = mapped(Rows(k, shift, fmap)), Rows(v, shift)
     st, stz, S, z = state_pass(kb, vb, Lq, num, cx_ones=True)
-    out, den = out_pass(Rows(q, 0, fmap), kb, vb, Lq, num, out_dtype=v.dtype, ga=H // Hkv,
+    out, den = out_pass(mapped(Rows(q, 0, fmap)), kb, vb, Lq, num, out_dtype=v.dtype, ga=H // Hkv,
                         state=(st, st.stride()), state_z=(stz, stz.stride()[:2]) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
@@ -90,20 +92,21 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
     Hkv = k.shape[1]
     G = H // Hkv
     g, e = _out_grads(dout, out, den, normalize)
-    fq, gb = Rows(q, 0, fmap), Rows(g)
-    kb, vb = Rows(k, shift, fmap), Rows(v, shift)
-    mapped = fmap != FMAP_IDENTITY
+    gb, vb = Rows(g), Rows(v, shift)
+    xq, xk = Rows(q, 0, fmap), Rows(k, shift, fmap)          # raw rows: the map's derivative
+    fq, kb = mapped(xq), mapped(xk)
+    chain = fmap != FMAP_IDENTITY
     st, stz, _, _ = state_pass(kb, vb, Lq, num, cx_ones=normalize)               # the forward's states
     dh, dhz, dS0, dz0 = state_pass(fq, gb, Lq, num, reverse=True, cx=e, role="dh")   # per query head
     dq, _ = out_pass(gb, vb, kb, Lq, num, out_dtype=q.dtype, ga=G, ax=e, bx_ones=normalize,
                      state=(st, st.stride()[:2] + (st.stride(3), st.stride(2))),
                      state_z=(stz, stz.stride()[:2]) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
-                     grad_x=Rows(q, 0, fmap) if mapped else None, role="dq")
+                     grad_x=xq if chain else None, role="dq")
     dk, _ = out_pass(Rows(v, shift), gb, fq, Lq, num, out_dtype=k.dtype, reverse=True, nb=G, ax_ones=True, bx=e,
                      state=(dh, dh.stride()[:2] + (dh.stride(3), dh.stride(2))),
                      state_z=(dhz, dhz.stride()[:2]) if normalize else None, z_mode=2,
-                     base=_base(dS, transpose=True), base_z=_vec(dz), grad_x=kb if mapped else None, role="dk")
+                     base=_base(dS, transpose=True), base_z=_vec(dz), grad_x=xk if chain else None, role="dk")
     dv, _ = out_pass(kb, fq, gb, Lq, num, out_dtype=v.dtype, reverse=True, nb=G, state=(dh, dh.stride()),
                      base=_base(dS), role="dv")
     return (dq, dk, dv) + state_grads(dS0, dz0, base_s, base_z, normalize, q)
@@ -115,18 +118,18 @@ def kv_state_fwd(k, v, fmap, tf32):
     """(S (B, Hkv, F, Dv), z (B, Hkv, F)) fp32: one reduction over the keys, split over the sequence."""
     num = Numerics(v.dtype, tf32)
     B, Hkv, Lk, F = k.shape
-    _, _, S, z = state_pass(Rows(k, 0, fmap), Rows(v), Lk, num, store=False, cx_ones=True, split=True)
+    _, _, S, z = state_pass(mapped(Rows(k, 0, fmap)), Rows(v), Lk, num, store=False, cx_ones=True, split=True)
     return S.view(B, Hkv, F, v.shape[-1]), z.view(B, Hkv, F)
 
 
 def kv_state_bwd(dS, dz, k, v, fmap, tf32):
     num = Numerics(v.dtype, tf32)
     Lk, F, Dv = k.shape[2], k.shape[3], v.shape[3]
-    kb = Rows(k, 0, fmap)
+    xk = Rows(k, 0, fmap)
     dk, _ = out_pass(Rows(v), None, None, Lk, num, out_dtype=k.dtype, causal=False, fc=F, ax_ones=True,
                      state=_t(dS), state_z=_vec(dz, per_chunk=True), z_mode=2,
-                     grad_x=kb if fmap != FMAP_IDENTITY else None, role="dk")
-    dv, _ = out_pass(kb, None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
+                     grad_x=xk if fmap != FMAP_IDENTITY else None, role="dk")
+    dv, _ = out_pass(mapped(xk), None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
     return dk, dv
 
 
@@ -135,7 +138,7 @@ def apply_fwd(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype, tf32):
     num = Numerics(out_dtype, tf32)
     B, H, Lq, F = q.shape
     Hkv, Dv = S.shape[1], S.shape[-1]
-    out, den = out_pass(Rows(q, 0, fmap), None, None, Lq, num, out_dtype=out_dtype, causal=False, hb=Hkv,
+    out, den = out_pass(mapped(Rows(q, 0, fmap)), None, None, Lq, num, out_dtype=out_dtype, causal=False, hb=Hkv,
                         fc=Dv, ga=H // Hkv, state=_n(S), state_z=_vec(z, per_chunk=True) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
@@ -147,12 +150,12 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
     B, H, Lq, F = q.shape
     Hkv = S.shape[1]
     g, e = _out_grads(dout, out, den, normalize)
-    fq = Rows(q, 0, fmap)
+    xq = Rows(q, 0, fmap)
     dq, _ = out_pass(Rows(g), None, None, Lq, num, out_dtype=q.dtype, causal=False, hb=Hkv, fc=F, ga=H // Hkv,
                      ax=e, state=_t(S), state_z=_vec(z, per_chunk=True) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
-                     grad_x=fq if fmap != FMAP_IDENTITY else None, role="dq")
-    _, _, dSq, dzq = state_pass(fq, Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
+                     grad_x=xq if fmap != FMAP_IDENTITY else None, role="dq")
+    _, _, dSq, dzq = state_pass(mapped(xq), Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
     return (dq,) + apply_state_grads(dSq, dzq, S, z, base_s, base_z, normalize, q)
 
 
