@@ -42,16 +42,23 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
   }
 }
 
-template <int HD, bool BF16>
+template <int HD, bool BF16, int WM = 16>
 struct FwdKernel {
   template <int KIND>
   struct Of {
-    static constexpr auto value = attn_fwd_kernel<HD, BF16, KIND>;
+    static constexpr auto value = attn_fwd_kernel<HD, BF16, KIND, false, false, WM>;
   };
 };
 
+// 128-row query tiles (32 rows per warp) where fwd_wide says so, else 64-row ones (fwd.cuh).
 template <int HD, bool BF16>
 int fwd(const AttnParams& p, prim::stream_t stream) {
+  if constexpr (FwdConfig<HD, 32>::kWide) {
+    using Cfg = FwdConfig<HD, 32>;
+    if (fwd_wide<HD>(p, device_smem_optin()))
+      return launch_by_kind<FwdKernel<HD, BF16, 32>::template Of>(
+          mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSmemBytes, stream, p);
+  }
   using Cfg = FwdConfig<HD>;
   return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
                                                          Cfg::kSmemBytes, stream, p);
