@@ -24,7 +24,9 @@ struct FwdConfig {
   static constexpr bool kWide = HD <= 128;
   static constexpr int MB = WM / 16;             // m16 row blocks per warp
   static constexpr int BM = 4 * WM;              // kBlockM (64) for WM = 16
-  static constexpr int BN = HD >= 256 ? 32 : 64;
+  // key tiles of 32 at head dim 256, and at 128 with 32 rows per warp: with 64 keys the two row blocks' S (64
+  // fp32) next to their O (128 fp32) took ptxas past 255 registers with spills (nvcc 13.0, sm_80 / sm_90a)
+  static constexpr int BN = HD >= 256 || (WM == 32 && HD >= 128) ? 32 : 64;
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
   // RELK: the band of r rows one (query tile, key tile) pair reads (BM + BN - 1 distances, one spare
   // row), the term's query tile, and each warp's fp32 products with its 16 + BN band rows
@@ -50,8 +52,8 @@ inline int device_smem_optin() {
 // head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
 // it (FwdConfig::kWide), the call has no block layout (the host builds a layout's tile lists for the 64-row
 // query tiles the dQ pass shares), and two such blocks fit an SM (each takes its tiles + the 1 KB the
-// driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 100 KB,
-// where head dim 128 keeps 64-row tiles, three blocks per SM). effattn/backends/cuda/resources.py
+// driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 / sm_120
+// 100 KB, which hold two at every such bucket: 48 KB at head dim 128). effattn/backends/cuda/resources.py
 // (`fwd_rows`) makes the same choice for explain.
 template <int HD>
 inline bool fwd_wide(const AttnParams& p, int smem_optin) {
@@ -392,19 +394,19 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const AttnParams params) {
 
     float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
     const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
+    // P, packed to 16 bits as soon as a row block's softmax is done (half the registers of fp32 S): its
+    // accumulator layout is the A-operand layout of the P V mma
+    uint32_t pa[BN / 16][MB][4];
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
+    for (int mb = 0; mb < MB; ++mb) {
       softmax_step<KIND, TERMS>(p, lay, kpm, bh, row0 + 16 * mb, n0, masked, slope, s[mb], acc[mb], m_i[mb],
                                 l_i[mb], br, cfast, cb);
-
-    // O += P V: P's accumulator layout is the A-operand layout of the next mma
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[MB][4];
-#pragma unroll
-      for (int mb = 0; mb < MB; ++mb) acc_to_a<BF16>(a[mb], s[mb], kk);
-      mma_a_rows_mb<HD, ND, BF16, MB>(acc, a, sV, kk, p.Dv);
+      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk][mb], s[mb], kk);
     }
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);
   }
   prim::cp_async_wait<0>();
 

@@ -50,7 +50,9 @@ struct FwdKernel {
   };
 };
 
-// 128-row query tiles (32 rows per warp) where fwd_wide says so, else 64-row ones (fwd.cuh).
+// 128-row query tiles (32 rows per warp) where fwd_wide says so, else 64-row ones (fwd.cuh). Up to head dim
+// 128 two 128-row blocks fit every sm_80+ SM, so only a block layout takes 64 rows there on a GPU: kAny is
+// the only 64-row instance built for those buckets.
 template <int HD, bool BF16>
 int fwd(const AttnParams& p, prim::stream_t stream) {
   if constexpr (FwdConfig<HD, 32>::kWide) {
@@ -60,8 +62,13 @@ int fwd(const AttnParams& p, prim::stream_t stream) {
           mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSmemBytes, stream, p);
   }
   using Cfg = FwdConfig<HD>;
-  return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN), cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
-                                                         Cfg::kSmemBytes, stream, p);
+  if constexpr (FwdConfig<HD, 32>::kWide)
+    return launch(attn_fwd_kernel<HD, BF16, kAny>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes,
+                  stream, p);
+  else
+    return launch_by_kind<FwdKernel<HD, BF16>::template Of>(mask_kind(p, Cfg::BN),
+                                                           cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSmemBytes,
+                                                           stream, p);
 }
 
 // The forward with bias tensors: one instance (mask kind kAny, TERMS).

@@ -382,8 +382,9 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
 
     def pairs(by_key, forward=False):
         bm, bn = tiles(D, D, by_key)
-        if forward:                                           # the forward's query tile on this device
+        if forward:                                           # the forward's tiles on this device
             bm = resources.fwd_rows(bucket(D, D), resources.device_limits(q.device), layout is not None)
+            bn = resources.fwd_key_tile(bucket(D, D), bm)
         full, part = visited_tiles(Lq, Lk, bm, bn, left, right, layout.mask if layout else None,
                                    layout.block_size if layout else 0)
         return (full + part) * (1 if layout is not None else H), bm, bn

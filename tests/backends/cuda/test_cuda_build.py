@@ -35,6 +35,9 @@ from tests.backends.cuda.nvcc_units import (
 )
 
 MASK_KINDS = 3               # forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
+# attention/fwd.cu per arch and dtype: 128-row tiles (32 rows per warp) at buckets 32, 64, 128 per mask kind;
+# 64-row tiles at 256 per mask kind, and at 32, 64, 128 kAny only (block layouts; launch.cuh `fwd`)
+FORWARD_KERNELS = 2 * (3 * MASK_KINDS + MASK_KINDS + 3)
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
 # (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
@@ -66,14 +69,14 @@ def test_every_forward_is_built_for_each_bucket_and_dtype_without_bias_terms(com
         for bf16 in (0, 1):
             assert any("attn_fwd_kernel" in n and f"ILi{hd}ELb{bf16}E" in n for n in names), (hd, bf16)
     for e in entries:            # template arguments TERMS and RELK (relative keys: attention/relkeys.cu) off
-        assert "Lb0ELb0EEEv" in e[1], e[1]
+        assert re.search(r"Lb0ELb0ELi(16|32)EEEv", e[1]), e[1]
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     for arch in ARCHS:
         sass = sass_of(compiled["attention/fwd.cu"][1], arch)
         bodies = functions(sass, "attn_fwd_kernel")
-        assert len(bodies) == 8 * MASK_KINDS, (arch, len(bodies))
+        assert len(bodies) == FORWARD_KERNELS, (arch, len(bodies))
         for body in bodies:
             for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS"):
                 assert op in body, (arch, op)
@@ -122,6 +125,22 @@ def test_hopper_forward_pipeline_in_its_sass(compiled):
         if kind == 0:
             assert loop["barriers"] == 1 and loop["inner_loops"] == 0, (name, loop)
         assert loop["barriers"] <= 2, (name, loop)
+
+
+def test_mma_sync_forward_two_barriers_per_key_tile(compiled):
+    """The mma.sync forward's key-tile loop (SASS, both archs): two block barriers per tile in every
+    instance (FA-2's "K ready" and "V ready"; the unseen V rows are zeroed before the second by the
+    threads that copied them), and the tile's HMMA: per warp, MB row blocks x (Q K^T + P V) over the
+    bucket's 16-wide steps and the key tile."""
+    for arch in ARCHS:
+        for body in functions(sass_of(compiled["attention/fwd.cu"][1], arch), "attn_fwd_kernel"):
+            name = body.split("\n", 1)[0]
+            hd, wm = (int(x) for x in re.search(r"ILi(\d+)E.*ELi(16|32)EEEv", name).groups())
+            loop = tile_loop(body, mma="HMMA")
+            assert loop is not None, name
+            assert loop["barriers"] == 2, (arch, name, loop["barriers"])
+            bn = resources.fwd_key_tile(hd, 4 * wm)
+            assert len(loop["mma"]) == (wm // 16) * 2 * (hd // 16) * (bn // 16) * 2, (arch, name, len(loop["mma"]))
 
 
 def test_dense_and_window_forwards_carry_no_dropout_or_layout_code(compiled):

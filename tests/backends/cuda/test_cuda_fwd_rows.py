@@ -1,8 +1,9 @@
 """The mma.sync forward's tile shapes (csrc/attention/fwd.cuh, FwdConfig): 128-row query tiles (4 warps of
 32 rows, two m16 row blocks each) at head-dim buckets 32, 64, 128, 64-row tiles (16 rows per warp) at 256,
 with a layout, and where two 128-row blocks do not fit an SM's shared memory; two barriers per key tile.
-Run through the emulation against the float64 oracle, and bit for bit against the 64-row instance (each
-output element sums the same products in the same order, and dropout draws per element)."""
+Run through the emulation against the float64 oracle, and bit for bit against the 64-row instance where the
+key tiles are the same (each output element sums the same products in the same order; dropout draws per
+element, so its keep-mask is the same at every tile shape)."""
 import shutil
 
 import pytest
@@ -15,7 +16,10 @@ from tests.core.test_attention import check_against_oracle
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
               pytest.mark.usefixtures("emulation")]
 
-SMALL_SM = 99 * 1024     # sm_86 / sm_89 / sm_120: an SM holds one 128-row block at head dim 128, not two
+# a device whose SM cannot hold two 128-row blocks at head dim 64 (2 x (32 + 1) KB) or 128 (2 x (48 + 1) KB)
+SMALL_SM = 60 * 1024
+# ... at head dim 128 only (every sm_80+ GPU has at least 99 KB: none of them runs 64-row tiles without a layout)
+MID_SM = 80 * 1024
 
 
 @pytest.fixture
@@ -61,11 +65,11 @@ def test_128_row_tiles_against_float64(case_id, emulation):
 
 
 def test_128_rows_bitwise_equal_to_64_rows_every_kind_and_dropout(emulation, smem_limit):
-    """Each mask kind (dense, window / ragged, key padding, dropout) on 128-row tiles, then under a device
-    whose SM holds one such block (99 KB: the launcher takes 64-row tiles at head dim 128): outputs and lse
-    bit for bit equal, dropout's keep-mask too (Philox per element)."""
+    """Each mask kind (dense, window / ragged, key padding, dropout) at head dim 64 on 128-row tiles, then on
+    a device whose SM holds one such block (the launcher takes 64-row tiles): outputs and lse bit for bit
+    equal, dropout included."""
     g = torch.Generator().manual_seed(3)
-    Lq, Lk, D = 200, 150, 128
+    Lq, Lk, D = 200, 150, 64
     q = torch.randn(1, 2, Lq, D, generator=g).bfloat16()
     k, v = (torch.randn(1, 1, Lk, D, generator=g).bfloat16() for _ in range(2))
     kpm = torch.rand(1, Lk, generator=g) < 0.3
@@ -79,6 +83,28 @@ def test_128_rows_bitwise_equal_to_64_rows_every_kind_and_dropout(emulation, sme
         smem_limit(before)
         assert (wide[2], narrow[2]) == (2 * 2, 2 * 4), kw
         assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1]), kw
+
+
+def test_head_dim_128_keep_mask_same_on_both_shapes(emulation, smem_limit):
+    """Head dim 128 runs key tiles of 32 on 128-row tiles (64 on 64-row ones), so the sums differ in order;
+    dropout's keep-mask, read off the output with V = identity, is the same bit for bit, and both shapes
+    match float64."""
+    g = torch.Generator().manual_seed(8)
+    Lq, Lk = 150, 128
+    q, k = (0.5 * torch.randn(1, 2, L, 128, generator=g) for L in (Lq, Lk))
+    eye = torch.eye(Lk).expand(1, 2, Lk, Lk).contiguous()
+    masks = []
+    for limit in (None, MID_SM):
+        before = smem_limit(limit) if limit else None
+        torch.manual_seed(5)
+        out, _, blocks = forward_blocks(emulation, q.half(), k.half(), eye.half(), dropout_p=0.25, causal=True)
+        masks.append((out != 0, blocks))
+        check_against_oracle(q.half(), k.half(), torch.randn(1, 2, Lk, 128, generator=g).half(), dict(causal=True),
+                             torch.float16, "cuda")
+        if before:
+            smem_limit(before)
+    assert [b for _, b in masks] == [2 * 2, 2 * 3]
+    assert torch.equal(masks[0][0], masks[1][0]) and masks[0][0].any()
 
 
 def test_layouts_and_head_dim_256_keep_64_rows(emulation):
@@ -96,13 +122,15 @@ def test_layouts_and_head_dim_256_keep_64_rows(emulation):
 
 def test_explain_names_the_tile(smem_limit):
     q = torch.randn(1, 2, 100, 128).half()
-    assert "query tiles of 128 rows (4 warps x 32)" in str(effattn.explain(q, q, q, backend="cuda"))
-    smem_limit(SMALL_SM)
-    assert "query tiles of 64 rows (4 warps x 16)" in str(effattn.explain(q, q, q, backend="cuda"))
+    assert "query tiles of 128 rows (4 warps x 32), key tiles of 32" in str(effattn.explain(q, q, q, backend="cuda"))
+    before = smem_limit(MID_SM)
+    assert "query tiles of 64 rows (4 warps x 16), key tiles of 64" in str(effattn.explain(q, q, q, backend="cuda"))
     q64 = torch.randn(1, 2, 100, 64).half()
     assert "query tiles of 128 rows" in str(effattn.explain(q64, q64, q64, backend="cuda"))
-    limits = resources.Limits("x", SMALL_SM, 65536)
-    assert [resources.fwd_rows(hd, limits) for hd in (32, 64, 128, 256)] == [128, 128, 64, 64]
-    big = resources.Limits("x", 163 * 1024, 65536)
-    assert [resources.fwd_rows(hd, big) for hd in (32, 64, 128, 256)] == [128, 128, 128, 64]
-    assert resources.fwd_rows(64, big, layout=True) == resources.fwd_rows(64, big, terms=True) == 64
+    smem_limit(before)
+    for optin in (99 * 1024, 163 * 1024, 227 * 1024):      # sm_86 / sm_89 / sm_120, sm_80, sm_90 / sm_100
+        limits = resources.Limits("x", optin, 65536)
+        assert [resources.fwd_rows(hd, limits) for hd in (32, 64, 128, 256)] == [128, 128, 128, 64]
+        assert resources.fwd_rows(64, limits, layout=True) == resources.fwd_rows(64, limits, terms=True) == 64
+    mid = resources.Limits("x", MID_SM, 65536)
+    assert [resources.fwd_rows(hd, mid) for hd in (32, 64, 128, 256)] == [128, 128, 64, 64]

@@ -73,4 +73,4 @@ def mma_tile(call, terms: bool = False) -> str:
     """The mma.sync forward's tile for a call on its device (resources.fwd_rows), in words."""
     hd = bucket(call.q.shape[-1], call.v.shape[-1])
     rows = resources.fwd_rows(hd, resources.device_limits(call.q.device), call.layout is not None, terms)
-    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {32 if hd >= 256 else 64}"
+    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {resources.fwd_key_tile(hd, rows)}"
