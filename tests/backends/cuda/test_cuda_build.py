@@ -191,6 +191,9 @@ def dynamic_smem(kernel):
     hd = int(m.group(1)) if m else 0
     if "attn_decode_split_kernel" in kernel:
         return resources.decode_smem(hd, int(re.search(r"ILi\d+ELb[01]ELi(\d)E", kernel).group(1)))
+    wide = re.search(r"attn_fwd_kernelILi\d+E.*ELi32EEEv", kernel)
+    if wide:                                               # the 128-row instances (32 rows per warp)
+        return resources.fwd_smem(hd, 128)
     for name, size in (("attn_fwd_sm90_kernel", resources.hopper_smem), ("attn_fwd_kernel", resources.fwd_smem),
                        ("attn_dkdv_kernel", resources.dkdv_smem), ("attn_dq_kernel", resources.dq_smem)):
         if name in kernel:
