@@ -183,7 +183,9 @@ EFFATTN_DEVICE bool key_seen(const AttnParams& p, const uint8_t* lay, const uint
 
 // Zeroes the rows (keys n0 + r) of a landed swizzled K or V tile for which `seen(key)` is false, so
 // that whatever an ignored key holds (NaN, inf in padding) gives 0 * 0 in a product, never 0 * NaN.
-// Masked tiles only; all NT threads of the block, between two block syncs.
+// Masked tiles only; all NT threads of the block. A thread zeroes exactly the chunks load_rows / load_tile
+// (same ROWS, Lay, NT) gave it, so it may run right after that thread's own wait, before the barrier that
+// publishes the tile (the forward), or between two block syncs.
 template <int HD, int ROWS, class Lay = Tile<HD>, int NT = 128, class Seen>
 EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
   constexpr int C = HD / 8;

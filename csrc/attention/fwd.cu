@@ -21,10 +21,14 @@ int fwd_of_kind(int kind, const AttnParams& p, prim::stream_t stream) {
   }
 }
 
-// The narrowest instance for the call: its mask kind, and the dropout code only when it drops.
+// The narrowest instance for the call: its mask kind (for the key tile of the query tile fwd_wide picks),
+// and the dropout code only when it drops. Below head dim 256 the dense, causal and window kinds have only
+// the 128-row instance (launch.cuh), so a call the device cannot give 128-row tiles runs kAny's 64-row one.
 template <int HD, bool BF16>
 int fwd_of_call(const AttnParams& p, prim::stream_t stream) {
-  int kind = mask_kind(p, FwdConfig<HD>::BN);
+  const bool wide = fwd_wide<HD>(p, device_smem_optin());
+  int kind = mask_kind(p, wide ? FwdConfig<HD, 32>::BN : FwdConfig<HD>::BN);
+  if (FwdConfig<HD, 32>::kWide && !wide && kind != kLayout) kind = kAny;
   bool drop = p.dropout != 0;
 #if defined(EFFATTN_CUDA_EMU)
   if (emu_record::fwd_general) kind = kAny, drop = true;

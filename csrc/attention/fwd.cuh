@@ -1,10 +1,15 @@
 // Forward kernel: FlashAttention-2 (Dao 2023, Alg. 1) on mma.sync m16n8k16, ldmatrix and cp.async.
 //
-// One block of 4 warps per (query tile of 64 rows, b, h), 1-D grid; warp w owns rows [16w, 16w + 16). Per key
-// tile (BN keys): S = Q K^T (Q and K from swizzled shared memory through ldmatrix), the online
-// softmax in registers, O += P V (P straight from the S accumulators, V through ldmatrix.trans).
-// cp.async pipeline, one buffer per operand: V(t) is in flight while S(t) is computed, K(t+1)
-// while the softmax and P V(t) run.
+// One block of 4 warps per (query tile of BM = 4 WM rows, b, h), 1-D grid; warp w owns rows [WM w, WM w + WM):
+// WM = 32 (two m16 row blocks, 128-row tiles: each K and V fragment read from shared memory feeds two
+// products) or WM = 16 (64-row tiles: head dim 256, the bias-tensor and relative-key instances, block
+// layouts, devices whose shared memory holds fewer than two 128-row blocks per SM; FwdConfig). Per key
+// tile (BN keys): S = Q K^T (Q and K from swizzled shared memory through ldmatrix), the online softmax in
+// registers, O += P V (P straight from the S accumulators, V through ldmatrix.trans). cp.async, one
+// buffer per operand, two barriers per key tile (FA-2's placement): "K(t) ready" (which also ends every
+// warp's P V(t-1), so V(t) is then issued into its buffer and lands while S(t) is computed), and
+// "V(t) ready" (which also ends every warp's S(t), so K(t+1) is then issued and lands while the softmax
+// and P V(t) run).
 #pragma once
 
 #include "attention/common.cuh"
@@ -12,10 +17,17 @@
 
 namespace effattn {
 
-template <int HD>
+// WM: query rows per warp (16 or 32; `kWide` says whether a head-dim bucket has the 32-row instance: at
+// 256, 32 rows' output accumulators alone would take 256 registers per thread).
+template <int HD, int WM = 16>
 struct FwdConfig {
-  static constexpr int BM = kBlockM;
-  static constexpr int BN = HD >= 256 ? 32 : 64;
+  static_assert(WM == 16 || WM == 32, "a warp owns one or two m16 row blocks");
+  static constexpr bool kWide = HD <= 128;
+  static constexpr int MB = WM / 16;             // m16 row blocks per warp
+  static constexpr int BM = 4 * WM;              // kBlockM (64) for WM = 16
+  // key tiles of 32 at head dim 256, and at 128 with 32 rows per warp: with 64 keys the two row blocks' S (64
+  // fp32) next to their O (128 fp32) took ptxas past 255 registers with spills (nvcc 13.0, sm_80 / sm_90a)
+  static constexpr int BN = HD >= 256 || (WM == 32 && HD >= 128) ? 32 : 64;
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
   // RELK: the band of r rows one (query tile, key tile) pair reads (BM + BN - 1 distances, one spare
   // row), the term's query tile, and each warp's fp32 products with its 16 + BN band rows
@@ -23,6 +35,33 @@ struct FwdConfig {
   static constexpr int kWarpBand = 16 + BN;
   static constexpr int kRelkSmemBytes = kSmemBytes + (kBand + BM) * HD * 2 + 4 * 16 * kWarpBand * 4;
 };
+
+// The device's opt-in shared memory per block (under the emulation: the emulated device's limit).
+#if defined(EFFATTN_CUDA_EMU)
+inline int device_smem_optin() { return int(emu::smem_limit()); }
+#else
+inline int device_smem_optin() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 0;                                          // unknown: the 64-row tiles, which fit every sm_80+ GPU
+  return bytes;
+}
+#endif
+
+// Whether a plain forward call (no bias tensors or relative keys) runs the 128-row instance (WM = 32) of
+// head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
+// it (FwdConfig::kWide), the call has no block layout (the host builds a layout's tile lists for the 64-row
+// query tiles the dQ pass shares), and two such blocks fit an SM (each takes its tiles + the 1 KB the
+// driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 / sm_120
+// 100 KB, which hold two at every such bucket: 48 KB at head dim 128). effattn/backends/cuda/resources.py
+// (`fwd_rows`) makes the same choice for explain.
+template <int HD>
+inline bool fwd_wide(const AttnParams& p, int smem_optin) {
+  using Wide = FwdConfig<HD, 32>;
+  if (!Wide::kWide || p.lists || p.layout || p.lay_check) return false;
+  return 2 * (Wide::kSmemBytes + 1024) <= smem_optin + 1024;
+}
 
 // RELK: the row of r for distance d (attention.h).
 EFFATTN_DEVICE int relk_index(const AttnParams& p, int d) {
@@ -233,16 +272,67 @@ EFFATTN_DEVICE void store_rows(const AttnParams& p, int b, int h, int bh, int ro
   }
 }
 
+// acc[mb] (16 x NB) += A_mb B^T for a warp's MB row blocks: A_mb = rows [ra + 16 mb, ra + 16 mb + 16) of tile
+// `sa`, B = rows [0, NB) of tile `sb`, the first `k16` 16-wide steps; each B fragment is read from shared
+// memory once for the MB products (each accumulator sums its products in mma_rows_rows' order: MB = 1 is
+// that function, and every MB gives the same bits).
+template <int HD, int NB, bool BF16, int MB>
+EFFATTN_DEVICE void mma_rows_rows_mb(float (&acc)[MB][NB / 8][4], const uint16_t* sa, int ra, const uint16_t* sb,
+                                     int k16) {
+  const int lane = prim::thread_x() & 31;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    if (kk >= k16) break;
+    uint32_t a[MB][4];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+      prim::ldmatrix_x4(a[mb], sa + Tile<HD>::offset(ra + 16 * mb + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                     2 * kk + (lane >> 4)));
+#pragma unroll
+    for (int nn = 0; nn < NB / 16; ++nn) {
+      uint32_t b[4];
+      prim::ldmatrix_x4(b, sb + Tile<HD>::offset(nn * 16 + (lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        prim::mma_16816<BF16>(acc[mb][2 * nn], a[mb], b[0], b[1]);
+        prim::mma_16816<BF16>(acc[mb][2 * nn + 1], a[mb], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// O += P V for a warp's MB row blocks: acc[mb] (16 x 8 NA) += a[mb] (16 x 16, reduction step kk) B, B = rows
+// [16 kk, 16 kk + 16) of tile `sb` (ldmatrix.trans), columns below `width` only; each V fragment read once
+// for the MB products (mma_a_rows with c0 = 0 per row block, the same bits).
+template <int HD, int NA, bool BF16, int MB>
+EFFATTN_DEVICE void mma_a_rows_mb(float (&acc)[MB][NA][4], const uint32_t (&a)[MB][4], const uint16_t* sb, int kk,
+                                  int width) {
+  const int lane = prim::thread_x() & 31;
+#pragma unroll
+  for (int dd = 0; dd < NA / 2; ++dd) {
+    if (16 * dd >= width) break;
+    uint32_t b[4];
+    prim::ldmatrix_x4_trans(b, sb + Tile<HD>::offset(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * dd + (lane >> 4)));
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      prim::mma_16816<BF16>(acc[mb][2 * dd], a[mb], b[0], b[1]);
+      prim::mma_16816<BF16>(acc[mb][2 * dd + 1], a[mb], b[2], b[3]);
+    }
+  }
+}
+
 // TERMS: the instance with bias tensors (relative table, adaptive span, dense bias; KIND = kAny). RELK: the
 // instance with relative keys (KIND = kAny; relk_add per tile). DROP: the dropout code (the Philox keep-mask) is
-// compiled in (attention/inst/: an instance per mask kind and DROP). ROWS: where key / value rows are read
-// (key_rows.cuh: the strided tensors, or pages through a block table).
-template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny,
+// compiled in (attention/inst/: an instance per mask kind and DROP). WM: query rows per warp (FwdConfig); the
+// TERMS and RELK instances keep 16 (their per-warp band products and shared-memory blocks are for 16 rows).
+// ROWS: where key / value rows are read (key_rows.cuh: the strided tensors, or pages through a block table).
+template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny, int WM = 16,
           class ROWS = StridedRows>
 EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   const AttnParams& params = ROWS::attn(kparams);
-  using Cfg = FwdConfig<HD>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  using Cfg = FwdConfig<HD, WM>;
+  static_assert(WM == 16 || (Cfg::kWide && !TERMS && !RELK), "32 rows per warp: head dims up to 128, no terms");
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, MB = Cfg::MB;
   constexpr int NS = BN / 8;        // 8-wide key subtiles of S
   constexpr int ND = HD / 8;        // 8-wide column subtiles of O
   EFFATTN_SMEM(smem);
@@ -275,55 +365,61 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   if (n_tiles > 0) ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
   prim::cp_async_commit();
 
-  float acc[ND][4];
+  float acc[MB][ND][4];
 #pragma unroll
-  for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
-  const int row0 = m0 + warp * 16 + g;                  // this thread's rows: row0, row0 + 8
+  for (int mb = 0; mb < MB; ++mb) zero_acc(acc[mb]);
+  float m_i[MB][2], l_i[MB][2];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) m_i[mb][0] = m_i[mb][1] = -INFINITY, l_i[mb][0] = l_i[mb][1] = 0.f;
+  const int row0 = m0 + warp * WM + g;                  // row block mb's rows: row0 + 16 mb, row0 + 16 mb + 8
   const float slope = alibi_slope(p, b, h);
   const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
 
   for (int it = 0; it < n_tiles; ++it) {
     const int n0 = sched.tile(it) * BN;
     const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
-    ROWS::template load<HD, BN, true>(kparams, b, sV, vb, p.v_l, n0, p.Lk, p.Dv);
+    prim::cp_async_wait<0>();                            // Q and K(t): this thread's copies have landed
+    prim::sync_block();                                  // K ready: every thread's; every warp is done with V(t-1)
+    ROWS::template load<HD, BN, true>(kparams, b, sV, vb, p.v_l, n0, p.Lk, p.Dv);   // V(t) lands during S(t)
     prim::cp_async_commit();
-    prim::cp_async_wait<1>();                            // Q and K(t) have landed (this thread's)
-    prim::sync_block();                                  // ... and every thread's
 
-    // S = Q K^T for this warp's 16 rows and the BN keys
-    float s[NS][4];
+    // S = Q K^T for this warp's WM rows and the BN keys
+    float s[MB][NS][4];
 #pragma unroll
-    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    mma_rows_rows<HD, BN, BF16>(s, sQ, warp * 16, sK, kd);
-    prim::sync_block();                                  // every warp is done reading K(t)
+    for (int mb = 0; mb < MB; ++mb) zero_acc(s[mb]);
+    mma_rows_rows_mb<HD, BN, BF16, MB>(s, sQ, warp * WM, sK, kd);
+    if constexpr (RELK) relk_add<HD, BM, BN, BF16>(p, h, m0, n0, sR, sQt, sPR, kd, s[0]);
+
+    prim::cp_async_wait<0>();                            // V(t): this thread's copies have landed
+    if (masked || kpm)                                   // keys no row sees: zero values (NaN-safe), each thread
+      zero_unseen<HD, BN>(sV, n0, [&](int j) {           //   in the chunks it copied (load_tile's map)
+        return key_seen(p, lay, kpm, m0, m0 + BM, j);
+      });
+    prim::sync_block();                                  // V ready: every thread's; every warp is done with K(t)
     if (it + 1 < n_tiles)
       ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
-    prim::cp_async_commit();                             // (an empty group on the last tile)
-    if constexpr (RELK) relk_add<HD, BM, BN, BF16>(p, h, m0, n0, sR, sQt, sPR, kd, s);
+    prim::cp_async_commit();                             // K(t+1) lands during the softmax and P V(t)
 
     float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
     const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
-    softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0, n0, masked, slope, s, acc, m_i, l_i, br, cfast, cb);
-
-    prim::cp_async_wait<1>();                            // V(t) has landed; K(t+1) may be in flight
-    prim::sync_block();
-    if (masked || kpm) {                                 // keys no row sees: zero values (NaN-safe)
-      zero_unseen<HD, BN>(sV, n0, [&](int j) { return key_seen(p, lay, kpm, m0, m0 + BM, j); });
-      prim::sync_block();
-    }
-    // O += P V: P's accumulator layout is the A-operand layout of the next mma
+    // P, packed to 16 bits as soon as a row block's softmax is done (half the registers of fp32 S): its
+    // accumulator layout is the A-operand layout of the P V mma
+    uint32_t pa[BN / 16][MB][4];
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a<BF16>(a, s, kk);
-      mma_a_rows<HD, ND, BF16>(acc, a, sV, kk, 0, p.Dv);
+    for (int mb = 0; mb < MB; ++mb) {
+      softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0 + 16 * mb, n0, masked, slope, s[mb], acc[mb], m_i[mb],
+                                l_i[mb], br, cfast, cb);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk][mb], s[mb], kk);
     }
-    prim::sync_block();                                  // every warp is done reading V(t)
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);
   }
   prim::cp_async_wait<0>();
 
-  store_rows<BF16>(p, b, h, bh, row0, acc, m_i, l_i);
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) store_rows<BF16>(p, b, h, bh, row0 + 16 * mb, acc[mb], m_i[mb], l_i[mb]);
 }
 
 }  // namespace effattn

@@ -45,15 +45,30 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
 }
 
 // The mma.sync forward (declared in launchers.cuh; attention/inst/ instantiates it per head-dim bucket,
-// dtype, mask kind and dropout flag, and fwd.cu picks one per call).
+// dtype, mask kind and dropout flag, and fwd.cu picks one per call). Up to head dim 128 the instances take
+// 128-row query tiles (32 rows per warp, fwd.cuh) where fwd_wide says so; two 128-row blocks fit every
+// sm_80+ SM there, so 64-row tiles are built only for a block layout (kLayout, and kAny, which also serves
+// a call on a device with less shared memory: fwd.cu sends such calls to kAny) and at head dim 256.
 template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream) {
-  using Cfg = FwdConfig<HD>;
+  constexpr bool kWide = FwdConfig<HD, 32>::kWide && KIND != kLayout;                    // a 128-row instance
+  constexpr bool kNarrow = !FwdConfig<HD, 32>::kWide || KIND == kLayout || KIND == kAny;  // a 64-row one
 #if defined(EFFATTN_CUDA_EMU)
   emu_record::last_fwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
 #endif
-  return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
-                Cfg::kSmemBytes, stream, p);
+  if constexpr (kWide) {
+    if (!kNarrow || fwd_wide<HD>(p, device_smem_optin())) {
+      using Cfg = FwdConfig<HD, 32>;
+      return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP, 32>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
+                    1, Cfg::kSmemBytes, stream, p);
+    }
+  }
+  if constexpr (kNarrow) {
+    using Cfg = FwdConfig<HD>;
+    return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1,
+                  Cfg::kSmemBytes, stream, p);
+  }
+  return -1;   // not reached: kWide holds where kNarrow does not
 }
 
 // The forward with bias tensors: one instance (mask kind kAny, TERMS).

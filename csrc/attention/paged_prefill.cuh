@@ -29,7 +29,7 @@ struct PagedRows {
 // or dropout (forward-only inference).
 template <int HD, bool BF16>
 struct PagedFwd {
-  static constexpr auto kernel = attn_fwd_kernel<HD, BF16, kWindow, false, false, false, PagedRows>;
+  static constexpr auto kernel = attn_fwd_kernel<HD, BF16, kWindow, false, false, false, 16, PagedRows>;
 };
 
 }  // namespace effattn

@@ -118,11 +118,19 @@ MUTATIONS: List[Mutation] = [
              "if (p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
              "dQ: the dropout key counter one off"),
     Mutation("barrier-fwd-k", "attention/fwd.cuh",
-             "    prim::sync_block();                                  // every warp is done reading K(t)\n", "",
-             BARRIERS, "forward: no barrier before K(t+1) overwrites K(t)"),
+             "    prim::sync_block();                                  // K ready: every thread's; every warp is done "
+             "with V(t-1)\n", "", BARRIERS,
+             "forward: no \"K ready\" barrier (K(t) read before every thread's copies landed; V(t) issued over "
+             "V(t-1) while warps still read it)"),
     Mutation("barrier-fwd-v", "attention/fwd.cuh",
-             "    prim::sync_block();                                  // every warp is done reading V(t)\n", "",
-             BARRIERS, "forward: no barrier before V(t+1) overwrites V(t)"),
+             "    prim::sync_block();                                  // V ready: every thread's; every warp is done "
+             "with K(t)\n", "", BARRIERS,
+             "forward: no \"V ready\" barrier (V(t) read before every thread's copies landed; K(t+1) issued over "
+             "K(t) while warps still read it)"),
+    Mutation("fwd-v-wait", "attention/fwd.cuh",
+             "prim::cp_async_wait<0>();                            // V(t): this thread's copies have landed",
+             "prim::cp_async_wait<1>();                            // V(t): this thread's copies have landed",
+             BARRIERS, "forward: V(t) not waited for before the \"V ready\" barrier (reads the tile in flight)"),
     Mutation("barrier-dkdv", "attention/bwd.cuh",
              "      prim::sync_block();                                // every warp is done with sQ, sdO, stats\n",
              "", BARRIERS, "dK/dV: no barrier before the next query tile overwrites Q, dO and the row statistics"),

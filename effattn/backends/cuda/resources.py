@@ -51,10 +51,30 @@ class Need(NamedTuple):
 
 # ----------------------------------------------------------------------- the kernels' shared memory
 
-def fwd_smem(hd: int) -> int:
-    """The mma.sync forward (FwdConfig): Q (64 rows), K and V tiles (64 keys, 32 at head dim 256)."""
-    bn = 32 if hd >= 256 else 64
-    return (64 + 2 * bn) * hd * 2
+def fwd_key_tile(hd: int, rows: int = 64) -> int:
+    """The mma.sync forward's key tile (FwdConfig::BN): 64 keys, 32 at head dim 256 and at 128 with 128-row
+    query tiles."""
+    return 32 if hd >= 256 or (rows == 128 and hd >= 128) else 64
+
+
+def fwd_smem(hd: int, rows: int = 64) -> int:
+    """The mma.sync forward (FwdConfig): Q (`rows` rows), K and V tiles (`fwd_key_tile` keys)."""
+    return (rows + 2 * fwd_key_tile(hd, rows)) * hd * 2
+
+
+WIDE_BUCKETS = (32, 64, 128)   # the mma.sync forward's buckets with 128-row tiles (FwdConfig::kWide)
+
+
+def fwd_rows(hd: int, limits: "Limits", layout: bool = False, terms: bool = False) -> int:
+    """The query tile of the mma.sync forward on a device (csrc/attention/fwd.cuh `fwd_wide`, which the
+    launcher runs with the device's opt-in shared memory): 128 rows (4 warps of 32) where the bucket has
+    them, the call has no block layout (its tile lists are built for 64-row tiles), no bias tensors or
+    relative keys (`terms`: those instances keep 16 rows per warp), and two blocks fit an SM (an SM has
+    the opt-in shared memory per block + 1 KB; each block its tiles + 1 KB: every sm_80+ GPU, 99 KB and
+    up, holds two at each of these buckets); else 64 rows."""
+    if hd not in WIDE_BUCKETS or layout or terms:
+        return 64
+    return 128 if 2 * (fwd_smem(hd, 128) + 1024) <= limits.smem_per_block + 1024 else 64
 
 
 def relk_smem(hd: int) -> int:

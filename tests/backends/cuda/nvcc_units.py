@@ -24,7 +24,8 @@ GENCODE = [f for f in targets.gencode(targets.DEFAULT_ARCH_LIST)[0] if "code=sm_
 ARCHS = tuple(f.rsplit("code=", 1)[1] for f in GENCODE)
 assert ARCHS == ("sm_80", "sm_90a"), ARCHS
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
-KERNEL_BUDGET = 32           # per .cu and arch; attention/inst/fwd_*.cu: 1 each, inst/bwd_*.cu: 3 to 5 (Delta,
+KERNEL_BUDGET = 32           # per .cu and arch; attention/inst/fwd_*.cu: 1 or 2 each (kAny up to bucket
+                             # 128: the 128-row and the 64-row instance), inst/bwd_*.cu: 3 to 5 (Delta,
                              # dK/dV, dQ; the fused backward and its dQ conversion up to bucket 128);
                              # attention/fwd.cu and bwd.cu dispatch to them and hold none; terms.cu: 26
 NVCC = shutil.which("nvcc")

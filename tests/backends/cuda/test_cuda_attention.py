@@ -363,7 +363,8 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
     backend's plan (`visited_tiles`, the code that builds the layout lists) for each pass's tiles."""
     monkeypatch.setenv("EFFATTN_CUDA_FUSED_BWD", "0")        # the two passes' products (the fused kernel's:
                                                               # test_cuda_fused_bwd.py)
-    from effattn.backends.cuda.attention.tiling import tiles
+    from effattn.backends.cuda import resources
+    from effattn.backends.cuda.attention.tiling import bucket, tiles
     from effattn.tiles import visited_tiles
     Lq, Lk, D, left, right, lay = VISITS[case_id]
     H = 2
@@ -380,8 +381,11 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
     elif left >= 0 or right >= 0:
         kw = dict(window=(left, right))
 
-    def pairs(by_key):
+    def pairs(by_key, forward=False):
         bm, bn = tiles(D, D, by_key)
+        if forward:                                           # the forward's tiles on this device
+            bm = resources.fwd_rows(bucket(D, D), resources.device_limits(q.device), layout is not None)
+            bn = resources.fwd_key_tile(bucket(D, D), bm)
         full, part = visited_tiles(Lq, Lk, bm, bn, left, right, layout.mask if layout else None,
                                    layout.block_size if layout else 0)
         return (full + part) * (1 if layout is not None else H), bm, bn
@@ -391,8 +395,9 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
     emulation.emu_stats()
     out = effattn.attention(q, k, v, layout=layout, backend="cuda", **kw)
     fwd = int(emulation.emu_stats()[1])
+    n, bm, bn = pairs(False, forward=True)
+    assert fwd == n * 4 * (bm // 64) * 2 * (bn // 16) * 2 * steps, (fwd, n)   # a warp: bm / 64 row blocks of 16
     n, _, bn = pairs(False)
-    assert fwd == n * 4 * 2 * (bn // 16) * 2 * steps, (fwd, n)
     torch.autograd.grad(out.float().sum(), (q, k, v))
     bwd = int(emulation.emu_stats()[1])
     nk, bm_kv, _ = pairs(True)

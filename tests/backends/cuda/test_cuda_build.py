@@ -42,6 +42,15 @@ MASK_KINDS = 3               # Hopper forward instances per bucket and dtype: kD
 KIND_NAMES = ("dense", "window", "any", "causal", "layout")        # MaskKind 0..4
 INSTANCES = tuple(f"attention/inst/fwd_128_bf16_{k}_{d}.cu" for k in KIND_NAMES for d in ("nodrop", "drop")) + (
     "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu")
+
+
+def instance_wms(hd, kind):
+    """The rows per warp of the kernels a generated forward unit holds (launch.cuh `fwd`): 32 (128-row tiles)
+    up to head dim 128 except for a block layout, 16 (64-row tiles) for a layout, at head dim 256, and as
+    kAny's second instance up to head dim 128."""
+    if hd > 128 or kind == "layout":
+        return [16]
+    return [16, 32] if kind == "any" else [32]
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
 # (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
@@ -69,8 +78,8 @@ def test_forward_dispatch_unit_holds_no_kernel(compiled):
 
 
 def instance_args(name):
-    """(head dim, bf16, mask kind, TERMS, RELK, dropout) of a mangled attn_fwd_kernel name."""
-    m = re.search(r"attn_fwd_kernelILi(\d+)ELb([01])ELi(\d)ELb([01])ELb([01])ELb([01])E", name)
+    """(head dim, bf16, mask kind, TERMS, RELK, dropout, rows per warp) of a mangled attn_fwd_kernel name."""
+    m = re.search(r"attn_fwd_kernelILi(\d+)ELb([01])ELi(\d)ELb([01])ELb([01])ELb([01])ELi(16|32)E", name)
     return tuple(map(int, m.groups()))
 
 
@@ -82,20 +91,25 @@ def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
     for src in INSTANCES:
         _, hd, dtype, kind, drop = os.path.basename(src)[:-3].split("_")
         entries = ptxas_entries(compiled[src][0])
-        assert sorted(e[0] for e in entries) == sorted(ARCHS), (src, entries)
+        wms = instance_wms(int(hd), kind)
+        assert sorted(e[0] for e in entries) == sorted(ARCHS * len(wms)), (src, entries)
+        for arch in ARCHS:
+            assert sorted(instance_args(e[1])[6] for e in entries if e[0] == arch) == wms, (src, arch, entries)
         for e in entries:
-            assert instance_args(e[1]) == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
-                                           int(drop == "drop")), (src, e[1])
+            assert instance_args(e[1])[:6] == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
+                                               int(drop == "drop")), (src, e[1])
             assert "NS_11StridedRowsE" in e[1], e[1]    # strided rows (the paged policy: paged_prefill.cu)
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     for arch in ARCHS:
         for src in INSTANCES:
+            _, hd, _, kind, _ = os.path.basename(src)[:-3].split("_")
             bodies = functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")
-            assert len(bodies) == 1, (arch, src, len(bodies))
-            for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS", "LDSM.16.MT88.4"):   # MT88: V's .trans loads
-                assert op in bodies[0], (arch, src, op)
+            assert len(bodies) == len(instance_wms(int(hd), kind)), (arch, src, len(bodies))
+            for body in bodies:
+                for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS", "LDSM.16.MT88.4"):   # MT88: V's .trans loads
+                    assert op in body, (arch, src, op)
 
 
 def test_hopper_forward_is_wgmma_on_sm90a_only(compiled):
@@ -140,6 +154,23 @@ def test_hopper_forward_pipeline_in_its_sass(compiled):
         if kind == 0:
             assert loop["barriers"] == 1 and loop["inner_loops"] == 0, (name, loop)
         assert loop["barriers"] <= 2, (name, loop)
+
+
+def test_mma_sync_forward_two_barriers_per_key_tile(compiled):
+    """The mma.sync forward's key-tile loop (SASS, both archs): two block barriers per tile in every
+    instance (FA-2's "K ready" and "V ready"; the unseen V rows are zeroed before the second by the
+    threads that copied them), and the tile's HMMA: per warp, MB row blocks x (Q K^T + P V) over the
+    bucket's 16-wide steps and the key tile."""
+    for arch in ARCHS:
+        for body in (b for src in INSTANCES for b in functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")):
+            name = body.split("\n", 1)[0]
+            args = instance_args(name)
+            hd, wm = args[0], args[6]
+            loop = tile_loop(body, mma="HMMA")
+            assert loop is not None, name
+            assert loop["barriers"] == 2, (arch, name, loop["barriers"])
+            bn = resources.fwd_key_tile(hd, 4 * wm)
+            assert len(loop["mma"]) == (wm // 16) * 2 * (hd // 16) * (bn // 16) * 2, (arch, name, len(loop["mma"]))
 
 
 def test_only_dropout_instances_carry_dropout_code_and_dense_is_short(compiled):
@@ -199,6 +230,9 @@ def dynamic_smem(kernel):
     hd = int(m.group(1)) if m else 0
     if "attn_decode_split_kernel" in kernel:
         return resources.decode_smem(hd, int(re.search(r"ILi\d+ELb[01]ELi(\d)E", kernel).group(1)))
+    wide = re.search(r"attn_fwd_kernelILi\d+E.*ELi32EEEv", kernel)
+    if wide:                                               # the 128-row instances (32 rows per warp)
+        return resources.fwd_smem(hd, 128)
     for name, size in (("attn_fwd_sm90_kernel", resources.hopper_smem), ("attn_fwd_kernel", resources.fwd_smem),
                        ("attn_dkdv_kernel", resources.dkdv_smem), ("attn_dq_kernel", resources.dq_smem)):
         if name in kernel:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import _ext
+from .. import _ext, resources
 from .tiling import bucket
 
 HEAD_DIM_BUCKETS = (64, 128)
@@ -66,4 +66,11 @@ def describe(call, terms: bool = False) -> str:
     why = why_not(call.q, call.v, packed=call.cu_seqlens is not None, terms=terms)
     if why is None:
         return "forward: Hopper wgmma kernel (sm_90a)"
-    return f"forward: mma.sync kernel (the Hopper forward is not used: {why})"
+    return f"forward: mma.sync kernel, {mma_tile(call, terms)} (the Hopper forward is not used: {why})"
+
+
+def mma_tile(call, terms: bool = False) -> str:
+    """The mma.sync forward's tile for a call on its device (resources.fwd_rows), in words."""
+    hd = bucket(call.q.shape[-1], call.v.shape[-1])
+    rows = resources.fwd_rows(hd, resources.device_limits(call.q.device), call.layout is not None, terms)
+    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {resources.fwd_key_tile(hd, rows)}"

@@ -1,0 +1,136 @@
+"""The mma.sync forward's tile shapes (csrc/attention/fwd.cuh, FwdConfig): 128-row query tiles (4 warps of
+32 rows, two m16 row blocks each) at head-dim buckets 32, 64, 128, 64-row tiles (16 rows per warp) at 256,
+with a layout, and where two 128-row blocks do not fit an SM's shared memory; two barriers per key tile.
+Run through the emulation against the float64 oracle, and bit for bit against the 64-row instance where the
+key tiles are the same (each output element sums the same products in the same order; dropout draws per
+element, so its keep-mask is the same at every tile shape)."""
+import shutil
+
+import pytest
+import torch
+
+import effattn
+from effattn.backends.cuda import resources
+from tests.core.test_attention import check_against_oracle
+
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
+              pytest.mark.usefixtures("emulation")]
+
+# a device whose SM cannot hold two 128-row blocks at head dim 64 (2 x (32 + 1) KB) or 128 (2 x (48 + 1) KB)
+SMALL_SM = 60 * 1024
+# ... at head dim 128 only (every sm_80+ GPU has at least 99 KB: none of them runs 64-row tiles without a layout)
+MID_SM = 80 * 1024
+
+
+@pytest.fixture
+def smem_limit():
+    before = resources.set_emulated_smem(0)
+    resources.set_emulated_smem(before)
+    yield resources.set_emulated_smem
+    resources.set_emulated_smem(before)
+
+
+def forward_blocks(emulation, *args, **kw):
+    """(out, lse, thread blocks the forward ran)."""
+    emulation.emu_stats()
+    out, lse = effattn.attention(*args, return_lse=True, backend="cuda", **kw)
+    return out, lse, int(emulation.emu_stats()[0])
+
+
+# id -> (B, H, Hkv, Lq, Lk, D, kwargs): several key tiles with a ragged last one, Lq not a multiple of 128
+CASES = {
+    "dense-q200-k150": (1, 2, 2, 200, 150, 32, {}),
+    "dense-k-multiple-d64": (1, 1, 1, 130, 128, 64, {}),
+    "causal-q150-k200-d128": (1, 1, 1, 150, 200, 128, dict(causal=True)),
+    "window-gqa": (1, 4, 2, 200, 190, 40, dict(window=(50, 20))),
+    "kpm-gqa": (2, 2, 1, 140, 150, 32, dict(kpm=0.3)),
+    "causal-kpm-lq-gt-lk": (1, 2, 2, 200, 70, 64, dict(causal=True, kpm=0.2)),
+}
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_128_row_tiles_against_float64(case_id, emulation):
+    """Forward, lse and the backward (which reads the forward's lse) against float64, on 128-row tiles (the
+    block count says so)."""
+    B, H, Hkv, Lq, Lk, D, kw = CASES[case_id]
+    g = torch.Generator().manual_seed(hash(case_id) % 1000)
+    q = torch.randn(B, H, Lq, D, generator=g).half()
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=g).half() for _ in range(2))
+    kw = dict(kw)
+    if "kpm" in kw:
+        kw["key_padding_mask"] = torch.rand(B, Lk, generator=g) < kw.pop("kpm")
+    _, _, blocks = forward_blocks(emulation, q, k, v, **kw)
+    assert blocks == B * H * -(-Lq // 128), blocks
+    check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
+def test_128_rows_bitwise_equal_to_64_rows_every_kind_and_dropout(emulation, smem_limit):
+    """Each mask kind (dense, window / ragged, key padding, dropout) at head dim 64 on 128-row tiles, then on
+    a device whose SM holds one such block (the launcher takes 64-row tiles): outputs and lse bit for bit
+    equal, dropout included."""
+    g = torch.Generator().manual_seed(3)
+    Lq, Lk, D = 200, 150, 64
+    q = torch.randn(1, 2, Lq, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, Lk, D, generator=g).bfloat16() for _ in range(2))
+    kpm = torch.rand(1, Lk, generator=g) < 0.3
+    for kw in (dict(), dict(causal=True), dict(window=(40, 10)), dict(key_padding_mask=kpm), dict(dropout_p=0.3),
+               dict(causal=True, key_padding_mask=kpm, dropout_p=0.2)):
+        torch.manual_seed(7)                             # the dropout seed tensor
+        wide = forward_blocks(emulation, q, k, v, **kw)
+        before = smem_limit(SMALL_SM)
+        torch.manual_seed(7)
+        narrow = forward_blocks(emulation, q, k, v, **kw)
+        smem_limit(before)
+        assert (wide[2], narrow[2]) == (2 * 2, 2 * 4), kw
+        assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1]), kw
+
+
+def test_head_dim_128_keep_mask_same_on_both_shapes(emulation, smem_limit):
+    """Head dim 128 runs key tiles of 32 on 128-row tiles (64 on 64-row ones), so the sums differ in order;
+    dropout's keep-mask, read off the output with V = identity, is the same bit for bit, and both shapes
+    match float64."""
+    g = torch.Generator().manual_seed(8)
+    Lq, Lk = 150, 128
+    q, k = (0.5 * torch.randn(1, 2, L, 128, generator=g) for L in (Lq, Lk))
+    eye = torch.eye(Lk).expand(1, 2, Lk, Lk).contiguous()
+    masks = []
+    for limit in (None, MID_SM):
+        before = smem_limit(limit) if limit else None
+        torch.manual_seed(5)
+        out, _, blocks = forward_blocks(emulation, q.half(), k.half(), eye.half(), dropout_p=0.25, causal=True)
+        masks.append((out != 0, blocks))
+        check_against_oracle(q.half(), k.half(), torch.randn(1, 2, Lk, 128, generator=g).half(), dict(causal=True),
+                             torch.float16, "cuda")
+        if before:
+            smem_limit(before)
+    assert [b for _, b in masks] == [2 * 2, 2 * 3]
+    assert torch.equal(masks[0][0], masks[1][0]) and masks[0][0].any()
+
+
+def test_layouts_and_head_dim_256_keep_64_rows(emulation):
+    """A block layout (its tile lists are built for 64-row tiles) and head dim 256 run the 64-row tiles,
+    against float64."""
+    from effattn.layouts import BlockLayout
+    g = torch.Generator().manual_seed(5)
+    for D, Lq, kw in ((32, 192, dict(layout=BlockLayout(torch.rand(2, 6, 6, generator=g) < 0.6, 32))),
+                      (256, 130, dict(causal=True))):
+        q, k, v = (torch.randn(1, 2, Lq, D, generator=g).half() for _ in range(3))
+        _, _, blocks = forward_blocks(emulation, q, k, v, **kw)
+        assert blocks == 2 * -(-Lq // 64), (D, blocks)
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
+def test_explain_names_the_tile(smem_limit):
+    q = torch.randn(1, 2, 100, 128).half()
+    assert "query tiles of 128 rows (4 warps x 32), key tiles of 32" in str(effattn.explain(q, q, q, backend="cuda"))
+    before = smem_limit(MID_SM)
+    assert "query tiles of 64 rows (4 warps x 16), key tiles of 64" in str(effattn.explain(q, q, q, backend="cuda"))
+    q64 = torch.randn(1, 2, 100, 64).half()
+    assert "query tiles of 128 rows" in str(effattn.explain(q64, q64, q64, backend="cuda"))
+    smem_limit(before)
+    for optin in (99 * 1024, 163 * 1024, 227 * 1024):      # sm_86 / sm_89 / sm_120, sm_80, sm_90 / sm_100
+        limits = resources.Limits("x", optin, 65536)
+        assert [resources.fwd_rows(hd, limits) for hd in (32, 64, 128, 256)] == [128, 128, 128, 64]
+        assert resources.fwd_rows(64, limits, layout=True) == resources.fwd_rows(64, limits, terms=True) == 64
+    mid = resources.Limits("x", MID_SM, 65536)
+    assert [resources.fwd_rows(hd, mid) for hd in (32, 64, 128, 256)] == [128, 128, 64, 64]
