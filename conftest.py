@@ -48,6 +48,7 @@ LONG_RUN = (
     f"{_BUILD}.py::test_sass_uses_tensor_cores_ldmatrix_and_async_copies",
     f"{_BUILD}.py::test_hopper_forward_is_wgmma_on_sm90a_only",
     f"{_BUILD}.py::test_only_dropout_instances_carry_dropout_code_and_dense_is_short",
+    f"{_BUILD}.py::test_mma_sync_forward_two_barriers_per_key_tile",
     f"{_BUILD}_bwd.py",
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[linear/linear.cu]",
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/relkeys.cu]",
