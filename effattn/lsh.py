@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -313,28 +313,57 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
     return (out, buckets) if return_buckets else out
 
 
-def torch_rounds(call: LshCall) -> Tuple[Tensor, Tensor]:
-    """The ``torch/lsh`` row: each round's rows gathered in sorted order, `chunk_attention`, and
-    un-sorted; ``out (B, H, R, L, Dv)``, ``lse (B, H, R, L)``."""
+class SortedRounds(NamedTuple):
+    """One call's rounds in sorted order, rounds folded into the head axis (``N = B * H * R``): what a
+    block-sparse kernel with per-row positions needs (the layout is `lsh_layout`, shared by every row)."""
+    q: Tensor            # (N, L, D)  gathered qk
+    k: Tensor            # (N, L, D)  gathered unit keys qk / |qk|
+    v: Tensor            # (N, L, Dv)
+    pos: Tensor          # (N, L) int64: each sorted row's original position
+    pad: Optional[Tensor]  # (N, L) bool, True = padding key, or None
+
+    def key_positions(self) -> Tensor:
+        """int32 ``(N, L)``: the keys' original positions with -1 where the key is padding (the
+        kernels' convention: a key of negative position is never visible)."""
+        kpos = self.pos.to(torch.int32)
+        return kpos if self.pad is None else kpos.masked_fill(self.pad, -1)
+
+
+def sorted_rounds(call: LshCall, dtype: Optional[torch.dtype] = None) -> SortedRounds:
+    """Gathers ``call``'s rows in each round's sorted order (``call.perm``), in ``dtype`` (default the
+    compute dtype); keys are normalized in float32 or wider and cast back."""
     qk, v, perm = call.q, call.v, call.perm
     B, H, R, L = perm.shape
-    Dv = v.shape[-1]
-    dt = compute_dtype(qk.dtype)
+    dt = compute_dtype(qk.dtype) if dtype is None else dtype
 
     def gathered(x: Tensor) -> Tensor:                                       # (B, H, L, E) -> (B*H*R, L, E)
-        x = x.to(dt).unsqueeze(2).expand(B, H, R, L, x.shape[-1])
+        x = x.unsqueeze(2).expand(B, H, R, L, x.shape[-1])
         return x.gather(3, perm.unsqueeze(-1).expand(B, H, R, L, x.shape[-1])).reshape(B * H * R, L, -1)
 
     q_s = gathered(qk)
-    k_s = F.normalize(q_s, dim=-1)
-    v_s = gathered(v)
+    k_s = F.normalize(q_s.to(compute_dtype(q_s.dtype)), dim=-1).to(dt)
     pad = None
     if call.key_padding_mask is not None:
         pad = call.key_padding_mask.view(B, 1, 1, L).expand(B, H, R, L).gather(3, perm).reshape(B * H * R, L)
-    out_s, lse_s = chunk_attention(q_s, k_s, v_s, perm.reshape(B * H * R, L), pad, call.chunk_len, call.offsets,
+    return SortedRounds(q_s.to(dt), k_s, gathered(v).to(dt), perm.reshape(B * H * R, L), pad)
+
+
+def unsorted(out_s: Tensor, lse_s: Tensor, call: LshCall) -> Tuple[Tensor, Tensor]:
+    """``out_s (N, L, Dv)``, ``lse_s (N, L)`` in sorted order -> ``out_r (B, H, R, L, Dv)``, ``lse_r
+    (B, H, R, L)`` in original order (a gather by the inverse permutation: deterministic backward)."""
+    B, H, R, L = call.perm.shape
+    Dv = out_s.shape[-1]
+    out_r = out_s.reshape(B, H, R, L, Dv).gather(3, call.inv.unsqueeze(-1).expand(B, H, R, L, Dv))
+    return out_r, lse_s.reshape(B, H, R, L).gather(3, call.inv)
+
+
+def torch_rounds(call: LshCall) -> Tuple[Tensor, Tensor]:
+    """The ``torch/lsh`` row: each round's rows gathered in sorted order, `chunk_attention`, and
+    un-sorted; ``out (B, H, R, L, Dv)``, ``lse (B, H, R, L)``."""
+    rows = sorted_rounds(call)
+    out_s, lse_s = chunk_attention(rows.q, rows.k, rows.v, rows.pos, rows.pad, call.chunk_len, call.offsets,
                                    call.causal, call.scale, call.dropout_p)
-    out_r = out_s.view(B, H, R, L, Dv).gather(3, call.inv.unsqueeze(-1).expand(B, H, R, L, Dv))
-    return out_r, lse_s.view(B, H, R, L).gather(3, call.inv)
+    return unsorted(out_s, lse_s, call)
 
 
 def explain_lsh(qk: Tensor, v: Tensor, **kwargs) -> str:
