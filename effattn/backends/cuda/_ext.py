@@ -6,9 +6,10 @@
   the emulation of csrc/emu/ (``torch.ops.effattn_cuda_emu.*``), built on first use and cached under
   ``~/.cache/effattn`` (``EFFATTN_CUDA_EMU_DIR``) keyed on the sources' hash. Two parts: the kernels
   (every csrc/*/*.cu, csrc/*/inst/*.cu and csrc/emu/api.cpp, compiled by g++ into ``libeffattn_emu_kernels.so``, no
-  torch: seconds) and the binding (csrc/binding/*.cpp through ``torch.utils.cpp_extension.load``,
-  linked against that library: minutes, redone only when the binding or a ``.h`` changes), so a
-  kernel edit rebuilds only the first. ``EFFATTN_CSRC`` points both at another copy of csrc/ (the
+  torch: seconds) and the binding (csrc/binding/*.cpp as one unit through
+  ``torch.utils.cpp_extension.load``, linked against that library: about 40 s, redone only when the
+  binding or a ``.h`` changes), so a kernel edit rebuilds only the first, and of it only the units
+  that include the edited file. ``EFFATTN_CSRC`` points both at another copy of csrc/ (the
   mutation script, csrc/emu/mutate.py, runs the tests on mutated copies this way).
 """
 from __future__ import annotations
@@ -109,7 +110,10 @@ def _unit_object(cxx, flags, src, folder, name=None, text="") -> tuple:
         name = os.path.relpath(src, _CSRC).replace(os.sep, "_")
     else:
         deps = [d for d in deps if d != os.path.abspath(src)]
-    obj = os.path.join(folder, f"{name}-{_digest(deps, cxx, *flags, text)}.o")
+    # keyed on the flags with csrc/'s own path left out: a copy of csrc/ (EFFATTN_CSRC, a mutant) reuses
+    # every object whose sources it did not change
+    key_flags = ["<csrc>" if f == _CSRC else f for f in flags]
+    obj = os.path.join(folder, f"{name}-{_digest(deps, cxx, *key_flags, text)}.o")
     if os.path.exists(obj):
         return obj, None
     return obj, [cxx, *flags, "-x", "c++", "-c", src, "-o", f"{obj}.{os.getpid()}.tmp"]
@@ -239,7 +243,16 @@ def build_emu(extra_cflags=(), name="effattn_cuda_emu", verbose=False):
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             shutil.copy2(f, f"{dst}.{os.getpid()}.tmp")
             os.replace(f"{dst}.{os.getpid()}.tmp", dst)
-    cpp_extension.load(name=name, sources=sorted(glob.glob(os.path.join(src, "binding", "*.cpp"))),
+    # one translation unit including every binding file: each of them parses ATen's headers (about 20 s of
+    # the compiler's time apiece), once here (setup.py's real build compiles them side by side)
+    unity = os.path.join(src, "binding_unity.cpp")
+    if not os.path.exists(unity):
+        text = "".join(f'#include "binding/{os.path.basename(f)}"\n'
+                       for f in sorted(glob.glob(os.path.join(src, "binding", "*.cpp"))))
+        with open(f"{unity}.{os.getpid()}.tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(f"{unity}.{os.getpid()}.tmp", unity)
+    cpp_extension.load(name=name, sources=[unity],
                        extra_include_paths=[src], build_directory=build_dir, is_python_module=False,
                        extra_cflags=["-O2", "-DEFFATTN_CUDA_EMU", *extra_cflags], verbose=verbose)
 
