@@ -12,6 +12,8 @@
 // and P V(t) run).
 #pragma once
 
+#include <atomic>
+
 #include "attention/common.cuh"
 #include "attention/key_rows.cuh"
 
@@ -40,11 +42,17 @@ struct FwdConfig {
 #if defined(EFFATTN_CUDA_EMU)
 inline int device_smem_optin() { return int(emu::smem_limit()); }
 #else
+// Read once per device (every forward call asks, a kAny call twice): cached as bytes + 1, 0 = not read yet.
 inline int device_smem_optin() {
+  static std::atomic<int> known[64];
   int dev = 0, bytes = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return 0;                                          // unknown: the 64-row tiles, which fit every sm_80+ GPU
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;   // unknown: the 64-row tiles, which fit every sm_80+ GPU
+  if (dev >= 0 && dev < 64) {
+    const int seen = known[dev].load(std::memory_order_relaxed);
+    if (seen) return seen - 1;
+  }
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  if (dev >= 0 && dev < 64) known[dev].store(bytes + 1, std::memory_order_relaxed);
   return bytes;
 }
 #endif
