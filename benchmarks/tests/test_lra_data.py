@@ -140,7 +140,7 @@ def test_binomial_tail_against_exact_sums():
     assert binomial_tail(560, 1000, 0.5) < 1e-4 < binomial_tail(520, 1000, 0.5)
 
 
-def test_learnability_command_writes_its_result_and_command(tmp_path):
+def test_learnability_command_writes_its_result_and_command(tmp_path, capsys):
     """`learnability` (a small CNN vs chance) on a tiny set at Pathfinder's easiest length: the files,
     the reproducing command and the generator parameters it ran with."""
     import json
@@ -162,6 +162,15 @@ def test_learnability_command_writes_its_result_and_command(tmp_path):
     assert all(v in {k / 12 for k in range(13)} for v in shortcuts.values())
     assert "marker distance, logistic" in (out / "results.md").read_text()
     assert main(["learnability", "--epochs", "0"]) == 2                 # a one-line error, not a traceback
+    capsys.readouterr()
+    import torch
+    bad = [(["--set", "no_such=1"], "--set no_such: not a parameter of the pathfinder generator")]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "--device cuda: no CUDA GPU"))
+    for argv, needle in bad:
+        assert main(["learnability", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
 
 
 def test_pathfinder_flood_fill_solves_touching_paddles():

@@ -536,4 +536,12 @@ def test_gpu_plan_covers_every_variant_and_table_2(tmp_path, capsys):
     assert not gpu.finished(soft)                 # stopped by its time budget: the next call resumes it
     Path(soft.done_file).write_text(json.dumps([{"finished": True, "test_accuracy": 0.37}]))
     assert gpu.finished(soft)
+    # Pathfinder*'s learnability at LRA's contour length on more images, after the softmax run
+    names = [s.name for s in steps]
+    learn = next(s for s in steps if s.argv[0] == "learnability")
+    assert names.index(learn.name) == names.index(soft.name) + 1 and "contour_length" not in " ".join(learn.argv)
+    assert not gpu.finished(learn)
+    Path(learn.done_file).parent.mkdir(parents=True)
+    Path(learn.done_file).write_text(json.dumps({"small CNN, test accuracy (best dev epoch)": 0.5}))
+    assert gpu.finished(learn)
     assert lra_main(["gpu-plan", "--out", str(tmp_path)]) == 0 and "test >= 36%" in capsys.readouterr().out
