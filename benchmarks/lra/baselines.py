@@ -235,6 +235,9 @@ def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: boo
         res["pathfinder* learnability"] = cnn_learnability("pathfinder", cache_dir, workers)
         res["image* learnability"] = cnn_learnability("image", cache_dir, workers)
     res["chance"] = {"retrieval*": 0.5, "text*": 0.5, "image*": 0.1, "pathfinder*": 0.5}
+    from .train import environment
+    res["environment"] = dict(environment(torch.device("cpu")), command="python -m benchmarks.lra baselines"
+                              + ("" if learnability else " --skip-learnability"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     md = baselines_markdown(res)
@@ -295,7 +298,7 @@ def baselines_markdown(res: Dict) -> str:
           "fresh samples for the shortcuts, the 8K / 1K / 1K set for the CNN, at most 12 epochs or 15 minutes).", "",
           "| task | baseline | accuracy (%) |", "|---|---|---|"]
     for task, vals in res.items():
-        if task == "chance":
+        if task in ("chance", "environment"):
             continue
         for name, v in vals.items():
             if isinstance(v, float) and name not in NOT_ACCURACY:
@@ -305,4 +308,7 @@ def baselines_markdown(res: Dict) -> str:
                       f"{vals['epochs']}, {vals['minutes']:.1f}"
                       f"{f', {vals[P_CHANCE]:.1g}' if P_CHANCE in vals else ''} |")
         md.append(f"| {task.split(' ')[0]} | *chance* | {100 * res['chance'][task.split(' ')[0]]:.1f} |")
+    env = res.get("environment")
+    if env:
+        md += ["", f"`{env['command']}` on {env['device']}, torch {env['torch']}, {env['date']}."]
     return "\n".join(md) + "\n"

@@ -380,3 +380,18 @@ def test_pathx_generator_and_loader(tmp_path):
     r = tasks.load_task("pathx", str(tmp_path / "data"))
     assert r.kind == "real" and r.label == "pathx" and len(r.train) == 8
     assert np.array_equal(r.test.x[0] - 2, imgs[9].reshape(-1)) and r.test.y[0] == 1
+
+
+def test_baselines_markdown_rows_chance_and_environment():
+    from benchmarks.lra.baselines import baselines_markdown
+    res = {"retrieval*": {"prefix (first 3 words), logistic": 0.52, "majority class": 0.469},
+           "pathfinder* learnability": {"small CNN, test accuracy (best dev epoch)": 0.5, "epochs": 2, "minutes": 15.9,
+                                        "p(chance scores as much on test)": 0.51},
+           "chance": {"retrieval*": 0.5, "pathfinder*": 0.5},
+           "environment": {"command": "python -m benchmarks.lra baselines", "device": "CPU X, 2 cores", "torch": "2.13",
+                           "date": "2026-11-27 21:00 UTC"}}
+    md = baselines_markdown(res)
+    assert "| retrieval* | prefix (first 3 words), logistic | 52.0 |" in md and "| retrieval* | *chance* | 50.0 |" in md
+    assert "| pathfinder* learnability | (epochs trained, minutes, p of chance) | 2, 15.9, 0.5 |" in md
+    assert "| pathfinder* | *chance* | 50.0 |" in md and "minutes | 15" not in md
+    assert md.rstrip().endswith("`python -m benchmarks.lra baselines` on CPU X, 2 cores, torch 2.13, 2026-11-27 21:00 UTC.")
