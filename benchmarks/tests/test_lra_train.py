@@ -221,11 +221,20 @@ def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
         (tmp_path / "run" / "results.md").read_text()
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny, capsys):
     Trainer(small_cfg(tmp_path, cache), quiet=True).run(stop_after_steps=2)
     with pytest.raises(ValueError,
                        match=r"other settings: .*lr 0\.003 \(now 0\.001\).*variant 'softmax' \(now 'local'\)"):
         Trainer(small_cfg(tmp_path, cache, variant="local", lr=1e-3, resume=True), quiet=True).run()
+    # the command line says it in one line, without a traceback
+    argv = ["train", "--task", "listops", "--recipe", "demo", "--variant", "local", "--out", str(tmp_path / "run"),
+            "--resume", "--steps", "10", "--batch-size", "8", "--warmup", "3", "--eval-every", "4", "--lr", "3e-3",
+            "--threads", "1", "--cache-dir", str(cache), "--set", "sizes=[64,32,32]", "--set", "min_length=8",
+            "--set", "max_length=40"]
+    capsys.readouterr()
+    assert lra_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and "variant 'softmax' (now 'local')" in err, err
     # settings that only steer the run may change
     row = Trainer(small_cfg(tmp_path, cache, resume=True, max_minutes=60, log_every=7), quiet=True).run()
     assert row["steps"] == 10
