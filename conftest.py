@@ -98,8 +98,6 @@ LONG_RUN = (
     # 16k keys through the float64 reference (a memory bound): CI keeps the blocks path's at 16k
     # (tests/backends/torch/test_cpu_paths.py)
     "tests/core/test_attention.py::test_reference_backend_memory_is_bounded_at_16k",
-    # a killed two-process LRA run: CI resumes one process (test_resume_equals_uninterrupted_run)
-    "benchmarks/tests/test_lra_train.py::test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run",
 )
 LONG_ON = os.environ.get("EFFATTN_LONG") == "1"
 

@@ -149,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     lp.add_argument("--workers", type=int, default=2, help="processes generating the data")
+    lp.add_argument("--device", default="auto", help="where the CNN trains (auto: a CUDA GPU when there is one)")
     lp.add_argument("--cache-dir")
     lp.add_argument("--out", default="lra-runs/learnability")
     gpu = sub.add_parser("gpu-plan", help="the runs planned for a GPU: full ListOps per variant, Table 2")
@@ -178,6 +179,15 @@ def main(argv=None) -> int:
     except ValueError as e:           # a bad argument: one line naming it, no traceback
         print(f"python -m benchmarks.lra {a.cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _device(name: str) -> str:
+    """``--device``: auto is a CUDA GPU when one is visible; cuda without one is an error."""
+    import torch
+
+    from .train import check_device
+    check_device(name)
+    return name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _positive(**values) -> None:
@@ -228,10 +238,13 @@ def _run(a) -> int:
         return 0
     if a.cmd == "learnability":
         from .baselines import run_learnability
+        from .tasks import check_overrides
         _positive(epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, threads=a.threads, workers=a.workers)
-        run_learnability(Path(a.out), a.task, _sets(a.set), cache_dir=a.cache_dir, workers=a.workers,
+        overrides = _sets(a.set)
+        check_overrides(a.task, overrides)
+        run_learnability(Path(a.out), a.task, overrides, cache_dir=a.cache_dir, workers=a.workers,
                          threads=a.threads, epochs=a.epochs, minutes=a.minutes, width=a.width, lr=a.lr, seed=a.seed,
-                         batch_norm=a.batch_norm)
+                         batch_norm=a.batch_norm, device=_device(a.device))
         return 0
     if a.cmd == "gpu-plan":
         from .gpu import plan, plan_markdown, run_plan

@@ -180,19 +180,21 @@ def binomial_tail(hits: int, n: int, p: float) -> float:
 
 def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1, epochs: int = 12,
                      minutes: float = 15.0, seed: int = 0, overrides: Optional[Dict] = None, width: int = 32,
-                     lr: float = 2e-3, batch_norm: bool = False) -> Dict:
+                     lr: float = 2e-3, batch_norm: bool = False, device: str = "cpu") -> Dict:
     """A small CNN (``width`` channels) on the task's short generated set (Pathfinder*: 8K train;
-    Image*: 9K), ``overrides`` of the generator's parameters over it: the best dev epoch's test
-    accuracy, and the chance of scoring as much by guessing (a one-sided binomial tail at chance)."""
+    Image*: 9K), ``overrides`` of the generator's parameters over it (``sizes`` for more images),
+    trained on ``device``: the best dev epoch's test accuracy, and the chance of scoring as much by
+    guessing (a one-sided binomial tail at chance)."""
     d = load_task(task, preset="short", cache_dir=cache_dir, workers=workers, progress=True, overrides=overrides)
     side = int(round(math.sqrt(len(d.train.x[0]))))
+    dev_t = torch.device(device)
 
     def tensors(split):
         x = torch.as_tensor(np.stack(split.x) - 2, dtype=torch.float32).view(-1, 1, side, side) / 255
-        return x, torch.as_tensor(split.y)
+        return x.to(dev_t), torch.as_tensor(split.y).to(dev_t)
     (xtr, ytr), (xdv, ydv), (xte, yte) = map(tensors, (d.train, d.dev, d.test))
     torch.manual_seed(seed)
-    model = SmallCNN(width, classes=d.num_classes, batch_norm=batch_norm)
+    model = SmallCNN(width, classes=d.num_classes, batch_norm=batch_norm).to(dev_t)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     acc = lambda x, y: float((torch.cat([model(x[i:i + 500]) for i in range(0, len(x), 500)]).argmax(1)  # noqa: E731
                               == y).float().mean())
@@ -201,6 +203,7 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
     for epoch in range(1, epochs + 1):
         model.train()
         for idx in torch.randperm(len(xtr), generator=g).split(64):
+            idx = idx.to(dev_t)
             loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
             opt.zero_grad()
             loss.backward()
@@ -215,12 +218,12 @@ def cnn_learnability(task: str = "pathfinder", cache_dir=None, workers: int = 1,
             break
     chance, minutes = 1.0 / d.num_classes, (time.perf_counter() - t0) / 60
     shortcuts = {} if task != "pathfinder" else pathfinder_shortcuts(min(400, len(xtr)), seed, overrides)
-    return {"shortcuts on fresh samples of the same setting": shortcuts,"small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
+    return {"shortcuts on fresh samples of the same setting": shortcuts,
+            "small CNN, dev accuracy of the best epoch": best[0], "small CNN, test accuracy (best dev epoch)": best[1],
             "epochs": len(curve), "best epoch": best[2], "dev curve": curve, "train examples": len(xtr),
-            "test examples": len(xte), P_CHANCE: binomial_tail(
-                round(best[1] * len(xte)), len(xte), chance),
-            "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm, "lr": lr, "seed": seed,
-            "minutes": minutes}
+            "test examples": len(xte), P_CHANCE: binomial_tail(round(best[1] * len(xte)), len(xte), chance),
+            "chance": chance, "generator overrides": dict(overrides or {}), "width": width, "batch norm": batch_norm,
+            "lr": lr, "seed": seed, "minutes": minutes}
 
 
 def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: bool = True) -> Dict:
@@ -232,6 +235,9 @@ def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: boo
         res["pathfinder* learnability"] = cnn_learnability("pathfinder", cache_dir, workers)
         res["image* learnability"] = cnn_learnability("image", cache_dir, workers)
     res["chance"] = {"retrieval*": 0.5, "text*": 0.5, "image*": 0.1, "pathfinder*": 0.5}
+    from .train import environment
+    res["environment"] = dict(environment(torch.device("cpu")), command="python -m benchmarks.lra baselines"
+                              + ("" if learnability else " --skip-learnability"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     md = baselines_markdown(res)
@@ -242,18 +248,19 @@ def run_baselines(out: Path, cache_dir=None, workers: int = 2, learnability: boo
 
 def run_learnability(out: Path, task: str = "pathfinder", overrides: Optional[Dict] = None, cache_dir=None,
                      workers: int = 2, threads: int = 2, epochs: int = 12, minutes: float = 15.0, width: int = 32,
-                     lr: float = 2e-3, seed: int = 0, batch_norm: bool = False) -> Dict:
+                     lr: float = 2e-3, seed: int = 0, batch_norm: bool = False, device: str = "cpu") -> Dict:
     """`cnn_learnability` as a command: ``results.json`` and ``results.md`` in ``out``, with the
     command line that reproduces them."""
     torch.set_num_threads(threads)
     load0 = os.getloadavg()[0]
-    res = cnn_learnability(task, cache_dir, workers, epochs, minutes, seed, overrides, width, lr, batch_norm)
+    res = cnn_learnability(task, cache_dir, workers, epochs, minutes, seed, overrides, width, lr, batch_norm, device)
     sets = "".join(f" --set '{k}={json.dumps(v, separators=(',', ':'))}'" for k, v in (overrides or {}).items())
     res["command"] = (f"python -m benchmarks.lra learnability --task {task}{sets} --epochs {epochs} --minutes {minutes:g} "
-                      f"--width {width}{' --batch-norm' if batch_norm else ''} --lr {lr:g} --seed {seed} --threads {threads}")
+                      f"--width {width}{' --batch-norm' if batch_norm else ''} --lr {lr:g} --seed {seed} --threads {threads}"
+                      f"{'' if device == 'cpu' else f' --device {device}'}")
     res["task"], res["threads"], res["load average (1 min) at start, end"] = task, threads, [load0, os.getloadavg()[0]]
     from .train import environment
-    res.update(environment(torch.device("cpu")))
+    res.update(environment(torch.device(device)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     md = learnability_markdown(res)
@@ -291,7 +298,7 @@ def baselines_markdown(res: Dict) -> str:
           "fresh samples for the shortcuts, the 8K / 1K / 1K set for the CNN, at most 12 epochs or 15 minutes).", "",
           "| task | baseline | accuracy (%) |", "|---|---|---|"]
     for task, vals in res.items():
-        if task == "chance":
+        if task in ("chance", "environment"):
             continue
         for name, v in vals.items():
             if isinstance(v, float) and name not in NOT_ACCURACY:
@@ -301,4 +308,7 @@ def baselines_markdown(res: Dict) -> str:
                       f"{vals['epochs']}, {vals['minutes']:.1f}"
                       f"{f', {vals[P_CHANCE]:.1g}' if P_CHANCE in vals else ''} |")
         md.append(f"| {task.split(' ')[0]} | *chance* | {100 * res['chance'][task.split(' ')[0]]:.1f} |")
+    env = res.get("environment")
+    if env:
+        md += ["", f"`{env['command']}` on {env['device']}, torch {env['torch']}, {env['date']}."]
     return "\n".join(md) + "\n"

@@ -1,6 +1,7 @@
 """The LRA work planned for the next GPU session: a full ListOps run per variant with LRA's recipe
-(the Transformer's target: >= 36% test, the paper's 36.37) and the Table 2 speed / memory run
-(1K-4K tokens on Text's model, 16K on Path-X's).
+(the Transformer's target: >= 36% test, the paper's 36.37), the Table 2 speed / memory run
+(1K-4K tokens on Text's model, 16K on Path-X's) and Pathfinder*'s learnability check at LRA's
+contour length (a small CNN on 50K images: its test accuracy and p of chance).
 
     python -m benchmarks.lra gpu-plan                 # what will run, and the targets
     python -m benchmarks.lra gpu-plan --run --out DIR # run it: each command within --minutes, resumable
@@ -26,6 +27,9 @@ from .variants import VARIANTS
 
 #: the LRA Transformer's ListOps test accuracy (Tay et al. 2021, Table 1), rounded down
 LISTOPS_SOFTMAX_TARGET = 0.36
+#: Pathfinder*'s learnability on a GPU: LRA's contour length 14 (no marker-distance shortcut) with
+#: more images than a CPU can generate and train on in minutes (about 15 ms an image: 1 minute on 16 cores)
+PATHFINDER_LEARN_SIZES = "[50000,5000,5000]"
 #: a step of a bounded call starts only with this much left (building, a few steps, the evaluations)
 MIN_START_MINUTES = 1.5
 
@@ -43,7 +47,8 @@ class Step:
 
 def plan(out: str = "lra-runs/gpu", minutes: float = 8.0) -> List[Step]:
     """Table 2 first (a few minutes for every variant), then the data and a ListOps run per variant
-    (minutes each: a call bounded by ``--total-minutes`` leaves the rest to the next), the report last."""
+    (minutes each: a call bounded by ``--total-minutes`` leaves the rest to the next), Pathfinder*'s
+    learnability after the softmax run, the report last."""
     steps = [Step("Table 2: 1K-4K, Text's model (recipe lra)",
                   ["speed", "--task", "text", "--recipe", "lra", "--lengths", "1024", "2048", "3072", "4096",
                    "--batch-size", "32", "--out", f"{out}/speed"], done_file=f"{out}/speed/results.json"),
@@ -51,6 +56,11 @@ def plan(out: str = "lra-runs/gpu", minutes: float = 8.0) -> List[Step]:
                   ["speed", "--task", "pathx", "--recipe", "lra", "--lengths", "16384", "--batch-size", "16",
                    "--out", f"{out}/speed-pathx"], done_file=f"{out}/speed-pathx/results.json"),
              Step("generate listops", ["generate", "--task", "listops", "--workers", "16"])]
+    learn = Step("Pathfinder* learnability: a small CNN at contour length 14 on 50K images (beats chance?)",
+                 ["learnability", "--task", "pathfinder", "--set", f"sizes={PATHFINDER_LEARN_SIZES}",
+                  "--epochs", "30", "--minutes", "3", "--width", "32", "--batch-norm", "--lr", "1e-3",
+                  "--workers", "16", "--threads", "4", "--out", f"{out}/pathfinder-learnability"],
+                 done_file=f"{out}/pathfinder-learnability/results.json")
     for v in VARIANTS:
         run = f"{out}/listops-{v}"
         steps.append(Step(f"listops {v} (recipe lra)",
@@ -58,6 +68,8 @@ def plan(out: str = "lra-runs/gpu", minutes: float = 8.0) -> List[Step]:
                            "--max-minutes", f"{minutes:g}", "--resume", "--workers", "16"],
                           target=LISTOPS_SOFTMAX_TARGET if v == "softmax" else None,
                           done_file=f"{run}/results.json"))
+        if v == "softmax":          # the headline run first, then the check that needs more images than a CPU
+            steps.append(learn)
     steps.append(Step("report", ["report", "--runs", out, "--out", f"{out}/report"]))
     return steps
 
@@ -66,7 +78,7 @@ def finished(step: Step) -> bool:
     if not step.done_file or not Path(step.done_file).exists():
         return False
     rows = json.loads(Path(step.done_file).read_text())
-    return all(r.get("finished", True) for r in rows)
+    return isinstance(rows, dict) or all(r.get("finished", True) for r in rows)     # a dict: learnability's
 
 
 def plan_markdown(steps: List[Step]) -> str:

@@ -116,11 +116,16 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.preset not in ("full", "short"):
         raise ValueError(f"--preset must be 'full' or 'short', got {cfg.preset!r}")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {cfg.device}: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
+    check_device(cfg.device)
     if cfg.data_dir is None:
         check_overrides(cfg.task, cfg.overrides)
     return cfg
+
+
+def check_device(name: str) -> None:
+    """A ValueError for ``--device cuda...`` where no CUDA GPU is visible."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
 
 
 def task_data(cfg: TrainConfig, wait: bool = False, progress: bool = False) -> TaskData:

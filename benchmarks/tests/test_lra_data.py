@@ -140,7 +140,7 @@ def test_binomial_tail_against_exact_sums():
     assert binomial_tail(560, 1000, 0.5) < 1e-4 < binomial_tail(520, 1000, 0.5)
 
 
-def test_learnability_command_writes_its_result_and_command(tmp_path):
+def test_learnability_command_writes_its_result_and_command(tmp_path, capsys):
     """`learnability` (a small CNN vs chance) on a tiny set at Pathfinder's easiest length: the files,
     the reproducing command and the generator parameters it ran with."""
     import json
@@ -162,6 +162,15 @@ def test_learnability_command_writes_its_result_and_command(tmp_path):
     assert all(v in {k / 12 for k in range(13)} for v in shortcuts.values())
     assert "marker distance, logistic" in (out / "results.md").read_text()
     assert main(["learnability", "--epochs", "0"]) == 2                 # a one-line error, not a traceback
+    capsys.readouterr()
+    import torch
+    bad = [(["--set", "no_such=1"], "--set no_such: not a parameter of the pathfinder generator")]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "--device cuda: no CUDA GPU"))
+    for argv, needle in bad:
+        assert main(["learnability", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
 
 
 def test_pathfinder_flood_fill_solves_touching_paddles():
@@ -371,3 +380,18 @@ def test_pathx_generator_and_loader(tmp_path):
     r = tasks.load_task("pathx", str(tmp_path / "data"))
     assert r.kind == "real" and r.label == "pathx" and len(r.train) == 8
     assert np.array_equal(r.test.x[0] - 2, imgs[9].reshape(-1)) and r.test.y[0] == 1
+
+
+def test_baselines_markdown_rows_chance_and_environment():
+    from benchmarks.lra.baselines import baselines_markdown
+    res = {"retrieval*": {"prefix (first 3 words), logistic": 0.52, "majority class": 0.469},
+           "pathfinder* learnability": {"small CNN, test accuracy (best dev epoch)": 0.5, "epochs": 2, "minutes": 15.9,
+                                        "p(chance scores as much on test)": 0.51},
+           "chance": {"retrieval*": 0.5, "pathfinder*": 0.5},
+           "environment": {"command": "python -m benchmarks.lra baselines", "device": "CPU X, 2 cores", "torch": "2.13",
+                           "date": "2026-11-27 21:00 UTC"}}
+    md = baselines_markdown(res)
+    assert "| retrieval* | prefix (first 3 words), logistic | 52.0 |" in md and "| retrieval* | *chance* | 50.0 |" in md
+    assert "| pathfinder* learnability | (epochs trained, minutes, p of chance) | 2, 15.9, 0.5 |" in md
+    assert "| pathfinder* | *chance* | 50.0 |" in md and "minutes | 15" not in md
+    assert md.rstrip().endswith("`python -m benchmarks.lra baselines` on CPU X, 2 cores, torch 2.13, 2026-11-27 21:00 UTC.")

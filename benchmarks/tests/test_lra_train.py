@@ -4,9 +4,11 @@ parallelism over two gloo processes (gradients, all-reduced loss, per-rank dropo
 resume), and the reports."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -219,11 +221,20 @@ def test_best_dev_checkpoint_is_tested_not_the_last(tmp_path, cache, tiny):
         (tmp_path / "run" / "results.md").read_text()
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny):
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, cache, tiny, capsys):
     Trainer(small_cfg(tmp_path, cache), quiet=True).run(stop_after_steps=2)
     with pytest.raises(ValueError,
                        match=r"other settings: .*lr 0\.003 \(now 0\.001\).*variant 'softmax' \(now 'local'\)"):
         Trainer(small_cfg(tmp_path, cache, variant="local", lr=1e-3, resume=True), quiet=True).run()
+    # the command line says it in one line, without a traceback
+    argv = ["train", "--task", "listops", "--recipe", "demo", "--variant", "local", "--out", str(tmp_path / "run"),
+            "--resume", "--steps", "10", "--batch-size", "8", "--warmup", "3", "--eval-every", "4", "--lr", "3e-3",
+            "--threads", "1", "--cache-dir", str(cache), "--set", "sizes=[64,32,32]", "--set", "min_length=8",
+            "--set", "max_length=40"]
+    capsys.readouterr()
+    assert lra_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and "variant 'softmax' (now 'local')" in err, err
     # settings that only steer the run may change
     row = Trainer(small_cfg(tmp_path, cache, resume=True, max_minutes=60, log_every=7), quiet=True).run()
     assert row["steps"] == 10
@@ -350,27 +361,92 @@ def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, 
     assert g2["loss"] == pytest.approx(g1["loss"], rel=1e-5)
 
 
+def _as_rank(rank: int, world: int, port: int, fn, args) -> None:
+    """A forked process's body: rank ``rank`` of ``world`` (the variables torchrun sets), then ``fn(*args)``.
+    The objects inherited from the parent are frozen out of the garbage collector's reach: a collection
+    (the trainer runs one before leaving its process group) would otherwise walk, and copy, all of them."""
+    import gc
+    gc.freeze()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    fn(*args)
+
+
+def forked_ranks(fn, *args, world: int = 2, timeout: float = 120.0) -> list:
+    """``fn(*args)`` in ``world`` processes forked from this one, as the ranks of a gloo group; their
+    exit codes (-9: SIGKILLed). Forked, they share the imports already made here: a rank starts in
+    milliseconds where a fresh interpreter (torchrun's) takes seconds of CPU to import torch and effattn."""
+    import multiprocessing
+    ctx, port = multiprocessing.get_context("fork"), _free_port()
+    procs = [ctx.Process(target=_as_rank, args=(r, world, port, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} did not finish in {timeout} s"
+    return [p.exitcode for p in procs]
+
+
+def _train_quietly(cfg: TrainConfig) -> None:
+    train(cfg, quiet=True)
+
+
 def test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path, cache, tiny):
     """With dropout: each process draws its own masks, every process's RNG state is checkpointed, so a
-    run SIGKILLed after step 6 (last checkpoint: step 4) and resumed takes the very same steps."""
-    torchrun(tmp_path, cache, tmp_path / "whole", "--dropout", "0.1")
-    torchrun(tmp_path, cache, tmp_path / "cut", "--dropout", "0.1", "--kill-at-step", "6", expect_ok=False)
-    cut = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
-    assert cut["state"]["step"] == 4 and not (tmp_path / "cut" / "results.json").exists()
+    run SIGKILLed after step 5 (last checkpoint: step 4) and resumed takes the very same steps."""
+    def cfg(out, **kw):
+        return small_cfg(tmp_path / out, cache, steps=8, eval_every=4, dropout=0.1, device="cpu", **kw)
+    assert forked_ranks(_train_quietly, cfg("whole")) == [0, 0]
+    codes = forked_ranks(_train_quietly, cfg("cut", kill_at_step=5))
+    assert codes[0] == -signal.SIGKILL and all(c != 0 for c in codes), codes
+    cut = torch.load(tmp_path / "cut" / "run" / "checkpoint.pt", weights_only=False)
+    assert cut["state"]["step"] == 4 and not (tmp_path / "cut" / "run" / "results.json").exists()
     # two processes, two different dropout streams (same seed, different rank)
     assert len(cut["rng"]) == 2 and not torch.equal(cut["rng"][0]["cpu"], cut["rng"][1]["cpu"])
-    torchrun(tmp_path, cache, tmp_path / "cut", "--dropout", "0.1", "--resume")
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
-    assert len(a["state"]["losses"]) == 10 and a["state"]["losses"] == b["state"]["losses"]    # bitwise
+    assert forked_ranks(_train_quietly, cfg("cut", resume=True)) == [0, 0]
+    a = torch.load(tmp_path / "whole" / "run" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "cut" / "run" / "checkpoint.pt", weights_only=False)
+    assert len(a["state"]["losses"]) == 8 and a["state"]["losses"] == b["state"]["losses"]    # bitwise
+    assert a["state"]["evals"] == b["state"]["evals"]
     for name, p in a["model"].items():
         assert torch.equal(p, b["model"][name]), name
-    ra = json.loads((tmp_path / "whole" / "results.json").read_text())[0]
-    rb = json.loads((tmp_path / "cut" / "results.json").read_text())[0]
+    ra = json.loads((tmp_path / "whole" / "run" / "results.json").read_text())[0]
+    rb = json.loads((tmp_path / "cut" / "run" / "results.json").read_text())[0]
     assert ra["test_accuracy"] == rb["test_accuracy"] and ra["world_size"] == 2 and ra["batch_size"] == 16
 
 
-def test_rank_dropout_streams_differ():
+def _dropout_outputs(cfg: TrainConfig, folder: Path) -> None:
+    """One rank's classifier outputs on the same 8 training examples, in training mode (dropout on)
+    and in evaluation mode, saved as ``folder/<rank>.pt``."""
+    import torch.distributed as dist
+
+    from benchmarks.lra.train import batch_of
+    tr = Trainer(cfg, quiet=True)
+    x, x2, _ = batch_of(tr.data.train, np.arange(8), tr.max_length, tr.device)
+    tr.model.train()
+    drop = tr.model(x, x2).detach()
+    tr.model.eval()
+    with torch.no_grad():
+        plain = tr.model(x, x2)
+    torch.save({"train": drop, "eval": plain}, folder / f"{tr.rank}.pt")
+    dist.barrier()          # both saved; the forked process then leaves by os._exit (no teardown to hang)
+
+
+def test_two_gloo_processes_draw_different_dropout_masks(tmp_path, cache, tiny):
+    """Under data parallelism each process draws its own dropout masks (not the same masks on every
+    rank, which would make the global batch's dropout that of one process): the same weights on the
+    same examples give the same outputs in evaluation mode and different ones in training mode."""
+    assert forked_ranks(_dropout_outputs, small_cfg(tmp_path, cache, dropout=0.3, device="cpu"), tmp_path) == [0, 0]
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert torch.equal(r0["eval"], r1["eval"])
+    assert not torch.equal(r0["train"], r0["eval"]) and not torch.equal(r0["train"], r1["train"])
     from benchmarks.lra.train import rank_seed
     seeds = {rank_seed(s, r) for s in range(3) for r in range(4)}
     assert len(seeds) == 12 and all(0 <= x < 2**63 for x in seeds)
@@ -469,4 +545,12 @@ def test_gpu_plan_covers_every_variant_and_table_2(tmp_path, capsys):
     assert not gpu.finished(soft)                 # stopped by its time budget: the next call resumes it
     Path(soft.done_file).write_text(json.dumps([{"finished": True, "test_accuracy": 0.37}]))
     assert gpu.finished(soft)
+    # Pathfinder*'s learnability at LRA's contour length on more images, after the softmax run
+    names = [s.name for s in steps]
+    learn = next(s for s in steps if s.argv[0] == "learnability")
+    assert names.index(learn.name) == names.index(soft.name) + 1 and "contour_length" not in " ".join(learn.argv)
+    assert not gpu.finished(learn)
+    Path(learn.done_file).parent.mkdir(parents=True)
+    Path(learn.done_file).write_text(json.dumps({"small CNN, test accuracy (best dev epoch)": 0.5}))
+    assert gpu.finished(learn)
     assert lra_main(["gpu-plan", "--out", str(tmp_path)]) == 0 and "test >= 36%" in capsys.readouterr().out
