@@ -299,7 +299,8 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
         scale: score scale, default 1 (trax's: the keys are unit vectors, so ``qk . k`` needs no
             ``1/sqrt(D)``; see the module docstring).
         dropout_p: dropout on each round's probabilities, drawn from torch's default generator.
-        backend: ``"auto"`` or ``"torch"`` (the only path so far, see `explain_lsh`).
+        backend: ``"auto"``, ``"triton"`` (the block-sparse Triton kernels with positions) or ``"torch"``;
+            `explain_lsh` says which row serves and why.
 
     A token attends to itself only when it sees no other key (its score is ``SELF_SCORE``); a row
     that sees nothing (a padded token whose neighbours are padding) outputs 0.
