@@ -274,7 +274,7 @@ def positions_reference(q, k, v, layout_mask, layout_block, q_pos, k_pos, pos_ca
     """The block-sparse kernels' per-row positions rule, written out in float64 (a (Lq, Lk) matrix per
     head). ``q (B, H, Lq, D)``, ``k (B, H, Lk, D)``, ``v (B, H, Lk, Dv)``; ``layout_mask`` bool ``(Hl,
     nqb, nkb)`` of blocks of ``layout_block`` (Hl 1 or H) or None; ``q_pos`` int ``(B*H, Lq)``, ``k_pos``
-    int ``(B*H, Lk)``. Key j is visible to query i when the layout allows the pair, ``k_pos[j] >= 0``
+    int ``(B*H, Lk)`` (per query head; k and v may have fewer heads, H a multiple). Key j is visible to query i when the layout allows the pair, ``k_pos[j] >= 0``
     and, with ``pos_causal``, ``k_pos[j] <= q_pos[i]``; where ``k_pos[j] == q_pos[i]`` the score is
     `effattn.lsh.SELF_SCORE` (not scaled; a constant, so no gradient to q or k). ``keep`` (bool ``(B*H,
     Lq, Lk)``): dropout of the normalized probabilities, kept ones scaled by ``1 / (1 - dropout_p)``.
@@ -284,6 +284,8 @@ def positions_reference(q, k, v, layout_mask, layout_block, q_pos, k_pos, pos_ca
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     q, k, v = (x.to(torch.float64) for x in (q, k, v))
+    if k.shape[1] != H:                                      # grouped-query heads: H / Hkv query heads per key head
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
     s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     qp = q_pos.view(B, H, Lq, 1).to(torch.int64)
     kp = k_pos.view(B, H, 1, Lk).to(torch.int64)

@@ -58,6 +58,25 @@ def test_positions_match_the_float64_rule_forward_and_backward(block, causal, co
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("config", [SEVEN, FIVE], ids=["seven", "five"])
+def test_positions_with_grouped_query_heads(config):
+    """k_pos is per query head: two query heads sharing a key head see different keys."""
+    B, H, Hkv, L, D, block = 1, 4, 2, 32, 16, 16
+    q, _, _, q_pos, k_pos, g = inputs(B, H, L, D, 9)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    lay = lsh_layout(L, block, 1, 0)
+    out, lse = launch.fwd(q, k, v, lay.mask, block, None, None, 0.5, 0.0, -1, -1, out_fp32=True, q_pos=q_pos,
+                          k_pos=k_pos, pos_causal=True)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref, _ = positions_reference(q64, k64, v64, lay.mask, block, q_pos, k_pos, True, 0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    dout = torch.randn(out.shape, generator=g)
+    grads = launch.bwd(dout, None, q, k, v, out, lse, lay.mask, block, None, None, 0.5, 0.0, -1, -1, out_fp32=True,
+                       q_pos=q_pos, k_pos=k_pos, pos_causal=True, config=config)
+    for a, b in zip(grads, torch.autograd.grad(ref, (q64, k64, v64), dout.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
 def test_self_score_alone_gives_the_value_and_no_gradient_to_q_or_k():
     """A query whose only visible key is itself (causal, first position): out = v there, lse = SELF_SCORE,
     and its row passes no gradient to q or k."""
