@@ -24,25 +24,25 @@ The sort makes the pattern a fixed block layout at block ``chunk_len``; what dep
 gathered positions. Un-sorting is a gather by the inverse permutation, so the backward is
 deterministic.
 
-Two registry rows of the op ``"lsh_attention"`` (`explain_lsh` says which one runs and why):
+Two registry rows of the op ``"lsh_attention"`` (`explain_lsh` says which one runs and why), both
+on `sorted_rounds` -> attention of the sorted rows -> `unsorted`:
 
-- ``triton/lsh`` (``effattn/backends/triton/lsh/``): the chunk + neighbours pattern as fused forward and backward
-  kernels that gather the rows through the permutation in-kernel and mask on the loaded positions;
-  O(L) memory, deterministic backward. Taken by ``backend="auto"`` on CUDA (on a CPU only by name,
-  in Triton's interpreter); ``chunk_len`` a power of two in 16..128. Dropout from Philox counters
-  (positions, slice), seeded from torch's default generator.
+- ``triton/lsh`` (``effattn/backends/triton/lsh/``): the sorted rows, rounds folded into the heads,
+  on effattn's general block-sparse Triton attention kernels with the layout `lsh_layout` (cached
+  per length, chunk_len and offsets, so its tile lists are built once) and their per-row positions
+  feature (``q_pos`` / ``k_pos``: padding keys at -1, causal on the original positions, the self
+  score), evaluated in every visited tile; O(L) memory, deterministic backward, Philox dropout
+  seeded from torch's default generator. Taken by ``backend="auto"`` on CUDA (on a CPU only by
+  name, in Triton's interpreter).
 - ``torch/lsh``: each round's chunks as one batched product over gathered neighbour chunks,
   ``O(n_hashes * L * n_neighbours * chunk_len)`` memory (linear in ``L``), the scores kept for
   autograd. Serves everything (dropout, float64, any ``chunk_len``).
-
-effattn's general block-sparse attention kernels take a layout, bounds on the sorted indices and a
-per-key padding mask, but no per-pair masks on gathered positions, hence the kernels of their own.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +77,30 @@ def chunk_offsets(n_chunks: int, chunks_before: int, chunks_after: int) -> List[
 def lsh_layout(length: int, chunk_len: int, chunks_before: int = 1, chunks_after: int = 0):
     """The fixed block layout of one round after the sort: an `effattn.layouts.BlockLayout` of
     ``(1, n_chunks, n_chunks)`` blocks of ``chunk_len`` with ``mask[c, (c + o) % n_chunks]``."""
+    return cached_lsh_layout(length, chunk_len, chunk_offsets(length // chunk_len, chunks_before, chunks_after))
+
+
+_LAYOUTS: Dict[tuple, object] = {}
+_MAX_LAYOUTS = 64
+
+
+def cached_lsh_layout(length: int, chunk_len: int, offsets: List[int]):
+    """`lsh_layout` from the chunk offsets, one `BlockLayout` per (length, chunk_len, offsets) for the
+    process: the block-sparse kernels cache their tile lists (and the layout's copy on each device)
+    on the layout, so repeated calls reuse them. At most ``_MAX_LAYOUTS`` kept (then rebuilt)."""
     from .layouts import BlockLayout
-    nc = length // chunk_len
-    mask = torch.zeros(nc, nc, dtype=torch.bool)
-    rows = torch.arange(nc)
-    for o in chunk_offsets(nc, chunks_before, chunks_after):
-        mask[rows, (rows + o) % nc] = True
-    return BlockLayout(mask, chunk_len)
+    key = (length, chunk_len, tuple(offsets))
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        nc = length // chunk_len
+        mask = torch.zeros(nc, nc, dtype=torch.bool)
+        rows = torch.arange(nc)
+        for o in offsets:
+            mask[rows, (rows + o) % nc] = True
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[key] = BlockLayout(mask, chunk_len)
+    return lay
 
 
 def draw_rotations(H: int, D: int, n_hashes: int, n_buckets: int, generator: Optional[torch.Generator], device,
@@ -282,7 +299,8 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_hashes: int = 4, chunk_len: int = 
         scale: score scale, default 1 (trax's: the keys are unit vectors, so ``qk . k`` needs no
             ``1/sqrt(D)``; see the module docstring).
         dropout_p: dropout on each round's probabilities, drawn from torch's default generator.
-        backend: ``"auto"`` or ``"torch"`` (the only path so far, see `explain_lsh`).
+        backend: ``"auto"``, ``"triton"`` (the block-sparse Triton kernels with positions) or ``"torch"``;
+            `explain_lsh` says which row serves and why.
 
     A token attends to itself only when it sees no other key (its score is ``SELF_SCORE``); a row
     that sees nothing (a padded token whose neighbours are padding) outputs 0.

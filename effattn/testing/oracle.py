@@ -267,3 +267,44 @@ def score_attention(q, k, v, *, causal=False, window=None, layout=None, key_padd
     if dropout_keep is not None:
         p = p * dropout_keep.to(p.dtype) / (1.0 - dropout_p)
     return torch.matmul(p, v), lse
+
+
+def positions_reference(q, k, v, layout_mask, layout_block, q_pos, k_pos, pos_causal, scale, keep=None,
+                        dropout_p=0.0):
+    """The block-sparse kernels' per-row positions rule, written out in float64 (a (Lq, Lk) matrix per
+    head). ``q (B, H, Lq, D)``, ``k (B, H, Lk, D)``, ``v (B, H, Lk, Dv)``; ``layout_mask`` bool ``(Hl,
+    nqb, nkb)`` of blocks of ``layout_block`` (Hl 1 or H) or None; ``q_pos`` int ``(B*H, Lq)``, ``k_pos``
+    int ``(B*H, Lk)`` (per query head; k and v may have fewer heads, H a multiple). Key j is visible to query i when the layout allows the pair, ``k_pos[j] >= 0``
+    and, with ``pos_causal``, ``k_pos[j] <= q_pos[i]``; where ``k_pos[j] == q_pos[i]`` the score is
+    `effattn.lsh.SELF_SCORE` (not scaled; a constant, so no gradient to q or k). ``keep`` (bool ``(B*H,
+    Lq, Lk)``): dropout of the normalized probabilities, kept ones scaled by ``1 / (1 - dropout_p)``.
+    Returns (out ``(B, H, Lq, Dv)``, lse ``(B, H, Lq)``); a row that sees nothing gives 0 and -inf.
+    Differentiable in q, k, v."""
+    from ..lsh import SELF_SCORE
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    q, k, v = (x.to(torch.float64) for x in (q, k, v))
+    if k.shape[1] != H:                                      # grouped-query heads: H / Hkv query heads per key head
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    qp = q_pos.view(B, H, Lq, 1).to(torch.int64)
+    kp = k_pos.view(B, H, 1, Lk).to(torch.int64)
+    vis = (kp >= 0).expand(B, H, Lq, Lk)
+    if pos_causal:
+        vis = vis & (kp <= qp)
+    if layout_mask is not None:
+        rows = torch.arange(Lq) // layout_block
+        cols = torch.arange(Lk) // layout_block
+        vis = vis & layout_mask[:, rows][:, :, cols].to(vis.device).unsqueeze(0)
+    s = torch.where(kp == qp, torch.full_like(s, SELF_SCORE), s).masked_fill(~vis, -math.inf)
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    seen = den > 0
+    den = torch.where(seen, den, torch.ones_like(den))
+    lse = torch.where(seen, m + torch.log(den), torch.full_like(den, -math.inf)).squeeze(-1)
+    p = e / den
+    if keep is not None:
+        p = p * keep.view(B, H, Lq, Lk).to(p.dtype) / (1.0 - dropout_p)
+    return p @ v, lse

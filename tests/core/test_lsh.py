@@ -1,5 +1,6 @@
 """Reformer LSH attention: against an independent float64 (L, L) reference given the same buckets,
 hashing reproducibility, bucket replay, and the argument errors."""
+import dataclasses
 import math
 
 import pytest
@@ -165,7 +166,6 @@ def test_layout_is_chunk_and_neighbours():
     (dict(buckets=torch.zeros(1, 2, 2, 16)), TypeError, "buckets must be an integer"),
     (dict(key_padding_mask=torch.zeros(1, 15, dtype=torch.bool)), ValueError, "key_padding_mask"),
     (dict(backend="cuda"), ValueError, "backend must be"),
-    (dict(backend="triton"), ValueError, "chunk_len=4: the kernels take a power of two"),
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
 ])
 def test_errors_name_the_argument(kwargs, err, match):
@@ -184,13 +184,24 @@ def test_explain_lsh_names_the_path():
 TRITON_CASES = [  # (B, H, L, D, n_hashes, chunk_len, before, after, causal, padding)
     (1, 2, 64, 8, 2, 16, 1, 0, False, False),
     (2, 1, 48, 12, 2, 16, 1, 1, True, True),
-    (1, 1, 32, 16, 3, 32, 1, 0, True, False),      # one chunk
+    (1, 1, 64, 16, 3, 32, 1, 0, True, False),
+    (1, 1, 64, 8, 2, 32, 1, 0, False, True),
+    (1, 1, 128, 8, 2, 64, 1, 0, True, True),
+    (1, 1, 64, 16, 2, 64, 1, 0, True, False),      # one chunk
+    (1, 1, 32, 8, 2, 8, 1, 0, True, True),         # layout blocks smaller than the kernel tiles
 ]
+
+
+def _triton_usable():
+    rt = pytest.importorskip("effattn.backends.triton.runtime")
+    if rt.triton is None or rt._available(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter is not usable here")
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "B{}-H{}-L{}-D{}-R{}-cl{}-b{}a{}{}{}".format(
     *c[:8], "-causal" if c[8] else "", "-pad" if c[9] else ""))
-def test_triton_kernels_match_reference(case):
+def test_triton_rows_on_the_block_sparse_kernels_match_reference(case):
+    _triton_usable()
     B, H, L, D, R, cl, before, after, causal, padded = case
     g = torch.Generator().manual_seed(7 + sum(case[:8]))
     qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)
@@ -203,55 +214,55 @@ def test_triton_kernels_match_reference(case):
     buckets = torch.randint(0, nb, (B, H, R, L), generator=g) + torch.arange(R).view(1, 1, R, 1) * nb
     kw = dict(n_hashes=R, chunk_len=cl, chunks_before=before, chunks_after=after, causal=causal, key_padding_mask=kpm,
               buckets=buckets)
-    assert "triton (fused" in effattn.explain_lsh(qk, v, backend="triton", **kw)
+    text = effattn.explain_lsh(qk, v, backend="triton", **kw)
+    assert "block-sparse attention kernels with positions" in text and "tiles of 32 x 32 per head" in text
     out = effattn.lsh_attention(qk, v, backend="triton", **kw)
     q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
-    ref = reference_lsh(q64, v64, buckets, cl, before, after, causal, kpm)
+    ref = effattn.lsh_attention(q64, v64, backend="torch", **kw)                   # the float64 torch/lsh row
+    torch.testing.assert_close(ref, reference_lsh(q64, v64, buckets, cl, before, after, causal, kpm))
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     dout = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, (qk, v), dout)
     ref_grads = torch.autograd.grad(ref, (q64, v64), dout.double())
     for a, b in zip(grads, ref_grads):
+        assert torch.isfinite(a).all()
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
     again = torch.autograd.grad(effattn.lsh_attention(qk, v, backend="triton", **kw), (qk, v), dout)
-    assert all(torch.equal(a, b) for a, b in zip(grads, again))        # deterministic
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))        # deterministic, bit for bit
 
 
-def reference_rounds_with_dropout(qk, v, buckets, chunk_len, before, causal, kpm, keep, p):
-    """Per round: softmax over the round's visible keys, dropout of the probabilities by ``keep``
-    (slices (b, h, r), query position, key position), then the rounds merged by their lse."""
-    B, H, L, D = qk.shape
-    R = buckets.shape[2]
-    nc = L // chunk_len
-    offs = {o % nc for o in range(-before, 1)}
-    k = qk / qk.norm(dim=-1, keepdim=True)
-    out = torch.zeros(B, H, L, v.shape[-1], dtype=qk.dtype)
-    for b in range(B):
-        for h in range(H):
-            s = qk[b, h] @ k[b, h].T
-            s = torch.where(torch.eye(L, dtype=torch.bool), torch.full_like(s, SELF_SCORE), s)
-            outs, lses = [], []
-            for r in range(R):
-                order = sorted(range(L), key=lambda t: (int(buckets[b, h, r, t]), t))
-                chunk = torch.empty(L, dtype=torch.long)
-                chunk[torch.tensor(order)] = torch.arange(L) // chunk_len
-                vis = torch.tensor([[(int(chunk[j]) - int(chunk[i])) % nc in offs for j in range(L)] for i in range(L)])
-                if causal:
-                    vis &= ~torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
-                if kpm is not None:
-                    vis &= ~kpm[b][None, :]
-                sr = s.masked_fill(~vis, -math.inf)
-                lse = torch.logsumexp(sr, -1)
-                prob = torch.exp(sr - lse[:, None]) * keep[(b * H + h) * R + r] / (1 - p)
-                outs.append(prob @ v[b, h])
-                lses.append(lse)
-            w = torch.softmax(torch.stack(lses), 0)
-            out[b, h] = (w[:, :, None] * torch.stack(outs)).sum(0)
-    return out
+def test_triton_token_alone_in_its_chunk_sees_itself():
+    """The self penalty: chunks see only themselves and the chunk of sorted positions 0..15 is padding
+    but token 0, so token 0 attends to itself alone (out = v[0]) in every round; the rest as torch/lsh."""
+    _triton_usable()
+    B, H, L, D, R, cl = 1, 1, 32, 8, 2, 16
+    g = torch.Generator().manual_seed(21)
+    qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    v = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    buckets = (torch.arange(L) >= cl).long().view(1, 1, 1, L).repeat(1, 1, R, 1) + torch.arange(R).view(1, 1, R, 1) * 2
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, 1:cl] = True
+    kw = dict(n_hashes=R, chunk_len=cl, chunks_before=0, chunks_after=0, key_padding_mask=kpm, buckets=buckets)
+    out = effattn.lsh_attention(qk, v, backend="triton", **kw)
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0].detach())
+    q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    ref = effattn.lsh_attention(q64, v64, backend="torch", **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    dout = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (qk, v), dout), torch.autograd.grad(ref, (q64, v64), dout.double())):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
 def test_triton_dropout_matches_reference_with_the_kernels_mask():
-    from effattn.backends.triton.lsh.launch import draw_seed, keep_mask
+    """Dropout draws from the block-sparse kernels' Philox stream at (rows folded as heads, sorted row,
+    sorted key): the mask read off a plain attention call with V = identity and the same seed, then the
+    float64 rule on the sorted rows (`positions_reference`) un-sorted and merged must give the row's output
+    and gradients. Also its statistics: the kept fraction is about 1 - p."""
+    _triton_usable()
+    from effattn.backends.triton.attention import launch
+    from effattn.lsh import lsh_layout, make_lsh_call, merge_rounds, sorted_rounds, unsorted
+    from effattn.numerics import draw_seed
+    from effattn.testing.oracle import positions_reference
     B, H, L, D, R, cl, p = 1, 2, 32, 8, 2, 16, 0.25
     g = torch.Generator().manual_seed(11)
     qk = torch.randn(B, H, L, D, generator=g, requires_grad=True)
@@ -261,25 +272,43 @@ def test_triton_dropout_matches_reference_with_the_kernels_mask():
     buckets = torch.randint(0, 4, (B, H, R, L), generator=g) + torch.arange(R).view(1, 1, R, 1) * 4
     torch.manual_seed(5)
     seed = draw_seed()
-    keep = keep_mask(seed, B * H * R, L, p)
-    assert 0.6 < keep.float().mean() < 0.9
+    N = B * H * R
+    x = torch.randn(1, N, L, 4, generator=g)
+    eye = torch.eye(L).expand(1, N, L, L).contiguous()
+    keep = (launch.fwd(x, x, eye, None, 0, None, seed, 1.0, p, -1, -1)[0] != 0)[0]      # (N, sorted i, sorted j)
+    assert abs(keep.float().mean() - (1 - p)) < 0.05
+    kw = dict(n_hashes=R, chunk_len=cl, causal=True, key_padding_mask=kpm, buckets=buckets, dropout_p=p)
     torch.manual_seed(5)
-    out = effattn.lsh_attention(qk, v, n_hashes=R, chunk_len=cl, causal=True, key_padding_mask=kpm, buckets=buckets,
-                                dropout_p=p, backend="triton")
+    out = effattn.lsh_attention(qk, v, backend="triton", **kw)
     q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
-    ref = reference_rounds_with_dropout(q64, v64, buckets, cl, 1, True, kpm, keep.double(), p)
+    call = make_lsh_call(q64, v64, **{a: b for a, b in kw.items() if a != "buckets"})
+    perm = torch.argsort(buckets * L + torch.arange(L), dim=-1)
+    call = dataclasses.replace(call, perm=perm, inv=torch.argsort(perm, dim=-1))
+    rows = sorted_rounds(call, torch.float64)
+    ref_s, lse_s = positions_reference(rows.q[None], rows.k[None], rows.v[None], lsh_layout(L, cl).mask, cl,
+                                       rows.pos, rows.key_positions(), True, call.scale, keep=keep, dropout_p=p)
+    ref, _ = merge_rounds(*unsorted(ref_s[0], lse_s[0], call), dim=2)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     dout = torch.randn(out.shape, generator=g)
     for a, b in zip(torch.autograd.grad(out, (qk, v), dout), torch.autograd.grad(ref, (q64, v64), dout.double())):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+    torch.manual_seed(6)
+    assert not torch.equal(effattn.lsh_attention(qk, v, backend="triton", **kw), out)    # another seed, another mask
 
 
 def test_auto_takes_torch_on_cpu_and_says_why():
     qk, v = torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
     text = effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=16)
     assert "torch path" in text and "when asked for by name" in text
-    assert "chunk_len=8" in effattn.explain_lsh(qk, v, n_hashes=2, chunk_len=8)
     rep = effattn.explain(qk, qk, v, op="lsh_attention", n_hashes=2, chunk_len=16, dropout_p=0.1)
     assert [r.path for r in rep.rows] == ["triton/lsh", "torch/lsh"] and rep.chosen_path == "torch/lsh"
     rep = effattn.explain(qk.double(), None, v.double(), op="lsh_attention", n_hashes=2, chunk_len=16)
     assert "dtype float64 not served" in "; ".join(rep.row("triton/lsh").reasons)
+
+
+def test_lsh_layout_is_cached_per_length_chunk_and_offsets():
+    """One layout object per (L, chunk_len, offsets): the kernels' tile lists, cached on it, are built once."""
+    a = effattn.lsh.lsh_layout(64, 16, 1, 0)
+    assert effattn.lsh.lsh_layout(64, 16, 1, 0) is a
+    assert effattn.lsh.lsh_layout(64, 16, 4, 0) is not a
+    assert effattn.lsh.cached_lsh_layout(64, 16, [0, 3]) is a

@@ -134,6 +134,7 @@ def compile_kernel(arch: int, kind: str, head_dim: int, dtype: str, config: tupl
     consts = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=head_dim, BLOCK_DV=head_dim, COUNT=False,
                   PAD_D=False, PAD_DV=False, DOT_PREC=_DOT_PREC.get(dtype, "ieee"), INTERP_BF16=False,
                   IDX64=idx64, FOLD_SCALE=True, BLOCK_R=blocks[0], KV_TMA=False, WARP_SPEC=False, VARLEN=False, FIVE=False,
+                  POS=False, POS_CAUSAL=False, QPOS=None, KPOS=None,   # positions off: None pointers, as launched
                   **FEATURES[features])                      # FOLD_SCALE: any positive scale
     if kind == "decode":     # the merge's rows: 4 real ones in 16 (GQA 4, one query: H = 32 over Hkv = 8)
         from effattn.backends.triton.attention import decode

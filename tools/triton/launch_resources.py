@@ -67,15 +67,20 @@ def _paged(H: int, Hkv: int, Lq: int, left: int, right: int, keys_per_split=None
 
 def _lsh(causal: bool, kpm: bool, dropout_p: float):
     def run(dtype):
-        from effattn.backends.triton.lsh.launch import lsh_rounds
-        B, H, R, L, D, CL = 1, 2, 2, 256, 64, 64
-        q = torch.randn(B, H, L, D, dtype=dtype, requires_grad=True)
-        k = torch.randn(B, H, L, D, dtype=dtype, requires_grad=True)
-        v = torch.randn(B, H, L, D, dtype=dtype, requires_grad=True)
-        perm = torch.stack([torch.randperm(L) for _ in range(B * H * R)]).view(B, H, R, L)
-        pad = torch.zeros(B, L, dtype=torch.bool) if kpm else None
-        out, lse = lsh_rounds(q, k, v, perm, pad, [L // CL - 1, 0], CL, causal, 0.125, dropout_p)
-        (out.nan_to_num().sum() + lse.nan_to_num().sum()).backward()
+        # the triton/lsh row: the block-sparse attention kernels with positions (``POS``) on the sorted rows
+        from effattn.backends.triton.attention import launch
+        from effattn.lsh import cached_lsh_layout
+        from effattn.numerics import draw_seed
+        N, L, D, CL = 4, 256, 64, 64
+        q, k, v = (torch.randn(1, N, L, D, dtype=dtype) for _ in range(3))
+        q_pos = torch.stack([torch.randperm(L) for _ in range(N)]).to(torch.int32)
+        k_pos = q_pos.masked_fill(torch.rand(N, L) < 0.1, -1) if kpm else q_pos
+        mask = cached_lsh_layout(L, CL, [0, L // CL - 1]).mask
+        seed = draw_seed() if dropout_p > 0 else None
+        pos = dict(out_fp32=True, q_pos=q_pos, k_pos=k_pos, pos_causal=causal)
+        out, lse = launch.fwd(q, k, v, mask, CL, None, seed, 1.0, dropout_p, -1, -1, **pos)
+        launch.bwd(torch.randn(out.shape, dtype=dtype), None, q, k, v, out, lse, mask, CL, None, seed, 1.0, dropout_p,
+                   -1, -1, **pos)
     return run
 
 

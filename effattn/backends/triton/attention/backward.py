@@ -18,7 +18,9 @@ from .schedule import (
     first_listed,
     key_tile_schedule,
     kv_bases,
+    load_positions,
     mask_scores,
+    positions_scores,
     query_tile_range,
     slice_tile,
     tile_index,
@@ -80,12 +82,15 @@ def _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_ba
                HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, FIVE: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, FIVE: tl.constexpr, qpos_base, kpos, POS: tl.constexpr,
+               POS_CAUSAL: tl.constexpr):
     """dK, dV contributions of one query tile (FA-2 Alg. 2 lines 11-16, transposed: keys are rows).
     ``PARTIAL``: a partial tile, masked elementwise; ``FOLD_SCALE``: the scale folded into exp2's
     argument (one FMA per score; ``qk_scale > 0``). ``FIVE``: also this key tile's share of the query
     tile's dQ (dS K, unscaled: FA-2 Alg. 2 line 17 as a fifth product), stored in fp32 at
-    ``dqp_base`` (the tile's rows of its slot in the partial buffer; `dq_reduce_kernel` adds them)."""
+    ``dqp_base`` (the tile's rows of its slot in the partial buffer; `dq_reduce_kernel` adds them).
+    ``POS``: the positions rule (`schedule.positions_scores`) on every tile, the query rows'
+    positions read at ``qpos_base``, the keys' ``kpos``; no gradient into q or k at a self score."""
     rel_m = i64(tl.arange(0, BLOCK_M), IDX64)
     offs_m = start_m + rel_m
     q_tile = q_base + start_m.to(tl.int64) * q_l
@@ -102,6 +107,9 @@ def _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_ba
         st = tl.where(ok, st, float("-inf"))
     if HAS_KPM:
         st = tl.where(keep_k[:, None], st, float("-inf"))
+    if POS:
+        qpos = load_positions(qpos_base, offs_m, Lq)
+        st, pos_ok, pos_self = positions_scores(st, qpos[None, :], kpos[:, None], POS_CAUSAL)
     if FOLD_SCALE:
         pt = tl.exp2(st * qk_scale - lse[None, :])                            # P^T = exp(S - L)
     else:
@@ -117,6 +125,8 @@ def _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_ba
     dst = pt * (dpt - delta[None, :])                                        # dS = P o (dP - Delta)
     if PARTIAL:                   # an invisible key's dP may be NaN (from its V): 0, not 0 * NaN
         dst = tl.where(ok, dst, 0.0)
+    if POS:                       # the self score is a constant: no gradient
+        dst = tl.where(pos_ok & (pos_self == 0), dst, 0.0)
     ds = cast(dst, q.dtype, INTERP_BF16)
     dk += dot(ds, q, DOT_PREC, INTERP_BF16)                                  # dK += dS^T Q (scale later)
     if FIVE:
@@ -124,6 +134,8 @@ def _dkdv_tile(dk, dv, k, v, keep_k, k_ptrs, q_base, do_base, lse_base, delta_ba
         if PARTIAL and LAYOUT_MASK:   # a layout read per element may hide keys inside the tile from every
             seen = (tl.max(ok.to(tl.int32), 1) > 0) & keep_k      # row: read those K rows again as zeros,
             kz = tl.load(k_ptrs, mask=seen[:, None] & (offs_d[None, :] < D), other=0.0)   # so NaN there give 0
+        if POS:                   # keys the positions hide from every row of the tile: zeros likewise
+            kz = tl.where(tl.max(pos_ok.to(tl.int32), 1)[:, None] > 0, kz, tl.zeros_like(kz))
         dqp = dot(tl.trans(ds), kz, DOT_PREC, INTERP_BF16)                   # dS K of this key tile
         tl.store(dqp_base + start_m.to(tl.int64) * dqp_l + rel_m[:, None] * dqp_l + offs_d[None, :], dqp,
                  mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
@@ -138,9 +150,9 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
              HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
              DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
              DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-             FOLD_SCALE: tl.constexpr):
+             FOLD_SCALE: tl.constexpr, qpos, kpos_base, POS: tl.constexpr, POS_CAUSAL: tl.constexpr):
     """dQ contribution of one key tile (FA-2 Alg. 2 lines 11-15, 17: dQ += dS K). ``PARTIAL``: a
-    partial tile, masked elementwise; ``FOLD_SCALE`` as in `_dkdv_tile`."""
+    partial tile, masked elementwise; ``FOLD_SCALE`` and ``POS`` as in `_dkdv_tile`."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
     k_tile = k_base + start_n.to(tl.int64) * k_l
@@ -152,7 +164,11 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
         s = s * qk_scale
     s, seen = mask_scores(s, offs_m, offs_n, kpm_base, kpm_l, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
-    if PARTIAL or HAS_KPM:        # keys no row sees: zero K and V, so NaN / inf in them give 0 * 0
+    if POS:
+        kpos = load_positions(kpos_base, offs_n, Lk)
+        s, pos_ok, pos_self = positions_scores(s, qpos[:, None], kpos[None, :], POS_CAUSAL)
+        seen = seen & (tl.max(pos_ok.to(tl.int32), 0) > 0)
+    if PARTIAL or HAS_KPM or POS:  # keys no row sees: zero K and V, so NaN / inf in them give 0 * 0
         kt = tl.where(seen[None, :], kt, tl.zeros_like(kt))
         vt = tl.where(seen[None, :], vt, tl.zeros_like(vt))
     if FOLD_SCALE:
@@ -164,6 +180,8 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
         keep = dropout_keep(seed, bh, q_row0 + offs_m[:, None], k_row0 + offs_n[None, :], drop_thresh)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
+    if POS:                       # the self score is a constant: no gradient
+        ds = tl.where(pos_ok & (pos_self == 0), ds, 0.0)
     dq += dot(cast(ds, kt.dtype, INTERP_BF16), tl.trans(kt), DOT_PREC, INTERP_BF16)
     return dq
 
@@ -171,7 +189,7 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, kpm_base, start_n, offs_m, o
 
 @triton.jit
 def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DELTA, DK, DV, DQP, KPM, LAY, LISTS,
-                  COUNTS, ITEMS, rows_out,
+                  COUNTS, ITEMS, QPOS, KPOS, rows_out,
                   q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
                   dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, dqp_t, dqp_b, dqp_h, dqp_l, kpm_b, kpm_l,
                   H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
@@ -182,7 +200,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                   HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                   DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                   DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr, FIVE: tl.constexpr):
+                  FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr, FIVE: tl.constexpr,
+                  POS: tl.constexpr, POS_CAUSAL: tl.constexpr):
     """dK, dV of one key tile of one (b, kv head) over its share of the group's G query heads and
     their visible query tiles, accumulated in registers (no atomics: deterministic). The
     ``n_slices = B * Hkv * n_split`` slices are (b, kv head, split): with ``n_split > 1`` the G
@@ -244,6 +263,10 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
         delta_base = DELTA + bh.to(tl.int64) * rows_out + q_row0
         dqp_base = DQP + pid_n.to(tl.int64) * dqp_t + b.to(tl.int64) * dqp_b + h.to(tl.int64) * dqp_h
         lay_ptr = LAY + h.to(tl.int64) * lay_h
+        qpos_base, kpos = QPOS, offs_n
+        if POS:                  # positions are per query head
+            qpos_base = QPOS + bh.to(tl.int64) * Lq
+            kpos = load_positions(KPOS + bh.to(tl.int64) * Lk, offs_n, Lk)
         if HAS_LAYOUT:
             row = LISTS + h.to(tl.int64) * list_h + pid_n.to(tl.int64) * list_t
             n_full = tl.load(row)
@@ -258,7 +281,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE)
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE, qpos_base, kpos, POS, POS_CAUSAL)
         listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
         for i in range(0, n_part):
             tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
@@ -269,7 +292,7 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
                                 lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0,
                                 drop_thresh, inv_keep,
                                 BLOCK_M, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE)
+                                DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, FIVE, qpos_base, kpos, POS, POS_CAUSAL)
         visits += n_full + n_part
     dk = dk * scale                                                          # dK = scale dS^T Q
     ok_k = offs_n[:, None] < Lk
@@ -284,7 +307,8 @@ def _dkdv_program(pid, n_slices, n_split, heads_per_group, Q, K, V, DO, LSE, DEL
 
 
 @triton.jit
-def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS, ITEMS, rows_out,
+def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS, COUNTS, ITEMS, QPOS,
+                KPOS, rows_out,
                 q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
                 dq_b, dq_h, dq_l, dq_d, kpm_b, kpm_l,
                 H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
@@ -295,7 +319,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
                 HAS_LAYOUT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
                 DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                 DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr):
+                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, VARLEN: tl.constexpr, POS: tl.constexpr,
+                POS_CAUSAL: tl.constexpr):
     """dQ of one query tile of one (b, h) over its visible key tiles, like the forward; its
     ``n_slices = B * H`` slices are ordered as the forward's."""
     n_mt = tl.cdiv(Lq, BLOCK_M)
@@ -324,6 +349,10 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
         k_base += k_row0.to(tl.int64) * k_l
         v_base += k_row0.to(tl.int64) * v_l
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    qpos, kpos_base = offs_m, KPOS
+    if POS:
+        qpos = load_positions(QPOS + bh.to(tl.int64) * Lq, offs_m, Lq)
+        kpos_base = KPOS + bh.to(tl.int64) * Lk
     row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
@@ -335,7 +364,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
                       k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
                       BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE,
+                      qpos, kpos_base, POS, POS_CAUSAL)
     listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
         tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
@@ -344,7 +374,8 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
                       k_l, k_d, v_l, v_d, kpm_l, Lq, Lk, D, Dv, off, left, right, lay_ptr, lay_nkb, lay_bs,
                       qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0, k_row0 + drop_k0, drop_thresh, inv_keep,
                       BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE)
+                      LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE,
+                      qpos, kpos_base, POS, POS_CAUSAL)
     dq = dq * scale
     dq_ptrs = (DQ + b.to(tl.int64) * dq_b + h.to(tl.int64) * dq_h + m0_64 * dq_l + rel_m[:, None] * dq_l
                + offs_d[None, :] * dq_d)
@@ -355,7 +386,7 @@ def _dq_program(pid, n_slices, heads_per_group, Q, K, V, DO, LSE, DELTA, DQ, KPM
 
 
 @triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_BWD_ARGS)
-def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2,
+def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS2, COUNTS, ITEMS1, ITEMS2, QPOS, KPOS,
                q_strides, k_strides, v_strides, do_strides, dq_strides, dk_strides, dv_strides, dqp_strides,
                kpm_strides,
                B, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
@@ -368,7 +399,7 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS
                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr,
                PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
                FOLD_SCALE: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr, VARLEN: tl.constexpr = False,
-               FIVE: tl.constexpr = False):
+               FIVE: tl.constexpr = False, POS: tl.constexpr = False, POS_CAUSAL: tl.constexpr = False):
     """The whole backward but Delta in one launch (as FlexAttention's): a 1-D grid whose first
     ``cdiv(Lk, BLOCK_N1) * B * Hkv * n_split`` programs each compute dK, dV of one key tile
     (`_dkdv_program`, tiles BLOCK_M1 x BLOCK_N1, tile lists LISTS1 by key) and whose remaining
@@ -394,7 +425,10 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS
     programs, which also compute dQ = dS K per visited tile pair into the fp32 partial buffer DQP
     ``(key tiles, B, H, Lq, D)`` (``dqp_strides`` = (dqp_t, dqp_b, dqp_h, dqp_l)); `dq_reduce_kernel`
     then sums each query tile's partials in a fixed order (deterministic, no atomics). The dQ
-    programs' S and dP products (the seven-product backward's extra two) are gone."""
+    programs' S and dP products (the seven-product backward's extra two) are gone.
+
+    ``POS``: the forward's positions (`fwd_kernel`: int32 ``QPOS (B*H, Lq)``, ``KPOS (B*H, Lk)``,
+    ``POS_CAUSAL``) in both kinds of programs; a self score passes no gradient to q or k."""
     q_b, q_h, q_l, q_d = q_strides
     k_b, k_h, k_l, k_d = k_strides
     v_b, v_h, v_l, v_d = v_strides
@@ -409,24 +443,24 @@ def bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQP, KPM, LAY, LISTS1, LISTS
     n_kv = tl.cdiv(Lk, BLOCK_N1) * n_slices1
     if FIVE or pid < n_kv:
         _dkdv_program(pid, n_slices1, n_split, group1, Q, K, V, DO, LSE, DELTA, DK, DV, DQP, KPM, LAY, LISTS1,
-                      COUNTS, ITEMS1, rows_out,
+                      COUNTS, ITEMS1, QPOS, KPOS, rows_out,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
                       dk_s, dk_b, dk_h, dk_l, dk_d, dv_s, dv_b, dv_h, dv_l, dv_d, dqp_t, dqp_b, dqp_h, dqp_l,
                       kpm_b, kpm_l, H, Hkv, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                       listk_h, listk_t, listk_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                       inv_keep, BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                       LAYOUT_MASK1, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                      FOLD_SCALE, ORDER1, VARLEN, FIVE)
+                      FOLD_SCALE, ORDER1, VARLEN, FIVE, POS, POS_CAUSAL)
     else:
         _dq_program(pid - n_kv, B * H, group2, Q, K, V, DO, LSE, DELTA, DQ, KPM, LAY, LISTS2, COUNTS + n_kv,
-                    ITEMS2, rows_out,
+                    ITEMS2, QPOS, KPOS, rows_out,
                     q_b, q_h, q_l, q_d, k_b, k_h, k_l, k_d, v_b, v_h, v_l, v_d, do_b, do_h, do_l, do_d,
                     dq_b, dq_h, dq_l, dq_d, kpm_b, kpm_l,
                     H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                     list_h, list_t, list_wf, scale, qk_scale, seed, drop_q0, drop_k0, drop_h0, drop_H, drop_thresh,
                     inv_keep, BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_LAYOUT,
                     LAYOUT_MASK2, HAS_KPM, DROPOUT, COUNT, PAD_D, PAD_DV, DOT_PREC, INTERP_BF16, IDX64,
-                    FOLD_SCALE, ORDER2, VARLEN)
+                    FOLD_SCALE, ORDER2, VARLEN, POS, POS_CAUSAL)
 
 
 @triton.jit(do_not_specialize=["list_h", "list_t", "list_wf"])

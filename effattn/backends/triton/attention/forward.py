@@ -19,7 +19,9 @@ from .schedule import (
     first_listed,
     key_tile_schedule,
     kv_bases,
+    load_positions,
     mask_scores,
+    positions_scores,
     program_tile,
     tile_index,
     work_item,
@@ -34,11 +36,14 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
               HAS_RIGHT: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_KPM: tl.constexpr,
               DROPOUT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
               DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
-              FOLD_SCALE: tl.constexpr, KV_TMA: tl.constexpr):
+              FOLD_SCALE: tl.constexpr, KV_TMA: tl.constexpr, qpos, kpos_base, POS: tl.constexpr,
+              POS_CAUSAL: tl.constexpr):
     """One key tile of the online softmax (FA-2 Alg. 1, lines 8-10). ``PARTIAL``: a partial tile
     (`effattn.tiles`), masked elementwise; a full one runs without masking code. ``FOLD_SCALE``
     (``qk_scale > 0``): the row max is taken on the raw scores and the scale folded into the
-    exponent, one FMA per score instead of a multiply and a subtract."""
+    exponent, one FMA per score instead of a multiply and a subtract. ``POS``: every tile also
+    applies the positions rule (`schedule.positions_scores`; the query rows' positions ``qpos``,
+    the keys' read at ``kpos_base``; the launcher turns FOLD_SCALE off with it)."""
     rel_n = i64(tl.arange(0, BLOCK_N), IDX64)
     offs_n = start_n + rel_n
     k_tile = k_base + start_n.to(tl.int64) * k_l             # int64: long rows of a (B, L, H, D) view
@@ -52,6 +57,10 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
         s = s * qk_scale                                        # in log2 units
     s, seen = mask_scores(s, offs_m, offs_n, kpm_base, kpm_l, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
                           PARTIAL, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, IDX64)
+    if POS:
+        kpos = load_positions(kpos_base, offs_n, Lk)
+        s, ok, _ = positions_scores(s, qpos[:, None], kpos[None, :], POS_CAUSAL)
+        seen = seen & (tl.max(ok.to(tl.int32), 0) > 0)
     # m_new = max(m_old, rowmax(S)); a row that has seen nothing yet keeps m = -inf, and the
     # shift m_ref = 0 keeps exp2(-inf - m_ref) = 0 instead of NaN
     # (with FOLD_SCALE, max(c S) = c max(S) for c = qk_scale > 0, and -inf stays -inf)
@@ -74,14 +83,14 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, kpm_base, start_
         v = v_desc.load([start_n, 0])
     else:
         v = load_tile(v_tile + rel_n[:, None] * v_l + offs_dv[None, :] * v_d, offs_n, Lk, offs_dv, Dv, PARTIAL, PAD_DV)
-    if PARTIAL or HAS_KPM:        # keys no row sees: zero values, so NaN / inf in them give 0 * 0
+    if PARTIAL or HAS_KPM or POS:  # keys no row sees: zero values, so NaN / inf in them give 0 * 0
         v = tl.where(seen[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP_BF16), v, DOT_PREC, INTERP_BF16)  # O = alpha O + P~ V
     return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["seed", "drop_q0", "drop_k0", "drop_h0", "drop_H"] + UNSPECIALIZED_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
+def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS, QPOS, KPOS,
                q_strides, k_strides, v_strides, kpm_strides,
                H, G, Lq, Lk, D, Dv, off, left, right, lay_h, lay_nkb, lay_bs,
                list_h, list_t, list_wf,
@@ -92,7 +101,8 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
                DROPOUT: tl.constexpr, COUNT: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr, IDX64: tl.constexpr,
                FOLD_SCALE: tl.constexpr, ORDER: tl.constexpr, KV_TMA: tl.constexpr = False,
-               WARP_SPEC: tl.constexpr = False, VARLEN: tl.constexpr = False):
+               WARP_SPEC: tl.constexpr = False, VARLEN: tl.constexpr = False, POS: tl.constexpr = False,
+               POS_CAUSAL: tl.constexpr = False):
     """O (B, H, Lq, Dv) and LSE (B, H, Lq), natural log, for one query tile of one (b, h).
     1-D grid of cdiv(Lq, BLOCK_M) * B * H programs, query tiles fastest (a grid's y and z sizes
     are limited to 65535, B * H is not). ``rows_out``: the rows of O and LSE per (b, h).
@@ -148,6 +158,10 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
     row, n_full, n_part, t0, t1, t2 = key_tile_schedule(LISTS, h, pid_m, list_h, list_t, m0, Lq,
                                                         Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                         HAS_LAYOUT)
+    qpos, kpos_base = offs_m, KPOS
+    if POS:
+        qpos = load_positions(QPOS + bh.to(tl.int64) * Lq, offs_m, Lq)
+        kpos_base = KPOS + bh.to(tl.int64) * Lk
     listed = first_listed(row, 2, n_full, HAS_LAYOUT)
     for i in tl.range(0, n_full, warp_specialize=WARP_SPEC):
         tile, listed = tile_index(row, 2, i, n_full, t1, n_full, t1, listed, HAS_LAYOUT)
@@ -157,7 +171,7 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
                                   lay_ptr, lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0,
                                   k_row0 + drop_k0, drop_thresh,
                                   BLOCK_N, False, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
+                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA, qpos, kpos_base, POS, POS_CAUSAL)
     listed = first_listed(row, 2 + list_wf, n_part, HAS_LAYOUT)
     for i in range(0, n_part):
         tile, listed = tile_index(row, 2 + list_wf, i, n_part, t0, t1 - t0, t2, listed, HAS_LAYOUT)
@@ -167,7 +181,7 @@ def fwd_kernel(Q, K, V, O, LSE, KPM, LAY, LISTS, COUNTS, ITEMS,
                                   lay_ptr, lay_nkb, lay_bs, qk_scale, seed, b * drop_H + drop_h0 + h, q_row0 + drop_q0,
                                   k_row0 + drop_k0, drop_thresh,
                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, LAYOUT_MASK, HAS_KPM, DROPOUT, PAD_D, PAD_DV,
-                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA)
+                                  DOT_PREC, INTERP_BF16, IDX64, FOLD_SCALE, KV_TMA, qpos, kpos_base, POS, POS_CAUSAL)
     # FA-2 Alg. 1 lines 12-13: O = O / l, L = m + log(l); a row that saw no key: O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

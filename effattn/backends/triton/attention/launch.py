@@ -321,15 +321,17 @@ def gqa_splits(n_kv_programs: int, G: int, n_sm: int) -> int:
 # Launchers
 
 def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right, tf32=False,
-        q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0, config=None, counts=False):
+        q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0, config=None, counts=False,
+        q_pos=None, k_pos=None, pos_causal=False):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) fp32. With ``counts``, also an int32
     (B*H, n_query_tiles) tensor of the key tiles each program visited. Nothing is launched when
     there is no query row (Lq = 0 or B*H = 0); Lk = 0 launches and writes out = 0, lse = -inf.
     ``q_offset``: query i at key position ``i + q_offset`` (``positions``); ``out_fp32``: out in float32;
     ``drop_q0`` / ``drop_k0``: dropout draws at rows ``drop_q0 + i`` and keys ``drop_k0 + j`` (the
     ``positions``), ``drop_h0`` / ``drop_H``: at head ``b * drop_H + drop_h0 + h`` (a head shard;
-    ``drop_H = 0``: H)."""
+    ``drop_H = 0``: H). ``q_pos`` / ``k_pos``: the per-row positions rule (`positions_meta`)."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
+    qpos, kpos, pos_meta = positions_meta(p, q_pos, k_pos, pos_causal)
     out = torch.empty((p.B, p.H, p.Lq, p.Dv), dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     lse = torch.empty((p.B, p.H, p.Lq), dtype=torch.float32, device=q.device)
     seed_key = philox_key(seed) if dropout_p > 0 else 0
@@ -345,8 +347,9 @@ def fwd(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, r
         grid, lists, args, meta = p.fwd_args(cfg, q, k, v, counts)
         cnt = torch.zeros(p.B * p.H, grid[0] // (p.B * p.H), dtype=torch.int32, device=q.device) if counts else None
         fwd_kernel[grid](Q=q, K=k, V=v, O=out, LSE=lse, KPM=kpm_u8, LAY=_or_dummy(p.lay, q),
-                         LISTS=_or_dummy(lists, q), COUNTS=_or_dummy(cnt, q), ITEMS=q, seed=seed_key, drop_q0=drop_q0,
-                         drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H, **args, **meta)
+                         LISTS=_or_dummy(lists, q), COUNTS=_or_dummy(cnt, q), ITEMS=q, QPOS=qpos, KPOS=kpos,
+                         seed=seed_key, drop_q0=drop_q0, drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H,
+                         **args, **dict(meta, **pos_meta))
         visits[0] = cnt
 
     if p.Lq > 0 and p.B * p.H > 0:
@@ -377,7 +380,7 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
             return
         table = torch.tensor(items, dtype=torch.int32).to(q.device)
         fwd_kernel[(len(items) * p.B * p.H,)](Q=q, K=k, V=v, O=out, LSE=lse, KPM=q, LAY=q, LISTS=q, COUNTS=q,
-                                              ITEMS=table, seed=seed_key, drop_q0=0, drop_k0=0,
+                                              ITEMS=table, QPOS=q, KPOS=q, seed=seed_key, drop_q0=0, drop_k0=0,
                                               drop_h0=0, drop_H=p.H,
                                               **dict(args, Lq=len(items) * cfg[0]),
                                               **dict(meta, ORDER=0, VARLEN=True))
@@ -394,7 +397,7 @@ def fwd_varlen(q, k, v, segments, seed, scale, dropout_p, left, right, tf32=Fals
 
 def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, scale, dropout_p, left, right,
         tf32=False, q_offset=None, out_fp32=False, drop_q0=0, drop_k0=0, drop_h0=0, drop_H=0, config=None,
-        counts=False, n_split=None, segments=None):
+        counts=False, n_split=None, segments=None, q_pos=None, k_pos=None, pos_causal=False):
     """dq, dk, dv (same shapes and dtypes as q, k, v): the Delta pre-pass, then one launch of
     `bwd_kernel` (dK/dV and dQ programs), then, if the group's query heads were split (GQA with
     few key tiles per SM; ``n_split`` forces a split count, None: `gqa_splits`), the partial dK, dV
@@ -402,8 +405,12 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
     tiles each key tile visited (all G heads) and the (B*H, n_query_tiles) numbers of key tiles
     each query tile visited. `tf32` must be the forward's (the op's autograd passes it on).
     ``segments``: packed sequences (`fwd_varlen`'s work list): dK/dV programs per (segment, key tile)
-    and dQ programs per (segment, query tile); rows of no segment get zero gradients."""
+    and dQ programs per (segment, query tile); rows of no segment get zero gradients. ``q_pos`` /
+    ``k_pos`` / ``pos_causal``: the forward's (`positions_meta`)."""
     p = plan_for(q, k, v, layout_mask, layout_block, kpm, scale, dropout_p, left, right, tf32, q_offset)
+    qpos, kpos, pos_meta = positions_meta(p, q_pos, k_pos, pos_causal)
+    if q_pos is not None and segments is not None:
+        raise ValueError("q_pos / k_pos: positions do not take packed sequences (segments)")
     alloc = torch.empty_like if segments is None else torch.zeros_like
     dq, dk, dv = alloc(q), alloc(k), alloc(v)
     if out_fp32:                                        # an fp32 output's gradient: the kernels' dtype
@@ -441,8 +448,9 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
             bwd_kernel[grid](Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DK=dk_out, DV=dv_out,
                              DQP=_or_dummy(dqp, delta), KPM=kpm_u8,
                              LAY=lay, LISTS1=_or_dummy(lists[0], q), LISTS2=_or_dummy(lists[1], q),
-                             COUNTS=_or_dummy(cnt, q), ITEMS1=items[0], ITEMS2=items[1], seed=seed_key, drop_q0=drop_q0,
-                             drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H, **args, **meta)
+                             COUNTS=_or_dummy(cnt, q), ITEMS1=items[0], ITEMS2=items[1], QPOS=qpos, KPOS=kpos,
+                             seed=seed_key, drop_q0=drop_q0, drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H or p.H,
+                             **args, **dict(meta, **pos_meta))
         if five:                                       # dQ: each query tile's partials summed in a fixed order
             rgrid, rlists, rargs, rmeta = p.dq_reduce_args(cfg, dq, counts)
             rcnt = torch.zeros(rgrid[0], dtype=torch.int32, device=q.device) if counts else None
@@ -467,6 +475,30 @@ def bwd(dout, dlse, q, k, v, out, lse, layout_mask, layout_block, kpm, seed, sca
             _launch_tuned("bwd", p, launch, q.device, usable=lambda c: not five_product(c) or (
                 segments is None and five_fits(p.dq_partial_shape(c[1]))), key_extra=("packed",) if segments else ())
     return (dq, dk, dv, *visits) if counts else (dq, dk, dv)
+
+
+def positions_meta(p: "LaunchPlan", q_pos, k_pos, pos_causal: bool):
+    """(QPOS, KPOS, the meta arguments) of the positions rule (`fwd_kernel`'s ``POS``): ``q_pos``
+    int32 ``(B*H, Lq)`` and ``k_pos`` int32 ``(B*H, Lk)`` (-1: a key never visible), both or neither;
+    key j is hidden from query i where ``k_pos[j] < 0`` or (``pos_causal``) ``k_pos[j] > q_pos[i]``,
+    and scores `effattn.lsh.SELF_SCORE` (not scaled, no gradient) where the positions are equal.
+    Without positions the meta arguments are empty: the kernels compile as before (``POS`` off).
+    With them the scale is not folded into the exponent (the self score is a constant in log2 units)."""
+    if q_pos is None and k_pos is None:
+        if pos_causal:
+            raise ValueError("pos_causal=True needs q_pos and k_pos")
+        return None, None, {}
+    if q_pos is None or k_pos is None:
+        raise ValueError("q_pos and k_pos go together (both int32 tensors, or neither)")
+    for name, t, n in (("q_pos", q_pos, p.Lq), ("k_pos", k_pos, p.Lk)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor (B*H, {n}), got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if tuple(t.shape) != (p.B * p.H, n):
+            raise ValueError(f"{name} must have shape (B*H, {n}) = ({p.B * p.H}, {n}), got {tuple(t.shape)}")
+    if p.B * p.H * max(p.Lq, p.Lk) > _I32_MAX:
+        raise ValueError("q_pos / k_pos: (B*H) * L must stay below 2^31 elements")
+    return q_pos.contiguous(), k_pos.contiguous(), dict(POS=True, POS_CAUSAL=bool(pos_causal), FOLD_SCALE=False)
 
 
 def dq_partials(shape, device):

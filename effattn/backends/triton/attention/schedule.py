@@ -9,6 +9,10 @@ import triton.language as tl
 
 from ..jit import i64
 
+# `effattn.lsh.SELF_SCORE` (-1e5) in the kernels' log2 units: the score of a query against a key at its
+# own position under `positions_scores`
+SELF_SCORE_LOG2 = tl.constexpr(-1e5 * 1.4426950408889634)
+
 
 @triton.jit
 def visible(qi, kj, Lq, Lk, off, left, right, lay_ptr, lay_nkb, lay_bs,
@@ -47,6 +51,28 @@ def mask_scores(s, offs_m, offs_n, kpm_base, skpn, Lq, Lk, off, left, right, lay
     elif HAS_KPM:
         s = tl.where(seen[None, :], s, float("-inf"))
     return s, seen
+
+
+@triton.jit
+def load_positions(ptr, offs, n):
+    """int32 positions at ``offs`` of one (b, h) row of ``q_pos`` / ``k_pos``; -1 (never visible as a
+    key) past ``n``."""
+    return tl.load(ptr + offs, mask=offs < n, other=-1)
+
+
+@triton.jit
+def positions_scores(s, qp, kp, POS_CAUSAL: tl.constexpr):
+    """The per-pair positions rule on scores ``s`` in log2 units (``positions``: the LSH rows of
+    `effattn.lsh`), ``qp`` / ``kp`` the query / key positions shaped to broadcast (``(M, 1)`` and
+    ``(1, N)``, or transposed): key hidden where its position is negative or (``POS_CAUSAL``) after
+    the query's; where the positions are equal the score is the constant `SELF_SCORE_LOG2` (no
+    gradient flows to q or k there). Returns (scores, visible, is_self)."""
+    ok = kp >= 0
+    if POS_CAUSAL:
+        ok = ok & (kp <= qp)
+    is_self = kp == qp
+    s = tl.where(is_self, SELF_SCORE_LOG2, s)
+    return tl.where(ok, s, float("-inf")), ok, is_self
 
 
 @triton.jit
