@@ -12,8 +12,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ....numerics import compute_dtype
 from ...._call import needs_grad
+from ....numerics import compute_dtype
 from ...autograd import direct, eager_op_pair
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons
