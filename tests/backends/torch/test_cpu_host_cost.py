@@ -88,3 +88,53 @@ def test_cached_row_order_follows_the_registry(monkeypatch):
     assert base.rows("attention", call) == _sorted_fresh("attention", call)
     monkeypatch.undo()
     assert base.select("attention", call, "auto").name == "torch/cpu-flash"
+
+
+def test_key_padding_reads_finite_keys_in_place(monkeypatch):
+    """Key padding on ``torch/cpu-sdpa-mask``: finite K and V go to the kernel without copies, with the
+    results (forward, lse, gradients) bitwise those of the zeroed copies; a batch entry that is all
+    padding gives output 0, lse -inf and gradients 0; NaN, inf or scores past the dtype's range take
+    the copies."""
+    from effattn.backends.torch.attention import cpu_masked
+    from effattn.testing.oracle import naive_attention
+    q, k, v = _qkv(B=3, L=24, grad=True)
+    pad = torch.zeros(3, 24, dtype=torch.bool)
+    pad[0, 17:] = True
+    pad[1, :] = True                                  # every key padding: rows that see none
+    d = torch.randn(3, 4, 24, 16)
+    assert effattn.explain(q, k, v, key_padding_mask=pad).chosen_path == "torch/cpu-sdpa-mask"
+    copies = []
+    real = cpu_masked._seen_only
+    monkeypatch.setattr(cpu_masked, "_seen_only", lambda x, u: copies.append(1) or real(x, u))
+
+    def run():
+        q.grad = k.grad = v.grad = None
+        out, lse = effattn.attention(q, k, v, key_padding_mask=pad, return_lse=True)
+        (out * d).sum().backward()
+        return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+    fast = run()
+    assert copies == []
+    monkeypatch.setattr(cpu_masked, "masked_keys_harmless", lambda *a: False)
+    slow = run()
+    assert copies == [1] * 4                          # K and V, forward and backward
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    out, lse, dq, dk, dv = fast
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == -float("inf")) and torch.all(dk[1] == 0)
+    assert torch.all(dk[0, :, 17:] == 0) and torch.all(dv[0, :, 17:] == 0)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = naive_attention(q64, k64, v64, key_padding_mask=pad)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    ref.backward(d.double())
+    for got, want in zip((dq, dk, dv), (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    monkeypatch.undo()
+    x = torch.ones(1, 1, 4, 4)
+    assert cpu_masked.masked_keys_harmless(x, x, x, 0.5)
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e38):      # 1e38 * 1 * 4 * 0.5 > max / 4
+        y = x.clone()
+        y[0, 0, 3, 0] = bad
+        assert not cpu_masked.masked_keys_harmless(x, y, x, 0.5), bad
+        assert not cpu_masked.masked_keys_harmless(y, x, x, 0.5), bad
+        assert bad == 1e38 or not cpu_masked.masked_keys_harmless(x, x, y, 0.5), bad
