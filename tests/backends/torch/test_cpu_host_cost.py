@@ -102,7 +102,8 @@ def test_key_padding_reads_finite_keys_in_place(monkeypatch):
     pad[0, 17:] = True
     pad[1, :] = True                                  # every key padding: rows that see none
     d = torch.randn(3, 4, 24, 16)
-    assert effattn.explain(q, k, v, key_padding_mask=pad).chosen_path == "torch/cpu-sdpa-mask"
+    ex = effattn.explain(q, k, v, key_padding_mask=pad)
+    assert ex.chosen_path == "torch/cpu-sdpa-mask" and "K and V read in place when" in ex.paths["torch"], str(ex)
     copies = []
     real = cpu_masked._seen_only
     monkeypatch.setattr(cpu_masked, "_seen_only", lambda x, u: copies.append(1) or real(x, u))

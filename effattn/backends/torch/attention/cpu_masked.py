@@ -169,7 +169,9 @@ def _describe(call) -> str:
     entries = mask_entries(call)
     size = entries * call.q.element_size()
     return (f"torch's fused flash-attention CPU kernel, mask materialized ({entries} entries, "
-            f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path")
+            f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path; "
+            f"K and V read in place when they and the scores are finite (min/max of q, k, v checked per call), "
+            f"else copied with the keys no query sees zeroed")
 
 
 # ------------------------------------------------------------------------------------ the masks
