@@ -198,6 +198,10 @@ class AttnCall:
         return f
 
 
+# (Lq, Lk, causal) -> the Rule of a plain call (frozen: one object serves every call of that shape)
+_PLAIN_RULES: dict = {}
+
+
 def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_padding_mask=None,
                    scale=None, dropout_p=0.0, return_lse=False, softcap=None, sinks=None, bias=None, cu_seqlens=None,
                    max_seqlen=None, positions=None, out_dtype=None, seed=None, heads=None) -> AttnCall:
@@ -209,6 +213,21 @@ def make_attn_call(q, k, v, *, causal=False, window=None, layout=None, key_paddi
     Lq, Lk = q.shape[2], k.shape[2]
     if not isinstance(causal, bool):
         _fail(TypeError, f"attention: causal must be a bool, got {causal!r}")
+    if (window is None and layout is None and key_padding_mask is None and not dropout_p and softcap is None
+            and sinks is None and bias is None and cu_seqlens is None and max_seqlen is None and positions is None
+            and out_dtype is None and heads is None and type(dropout_p) in (int, float)):
+        # a plain call (the common one): what the general path below would build, without its checks of
+        # arguments that are not given (a short CPU call's host time is a measurable part of it)
+        if scale is None:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            _fail(TypeError, f"attention: scale must be a finite float, got {scale!r}")
+        rule = _PLAIN_RULES.get((Lq, Lk, causal))
+        if rule is None:
+            if len(_PLAIN_RULES) > 256:
+                _PLAIN_RULES.clear()
+            rule = _PLAIN_RULES[(Lq, Lk, causal)] = Rule(Lq, Lk, *clamp_window(-1, 0 if causal else -1, Lq, Lk))
+        return AttnCall(q, k, v, causal, rule, None, None, float(scale), 0.0, bool(return_lse))
     left, right = normalize_window(window, causal)
     if layout is not None:
         if not isinstance(layout, BlockLayout):

@@ -82,14 +82,16 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     """
     if unknown:
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
-    others = dict(layout=layout, key_padding_mask=key_padding_mask, dropout_p=dropout_p, softcap=softcap,
-                  sinks=sinks, bias=bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions,
-                  out_dtype=out_dtype)
-    if block_table is not None or seqlens is not None:
+    paged = block_table is not None or seqlens is not None
+    if paged or bias is not None:             # (a plain call builds none of this)
+        others = dict(layout=layout, key_padding_mask=key_padding_mask, dropout_p=dropout_p, softcap=softcap,
+                      sinks=sinks, bias=bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, positions=positions,
+                      out_dtype=out_dtype)
+    if paged:
         _takes_only("a paged call (block_table=, seqlens=)", "causal, window, scale, return_lse and backend", others)
         return paged_attention(q, k, v, block_table=block_table, seqlens=seqlens, causal=causal, window=window,
                                scale=scale, return_lse=return_lse, backend=backend)
-    if _relative_keys(bias):
+    if bias is not None and _relative_keys(bias):
         _takes_only("bias=RelativeKeys(...)", RELATIVE_TAKES, {n: others[n] for n in RELATIVE_REFUSED})
         return relative_attention(q, k, v, bias.r, query=bias.query, max_distance=bias.max_distance, causal=causal,
                                   window=window, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,

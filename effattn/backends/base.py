@@ -7,7 +7,7 @@ reasons it cannot serve a call. Dispatch, `effattn.explain` and error messages a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -113,9 +113,9 @@ class Path:
         hd = max(call.q.shape[-1], call.v.shape[-1])
         if hd > self.caps.max_head_dim:
             why.append(f"head dim {hd} > {self.caps.max_head_dim}")
-        missing = sorted(call.features() - self.caps.features)
+        missing = call.features() - self.caps.features
         if missing:
-            why.append("does not support " + ", ".join(missing))
+            why.append("does not support " + ", ".join(sorted(missing)))
         if not why:                        # a path's own check may assume the declaration holds
             why.extend(self.admits(call))
         return why
@@ -139,6 +139,10 @@ class Backend:
     name: str
     op: str
     paths: List[Path] = field(default_factory=list)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        _VERSION[0] += 1                # dispatch's cached row order (`_rows_entry`) is rebuilt
 
     @property
     def caps(self) -> Capabilities:
@@ -198,6 +202,7 @@ def register(path: Path) -> Path:
     if group is None:
         group = _REGISTRY[path.op][path.backend] = Backend(path.backend, path.op)
     group.paths[:] = [p for p in group.paths if p.name != path.name] + [path]   # a re-import replaces
+    _VERSION[0] += 1
     return path
 
 
@@ -210,9 +215,49 @@ def backends_for(op: str) -> List[Backend]:
 def rows(op: str, call=None) -> List[Path]:
     """Every registered row of `op`, in the order "auto" tries them for `call` (by static priority
     when None): by rank, ties in the order of `BACKENDS`, then of registration."""
+    return list(_ordered(_rows_entry(op)[6], call))
+
+
+# op -> (the registry dict, the op's backends dict and its size, BACKENDS and its size, the registry
+# version, the rows in static order with their tie keys, device type -> the rows "auto" may take there).
+# Dispatch reads it on every call; it is rebuilt when the registry changes: `register`, a row list
+# replaced (`Backend.__setattr__`), or the registry, an op's backends or BACKENDS replaced or resized
+# (tests patch those).
+_ROWS: Dict[str, tuple] = {}
+_VERSION = [0]
+
+
+def _rows_entry(op: str) -> tuple:
+    e = _ROWS.get(op)
+    if e is not None and e[0] is _REGISTRY and e[1] is _REGISTRY[op] and e[2] == len(e[1]) and \
+            e[3] is BACKENDS and e[4] == len(BACKENDS) and e[5] == _VERSION[0]:
+        return e
     order = list(BACKENDS)
-    flat = [(p, order.index(b.name), i) for b in _REGISTRY[op].values() for i, p in enumerate(b.paths)]
+    group = _REGISTRY[op]
+    flat = [(p, order.index(b.name), i) for b in group.values() for i, p in enumerate(b.paths)]
+    flat.sort(key=lambda x: (x[0].rank(None), x[1], x[2]))
+    e = _ROWS[op] = (_REGISTRY, group, len(group), BACKENDS, len(BACKENDS), _VERSION[0], tuple(flat), {})
+    return e
+
+
+def _ordered(flat: tuple, call) -> Iterable[Path]:
+    """The rows of `flat` (static order) in rank order for `call`: sorted again only when a row's
+    priority is a function of the call."""
+    if call is None or not any(callable(p.priority) for p, _, _ in flat):
+        return [p for p, _, _ in flat]
     return [p for p, _, _ in sorted(flat, key=lambda x: (x[0].rank(call), x[1], x[2]))]
+
+
+def _auto_rows(op: str, device_type: str) -> tuple:
+    """(the rows "auto" may take on ``device_type`` in static order with their tie keys, whether any of
+    them ranks by the call): the others cannot serve a call there (another device, or named only)."""
+    entry = _rows_entry(op)
+    got = entry[7].get(device_type)
+    if got is None:
+        flat = tuple(x for x in entry[6]
+                     if device_type in x[0].caps.devices and device_type not in x[0].explicit_only_devices)
+        got = entry[7][device_type] = (flat, any(callable(p.priority) for p, _, _ in flat))
+    return got
 
 
 def select(op: str, call, backend: str) -> Path:
@@ -220,9 +265,9 @@ def select(op: str, call, backend: str) -> Path:
     backend's name the first of its rows that does (or an error saying why none can). Only the rows
     it needs are asked; the reasons of all of them are gathered only for the error message."""
     if backend == "auto":
-        device_type = call.q.device.type
-        for p in rows(op, call):
-            if device_type not in p.explicit_only_devices and not p.reasons(call):
+        flat, dynamic = _auto_rows(op, call.q.device.type)
+        for p in (_ordered(flat, call) if dynamic else (x[0] for x in flat)):
+            if not p.reasons(call):
                 return p
     elif backend in BACKENDS:
         b = _REGISTRY[op].get(backend)

@@ -12,13 +12,17 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...._call import needs_grad
 from ....numerics import compute_dtype
-from ...autograd import eager_op_pair
+from ...autograd import direct, eager_op_pair
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# the same kernels through torch's generated bindings, the way SDPA calls them: the Python op packet
+# costs ~15 us more per call (a short call's host time matters, see benchmarks/cpu_vs_sdpa.py)
+_FLASH_FN = getattr(torch._C._VariableFunctions, "_scaled_dot_product_flash_attention_for_cpu", _FLASH)
 
 # The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
 # enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
@@ -43,11 +47,13 @@ def kernel_backward_exact(lse: Tensor) -> bool:
 def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
     """The tensors with stride 1 along the head dim: the kernel reads a strided last dim wrongly
     (torch 2.13: a ``[..., ::2]`` view gives errors of order 1)."""
+    if all(t.stride(-1) == 1 for t in ts):
+        return ts
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _FLASH(*unit_stride(q, k, v), 0.0, causal, scale=scale)
+    out, lse = _FLASH_FN(*unit_stride(q, k, v), 0.0, causal, scale=scale)
     return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
 
 
@@ -100,7 +106,12 @@ def _copied(call) -> List[str]:
 
 
 def _run(call):
-    q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (call.q, call.k, call.v))
+    q, k, v = call.q, call.k, call.v
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q, k, v))
+    elif not call.return_lse and not needs_grad(q, k, v) and direct(q, k, v):
+        # an eager forward that returns no lse: the kernel alone, as `_CALL`'s forward would run it
+        return _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
     return _CALL(q, k, v, call.causal, call.scale)
 
 

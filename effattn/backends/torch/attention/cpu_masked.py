@@ -9,9 +9,11 @@ What the kernel does not give exactly is fixed around it:
 
 - a row that sees no key: the kernel writes output 0 and log-sum-exp 0; effattn's lse there is
   -inf (the kernel's 0 is what its own backward needs, so the backward maps -inf back to 0);
-- keys no query sees (padding, outside every window, in no visible layout block): their K and V
-  rows are zeroed before the kernel, so a NaN / inf there cannot reach a row as 0 * NaN, and
-  their gradients are 0;
+- keys no query sees (padding, outside every window, in no visible layout block): the kernel reads
+  K and V as they are when every entry and score is finite (`masked_keys_harmless`: three
+  reductions, no copies; a masked score is then -inf, its probability exactly 0, its keys'
+  gradients 0); otherwise their K and V rows are zeroed first (copies), so a NaN / inf there cannot
+  reach a row as 0 * NaN;
 - an lse gradient: the kernel's backward has none; the blocks path's backward takes it (and every
   float16 backward: the kernel's is slow there; and huge scores, see `kernel_backward_exact`).
 
@@ -32,7 +34,7 @@ from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
-from .cpu_flash import _FLASH, _FLASH_BWD, kernel_backward_exact, unit_stride
+from .cpu_flash import _FLASH_BWD, _FLASH_FN, kernel_backward_exact, unit_stride
 from .cpu_flash import FEATURES as _FLASH_FEATURES
 
 FEATURES = frozenset({"window", "layout", "key_padding_mask"}) | _FLASH_FEATURES
@@ -167,7 +169,9 @@ def _describe(call) -> str:
     entries = mask_entries(call)
     size = entries * call.q.element_size()
     return (f"torch's fused flash-attention CPU kernel, mask materialized ({entries} entries, "
-            f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path")
+            f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path; "
+            f"K and V read in place when they and the scores are finite (min/max of q, k, v checked per call), "
+            f"else copied with the keys no query sees zeroed")
 
 
 # ------------------------------------------------------------------------------------ the masks
@@ -239,6 +243,18 @@ def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
     return x if unseen is None else x.masked_fill(unseen, 0.0)
 
 
+def masked_keys_harmless(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
+    """Whether the kernel may read K and V as they are at the keys no query sees: every entry finite
+    and every score ``q . k * scale`` finite, so a masked score is ``finite + (-inf) = -inf`` and its
+    probability exactly 0 (no ``inf - inf`` or ``0 * inf``). Three reductions (min and max of q, k, v)
+    and one host sync, in place of copying K and V with those rows zeroed (two full copies, 3-10x the
+    time of the reductions at L = 256, measured). False sends the call to the copies (`_seen_only`)."""
+    ext = torch.stack([torch.stack(torch.aminmax(t)).to(torch.float64) for t in (q, k, v)]).abs_().amax(1).tolist()
+    qmax, kmax, vmax = ext
+    bound = torch.finfo(compute_dtype(q.dtype)).max / 4
+    return all(math.isfinite(x) for x in ext) and qmax * kmax * q.shape[-1] * abs(scale) < bound
+
+
 # ---------------------------------------------------------------------------------- custom ops
 
 def sdpa_mask_forward(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
@@ -246,8 +262,9 @@ def sdpa_mask_forward(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Ten
                       window_right: int) -> Tuple[Tensor, Tensor]:
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
     q, k, v = unit_stride(q, k, v)
-    out, lse = _FLASH(q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), 0.0, False, attn_mask=m.add,
-                      scale=scale)
+    if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
+        k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
+    out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
     if m.empty is not None:                  # the kernel's lse there is 0; effattn's -inf
         lse = lse.masked_fill(m.empty.expand(lse.shape), -math.inf)
     return out, lse.contiguous()
@@ -276,8 +293,11 @@ def sdpa_mask_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     if m.empty is not None:
         lse = lse.masked_fill(torch.isinf(lse), 0.0)     # the kernel's own lse of rows seeing no key
     grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
-    dq, dk, dv = _FLASH_BWD(grad_out, q, _seen_only(k, m.unseen), _seen_only(v, m.unseen), out, lse, 0.0, False,
-                            attn_mask=m.add, scale=scale)
+    kk, vv = k, v
+    if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
+        kk, vv = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
+    # the keys no query sees get gradient 0 either way: their probabilities are exactly 0
+    dq, dk, dv = _FLASH_BWD(grad_out, q, kk, vv, out, lse, 0.0, False, attn_mask=m.add, scale=scale)
     return dq, dk, dv
 
 
