@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import effattn
-from effattn.backends import base
+from effattn.backends import autograd, base
 from effattn.layouts import BlockLayout
 from tests.conftest import DEVICE
 
@@ -57,7 +57,7 @@ def test_eager_path_is_bitwise_the_ops(monkeypatch):
         return got
 
     direct = run()
-    monkeypatch.setattr(ta.op, "_direct", lambda *t: False)    # every call through the ops
+    monkeypatch.setattr(autograd, "direct", lambda *t: False)   # every call through the ops
     via_ops = run()
     for a, b in zip(direct, via_ops):
         assert torch.equal(a, b)
@@ -67,25 +67,39 @@ class _Sub(torch.Tensor):
     pass
 
 
+def _below_autograd() -> bool:
+    """Whether the caller runs below the dispatcher's autograd keys, as a torch.library op's body does
+    (an eager call of the launchers, in an autograd.Function or not, runs above them)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
+
+
 def test_ops_are_used_under_a_dispatch_mode_and_skipped_otherwise(monkeypatch):
+    """Under a dispatch mode the ops run; eager calls on plain tensors (forward without autograd,
+    forward and backward with it) run the launchers themselves; a tensor subclass goes through the ops.
+    The launchers, spied on, say whether the dispatcher called them (an op's body) or the eager path."""
     q, k, v, kw = _inputs(1, features=False)
     leaves = [t.requires_grad_() for t in (q, k, v)]
+    calls = []
+    for name in ("fwd", "bwd"):
+        real = getattr(ta.launch, name)
+        monkeypatch.setattr(ta.launch, name, lambda *a, name=name, real=real, **kw: calls.append(
+            (name, _below_autograd())) or real(*a, **kw))
     with OpNames() as mode:
         out = effattn.attention(*leaves, backend="triton", **kw)
         torch.autograd.grad(out.sum(), leaves)
     assert "effattn.triton_attention_fwd.default" in mode.names
     assert "effattn.triton_attention_bwd.default" in mode.names
-    calls = []
-    real = ta.op.triton_attention_fwd
-    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    assert calls == [("fwd", True), ("bwd", True)]
+    calls.clear()
     with torch.no_grad():
         effattn.attention(q, k, v, backend="triton", **kw)
     out = effattn.attention(*leaves, backend="triton", **kw)
     torch.autograd.grad(out.sum(), leaves)
-    assert calls == []
+    assert calls == [("fwd", False), ("fwd", False), ("bwd", False)]
+    calls.clear()
     assert ta.op._direct(q, None, torch.nn.Parameter(q)) and not ta.op._direct(q, q.as_subclass(_Sub))
     effattn.attention(q.as_subclass(_Sub), k, v, backend="triton", **kw)
-    assert len(calls) == 1
+    assert calls == [("fwd", True)]
 
 
 def test_dispatch_asks_only_the_rows_it_needs(monkeypatch):
