@@ -225,3 +225,24 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
     assert {"fwd_kernel", "delta_kernel", "chunk_out_kernel", "map_kernel", "step_kernel"} <= names, names
     assert all(f is True for _, f in seen), [n for n, f in seen if f is not True]
 
+
+def test_gluon_forward_trial_compiles_for_sm90_offline():
+    """The Gluon forward trial (tools/triton/gluon_fwd.py: async wgmma, the next tile's scores under the
+    softmax) compiles for sm_90 with Triton's compiler, no spill, no wgmma narrower than 64 and no wait for
+    all copies in its loop. It does not run under the interpreter (numerics: its ``--run`` on a GPU), so
+    it is no backend path nor autotune candidate."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "tools.triton.gluon_fwd"], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["hgmma"] > 0 and row["wgmma_min_n"] >= 64 and row["loop_spills"] == 0 and row["spills"] == 0, row
+    assert row["shared"] <= 227 * 1024 and not any(row["loop_wait_all"]), row
