@@ -75,8 +75,8 @@ def measure(min_time: float = 0.5, via_ops: bool = True):
     import effattn
     from effattn.layouts import sliding_and_summary
     stub_launches()
-    from effattn.backends.triton.attention import op
-    direct = getattr(op, "_direct", None)
+    from effattn.backends import autograd
+    direct = autograd.direct
     rows = []
     for name, kw, (B, H, Hkv, L, D) in CASES:
         q = torch.randn(B, H, L, D)
@@ -95,12 +95,12 @@ def measure(min_time: float = 0.5, via_ops: bool = True):
 
         row = dict(case=name, shape=f"B{B} H{H} Hkv{Hkv} L{L} D{D}", fwd_us=per_call_us(fwd, min_time),
                    fwd_bwd_us=per_call_us(fwd_bwd, min_time))
-        if via_ops and direct is not None:
-            op._direct = lambda *tensors: False
+        if via_ops:
+            autograd.direct = lambda *tensors: False
             try:
                 row.update(fwd_ops_us=per_call_us(fwd, min_time), fwd_bwd_ops_us=per_call_us(fwd_bwd, min_time))
             finally:
-                op._direct = direct
+                autograd.direct = direct
         rows.append(row)
     return rows
 

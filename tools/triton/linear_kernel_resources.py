@@ -10,7 +10,10 @@ the matrix instructions (HGMMA = Hopper wgmma).
     python -m tools.triton.linear_kernel_resources                      # sm_90, F = Dv = 128, bf16 + fp16
     python -m tools.triton.linear_kernel_resources --arch 80 --feature-dims 64,128 --out DIR
 
-Run it without ``TRITON_INTERPRET=1``.
+Each dtype's roles are compiled with the feature map where ``launch.MAP_ONCE`` puts it (once per token in
+the map kernel, or in the passes on each loaded tile); the forward's roles also with the other placement,
+and the summary "Where the feature map runs" gives the forward's instructions per chunk of 64 positions
+both ways (the model behind ``MAP_ONCE``). Run it without ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -20,15 +23,16 @@ import re
 import sys
 from typing import Dict, List
 
-from .kernel_resources import SMEM_LIMIT, _prefetch, compile_all, resources, stride_tuple, write_tables
+from .kernel_resources import SMEM_LIMIT, _narrow, _prefetch, compile_all, resources, stride_tuple, write_tables
 
-# role -> (kernel, constexpr flags). The passes read their operands as they are: the feature map (MAP 1 =
-# elu + 1) runs once per token in the "map" kernel, and the output pass applies only its derivative
+# role -> (kernel, constexpr flags) with the feature map (MAP 1 = elu + 1) run once per token in the "map"
+# kernel: the passes read their operands as they are and the output pass applies only the map's derivative
 # (MAP_X, the backward's dq / dk). With no map between a load and its dot, Triton feeds the dot straight
 # from the pipelined shared-memory buffer, and any other use of the tile reads that buffer again: the
-# row sums are products (`_pairs`), `shared_tile_reductions` checks it
-_STATE = dict(REVERSE=False, STORE=True, C_X=1)
-_OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
+# row sums are products (`_pairs`), `shared_tile_reductions` checks it. IN_PASS: the operands each role
+# maps itself where the map runs in the passes (ops.py: q, k and their features' places)
+_STATE = dict(REVERSE=False, STORE=True, C_X=1, MAP_B=0, MAP_C=0)
+_OUT = dict(NB=1, CAUSAL=True, REVERSE=False, MAP_A=0, MAP_B=0, MAP_C=0, MAP_X=0, A_X=0, B_X=0, HAS_STATE=True,
             STATE_Z=False, Z_MODE=0, HAS_BASE=False, BASE_Z=False, WITH_DEN=False, NORMALIZE=False)
 ROLES = {
     "state-fwd": ("state", dict(_STATE)),
@@ -43,22 +47,36 @@ ROLES = {
     "step": ("step", dict(MAP=1, NORMALIZE=True)),
     "map": ("map", dict(MAP=1)),
 }
-_BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y"}
-_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
+IN_PASS = {"state-fwd": dict(MAP_B=1), "state-bwd-reverse": dict(MAP_B=1), "state-noncausal-split": dict(MAP_B=1),
+           "out-fwd-normalized": dict(MAP_A=1, MAP_B=1), "out-fwd-plain": dict(MAP_A=1, MAP_B=1),
+           "out-dq": dict(MAP_C=1), "out-dk": dict(MAP_C=1), "out-dv": dict(MAP_A=1, MAP_B=1),
+           "out-noncausal": dict(MAP_A=1)}
+FORWARD = ("state-fwd", "out-fwd-normalized")      # the causal forward's passes (with the map: its model)
+_BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "X2p", "Y2"}
+_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "X2p", "Y2", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
              "BASEZ", "DEN", "S", "Z", "S_OUT", "Z_OUT"}
 # stride tuples (kernels.py): the names of their elements
-_TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx", "x")}
+_TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx", "x", "x2")}
 _TUPLES.update(st_strides=("st_bh", "st_c", "st_a", "st_f"), stz_strides=("stz_bh", "stz_c"),
                base_strides=("base_bh", "base_a", "base_f"), o_strides=("o_b", "o_h", "o_l", "o_f"))
-_UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "x_sf", "o_f", "st_f", "base_f"}   # contiguous (B, H, L, F) operands
+_UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "x_sf", "x2_sf", "o_f", "st_f", "base_f"}   # contiguous (B, H, L, F) operands
 # runtime ints without the divisibility hint (every other int and every pointer gets it, as at a launch
 # with contiguous inputs and feature dims multiple of 16)
-_NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "G", "gbase", "n_chunks", "chunks_per_block"}
+_NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "H2", "G", "gbase", "n_chunks", "chunks_per_block"}
 
 
-def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
+def map_once(dtype: str) -> bool:
+    """Whether the launchers map features once per token for `dtype` (``launch.MAP_ONCE``)."""
+    import torch
+
+    from effattn.backends.triton.linear import launch
+    return launch.MAP_ONCE[{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]]
+
+
+def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=None):
     """Compiles `role` for sm_<arch> with F = Dv = `feat` in its default config (``config``: this
-    (BK, BV, warps, stages) instead). Returns (kernel, config string)."""
+    (BK, BV, warps, stages) instead), with the feature map once per token or in the passes (``once``;
+    None: as the launchers place it for `dtype`). Returns (kernel, config string)."""
     import torch
     import triton
     import triton.language as tl
@@ -71,6 +89,8 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None):
           "map": kernels.map_kernel}[kind]
     elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     consts = dict(flags)
+    if not (map_once(dtype) if once is None else once):
+        consts.update(IN_PASS.get(role, {}))
     if kind == "step":
         bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
         consts.update(BF=bf, BV=bv, INTERP_BF16=False)
@@ -157,10 +177,11 @@ def shared_tile_reductions(ttgir: str) -> List[str]:
 
 
 def measure(job) -> Dict[str, object]:
-    arch, role, feat, dtype, *config = job
-    row = dict(arch=arch, role=role, feat=feat, dtype=dtype)
+    arch, role, feat, dtype, once, *config = job
+    row = dict(arch=arch, role=role, feat=feat, dtype=dtype,
+               map="-" if role in ("step", "map") else ("once" if once else "in pass"))
     try:
-        k, cfg = compile_role(arch, role, feat, dtype, config[0] if config else None)
+        k, cfg = compile_role(arch, role, feat, dtype, config[0] if config else None, once)
         row["config"] = cfg
         row.update(resources(k))
         row["tile_reductions"] = len(shared_tile_reductions(k.asm["ttgir"]))
@@ -180,20 +201,72 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
              "Per chunk loop (the innermost loops, in SASS order): instructions, CTA barriers (BAR) and "
              "prefetch (no loop waits for all its async copies). Tile reductions: `shared_tile_reductions` (a "
              "reduction of a pipelined shared-memory tile that a dot also reads; must be 0).", "",
-             "| role | F = Dv | dtype | config | smem | regs | stack | spills loop/all | HGMMA | HMMA | "
+             "Map: where the feature map runs (once: the map kernel, in pass: each loaded tile); each dtype's "
+             "default first, the forward's passes also the other way. min N: the narrowest wgmma (64 x N) in "
+             "a loop, flagged below 32.", "",
+             "| role | F = Dv | dtype | map | config | smem | regs | stack | spills loop/all | HGMMA | min N | HMMA | "
              "instrs per chunk | barriers per chunk | prefetch | tile reductions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | error: {r['error'][:100]} ||||||")
+            lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['map']} | error: {r['error'][:100]} ||||||")
             continue
         smem = f"{r['shared'] / 1024:.0f}" + ("" if r["fits"] else " (too big)")
-        lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['config']} | {smem} | {r.get('regs', '?')} | "
-                     f"{r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
-                     f"{r.get('hgmma', '?')} | {r.get('hmma', '?')} | {'/'.join(map(str, r.get('loop_instrs', [])))} | "
+        lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['map']} | {r['config']} | {smem} | "
+                     f"{r.get('regs', '?')} | {r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
+                     f"{r.get('hgmma', '?')} | {_narrow(r.get('wgmma_min_n'))} | {r.get('hmma', '?')} | "
+                     f"{'/'.join(map(str, r.get('loop_instrs', [])))} | "
                      f"{'/'.join(map(str, r.get('loop_barriers', [])))} | {_prefetch(r)} | "
                      f"{r.get('tile_reductions', '?')} |")
+    lines += placement_table(rows)
     return "\n".join(lines) + "\n"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def forward_per_chunk(rows: List[dict], feat: int, dtype: str, once: bool):
+    """(instructions, state chain) of the causal forward per chunk of 64 positions and key head at F = Dv =
+    `feat` with the map `once` per token or in the passes, from the compiled rows: the state programs
+    (Fb x Fc tiles) x the state loop, the output programs (Fc tiles) x their feature loop x its trips
+    (Fa / BK), and with `once` the map kernel's instructions for q and k (64 rows each); the chain is the
+    state loop (a program's chunks run one after another). None where a row is missing."""
+    place = "once" if once else "in pass"
+    got = {r["role"]: r for r in rows if r["feat"] == feat and r["dtype"] == dtype and "error" not in r
+           and r["map"] in (place, "-")}
+    if not all(role in got and got[role].get("loop_instrs") for role in FORWARD) or (once and "map" not in got):
+        return None
+    tiles = {role: [int(x) for x in re.findall(r"B[KV](\d+)", got[role]["config"])] for role in FORWARD}
+    (sk, sv), (ok, ov) = tiles["state-fwd"], tiles["out-fwd-normalized"]
+    state = _cdiv(feat, sk) * _cdiv(feat, sv) * got["state-fwd"]["loop_instrs"][0]
+    out = _cdiv(feat, ov) * _cdiv(feat, ok) * got["out-fwd-normalized"]["loop_instrs"][0]
+    total = state + out
+    if once:
+        bl, bf = (int(x) for x in re.findall(r"B[LF](\d+)", got["map"]["config"]))
+        total += 2 * _cdiv(64, bl) * _cdiv(feat, bf) * got["map"]["instrs"]
+    return total, got["state-fwd"]["loop_instrs"][0]
+
+
+def placement_table(rows: List[dict]) -> List[str]:
+    """The summary "Where the feature map runs": per dtype and F, the forward per chunk both ways and the
+    placement with fewer instructions beside the launchers' (``launch.MAP_ONCE``)."""
+    lines = ["", "## Where the feature map runs", "",
+             "The causal forward per chunk of 64 positions and key head (`forward_per_chunk`: state programs x "
+             "state loop + output programs x output loop x its trips + with the map once, the map kernel for q "
+             "and k), instructions and the state chain (one state loop: the sequential part). Fewer: the "
+             "placement with fewer instructions; launchers: `launch.MAP_ONCE`.", "",
+             "| dtype | F = Dv | once: instrs, chain | in pass: instrs, chain | once vs in pass | fewer | launchers |",
+             "|---|---|---|---|---|---|---|"]
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for feat in dict.fromkeys(r["feat"] for r in rows):
+            a, b = forward_per_chunk(rows, feat, dtype, True), forward_per_chunk(rows, feat, dtype, False)
+            if a is None or b is None:
+                continue
+            fewer = "once" if a[0] < b[0] else "in pass"
+            lines.append(f"| {dtype} | {feat} | {a[0]}, {a[1]} | {b[0]}, {b[1]} | {100 * (a[0] - b[0]) / b[0]:+.0f}% | "
+                         f"{fewer} | {'once' if map_once(dtype) else 'in pass'} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -205,7 +278,10 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--config", help="BKxBVxWARPSxSTAGES instead of each kind's default (e.g. 64x64x4x3)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per kernel (for tests)")
-    ap.add_argument("--out", help="write linear_resources.md / .json here")
+    ap.add_argument("--default-placement-only", action="store_true",
+                    help="compile each dtype's feature-map placement only (no placement model)")
+    ap.add_argument("--out", help="write <stem>.md / .json here")
+    ap.add_argument("--stem", default="linear_resources", help="the written tables' name (default linear_resources)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter does not compile kernels")
@@ -213,14 +289,19 @@ def main(argv=None) -> int:
     if not set(roles) <= set(ROLES):
         ap.error(f"--roles takes {', '.join(ROLES)}")
     extra = (tuple(int(x) for x in args.config.split("x")),) if args.config else ()
-    jobs = [(args.arch, role, int(f), dt, *extra) for f in args.feature_dims.split(",")
-            for dt in args.dtypes.split(",") for role in roles]
+    jobs = []
+    for f in args.feature_dims.split(","):
+        for dt in args.dtypes.split(","):
+            once = map_once(dt)
+            jobs += [(args.arch, role, int(f), dt, once, *extra) for role in roles]
+            if not args.default_placement_only:       # the forward the other way: the placement model
+                jobs += [(args.arch, role, int(f), dt, not once, *extra) for role in roles if role in FORWARD]
     rows, meta = compile_all(measure, jobs, args, "tools.triton.linear_kernel_resources", argv)
     md = to_markdown(rows, meta)
     if not args.json:
         print(md)
     if args.out:
-        write_tables(args.out, "linear_resources", rows, meta, md)
+        write_tables(args.out, args.stem, rows, meta, md)
     return 0
 
 

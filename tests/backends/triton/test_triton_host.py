@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import effattn
-from effattn.backends import base
+from effattn.backends import autograd, base
 from effattn.layouts import BlockLayout
 from tests.conftest import DEVICE
 
@@ -57,7 +57,7 @@ def test_eager_path_is_bitwise_the_ops(monkeypatch):
         return got
 
     direct = run()
-    monkeypatch.setattr(ta.op, "_direct", lambda *t: False)    # every call through the ops
+    monkeypatch.setattr(autograd, "direct", lambda *t: False)   # every call through the ops
     via_ops = run()
     for a, b in zip(direct, via_ops):
         assert torch.equal(a, b)
@@ -67,25 +67,39 @@ class _Sub(torch.Tensor):
     pass
 
 
+def _below_autograd() -> bool:
+    """Whether the caller runs below the dispatcher's autograd keys, as a torch.library op's body does
+    (an eager call of the launchers, in an autograd.Function or not, runs above them)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
+
+
 def test_ops_are_used_under_a_dispatch_mode_and_skipped_otherwise(monkeypatch):
+    """Under a dispatch mode the ops run; eager calls on plain tensors (forward without autograd,
+    forward and backward with it) run the launchers themselves; a tensor subclass goes through the ops.
+    The launchers, spied on, say whether the dispatcher called them (an op's body) or the eager path."""
     q, k, v, kw = _inputs(1, features=False)
     leaves = [t.requires_grad_() for t in (q, k, v)]
+    calls = []
+    for name in ("fwd", "bwd"):
+        real = getattr(ta.launch, name)
+        monkeypatch.setattr(ta.launch, name, lambda *a, name=name, real=real, **kw: calls.append(
+            (name, _below_autograd())) or real(*a, **kw))
     with OpNames() as mode:
         out = effattn.attention(*leaves, backend="triton", **kw)
         torch.autograd.grad(out.sum(), leaves)
     assert "effattn.triton_attention_fwd.default" in mode.names
     assert "effattn.triton_attention_bwd.default" in mode.names
-    calls = []
-    real = ta.op.triton_attention_fwd
-    monkeypatch.setattr(ta.op, "triton_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    assert calls == [("fwd", True), ("bwd", True)]
+    calls.clear()
     with torch.no_grad():
         effattn.attention(q, k, v, backend="triton", **kw)
     out = effattn.attention(*leaves, backend="triton", **kw)
     torch.autograd.grad(out.sum(), leaves)
-    assert calls == []
+    assert calls == [("fwd", False), ("fwd", False), ("bwd", False)]
+    calls.clear()
     assert ta.op._direct(q, None, torch.nn.Parameter(q)) and not ta.op._direct(q, q.as_subclass(_Sub))
     effattn.attention(q.as_subclass(_Sub), k, v, backend="triton", **kw)
-    assert len(calls) == 1
+    assert calls == [("fwd", True)]
 
 
 def test_dispatch_asks_only_the_rows_it_needs(monkeypatch):
@@ -201,6 +215,7 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
         for name in [n for n in vars(mod) if n.endswith("_kernel")]:
             monkeypatch.setattr(mod, name, Recorder(name))
     q, k, v, kw = _inputs(4, features=False)
+    monkeypatch.setitem(linear_launch.MAP_ONCE, q.dtype, True)      # the map kernel too, whatever the dtype's placement
     leaves = [t.requires_grad_() for t in (q, k, v)]
     torch.autograd.grad(effattn.attention(*leaves, backend="triton", **kw).sum(), leaves)
     torch.autograd.grad(effattn.linear_attention(*leaves, causal=True, backend="triton").sum(), leaves)
@@ -209,3 +224,25 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
     names = {n for n, _ in seen}
     assert {"fwd_kernel", "delta_kernel", "chunk_out_kernel", "map_kernel", "step_kernel"} <= names, names
     assert all(f is True for _, f in seen), [n for n, f in seen if f is not True]
+
+
+def test_gluon_forward_trial_compiles_for_sm90_offline():
+    """The Gluon forward trial (tools/triton/gluon_fwd.py: async wgmma, the next tile's scores under the
+    softmax) compiles for sm_90 with Triton's compiler, no spill, no wgmma narrower than 64 and no wait for
+    all copies in its loop. It does not run under the interpreter (numerics: its ``--run`` on a GPU), so
+    it is no backend path nor autotune candidate."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    root = os.path.dirname(os.path.dirname(effattn.__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "tools.triton.gluon_fwd"], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["hgmma"] > 0 and row["wgmma_min_n"] >= 64 and row["loop_spills"] == 0 and row["spills"] == 0, row
+    assert row["shared"] <= 227 * 1024 and not any(row["loop_wait_all"]), row

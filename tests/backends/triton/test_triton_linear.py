@@ -255,7 +255,8 @@ def test_kernels_compile_for_sm90_offline():
     rows = []
     for dtype, which in (("bf16", roles), ("fp16", ["out-fwd-normalized"])):
         proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes",
-                               "2", "--dtypes", dtype, "--roles", ",".join(which)], cwd=root, capture_output=True,
+                               "2", "--dtypes", dtype, "--roles", ",".join(which), "--default-placement-only"],
+                              cwd=root, capture_output=True,
                               text=True, env=env, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows += [json.loads(line) for line in proc.stdout.strip().splitlines()]
@@ -263,6 +264,27 @@ def test_kernels_compile_for_sm90_offline():
     assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
     assert all(r["hgmma"] > 0 for r in rows if r["role"] not in ("step", "map")), rows
     assert all(r["tile_reductions"] == 0 for r in rows), rows
+
+
+def test_map_placement_follows_the_committed_offline_model():
+    """`launch.MAP_ONCE` puts each dtype's feature map where the committed offline table's model
+    (benchmarks/results/offline-sm90/linear_placement.md, "Where the feature map runs") counts fewer
+    forward instructions per chunk, at every feature dim it lists (regenerate the table after a kernel
+    change; a placement against its model fails here)."""
+    import os
+    import re
+
+    from effattn.backends.triton.linear import launch
+    path = os.path.join(os.path.dirname(os.path.dirname(effattn.__file__)), "benchmarks", "results", "offline-sm90",
+                        "linear_placement.md")
+    with open(path) as f:
+        section = f.read().split("## Where the feature map runs", 1)[1]
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    rows = re.findall(r"^\| (bf16|fp16|fp32) \| (\d+) \|.*\| (once|in pass) \| (once|in pass) \|$", section, re.M)
+    assert {r[0] for r in rows} == set(names) and len(rows) >= 3, rows
+    for dtype, feat, fewer, listed in rows:
+        want = launch.MAP_ONCE[names[dtype]]
+        assert (fewer == "once") == want and (listed == "once") == want, (dtype, feat, fewer, listed)
 
 
 @pytest.mark.parametrize("bv, fc, rows, n_sm, want", [
@@ -326,13 +348,17 @@ def map_launches(monkeypatch):
 
 @pytest.mark.parametrize("fmap", ["elu", "relu"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_feature_map_once_per_token_matches_float64(fmap, causal, map_launches):
-    """The feature map runs once per token and call (one launch each for q and k in the forward,
-    again in the backward; none in the passes, which read the features as they are) and the result is
-    the float64 dense rule's, forward and backward, with an initial state passed in and the final
-    state and its gradients (GQA, two chunks and a partial one under the interpreter's 32-row chunks)."""
+@pytest.mark.parametrize("once", [True, False], ids=["map-once", "in-pass"])
+def test_feature_map_placements_match_float64(fmap, causal, once, map_launches, monkeypatch):
+    """Both placements of the feature map (`launch.MAP_ONCE`, per dtype; float32 switched here) give the
+    float64 dense rule's result, forward and backward, with an initial state passed in and the final state
+    and its gradients (GQA, two chunks and a partial one under the interpreter's 32-row chunks). Once per
+    token: one `map_kernel` launch maps q and k in the causal forward, one more in its backward (the
+    non-causal calls map k and q apart: two launches each way); in the passes: no map launch."""
+    from effattn.backends.triton.linear import launch
     from effattn.feature_maps import KERNEL_MAPS
     from tests.core.test_linear_attention import close_to, oracle, oracle_phi, oracle_state
+    monkeypatch.setitem(launch.MAP_ONCE, torch.float32, once)
     torch.manual_seed(21)
     f64 = torch.float64
     B, H, Hkv, L, Lp, D, Dv = 1, 2, 1, 70, 9, 16, 8
@@ -345,7 +371,8 @@ def test_feature_map_once_per_token_matches_float64(fmap, causal, map_launches):
     leaves = [t.detach().float().requires_grad_() for t in leaves64]
     out, (S, z) = effattn.linear_attention(*leaves[:3], causal=causal, feature_map=fmap,
                                            initial_state=tuple(leaves[3:]), return_state=True, backend="triton")
-    assert map_launches == [KERNEL_MAPS[fmap]] * 2          # k and q, once each
+    per_pass = (1 if causal else 2) if once else 0
+    assert map_launches == [KERNEL_MAPS[fmap]] * per_pass
     ref = oracle(q, k, v, phi, causal=causal, normalize=True, S0=S0, z0=z0)
     S_ref, z_ref = oracle_state(k, v, phi, H, S0, z0)
     close_to(out, ref, torch.float32, "out")
@@ -354,26 +381,40 @@ def test_feature_map_once_per_token_matches_float64(fmap, causal, map_launches):
     douts = [torch.randn_like(t) for t in (ref, S_ref, z_ref)]
     g = torch.autograd.grad((out, S, z), leaves, [d.float() for d in douts])
     g_ref = torch.autograd.grad((ref, S_ref, z_ref), leaves64, douts)
-    assert len(map_launches) == 4                            # the backward: q and k once more
+    assert len(map_launches) == 2 * per_pass                 # the backward maps as many once more
     for a, b, name in zip(g, g_ref, ("q", "k", "v", "S0", "z0")):
         close_to(a, b, torch.float32, f"d{name}", grad=True)
 
 
-def test_map_kernel_rounds_to_the_input_dtype():
+def test_map_kernel_rounds_to_the_input_dtype(monkeypatch):
     """`mapped` writes phi(x) in x's dtype, rounded to nearest from the fp32 map (as the passes' dots
-    round a tile), for a strided operand; the passes refuse an operand that still carries a map."""
+    round a tile), for strided operands: two of other heads and lengths (a causal call's q and k, k
+    shifted) in one launch, or one; a dtype whose map runs in the passes keeps its operands as they are."""
     from effattn.backends.triton.linear import launch
     from effattn.feature_maps import FMAP_ELU, FMAP_RELU
     x = torch.randn(1, 40, 3, 24, dtype=torch.float32).mul(4).transpose(1, 2)       # (1, 3, 40, 24) strided
+    x2 = torch.randn(1, 33, 2, 24, dtype=torch.float32).mul(4).transpose(1, 2)      # (1, 2, 33, 24)
+    launches = []
+    real = launch.map_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(launch, "map_kernel", Spy())
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        xd = x.to(dtype)
-        elu = launch.mapped(launch.Rows(xd, -2, FMAP_ELU))
-        relu = launch.mapped(launch.Rows(xd, 0, FMAP_RELU))
-        assert elu.shift == -2 and elu.fmap == 0 and elu.x.dtype == dtype and elu.x.is_contiguous()
-        ref = torch.where(xd > 0, xd.float() + 1, xd.float().exp())
-        # rounded to nearest (half an ulp of the dtype), beside a few fp32 ulps of exp's own error
-        tol = (torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps) * ref.abs()
-        assert ((elu.x.float() - ref).abs() <= tol + (2 ** -25 if dtype == torch.float16 else 0)).all()
+        monkeypatch.setitem(launch.MAP_ONCE, dtype, True)
+        xd, x2d = x.to(dtype), x2.to(dtype)
+        elu, elu2 = launch.mapped(launch.Rows(xd, 0, FMAP_ELU), launch.Rows(x2d, -7, FMAP_ELU))
+        relu, = launch.mapped(launch.Rows(xd, 0, FMAP_RELU))
+        assert elu2.shift == -7 and elu.fmap == elu2.fmap == 0 and elu2.x.dtype == dtype and elu2.x.is_contiguous()
+        for got, raw in ((elu, xd), (elu2, x2d)):
+            ref = torch.where(raw > 0, raw.float() + 1, raw.float().exp())
+            # rounded to nearest (half an ulp of the dtype), beside a few fp32 ulps of exp's own error
+            tol = (torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps) * ref.abs()
+            assert ((got.x.float() - ref).abs() <= tol + (2 ** -25 if dtype == torch.float16 else 0)).all()
         assert torch.equal(relu.x, xd.clamp_min(0))
-    with pytest.raises(ValueError, match="map it first"):
-        launch.state_pass(launch.Rows(x, 0, FMAP_ELU), launch.Rows(x), 40, launch.Numerics(torch.float32, False))
+        monkeypatch.setitem(launch.MAP_ONCE, dtype, False)
+        kept = launch.Rows(xd, 0, FMAP_ELU)
+        assert launch.mapped(kept) == (kept,)
+    assert len(launches) == 6                                       # two launches per dtype, q and k in one

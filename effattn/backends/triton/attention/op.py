@@ -2,10 +2,11 @@
 (``torch.library`` custom ops, opaque to torch.compile) with fake impls and an autograd formula, and
 its registration as backend ``"triton"``.
 
-Eager calls on plain tensors skip the torch.library layer (`_direct`): its Python dispatch costs
-about 15 us per forward and 100-150 us per forward+backward of host time (argument re-packing,
+Eager calls on plain tensors skip the torch.library layer (``autograd.direct``): its Python dispatch
+costs about 15 us per forward and 100-150 us per forward+backward of host time (argument re-packing,
 ``fill_defaults`` reading the schema, alias checks), more than the rest of a call. They run the same
-launchers with the same autograd formula (`_Eager`), so results are bitwise those of the ops. Tracing
+launchers with the same autograd formula (``autograd.eager_op_pair``), so results are bitwise those of
+the ops. Tracing
 (torch.compile, export), dispatch or function modes (FakeTensor, FlopCounter, ...), functorch
 transforms, tensor subclasses and the profiler all take the ops."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch import Tensor
 
 from .... import score
 from ....packed import segment_list
-from ...autograd import attention_autograd, direct, op_arg_names, saved_output
+from ... import autograd
+from ...autograd import attention_autograd, eager_op_pair, op_arg_names
 from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register
 from ..runtime import _available, _tf32_enabled, triton
 
@@ -32,7 +34,7 @@ if triton is not None:
                     window_left: int, window_right: int, allow_tf32: bool = False, q_offset: Optional[int] = None,
                     out_fp32: bool = False, drop_q0: int = 0, drop_k0: int = 0, drop_h0: int = 0,
                     drop_H: int = 0) -> Tuple[Tensor, Tensor]:
-        """The forward op's body, which eager calls run directly (`_direct`): the launcher, looked up
+        """The forward op's body, which eager calls run directly (`_eager_call`): the launcher, looked up
         per call (tests replace it with spies)."""
         return launch.fwd(q, k, v, layout_mask, layout_block, key_padding_mask, seed, scale, dropout_p,
                           window_left, window_right, allow_tf32, q_offset, out_fp32, drop_q0, drop_k0, drop_h0, drop_H)
@@ -63,11 +65,9 @@ if triton is not None:
     def _(grad_out, grad_lse, q, k, v, *args):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    # allow_tf32 is the forward's setting, kept for the backward (not read again)
-    _setup_context, _backward = attention_autograd(triton_attention_fwd, triton_attention_bwd)
-    triton_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-    # the same formula on the launchers
-    _launch_backward = attention_autograd(triton_attention_fwd, _bwd_launch)[1]
+    # the autograd formula on the ops, and eager calls on plain tensors running the launchers with it
+    # (allow_tf32 is the forward's setting, kept for the backward: not read again)
+    _eager_call = eager_op_pair(triton_attention_fwd, triton_attention_bwd, _fwd_launch, _bwd_launch)
     _FWD_NAMES = op_arg_names(triton_attention_fwd)
 
     @torch.library.custom_op("effattn::triton_attention_decode", mutates_args=())
@@ -84,33 +84,9 @@ if triton is not None:
         return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
-if triton is not None:
-
-    class _Eager(torch.autograd.Function):
-        """The ops' autograd formula for eager calls (see the module docstring): the forward
-        launcher, then the backward launcher on the saved tensors. A gradient of only one output
-        is not filled with zeros for the other (``grad_lse`` None: the kernels skip it, which is
-        exact since the zeros would be subtracted); a double backward goes through the op."""
-
-        @staticmethod
-        def forward(ctx, *inputs):                      # the forward op's arguments, in its schema's order
-            output = _fwd_launch(*inputs)
-            ctx.set_materialize_grads(False)
-            _setup_context(ctx, inputs, output)
-            return output
-
-        @staticmethod
-        def backward(ctx, grad_out, grad_lse):
-            if torch.is_grad_enabled():                 # create_graph: the op says it has no derivative
-                return _backward(ctx, _or_zeros(grad_out, ctx), grad_lse)
-            return _launch_backward(ctx, _or_zeros(grad_out, ctx), grad_lse)
-
-
-def _or_zeros(grad, ctx):
-    return grad if grad is not None else torch.zeros_like(saved_output(ctx))
-
-
-_direct = direct                # the eager test every backend's ops share (backends/autograd.py)
+def _direct(*tensors) -> bool:
+    """The eager test every backend's ops share (``autograd.direct``, looked up per call: tests switch it)."""
+    return autograd.direct(*tensors)
 
 
 def _tf32(call) -> bool:
@@ -196,11 +172,7 @@ def _run_prefill(call):
     drop_q0, drop_k0, drop_h0, drop_H = call.drop_at()
     args = dict(a._asdict(), allow_tf32=tf32, q_offset=call.rule.q_offset, out_fp32=call.out_dtype is not None,
                 drop_q0=drop_q0, drop_k0=drop_k0, drop_h0=drop_h0, drop_H=drop_H)
-    if not _direct(a.q, a.k, a.v, a.key_padding_mask, a.layout_mask):
-        return triton_attention_fwd(**args)
-    if torch.is_grad_enabled() and (a.q.requires_grad or a.k.requires_grad or a.v.requires_grad):
-        return _Eager.apply(*(args[n] for n in _FWD_NAMES))
-    return _fwd_launch(**args)
+    return _eager_call(*(args[n] for n in _FWD_NAMES))
 
 
 def _run_decode(call):

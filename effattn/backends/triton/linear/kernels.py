@@ -17,11 +17,12 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
 
 The forward is (state pass on (phi(k), v); output pass), the backward four more launches of the same
 two kernels with the operands swapped (see ``ops.py``). Feature maps (``MAP``: the codes of
-`effattn.feature_maps.KERNEL_MAPS`, identity / elu + 1 / relu) run once per token, in ``map_kernel``: it writes
-``phi(x)`` in the input's dtype and the two passes read those features as they are (the map, in fp32 on every
-tile the passes loaded, was half of the state pass's instructions per chunk: sm_90 offline, see
-tools/triton/linear_kernel_resources.py). The output pass still reads the raw rows of ``MAP_X`` (the map's
-derivative in the backward), the step kernel maps its one row itself.
+`effattn.feature_maps.KERNEL_MAPS`, identity / elu + 1 / relu) are placed per dtype (``launch.MAP_ONCE``,
+from the offline model of tools/triton/linear_kernel_resources.py): once per token, in ``map_kernel`` (one
+launch for q and k), which writes ``phi(x)`` in the input's dtype for the passes to read as they are; or in
+the passes, on each tile right after its load, in fp32 (each operand's ``MAP_A`` / ``MAP_B`` / ``MAP_C``;
+identity for a pre-mapped or unmapped operand). The output pass also reads the raw rows of ``MAP_X`` (the
+map's derivative in the backward), the step kernel maps its one row itself.
 A loaded tile is only ever an operand of products: its weighted row sums (``z``, the denominator's state
 terms) are products too (`_pairs`), never an elementwise reduction beside a dot (see `_pairs` for why).
 
@@ -34,8 +35,8 @@ other fields as they are (``FA``, ``FC``, ``Ha``, ``Hb``, ``GA``, ``n_chunks``, 
 base_a, base_f), ``basez_bh``, ``gbase``, ``o_strides`` = (o_b, o_h, o_l, o_f), ``eps``; pointers upper case:
 ``CX``, ``ST``, ``STZ``, ``FIN``, ``FINZ``, ``AX``, ``BX``, ``BASE``, ``BASEZ``, ``OUT``, ``DEN``; the step's
 ``S``, ``Z``, ``S_OUT``, ``Z_OUT``). C++ int flags that select code here are constexprs (``REVERSE``,
-``STORE``, ``CAUSAL``, ``C_X`` = cx_mode, ``A_X``, ``B_X``, ``Z_MODE``, ``MAP_X`` = gx's ``map``, ...; the other
-operands' ``map`` fields are identity here: `map_kernel` applied the map before).
+``STORE``, ``CAUSAL``, ``C_X`` = cx_mode, ``A_X``, ``B_X``, ``Z_MODE``, ``MAP_A``, ``MAP_B``, ``MAP_C``,
+``MAP_X`` = each operand's ``map``, ...).
 No C++ field: the state pass's Fb stride ``st_b`` (C++ stores the states contiguous), the last-dim
 strides ``o_f``, and the step's per-head row strides ``q_bh``, ``k_bh``, ``v_bh``, ``o_bh``. One helper per
 kernel in ``launch.py`` builds them by name (`state_args`, `out_args`, `step`); every launch passes
@@ -105,21 +106,31 @@ def _row_scalars(base, r, L, MODE: tl.constexpr):
 
 
 @triton.jit
-def map_kernel(Xp, x_strides, Y, H, L, F, BL: tl.constexpr, BF: tl.constexpr, MAP: tl.constexpr,
-               INTERP_BF16: tl.constexpr):
-    """``Y = phi(X)`` for one head x ``BL`` rows: X ``(B, H, L, F)`` with strides ``x_strides`` = (x_sb,
-    x_sh, x_sl, x_sf), Y contiguous ``(B, H, L, F)`` in its dtype (the input's: rounded to nearest, as
-    the passes' dots round it). The map in fp32 as `_rows` applies it; grid (B * H, cdiv(L, BL), cdiv(F, BF)):
-    one tile a program, no loop."""
-    x_sb, x_sh, x_sl, x_sf = x_strides
+def map_kernel(Xp, x_strides, Y, H, L, X2p, x2_strides, Y2, H2, L2, F, BL: tl.constexpr, BF: tl.constexpr,
+               MAP: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``Y = phi(X)`` and ``Y2 = phi(X2)`` in one launch (the forward's q and k): one head x ``BL`` rows of
+    one of them per program. X ``(B, H, L, F)`` with strides ``x_strides`` = (x_sb, x_sh, x_sl, x_sf), Y
+    contiguous ``(B, H, L, F)`` in its dtype (the input's: rounded to nearest, as the passes' dots round
+    it); X2 ``(B, H2, L2, F)`` likewise (``H2 = 0``: X alone). The map in fp32 as `_rows` applies it; grid
+    (B * (H + H2), cdiv(max(L, L2), BL), cdiv(F, BF)): programs ``B * H`` on are X2's; one tile a
+    program, no loop."""
     pid_bh, pid_l, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid_bh // H, pid_bh % H
+    n1 = (tl.num_programs(0) // (H + H2)) * H          # X's programs (B * H)
+    second = pid_bh >= n1
+    bh = tl.where(second, pid_bh - n1, pid_bh)
+    nh = tl.where(second, H2, H)
+    rows = tl.where(second, L2, L)
+    x_sb, x_sh, x_sl, x_sf = x_strides
+    x2_sb, x2_sh, x2_sl, x2_sf = x2_strides
+    b, h = bh // nh, bh % nh
     r = pid_l * BL + tl.arange(0, BL)
     cols = pid_f * BF + tl.arange(0, BF)
-    x_base = Xp + b.to(tl.int64) * x_sb + h.to(tl.int64) * x_sh
-    x = _rows(x_base, r, L, x_sl, cols, F, x_sf, MAP)
-    y = Y + pid_bh.to(tl.int64) * L * F + r.to(tl.int64)[:, None] * F + cols[None, :]
-    tl.store(y, cast(x, Y.dtype.element_ty, INTERP_BF16), mask=(r < L)[:, None] & (cols < F)[None, :])
+    x_base = tl.where(second, X2p + b.to(tl.int64) * x2_sb + h.to(tl.int64) * x2_sh,
+                      Xp + b.to(tl.int64) * x_sb + h.to(tl.int64) * x_sh)
+    x = _rows(x_base, r, rows, tl.where(second, x2_sl, x_sl), cols, F, tl.where(second, x2_sf, x_sf), MAP)
+    y_base = tl.where(second, Y2, Y) + bh.to(tl.int64) * rows * F
+    tl.store(y_base + r.to(tl.int64)[:, None] * F + cols[None, :], cast(x, Y.dtype.element_ty, INTERP_BF16),
+             mask=(r < rows)[:, None] & (cols < F)[None, :])
 
 
 @triton.jit
@@ -127,7 +138,7 @@ def chunk_state_kernel(
         Bp, b_strides, Cp, c_strides, b_L, b_shift, b_F, c_F, CX,
         ST, st_strides, STZ, stz_strides, FIN, FINZ, n_chunks, chunks_per_block, b_H,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, REVERSE: tl.constexpr,
-        STORE: tl.constexpr, C_X: tl.constexpr,
+        STORE: tl.constexpr, C_X: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr,
         DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """The chunk-state pass (see the module docstring) of one b/c head x one (Fb, Fc) tile x one range of
     ``chunks_per_block`` chunks (all of them with ``STORE``)."""
@@ -157,8 +168,8 @@ def chunk_state_kernel(
                 stz = STZ + pid_bh.to(tl.int64) * stz_bh + c.to(tl.int64) * stz_c
                 tl.store(stz + fb, tl.sum(z2, 1), mask=z_ok)
         r = c * CH + tl.arange(0, CH) + b_shift
-        bt = _rows(b_base, r, b_L, b_sl, fb, b_F, b_sf, IDENTITY)         # (CH, BK)
-        ct = _rows(c_base, r, b_L, c_sl, fc, c_F, c_sf, IDENTITY)         # (CH, BV)
+        bt = _rows(b_base, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)            # (CH, BK)
+        ct = _rows(c_base, r, b_L, c_sl, fc, c_F, c_sf, MAP_C)            # (CH, BV)
         state += _mm(tl.trans(bt), ct, DT, DOT_PREC, INTERP_BF16)
         if C_X != 0:                                  # z += bt^T cx, a product (see _pairs)
             cx = _pairs(_row_scalars(cx_base, r, b_L, C_X), DT, DOT_PREC, INTERP_BF16)
@@ -178,7 +189,8 @@ def chunk_out_kernel(
         BASE, base_strides, BASEZ, basez_bh, gbase,
         GXp, gx_strides, OUT, o_strides, DEN, eps,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, CAUSAL: tl.constexpr,
-        REVERSE: tl.constexpr, MAP_X: tl.constexpr, A_X: tl.constexpr, B_X: tl.constexpr, HAS_STATE: tl.constexpr,
+        REVERSE: tl.constexpr, MAP_A: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr,
+        MAP_X: tl.constexpr, A_X: tl.constexpr, B_X: tl.constexpr, HAS_STATE: tl.constexpr,
         STATE_Z: tl.constexpr, Z_MODE: tl.constexpr, HAS_BASE: tl.constexpr, BASE_Z: tl.constexpr,
         WITH_DEN: tl.constexpr, NORMALIZE: tl.constexpr, DT: tl.constexpr, DOT_PREC: tl.constexpr,
         INTERP_BF16: tl.constexpr):
@@ -220,9 +232,9 @@ def chunk_out_kernel(
             s = tl.zeros((CH, CH), dtype=tl.float32)
         for k0 in range(0, FA, BK):
             fa = k0 + tl.arange(0, BK)
-            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, IDENTITY)
+            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
             if CAUSAL:
-                bt = _rows(b_base, rb, b_L, b_sl, fa, FA, b_sf, IDENTITY)
+                bt = _rows(b_base, rb, b_L, b_sl, fa, FA, b_sf, MAP_B)
                 s += _mm(at, tl.trans(bt), DT, DOT_PREC, INTERP_BF16)
             if HAS_STATE:
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
@@ -240,7 +252,7 @@ def chunk_out_kernel(
                 s += ax[:, None] * bx[None, :]
             s = tl.where(keep, s, 0.0)
             c_base = Cp + b.to(tl.int64) * c_sb + hb.to(tl.int64) * c_sh
-            ct = _rows(c_base, rb, b_L, c_sl, fc, FC, c_sf, IDENTITY)
+            ct = _rows(c_base, rb, b_L, c_sl, fc, FC, c_sf, MAP_C)
             acc += _mm(s, ct, DT, DOT_PREC, INTERP_BF16)
             if WITH_DEN:
                 den += tl.sum(s, 1)
@@ -249,7 +261,7 @@ def chunk_out_kernel(
         bs = BASE + hbase.to(tl.int64) * base_bh
         for k0 in range(0, FA, BK):
             fa = k0 + tl.arange(0, BK)
-            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, IDENTITY)
+            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
             h = tl.load(bs + fa[:, None] * base_a + fc[None, :] * base_f,
                         mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
             acc += _mm(at, h, DT, DOT_PREC, INTERP_BF16)

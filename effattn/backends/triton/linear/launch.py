@@ -60,8 +60,8 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class Rows:
     """A row operand: ``x (B, H, L, F)`` read at row ``t + shift`` of the timeline, through the
-    feature map ``fmap`` (MAPS code; 0: as is). The passes read their operands as they are (`mapped`
-    applies a map first); only an output pass's ``grad_x`` (the map's derivative) keeps its map."""
+    feature map ``fmap`` (MAPS code; 0: as is), which the passes apply to each tile they load unless
+    `mapped` applied it first (`MAP_ONCE`); an output pass's ``grad_x`` takes the map's derivative."""
     x: Tensor
     shift: int = 0
     fmap: int = FMAP_IDENTITY
@@ -152,39 +152,48 @@ def dv_tile(bv: int, fc: int, rows: int, n_sm: int) -> int:
     """The state pass's output-feature tile for ``rows`` programs per output tile (B * H x Fb tiles):
     ``bv`` halved (down to 16) while the programs are fewer than the ``n_sm`` SMs (0: unknown, as
     is). Each program runs the whole sequence's chunks one after another, so at small B * H only
-    more output tiles give more programs (each maps its b tile again: a few exp per element)."""
+    more output tiles give more programs (each maps its b tile again where the map runs in the passes)."""
     while bv > 16 and rows * cdiv(fc, bv) < n_sm:
         bv //= 2
     return bv
 
 
 MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_90 offline, bf16 and fp16)
+# Where a feature map runs, per input dtype: True, once per token (`map_kernel`, the passes read phi(x)); False,
+# in the passes on every tile they load. From the offline model (sm_90, triton 3.9: the forward's instructions
+# per chunk of 64 positions at F = Dv = 128, state and output programs plus the map kernel's;
+# benchmarks/results/offline-sm90/linear_placement.md, "Where the feature map runs"), which
+# tests/backends/triton/test_triton_linear.py checks against this table.
+MAP_ONCE = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
 
 
-def mapped(r: Rows) -> Rows:
-    """``r`` with its feature map applied once per token (`map_kernel`): ``phi(x)`` contiguous in x's
-    dtype (O(L) memory, as the input), read as it is by the passes. bf16 and fp32 calls lose nothing (their
-    dots round each mapped tile to that dtype, or read fp32). fp16 calls run their dots at TF32, whose
-    10-bit mantissa is fp16's: a mapped feature below fp16's normal range (2^-14: elu + 1 of x < -9.7)
-    keeps an absolute error under 2^-25. The identity map returns ``r`` itself."""
-    if r.fmap == FMAP_IDENTITY:
-        return r
-    x = r.x
-    B, H, L, F = x.shape
-    y = torch.empty(B, H, L, F, dtype=x.dtype, device=x.device)
-    if y.numel():
-        bf = min(128, max(16, _next_pow2(F)))
-        map_kernel[(B * H, cdiv(L, MAP_ROWS), cdiv(F, bf))](
-            Xp=x, x_strides=tuple(x.stride()), Y=y, H=H, L=L, F=F, BL=MAP_ROWS, BF=bf, MAP=r.fmap,
-            INTERP_BF16=_INTERPRET and x.dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=True)
-    return Rows(y, r.shift)
-
-
-def _as_is(*rows: Optional[Rows]) -> None:
-    for r in rows:
-        if r is not None and r.fmap != FMAP_IDENTITY:
-            raise ValueError(f"effattn triton linear: a pass operand with feature map {r.fmap}: map it first "
-                             "(`mapped`)")
+def mapped(*rows: Rows) -> Tuple[Rows, ...]:
+    """``rows`` (one or two operands of one call: q and k) with their feature map applied once per token
+    where `MAP_ONCE` says so for their dtype: ``phi(x)`` contiguous in x's dtype (O(L) memory, as the
+    input), read as it is by the passes, both operands in one `map_kernel` launch. bf16 and fp32 calls lose
+    nothing (their dots round each mapped tile to that dtype, or read fp32). fp16 calls run their dots at
+    TF32, whose 10-bit mantissa is fp16's: a mapped feature below fp16's normal range (2^-14: elu + 1 of
+    x < -9.7) keeps an absolute error under 2^-25. Identity-mapped operands, and those of a dtype whose
+    map runs in the passes, are returned as they are."""
+    todo = [i for i, r in enumerate(rows) if r.fmap != FMAP_IDENTITY and MAP_ONCE[r.x.dtype] and r.x.numel()]
+    if not todo:
+        return rows
+    xs = [rows[i].x for i in todo]
+    if len({(x.dtype, x.shape[0], x.shape[3]) for x in xs}) != 1 or len({rows[i].fmap for i in todo}) != 1:
+        raise ValueError("effattn triton linear: operands mapped in one launch share dtype, batch, features and map")
+    ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    x2, y2 = (xs[1], ys[1]) if len(xs) == 2 else (xs[0], ys[0])
+    B, H, L, F = xs[0].shape
+    H2, L2 = (x2.shape[1], x2.shape[2]) if len(xs) == 2 else (0, 0)
+    bf = min(128, max(16, _next_pow2(F)))
+    map_kernel[(B * (H + H2), cdiv(max(L, L2), MAP_ROWS), cdiv(F, bf))](
+        Xp=xs[0], x_strides=tuple(xs[0].stride()), Y=ys[0], H=H, L=L, X2p=x2, x2_strides=tuple(x2.stride()),
+        Y2=y2, H2=H2, L2=L2, F=F, BL=MAP_ROWS, BF=bf, MAP=rows[todo[0]].fmap,
+        INTERP_BF16=_INTERPRET and xs[0].dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=True)
+    out = list(rows)
+    for i, y in zip(todo, ys):
+        out[i] = Rows(y, rows[i].shift)
+    return tuple(out)
 
 
 def state_args(b: Rows, c: Rows, cx: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
@@ -207,7 +216,6 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
     sums ``(B*Hs, Fb, Fc)``, ``(B*Hs, Fb)`` (fp32). ``split`` (non-causal, no ``store``): the chunks are
     split over several programs per head and their partial sums added in a fixed order. ``role``
     names the use, for the tuned-config cache."""
-    _as_is(b, c)
     B, Hs, _, FB = b.x.shape
     FC = c.F
     dev = b.x.device
@@ -229,12 +237,12 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         finz = torch.empty(ns, B * Hs, FB, dtype=f32, device=dev) if cx_mode else None
         chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
             **state_args(b, c, cx, st, stz, fin, finz, nc, cdiv(nc, ns)),
-            CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, C_X=cx_mode,
+            CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, C_X=cx_mode, MAP_B=b.fmap, MAP_C=c.fmap,
             num_warps=warps, num_stages=stages, **num.flags())
         res["fin"] = fin[0] if ns == 1 else fin.sum(0)        # a fixed order: deterministic
         res["finz"] = None if finz is None else (finz[0] if ns == 1 else finz.sum(0))
 
-    key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store)
+    key = (_next_pow2(FB), _next_pow2(FC), num.dtype, num.prec, store, b.fmap)
     _launch("state:" + role, key, launch, FB, FC, num.dtype)
     return st, stz, res["fin"], res["finz"]
 
@@ -269,7 +277,6 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
     strides ``(bh, chunk, fa, fc)`` (a transposed read swaps the last two; a chunk stride of 0 gives every
     chunk one state); ``state_z`` likewise with 2 strides. ``base``: ``(B*Hbase, FA, Fc)`` tensor with 3
     strides, ``base_z`` with 1; ``grad_x``: multiply the output by ``phi'(x)`` of these rows."""
-    _as_is(a, b, c)
     B, Ha, La, FA = a.x.shape
     b = b if b is not None else a                     # not read without the intra-chunk term
     Hb = hb or b.x.shape[1]
@@ -287,14 +294,15 @@ def out_pass(a: Rows, b: Optional[Rows], c: Optional[Rows], T: int, num: Numeric
         bk, bv, warps, stages = cfg
         # heads on the first grid axis (no 65535 limit there): B * H can be large, chunks rarely are
         chunk_out_kernel[(B * Ha, nc, cdiv(FC, bv))](
-            **args, CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse,
+            **args, CH=CHUNK, BK=bk, BV=bv, NB=nb, CAUSAL=causal, REVERSE=reverse, MAP_A=a.fmap, MAP_B=b.fmap,
+            MAP_C=c.fmap,
             MAP_X=grad_x.fmap if grad_x is not None else FMAP_IDENTITY, A_X=a_x, B_X=b_x,
             HAS_STATE=state is not None, STATE_Z=state_z is not None, Z_MODE=z_mode, HAS_BASE=base is not None,
             BASE_Z=base_z is not None, WITH_DEN=with_den, NORMALIZE=normalize,
             num_warps=warps, num_stages=stages, **num.flags())
 
     if B * Ha * La * FC > 0:
-        key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb)
+        key = (_next_pow2(FA), _next_pow2(FC), num.dtype, num.prec, causal, nb, a.fmap, b.fmap, c.fmap)
         _launch("out:" + role, key, launch, FA, FC, num.dtype)
     return out, den
 

@@ -16,8 +16,9 @@ normalize), and ``(dS, dz)`` the gradient of the final state:
 Each line is the forward's shape again (a chunk-state pass and an output pass), forward or reverse in
 time, with the operands permuted: one reverse state pass over (f, g, e) serves dp, dv and dS0. For
 GQA the key-side passes sum the group's query heads in a fixed order (no atomics: deterministic).
-The feature maps run once per token and call (`mapped`): the forward maps q and k once, the backward
-once more (the features are not kept: memory as the inputs'), and the chain rule reads the raw rows.
+Feature maps run where `launch.MAP_ONCE` puts them for the dtype: once per token and call (`mapped`: the
+forward maps q and k in one launch, the backward once more; the features are not kept: memory as the
+inputs') or in the passes; the chain rule reads the raw rows.
 """
 from __future__ import annotations
 
@@ -77,9 +78,10 @@ def causal_fwd(q, k, v, base_s, base_z, shift, fmap, normalize, eps, tf32):
     num = Numerics(v.dtype, tf32)
     B, H, Lq, F = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
-    kb, vb = mapped(Rows(k, shift, fmap)), Rows(v, shift)
+    fq, kb = mapped(Rows(q, 0, fmap), Rows(k, shift, fmap))
+    vb = Rows(v, shift)
     st, stz, S, z = state_pass(kb, vb, Lq, num, cx_ones=True)
-    out, den = out_pass(mapped(Rows(q, 0, fmap)), kb, vb, Lq, num, out_dtype=v.dtype, ga=H // Hkv,
+    out, den = out_pass(fq, kb, vb, Lq, num, out_dtype=v.dtype, ga=H // Hkv,
                         state=(st, st.stride()), state_z=(stz, stz.stride()[:2]) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
@@ -94,7 +96,7 @@ def causal_bwd(dout, dS, dz, q, k, v, out, den, base_s, base_z, shift, fmap, nor
     g, e = _out_grads(dout, out, den, normalize)
     gb, vb = Rows(g), Rows(v, shift)
     xq, xk = Rows(q, 0, fmap), Rows(k, shift, fmap)          # raw rows: the map's derivative
-    fq, kb = mapped(xq), mapped(xk)
+    fq, kb = mapped(xq, xk)
     chain = fmap != FMAP_IDENTITY
     st, stz, _, _ = state_pass(kb, vb, Lq, num, cx_ones=normalize)               # the forward's states
     dh, dhz, dS0, dz0 = state_pass(fq, gb, Lq, num, reverse=True, cx=e, role="dh")   # per query head
@@ -118,7 +120,7 @@ def kv_state_fwd(k, v, fmap, tf32):
     """(S (B, Hkv, F, Dv), z (B, Hkv, F)) fp32: one reduction over the keys, split over the sequence."""
     num = Numerics(v.dtype, tf32)
     B, Hkv, Lk, F = k.shape
-    _, _, S, z = state_pass(mapped(Rows(k, 0, fmap)), Rows(v), Lk, num, store=False, cx_ones=True, split=True)
+    _, _, S, z = state_pass(*mapped(Rows(k, 0, fmap)), Rows(v), Lk, num, store=False, cx_ones=True, split=True)
     return S.view(B, Hkv, F, v.shape[-1]), z.view(B, Hkv, F)
 
 
@@ -129,7 +131,7 @@ def kv_state_bwd(dS, dz, k, v, fmap, tf32):
     dk, _ = out_pass(Rows(v), None, None, Lk, num, out_dtype=k.dtype, causal=False, fc=F, ax_ones=True,
                      state=_t(dS), state_z=_vec(dz, per_chunk=True), z_mode=2,
                      grad_x=xk if fmap != FMAP_IDENTITY else None, role="dk")
-    dv, _ = out_pass(mapped(xk), None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
+    dv, _ = out_pass(*mapped(xk), None, None, Lk, num, out_dtype=v.dtype, causal=False, fc=Dv, state=_n(dS), role="dv")
     return dk, dv
 
 
@@ -138,7 +140,7 @@ def apply_fwd(q, S, z, base_s, base_z, fmap, normalize, eps, out_dtype, tf32):
     num = Numerics(out_dtype, tf32)
     B, H, Lq, F = q.shape
     Hkv, Dv = S.shape[1], S.shape[-1]
-    out, den = out_pass(mapped(Rows(q, 0, fmap)), None, None, Lq, num, out_dtype=out_dtype, causal=False, hb=Hkv,
+    out, den = out_pass(*mapped(Rows(q, 0, fmap)), None, None, Lq, num, out_dtype=out_dtype, causal=False, hb=Hkv,
                         fc=Dv, ga=H // Hkv, state=_n(S), state_z=_vec(z, per_chunk=True) if normalize else None,
                         z_mode=1, base=_base(base_s), base_z=_vec(base_z) if normalize else None,
                         with_den=normalize, normalize=normalize, eps=eps)
@@ -155,7 +157,7 @@ def apply_bwd(dout, q, S, z, base_s, base_z, out, den, fmap, normalize, eps, tf3
                      ax=e, state=_t(S), state_z=_vec(z, per_chunk=True) if normalize else None, z_mode=2,
                      base=_base(base_s, transpose=True), base_z=_vec(base_z) if normalize else None,
                      grad_x=xq if fmap != FMAP_IDENTITY else None, role="dq")
-    _, _, dSq, dzq = state_pass(mapped(xq), Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
+    _, _, dSq, dzq = state_pass(*mapped(xq), Rows(g), Lq, num, store=False, cx=e, split=True, role="dS")   # (B*H, F, Dv)
     return (dq,) + apply_state_grads(dSq, dzq, S, z, base_s, base_z, normalize, q)
 
 
