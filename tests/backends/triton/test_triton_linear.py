@@ -268,7 +268,7 @@ def test_kernels_compile_for_sm90_offline():
 
 def test_map_placement_follows_the_committed_offline_model():
     """`launch.MAP_ONCE` puts each dtype's feature map where the committed offline table's model
-    (benchmarks/results/offline-sm90/linear_placement.md, "Where the feature map runs") counts fewer
+    (benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs") counts fewer
     forward instructions per chunk, at every feature dim it lists (regenerate the table after a kernel
     change; a placement against its model fails here)."""
     import os
@@ -276,7 +276,7 @@ def test_map_placement_follows_the_committed_offline_model():
 
     from effattn.backends.triton.linear import launch
     path = os.path.join(os.path.dirname(os.path.dirname(effattn.__file__)), "benchmarks", "results", "offline-sm90",
-                        "linear_placement.md")
+                        "linear_resources.md")
     with open(path) as f:
         section = f.read().split("## Where the feature map runs", 1)[1]
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -162,7 +162,7 @@ MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_
 # Where a feature map runs, per input dtype: True, once per token (`map_kernel`, the passes read phi(x)); False,
 # in the passes on every tile they load. From the offline model (sm_90, triton 3.9: the forward's instructions
 # per chunk of 64 positions at F = Dv = 128, state and output programs plus the map kernel's;
-# benchmarks/results/offline-sm90/linear_placement.md, "Where the feature map runs"), which
+# benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs"), which
 # tests/backends/triton/test_triton_linear.py checks against this table.
 MAP_ONCE = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
 
