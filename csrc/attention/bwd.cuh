@@ -362,7 +362,6 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   float dslope = 0.f;                                   // this thread's sum of dT * |d| (ALiBi's gradient)
   float dz = 0.f;                                       // TERMS: its sum of dT / ratio on the span's ramp
   const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
-  const int32_t *qpos = q_pos_row(p, bh), *kpos = k_pos_row(p, bh);
 
   const Schedule sched = key_schedule(p, h, mt, BM, BN);
   for (int it = 0; it < sched.count(); ++it) {
@@ -396,7 +395,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
-        const int rule = pos_rule_at(p, qpos, kpos, i, kj);
+        const int rule = pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj);
         bool ok = (!masked || visible(p, lay, i, kj)) && rule != kPosHidden;
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;
