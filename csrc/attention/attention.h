@@ -151,7 +151,8 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
-// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors): the
+// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors, no
+// positions: its head-dim-128 instance spilled with the positions' test in its element loop on sm_80): the
 // backend decides from resources.py (shared memory of the device) and asks for it with dq_accum; the binding
 // refuses a request this says no to.
 bool attention_bwd_fused_serves(const AttnParams& p);

@@ -150,8 +150,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
           const int i = m0 + qr;
           bool ok = !masked || visible<false>(p, nullptr, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-          const PdS r = p_and_ds(p, st[j][e], dpt[jj][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok,
-                                 pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj));
+          const PdS r = p_and_ds(p, st[j][e], dpt[jj][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok);
           st[j][e] = r.pd;
           dpt[jj][e] = r.ds;
           const int kr = kj - n0;

@@ -237,8 +237,8 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     Tensor dq_accum, dq_sem;                            // the fused backward's dQ accumulator and turns
     if (fused) {
       check(effattn::attention_bwd_fused_serves(p),
-            "fused: the fused backward serves head dims up to 128 without a block layout, bias tensors or "
-            "alibi_grad");
+            "fused: the fused backward serves head dims up to 128 without a block layout, bias tensors, "
+            "alibi_grad or positions (q_pos / k_pos)");
       dq_accum = at::zeros({B, p.H, Lq, p.D}, f32);
       dq_sem = at::zeros({p.B, p.H, n_mt}, q.options().dtype(at::kInt));
       p.dq_accum = dq_accum.data_ptr<float>();

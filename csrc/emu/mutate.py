@@ -55,9 +55,9 @@ PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_agains
 FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_against_float64", "-k", "fp16")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 # LSH attention's per-row positions (AttnParams::q_pos) against float64: a layout (64-row forward, two backward
-# passes) and none (128-row forward, fused backward)
+# passes) and none (128-row forward)
 LSH_POSITIONS = ("tests/backends/cuda/test_cuda_lsh.py::test_positions_against_float64", "-k",
-                 "fp16 and (layout-cl32 or fused)")
+                 "fp16 and (layout-cl32 or nolayout-causal)")
 # the Hopper forward's pipeline over several key tiles
 PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
 # the forward's generated instances: which one a call runs, bitwise against the general one

@@ -11,7 +11,8 @@ from query i where it is padding (position -1) or, causal, later than i; a query
 a padded key's values never reach a product (NaN-safe).
 
 Forward: the 64-row kAny instance (layouts take 64-row tiles). Backward: the two passes (dK/dV over the layout's
-by-key lists, dQ over its lists; no atomics, bitwise repeatable); the fused backward does not take layouts.
+by-key lists, dQ over its lists; no atomics, bitwise repeatable); the fused backward takes neither layouts nor
+positions.
 fp16 / bf16, head dims up to 256, any ``chunk_len``; dropout is refused (``triton/lsh`` and ``torch/lsh`` serve
 it).
 """

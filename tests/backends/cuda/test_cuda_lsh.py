@@ -3,8 +3,8 @@
 - the kernels' per-row positions (``attention_fwd_pos`` / ``attention_bwd_pos``: key j hidden where its position is
   -1 or, causal, later than query i's; a query's own position scores the constant SELF_SCORE with no gradient to
   q or k) against a float64 reference of that rule written here, forward and backward (the lse's gradient
-  included), with the LSH chunk layout (64-row forward, two backward passes) and without a layout (128-row
-  forward, fused and two-pass backward), D 32 and 64, fp16 and bf16;
+  included), with the LSH chunk layout (64-row forward) and without a layout (128-row forward), D 32 and 64, fp16
+  and bf16; the backward is the two passes (the fused backward refuses positions);
 - the row ``cuda/lsh`` against the float64 ``torch/lsh`` given the same buckets, forward and gradients;
 - its backward bitwise repeatable across the emulator's schedules; explain.
 """
@@ -69,7 +69,7 @@ def positions(B, H, L, g, pad):
     return qp.to(torch.int32), kp.to(torch.int32)
 
 
-def run_kernels(ops, q, k, v, qp, kp, mask, block, causal, scale, dout, dlse, fused):
+def run_kernels(ops, q, k, v, qp, kp, mask, block, causal, scale, dout, dlse, fused=False):
     lists, wf, check = layout_lists(q, k, v, mask, block, -1, -1, by_key=False)
     klists, kwf, _ = layout_lists(q, k, v, mask, block, -1, -1, by_key=True)
     out, lse = ops.attention_fwd_pos(q, k, v, None, mask, block, check, lists, wf, None, scale, 0.0, qp, kp, causal,
@@ -79,18 +79,18 @@ def run_kernels(ops, q, k, v, qp, kp, mask, block, causal, scale, dout, dlse, fu
     return out, lse, grads
 
 
-KERNEL_CASES = {   # id -> (D, layout chunk or None, causal, fused backward)
-    "layout-cl32-causal-d32": (32, 32, True, False),
-    "layout-cl64-d64": (64, 64, False, False),
-    "nolayout-causal-fused-d64": (64, None, True, True),
-    "nolayout-twopass-d32": (32, None, False, False),
+KERNEL_CASES = {   # id -> (D, layout chunk or None, causal)
+    "layout-cl32-causal-d32": (32, 32, True),
+    "layout-cl64-d64": (64, 64, False),
+    "nolayout-causal-d64": (64, None, True),
+    "nolayout-d32": (32, None, False),
 }
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case_id", list(KERNEL_CASES))
 def test_positions_against_float64(emulation, case_id, dtype):
-    D, chunk, causal, fused = KERNEL_CASES[case_id]
+    D, chunk, causal = KERNEL_CASES[case_id]
     dt = DTYPES[dtype]
     B, H, L = 2, 2, 128
     g = torch.Generator().manual_seed(D + L + (chunk or 0) + causal)
@@ -107,7 +107,7 @@ def test_positions_against_float64(emulation, case_id, dtype):
     dout = torch.randn(B, H, L, D, generator=g)
     dlse = torch.randn(B, H, L, generator=g).masked_fill(torch.isinf(lse_ref.detach()), 0.0)
     out, lse, (dq, dk, dv) = run_kernels(emulation, q, k, v, qp, kp, mask, chunk or 0, causal, scale, dout.to(dt),
-                                         dlse, fused)
+                                         dlse)
     tol = TOL[dt]
     close(out, out_ref.detach(), tol, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref.detach()))
@@ -117,6 +117,15 @@ def test_positions_against_float64(emulation, case_id, dtype):
                                (dout.to(dt).double(), dlse.double()))
     for name, a, b in zip("qkv", (dq, dk, dv), want):
         close(a, b, tol, f"d{name}")
+
+
+def test_fused_backward_refuses_positions(emulation):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 64, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    qp, kp = positions(2, 2, 64, g, 0.0)
+    qp, kp = qp[:1, :1].contiguous(), kp[:1, :1].contiguous()
+    with pytest.raises(RuntimeError, match="positions"):
+        run_kernels(emulation, q, k, v, qp, kp, None, 0, False, 1.0, torch.zeros_like(q), None, fused=True)
 
 
 ROW_CASES = [  # (B, H, L, D, n_hashes, chunk_len, before, after, causal, padding)
