@@ -184,8 +184,8 @@ def _check_inputs(qk, v, n_hashes, chunk_len, chunks_before, chunks_after, n_buc
         raise TypeError(f"{FN}: scale must be a finite float, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{FN}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{FN}: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("auto", "torch", "triton", "cuda"):
+        raise ValueError(f"{FN}: backend must be 'auto', 'torch', 'triton' or 'cuda', got {backend!r}")
     return n_buckets, float(scale)
 
 

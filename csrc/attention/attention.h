@@ -114,6 +114,15 @@ struct AttnParams {
   // (written when relkq is set), and the per-distance sums gd (H, Lq + Lk - 1, D) fp32 for distances off - (Lk - 1) ..
   void* drelkq;
   float* drelk_gd;
+  // positions (effattn.lsh_attention's sorted rounds; the forward instances of mask kind kAny and every backward, a
+  // runtime branch on q_pos): query i of (b, h) is at q_pos[(b H + h) Lq + i], key j of (b, hk) at k_pos[(b Hkv + hk)
+  // Lk + j] (int32 contiguous; null: none). Key j is hidden from query i where k_pos[j] < 0 (padding) or, with
+  // pos_causal, k_pos[j] > q_pos[i]; where k_pos[j] == q_pos[i] the score is pos_self (natural units, not scaled; a
+  // constant: no gradient flows to q or k through it). Checked per element on every tile (full ones too).
+  const int32_t* q_pos;
+  const int32_t* k_pos;
+  int pos_causal;
+  float pos_self;
 };
 
 // Sets the dropout seed (one 64-bit Philox key) and its round keys.
@@ -142,7 +151,8 @@ inline int head_dim_bucket(int d) {
 // under the emulation). Return 0, or a CUDA error code (-1: no kernel for these head dims).
 int attention_fwd(const AttnParams& p, bool bf16, void* stream);
 int attention_bwd(const AttnParams& p, bool bf16, void* stream);
-// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors): the
+// Whether the fused backward serves a call (its buckets, no layout, no ALiBi gradient, no bias tensors, no
+// positions: its head-dim-128 instance spilled with the positions' test in its element loop on sm_80): the
 // backend decides from resources.py (shared memory of the device) and asks for it with dq_accum; the binding
 // refuses a request this says no to.
 bool attention_bwd_fused_serves(const AttnParams& p);

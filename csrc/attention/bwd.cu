@@ -22,7 +22,7 @@ int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
 }  // namespace
 
 bool attention_bwd_fused_serves(const AttnParams& p) {
-  return !has_bias_tensors(p) && !p.layout && !p.lists && !p.lists_by_key && !p.dalibi &&
+  return !has_bias_tensors(p) && !p.layout && !p.lists && !p.lists_by_key && !p.dalibi && !p.q_pos &&
          head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) <= 128 && head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) > 0;
 }
 

@@ -140,15 +140,17 @@ EFFATTN_DEVICE void dv_dk_update(float (&dv)[NA][4], float (&dk)[NA][4], const f
 
 // P^T with dropout applied (for dV) and dS^T = dT^T * dcap (for dK) of one score: `x` the raw product
 // q_i . k_j, `dp` its dO_i . v_j, `bias` the bias tensors' terms (log2 units), `lse` (log2 units) and
-// `delta` of row i; `ok`: key j visible to row i (an ignored V row's NaN gives 0, not 0 * NaN).
+// `delta` of row i; `ok`: key j visible to row i (an ignored V row's NaN gives 0, not 0 * NaN); `rule`: the
+// positions' (pos_rule_at: hidden, or the query's own key, whose constant score gives dS = 0).
 struct PdS {
   float pd, ds;
 };
 
 EFFATTN_DEVICE PdS p_and_ds(const AttnParams& p, float x, float dp, float bias, float lse, float delta, float slope,
-                            int bh, int i, int kj, bool ok) {
+                            int bh, int i, int kj, bool ok, int rule = kPosScore) {
   float dcap = 1.f;
-  const float s = score_log2(p, x, slope, i, kj, dcap) + bias;
+  const float s = pos_score_log2(p, rule, score_log2(p, x, slope, i, kj, dcap) + bias);
+  ok = ok && rule != kPosHidden;
   const float pt = ok ? prim::exp2(s - lse) : 0.f;
   float pd = pt;
   if (p.dropout) {
@@ -156,7 +158,7 @@ EFFATTN_DEVICE PdS p_and_ds(const AttnParams& p, float x, float dp, float bias, 
     pd = keep ? pt * p.inv_keep : 0.f;
     dp = keep ? dp * p.inv_keep : 0.f;
   }
-  return {pd, ok ? pt * (dp - delta) * dcap : 0.f};
+  return {pd, ok && rule != kPosSelf ? pt * (dp - delta) * dcap : 0.f};
 }
 
 // Stores this thread's rows of dK (times the scale) and dV: keys key0 and key0 + 8, columns c0 + the
@@ -234,6 +236,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
     const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l;
     const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
     const float slope = alibi_slope(p, b, h);
+    const int32_t *qpos = q_pos_row(p, bh), *kpos = k_pos_row(p, bh);
     const Schedule sched = query_schedule(pw, p.lists, h, nt, BM, BN);
     for (int it = 0; it < sched.count(); ++it) {
       const int m0 = sched.tile(it) * BM;
@@ -267,7 +270,8 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           bool ok = !masked || visible(pw, lay, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           const float bias = TERMS ? (cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0]) : 0.f;
-          const PdS r = p_and_ds(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok);
+          const PdS r = p_and_ds(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok,
+                                 pos_rule_at(p, qpos, kpos, i, kj));
           st[j][e] = r.pd;
           dpt[j][e] = r.ds;
         }
@@ -391,11 +395,13 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
-        bool ok = !masked || visible(p, lay, i, kj);
+        const int rule = pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj);
+        bool ok = (!masked || visible(p, lay, i, kj)) && rule != kPosHidden;
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;
         float x = score_log2(p, s[j][e], slope, i, kj, dcap);
         if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
+        x = pos_score_log2(p, rule, x);
         const float pr = ok ? prim::exp2(x - lse2[r]) : 0.f;
         float d = dp[j][e];
         if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
@@ -405,7 +411,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
           dslope += dt * float(dd < 0 ? -dd : dd);
         }
         if (tgrad) sT[(i - m0) * BN + kj - n0] = dt;
-        s[j][e] = dt * dcap;                             // dS
+        s[j][e] = rule == kPosSelf ? 0.f : dt * dcap;    // dS (a constant self score: none)
       }
 
     // dQ += dS K over columns [c0, c0 + ACC)

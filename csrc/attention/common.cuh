@@ -141,12 +141,12 @@ EFFATTN_DEVICE bool visible(const AttnParams& p, const uint8_t* lay, int i, int 
 // sequences too); kWindow: any other sliding window and ragged lengths (the analytic schedule's partial
 // tiles, checked elementwise without a layout; packed sequences: each segment's own Lk); kLayout: block
 // layouts (the packed tile lists, their partial tiles checked per layout block) without key padding;
-// kAny (padding): key padding with anything else. The values 0..2 are those the Hopper forward is
+// kAny (padding): key padding or positions (AttnParams::q_pos) with anything else. The values 0..2 are those the Hopper forward is
 // instantiated for (`coarse_kind`).
 enum MaskKind : int { kDense = 0, kWindow = 1, kAny = 2, kCausal = 3, kLayout = 4 };
 
 inline int mask_kind(const AttnParams& p, int block_n) {
-  if (p.kpm) return kAny;
+  if (p.kpm || p.q_pos) return kAny;
   if (p.lists || p.layout || p.lay_check) return kLayout;
   if (p.left < 0 && p.right == 0) return kCausal;
   if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0 || p.cu_q) return kWindow;
@@ -158,6 +158,36 @@ inline int mask_kind(const AttnParams& p, int block_n) {
 inline int coarse_kind(int kind, bool dropout) {
   if (dropout || kind == kLayout) return kAny;
   return kind == kCausal ? kWindow : kind;
+}
+
+// Positions (AttnParams::q_pos): the rule of query position qp and key position kp: kPosHidden (padding, or causal
+// and later), kPosSelf (the query's own position: the constant score pos_self, no gradient to q or k) or kPosScore.
+enum PosRule : int { kPosHidden = 0, kPosScore = 1, kPosSelf = 2 };
+
+EFFATTN_DEVICE int pos_rule(const AttnParams& p, int qp, int kp) {
+  if (kp < 0 || (p.pos_causal && kp > qp)) return kPosHidden;
+  return kp == qp ? kPosSelf : kPosScore;
+}
+
+// The rule of query i and key j of a (b, h) from its rows of the positions (`qpos`, `kpos`: the (b, h) and (b, hk)
+// bases; null without positions: kPosScore); rows past Lq or keys past Lk are hidden.
+EFFATTN_DEVICE int pos_rule_at(const AttnParams& p, const int32_t* qpos, const int32_t* kpos, int i, int j) {
+  if (!qpos) return kPosScore;
+  if (i >= p.Lq || j >= p.Lk) return kPosHidden;
+  return pos_rule(p, qpos[i], kpos[j]);
+}
+
+// A score x (log2 units) under rule r: -inf where hidden, pos_self (in log2 units) for the query's own key.
+EFFATTN_DEVICE float pos_score_log2(const AttnParams& p, int r, float x) {
+  return r == kPosHidden ? -INFINITY : r == kPosSelf ? p.pos_self * 1.4426950408889634f : x;
+}
+
+// The bases of (b, h)'s query positions and (b, h / G)'s key positions (null, null without positions).
+EFFATTN_DEVICE const int32_t* q_pos_row(const AttnParams& p, int bh) {
+  return p.q_pos ? p.q_pos + int64_t(bh) * p.Lq : nullptr;
+}
+EFFATTN_DEVICE const int32_t* k_pos_row(const AttnParams& p, int bh) {
+  return p.k_pos ? p.k_pos + int64_t(bh / p.G) * p.Lk : nullptr;
 }
 
 // `visible` for a partial tile of a forward instance of mask kind KIND (kDense never asks).

@@ -170,7 +170,7 @@ EFFATTN_DEVICE FwdBlock fwd_block(const AttnParams& p, const GridTile& gt, int B
 // previous tile's P V has retired). S is in the m16n8 accumulator layout (mma.sync, or a warp's 16
 // rows of a wgmma accumulator: the same fragment). KIND (MaskKind) compiles out what the kernel
 // instance never sees: every mask test for kDense, the layout and key padding for kCausal / kWindow, key
-// padding for kLayout; DROP (default: kAny's) compiles the dropout keep-mask in.
+// padding for kLayout (kAny: positions too, on every tile); DROP (default: kAny's) compiles the dropout keep-mask in.
 // SCORE: -1 reads p.score per element (score_log2), 0 compiles the score terms out (the caller knows
 // p.score is 0), 1 keeps them. TERMS: the bias tensors of `br` join the scores, as the one number `cb`
 // (log2 units) where the tile is constant (`cfast`: const_bias), else per element.
@@ -188,6 +188,7 @@ EFFATTN_DEVICE void softmax_scores(const AttnParams& p, const uint8_t* lay, cons
       float dcap;
       float x = SCORE == 0 ? s[j][e] * p.qk_scale : score_log2(p, s[j][e], slope, i, kj, dcap);   // log2 units
       if (TERMS) x += cfast ? cb : bias_terms(p, br, i, kj) * 1.4426950408889634f;
+      if (KIND == kAny && p.q_pos) x = pos_score_log2(p, pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj), x);
       if (KIND != kDense && masked && !visible_kind<KIND>(p, lay, i, kj)) x = -INFINITY;
       if (KIND == kAny && kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) x = -INFINITY;
       s[j][e] = x;

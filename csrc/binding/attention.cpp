@@ -237,8 +237,8 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     Tensor dq_accum, dq_sem;                            // the fused backward's dQ accumulator and turns
     if (fused) {
       check(effattn::attention_bwd_fused_serves(p),
-            "fused: the fused backward serves head dims up to 128 without a block layout, bias tensors or "
-            "alibi_grad");
+            "fused: the fused backward serves head dims up to 128 without a block layout, bias tensors, "
+            "alibi_grad or positions (q_pos / k_pos)");
       dq_accum = at::zeros({B, p.H, Lq, p.D}, f32);
       dq_sem = at::zeros({p.B, p.H, n_mt}, q.options().dtype(at::kInt));
       p.dq_accum = dq_accum.data_ptr<float>();
@@ -281,6 +281,37 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
+// Per-row positions (effattn.lsh_attention's sorted rounds; AttnParams::q_pos): attention_fwd / attention_bwd with
+// q_pos int32 (B, H, Lq), k_pos int32 (B, Hkv, Lk), pos_causal and self_score, no window, score terms or packing.
+Varlen positions_of(const Tensor& q_pos, const Tensor& k_pos, bool pos_causal, double self_score) {
+  Varlen vl;
+  vl.q_pos = q_pos, vl.k_pos = k_pos, vl.pos_causal = pos_causal, vl.pos_self = self_score;
+  return vl;
+}
+
+std::tuple<Tensor, Tensor> attention_fwd_pos(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const optional<Tensor>& kpm, const optional<Tensor>& layout,
+                                             int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists,
+                                             int64_t list_wf, const optional<Tensor>& seed, double scale,
+                                             double dropout_p, const Tensor& q_pos, const Tensor& k_pos,
+                                             bool pos_causal, double self_score, bool out_fp32) {
+  return forward(effattn::attention_fwd, q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, seed, scale,
+                 dropout_p, -1, -1, 0.0, c10::nullopt, c10::nullopt, positions_of(q_pos, k_pos, pos_causal, self_score),
+                 out_fp32, BiasTensors{});
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd_pos(
+    const Tensor& dout, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const optional<Tensor>& kpm, const optional<Tensor>& layout,
+    int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
+    const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
+    double dropout_p, const Tensor& q_pos, const Tensor& k_pos, bool pos_causal, double self_score, bool fused) {
+  auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
+                    listk_wf, seed, scale, dropout_p, -1, -1, 0.0, c10::nullopt, c10::nullopt, false,
+                    positions_of(q_pos, k_pos, pos_causal, self_score), BiasTensors{}, false, fused);
+  return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
@@ -308,6 +339,13 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
         "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
         "int? q_offset=None, bool out_fp32=False, Tensor? rel=None, int rel_max=0, bool rel_bidir=True, "
         "Tensor? span_z=None, float span_ramp=1., Tensor? bias=None, int[]? drop_at=None) -> (Tensor, Tensor)");
+  m.def("attention_fwd_pos(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? layout, int layout_block, "
+        "int layout_check, Tensor? lists, int list_wf, Tensor? seed, float scale, float dropout_p, Tensor q_pos, "
+        "Tensor k_pos, bool pos_causal, float self_score, bool out_fp32=False) -> (Tensor, Tensor)");
+  m.def("attention_bwd_pos(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
+        "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, Tensor q_pos, Tensor k_pos, "
+        "bool pos_causal, float self_score, bool fused=False) -> (Tensor, Tensor, Tensor)");
   m.def("has_sm90a() -> bool", has_sm90a);
 }
 
@@ -316,4 +354,6 @@ TORCH_LIBRARY_IMPL(EFFATTN_OPS, EFFATTN_KEY, m) {
   m.impl("attention_bwd", attention_bwd);
   m.impl("attention_bwd_score", attention_bwd_score);
   m.impl("attention_fwd_sm90", attention_fwd_sm90);
+  m.impl("attention_fwd_pos", attention_fwd_pos);
+  m.impl("attention_bwd_pos", attention_bwd_pos);
 }

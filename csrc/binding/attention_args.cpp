@@ -138,6 +138,25 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
     p.drop_thresh = int(std::min<double>(std::nearbyint(dropout_p * (1 << 24)), (1 << 24) - 1));
     p.inv_keep = float(1.0 / (1.0 - dropout_p));
   }
+  if (varlen.q_pos.has_value() || varlen.k_pos.has_value()) {
+    check(varlen.q_pos.has_value() && varlen.k_pos.has_value(), "q_pos and k_pos come together");
+    check(!varlen.cu_q.has_value(), "q_pos / k_pos (per-row positions) cannot be combined with cu_seqlens");
+    const int64_t want[2][3] = {{p.B, p.H, p.Lq}, {p.B, Hkv, p.Lk}};
+    const Tensor* pos[2] = {&*varlen.q_pos, &*varlen.k_pos};
+    for (int t = 0; t < 2; ++t) {
+      const Tensor& x = *pos[t];
+      check(x.scalar_type() == at::kInt && x.device() == q0.device(), "q_pos / k_pos must be int32 on q's device");
+      check(x.dim() == 3 && x.size(0) == want[t][0] && x.size(1) == want[t][1] && x.size(2) == want[t][2],
+            "q_pos must be (B, H, Lq) and k_pos (B, Hkv, Lk)");
+    }
+    check(std::isfinite(varlen.pos_self), "self_score must be finite");
+    r.q_pos = varlen.q_pos->contiguous();
+    r.k_pos = varlen.k_pos->contiguous();
+    p.q_pos = r.q_pos.data_ptr<int32_t>();
+    p.k_pos = r.k_pos.data_ptr<int32_t>();
+    p.pos_causal = int(varlen.pos_causal);
+    p.pos_self = float(varlen.pos_self);
+  }
   p.drop_H = p.H;
   if (!varlen.drop_at.empty()) {
     const std::vector<int64_t>& at = varlen.drop_at;

@@ -15,17 +15,22 @@ namespace binding {
 // (1, H, T, D)) with the longest segments (max_seqlen: the grid; never read back from the device),
 // and the offset of a positioned call (query i at key i + q_offset; none: bottom-right). drop_at: where dropout
 // draws, (q_start, k_start, h0, heads): query i at row q_start + i, key j at k_start + j, head h of batch entry b
-// at b * heads + h0 + h (a context-parallel chunk / head shard); empty: (0, 0, 0, H).
+// at b * heads + h0 + h (a context-parallel chunk / head shard); empty: (0, 0, 0, H). Per-row positions (LSH
+// attention's sorted rounds, AttnParams::q_pos): q_pos int32 (B, H, Lq), k_pos int32 (B, Hkv, Lk) (-1: a padding
+// key), with pos_causal and the constant score pos_self of a query's own key; none: no positions.
 struct Varlen {
   optional<Tensor> cu_q, cu_k;
   int64_t max_q = 0, max_k = 0;
   optional<int64_t> q_offset;
   std::vector<int64_t> drop_at;
+  optional<Tensor> q_pos, k_pos;
+  bool pos_causal = false;
+  double pos_self = 0.0;
 };
 
 // The tensors a call's AttnParams point into (kept alive for the call) and the params themselves.
 struct Prepared {
-  Tensor q, k, v, kpm, layout, lists, lists_by_key, cu_q, cu_k;
+  Tensor q, k, v, kpm, layout, lists, lists_by_key, cu_q, cu_k, q_pos, k_pos;
   effattn::AttnParams p{};
   bool bf16 = false;
 };

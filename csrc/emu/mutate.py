@@ -54,6 +54,10 @@ PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_agains
                "-k", "gqa4")
 FUSED = ("tests/backends/cuda/test_cuda_fused_bwd.py::test_fused_backward_against_float64", "-k", "fp16")
 DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
+# LSH attention's per-row positions (AttnParams::q_pos) against float64: a layout (64-row forward, two backward
+# passes) and none (128-row forward)
+LSH_POSITIONS = ("tests/backends/cuda/test_cuda_lsh.py::test_positions_against_float64", "-k",
+                 "fp16 and (layout-cl32 or nolayout-causal)")
 # the Hopper forward's pipeline over several key tiles
 PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
 # the forward's generated instances: which one a call runs, bitwise against the general one
@@ -107,8 +111,8 @@ MUTATIONS: List[Mutation] = [
              "      acc[j][2 * r] *= alpha[r];\n", "", (f"{ATT}::test_running_max_grows_at_every_key_tile",),
              "forward: half of the output accumulators not rescaled when the row maximum grows"),
     Mutation("delta-sign", "attention/bwd.cuh",
-             "return {pd, ok ? pt * (dp - delta) * dcap : 0.f};",
-             "return {pd, ok ? pt * (dp + delta) * dcap : 0.f};", SHARED,
+             "return {pd, ok && rule != kPosSelf ? pt * (dp - delta) * dcap : 0.f};",
+             "return {pd, ok && rule != kPosSelf ? pt * (dp + delta) * dcap : 0.f};", SHARED,
              "dK/dV and the fused backward: dS^T with the wrong sign of Delta"),
     Mutation("dropout-counters-dkdv", "attention/bwd.cuh",
              "const bool keep = dropout_keep(p, bh, i, kj);", "const bool keep = dropout_keep(p, bh, kj, i);",
@@ -202,6 +206,18 @@ MUTATIONS: List[Mutation] = [
              "const int jb0 = i0 + p.off - (d0 + BD - 1);", "const int jb0 = i0 + p.off - (d0 + BD);",
              ("tests/backends/cuda/test_cuda_relative.py::test_relative_backward_against_float64", "-k", "txl"),
              "relative keys, backward: the distance pass's key band one key off (r's gradient)"),
+    Mutation("lsh-bwd-self-score-gradient", "attention/bwd.cuh",
+             "return {pd, ok && rule != kPosSelf ? pt * (dp - delta) * dcap : 0.f};",
+             "return {pd, ok ? pt * (dp - delta) * dcap : 0.f};", LSH_POSITIONS,
+             "positions (LSH), dK/dV pass: the constant self score passes a gradient to k (a row that sees only "
+             "itself, with a gradient into its lse)"),
+    Mutation("lsh-causal-compare-flipped", "attention/common.cuh",
+             "if (kp < 0 || (p.pos_causal && kp > qp)) return kPosHidden;",
+             "if (kp < 0 || (p.pos_causal && kp < qp)) return kPosHidden;", LSH_POSITIONS,
+             "positions (LSH): causal hides the earlier keys instead of the later ones"),
+    Mutation("lsh-self-score-dropped", "attention/common.cuh",
+             "return kp == qp ? kPosSelf : kPosScore;", "return kPosScore;", LSH_POSITIONS,
+             "positions (LSH): a query's own key scores q.k instead of the self-attention penalty"),
     Mutation("swizzle-dropped", "common/tiles.cuh",
              "return row * HD + ((chunk ^ ((row / kRowsPerLine) & kXorMask)) << 3);", "return row * HD + (chunk << 3);",
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),

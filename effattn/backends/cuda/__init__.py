@@ -21,5 +21,5 @@ Inputs whose last dimension is not contiguous, whose head dims are not multiples
 rows are not 16-byte aligned are copied (zero-padded) once per call: the kernels load 16-byte rows
 with cp.async.
 """
-from . import attention, linear  # noqa: F401  (each registers its rows)
+from . import attention, linear, lsh  # noqa: F401  (each registers its rows)
 from ._ext import available as _available  # noqa: F401  (the rows' runtime check)
