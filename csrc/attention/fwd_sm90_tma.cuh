@@ -2,8 +2,8 @@
 // two-stage ring guarded by mbarriers, two consumer warpgroups compute with asynchronous wgmma.
 //
 // One block = three warpgroups (384 threads) per (query tile of 128 rows, b, h). Warpgroups 0 and 1
-// are the consumers of fwd_sm90.cuh's kernel (rows [64 w, 64 w + 64), the same products, online
-// softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it); warpgroup 2 is the producer:
+// are the consumers of fwd_sm90.cuh's kernel (its consume_key_tiles: rows [64 w, 64 w + 64), the same
+// products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it); warpgroup 2 is the producer:
 // its register count drops to 40 (setmaxnreg.dec) and the consumers' rises to 232 (setmaxnreg.inc),
 // and one of its threads issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
 // (D, L, heads, batch) in the 128-byte swizzle wgmma reads (Sw128Tile): rows past L and columns past
@@ -57,8 +57,7 @@ EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaPa
 #if EFFATTN_SM90A
   using Cfg = FwdTmaConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NC = Cfg::kConsumers;
-  constexpr int NS = BN / 8, ND = HD / 8, NP = HD / Cfg::kBoxCols;
-  using TQ = Sw128Tile<HD, BM>;
+  constexpr int NP = HD / Cfg::kBoxCols;
   using TKV = Sw128Tile<HD, BN>;
   EFFATTN_SMEM(smem_raw);
   const uint32_t raw = prim::smem_u32(smem_raw);
@@ -110,22 +109,9 @@ EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaPa
 
   // the consumers
   prim::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int warp = tid >> 5, g = (tid & 31) >> 2;
-  const uint32_t aQ = prim::smem_u32(sQ) + (warp >> 2) * 64 * 128;
-  const uint32_t aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
+  const uint32_t aQ = prim::smem_u32(sQ) + ((tid >> 5) >> 2) * 64 * 128;   // this warpgroup's 64 rows of Q
   const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_scores)
-
-  float acc[ND][4], s[NS][4];
-#pragma unroll
-  for (int j = 0; j < ND; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-  for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  uint32_t pa[BN / 16][4] = {};                         // P(t - 1) as wgmma A fragments
-  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
-  const int row0 = fb.m0 + warp * 16 + g;
-  const float slope = alibi_slope(p, fb.b, fb.h);
   prim::mbar_wait(q_full, 0);
-
   // Step t (t < n_tiles): K(t), V(t) have landed; V(t - 1)'s keys no row sees are zeroed.
   auto begin_step = [&](int it) {
     if (it < n_tiles) prim::mbar_wait(full + (it & 1), (it >> 1) & 1);
@@ -136,64 +122,10 @@ EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaPa
       prim::named_sync(1, NC);                           // ... and every consumer's
     }
   };
-  auto issue_s = [&](int it) {                           // S(t) = Q K(t)^T
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      prim::wgmma_ss<BN, BF16, false>(s, TQ::desc_k(aQ, kk), TKV::desc_k(aK + (it & 1) * Cfg::kKVBytes, kk), kk > 0);
-    prim::wgmma_commit();
-  };
-  auto issue_pv = [&](int it) {                          // O += P(t) V(t)
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      prim::wgmma_rs<HD, BF16, true>(acc, pa[kk], TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk), true);
-    prim::wgmma_commit();
-  };
-  auto softmax = [&](int it, float (&alpha)[2]) {
-    const int n0 = sched.tile(it) * BN;
-    const bool masked = KIND != kDense && sched.masked(it);
-    if (KIND == kAny || p.score)
-      softmax_scores<KIND, false, KIND == kAny ? -1 : 1>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i,
-                                                         alpha);
-    else
-      softmax_scores<KIND, false, 0>(p, fb.lay, kpm, fb.bh, row0, n0, masked, slope, s, m_i, l_i, alpha);
-  };
-  auto to_pa = [&](const float (&alpha)[2]) {
-    rescale_rows(acc, alpha);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk], s, kk);
-  };
-
-  if (n_tiles > 0) {
-    float alpha[2];
-    begin_step(0);
-    prim::wgmma_fence();
-    issue_s(0);
-    prim::wgmma_wait<0>();
-    keep_all(s);
-    softmax(0, alpha);
-    to_pa(alpha);
-    for (int it = 1; it < n_tiles; ++it) {
-      begin_step(it);
-      prim::wgmma_fence();
-      issue_s(it);
-      issue_pv(it - 1);
-      prim::wgmma_wait<1>();                             // S(t) has retired; P V(t - 1) may still run
-      keep_all(s);
-      softmax(it, alpha);
-      prim::wgmma_wait<0>();                             // P V(t - 1) has retired: its stage is free
-      keep_all(acc);
-      keep_all(pa);
-      prim::mbar_arrive(empty + ((it - 1) & 1));         // stage of tile t - 1 back to the producer
-      to_pa(alpha);
-    }
-    begin_step(n_tiles);
-    prim::wgmma_fence();
-    issue_pv(n_tiles - 1);
-    prim::wgmma_wait<0>();
-    keep_all(acc);
-  }
-
-  store_rows<BF16>(p, fb.b, fb.h, fb.bh, row0, acc, m_i, l_i);
+  // P V(t - 1) has retired (S(t - 1) before it): the stage of tile t - 1 goes back to the producer
+  auto release = [&](int it) { prim::mbar_arrive(empty + ((it - 1) & 1)); };
+  consume_key_tiles<HD, BF16, KIND>(p, fb, sched, aQ, prim::smem_u32(sK), prim::smem_u32(sV), begin_step,
+                                    [](int) {}, release);
 #endif
 }
 
