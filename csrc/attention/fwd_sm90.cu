@@ -1,9 +1,14 @@
 // Entry point of the Hopper (sm_90a, wgmma) softmax-attention forward: dispatch on dtype and head
-// dim (64 and 128 only) to the kernel of fwd_sm90.cuh. Its device code exists only in the
+// dim (64 and 128 only) to the warp-specialized TMA kernel of fwd_sm90_tma.cuh when the call's tensor maps
+// encode (16-byte aligned bases and strides), else (or with EFFATTN_CUDA_HOPPER_TMA=0) to the cp.async
+// kernel of fwd_sm90.cuh. Its device code exists only in the
 // sm_90a part of a build (EFFATTN_SM90A); setup.py defines EFFATTN_SM90A_BUILT when the build has
 // that part, and without it the launcher refuses (the part-1 forward serves instead). Under
 // EFFATTN_CUDA_EMU the kernel runs through the emulation.
+#include <cstdlib>
+
 #include "attention/fwd_sm90.cuh"
+#include "attention/fwd_sm90_tma.cuh"
 #include "attention/launch.cuh"
 
 namespace effattn {
@@ -18,10 +23,50 @@ struct Sm90Kernel {
 };
 
 template <int HD, bool BF16>
+struct Sm90TmaKernel {
+  template <int KIND>
+  struct Of {
+    static constexpr auto value = attn_fwd_sm90_tma_kernel<HD, BF16, KIND>;
+  };
+};
+
+// The call's tensor maps for the TMA kernel: (D, L, heads, batch) of Q, K and V, boxes of 64 columns of a
+// query or key tile. False when one does not encode (a base or stride not a multiple of 16 bytes, a
+// negative stride, no keys): the cp.async kernel serves such calls.
+template <int HD>
+bool tma_maps(const AttnParams& p, FwdTmaParams& tp) {
+  using Cfg = FwdTmaConfig<HD>;
+  auto map = [&](prim::TensorMap& m, const void* base, int64_t l, int64_t h, int64_t b, int64_t row0, int width, int L,
+                 int heads, int rows) {
+    const uint64_t dims[4] = {uint64_t(width), uint64_t(L), uint64_t(heads), uint64_t(p.B)};
+    const uint64_t strides[3] = {uint64_t(l) * 2, uint64_t(h) * 2, uint64_t(b) * 2};
+    const uint32_t box[4] = {uint32_t(Cfg::kBoxCols), uint32_t(rows), 1, 1};
+    if (l < 0 || h < 0 || b < 0 || L < 1) return false;
+    return !prim::make_tensor_map(m, static_cast<const uint16_t*>(base) + row0 * l, 2, 4, dims, strides, box, 128);
+  };
+  const int hkv = p.H / p.G;
+  tp.p = p;
+  return map(tp.q, p.q, p.q_l, p.q_h, p.q_b, p.q0, p.D, p.Lq, p.H, Cfg::BM) &&
+         map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, Cfg::BN) &&
+         map(tp.v, p.v, p.v_l, p.v_h, p.v_b, p.k0, p.Dv, p.Lk, hkv, Cfg::BN);
+}
+
+bool tma_turned_off() {
+  const char* e = std::getenv("EFFATTN_CUDA_HOPPER_TMA");
+  return e && e[0] == '0';
+}
+
+template <int HD, bool BF16>
 int fwd_sm90(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdSm90Config<HD>;
+  const int kind = coarse_kind(mask_kind(p, Cfg::BN), p.dropout != 0);
+  FwdTmaParams tp;
+  if (!tma_turned_off() && tma_maps<HD>(p, tp))
+    return detail::launch_by_kind<Sm90TmaKernel<HD, BF16>::template Of>(
+        kind, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), FwdTmaConfig<HD>::kSmemBytes, stream, tp,
+        FwdTmaConfig<HD>::kThreads);
   return detail::launch_by_kind<Sm90Kernel<HD, BF16>::template Of>(
-      coarse_kind(mask_kind(p, Cfg::BN), p.dropout != 0), detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
+      kind, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
       Cfg::kSmemBytes, stream, p, Cfg::kThreads);
 }
 

@@ -90,39 +90,24 @@ EFFATTN_DEVICE void keep_all(A& x) {
     for (auto& v : row) prim::keep(v);
 }
 
-template <int HD, bool BF16, int KIND>
-EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
-#if EFFATTN_SM90A
+// The consumers' side of both Hopper forwards (this kernel and fwd_sm90_tma.cuh's): two warpgroups
+// (threads 0..255) run S(t), P V(t - 1) behind it, the softmax of tile t and the epilogue, over the
+// block's key tiles, with Q at aQ (this warpgroup's rows) and K, V in two buffers each at aK, aV. The
+// kernels differ in how the tiles arrive: `begin_step(t)` returns once K(t) and V(t) are in and V(t - 1)'s
+// unseen keys are zeroed (t == n_tiles: only the latter), `issue_copies(t)` starts the next copies after
+// it, and `release(t)` runs once P V(t - 1) has retired (K(t - 1) and V(t - 1) are no longer read).
+template <int HD, bool BF16, int KIND, class Begin, class Copies, class Release>
+EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, const Schedule& sched, uint32_t aQ,
+                                      uint32_t aK, uint32_t aV, Begin&& begin_step, Copies&& issue_copies,
+                                      Release&& release) {
   using Cfg = FwdSm90Config<HD>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::kThreads;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
   constexpr int NS = BN / 8, ND = HD / 8;
   using TQ = Sw128Tile<HD, BM>;
   using TKV = Sw128Tile<HD, BN>;
-  EFFATTN_SMEM(smem_raw);
-  char* smem = smem_raw + ((1024 - (prim::smem_u32(smem_raw) & 1023)) & 1023);
-  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sK = sQ + BM * HD;                          // K buffers 0, 1
-  uint16_t* sV = sK + 2 * BN * HD;                      // V buffers 0, 1
-  const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
-  // this warpgroup's 64 rows of Q: 64 rows of 128 bytes into each panel (a multiple of 1024 bytes)
-  const uint32_t aQ = prim::smem_u32(sQ) + (warp >> 2) * 64 * 128;
-  const uint32_t aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
-
-  // not packed (the binding refuses cu_seqlens here): a segment view (`segment_view`, a copy of the
-  // params with the segment's bounds) costs registers in every instance; packed calls run on the
-  // mma.sync forward
-  const GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
-  const AttnParams& p = params;
-  const FwdBlock fb = fwd_block(p, gt, BM);
-  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_scores)
-  const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);
   const int n_tiles = sched.count();
-  const Sw128Copy<HD, BM, NT> q_copy;
-  const Sw128Copy<HD, BN, NT> kv_copy;
-
-  q_copy.load(sQ, fb.qb, p.q_l, fb.m0, p.Lq, p.D);
-  if (n_tiles > 0) kv_copy.load(sK, fb.kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
-  prim::cp_async_commit();
+  const int warp = prim::thread_x() >> 5, g = (prim::thread_x() & 31) >> 2;
+  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_scores)
 
   float acc[ND][4], s[NS][4];
 #pragma unroll
@@ -134,27 +119,6 @@ EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
   const int row0 = fb.m0 + warp * 16 + g;               // this thread's rows: row0, row0 + 8
   const float slope = alibi_slope(p, fb.b, fb.h);
 
-  // Step t (t < n_tiles) runs S(t) and P(t - 1) V(t - 1); step n_tiles only the last P V. At a step's
-  // start every copy issued (K(t), V(t - 1)) has landed and, past the barrier, every thread is done
-  // with the previous step's reads. The first and the last step are peeled off the loop: ptxas then
-  // sees each wgmma wait in straight-line code (with branches around the issues it serialized them).
-  auto begin_step = [&](int it) {
-    prim::cp_async_wait<0>();
-    prim::fence_proxy_async();                           // the copies visible to wgmma's async proxy
-    prim::sync_block();                                  // ... and every thread's
-    if (it > 0 && (KIND != kDense && sched.masked(it - 1) || kpm)) {   // keys no row sees: zero values
-      zero_unseen<HD, BN, TKV, NT>(sV + ((it - 1) & 1) * BN * HD, sched.tile(it - 1) * BN,
-                                   [&](int j) { return key_seen(p, fb.lay, kpm, fb.m0, fb.m0 + BM, j); });
-      prim::fence_proxy_async();                         // the zeros visible to wgmma's async proxy
-      prim::sync_block();
-    }
-  };
-  // K(t + 1) into the buffer S(t - 1) read, V(t) into the one P V(t - 2) read: both retired
-  auto issue_copies = [&](int it) {
-    if (it + 1 < n_tiles) kv_copy.load(sK + ((it + 1) & 1) * BN * HD, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
-    kv_copy.load(sV + (it & 1) * BN * HD, fb.vb, p.v_l, sched.tile(it) * BN, p.Lk, p.Dv);
-    prim::cp_async_commit();
-  };
   auto issue_s = [&](int it) {                           // S(t) = Q K(t)^T: HD / 16 steps, one group
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
@@ -206,6 +170,7 @@ EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
       prim::wgmma_wait<0>();                             // P V(t - 1) has retired: O and P(t - 1) are free
       keep_all(acc);
       keep_all(pa);
+      release(it);
       to_pa(alpha);
     }
     begin_step(n_tiles);
@@ -214,9 +179,64 @@ EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
     prim::wgmma_wait<0>();
     keep_all(acc);
   }
-  prim::cp_async_wait<0>();                              // (Q's copies when there is no key tile)
-
   store_rows<BF16>(p, fb.b, fb.h, fb.bh, row0, acc, m_i, l_i);
+}
+
+template <int HD, bool BF16, int KIND>
+EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
+#if EFFATTN_SM90A
+  using Cfg = FwdSm90Config<HD>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::kThreads;
+  using TKV = Sw128Tile<HD, BN>;
+  EFFATTN_SMEM(smem_raw);
+  char* smem = smem_raw + ((1024 - (prim::smem_u32(smem_raw) & 1023)) & 1023);
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sK = sQ + BM * HD;                          // K buffers 0, 1
+  uint16_t* sV = sK + 2 * BN * HD;                      // V buffers 0, 1
+  const int warp = prim::thread_x() >> 5;
+  // this warpgroup's 64 rows of Q: 64 rows of 128 bytes into each panel (a multiple of 1024 bytes)
+  const uint32_t aQ = prim::smem_u32(sQ) + (warp >> 2) * 64 * 128;
+  const uint32_t aK = prim::smem_u32(sK), aV = prim::smem_u32(sV);
+
+  // not packed (the binding refuses cu_seqlens here): a segment view (`segment_view`, a copy of the
+  // params with the segment's bounds) costs registers in every instance; packed calls run on the
+  // mma.sync forward
+  const GridTile gt = grid_tile((params.Lq + BM - 1) / BM, params.H);
+  const AttnParams& p = params;
+  const FwdBlock fb = fwd_block(p, gt, BM);
+  const uint8_t* kpm = KIND == kAny ? fb.kpm : nullptr;    // (MaskKind: see softmax_scores)
+  const Schedule sched = key_schedule(p, fb.h, fb.mt, BM, BN);
+  const int n_tiles = sched.count();
+  const Sw128Copy<HD, BM, NT> q_copy;
+  const Sw128Copy<HD, BN, NT> kv_copy;
+
+  q_copy.load(sQ, fb.qb, p.q_l, fb.m0, p.Lq, p.D);
+  if (n_tiles > 0) kv_copy.load(sK, fb.kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
+  prim::cp_async_commit();
+
+  // Step t (t < n_tiles) runs S(t) and P(t - 1) V(t - 1); step n_tiles only the last P V. At a step's
+  // start every copy issued (K(t), V(t - 1)) has landed and, past the barrier, every thread is done
+  // with the previous step's reads. The first and the last step are peeled off the loop: ptxas then
+  // sees each wgmma wait in straight-line code (with branches around the issues it serialized them).
+  auto begin_step = [&](int it) {
+    prim::cp_async_wait<0>();
+    prim::fence_proxy_async();                           // the copies visible to wgmma's async proxy
+    prim::sync_block();                                  // ... and every thread's
+    if (it > 0 && (KIND != kDense && sched.masked(it - 1) || kpm)) {   // keys no row sees: zero values
+      zero_unseen<HD, BN, TKV, NT>(sV + ((it - 1) & 1) * BN * HD, sched.tile(it - 1) * BN,
+                                   [&](int j) { return key_seen(p, fb.lay, kpm, fb.m0, fb.m0 + BM, j); });
+      prim::fence_proxy_async();                         // the zeros visible to wgmma's async proxy
+      prim::sync_block();
+    }
+  };
+  // K(t + 1) into the buffer S(t - 1) read, V(t) into the one P V(t - 2) read: both retired
+  auto issue_copies = [&](int it) {
+    if (it + 1 < n_tiles) kv_copy.load(sK + ((it + 1) & 1) * BN * HD, fb.kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
+    kv_copy.load(sV + (it & 1) * BN * HD, fb.vb, p.v_l, sched.tile(it) * BN, p.Lk, p.Dv);
+    prim::cp_async_commit();
+  };
+  consume_key_tiles<HD, BF16, KIND>(p, fb, sched, aQ, aK, aV, begin_step, issue_copies, [](int) {});
+  prim::cp_async_wait<0>();                              // (Q's copies when there is no key tile)
 #endif
 }
 

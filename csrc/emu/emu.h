@@ -34,6 +34,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -86,7 +87,9 @@ struct Failure : std::runtime_error {
 
 [[noreturn]] inline void fail(const char* what, int tid, int block);
 
-enum class State { runnable, warp_wait, bar_wait, done };
+// async_wait: at an mbarrier phase, a named barrier or a setmaxnreg.inc (emu/async.h); the thread's
+// `waiting` says which, for the deadlock report
+enum class State { runnable, warp_wait, bar_wait, async_wait, done };
 
 struct Copy {
   char* dst;
@@ -103,6 +106,42 @@ struct Thread {
   std::deque<std::vector<Copy>> committed;     // oldest first
   int wgmma_groups = 0;                        // wgmma ops issued and not yet retired (emu/wgmma.h)
   bool wgmma_fenced = false;                   // a wgmma.fence since the last wgmma.wait_group
+  const void* wait_obj = nullptr;              // what an async_wait thread waits on (emu/async.h)
+  std::string waiting;                         // ... in words
+};
+
+// The Hopper asynchronous state of a block (emu/async.h): mbarriers by shared-memory offset, bulk
+// tensor copies in flight, named barriers, and the warpgroups' register counts.
+struct Mbarrier {
+  uint32_t expected = 0;                       // arrivals per phase (mbarrier.init's count)
+  int64_t pending = 0;                         // arrivals still missing in the current phase
+  int64_t tx = 0;                              // tx-count of the current phase
+  int phase = 0;                               // the current phase's parity
+  uint64_t completed = 0;                      // phases completed
+};
+
+struct BulkCopy {
+  uint32_t dst = 0, bar = 0;                   // shared-memory offsets
+  std::vector<unsigned char> image;            // the destination bytes as they land (swizzle applied)
+  int issuer = 0;
+};
+
+struct NamedBarrier {
+  int arrived = 0, count = 0;
+};
+
+struct RegRequest {                            // a warpgroup's setmaxnreg in progress
+  int arrived = 0, value = 0, inc = 0;
+  bool granted_wait = false;                   // an inc that waits for the pool
+};
+
+struct AsyncState {
+  std::map<uint32_t, Mbarrier> mbars;
+  std::vector<BulkCopy> copies;                // in flight, in issue order
+  NamedBarrier named[16];
+  std::vector<int> wg_regs;                    // per warpgroup: the per-thread register count
+  std::vector<RegRequest> reg_req;
+  int64_t reg_pool = 0;                        // the CTA's free registers
 };
 
 // Per-lane operands and results of the collective a warp is in.
@@ -129,6 +168,7 @@ struct Block {
   // per 16-byte chunk of shared memory: 1 + the thread whose cp.async wrote it since that thread's
   // last fence.proxy.async, else 0 (wgmma reads through the async proxy: emu/wgmma.h)
   std::vector<int> proxy_owner;
+  AsyncState async;
   int current = -1;
   bool in_fiber = false;                       // a thread's fiber runs (else the scheduler)
   std::string failure;                         // set by fail() inside a fiber
@@ -510,6 +550,20 @@ void launch(Dim3 grid, Dim3 block_dim, size_t smem_bytes, F&& kernel) {
   release();
 }
 
+// The registers a block of n threads starts with, per thread: what ptxas gives a kernel of
+// __launch_bounds__(n, 1) on a 64K-register SM (a multiple of 8, at most 256); setmaxnreg moves them
+// between warpgroups through the CTA's pool, which starts empty.
+inline int launch_regs(int nthreads) {
+  const int r = 65536 / nthreads / 8 * 8;
+  return r > 256 ? 256 : r;
+}
+
+inline void reset_async(Block& b) {
+  b.async = AsyncState();
+  b.async.wg_regs.assign((b.nthreads + 127) / 128, launch_regs(b.nthreads));
+  b.async.reg_req.assign(b.async.wg_regs.size(), RegRequest());
+}
+
 inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
   int linear = 0;
   for (unsigned z = 0; z < grid.z; ++z)
@@ -521,6 +575,7 @@ inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
         std::memset(b.smem, 0xFF, smem_bytes);     // NaN in every float format
         b.proxy_owner.assign(smem_bytes / 16 + 1, 0);
         for (auto& w : b.warps) w = Warp();
+        reset_async(b);
         for (int i = 0; i < nthreads; ++i) {
           Thread& t = b.threads[i];
           t.tid = i;
@@ -529,6 +584,8 @@ inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
           t.committed.clear();
           t.wgmma_groups = 0;
           t.wgmma_fenced = false;
+          t.wait_obj = nullptr;
+          t.waiting.clear();
           getcontext(&t.ctx);
           t.ctx.uc_stack.ss_sp = t.stack;
           t.ctx.uc_stack.ss_size = kStack;
@@ -540,11 +597,17 @@ inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
           int next = pick_next(b, last);
           if (next < 0) {
             for (int i = 0; i < nthreads; ++i)
+              if (b.threads[i].state == State::async_wait)
+                fail(("deadlock: " + b.threads[i].waiting).c_str(), i, linear);
+            for (int i = 0; i < nthreads; ++i)
               if (b.threads[i].state != State::done)
                 fail(b.threads[i].state == State::bar_wait
                          ? "deadlock: a thread waits at a barrier that the other threads never reach"
                          : "deadlock: a lane waits in a warp collective that the rest of its warp never reaches",
                      i, linear);
+            if (!b.async.copies.empty())
+              fail("the block ends with bulk tensor copies in flight (no thread waited on their mbarrier)",
+                   b.async.copies.front().issuer, linear);
             break;
           }
           b.current = next;

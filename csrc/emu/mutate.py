@@ -58,8 +58,11 @@ DECODE_D256 = (f"{RES}::test_decode_d256_single_stage_under_a_99_kb_device",)
 # passes) and none (128-row forward)
 LSH_POSITIONS = ("tests/backends/cuda/test_cuda_lsh.py::test_positions_against_float64", "-k",
                  "fp16 and (layout-cl32 or nolayout-causal)")
-# the Hopper forward's pipeline over several key tiles
+# the Hopper forward's pipeline over several key tiles (the TMA kernel; TMA_RING also runs the cp.async one)
 PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
+# the warp-specialized Hopper forward (TMA, mbarrier ring) against float64 and bitwise its cp.async kernel
+TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_against_float64_and_bitwise_the_cp_async_kernel",
+            "-k", "dense-5-tiles or causal-kpm")
 # the forward's generated instances: which one a call runs, bitwise against the general one
 INSTANCES = "tests/backends/cuda/test_cuda_instances.py::test_each_call_runs_its_instance_with_the_general_instances_bits"
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
@@ -223,18 +226,31 @@ MUTATIONS: List[Mutation] = [
              (f"{ATT}::test_ldmatrix_one_wavefront_per_phase_in_every_kernel",),
              "tiles without the XOR swizzle: still correct, 8-way bank conflicts (a speed bug)"),
     Mutation("hopper-k-buffer", "attention/fwd_sm90.cuh",
-             "kv_copy.load(sK + ((it + 1) & 1) * BN * HD,", "kv_copy.load(sK + (it & 1) * BN * HD,", (PIPELINE,),
+             "kv_copy.load(sK + ((it + 1) & 1) * BN * HD,", "kv_copy.load(sK + (it & 1) * BN * HD,", (PIPELINE,) + TMA_RING,
              "Hopper forward: K(t + 1) copied into the buffer S(t) reads"),
     Mutation("hopper-v-buffer", "attention/fwd_sm90.cuh",
              "TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk)", "TKV::desc_mn(aV + ((it + 1) & 1) * Cfg::kKVBytes, kk)",
-             (PIPELINE,), "Hopper forward: P V(t) reads the other V buffer (V(t + 1), in flight)"),
+             (PIPELINE,) + TMA_RING, "Hopper forward: P V(t) reads the other V buffer (V(t + 1), in flight)"),
     Mutation("hopper-wait-s", "attention/fwd_sm90.cuh",
              "prim::wgmma_wait<1>();                             // S(t) has retired",
-             "prim::wgmma_wait<2>();                             // S(t) has retired", (PIPELINE,),
+             "prim::wgmma_wait<2>();                             // S(t) has retired", (PIPELINE,) + TMA_RING,
              "Hopper forward: the softmax reads S(t) before its wgmma retired"),
     Mutation("hopper-barrier", "attention/fwd_sm90.cuh",
-             "    prim::sync_block();                                  // ... and every thread's\n", "", (PIPELINE,),
+             "    prim::sync_block();                                  // ... and every thread's\n", "", (PIPELINE,) + TMA_RING,
              "Hopper forward: no barrier at a step's start (copies of other threads unseen, buffers still read)"),
+    Mutation("hopper-tma-full-wait", "attention/fwd_sm90_tma.cuh",
+             "if (it < n_tiles) prim::mbar_wait(full + (it & 1), (it >> 1) & 1);", "", TMA_RING,
+             "TMA Hopper forward: the consumers do not wait on the stage's full barrier (K, V read before they land)"),
+    Mutation("hopper-tma-expect-bytes", "attention/fwd_sm90_tma.cuh",
+             "prim::mbar_arrive_expect_tx(full + s, 2 * Cfg::kKVBytes);",
+             "prim::mbar_arrive_expect_tx(full + s, Cfg::kKVBytes);", TMA_RING,
+             "TMA Hopper forward: expect_tx of the K tile's bytes only (the phase would complete before V landed)"),
+    Mutation("hopper-tma-empty-parity", "attention/fwd_sm90_tma.cuh",
+             "prim::mbar_wait(empty + s, ((it >> 1) & 1) ^ 1);", "prim::mbar_wait(empty + s, (it >> 1) & 1);",
+             TMA_RING, "TMA Hopper forward: the producer waits on the wrong parity of a stage's empty barrier"),
+    Mutation("hopper-tma-empty-stage", "attention/fwd_sm90_tma.cuh",
+             "prim::mbar_arrive(empty + ((it - 1) & 1));", "prim::mbar_arrive(empty + (it & 1));", TMA_RING,
+             "TMA Hopper forward: the consumers release the stage still in use, not the retired one"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

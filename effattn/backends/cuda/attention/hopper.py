@@ -8,6 +8,11 @@ span or dense bias tensors: the mma.sync forward serves those), on a GPU of comp
 (setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
 always an mma.sync one (`backward`). Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
+Two Hopper kernels: the warp-specialized one (csrc/attention/fwd_sm90_tma.cuh: a producer warpgroup loads Q,
+K and V with TMA into a two-stage mbarrier ring, two consumer warpgroups run wgmma) serves every call whose
+tensors TMA can describe (bases and batch / head / row strides multiples of 16 bytes, as the binding aligns them); the cp.async one
+(fwd_sm90.cuh) serves calls without keys and every call with ``EFFATTN_CUDA_HOPPER_TMA=0`` (`loads` says
+which).
 ``EFFATTN_CUDA_HOPPER=0`` turns the Hopper forward off everywhere (the mma.sync forward serves: for
 timing one against the other on the same GPU, or to step around it).
 """
@@ -61,11 +66,30 @@ def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False, terms: bool 
     return None
 
 
+def tma_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """None if the Hopper forward's TMA kernel serves these tensors, else why its cp.async kernel does. The
+    launcher (csrc/attention/fwd_sm90.cu) takes the TMA kernel when the tensor maps encode: bases and strides
+    multiples of 16 bytes, which the binding's row alignment (a padded copy otherwise) already gives."""
+    if os.environ.get("EFFATTN_CUDA_HOPPER_TMA") == "0":
+        return "EFFATTN_CUDA_HOPPER_TMA=0"
+    if k.shape[2] == 0:
+        return "no keys"
+    return None
+
+
+def loads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """How the Hopper forward loads its tiles for these tensors, in words."""
+    why = tma_why_not(q, k, v)
+    if why is None:
+        return "TMA loads by a producer warpgroup into a 2-stage mbarrier ring, 2 consumer warpgroups"
+    return f"cp.async loads by both warpgroups (the TMA kernel is not used: {why})"
+
+
 def describe(call, terms: bool = False) -> str:
     """Which kernels serve a call (for effattn.explain; ``terms``: as `why_not`)."""
     why = why_not(call.q, call.v, packed=call.cu_seqlens is not None, terms=terms)
     if why is None:
-        return "forward: Hopper wgmma kernel (sm_90a)"
+        return f"forward: Hopper wgmma kernel (sm_90a), {loads(call.q, call.k, call.v)}"
     return f"forward: mma.sync kernel, {mma_tile(call, terms)} (the Hopper forward is not used: {why})"
 
 
