@@ -164,7 +164,7 @@ MUTATIONS: List[Mutation] = [
              "visible_kind<KIND == kCausal ? kCausal : kWindow>", "visible_kind<kCausal>", FUSED,
              "fused backward: the window and padding instances test partial tiles with the causal rule"),
     Mutation("bwd-dropout-code-always", "attention/bwd.cu",
-             "bool drop = p.dropout != 0;", "bool drop = true;", BWD_INSTANCES,
+             "bool drop = p.dropout != 0;", "bool drop = true;", (BWD_INSTANCES,),
              "backward dispatch: calls without dropout run the instance with the Philox code"),
     Mutation("bwd-dense-drops-masks", "attention/bwd.cuh",
              "const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full",
