@@ -1,20 +1,39 @@
 // Entry point of the softmax-attention backward (Delta, then the fused dK/dV/dQ kernel when the call asks
-// for it with dq_accum, else the dK/dV and dQ passes): dispatch on dtype and head-dim bucket to the
-// launchers of bwd_launch.cuh. This unit compiles no kernel: it sees only their declarations
-// (launchers.cuh); each (bucket, dtype) is a translation unit of its own in attention/inst/ (written by
-// csrc/generate_instances.py), so nvcc builds them side by side. The forward's entry point is fwd.cu.
+// for it with dq_accum, else the dK/dV and dQ passes): dispatch on dtype, head-dim bucket, mask kind
+// (MaskKind, common.cuh) and dropout to the launchers of bwd_launch.cuh. This unit compiles no kernel: it
+// sees only their declarations (launchers.cuh); each instance is a translation unit of its own in
+// attention/inst/ (written by csrc/generate_instances.py), so nvcc builds them side by side. The forward's
+// entry point is fwd.cu.
+#include "attention/common.cuh"
 #include "attention/launchers.cuh"
 
 namespace effattn {
 namespace {
 
+template <int HD, bool BF16, bool DROP>
+int bwd_of_kind(int kind, const AttnParams& p, prim::stream_t stream) {
+  return with_mask_kind(kind, [&](auto k) { return detail::bwd_of_call<HD, BF16, decltype(k)::value, DROP>(p, stream); });
+}
+
+// The narrowest instance for the call: its mask kind for the key tile of the kernel that runs (the fused
+// one's when the call asks for it), and the dropout code only when it drops.
+template <int HD, bool BF16>
+int bwd_of_bucket(const AttnParams& p, prim::stream_t stream) {
+  int kind = mask_kind(p, HD <= 128 && p.dq_accum ? detail::kBwdFusedKeyTile : detail::kBwdKeyTile);
+  bool drop = p.dropout != 0;
+#if defined(EFFATTN_CUDA_EMU)
+  if (emu_record::bwd_general) kind = kAny, drop = true;
+#endif
+  return drop ? bwd_of_kind<HD, BF16, true>(kind, p, stream) : bwd_of_kind<HD, BF16, false>(kind, p, stream);
+}
+
 template <bool BF16>
 int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
   switch (head_dim_bucket(p.D > p.Dv ? p.D : p.Dv)) {
-    case 32: return detail::bwd_of_call<32, BF16>(p, stream);
-    case 64: return detail::bwd_of_call<64, BF16>(p, stream);
-    case 128: return detail::bwd_of_call<128, BF16>(p, stream);
-    case 256: return detail::bwd_of_call<256, BF16>(p, stream);
+    case 32: return bwd_of_bucket<32, BF16>(p, stream);
+    case 64: return bwd_of_bucket<64, BF16>(p, stream);
+    case 128: return bwd_of_bucket<128, BF16>(p, stream);
+    case 256: return bwd_of_bucket<256, BF16>(p, stream);
     default: return -1;
   }
 }
@@ -34,3 +53,8 @@ int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {
 }
 
 }  // namespace effattn
+
+#if defined(EFFATTN_CUDA_EMU)
+extern "C" int effattn_emu_last_bwd_instance() { return effattn::emu_record::last_bwd; }
+extern "C" void effattn_emu_set_bwd_general(int on) { effattn::emu_record::bwd_general = on; }
+#endif

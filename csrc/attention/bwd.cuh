@@ -141,11 +141,13 @@ EFFATTN_DEVICE void dv_dk_update(float (&dv)[NA][4], float (&dk)[NA][4], const f
 // P^T with dropout applied (for dV) and dS^T = dT^T * dcap (for dK) of one score: `x` the raw product
 // q_i . k_j, `dp` its dO_i . v_j, `bias` the bias tensors' terms (log2 units), `lse` (log2 units) and
 // `delta` of row i; `ok`: key j visible to row i (an ignored V row's NaN gives 0, not 0 * NaN); `rule`: the
-// positions' (pos_rule_at: hidden, or the query's own key, whose constant score gives dS = 0).
+// positions' (pos_rule_at: hidden, or the query's own key, whose constant score gives dS = 0). DROP: the
+// dropout code compiled in (an instance without it serves only calls without dropout).
 struct PdS {
   float pd, ds;
 };
 
+template <bool DROP = true>
 EFFATTN_DEVICE PdS p_and_ds(const AttnParams& p, float x, float dp, float bias, float lse, float delta, float slope,
                             int bh, int i, int kj, bool ok, int rule = kPosScore) {
   float dcap = 1.f;
@@ -153,7 +155,7 @@ EFFATTN_DEVICE PdS p_and_ds(const AttnParams& p, float x, float dp, float bias, 
   ok = ok && rule != kPosHidden;
   const float pt = ok ? prim::exp2(s - lse) : 0.f;
   float pd = pt;
-  if (p.dropout) {
+  if (DROP && p.dropout) {
     const bool keep = dropout_keep(p, bh, i, kj);
     pd = keep ? pt * p.inv_keep : 0.f;
     dp = keep ? dp * p.inv_keep : 0.f;
@@ -189,7 +191,9 @@ EFFATTN_DEVICE void store_dkdv(const AttnParams& p, const float (&dk)[NA][4], co
 // tile) pair are evaluated once into shared memory (s_bias, log2 units), by all threads before the
 // products, so that the element loop, where S^T, dP^T, dK and dV are all live, only reads them (computed
 // there, they took the head-dim 128 and 256 instances past 255 registers, with spills, on sm_80).
-template <int HD, bool BF16, bool TERMS = false>
+// KIND (MaskKind, common.cuh) and DROP compile out what the instance never sees, as the forward's
+// (attention/inst/: an instance per mask kind and dropout flag; TERMS: kAny with dropout).
+template <int HD, bool BF16, bool TERMS = false, int KIND = kAny, bool DROP = true>
 EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM_KV, BN = Cfg::BN, ACC = TERMS ? Cfg::ACC_TERMS : Cfg::ACC;
@@ -213,7 +217,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
   if (n0 >= p.Lk) return;                               // packed: past the segment's keys (uniform)
   const int c0 = int(prim::block_z()) * ACC;            // first gradient column of this block
   const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
-  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+  const uint8_t* kpm = KIND == kAny && p.kpm ? p.kpm + b * p.kpm_b : nullptr;
 
   load_tile<HD, BN>(sK, static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h + p.k0 * p.k_l, p.k_l, n0, p.Lk,
                     p.D);
@@ -234,7 +238,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
     const BiasRow br = TERMS ? bias_row(p, b, h) : BiasRow{};
     const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l;
     const uint16_t* dob = static_cast<const uint16_t*>(p.dout) + b * p.do_b + h * p.do_h + p.q0 * p.do_l;
-    const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+    const uint8_t* lay = (KIND == kAny || KIND == kLayout) && p.layout ? p.layout + h * p.lay_h : nullptr;
     const float slope = alibi_slope(p, b, h);
     const int32_t *qpos = q_pos_row(p, bh), *kpos = k_pos_row(p, bh);
     const Schedule sched = query_schedule(pw, p.lists, h, nt, BM, BN);
@@ -259,7 +263,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
       st_dpt<HD, BM, BF16>(st, dpt, sK, sV, sQ, sdO, warp, kd, kdv);
 
       // P^T, dS^T; st becomes P^T with dropout applied (for dV), dpt becomes dS^T (for dK)
-      const bool masked = sched.masked(it);
+      const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
 #pragma unroll
       for (int j = 0; j < NS; ++j)
 #pragma unroll
@@ -267,11 +271,11 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           const int kj = key0 + 8 * (e >> 1);
           const int qr = 8 * j + 2 * t4 + (e & 1);      // query row within the tile
           const int i = m0 + qr;
-          bool ok = !masked || visible(pw, lay, i, kj);
+          bool ok = !masked || visible_kind<KIND>(pw, lay, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           const float bias = TERMS ? (cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0]) : 0.f;
-          const PdS r = p_and_ds(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok,
-                                 pos_rule_at(p, qpos, kpos, i, kj));
+          const PdS r = p_and_ds<DROP>(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok,
+                                       KIND == kAny ? pos_rule_at(p, qpos, kpos, i, kj) : kPosScore);
           st[j][e] = r.pd;
           dpt[j][e] = r.ds;
         }
@@ -306,8 +310,8 @@ EFFATTN_DEVICE float tile_bias_grads(const AttnParams& p, float z, const float* 
 // TERMS: with bias tensors; besides dQ, the block writes its partial sums of the table's and the
 // span's gradients (drel, dspan) and its rows of dT (dbias), each slot written by this block only:
 // dT goes to shared memory in the element loop, the gradients are taken from there after the tile's
-// dQ product (fewer registers live than in the loop).
-template <int HD, bool BF16, bool TERMS>
+// dQ product (fewer registers live than in the loop). KIND, DROP: as attn_dkdv_kernel's.
+template <int HD, bool BF16, bool TERMS, int KIND = kAny, bool DROP = true>
 EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   using Cfg = BwdConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN_DQ, ACC = Cfg::ACC;
@@ -333,8 +337,8 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
   const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h + p.k0 * p.k_l;
   const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.v_b + hk * p.v_h + p.k0 * p.v_l;
-  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
-  const uint8_t* lay = p.layout ? p.layout + h * p.lay_h : nullptr;
+  const uint8_t* kpm = KIND == kAny && p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+  const uint8_t* lay = (KIND == kAny || KIND == kLayout) && p.layout ? p.layout + h * p.lay_h : nullptr;
 
   load_tile<HD, BM>(sQ, static_cast<const uint16_t*>(p.q) + b * p.q_b + h * p.q_h + p.q0 * p.q_l, p.q_l, m0, p.Lq,
                     p.D);
@@ -380,7 +384,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
     mma_rows_rows<HD, BN, BF16>(s, sQ, warp * 16, sK, kd);
     mma_rows_rows<HD, BN, BF16>(dp, sdO, warp * 16, sV, kdv);
 
-    const bool masked = sched.masked(it);
+    const bool masked = KIND != kDense && sched.masked(it);
     float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units); its dT
     const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);   // gives a span no gradient
     const bool tgrad = TERMS && (p.drel || p.dbias || (p.dspan && !cfast));
@@ -395,8 +399,9 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
-        const int rule = pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj);
-        bool ok = (!masked || visible(p, lay, i, kj)) && rule != kPosHidden;
+        // positions (LSH) run only the general instance (mask_kind)
+        const int rule = KIND == kAny ? pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj) : kPosScore;
+        bool ok = (!masked || visible_kind<KIND>(p, lay, i, kj)) && rule != kPosHidden;
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;
         float x = score_log2(p, s[j][e], slope, i, kj, dcap);
@@ -404,7 +409,7 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
         x = pos_score_log2(p, rule, x);
         const float pr = ok ? prim::exp2(x - lse2[r]) : 0.f;
         float d = dp[j][e];
-        if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
+        if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;
         const float dt = ok ? pr * (d - dlt[r]) : 0.f;   // dT (an ignored V row's NaN: 0, not 0 * NaN)
         if (p.dalibi) {
           const int dd = i + p.off - kj;
@@ -457,9 +462,9 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
   }
 }
 
-template <int HD, bool BF16, bool TERMS = false>
+template <int HD, bool BF16, bool TERMS = false, int KIND = kAny, bool DROP = true>
 EFFATTN_KERNEL attn_dq_kernel(const AttnParams params) {
-  dq_pass<HD, BF16, TERMS>(params);
+  dq_pass<HD, BF16, TERMS, KIND, DROP>(params);
 }
 
 // The dQ pass with bias tensors: its own kernel, for one launch bound: with `EFFATTN_KERNEL`'s (128)

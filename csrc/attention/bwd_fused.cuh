@@ -19,7 +19,9 @@
 // attn_dq_convert_kernel then writes dq = scale * dq_accum in the input dtype.
 //
 // Serves head-dim buckets 32, 64 and 128 without a block layout, bias tensors or the ALiBi slope
-// gradient (attention_bwd_fused_serves); the two-pass kernels serve the rest.
+// gradient (attention_bwd_fused_serves); the two-pass kernels serve the rest. KIND (MaskKind, common.cuh:
+// kDense, kCausal, kWindow, kAny; kLayout runs the two passes) and DROP compile out what an instance never
+// sees (attention/inst/: one per mask kind and dropout flag).
 #pragma once
 
 #include "attention/bwd.cuh"
@@ -36,7 +38,7 @@ struct BwdFusedConfig {
   static constexpr int kSmem = (2 * BN + 2 * kStages * BM) * HD * 2 + BM * BN * 2 + 2 * kStages * BM * 4;
 };
 
-template <int HD, bool BF16>
+template <int HD, bool BF16, int KIND = kAny, bool DROP = true>
 EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   using Cfg = BwdFusedConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::kThreads;
@@ -63,7 +65,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   if (n0 >= p.Lk) return;                    // packed: past the segment's keys (uniform)
   const int n_mt = (params.Lq + BM - 1) / BM;
   const int kd = (p.D + 15) / 16, kdv = (p.Dv + 15) / 16;
-  const uint8_t* kpm = p.kpm ? p.kpm + b * p.kpm_b : nullptr;
+  const uint8_t* kpm = KIND == kAny && p.kpm ? p.kpm + b * p.kpm_b : nullptr;
 
   load_tile<HD, BN, KT, NT>(sK, static_cast<const uint16_t*>(p.k) + b * p.k_b + hk * p.k_h + p.k0 * p.k_l, p.k_l, n0,
                             p.Lk, p.D);
@@ -95,7 +97,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   // some row sees are finite or poison that row's output anyway. (V needs nothing: its products with a
   // masked key are selected away in p_and_ds; Q / dO rows past Lq land as zeros.) Step 0's copies stay
   // in flight behind K and V's.
-  if (kpm || p.left >= 0 || p.right >= 0) {
+  if (KIND != kDense && (kpm || p.left >= 0 || p.right >= 0)) {
     prim::cp_async_wait<1>();
     prim::sync_block();
     zero_unseen<HD, BN, KT, NT>(sK, n0, [&](int j) { return key_seen(p, nullptr, kpm, 0, p.Lq, j); });
@@ -133,7 +135,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
     float st[NS][4];
     zero_acc(st);
     mma_rows_rows<HD, BM, BF16>(st, sK, warp * 16, q_s, kd);
-    const bool masked = mt < sched.t1 || mt >= sched.t2;   // outside the full tiles [t1, t2)
+    const bool masked = KIND != kDense && (mt < sched.t1 || mt >= sched.t2);   // outside the full tiles [t1, t2)
     const float slope = alibi_slope(p, b, h);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -148,9 +150,9 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
           const int kj = key0 + 8 * (e >> 1);
           const int qr = 8 * j + 2 * t4 + (e & 1);
           const int i = m0 + qr;
-          bool ok = !masked || visible<false>(p, nullptr, i, kj);
+          bool ok = !masked || visible_kind<KIND == kCausal ? kCausal : kWindow>(p, nullptr, i, kj);
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
-          const PdS r = p_and_ds(p, st[j][e], dpt[jj][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok);
+          const PdS r = p_and_ds<DROP>(p, st[j][e], dpt[jj][e], 0.f, lse_s[qr], delta_s[qr], slope, bh, i, kj, ok);
           st[j][e] = r.pd;
           dpt[jj][e] = r.ds;
           const int kr = kj - n0;

@@ -1,12 +1,14 @@
-// Launchers of the softmax-attention backward per (head-dim bucket, dtype): the Delta kernel, the two passes
-// (dK/dV, dQ; TERMS: with bias tensors, terms.cu), the fused dK/dV/dQ kernel, and `bwd_of_call`, which
-// picks the fused kernel when the call asks for it with dq_accum (attention_bwd_fused_serves: buckets
-// 32..128), else the two passes. attention/inst/bwd_<hd>_<dtype>.cu instantiates `bwd_of_call`
-// (csrc/generate_instances.py), bwd.cu dispatches to it.
+// Launchers of the softmax-attention backward per (head-dim bucket, dtype, mask kind, dropout flag): the Delta
+// kernel, the two passes (dK/dV, dQ; TERMS: with bias tensors, terms.cu, kAny with dropout), the fused
+// dK/dV/dQ kernel, and `bwd_of_call`, which picks the fused kernel when the call asks for it with dq_accum
+// (attention_bwd_fused_serves: buckets 32..128, no layout), else the two passes.
+// attention/inst/bwd_<hd>_<dtype>_<kind>_<drop>.cu instantiates `bwd_of_call` (csrc/generate_instances.py),
+// bwd.cu dispatches to it.
 #pragma once
 
 #include "attention/bwd_fused.cuh"
 #include "attention/launch.cuh"
+#include "attention/launchers.cuh"
 
 namespace effattn {
 namespace detail {
@@ -17,7 +19,7 @@ int delta(const AttnParams& p, prim::stream_t stream) {
   return launch(attn_delta_kernel<BF16>, cdiv(p.Lq, 16) * unsigned(p.B * p.H), 1, 0, stream, p);
 }
 
-template <int HD, bool BF16, bool TERMS = false>
+template <int HD, bool BF16, bool TERMS = false, int KIND = kAny, bool DROP = true>
 int bwd(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdConfig<HD>;
   int err = delta<BF16>(p, stream);
@@ -28,7 +30,7 @@ int bwd(const AttnParams& p, prim::stream_t stream) {
   pk.list_t = p.listk_t;
   pk.list_wf = p.listk_wf;
   if (p.Lk > 0) {
-    err = launch(attn_dkdv_kernel<HD, BF16, TERMS>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)),
+    err = launch(attn_dkdv_kernel<HD, BF16, TERMS, KIND, DROP>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)),
                  TERMS ? Cfg::kSplitTerms : Cfg::kSplit, TERMS ? Cfg::kDkdvSmemTerms : Cfg::kDkdvSmem, stream, pk);
     if (err) return err;
   }
@@ -36,29 +38,37 @@ int bwd(const AttnParams& p, prim::stream_t stream) {
     return launch(attn_dq_terms_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit,
                   Cfg::kDqSmemTerms, stream, p);
   else
-    return launch(attn_dq_kernel<HD, BF16>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
+    return launch(attn_dq_kernel<HD, BF16, false, KIND, DROP>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), Cfg::kSplit, Cfg::kDqSmem,
                   stream, p);
 }
 
 // The fused backward (bwd_fused.cuh) after the Delta kernel: dK, dV, dQ's fp32 accumulator, then dq.
-template <int HD, bool BF16>
+template <int HD, bool BF16, int KIND, bool DROP>
 int bwd_fused(const AttnParams& p, prim::stream_t stream) {
   using Cfg = BwdFusedConfig<HD>;
   int err = delta<BF16>(p, stream);
   if (err) return err;
   if (p.Lk > 0) {
-    err = launch(attn_bwd_fused_kernel<HD, BF16>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), 1, Cfg::kSmem,
+    err = launch(attn_bwd_fused_kernel<HD, BF16, KIND, DROP>, cdiv(p.Lk, Cfg::BN) * unsigned(p.B * (p.H / p.G)), 1, Cfg::kSmem,
                  stream, p, Cfg::kThreads);
     if (err) return err;
   }
   return launch(attn_dq_convert_kernel<BF16>, cdiv(p.dq_numel, 512), 1, 0, stream, p);
 }
 
-template <int HD, bool BF16>
+// The key tile whose fullness bwd.cu's mask_kind reads (kDense: every tile full): the fused kernel's, and
+// the dK/dV pass's, which the dQ pass's key steps divide.
+static_assert(BwdFusedConfig<64>::BN == kBwdFusedKeyTile && BwdConfig<64>::BN == kBwdKeyTile &&
+              kBwdKeyTile % BwdConfig<256>::BN_DQ == 0 && kBwdKeyTile % BwdConfig<64>::BN_DQ == 0, "bwd.cu's key tiles");
+
+template <int HD, bool BF16, int KIND, bool DROP>
 int bwd_of_call(const AttnParams& p, prim::stream_t stream) {
-  if constexpr (HD <= 128)
-    if (p.dq_accum) return bwd_fused<HD, BF16>(p, stream);
-  return bwd<HD, BF16>(p, stream);
+#if defined(EFFATTN_CUDA_EMU)
+  emu_record::last_bwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
+#endif
+  if constexpr (HD <= 128 && KIND != kLayout)
+    if (p.dq_accum) return bwd_fused<HD, BF16, KIND, DROP>(p, stream);
+  return bwd<HD, BF16, false, KIND, DROP>(p, stream);
 }
 
 }  // namespace detail

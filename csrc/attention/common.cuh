@@ -4,6 +4,8 @@
 // common/tiles.cuh.
 #pragma once
 
+#include <type_traits>
+
 #include "attention/attention.h"
 #include "common/tiles.cuh"
 
@@ -151,6 +153,19 @@ inline int mask_kind(const AttnParams& p, int block_n) {
   if (p.left < 0 && p.right == 0) return kCausal;
   if (p.left >= 0 || p.right >= 0 || p.Lk % block_n != 0 || p.cu_q) return kWindow;
   return kDense;
+}
+
+// Returns launch(std::integral_constant<int, KIND>{}) for the MaskKind `kind` (kAny for any other value):
+// fwd.cu's and bwd.cu's dispatch to their instances of each kind.
+template <class Launch>
+inline int with_mask_kind(int kind, const Launch& launch) {
+  switch (kind) {
+    case kDense: return launch(std::integral_constant<int, kDense>{});
+    case kCausal: return launch(std::integral_constant<int, kCausal>{});
+    case kWindow: return launch(std::integral_constant<int, kWindow>{});
+    case kLayout: return launch(std::integral_constant<int, kLayout>{});
+    default: return launch(std::integral_constant<int, kAny>{});
+  }
 }
 
 // The kinds of an instance family built for kDense, kWindow and kAny only (the Hopper forward): causal

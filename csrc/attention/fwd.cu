@@ -12,13 +12,7 @@ namespace {
 
 template <int HD, bool BF16, bool DROP>
 int fwd_of_kind(int kind, const AttnParams& p, prim::stream_t stream) {
-  switch (kind) {
-    case kDense: return detail::fwd<HD, BF16, kDense, DROP>(p, stream);
-    case kCausal: return detail::fwd<HD, BF16, kCausal, DROP>(p, stream);
-    case kWindow: return detail::fwd<HD, BF16, kWindow, DROP>(p, stream);
-    case kLayout: return detail::fwd<HD, BF16, kLayout, DROP>(p, stream);
-    default: return detail::fwd<HD, BF16, kAny, DROP>(p, stream);
-  }
+  return with_mask_kind(kind, [&](auto k) { return detail::fwd<HD, BF16, decltype(k)::value, DROP>(p, stream); });
 }
 
 // The narrowest instance for the call: its mask kind (for the key tile of the query tile fwd_wide picks),

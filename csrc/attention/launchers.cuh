@@ -1,5 +1,5 @@
 // Declarations of the launchers that attention/inst/ instantiates, one translation unit per forward
-// (head-dim bucket, dtype, mask kind, dropout) and per backward (head-dim bucket, dtype) instance
+// and per backward (head-dim bucket, dtype, mask kind, dropout) instance
 // (csrc/generate_instances.py writes them): fwd.cu and bwd.cu include only these declarations, so they
 // compile no kernel, and the build compiles the instances side by side. The definitions are in
 // launch.cuh (forward) and bwd_launch.cuh (backward).
@@ -15,9 +15,14 @@ namespace detail {
 template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream);
 
-// The backward of one head-dim bucket and dtype: fused or two passes, as the call asks (bwd_launch.cuh).
-template <int HD, bool BF16>
+// The backward of one head-dim bucket, dtype, MaskKind and dropout flag: fused or two passes, as the call
+// asks (bwd_launch.cuh).
+template <int HD, bool BF16, int KIND, bool DROP>
 int bwd_of_call(const AttnParams& p, prim::stream_t stream);
+
+// The key tiles of the backward's kernels (bwd_launch.cuh checks them): the fused kernel's and the dK/dV
+// pass's; a call is kDense for the kernel that runs when Lk is a multiple of its tile (bwd.cu).
+constexpr int kBwdFusedKeyTile = 128, kBwdKeyTile = 64;
 
 }  // namespace detail
 }  // namespace effattn
@@ -31,6 +36,9 @@ namespace emu_record {
 // extern "C" accessors (ctypes on the kernels' library).
 inline int last_fwd = -1;
 inline int fwd_general = 0;
+// ... and the same for the backward (last_bwd; bwd_general: bwd.cu runs kAny with dropout for every call)
+inline int last_bwd = -1;
+inline int bwd_general = 0;
 }  // namespace emu_record
 }  // namespace effattn
 #endif

@@ -65,6 +65,9 @@ TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_again
             "-k", "dense-5-tiles or causal-kpm")
 # the forward's generated instances: which one a call runs, bitwise against the general one
 INSTANCES = "tests/backends/cuda/test_cuda_instances.py::test_each_call_runs_its_instance_with_the_general_instances_bits"
+# ... and the backward's (fused and two passes)
+BWD_INSTANCES = ("tests/backends/cuda/test_cuda_instances.py::"
+                 "test_each_backward_runs_its_instance_with_the_general_instances_bits")
 # the score terms' constant tiles (const_bias): bitwise against the per-element path, a relative table
 TILES = ("tests/backends/cuda/test_cuda_score_tiles.py::test_constant_tiles_bitwise_equal_to_per_element", "-k",
          "relative and not past and causal")
@@ -121,8 +124,8 @@ MUTATIONS: List[Mutation] = [
              "const bool keep = dropout_keep(p, bh, i, kj);", "const bool keep = dropout_keep(p, bh, kj, i);",
              DROPOUT, "dK/dV: the dropout counters of row and key swapped (not the forward's keep-mask)"),
     Mutation("dropout-counters-dq", "attention/bwd.cuh",
-             "if (p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;",
-             "if (p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
+             "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;",
+             "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
              "dQ: the dropout key counter one off"),
     Mutation("barrier-fwd-k", "attention/fwd.cuh",
              "    prim::sync_block();                                  // K ready: every thread's; every warp is done "
@@ -157,6 +160,24 @@ MUTATIONS: List[Mutation] = [
              "int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt;", FUSED,
              "fused backward: one semaphore for all query tiles of a head (the turns no longer match: a deadlock "
              "on a GPU, an emulator failure here)"),
+    Mutation("barrier-fused-stage", "attention/bwd_fused.cuh",
+             "    prim::sync_block();\n    // the previous step's dQ adds are done", "    // the previous step's dQ adds are done",
+             BARRIERS + FUSED, "fused backward: no barrier at a step's start (Q / dO of other threads' copies unseen, "
+             "dS of the previous step overwritten while warps still read it for dQ)"),
+    Mutation("fused-prefetch-stage", "attention/bwd_fused.cuh",
+             "if (u + 1 < total) issue(u + 1, stage ^ 1);", "if (u + 1 < total) issue(u + 1, stage);", FUSED,
+             "fused backward: the next step's Q / dO copied into the buffers this step reads"),
+    Mutation("fused-window-as-causal", "attention/bwd_fused.cuh",
+             "visible_kind<KIND == kCausal ? kCausal : kWindow>", "visible_kind<kCausal>", FUSED,
+             "fused backward: the window and padding instances test partial tiles with the causal rule"),
+    Mutation("bwd-dropout-code-always", "attention/bwd.cu",
+             "bool drop = p.dropout != 0;", "bool drop = true;", (BWD_INSTANCES,),
+             "backward dispatch: calls without dropout run the instance with the Philox code"),
+    Mutation("bwd-dense-drops-masks", "attention/bwd.cuh",
+             "const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full",
+             "const bool masked = KIND == kAny && sched.masked(it);   // kDense: every tile is full",
+             ("tests/backends/cuda/test_cuda_fused_bwd.py::test_two_pass_fallback_against_float64", "-k", "causal"),
+             "dK/dV pass: the causal, window and layout instances take every query tile as full"),
     Mutation("fused-stage-wait", "attention/bwd_fused.cuh",
              "prim::cp_async_wait<1>();                // step u's group (and K, V) landed",
              "prim::cp_async_wait<2>();                // step u's group (and K, V) landed", FUSED,

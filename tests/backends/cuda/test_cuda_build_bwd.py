@@ -1,6 +1,8 @@
 """Offline checks of the CUDA kernels' build (nvcc only), backward units: the generated units
-attention/inst/bwd_<hd>_<dtype>.cu (attention/bwd.cu dispatches to them and holds no kernel) and the
-instances with bias tensors, attention/terms.cu (test_cuda_build.py says what is checked).
+attention/inst/bwd_<hd>_<dtype>_<kind>_<drop>.cu (attention/bwd.cu dispatches to them and holds no
+kernel; here the general kAny-with-dropout unit of each bucket and dtype, and at head dim 128 bf16 the
+dense unit without dropout against it) and the instances with bias tensors, attention/terms.cu
+(test_cuda_build.py says what is checked).
 
 attention/terms.cu is built for sm_80 only here: its kernels are the mma.sync instances of the
 backward's and the forward's templates (the Hopper forward refuses bias tensors), its sm_90a build is
@@ -26,8 +28,10 @@ from tests.backends.cuda.nvcc_units import (
 # attention/terms.cu: the instances with bias tensors (TERMS): per bucket and dtype the forward (kAny),
 # dK/dV and dQ, plus the 2 Delta kernels
 TERMS_KERNELS = 4 * 2 * 3 + 2
-# the backward per (bucket, dtype): Delta, dK/dV, dQ, and at buckets 32..128 the fused kernel and its dQ conversion
-BWD_UNITS = tuple(f"attention/inst/bwd_{hd}_{dt}.cu" for hd in (32, 64, 128, 256) for dt in ("fp16", "bf16"))
+# the backward per (bucket, dtype): Delta, dK/dV, dQ, and at buckets 32..128 the fused kernel and its dQ
+# conversion; the general instance (kAny with dropout) of each
+BWD_UNITS = tuple(f"attention/inst/bwd_{hd}_{dt}_any_drop.cu" for hd in (32, 64, 128, 256) for dt in ("fp16", "bf16"))
+DENSE_UNIT = "attention/inst/bwd_128_bf16_dense_nodrop.cu"
 SWEEP_ON = os.environ.get("EFFATTN_CUDA_ARCH_SWEEP") == "1"
 TERMS_ARCHS = ARCHS if SWEEP_ON else ("sm_80",)
 
@@ -43,7 +47,7 @@ def entries_of(compiled, units=BWD_UNITS):
     return [e for src in units for e in ptxas_entries(compiled[src][0])]
 
 
-@pytest.mark.parametrize("src", ("attention/terms.cu", *BWD_UNITS))
+@pytest.mark.parametrize("src", ("attention/terms.cu", *BWD_UNITS, DENSE_UNIT))
 def test_no_spills_registers_under_cap_and_kernel_budget(compiled, src):
     check_spills_and_budget(compiled, src)
 
@@ -61,9 +65,11 @@ def test_every_backward_is_built_for_each_bucket_and_dtype_without_bias_terms(co
         assert all(tag in n for n in names if "ILi" in n), (src, names)
         assert len(names) == len(want) + 1 + (hd <= 128), (src, names)   # + Delta (+ the dQ conversion)
     entries = entries_of(compiled)
-    for e in entries:            # the TERMS flag off (the Delta, fused backward and dQ conversion kernels have none)
-        if not any(k in e[1] for k in ("attn_delta_kernel", "attn_bwd_fused_kernel", "attn_dq_convert_kernel")):
-            assert "Lb0EEEv" in e[1], e[1]
+    for e in entries:            # TERMS off, kAny (2), dropout on (the Delta and dQ conversion kernels have none)
+        if "attn_bwd_fused_kernel" in e[1]:
+            assert re.search(r"ILi\d+ELb[01]ELi2ELb1EEEv", e[1]), e[1]
+        elif not any(k in e[1] for k in ("attn_delta_kernel", "attn_dq_convert_kernel")):
+            assert re.search(r"ILi\d+ELb[01]ELb0ELi2ELb1EEEv", e[1]), e[1]
 
 
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
@@ -99,6 +105,23 @@ def test_fused_backward_five_products_and_ordered_dq_adds(compiled):
             # the dQ adds: RED on sm_80, ATOMG (result unused) on sm_90a
             assert "RED.E.ADD.F32" in body or "ATOMG.E.ADD.F32" in body, (arch, name)
             assert body.count("BAR.SYNC") == 4, (arch, name, body.count("BAR.SYNC"))
+
+
+def test_dense_instance_without_dropout_carries_no_mask_or_philox_code(compiled):
+    """The dense unit without dropout holds the kDense / no-dropout instances of the three backward kernels
+    (fused, dK/dV, dQ), each with at most 80% of the general instance's SASS instructions (measured at
+    sm_90a, 2026-11-27: 64%, 54%, 39%), the same products, and no Philox rounds (each a 32-bit multiply-high,
+    IMAD.HI.U32: under 10 left, from index arithmetic, where the general instance has about 300 to 700)."""
+    for arch in ARCHS:
+        dense, general = (sass_of(compiled[src][1], arch) for src in (DENSE_UNIT, "attention/inst/bwd_128_bf16_any_drop.cu"))
+        for fn, tail in (("attn_bwd_fused_kernel", "ELi0ELb0EEEv"), ("attn_dkdv_kernel", "ELb0ELi0ELb0EEEv"),
+                         ("attn_dq_kernel", "ELb0ELi0ELb0EEEv")):
+            (d,), (g,) = functions(dense, fn), functions(general, fn)
+            assert tail in d.split("\n", 1)[0], (arch, fn)
+            nd, ng = len(re.findall(r"/\*[0-9a-f]{4,}\*/", d)), len(re.findall(r"/\*[0-9a-f]{4,}\*/", g))
+            assert nd < 0.8 * ng, (arch, fn, nd, ng)
+            assert d.count("HMMA.16816.F32") == g.count("HMMA.16816.F32"), (arch, fn)
+            assert d.count("IMAD.HI.U32") < 10 < 100 < g.count("IMAD.HI.U32"), (arch, fn)
 
 
 @pytest.mark.parametrize("arch", TERMS_ARCHS)
