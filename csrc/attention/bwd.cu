@@ -21,6 +21,7 @@ template <int HD, bool BF16>
 int bwd_of_bucket(const AttnParams& p, prim::stream_t stream) {
   int kind = mask_kind(p, HD <= 128 && p.dq_accum ? detail::kBwdFusedKeyTile : detail::kBwdKeyTile);
   bool drop = p.dropout != 0;
+  if (HD <= 128 && !p.dq_accum && kind != kLayout) kind = kAny;   // those units' two passes (bwd_launch.cuh)
 #if defined(EFFATTN_CUDA_EMU)
   if (emu_record::bwd_general) kind = kAny, drop = true;
 #endif

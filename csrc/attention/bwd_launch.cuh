@@ -66,9 +66,16 @@ int bwd_of_call(const AttnParams& p, prim::stream_t stream) {
 #if defined(EFFATTN_CUDA_EMU)
   emu_record::last_bwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
 #endif
-  if constexpr (HD <= 128 && KIND != kLayout)
-    if (p.dq_accum) return bwd_fused<HD, BF16, KIND, DROP>(p, stream);
-  return bwd<HD, BF16, false, KIND, DROP>(p, stream);
+  // buckets <= 128: the dense / causal / window units hold the fused kernel only; their calls run the two passes
+  // only where the fused kernel does not (EFFATTN_CUDA_FUSED_BWD=0, a device without room for it), and bwd.cu
+  // sends those to kAny (a tenth of the backward's nvcc time for code that is rarely taken)
+  if constexpr (HD <= 128 && KIND != kLayout && KIND != kAny) {
+    return p.dq_accum ? bwd_fused<HD, BF16, KIND, DROP>(p, stream) : -1;
+  } else {
+    if constexpr (HD <= 128 && KIND == kAny)
+      if (p.dq_accum) return bwd_fused<HD, BF16, KIND, DROP>(p, stream);
+    return bwd<HD, BF16, false, KIND, DROP>(p, stream);
+  }
 }
 
 }  // namespace detail

@@ -171,14 +171,15 @@ def test_each_mask_kind_instance_passes_the_float64_rule(call, record, bwd_recor
 
 
 # The backward's kind is that of the kernel that runs: kDense needs Lk a multiple of its key tile, 128
-# for the fused kernel, 64 for the two passes. id -> (Lq, Lk, kwargs, fused kind, two-pass kind); a
-# layout always runs the two passes (the fused kernel serves none).
+# for the fused kernel. id -> (Lq, Lk, kwargs, fused kind, two-pass kind); a layout always runs the two
+# passes (the fused kernel serves none); at buckets <= 128 every other call's two passes are kAny's (the
+# dense / causal / window units hold the fused kernel only).
 BWD_CALLS = {
-    "dense": (70, 128, {}, "kDense", "kDense"),
-    "dense-64-keys": (70, 64, {}, "kWindow", "kDense"),
-    "causal": (50, 128, dict(causal=True), "kCausal", "kCausal"),
-    "causal-Lq-gt-Lk": (100, 70, dict(causal=True), "kCausal", "kCausal"),
-    "window": (70, 120, dict(window=(20, 5)), "kWindow", "kWindow"),
+    "dense": (70, 128, {}, "kDense", "kAny"),
+    "dense-64-keys": (70, 64, {}, "kWindow", "kAny"),
+    "causal": (50, 128, dict(causal=True), "kCausal", "kAny"),
+    "causal-Lq-gt-Lk": (100, 70, dict(causal=True), "kCausal", "kAny"),
+    "window": (70, 120, dict(window=(20, 5)), "kWindow", "kAny"),
     "layout": (64, 128, dict(layout=layout(64, 128, 32, 1)), "kLayout", "kLayout"),
     "padding": (64, 128, dict(key_padding_mask=kpm(128, 3)), "kAny", "kAny"),
     "padding-layout-window": CALLS["padding-layout-window"][:3] + ("kAny", "kAny"),
