@@ -59,6 +59,7 @@ LONG_RUN = (
     f"{_BUILD}_more.py::test_no_spills_registers_under_cap_and_kernel_budget[attention/paged_prefill.cu]",
     f"{_BUILD}_more.py::test_paged_prefill_is_the_forward_with_the_paged_row_policy",
     f"{_BUILD}.py::test_hopper_forward_pipeline_in_its_sass",
+    "tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_sass_loads_with_tma_waits_on_mbarriers_and_moves_registers",
     # mutants (a kernel rebuild and a pytest process each): CI runs decode-wait-count
     "tests/backends/cuda/test_cuda_mutations.py::test_fast_subset_is_caught[barrier-dq]",
     # the sanitizer build's second schedule: CI runs lockstep
@@ -67,6 +68,7 @@ LONG_RUN = (
     # sm_80 (tests/backends/triton/test_triton_attention.py), these the paged and linear ones for sm_90
     "tests/core/test_paged.py::test_paged_kernels_compile_for_sm90_offline",
     "tests/backends/triton/test_triton_linear.py::test_kernels_compile_for_sm90_offline",
+    "tests/core/test_score.py::test_score_kernels_compile_for_sm90_offline",
     # constant score tiles on packed sequences, one kind at a time: CI runs all kinds at once (causal)
     "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[relative-full]",
     "tests/core/test_score_tiles.py::test_constant_tiles_on_packed_sequences[span-bidirectional-window]",
