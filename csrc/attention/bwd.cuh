@@ -138,6 +138,12 @@ EFFATTN_DEVICE void dv_dk_update(float (&dv)[NA][4], float (&dk)[NA][4], const f
   }
 }
 
+// The head-dim buckets whose two backward passes take per-row positions (AttnParams::q_pos): 64 and 128. At
+// 32 (dK/dV, sm_90a) and 256 (dQ, sm_80) the rule's registers spill under the passes' register caps, so the
+// binding refuses positions there (attention_args.cpp) and those instances compile the rule out.
+template <int HD>
+inline constexpr bool kPosHeadDim = HD == 64 || HD == 128;
+
 // P^T with dropout applied (for dV) and dS^T = dT^T * dcap (for dK) of one score: `x` the raw product
 // q_i . k_j, `dp` its dO_i . v_j, `bias` the bias tensors' terms (log2 units), `lse` (log2 units) and
 // `delta` of row i; `ok`: key j visible to row i (an ignored V row's NaN gives 0, not 0 * NaN); `rule`: the
@@ -275,7 +281,7 @@ EFFATTN_KERNEL attn_dkdv_kernel(const AttnParams params) {
           if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
           const float bias = TERMS ? (cfast ? cb : s_bias[qr * Cfg::kBiasStride + kj - n0]) : 0.f;
           const PdS r = p_and_ds<DROP>(p, st[j][e], dpt[j][e], bias, s_lse[qr], s_delta[qr], slope, bh, i, kj, ok,
-                                       KIND == kAny ? pos_rule_at(p, qpos, kpos, i, kj) : kPosScore);
+                                       KIND == kAny && kPosHeadDim<HD> ? pos_rule_at(p, qpos, kpos, i, kj) : kPosScore);
           st[j][e] = r.pd;
           dpt[j][e] = r.ds;
         }
@@ -399,8 +405,9 @@ EFFATTN_DEVICE void dq_pass(const AttnParams& params) {
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         const int i = row0 + 8 * r, kj = n0 + 8 * j + 2 * t4 + (e & 1);
-        // positions (LSH) run only the general instance (mask_kind)
-        const int rule = KIND == kAny ? pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj) : kPosScore;
+        // positions (LSH) run only the general instance (mask_kind), at head dims 33..128 (kPosHeadDim)
+        const int rule = KIND == kAny && kPosHeadDim<HD> ? pos_rule_at(p, q_pos_row(p, bh), k_pos_row(p, bh), i, kj)
+                                                         : kPosScore;
         bool ok = (!masked || visible_kind<KIND>(p, lay, i, kj)) && rule != kPosHidden;
         if (kpm && (kj >= p.Lk || kpm[kj * p.kpm_l])) ok = false;
         float dcap = 1.f;

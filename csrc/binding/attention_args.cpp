@@ -150,6 +150,9 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
             "q_pos must be (B, H, Lq) and k_pos (B, Hkv, Lk)");
     }
     check(std::isfinite(varlen.pos_self), "self_score must be finite");
+    check(std::max(p.D, p.Dv) > 32 && std::max(p.D, p.Dv) <= 128,
+          "q_pos / k_pos (per-row positions) are served at head dims 33..128 (the backward's registers spill at "
+          "the buckets 32 and 256)");
     r.q_pos = varlen.q_pos->contiguous();
     r.k_pos = varlen.k_pos->contiguous();
     p.q_pos = r.q_pos.data_ptr<int32_t>();

@@ -13,7 +13,7 @@ a padded key's values never reach a product (NaN-safe).
 Forward: the 64-row kAny instance (layouts take 64-row tiles). Backward: the two passes (dK/dV over the layout's
 by-key lists, dQ over its lists; no atomics, bitwise repeatable); the fused backward takes neither layouts nor
 positions.
-fp16 / bf16, head dims up to 256, any ``chunk_len``; dropout is refused (``triton/lsh`` and ``torch/lsh`` serve
+fp16 / bf16, head dims 33..128, any ``chunk_len``; dropout is refused (``triton/lsh`` and ``torch/lsh`` serve
 it).
 """
 from __future__ import annotations
@@ -90,6 +90,11 @@ def _needs_grad(call) -> bool:
 
 
 def _admits(call) -> List[str]:
+    # per-row positions at head dims 33..128 only: at the buckets 32 and 256 the backward passes' registers
+    # spill with the rule compiled in (csrc/attention/bwd.cuh, kPosHeadDim)
+    hd = max(call.q.shape[-1], call.v.shape[-1])
+    if hd <= 32:
+        return [f"head dim {hd}: per-row positions are served at head dims 33..128"]
     # the 64-row forward (a layout) and, when q or v needs a gradient, the two backward passes
     needs = resources.prefill_needs(bucket(call.q.shape[-1], call.v.shape[-1]), False, _needs_grad(call))
     return resources.refusals(needs, resources.device_limits(call.q.device))
@@ -105,6 +110,6 @@ def _describe(call) -> str:
 
 PATH = register(Path(
     backend="cuda", op=FN, name="cuda/lsh", priority=20,
-    caps=Capabilities(devices=DEVICES, dtypes=DTYPES, max_head_dim=256, features=FEATURES[FN] - {"dropout"}),
+    caps=Capabilities(devices=DEVICES, dtypes=DTYPES, max_head_dim=128, features=FEATURES[FN] - {"dropout"}),
     run=run, admits=_admits, available=_ext.available, describe=_describe,
     explicit_only_devices=frozenset({"cpu"})))

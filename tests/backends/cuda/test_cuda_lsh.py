@@ -80,10 +80,10 @@ def run_kernels(ops, q, k, v, qp, kp, mask, block, causal, scale, dout, dlse, fu
 
 
 KERNEL_CASES = {   # id -> (D, layout chunk or None, causal)
-    "layout-cl32-causal-d32": (32, 32, True),
+    "layout-cl32-causal-d48": (48, 32, True),
     "layout-cl64-d64": (64, 64, False),
     "nolayout-causal-d64": (64, None, True),
-    "nolayout-d32": (32, None, False),
+    "nolayout-d96": (96, None, False),
 }
 
 
@@ -121,7 +121,7 @@ def test_positions_against_float64(emulation, case_id, dtype):
 
 def test_fused_backward_refuses_positions(emulation):
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 1, 64, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     qp, kp = positions(2, 2, 64, g, 0.0)
     qp, kp = qp[:1, :1].contiguous(), kp[:1, :1].contiguous()
     with pytest.raises(RuntimeError, match="positions"):
@@ -129,7 +129,7 @@ def test_fused_backward_refuses_positions(emulation):
 
 
 ROW_CASES = [  # (B, H, L, D, n_hashes, chunk_len, before, after, causal, padding)
-    (1, 2, 128, 32, 2, 32, 1, 0, False, False),
+    (1, 2, 128, 48, 2, 32, 1, 0, False, False),
     (2, 1, 128, 64, 2, 64, 1, 1, True, True),
 ]
 
@@ -182,7 +182,10 @@ def test_backward_bitwise_repeatable_across_schedules(emulation):
 
 
 def test_explain_names_the_row_and_its_refusals():
-    qk, v = torch.randn(1, 2, 128, 32, dtype=torch.bfloat16), torch.randn(1, 2, 128, 32, dtype=torch.bfloat16)
+    small = torch.randn(1, 1, 64, 32, dtype=torch.bfloat16)                # buckets 64 and 128 only
+    assert "head dims 33..128" in "; ".join(effattn.explain(small, None, small, op="lsh_attention", n_hashes=1,
+                                                            chunk_len=32).row("cuda/lsh").reasons)
+    qk, v = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16), torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     rep = effattn.explain(qk, None, v, op="lsh_attention", n_hashes=2, chunk_len=32)
     row = rep.row("cuda/lsh")
     assert not row.reasons and "chunk layout" in row.detail and "partial tiles read the layout" in row.detail
@@ -190,6 +193,6 @@ def test_explain_names_the_row_and_its_refusals():
     rep = effattn.explain(qk.float(), None, v.float(), op="lsh_attention", n_hashes=2, chunk_len=32, dropout_p=0.1)
     why = "; ".join(rep.row("cuda/lsh").reasons)
     assert "float32" in why and "dropout" in why
-    big = torch.randn(1, 1, 64, 320, dtype=torch.bfloat16)
+    big = torch.randn(1, 1, 64, 160, dtype=torch.bfloat16)
     assert "head dim" in "; ".join(effattn.explain(big, None, big, op="lsh_attention", n_hashes=1,
                                                    chunk_len=32).row("cuda/lsh").reasons)
