@@ -8,7 +8,6 @@
 - the row ``cuda/lsh`` against the float64 ``torch/lsh`` given the same buckets, forward and gradients;
 - its backward bitwise repeatable across the emulator's schedules; explain.
 """
-import math
 import shutil
 
 import pytest
@@ -18,6 +17,7 @@ import effattn
 from effattn.backends.cuda.attention.tiling import layout_lists
 from effattn.backends.cuda.lsh import layout_mask
 from effattn.lsh import SELF_SCORE, lsh_hash
+from effattn.testing.oracle import positions_reference
 from tests.conftest import EMU_DEFAULT_SCHEDULE
 
 pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels"),
@@ -25,29 +25,6 @@ pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ 
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
-
-
-def reference(q, k, v, q_pos, k_pos, allowed, causal, scale):
-    """float64 softmax attention under the positions rule: ``q (B, H, L, D)``, positions ``(B, H, L)``,
-    ``allowed`` bool ``(L, L)`` (the layout) or None. Returns out and lse (-inf, out 0, for a row that sees
-    nothing)."""
-    qp, kp = q_pos[..., :, None], k_pos[..., None, :]
-    s = scale * q @ k.transpose(-1, -2)
-    s = torch.where(kp == qp, torch.full_like(s, SELF_SCORE), s)     # a constant: no gradient to q or k
-    hidden = (kp < 0).expand_as(s)
-    if causal:
-        hidden = hidden | (kp > qp)
-    if allowed is not None:
-        hidden = hidden | ~allowed
-    s = s.masked_fill(hidden, -math.inf)
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)
-    tot = e.sum(-1, keepdim=True)
-    seen = tot > 0
-    tot = torch.where(seen, tot, torch.ones_like(tot))
-    lse = torch.where(seen, m + torch.log(tot), torch.full_like(tot, -math.inf)).squeeze(-1)
-    return (e / tot) @ v, lse
 
 
 def close(got, want, tol, what):
@@ -96,13 +73,12 @@ def test_positions_against_float64(emulation, case_id, dtype):
     g = torch.Generator().manual_seed(D + L + (chunk or 0) + causal)
     q, k, v = (torch.randn(B, H, L, D, generator=g).to(dt) for _ in range(3))
     qp, kp = positions(B, H, L, g, 0.2)
-    mask, allowed = None, None
+    mask = None
     if chunk is not None:
         mask = layout_mask(L, chunk, [0, L // chunk - 1], "cpu")           # each chunk and the one before
-        allowed = mask[0].repeat_interleave(chunk, 0).repeat_interleave(chunk, 1)
     scale = 0.3
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out_ref, lse_ref = reference(q64, k64, v64, qp, kp, allowed, causal, scale)
+    out_ref, lse_ref = positions_reference(q64, k64, v64, mask, chunk or 1, qp, kp, causal, scale)
     assert torch.isinf(lse_ref).any() and lse_ref[0, 0, 5] == SELF_SCORE    # empty rows and a self-only row
     dout = torch.randn(B, H, L, D, generator=g)
     dlse = torch.randn(B, H, L, generator=g).masked_fill(torch.isinf(lse_ref.detach()), 0.0)
