@@ -85,6 +85,8 @@ def stages(call: int) -> List[Stage]:
             env, install, build,
             Stage("triton-tests", f"EFFATTN_GPU_BACKENDS=triton {PYTEST} {TRITON_TESTS} "
                   "--junitxml={out}/triton-tests.xml", 180),
+            # the Gluon forward trial (tools/triton/gluon_fwd.py): float64 error and time beside SDPA flash
+            Stage("gluon", "python3 -m tools.triton.gluon_fwd --run > {out}/gluon.json; rc=$?; cat {out}/gluon.json; exit $rc", 25),
             Stage("cuda-tests", f"EFFATTN_GPU_BACKENDS=cuda {PYTEST} {CUDA_TESTS} --junitxml={{out}}/cuda-tests.xml",
                   100, wait_for="cuda-build"),
             Stage("suite", SUITE + " --time-limit 3.5 --sections anchors-d128,causal-64k,linear,decode --budget "

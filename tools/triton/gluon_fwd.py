@@ -103,12 +103,18 @@ def compile_sm90(arch: int = 90):
 
 
 def run_gpu(B: int = 2, H: int = 8, L: int = 4096) -> dict:
-    """On a GPU: the largest error against float64 and the time per call (do_bench, ms)."""
+    """On a GPU: the largest error against float64 (output NaN-poisoned first) and the time per call
+    (do_bench, ms) beside SDPA's flash kernel and effattn's Triton forward on the same inputs, so the
+    trial's time has its baselines from the same run."""
     import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
+
+    import effattn
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B * H, L, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    o = torch.empty_like(q)
+    o = torch.full_like(q, float("nan"))
     scale = D ** -0.5
 
     def call():
@@ -117,7 +123,16 @@ def run_gpu(B: int = 2, H: int = 8, L: int = 4096) -> dict:
     call()
     ref = torch.softmax(q.double() @ k.double().transpose(1, 2) * scale, -1) @ v.double()
     err = (o.double() - ref).abs().max().item()
-    return dict(max_abs_err=err, ms=do_bench(call, warmup=10, rep=50))
+    q4, k4, v4 = (t.view(B, H, L, D) for t in (q, k, v))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q4, k4, v4)
+    flops = 4 * B * H * L * L * D
+    ms = {"gluon": do_bench(call, warmup=10, rep=50), "sdpa_flash": do_bench(sdpa, warmup=10, rep=50),
+          "effattn_triton": do_bench(lambda: effattn.attention(q4, k4, v4, backend="triton"), warmup=10, rep=50)}
+    return dict(shape=f"B{B} H{H} L{L} D{D} bf16", max_abs_err=err, nan=bool(o.isnan().any()),
+                ms=ms, tflops={n: flops / t / 1e9 for n, t in ms.items()})
 
 
 def main(argv=None) -> int:
