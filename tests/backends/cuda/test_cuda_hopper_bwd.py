@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import effattn
-from effattn.backends.cuda import _ext
+from effattn.backends.cuda import _ext, resources
 from tests.backends.cuda.nvcc_units import Units, functions, needs_nvcc, ptxas_entries, sass_of
 from tests.conftest import EMU_DEFAULT_SCHEDULE, random_qkv
 from tests.core.test_attention import check_against_oracle
@@ -132,6 +132,29 @@ def test_op_refuses_hopper_for_a_call_it_does_not_serve(hopper):
     with pytest.raises(RuntimeError, match="with fused=True"):
         hopper.attention_bwd(*args, hopper=True)
     assert all(torch.isfinite(t).all() for t in hopper.attention_bwd(*args, fused=True, hopper=True))
+
+
+def test_shared_memory_is_what_resources_says_and_the_fused_kernel_fills_in(hopper):
+    """The kernel launches with resources.hopper_bwd_smem bytes (head dim 128: runs at exactly that limit,
+    the op fails one byte under, naming the size); one byte under, the backend takes the fused kernel (1 KB
+    less: no alignment slack) and explain says why."""
+    q, k, v = random_qkv(1, 1, 1, 64, 128, 128, 128, torch.Generator().manual_seed(4), torch.bfloat16, "cpu")
+    need = resources.hopper_bwd_smem(128)
+    out, lse = hopper.attention_fwd(q, k, v, None, None, 0, 0, None, 0, None, 0.1, 0.0, -1, -1)
+    args = (out, None, q, k, v, out, lse, None, None, 0, 0, None, 0, None, 0, None, 0.1, 0.0, -1, -1)
+    before = resources.set_emulated_smem(need)
+    try:
+        assert HOPPER_BWD in effattn.explain(q.requires_grad_(), k, v).paths["cuda"]
+        assert all(torch.isfinite(t).all() for t in hopper.attention_bwd(*args, fused=True, hopper=True))
+        resources.set_emulated_smem(need - 1)
+        with pytest.raises(RuntimeError, match=f"asks for {need} bytes"):
+            hopper.attention_bwd(*args, fused=True, hopper=True)
+        text = effattn.explain(q, k, v).paths["cuda"]
+        assert FUSED in text and f"the Hopper backward kernel needs {need} bytes" in text, text
+        out = effattn.attention(q, k, v, backend="cuda")
+        assert all(torch.isfinite(t).all() for t in torch.autograd.grad(out.sum(), (q,)))
+    finally:
+        resources.set_emulated_smem(before)
 
 
 # ---------------------------------------------------------------------------------- nvcc (long run)
