@@ -289,6 +289,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("hopper-bwd-dq-columns", "attention/bwd_sm90.cuh",
              "aK + (c0 / 64) * TK::kPanelBytes + (c0 % 64) * 2;", "aK + (c0 / 64) * TK::kPanelBytes;", HOPPER_BWD,
              "Hopper backward, head dim 64: the second warpgroup's dQ = dS K reads K's first 32 columns"),
+    Mutation("hopper-bwd-unseen-keys", "attention/bwd_sm90.cuh",
+             "if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {", "if (false) {",
+             ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_keys_no_row_sees_holding_nan_change_nothing",),
+             "Hopper backward: K rows of keys no row sees not zeroed (dQ = dS K adds 0 * NaN)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

@@ -94,6 +94,28 @@ def test_bitwise_equal_on_repeat_and_across_schedules(hopper):
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in runs[0])
 
 
+def test_keys_no_row_sees_holding_nan_change_nothing(hopper):
+    """A window far right of the rows (q_offset-free: Lk - Lq = 200): keys 0..179 are seen by no row and hold
+    NaN in K and V. The kernel zeroes those K rows before dQ = dS K (dS is 0 there, 0 * NaN is not), so the
+    gradients equal those with zeros there bit for bit, and those keys' dK, dV are 0 (key tile 0 sees no
+    query tile at all)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = random_qkv(1, 2, 1, 100, 300, 64, 64, g, torch.bfloat16, "cpu")
+    kw = dict(window=(20, 5))
+    go = torch.randn(1, 2, 100, 64, generator=g).bfloat16()
+    assert HOPPER_BWD in effattn.explain(q.requires_grad_(), k, v, **kw).paths["cuda"]
+    q = q.detach()
+    unseen = torch.arange(300) < 180
+    fill = lambda t, x: t.masked_fill(unseen[None, None, :, None], x)   # noqa: E731
+    ref = grads(q, fill(k, 0), fill(v, 0), go, **kw)
+    got = grads(q, fill(k, float("nan")), fill(v, float("nan")), go, **kw)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.isfinite(got[0]).all() and got[0].abs().sum() > 0
+    assert torch.equal(got[1][:, :, :180], torch.zeros_like(got[1][:, :, :180]))
+    assert torch.equal(got[2][:, :, :180], torch.zeros_like(got[2][:, :, :180]))
+
+
 def test_switch_and_calls_it_does_not_serve_take_the_fused_kernel(hopper, monkeypatch):
     """EFFATTN_CUDA_HOPPER_BWD=0, key padding, dropout and head-dim bucket 32 run the fused mma.sync kernel,
     and explain says why; the switched-off call's gradients agree with the Hopper kernel's (the products
