@@ -8,7 +8,9 @@ the emulation with the sm_90a device selected (EFFATTN_CUDA_EMU_HOPPER=1), at sm
 - bitwise-equal gradients on a repeat and across the emulator's three thread schedules;
 - EFFATTN_CUDA_HOPPER_BWD=0 and the calls it does not serve (key padding, dropout, bucket 32) take the
   fused mma.sync kernel and explain says why; the op refuses hopper=True for a call it does not serve;
-- compiled for sm_90a (nvcc, long run): no spills, registers under the cap, the wgmma shapes in its SASS.
+- compiled for sm_90a (nvcc, long run): no spills, registers under the cap, the wgmma shapes in its SASS;
+- on a real compute-capability 9.0 GPU (marker gpu; not yet run): against float64 at many blocks, bitwise
+  on a repeat, close to the fused kernel.
 """
 import re
 import shutil
@@ -177,6 +179,34 @@ def test_shared_memory_is_what_resources_says_and_the_fused_kernel_fills_in(hopp
         assert all(torch.isfinite(t).all() for t in torch.autograd.grad(out.sum(), (q,)))
     finally:
         resources.set_emulated_smem(before)
+
+
+# ---------------------------------------------------------------------------------- a real H100 / H200
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D,kw", [(128, dict(causal=True)), (64, {}), (128, dict(window=(300, 40)))],
+                         ids=["causal-d128", "dense-d64", "window-d128"])
+def test_real_hopper_backward_against_float64_bitwise_on_repeat(D, kw, dtype, monkeypatch):
+    """On a compute-capability 9.0 GPU with the sm_90a kernels built: many blocks at once (the dQ turns
+    really wait), GQA and ragged lengths; against float64, bitwise equal on a repeat, close to the fused
+    mma.sync kernel (EFFATTN_CUDA_HOPPER_BWD=0)."""
+    if not torch.cuda.is_available() or _ext.cuda_problem():
+        pytest.skip("needs a GPU and effattn._C")
+    monkeypatch.delenv("EFFATTN_CUDA_HOPPER_BWD", raising=False)
+    g = torch.Generator().manual_seed(D)
+    q, k, v = random_qkv(2, 4, 2, 700, 1000, D, D, g, dtype, "cuda")
+    text = effattn.explain(q.requires_grad_(), k, v, **kw).paths["cuda"]
+    if HOPPER_BWD not in text:
+        pytest.skip(f"the Hopper backward does not run here: {text}")
+    q = q.detach()
+    check_against_oracle(q, k, v, kw, dtype, "cuda")
+    go = torch.randn(2, 4, 700, D, generator=g).to(dtype).cuda()
+    first, again = grads(q, k, v, go, **kw), grads(q, k, v, go, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    monkeypatch.setenv("EFFATTN_CUDA_HOPPER_BWD", "0")
+    for a, b in zip(first, grads(q, k, v, go, **kw)):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
 
 
 # ---------------------------------------------------------------------------------- nvcc (long run)
