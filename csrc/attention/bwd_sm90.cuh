@@ -13,9 +13,11 @@
 //                                   A operand of dQ), then fence.proxy.async
 //   dV += P^T dO, dK += dS^T Q      wgmma m64nHDk16 with A from registers (P^T, dS^T repacked as 16-bit
 //                                   A fragments), B = dO, Q read N-major
-//   dQ_part = dS K                  wgmma m64n(HD/2)k16 per warpgroup (columns [w HD / 2, (w + 1) HD / 2)),
-//                                   A = dS and B = K (N-major) in shared memory, after the block barrier
-//                                   that makes dS whole and the semaphore turn this block's
+//   dQ_part = dS K                  wgmma, A = dS and B = K (N-major) in shared memory, after the block
+//                                   barrier that makes dS whole and the semaphore turn this block's; head
+//                                   dim 128: m64n64k16 per warpgroup on columns [64 w, 64 w + 64); head dim
+//                                   64: m64n64k16 per warpgroup on its own 64 keys, the two partials added
+//                                   in shared memory (warpgroup 0 + warpgroup 1)
 // dQ_part goes to the fp32 dq_accum exactly as in bwd_fused.cuh (the same BM, BN, schedules and
 // semaphores: bitwise reproducible), and attn_dq_convert_kernel writes dq. dK / dV retire (wgmma wait)
 // before the dQ barrier: the next step's copies overwrite the Q / dO stage they read, after that barrier.
@@ -37,8 +39,10 @@ struct BwdSm90Config {
   static constexpr int kThreads = 256;
   static constexpr int kStages = 2;         // buffers of Q, dO, lse, Delta
   static constexpr int kKVBytes = BN * HD * 2, kQBytes = BM * HD * 2, kDSBytes = BM * BN * 2;
-  // K, V; Q and dO per stage; dS; lse and Delta per stage; the slack to align the tiles to 1024 bytes
-  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDSBytes + 2 * kStages * BM * 4 + 1024;
+  // K, V; Q and dO per stage; dS; lse and Delta per stage; at head dim 64 warpgroup 1's dQ partial (fp32);
+  // the slack to align the tiles to 1024 bytes
+  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDSBytes + 2 * kStages * BM * 4 +
+                                    (HD == 64 ? BM * HD * 4 : 0) + 1024;
 };
 
 template <int HD, bool BF16, int KIND>
@@ -48,7 +52,13 @@ EFFATTN_KERNEL_WG2 attn_bwd_sm90_kernel(const AttnParams params) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::kThreads;
   constexpr int NS = BM / 8;                 // 8-wide query subtiles of a warp's S^T
   constexpr int NA = HD / 8;                 // 8-wide column subtiles of dK / dV
-  constexpr int NQ = HD / 16;                // ... of a warpgroup's half of dQ
+  // dQ = dS K: at head dim 128 warpgroup w takes columns [64 w, 64 w + 64) (one K panel) over all 128 keys;
+  // at 64 it takes all 64 columns over its own 64 keys, and warpgroup 0 adds warpgroup 1's partial (through
+  // shared memory) before the global adds. Either way every wgmma B operand starts on a 64-column panel of
+  // K: a 32-column split would start 64 bytes into a swizzled row.
+  constexpr bool kSplitKeys = HD == 64;
+  constexpr int NDQ = kSplitKeys ? HD : HD / 2;   // the columns of a warpgroup's dQ product
+  constexpr int NQ = NDQ / 8;
   using TK = Sw128Tile<HD, BN>;              // K, V: key rows
   using TQ = Sw128Tile<HD, BM>;              // Q, dO: query rows
   using TS = Sw128Tile<BN, BM>;              // dS: query rows, key columns
@@ -61,14 +71,16 @@ EFFATTN_KERNEL_WG2 attn_bwd_sm90_kernel(const AttnParams params) {
   uint16_t* sdS = sdO + Cfg::kStages * BM * HD;
   float* s_lse = reinterpret_cast<float*>(sdS + BM * BN);
   float* s_delta = s_lse + Cfg::kStages * BM;
+  float* s_dq = s_delta + Cfg::kStages * BM;  // head dim 64: warpgroup 1's dQ partial (fragment order)
 
   const int tid = prim::thread_x(), lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
   // this warpgroup's 64 keys: 64 rows of 128 bytes into each panel of K and V (a multiple of 1024 bytes)
   const uint32_t aK = prim::smem_u32(sK), aV = prim::smem_u32(sV), aKw = aK + wg * 64 * 128, aVw = aV + wg * 64 * 128;
   const uint32_t aQ = prim::smem_u32(sQ), adO = prim::smem_u32(sdO), adS = prim::smem_u32(sdS);
-  const int c0 = wg * (HD / 2);              // this warpgroup's columns of dQ, and their place in K's panels
-  const uint32_t aKc = aK + (c0 / 64) * TK::kPanelBytes + (c0 % 64) * 2;
+  const int c0 = kSplitKeys ? 0 : wg * NDQ;  // this warpgroup's columns of dQ: its K panel
+  const uint32_t aKc = aK + (c0 / 64) * TK::kPanelBytes;
+  const int kk0 = kSplitKeys ? wg * (BN / 32) : 0;   // ... and its 16-key steps of the reduction
   // not packed (the binding refuses cu_seqlens here): the params as they are
   const AttnParams& p = params;
   const GridTile gt = grid_tile((p.Lk + BN - 1) / BN, p.H / p.G);
@@ -184,11 +196,30 @@ EFFATTN_KERNEL_WG2 attn_bwd_sm90_kernel(const AttnParams params) {
 
     prim::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      prim::wgmma_ss<HD / 2, BF16, true>(dq, TS::desc_k(adS, kk), TK::desc_mn(aKc, kk), kk > 0);
+    for (int kk = 0; kk < (kSplitKeys ? BN / 32 : BN / 16); ++kk)
+      prim::wgmma_ss<NDQ, BF16, true>(dq, TS::desc_k(adS, kk0 + kk), TK::desc_mn(aKc, kk0 + kk), kk > 0);
     prim::wgmma_commit();
     prim::wgmma_wait<0>();
     keep_all(dq);
+    if constexpr (kSplitKeys) {              // keys [0, 64) + keys [64, 128), in that order
+      float* mine = s_dq + (tid & 127);      // element (j, e) at (4 j + e) * 128: conflict-free
+      if (wg == 1)
+#pragma unroll
+        for (int j = 0; j < NQ; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 128] = dq[j][e];
+      prim::sync_block();
+      if (wg == 1) {                         // warpgroup 0 adds for both
+        prim::fence_gpu();
+        held = sem;
+        held_turn = turn;
+        continue;
+      }
+#pragma unroll
+      for (int j = 0; j < NQ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[j][e] += mine[(j * 4 + e) * 128];
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = m0 + 16 * (warp & 3) + g + 8 * r;

@@ -7,7 +7,7 @@
 //   smem_u32(p)                          the shared-memory address of p (what descriptors hold)
 //   smem_desc(addr, lbo, sbo, swizzle)   a wgmma matrix descriptor (bytes; swizzle 0/32/64/128)
 //   wgmma_fence / _commit / _wait<N>     wgmma.fence / commit_group / wait_group N
-//   wgmma_ss<N, BF16, TRANS_B>(d, da, db, acc)   wgmma.mma_async m64nNk16 (N 32, 64, 128) f32 += A B, A and B in
+//   wgmma_ss<N, BF16, TRANS_B>(d, da, db, acc)   wgmma.mma_async m64nNk16 f32 += A B, A and B in
 //                                        shared memory (A K-major; B K-major, or N-major with TRANS_B)
 //   wgmma_rs<N, BF16, TRANS_B>(d, a, db, acc)    the same with A (64 x 16) from registers
 //   keep(x)                              tells the compiler x is read and written here (keeps wgmma
@@ -69,14 +69,12 @@ EFFATTN_DEVICE uint32_t smem_u32(const void* p) { return smem_addr(p); }
 // Operand lists of the wgmma asm: the accumulators %0..%(N/2 - 1), then the descriptors (or the
 // four A registers and B's descriptor), scale-d (a predicate set from `acc`) and B's transpose flag.
 #define EFFATTN_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define EFFATTN_ACC16 EFFATTN_ACC4(0), EFFATTN_ACC4(1), EFFATTN_ACC4(2), EFFATTN_ACC4(3)
 #define EFFATTN_ACC32                                                                               \
   EFFATTN_ACC4(0), EFFATTN_ACC4(1), EFFATTN_ACC4(2), EFFATTN_ACC4(3), EFFATTN_ACC4(4),              \
       EFFATTN_ACC4(5), EFFATTN_ACC4(6), EFFATTN_ACC4(7)
 #define EFFATTN_ACC64                                                                               \
   EFFATTN_ACC32, EFFATTN_ACC4(8), EFFATTN_ACC4(9), EFFATTN_ACC4(10), EFFATTN_ACC4(11),              \
       EFFATTN_ACC4(12), EFFATTN_ACC4(13), EFFATTN_ACC4(14), EFFATTN_ACC4(15)
-#define EFFATTN_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define EFFATTN_REGS32                                                                              \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -85,12 +83,6 @@ EFFATTN_DEVICE uint32_t smem_u32(const void* p) { return smem_addr(p); }
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define EFFATTN_WGMMA_SS32(TY)                                                                      \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                         \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY " " EFFATTN_REGS16                  \
-               ", %16, %17, p, 1, 1, 0, %19;\n}\n"                                                  \
-               : EFFATTN_ACC16                                                                      \
-               : "l"(da), "l"(db), "r"(int(acc)), "n"(int(TRANS_B)))
 #define EFFATTN_WGMMA_SS64(TY)                                                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                         \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " EFFATTN_REGS32                  \
@@ -124,11 +116,8 @@ EFFATTN_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %
 EFFATTN_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <int N, bool BF16, bool TRANS_B>
 EFFATTN_DEVICE void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, bool acc) {
-  static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N is 32, 64 or 128");
-  if constexpr (N == 32) {
-    if constexpr (BF16) EFFATTN_WGMMA_SS32("bf16.bf16");
-    else EFFATTN_WGMMA_SS32("f16.f16");
-  } else if constexpr (N == 64) {
+  static_assert(N == 64 || N == 128, "wgmma_ss: N is 64 or 128");
+  if constexpr (N == 64) {
     if constexpr (BF16) EFFATTN_WGMMA_SS64("bf16.bf16");
     else EFFATTN_WGMMA_SS64("f16.f16");
   } else {

@@ -63,7 +63,7 @@ PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_ma
 # the warp-specialized Hopper forward (TMA, mbarrier ring) against float64 and bitwise its cp.async kernel
 TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_against_float64_and_bitwise_the_cp_async_kernel",
             "-k", "dense-5-tiles or causal-kpm")
-# the Hopper backward against float64 (head dim 64: both warpgroups' dQ columns in one K panel; GQA, causal)
+# the Hopper backward against float64 (head dim 64: the warpgroups' dQ partials over their keys; GQA, causal)
 HOPPER_BWD = ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_against_float64", "-k",
               "causal-gqa and bf16")
 # the forward's generated instances: which one a call runs, bitwise against the general one
@@ -286,9 +286,9 @@ MUTATIONS: List[Mutation] = [
              "if (held && tid == 0) prim::sem_release(held, held_turn + 1);",
              "if (held && tid == 0) prim::sem_release(held, held_turn);", HOPPER_BWD,
              "Hopper backward: a block does not pass its dQ turn on (the next key tile would wait forever)"),
-    Mutation("hopper-bwd-dq-columns", "attention/bwd_sm90.cuh",
-             "aK + (c0 / 64) * TK::kPanelBytes + (c0 % 64) * 2;", "aK + (c0 / 64) * TK::kPanelBytes;", HOPPER_BWD,
-             "Hopper backward, head dim 64: the second warpgroup's dQ = dS K reads K's first 32 columns"),
+    Mutation("hopper-bwd-dq-keys", "attention/bwd_sm90.cuh",
+             "const int kk0 = kSplitKeys ? wg * (BN / 32) : 0;", "const int kk0 = 0;", HOPPER_BWD,
+             "Hopper backward, head dim 64: both warpgroups' dQ partials reduce over the first 64 keys"),
     Mutation("hopper-bwd-unseen-keys", "attention/bwd_sm90.cuh",
              "if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {", "if (false) {",
              ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_keys_no_row_sees_holding_nan_change_nothing",),

@@ -127,9 +127,9 @@ HOPPER_THREADS = 256     # the Hopper forward's block: two warpgroups (FwdSm90Co
 
 
 def hopper_bwd_smem(hd: int) -> int:
-    """The Hopper backward (BwdSm90Config::kSmemBytes): the fused backward's tiles (`bwd_fused_smem`) and
-    1 KB to align them to wgmma's swizzle pattern."""
-    return bwd_fused_smem(hd) + 1024
+    """The Hopper backward (BwdSm90Config::kSmemBytes): the fused backward's tiles (`bwd_fused_smem`), at head
+    dim 64 one warpgroup's fp32 dQ partial (64 x 64), and 1 KB to align them to wgmma's swizzle pattern."""
+    return bwd_fused_smem(hd) + (64 * 64 * 4 if hd == 64 else 0) + 1024
 
 
 def hopper_smem(hd: int) -> int:
