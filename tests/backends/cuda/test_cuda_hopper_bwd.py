@@ -44,13 +44,14 @@ def hopper():
 
 # id -> (B, H, Hkv, Lq, Lk, D, Dv, kwargs): several key blocks adding into each query tile (the semaphore's
 # turns), partial last tiles on both sides, GQA, D != Dv (zero-filled columns), rows seeing no key
-# (causal with Lq > Lk: the first Lq - Lk rows; a window whose rows past the keys see none)
+# (causal with Lq > Lk: the first Lq - Lk rows; a window whose rows past the keys see none), a query offset
 CASES = {
     "causal-gqa-lq-lt-lk-d64": (1, 4, 2, 100, 300, 64, 64, dict(causal=True)),
     "dense-d128-dv96": (1, 2, 2, 70, 260, 128, 96, {}),
     "window-d48-lq-gt-lk": (1, 2, 1, 200, 140, 48, 48, dict(window=(40, 10))),
     "causal-emptyrows-d128": (1, 1, 1, 150, 130, 128, 128, dict(causal=True)),
     "dense-gqa-exact-tiles-d64": (1, 2, 1, 128, 256, 64, 64, {}),
+    "causal-positions-d64": (1, 2, 2, 90, 200, 64, 64, dict(causal=True, positions=(60, 0))),
 }
 
 
