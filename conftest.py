@@ -101,6 +101,14 @@ LONG_RUN = (
     # both sides, causal + padding at chunk 64, layout blocks under the tile; no positions feature lost)
     *(f"tests/core/test_lsh.py::test_triton_rows_on_the_block_sparse_kernels_match_reference[{c}]"
       for c in ("B1-H1-L64-D16-R3-cl32-b1a0-causal", "B1-H1-L64-D8-R2-cl32-b1a0-pad", "B1-H1-L64-D16-R2-cl64-b1a0-causal")),
+    # the Hopper backward: its sm_90a nvcc build (about a minute per unit), and 8 of its 12 float64 cases (CI keeps
+    # head dims 64 and 128, causal with GQA, causal with empty rows, a window with empty rows, a query offset,
+    # both dtypes)
+    "tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_compiles_to_hgmma_without_spills",
+    *(f"tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_against_float64[{c}]"
+      for c in ("causal-gqa-lq-lt-lk-d64-fp16", "dense-d128-dv96-bf16", "dense-d128-dv96-fp16",
+                "window-d48-lq-gt-lk-fp16", "causal-emptyrows-d128-bf16", "dense-gqa-exact-tiles-d64-fp16",
+                "dense-gqa-exact-tiles-d64-bf16", "causal-positions-d64-fp16")),
     # the Gluon forward trial compiled offline for sm_90 (a tool, not a backend path)
     "tests/backends/triton/test_triton_host.py::test_gluon_forward_trial_compiles_for_sm90_offline",
     # 16k keys through the float64 reference (a memory bound): CI keeps the blocks path's at 16k

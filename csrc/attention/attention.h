@@ -170,6 +170,12 @@ int attention_bwd_relk(const AttnParams& p, bool bf16, void* stream);
 // no sm_90a code). Only for devices of compute capability 9.0.
 int attention_fwd_sm90(const AttnParams& p, bool bf16, void* stream);
 bool attention_fwd_sm90_built();
+// The Hopper backward (bwd.cu -> bwd_sm90.cuh: wgmma, head-dim buckets 64 and 128, mask kinds dense / causal /
+// window, no dropout, key padding, score terms or packed sequences; needs dq_accum and dq_sem as the fused
+// backward; -2 when this build has no sm_90a code, -1 for a call it does not serve). Only for devices of
+// compute capability 9.0; the backend decides (effattn/backends/cuda/attention/backward.py).
+int attention_bwd_sm90(const AttnParams& p, bool bf16, void* stream);
+bool attention_bwd_sm90_serves(const AttnParams& p);
 
 // Tile sizes (the host's tile plan uses the same): forward and dQ: query tiles of 64 rows, key
 // tiles of 64 (32 for head dim 256); dK/dV: key tiles of 64, query tiles of 64 (32 from head dim

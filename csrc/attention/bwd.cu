@@ -1,5 +1,5 @@
-// Entry point of the softmax-attention backward (Delta, then the fused dK/dV/dQ kernel when the call asks
-// for it with dq_accum, else the dK/dV and dQ passes): dispatch on dtype, head-dim bucket, mask kind
+// Entry points of the softmax-attention backward (Delta, then the fused dK/dV/dQ kernel when the call asks
+// for it with dq_accum, else the dK/dV and dQ passes; attention_bwd_sm90: the Hopper one of bwd_sm90.cuh): dispatch on dtype, head-dim bucket, mask kind
 // (MaskKind, common.cuh) and dropout to the launchers of bwd_launch.cuh. This unit compiles no kernel: it
 // sees only their declarations (launchers.cuh); each instance is a translation unit of its own in
 // attention/inst/ (written by csrc/generate_instances.py), so nvcc builds them side by side. The forward's
@@ -44,6 +44,23 @@ int dispatch_bwd(const AttnParams& p, prim::stream_t stream) {
 bool attention_bwd_fused_serves(const AttnParams& p) {
   return !has_bias_tensors(p) && !p.layout && !p.lists && !p.lists_by_key && !p.dalibi && !p.q_pos &&
          head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) <= 128 && head_dim_bucket(p.D > p.Dv ? p.D : p.Dv) > 0;
+}
+
+bool attention_bwd_sm90_serves(const AttnParams& p) {
+  const int hd = head_dim_bucket(p.D > p.Dv ? p.D : p.Dv);
+  const int kind = mask_kind(p, detail::kBwdFusedKeyTile);
+  return attention_bwd_fused_serves(p) && (hd == 64 || hd == 128) && !p.dropout && !p.score && !p.cu_q &&
+         (kind == kDense || kind == kCausal || kind == kWindow);
+}
+
+int attention_bwd_sm90(const AttnParams& p, bool bf16, void* stream_ptr) {
+  if (!attention_fwd_sm90_built()) return -2;
+  if (!p.dq_accum || !attention_bwd_sm90_serves(p)) return -1;
+  const auto stream = static_cast<prim::stream_t>(stream_ptr);
+  if (p.Lq == 0 || p.B * p.H == 0) return 0;
+  const int hd = head_dim_bucket(p.D > p.Dv ? p.D : p.Dv);
+  if (hd == 64) return bf16 ? detail::bwd_sm90<64, true>(p, stream) : detail::bwd_sm90<64, false>(p, stream);
+  return bf16 ? detail::bwd_sm90<128, true>(p, stream) : detail::bwd_sm90<128, false>(p, stream);
 }
 
 int attention_bwd(const AttnParams& p, bool bf16, void* stream_ptr) {

@@ -20,6 +20,11 @@ int fwd(const AttnParams& p, prim::stream_t stream);
 template <int HD, bool BF16, int KIND, bool DROP>
 int bwd_of_call(const AttnParams& p, prim::stream_t stream);
 
+// The Hopper (sm_90a, wgmma) backward of one head-dim bucket (64, 128) and dtype, for calls of mask kind
+// kDense, kCausal or kWindow without dropout (bwd_sm90.cuh; attention/inst/bwd_sm90_<hd>_<dtype>.cu).
+template <int HD, bool BF16>
+int bwd_sm90(const AttnParams& p, prim::stream_t stream);
+
 // The key tiles of the backward's kernels (bwd_launch.cuh checks them): the fused kernel's and the dK/dV
 // pass's; a call is kDense for the kernel that runs when Lk is a multiple of its tile (bwd.cu).
 constexpr int kBwdFusedKeyTile = 128, kBwdKeyTile = 64;

@@ -184,7 +184,8 @@ struct TermGrads {
 // The backward with score terms and packed sequences. The ops below are its two entries: attention_bwd
 // (packed, no score terms) and attention_bwd_score (score terms, no packed sequences). `fused`: the fused
 // five-product kernel (csrc/attention/bwd_fused.cuh; the backend decides from the device's shared memory,
-// effattn/backends/cuda/resources.py) with its zeroed dQ accumulator and semaphores, else the two passes.
+// effattn/backends/cuda/resources.py) with its zeroed dQ accumulator and semaphores, else the two passes;
+// `hopper` (with `fused`): the Hopper backward (csrc/attention/bwd_sm90.cuh) on the same accumulator.
 std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     const Tensor& dout0, const optional<Tensor>& dlse, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out0, const Tensor& lse0, const optional<Tensor>& kpm, const optional<Tensor>& layout,
@@ -192,7 +193,7 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, double softcap, const optional<Tensor>& alibi,
     const optional<Tensor>& sinks, bool alibi_grad, const Varlen& vl, const BiasTensors& bt, bool bias_grad,
-    bool fused) {
+    bool fused, bool hopper = false) {
   EFFATTN_GUARD(q);
   Prepared r = prepare(q, k, v, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key, listk_wf, seed,
                        scale, dropout_p, left, right, vl);
@@ -245,7 +246,14 @@ std::tuple<Tensor, Tensor, Tensor, TermGrads> backward(
       p.dq_sem = dq_sem.data_ptr<int>();
       p.dq_numel = dq.numel();
     }
-    run_checked(effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
+    if (hopper) {
+      check(fused && effattn::attention_bwd_sm90_serves(p),
+            "hopper: the Hopper backward serves head dims 33..128 (buckets 64, 128), dense, causal or window "
+            "masks without key padding, dropout or packed sequences, with fused=True");
+      check(effattn::attention_fwd_sm90_built(), "hopper: this build has no sm_90a kernels (the Hopper backward)");
+    }
+    run_checked(hopper ? effattn::attention_bwd_sm90(p, r.bf16, EFFATTN_STREAM)
+                       : effattn::attention_bwd(p, r.bf16, EFFATTN_STREAM), "backward");
   }
   auto crop = [](const Tensor& g, int64_t d) { return g.size(3) == d ? g : g.narrow(3, 0, d).contiguous(); };
   return {crop(dq, q.size(3)), crop(dk, k.size(3)), crop(dv, v.size(3)), tg};
@@ -274,10 +282,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     int64_t layout_block, int64_t lay_check, const optional<Tensor>& lists, int64_t list_wf,
     const optional<Tensor>& lists_by_key, int64_t listk_wf, const optional<Tensor>& seed, double scale,
     double dropout_p, int64_t left, int64_t right, const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
-    int64_t max_q, int64_t max_k, optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at, bool fused) {
+    int64_t max_q, int64_t max_k, optional<int64_t> q_offset, at::OptionalIntArrayRef drop_at, bool fused,
+    bool hopper) {
   auto g = backward(dout, dlse, q, k, v, out, lse, kpm, layout, layout_block, lay_check, lists, list_wf, lists_by_key,
                     listk_wf, seed, scale, dropout_p, left, right, 0.0, c10::nullopt, c10::nullopt, false,
-                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), BiasTensors{}, false, fused);
+                    varlen_of(cu_q, cu_k, max_q, max_k, q_offset, drop_at), BiasTensors{}, false, fused, hopper);
   return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
 }
 
@@ -325,7 +334,8 @@ TORCH_LIBRARY_FRAGMENT(EFFATTN_OPS, m) {
         "Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, int list_wf, "
         "Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, int window_left, "
         "int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0, int? q_offset=None, int[]? drop_at=None, bool fused=False) -> (Tensor, Tensor, Tensor)");
+        "int max_seqlen_k=0, int? q_offset=None, int[]? drop_at=None, bool fused=False, bool hopper=False) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd_score(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? layout, int layout_block, int layout_check, Tensor? lists, "
         "int list_wf, Tensor? lists_by_key, int listk_wf, Tensor? seed, float scale, float dropout_p, "

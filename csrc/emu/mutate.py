@@ -63,6 +63,9 @@ PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_ma
 # the warp-specialized Hopper forward (TMA, mbarrier ring) against float64 and bitwise its cp.async kernel
 TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_against_float64_and_bitwise_the_cp_async_kernel",
             "-k", "dense-5-tiles or causal-kpm")
+# the Hopper backward against float64 (head dim 64: the warpgroups' dQ partials over their keys; GQA, causal)
+HOPPER_BWD = ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_against_float64", "-k",
+              "causal-gqa and bf16")
 # the forward's generated instances: which one a call runs, bitwise against the general one
 INSTANCES = "tests/backends/cuda/test_cuda_instances.py::test_each_call_runs_its_instance_with_the_general_instances_bits"
 # ... and the backward's (fused and two passes)
@@ -272,6 +275,24 @@ MUTATIONS: List[Mutation] = [
     Mutation("hopper-tma-empty-stage", "attention/fwd_sm90_tma.cuh",
              "prim::mbar_arrive(empty + ((it - 1) & 1));", "prim::mbar_arrive(empty + (it & 1));", TMA_RING,
              "TMA Hopper forward: the consumers release the stage still in use, not the retired one"),
+    Mutation("hopper-bwd-wait-dp", "attention/bwd_sm90.cuh",
+             "    prim::wgmma_wait<0>();\n    keep_all(st);", "    prim::wgmma_wait<1>();\n    keep_all(st);", HOPPER_BWD,
+             "Hopper backward: P^T and dS^T computed before the wgmma of dP^T retired"),
+    Mutation("hopper-bwd-proxy-fence", "attention/bwd_sm90.cuh",
+             "    prim::fence_proxy_async();               // ... visible to wgmma's async proxy (and K's zeros)\n", "",
+             HOPPER_BWD,
+             "Hopper backward: wgmma reads the step's cp.async tiles without fence.proxy.async"),
+    Mutation("hopper-bwd-sem-turn", "attention/bwd_sm90.cuh",
+             "if (held && tid == 0) prim::sem_release(held, held_turn + 1);",
+             "if (held && tid == 0) prim::sem_release(held, held_turn);", HOPPER_BWD,
+             "Hopper backward: a block does not pass its dQ turn on (the next key tile would wait forever)"),
+    Mutation("hopper-bwd-dq-keys", "attention/bwd_sm90.cuh",
+             "const int kk0 = kSplitKeys ? wg * (BN / 32) : 0;", "const int kk0 = 0;", HOPPER_BWD,
+             "Hopper backward, head dim 64: both warpgroups' dQ partials reduce over the first 64 keys"),
+    Mutation("hopper-bwd-unseen-keys", "attention/bwd_sm90.cuh",
+             "if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {", "if (false) {",
+             ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_keys_no_row_sees_holding_nan_change_nothing",),
+             "Hopper backward: K rows of keys no row sees not zeroed (dQ = dS K adds 0 * NaN)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

@@ -126,6 +126,12 @@ def fused_bwd_needs(hd: int) -> List["Need"]:
 HOPPER_THREADS = 256     # the Hopper forward's block: two warpgroups (FwdSm90Config::kThreads)
 
 
+def hopper_bwd_smem(hd: int) -> int:
+    """The Hopper backward (BwdSm90Config::kSmemBytes): the fused backward's tiles (`bwd_fused_smem`), at head
+    dim 64 one warpgroup's fp32 dQ partial (64 x 64), and 1 KB to align them to wgmma's swizzle pattern."""
+    return bwd_fused_smem(hd) + (64 * 64 * 4 if hd == 64 else 0) + 1024
+
+
 def hopper_smem(hd: int) -> int:
     """The Hopper forward (FwdSm90Config): Q (128 rows), two K and two V buffers (64 keys each) and
     1 KB to align them."""

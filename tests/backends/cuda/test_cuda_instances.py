@@ -41,7 +41,8 @@ def test_committed_instances_equal_the_generators_output(tmp_path):
     (tmp_path / next(iter(written))).write_text("// edited by hand\n")
     assert gen.main(["--check", "--out", str(tmp_path)]) == 1
     fwd = len(gen.HEAD_DIMS) * len(gen.DTYPES) * len(gen.MASK_KINDS) * len(gen.DROPOUT)
-    assert len(written) == 2 * fwd == 160                    # the backward: the same kinds and flags
+    hopper = len(gen.HOPPER_HEAD_DIMS) * len(gen.DTYPES)     # the Hopper backward: a unit per head dim, dtype
+    assert len(written) == 2 * fwd + hopper == 164           # the backward: the same kinds and flags
 
 
 def test_dispatch_names_every_generated_instance():
@@ -66,6 +67,11 @@ def test_dispatch_names_every_generated_instance():
         for name, (hd, bf16, enum, flag) in instances:
             with open(os.path.join(gen.FOLDER, name), encoding="utf-8") as f:
                 assert f"template int {launcher}<{hd}, {bf16}, {enum}, {flag}>(" in f.read(), name
+    with open(os.path.join(CSRC, "attention", "bwd.cu"), encoding="utf-8") as f:
+        src = f.read()
+    for hd in gen.HOPPER_HEAD_DIMS:                          # the Hopper backward's units
+        for _, bf16 in gen.DTYPES:
+            assert f"detail::bwd_sm90<{hd}, {bf16}>(p, stream)" in src, (hd, bf16)
 
 
 # ---------------------------------------------------------------------------------- the emulation

@@ -300,7 +300,8 @@ def test_hopper_forward_same_under_warp_serial_schedules_and_with_dropout(hopper
 
 
 def test_gradients_through_the_hopper_forward(hopper):
-    """The backward (mma.sync) uses the Hopper forward's output and lse."""
+    """The backward (here the Hopper backward, bwd_sm90.cuh; test_cuda_hopper_bwd.py) uses the Hopper forward's
+    output and lse."""
     q, k, v, kwargs = forward_case("causal", 64, torch.bfloat16)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = effattn.attention(*leaves, backend="cuda", **kwargs)

@@ -6,7 +6,7 @@ The Hopper forward serves head-dim buckets 64 and 128 (``max(D, Dv)`` in 33..128
 every mask and the score terms softcap, sinks and ALiBi (not packed sequences, relative tables, adaptive
 span or dense bias tensors: the mma.sync forward serves those), on a GPU of compute capability 9.0 when the extension was built with sm_90a code
 (setup.py: ``TORCH_CUDA_ARCH_LIST`` containing ``9.0a``, or unset with nvcc >= 12). The backward is
-always an mma.sync one (`backward`). Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
+an mma.sync one, or on the same devices the Hopper backward where it applies (`backward`). Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
 Two Hopper kernels: the warp-specialized one (csrc/attention/fwd_sm90_tma.cuh: a producer warpgroup loads Q,
 K and V with TMA into a two-stage mbarrier ring, two consumer warpgroups run wgmma) serves every call whose
@@ -51,6 +51,17 @@ def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False, terms: bool 
                 "with bias tensors")
     if os.environ.get("EFFATTN_CUDA_HOPPER") == "0":
         return "turned off by EFFATTN_CUDA_HOPPER=0"
+    why = device_why_not(device)
+    if why is not None:
+        return why
+    hd = bucket(q.shape[-1], v.shape[-1])
+    if hd not in HEAD_DIM_BUCKETS:
+        return f"serves head dims 33..128 (buckets 64, 128), this call's bucket is {hd}"
+    return None
+
+
+def device_why_not(device: torch.device) -> Optional[str]:
+    """None if `device` runs sm_90a kernels of this build (the Hopper forward and backward), else why not."""
     if device.type == "cpu":
         if os.environ.get("EFFATTN_CUDA_EMU_HOPPER") != "1":
             return "the emulation runs it only with EFFATTN_CUDA_EMU_HOPPER=1"
@@ -60,9 +71,6 @@ def why_not(q: torch.Tensor, v: torch.Tensor, packed: bool = False, terms: bool 
             return f"needs compute capability 9.0 (sm_90a), got {cc[0]}.{cc[1]}"
         if not _has_sm90a(device):
             return "the extension was built without sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a, or nvcc < 12)"
-    hd = bucket(q.shape[-1], v.shape[-1])
-    if hd not in HEAD_DIM_BUCKETS:
-        return f"serves head dims 33..128 (buckets 64, 128), this call's bucket is {hd}"
     return None
 
 

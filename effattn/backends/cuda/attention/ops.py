@@ -72,11 +72,13 @@ def cuda_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False)
     klists, kwf, _ = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=True)
     fused = bwd_path.why_not(q, v, layout_mask is not None) is None
+    sm90 = fused and bwd_path.hopper_why_not(q, v, key_padding_mask is not None, dropout_p,
+                                             cu_seqlens_q is not None) is None
     return kernels(q.device).attention_bwd(grad_out, grad_lse, q, k, v, out, lse, key_padding_mask, layout_mask,
                                            layout_block, check, lists, wf, klists, kwf, seed, scale, dropout_p,
                                            *clamp_window(window_left, window_right, q.shape[2], k.shape[2],
                                                          q_offset), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, q_offset, drop_at, fused)
+                                           max_seqlen_k, q_offset, drop_at, fused, sm90)
 
 
 @cuda_attention_bwd.register_fake
@@ -154,7 +156,9 @@ def _fused_why_not(call):
 
 def _describe(call) -> str:
     fwd = score_path.describe(call) if call.score is not None else hopper.describe(call)
-    return fwd + "; " + bwd_path.describe(_fused_why_not(call))
+    hopper_why = bwd_path.hopper_why_not(call.q, call.v, call.key_padding_mask is not None, call.dropout_p,
+                                         call.cu_seqlens is not None, call.score is not None)
+    return fwd + "; " + bwd_path.describe(_fused_why_not(call), hopper_why)
 
 
 # after Triton for "auto" until the GPU acceptance run has measured these kernels
