@@ -49,7 +49,7 @@ class Stage:
 TRITON_TESTS = ("tests/contract/test_gpu.py tests/backends/triton/test_triton_backward.py "
                 "tests/backends/triton/test_triton_decode.py tests/backends/triton/test_triton_linear.py tests/core/test_paged.py")
 CUDA_TESTS = ("tests/contract/test_gpu.py tests/backends/cuda/test_cuda_gpu.py tests/backends/cuda/test_cuda_linear_gpu.py "
-              "tests/backends/cuda/test_cuda_decode.py tests/backends/cuda/test_cuda_wgmma.py")
+              "tests/backends/cuda/test_cuda_decode.py tests/backends/cuda/test_cuda_wgmma.py tests/backends/cuda/test_cuda_hopper_bwd.py")
 # four pytest workers share the GPU: the first H200 run spent its 210 s compiling Triton kernels one
 # test at a time (41 tests ran); the image has pytest-xdist. The contract tests are collected once per
 # backend: the CUDA stage after the build (collected before it, the extension is not there yet).
