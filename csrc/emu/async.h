@@ -232,20 +232,43 @@ inline void tma_load(void* dst, const TensorMap* map, void* bar, const int* coor
 
 // ---------------------------------------------------------------------------- named barriers
 
-// bar.sync id, count: `count` threads (a multiple of 32) meet at barrier `id` (1..15; 0 is
-// __syncthreads); every thread at it must give the same count.
-inline void named_sync(int id, int count) {
-  if (id < 1 || id > 15) fail_here("bar.sync: named barrier id outside 1..15");
+// bar.sync id, count / bar.arrive id, count: `count` threads (a multiple of 32) meet at barrier `id`
+// (1..15; 0 is __syncthreads); every thread counted in one phase gives the same count. bar.sync waits
+// for the phase to complete, bar.arrive only adds its thread (a producer's signal to the threads that
+// sync). A thread counted twice in one phase fails: the hardware counts arrivals per warp, so the phase
+// would complete on a warp's second arrival without the threads it is meant to order (a bar.sync that
+// pairs with an arrive removed). Arrivals left at block end fail in run_grid (emu.h).
+inline NamedBarrier& named_arrival(int id, int count, const char* op) {
+  if (id < 1 || id > 15) fail_here((std::string(op) + ": named barrier id outside 1..15").c_str());
   if (count <= 0 || count % 32 || count > cur_block()->nthreads)
-    fail_here("bar.sync: thread count is not a positive multiple of 32 within the block");
+    fail_here((std::string(op) + ": thread count is not a positive multiple of 32 within the block").c_str());
   NamedBarrier& nb = async_state().named[id];
   if (nb.arrived == 0) nb.count = count;
-  else if (nb.count != count) fail_here("bar.sync: threads of one named barrier give different counts");
-  if (++nb.arrived == count) {
-    nb.arrived = 0;
-    wake(&nb);
-    return;
-  }
+  else if (nb.count != count) fail_here((std::string(op) + ": threads of one named barrier give different counts").c_str());
+  for (int t : nb.who)
+    if (t == self_tid()) {
+      char what[200];
+      std::snprintf(what, sizeof what,
+                    "%s: a thread arrives twice at one phase of named barrier %d (%d of %d threads in: a matching "
+                    "bar.sync or bar.arrive of other threads is missing)",
+                    op, id, nb.arrived, count);
+      fail_here(what);
+    }
+  nb.who.push_back(self_tid());
+  return nb;
+}
+
+inline bool named_complete(NamedBarrier& nb) {
+  if (++nb.arrived < nb.count) return false;
+  nb.arrived = 0;
+  nb.who.clear();
+  wake(&nb);
+  return true;
+}
+
+inline void named_sync(int id, int count) {
+  NamedBarrier& nb = named_arrival(id, count, "bar.sync");
+  if (named_complete(nb)) return;
   char what[120];
   std::snprintf(what, sizeof what, "a thread waits at named barrier %d for %d threads that never all arrive", id, count);
   Thread& t = self();
@@ -254,6 +277,8 @@ inline void named_sync(int id, int count) {
   t.state = State::async_wait;
   switch_to_scheduler();
 }
+
+inline void named_arrive(int id, int count) { named_complete(named_arrival(id, count, "bar.arrive")); }
 
 // ---------------------------------------------------------------------------- setmaxnreg
 

@@ -15,7 +15,9 @@ csrc/emu/selftest_async.cpp), against the PTX ISA's and the driver's documented 
 - setmaxnreg: 384 threads start at 168 registers each; the producer's .dec 24 lets the consumers'
   .inc 240 through; counts outside 24..256 or not a multiple of 8, an .inc below the current count, a
   warpgroup disagreeing, and an .inc the pool can never serve fail with the reason;
-- named barriers (bar.sync id, count).
+- named barriers (bar.sync id, count; bar.arrive id, count): the ping-pong of the Hopper forward's consumer
+  warpgroups alternates their turns, and a thread counted twice in one phase (a bar.sync of the pair
+  removed) or arrivals left at block end (a bar.arrive nobody waits for) fail with the reason.
 """
 import itertools
 import shutil
@@ -198,3 +200,13 @@ def test_named_barriers(selftest):
     assert res.returncode != 0 and "give different counts" in res.stderr
     res = selftest("bug-named-short")
     assert res.returncode != 0 and "named barrier 2 for 256 threads that never all arrive" in res.stderr
+
+
+def test_named_barrier_ping_pong_alternates_and_its_misuse_fails(selftest):
+    assert lines(selftest("pingpong", "4"))["order"] == [0, 1] * 4
+    res = selftest("bug-pingpong-no-sync", "4")
+    assert res.returncode != 0 and "a thread arrives twice at one phase of named barrier" in res.stderr, \
+        res.stderr
+    res = selftest("bug-pingpong-extra-arrive", "4")
+    assert res.returncode != 0 and "the block ends with 128 of 256 threads arrived at named barrier 2" in res.stderr, \
+        res.stderr
