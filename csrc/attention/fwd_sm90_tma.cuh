@@ -3,9 +3,11 @@
 //
 // One block = three warpgroups (384 threads) per (query tile of 128 rows, b, h). Warpgroups 0 and 1
 // are the consumers of fwd_sm90.cuh's kernel (its consume_key_tiles: rows [64 w, 64 w + 64), the same
-// products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it); warpgroup 2 is the producer:
-// its register count drops to 40 (setmaxnreg.dec) and the consumers' rises to 232 (setmaxnreg.inc),
-// and one of its threads issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
+// products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it), here in
+// ping-pong turns (PingPong: one warpgroup's wgmmas run while the other's softmax does) on key tiles of
+// 128 (kFwdTmaKeyTile; 64 in the kAny instance); warpgroup 2 is the producer: its register count drops
+// to 24 (setmaxnreg.dec) and the consumers' rises to 240 (setmaxnreg.inc), and one of its threads
+// issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
 // (D, L, heads, batch) in the 128-byte swizzle wgmma reads (Sw128Tile): rows past L and columns past
 // D land as zeros (the hardware's out-of-bounds fill), so no copy is predicated.
 // The ring: stage s = t % 2 holds K(t) and V(t). full[s] (1 arrival + the stage's bytes) completes when
