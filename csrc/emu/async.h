@@ -18,7 +18,8 @@
 //   parity is not P (so right after init, waiting on parity 1 passes and on parity 0 blocks).
 // Bulk tensor copies: the destination is poisoned (0xFF: NaN) when issued; the bytes land, with the
 // mbarrier's complete_tx, when a thread tests that mbarrier's phase (a consumer's wait), so a read
-// before the wait reads NaN, a wrong expect_tx fails, and a copy nobody waits for fails at block end.
+// before the wait reads NaN, a wrong expect_tx fails (at once, or as a tx-count left at block end: emu.h's
+// run_grid), and a copy nobody waits for fails at block end.
 // Out-of-bounds box elements (any coordinate < 0 or >= its dimension) land as zeros, as with
 // CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE; the byte count is always the whole box's. The swizzle is
 // applied to the shared-memory address bits as wgmma reads them (emu/wgmma.h); bulk copies write

@@ -72,6 +72,12 @@ int tx(const std::string& what) {
     } else if (what == "bug-tx-underflow") {
       prim::mbar_arrive_expect_tx(bar, 100);
       emu::mbar_complete_tx(off, 128);
+    } else if (what == "bug-tx-past-phase") {         // the phase completes on the first 64 bytes of 128
+      prim::mbar_arrive_expect_tx(bar, 64);
+      emu::mbar_complete_tx(off, 64);
+      emu::mbar_complete_tx(off, 64);
+    } else if (what == "bug-tx-never-lands") {         // announced, nothing lands, nobody waits
+      emu::mbar_expect_tx(bar, 64);
     } else if (what == "bug-arrive-none-pending") {
       prim::mbar_arrive_expect_tx(bar, 64);
       prim::mbar_arrive(bar);

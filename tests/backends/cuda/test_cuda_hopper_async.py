@@ -6,7 +6,8 @@ csrc/emu/selftest_async.cpp), against the PTX ISA's and the driver's documented 
   (arrive.expect_tx adds, complete_tx subtracts, the phase completes only when both reach zero, a
   complete_tx ahead of its expect_tx while an arrival is pending is allowed), and the misuses the ISA
   leaves undefined failing with the reason: tx-count underflow, an arrive with none pending, counts out
-  of range, an uninitialized or misaligned mbarrier, a phase that never completes;
+  of range, an uninitialized or misaligned mbarrier, a phase that never completes, a tx-count left at
+  block end (a phase that completed before its last copy landed, bytes announced that never landed);
 - bulk tensor copies: every element of a box at every edge of a 2-D / 3-D / 4-D tensor against a model
   written here (out-of-bounds elements zero, including negative coordinates), the 128-byte swizzle
   (16-byte chunk index XOR row index mod 8), the byte count (always the whole box), the destination
@@ -59,6 +60,10 @@ def test_mbarrier_transaction_count(selftest):
 
 MBAR_MISUSE = {
     "bug-tx-underflow": "tx-count underflow: 28 bytes more landed than the phase expects",
+    # a tx-count left at block end: the phase completed before its last copy landed (an expect_tx one tile
+    # short), or announced bytes never landed
+    "bug-tx-past-phase": "at tx-count -64: more bytes landed than its expect_tx announced",
+    "bug-tx-never-lands": "at tx-count 64: bytes its expect_tx announced never landed",
     "bug-arrive-none-pending": "mbarrier.arrive with no arrival pending",
     "bug-expect-tx-range": "byte count outside 0..2^20-1",
     "bug-init-count-0": "arrival count outside 1..2^20-1",
