@@ -22,20 +22,12 @@ struct Sm90Kernel {
   };
 };
 
-template <int HD, bool BF16>
-struct Sm90TmaKernel {
-  template <int KIND>
-  struct Of {
-    static constexpr auto value = attn_fwd_sm90_tma_kernel<HD, BF16, KIND>;
-  };
-};
-
 // The call's tensor maps for the TMA kernel: (D, L, heads, batch) of Q, K and V, boxes of 64 columns of a
 // query or key tile. False when one does not encode (a base or stride not a multiple of 16 bytes, a
 // negative stride, no keys): the cp.async kernel serves such calls.
-template <int HD>
+template <int HD, int BN>
 bool tma_maps(const AttnParams& p, FwdTmaParams& tp) {
-  using Cfg = FwdTmaConfig<HD>;
+  using Cfg = FwdTmaConfig<HD, BN>;
   auto map = [&](prim::TensorMap& m, const void* base, int64_t l, int64_t h, int64_t b, int64_t row0, int width, int L,
                  int heads, int rows) {
     const uint64_t dims[4] = {uint64_t(width), uint64_t(L), uint64_t(heads), uint64_t(p.B)};
@@ -56,15 +48,33 @@ bool tma_turned_off() {
   return e && e[0] == '0';
 }
 
+// Launches the TMA kernel's instance of coarse mask kind KIND with the tensor maps of its key tile (rc: the
+// launch's status); false when the maps do not encode (the cp.async kernel serves).
+template <int HD, bool BF16, int KIND>
+bool fwd_sm90_tma(const AttnParams& p, prim::stream_t stream, int& rc) {
+  using Cfg = FwdTmaConfig<HD, kFwdTmaKeyTile<KIND>>;
+  FwdTmaParams tp;
+  if (!tma_maps<HD, Cfg::BN>(p, tp)) return false;
+  rc = detail::launch(attn_fwd_sm90_tma_kernel<HD, BF16, KIND>, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
+                      1, Cfg::kSmemBytes, stream, tp, Cfg::kThreads);
+  return true;
+}
+
 template <int HD, bool BF16>
 int fwd_sm90(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdSm90Config<HD>;
+  if (!tma_turned_off()) {
+    // the kinds at the TMA kernel's 128-key tiles (kDense needs Lk a multiple of 128); kAny runs 64-key tiles
+    int rc = 0;
+    bool ran;
+    switch (coarse_kind(mask_kind(p, kFwdTmaKeyTile<kDense>), p.dropout != 0)) {
+      case kDense: ran = fwd_sm90_tma<HD, BF16, kDense>(p, stream, rc); break;
+      case kWindow: ran = fwd_sm90_tma<HD, BF16, kWindow>(p, stream, rc); break;
+      default: ran = fwd_sm90_tma<HD, BF16, kAny>(p, stream, rc); break;
+    }
+    if (ran) return rc;
+  }
   const int kind = coarse_kind(mask_kind(p, Cfg::BN), p.dropout != 0);
-  FwdTmaParams tp;
-  if (!tma_turned_off() && tma_maps<HD>(p, tp))
-    return detail::launch_by_kind<Sm90TmaKernel<HD, BF16>::template Of>(
-        kind, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), FwdTmaConfig<HD>::kSmemBytes, stream, tp,
-        FwdTmaConfig<HD>::kThreads);
   return detail::launch_by_kind<Sm90Kernel<HD, BF16>::template Of>(
       kind, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
       Cfg::kSmemBytes, stream, p, Cfg::kThreads);

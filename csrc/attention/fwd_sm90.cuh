@@ -16,7 +16,7 @@
 #pragma once
 
 #include "attention/fwd.cuh"
-#include "common/prims_sm90.cuh"
+#include "common/prims_async.cuh"   // (named barriers: PingPong)
 
 namespace effattn {
 
@@ -90,18 +90,38 @@ EFFATTN_DEVICE void keep_all(A& x) {
     for (auto& v : row) prim::keep(v);
 }
 
+// The ping-pong of the two consumer warpgroups (FA3's inter-warpgroup overlap; fwd_sm90_tma.cuh): at
+// each step a warpgroup issues its wgmmas only in its turn, so the tensor cores run one warpgroup's
+// products while the other's softmax runs. Warpgroup w waits at named barrier kFirst + w (bar.sync, 256
+// threads: its own 128 and the other's 128 bar.arrive), issues, then arrives at the other's barrier.
+// Warpgroup 1 arrives at warpgroup 0's once before the first step (0 goes first) and skips its arrival
+// after its last issue, so that every arrival meets a bar.sync (the emulation fails on one left over).
+struct PingPong {
+  static constexpr int kFirst = 2;                 // barriers 2, 3 (0: __syncthreads, 1: the consumers')
+  static constexpr int kThreads = 256;
+  int w;
+  EFFATTN_DEVICE void start(int n_tiles) const {
+    if (w == 1 && n_tiles > 0) prim::named_arrive(kFirst, kThreads);
+  }
+  EFFATTN_DEVICE void wait_turn() const { prim::named_sync(kFirst + w, kThreads); }
+  EFFATTN_DEVICE void pass_turn(bool last) const {
+    if (w == 0 || !last) prim::named_arrive(kFirst + (w ^ 1), kThreads);
+  }
+};
+
 // The consumers' side of both Hopper forwards (this kernel and fwd_sm90_tma.cuh's): two warpgroups
 // (threads 0..255) run S(t), P V(t - 1) behind it, the softmax of tile t and the epilogue, over the
-// block's key tiles, with Q at aQ (this warpgroup's rows) and K, V in two buffers each at aK, aV. The
-// kernels differ in how the tiles arrive: `begin_step(t)` returns once K(t) and V(t) are in and V(t - 1)'s
-// unseen keys are zeroed (t == n_tiles: only the latter), `issue_copies(t)` starts the next copies after
-// it, and `release(t)` runs once P V(t - 1) has retired (K(t - 1) and V(t - 1) are no longer read).
-template <int HD, bool BF16, int KIND, class Begin, class Copies, class Release>
+// block's key tiles of BN keys, with Q at aQ (this warpgroup's rows) and K, V in two buffers each at aK,
+// aV (kvBytes apart). The kernels differ in how the tiles arrive: `begin_step(t)` returns once K(t) and
+// V(t) are in and V(t - 1)'s unseen keys are zeroed (t == n_tiles: only the latter), `issue_copies(t)`
+// starts the next copies after it, and `release(t)` runs once P V(t - 1) has retired (K(t - 1) and V(t - 1)
+// are no longer read). PINGPONG: the warpgroups issue their wgmmas in turns (PingPong); the fp32
+// operations and their order are the same either way.
+template <int HD, bool BF16, int KIND, int BN, bool PINGPONG, class Begin, class Copies, class Release>
 EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, const Schedule& sched, uint32_t aQ,
                                       uint32_t aK, uint32_t aV, Begin&& begin_step, Copies&& issue_copies,
                                       Release&& release) {
-  using Cfg = FwdSm90Config<HD>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  constexpr int BM = FwdSm90Config<HD>::BM, kKVBytes = BN * HD * 2;
   constexpr int NS = BN / 8, ND = HD / 8;
   using TQ = Sw128Tile<HD, BM>;
   using TKV = Sw128Tile<HD, BN>;
@@ -122,13 +142,13 @@ EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, c
   auto issue_s = [&](int it) {                           // S(t) = Q K(t)^T: HD / 16 steps, one group
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      prim::wgmma_ss<BN, BF16, false>(s, TQ::desc_k(aQ, kk), TKV::desc_k(aK + (it & 1) * Cfg::kKVBytes, kk), kk > 0);
+      prim::wgmma_ss<BN, BF16, false>(s, TQ::desc_k(aQ, kk), TKV::desc_k(aK + (it & 1) * kKVBytes, kk), kk > 0);
     prim::wgmma_commit();
   };
   auto issue_pv = [&](int it) {                          // O += P(t) V(t): BN / 16 steps, one group
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      prim::wgmma_rs<HD, BF16, true>(acc, pa[kk], TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk), true);
+      prim::wgmma_rs<HD, BF16, true>(acc, pa[kk], TKV::desc_mn(aV + (it & 1) * kKVBytes, kk), true);
     prim::wgmma_commit();
   };
   auto softmax = [&](int it, float (&alpha)[2]) {        // S(t) -> P(t) in s, m_i, l_i, alpha
@@ -148,12 +168,16 @@ EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, c
     for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk], s, kk);
   };
 
+  const PingPong turns{warp >> 2};
+  if (PINGPONG) turns.start(n_tiles);
   if (n_tiles > 0) {
     float alpha[2];
     begin_step(0);
     issue_copies(0);
+    if (PINGPONG) turns.wait_turn();
     prim::wgmma_fence();
     issue_s(0);
+    if (PINGPONG) turns.pass_turn(false);
     prim::wgmma_wait<0>();
     keep_all(s);
     softmax(0, alpha);
@@ -161,9 +185,11 @@ EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, c
     for (int it = 1; it < n_tiles; ++it) {
       begin_step(it);
       issue_copies(it);
+      if (PINGPONG) turns.wait_turn();
       prim::wgmma_fence();
       issue_s(it);
       issue_pv(it - 1);
+      if (PINGPONG) turns.pass_turn(false);
       prim::wgmma_wait<1>();                             // S(t) has retired; P V(t - 1) may still run
       keep_all(s);
       softmax(it, alpha);
@@ -174,8 +200,10 @@ EFFATTN_DEVICE void consume_key_tiles(const AttnParams& p, const FwdBlock& fb, c
       to_pa(alpha);
     }
     begin_step(n_tiles);
+    if (PINGPONG) turns.wait_turn();
     prim::wgmma_fence();
     issue_pv(n_tiles - 1);
+    if (PINGPONG) turns.pass_turn(true);
     prim::wgmma_wait<0>();
     keep_all(acc);
   }
@@ -235,7 +263,7 @@ EFFATTN_KERNEL_WG2 attn_fwd_sm90_kernel(const AttnParams params) {
     kv_copy.load(sV + (it & 1) * BN * HD, fb.vb, p.v_l, sched.tile(it) * BN, p.Lk, p.Dv);
     prim::cp_async_commit();
   };
-  consume_key_tiles<HD, BF16, KIND>(p, fb, sched, aQ, aK, aV, begin_step, issue_copies, [](int) {});
+  consume_key_tiles<HD, BF16, KIND, BN, false>(p, fb, sched, aQ, aK, aV, begin_step, issue_copies, [](int) {});
   prim::cp_async_wait<0>();                              // (Q's copies when there is no key tile)
 #endif
 }

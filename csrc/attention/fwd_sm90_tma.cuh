@@ -3,9 +3,11 @@
 //
 // One block = three warpgroups (384 threads) per (query tile of 128 rows, b, h). Warpgroups 0 and 1
 // are the consumers of fwd_sm90.cuh's kernel (its consume_key_tiles: rows [64 w, 64 w + 64), the same
-// products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it); warpgroup 2 is the producer:
-// its register count drops to 40 (setmaxnreg.dec) and the consumers' rises to 232 (setmaxnreg.inc),
-// and one of its threads issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
+// products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it), here in
+// ping-pong turns (PingPong: one warpgroup's wgmmas run while the other's softmax does) on key tiles of
+// 128 (kFwdTmaKeyTile; 64 in the kAny instance); warpgroup 2 is the producer: its register count drops
+// to 24 (setmaxnreg.dec) and the consumers' rises to 240 (setmaxnreg.inc), and one of its threads
+// issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
 // (D, L, heads, batch) in the 128-byte swizzle wgmma reads (Sw128Tile): rows past L and columns past
 // D land as zeros (the hardware's out-of-bounds fill), so no copy is predicated.
 // The ring: stage s = t % 2 holds K(t) and V(t). full[s] (1 arrival + the stage's bytes) completes when
@@ -38,16 +40,27 @@ struct FwdTmaParams {
   AttnParams p;
 };
 
-template <int HD>
+// The key tile of the TMA kernel's instance of mask kind KIND (coarse_kind: kDense, kWindow, kAny): 128 keys
+// (128 x 128 tiles) for kDense and kWindow; 64 for kAny (key padding, positions, dropout, layouts: the
+// layout lists of effattn/backends/cuda/attention/tiling.py are built for 64-key tiles, and dropout's
+// keep-mask code is the register pressure of the kAny instance), which then runs the arithmetic of the
+// cp.async kernel in its order.
+template <int KIND>
+constexpr int kFwdTmaKeyTile = KIND == kAny ? 64 : 128;
+
+template <int HD, int BN_ = 64>
 struct FwdTmaConfig {
   static constexpr int kThreads = 384;           // consumers: warpgroups 0, 1; producer: warpgroup 2
   static constexpr int kConsumers = 256;
-  static constexpr int BM = 128, BN = 64, kStages = 2;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;   // 128 x 40 + 256 x 232 <= 384 x 168
+  static constexpr int BM = 128, BN = BN_, kStages = 2;
+  // FA3's split: 128 x 24 + 256 x 240 = 64512 <= 384 x 168 + the 1024 the launch leaves over (65536)
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = BM * HD * 2, kKVBytes = BN * HD * 2;
-  // 5 mbarriers in the first 64 bytes, then (from the next 1024-byte boundary) Q and the stages' K, V:
-  // the same bytes as fwd_sm90.cuh's kernel (its 1024 bytes of alignment slack hold the barriers)
+  // 5 mbarriers in the first 64 bytes, then (from the next 1024-byte boundary) Q and the stages' K, V;
+  // at BN 64 the bytes of fwd_sm90.cuh's kernel (its 1024 bytes of alignment slack hold the barriers).
+  // HD 128, BN 128: 32 KB of Q + 2 x (32 + 32) KB of K, V + 1 KB = 161 KB of sm_90's 227 KB opt-in
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "FwdTmaConfig: past sm_90's 227 KB of opt-in shared memory");
   // the box of one copy: 64 columns (128 bytes, the swizzle width) of ROWS rows of one head
   static constexpr int kBoxCols = 64;
 };
@@ -55,7 +68,7 @@ struct FwdTmaConfig {
 template <int HD, bool BF16, int KIND>
 EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaParams tp) {
 #if EFFATTN_SM90A
-  using Cfg = FwdTmaConfig<HD>;
+  using Cfg = FwdTmaConfig<HD, kFwdTmaKeyTile<KIND>>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NC = Cfg::kConsumers;
   constexpr int NP = HD / Cfg::kBoxCols;
   using TKV = Sw128Tile<HD, BN>;
@@ -124,8 +137,8 @@ EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaPa
   };
   // P V(t - 1) has retired (S(t - 1) before it): the stage of tile t - 1 goes back to the producer
   auto release = [&](int it) { prim::mbar_arrive(empty + ((it - 1) & 1)); };
-  consume_key_tiles<HD, BF16, KIND>(p, fb, sched, aQ, prim::smem_u32(sK), prim::smem_u32(sV), begin_step,
-                                    [](int) {}, release);
+  consume_key_tiles<HD, BF16, KIND, BN, true>(p, fb, sched, aQ, prim::smem_u32(sK), prim::smem_u32(sV), begin_step,
+                                              [](int) {}, release);
 #endif
 }
 

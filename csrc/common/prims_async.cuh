@@ -17,6 +17,7 @@
 //   tma_load_2d/3d/4d(dst, map, bar, c...)  cp.async.bulk.tensor.Nd.shared::cluster.global
 //                                         .mbarrier::complete_tx::bytes (coordinates: dimension 0 first)
 //   named_sync(id, count)                 bar.sync id, count
+//   named_arrive(id, count)               bar.arrive id, count (counted, does not wait)
 //   setmaxnreg_inc<N>() / _dec<N>()       setmaxnreg.{inc,dec}.sync.aligned.u32 N (whole warpgroup)
 #pragma once
 
@@ -90,6 +91,7 @@ EFFATTN_DEVICE void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, 
   emu::tma_load(dst, map, bar, c, 4);
 }
 EFFATTN_DEVICE void named_sync(int id, int count) { emu::named_sync(id, count); }
+EFFATTN_DEVICE void named_arrive(int id, int count) { emu::named_arrive(id, count); }
 template <int N>
 EFFATTN_DEVICE void setmaxnreg_inc() { emu::setmaxnreg(RegCount<N>::value, true); }
 template <int N>
@@ -172,6 +174,9 @@ EFFATTN_DEVICE void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, 
       : "memory");
 }
 EFFATTN_DEVICE void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+EFFATTN_DEVICE void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 template <int N>
 EFFATTN_DEVICE void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(RegCount<N>::value));
@@ -190,6 +195,7 @@ EFFATTN_DEVICE void tma_load_2d(void*, const TensorMap*, uint64_t*, int, int) {}
 EFFATTN_DEVICE void tma_load_3d(void*, const TensorMap*, uint64_t*, int, int, int) {}
 EFFATTN_DEVICE void tma_load_4d(void*, const TensorMap*, uint64_t*, int, int, int, int) {}
 EFFATTN_DEVICE void named_sync(int, int) {}
+EFFATTN_DEVICE void named_arrive(int, int) {}
 template <int N>
 EFFATTN_DEVICE void setmaxnreg_inc() {}
 template <int N>

@@ -18,7 +18,8 @@
 //   parity is not P (so right after init, waiting on parity 1 passes and on parity 0 blocks).
 // Bulk tensor copies: the destination is poisoned (0xFF: NaN) when issued; the bytes land, with the
 // mbarrier's complete_tx, when a thread tests that mbarrier's phase (a consumer's wait), so a read
-// before the wait reads NaN, a wrong expect_tx fails, and a copy nobody waits for fails at block end.
+// before the wait reads NaN, a wrong expect_tx fails (at once, or as a tx-count left at block end: emu.h's
+// run_grid), and a copy nobody waits for fails at block end.
 // Out-of-bounds box elements (any coordinate < 0 or >= its dimension) land as zeros, as with
 // CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE; the byte count is always the whole box's. The swizzle is
 // applied to the shared-memory address bits as wgmma reads them (emu/wgmma.h); bulk copies write
@@ -232,20 +233,43 @@ inline void tma_load(void* dst, const TensorMap* map, void* bar, const int* coor
 
 // ---------------------------------------------------------------------------- named barriers
 
-// bar.sync id, count: `count` threads (a multiple of 32) meet at barrier `id` (1..15; 0 is
-// __syncthreads); every thread at it must give the same count.
-inline void named_sync(int id, int count) {
-  if (id < 1 || id > 15) fail_here("bar.sync: named barrier id outside 1..15");
+// bar.sync id, count / bar.arrive id, count: `count` threads (a multiple of 32) meet at barrier `id`
+// (1..15; 0 is __syncthreads); every thread counted in one phase gives the same count. bar.sync waits
+// for the phase to complete, bar.arrive only adds its thread (a producer's signal to the threads that
+// sync). A thread counted twice in one phase fails: the hardware counts arrivals per warp, so the phase
+// would complete on a warp's second arrival without the threads it is meant to order (a bar.sync that
+// pairs with an arrive removed). Arrivals left at block end fail in run_grid (emu.h).
+inline NamedBarrier& named_arrival(int id, int count, const char* op) {
+  if (id < 1 || id > 15) fail_here((std::string(op) + ": named barrier id outside 1..15").c_str());
   if (count <= 0 || count % 32 || count > cur_block()->nthreads)
-    fail_here("bar.sync: thread count is not a positive multiple of 32 within the block");
+    fail_here((std::string(op) + ": thread count is not a positive multiple of 32 within the block").c_str());
   NamedBarrier& nb = async_state().named[id];
   if (nb.arrived == 0) nb.count = count;
-  else if (nb.count != count) fail_here("bar.sync: threads of one named barrier give different counts");
-  if (++nb.arrived == count) {
-    nb.arrived = 0;
-    wake(&nb);
-    return;
-  }
+  else if (nb.count != count) fail_here((std::string(op) + ": threads of one named barrier give different counts").c_str());
+  for (int t : nb.who)
+    if (t == self_tid()) {
+      char what[200];
+      std::snprintf(what, sizeof what,
+                    "%s: a thread arrives twice at one phase of named barrier %d (%d of %d threads in: a matching "
+                    "bar.sync or bar.arrive of other threads is missing)",
+                    op, id, nb.arrived, count);
+      fail_here(what);
+    }
+  nb.who.push_back(self_tid());
+  return nb;
+}
+
+inline bool named_complete(NamedBarrier& nb) {
+  if (++nb.arrived < nb.count) return false;
+  nb.arrived = 0;
+  nb.who.clear();
+  wake(&nb);
+  return true;
+}
+
+inline void named_sync(int id, int count) {
+  NamedBarrier& nb = named_arrival(id, count, "bar.sync");
+  if (named_complete(nb)) return;
   char what[120];
   std::snprintf(what, sizeof what, "a thread waits at named barrier %d for %d threads that never all arrive", id, count);
   Thread& t = self();
@@ -254,6 +278,8 @@ inline void named_sync(int id, int count) {
   t.state = State::async_wait;
   switch_to_scheduler();
 }
+
+inline void named_arrive(int id, int count) { named_complete(named_arrival(id, count, "bar.arrive")); }
 
 // ---------------------------------------------------------------------------- setmaxnreg
 

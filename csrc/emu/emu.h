@@ -128,6 +128,7 @@ struct BulkCopy {
 
 struct NamedBarrier {
   int arrived = 0, count = 0;
+  std::vector<int> who;                        // the threads counted in the current phase (bar.sync / bar.arrive)
 };
 
 struct RegRequest {                            // a warpgroup's setmaxnreg in progress
@@ -608,6 +609,24 @@ inline void run_grid(Block& b, Dim3 grid, int nthreads, size_t smem_bytes) {
             if (!b.async.copies.empty())
               fail("the block ends with bulk tensor copies in flight (no thread waited on their mbarrier)",
                    b.async.copies.front().issuer, linear);
+            // every phase's tx-count is spent when its copies land: a count left over is an expect_tx that
+            // announced fewer bytes than landed (the phase completed before its last copy) or more
+            for (const auto& kv : b.async.mbars)
+              if (kv.second.tx != 0)
+                fail(("the block ends with the mbarrier at shared offset " + std::to_string(kv.first) +
+                      " at tx-count " + std::to_string(kv.second.tx) +
+                      (kv.second.tx < 0 ? ": more bytes landed than its expect_tx announced (a phase completed "
+                                          "before its last bulk copy landed)"
+                                        : ": bytes its expect_tx announced never landed"))
+                         .c_str(),
+                     0, linear);
+            for (int id = 1; id < 16; ++id)
+              if (b.async.named[id].arrived)
+                fail(("the block ends with " + std::to_string(b.async.named[id].arrived) + " of " +
+                      std::to_string(b.async.named[id].count) + " threads arrived at named barrier " +
+                      std::to_string(id) + " (a bar.arrive no bar.sync consumed)")
+                         .c_str(),
+                     b.async.named[id].who.front(), linear);
             break;
           }
           b.current = next;

@@ -253,7 +253,7 @@ MUTATIONS: List[Mutation] = [
              "kv_copy.load(sK + ((it + 1) & 1) * BN * HD,", "kv_copy.load(sK + (it & 1) * BN * HD,", (PIPELINE,) + TMA_RING,
              "Hopper forward: K(t + 1) copied into the buffer S(t) reads"),
     Mutation("hopper-v-buffer", "attention/fwd_sm90.cuh",
-             "TKV::desc_mn(aV + (it & 1) * Cfg::kKVBytes, kk)", "TKV::desc_mn(aV + ((it + 1) & 1) * Cfg::kKVBytes, kk)",
+             "TKV::desc_mn(aV + (it & 1) * kKVBytes, kk)", "TKV::desc_mn(aV + ((it + 1) & 1) * kKVBytes, kk)",
              (PIPELINE,) + TMA_RING, "Hopper forward: P V(t) reads the other V buffer (V(t + 1), in flight)"),
     Mutation("hopper-wait-s", "attention/fwd_sm90.cuh",
              "prim::wgmma_wait<1>();                             // S(t) has retired",
@@ -293,6 +293,19 @@ MUTATIONS: List[Mutation] = [
              "if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {", "if (false) {",
              ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_keys_no_row_sees_holding_nan_change_nothing",),
              "Hopper backward: K rows of keys no row sees not zeroed (dQ = dS K adds 0 * NaN)"),
+    Mutation("hopper-pingpong-sync", "attention/fwd_sm90.cuh",
+             "EFFATTN_DEVICE void wait_turn() const { prim::named_sync(kFirst + w, kThreads); }",
+             "EFFATTN_DEVICE void wait_turn() const {}", TMA_RING,
+             "TMA Hopper forward: a consumer warpgroup issues its wgmmas without waiting for its turn (the ping-pong's "
+             "bar.sync removed: the other's bar.arrive counted twice in one phase)"),
+    Mutation("hopper-pingpong-last-arrive", "attention/fwd_sm90.cuh",
+             "if (w == 0 || !last) prim::named_arrive(", "if (true) prim::named_arrive(", TMA_RING,
+             "TMA Hopper forward: warpgroup 1 passes the turn after its last issue too (an arrival no bar.sync "
+             "consumes)"),
+    Mutation("hopper-tma-key-box", "attention/fwd_sm90.cu",
+             "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, Cfg::BN)",
+             "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, 64)", TMA_RING,
+             "TMA Hopper forward: K's box of 64 rows under 128-key tiles (half of K(t) never lands)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

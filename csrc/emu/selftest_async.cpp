@@ -14,6 +14,8 @@
 //   map-*           a tensor map the driver refuses: prints why
 //   regs            384 threads: the consumers' setmaxnreg.inc 240 waits for the producer's .dec 24
 //   named           256 of 384 threads meet at named barrier 1, twice
+//   pingpong N      two warpgroups take N turns each in alternation (bar.sync on their own barrier 2 + w,
+//                   then bar.arrive on the other's, 256 threads): prints the warpgroup of each turn in order
 //   bug-*           planted misuses: the emulation must fail with the reason
 #include <cstdio>
 #include <cstdlib>
@@ -70,6 +72,12 @@ int tx(const std::string& what) {
     } else if (what == "bug-tx-underflow") {
       prim::mbar_arrive_expect_tx(bar, 100);
       emu::mbar_complete_tx(off, 128);
+    } else if (what == "bug-tx-past-phase") {         // the phase completes on the first 64 bytes of 128
+      prim::mbar_arrive_expect_tx(bar, 64);
+      emu::mbar_complete_tx(off, 64);
+      emu::mbar_complete_tx(off, 64);
+    } else if (what == "bug-tx-never-lands") {         // announced, nothing lands, nobody waits
+      emu::mbar_expect_tx(bar, 64);
     } else if (what == "bug-arrive-none-pending") {
       prim::mbar_arrive_expect_tx(bar, 64);
       prim::mbar_arrive(bar);
@@ -226,6 +234,27 @@ int named(const std::string& what) {
   return 0;
 }
 
+// The turns of the Hopper forward's PingPong (attention/fwd_sm90.cuh): warpgroup 1 arrives at barrier 2 first;
+// each turn waits at the warpgroup's own barrier and ends with an arrival at the other's (warpgroup 1 none
+// after its last). bug-pingpong-no-sync: warpgroup 0 skips its waits; bug-pingpong-extra-arrive: warpgroup 1
+// arrives after its last turn too.
+int pingpong(const std::string& what, int turns) {
+  std::vector<int> order;
+  run(256, 1024, [&] {
+    const int w = prim::thread_x() / 128;
+    if (w == 1) prim::named_arrive(2, 256);
+    for (int i = 0; i < turns; ++i) {
+      if (!(what == "bug-pingpong-no-sync" && w == 0)) prim::named_sync(2 + w, 256);
+      if (prim::thread_x() % 128 == 0) order.push_back(w);
+      if (w == 0 || i + 1 < turns || what == "bug-pingpong-extra-arrive") prim::named_arrive(2 + (w ^ 1), 256);
+    }
+  });
+  std::printf("order");
+  for (int w : order) std::printf(" %d", w);
+  std::printf("\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -238,5 +267,6 @@ int main(int argc, char** argv) {
   if (what.rfind("map-", 0) == 0) return map_refusal(what);
   if (what == "regs" || what.rfind("bug-regs", 0) == 0) return regs(what);
   if (what == "named" || what.rfind("bug-named", 0) == 0) return named(what);
+  if (what == "pingpong" || what.rfind("bug-pingpong", 0) == 0) return pingpong(what, argc > 2 ? std::atoi(argv[2]) : 3);
   return tx(what);
 }

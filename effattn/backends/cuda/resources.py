@@ -132,10 +132,10 @@ def hopper_bwd_smem(hd: int) -> int:
     return bwd_fused_smem(hd) + (64 * 64 * 4 if hd == 64 else 0) + 1024
 
 
-def hopper_smem(hd: int) -> int:
-    """The Hopper forward (FwdSm90Config): Q (128 rows), two K and two V buffers (64 keys each) and
-    1 KB to align them."""
-    return (128 + 4 * 64) * hd * 2 + 1024
+def hopper_smem(hd: int, key_tile: int = 64) -> int:
+    """The Hopper forward (FwdSm90Config, and FwdTmaConfig at `key_tile` keys): Q (128 rows), two K and
+    two V buffers (`key_tile` keys each) and 1 KB to align them (the TMA kernel's mbarriers in it)."""
+    return (128 + 4 * key_tile) * hd * 2 + 1024
 
 
 def decode_smem(hd: int, stages: int) -> int:
@@ -196,7 +196,10 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
 def prefill_needs(hd: int, hopper: bool, backward: bool, fused: bool = False) -> List[Need]:
     """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
     forward; with `backward`, the fused backward when `fused`, else the two backward passes)."""
-    needs = [Need("Hopper forward", hopper_smem(hd), HOPPER_THREADS) if hopper else Need("forward", fwd_smem(hd))]
+    # the Hopper forward: the shared memory of its TMA kernel at 128-key tiles, the most it launches with (the
+    # TMA kernel's 384 threads are bounded at 168 registers each by __launch_bounds__: the 256 x 255 check holds)
+    needs = ([Need("Hopper forward", hopper_smem(hd, 128), HOPPER_THREADS)] if hopper
+             else [Need("forward", fwd_smem(hd))])
     if backward and fused:
         needs += fused_bwd_needs(hd)
     elif backward:

@@ -309,7 +309,8 @@ def test_one_sided_window_edges_at_every_tile_residue(backward):
 
 
 def test_window_edges_at_every_tile_residue_hopper_forward(monkeypatch):
-    """The same sweep through the Hopper forward (head dim 64: its 64-key tiles), forward only."""
+    """The same sweep through the Hopper forward (head-dim bucket 64; the TMA kernel's kWindow instance: one
+    128-key tile, both window edges partial inside it), forward only."""
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
     q, k, v = residue_inputs(40)
     assert "Hopper wgmma" in str(effattn.explain(q, k, v, window=(28, 0)))

@@ -6,7 +6,8 @@ csrc/emu/selftest_async.cpp), against the PTX ISA's and the driver's documented 
   (arrive.expect_tx adds, complete_tx subtracts, the phase completes only when both reach zero, a
   complete_tx ahead of its expect_tx while an arrival is pending is allowed), and the misuses the ISA
   leaves undefined failing with the reason: tx-count underflow, an arrive with none pending, counts out
-  of range, an uninitialized or misaligned mbarrier, a phase that never completes;
+  of range, an uninitialized or misaligned mbarrier, a phase that never completes, a tx-count left at
+  block end (a phase that completed before its last copy landed, bytes announced that never landed);
 - bulk tensor copies: every element of a box at every edge of a 2-D / 3-D / 4-D tensor against a model
   written here (out-of-bounds elements zero, including negative coordinates), the 128-byte swizzle
   (16-byte chunk index XOR row index mod 8), the byte count (always the whole box), the destination
@@ -15,7 +16,9 @@ csrc/emu/selftest_async.cpp), against the PTX ISA's and the driver's documented 
 - setmaxnreg: 384 threads start at 168 registers each; the producer's .dec 24 lets the consumers'
   .inc 240 through; counts outside 24..256 or not a multiple of 8, an .inc below the current count, a
   warpgroup disagreeing, and an .inc the pool can never serve fail with the reason;
-- named barriers (bar.sync id, count).
+- named barriers (bar.sync id, count; bar.arrive id, count): the ping-pong of the Hopper forward's consumer
+  warpgroups alternates their turns, and a thread counted twice in one phase (a bar.sync of the pair
+  removed) or arrivals left at block end (a bar.arrive nobody waits for) fail with the reason.
 """
 import itertools
 import shutil
@@ -57,6 +60,10 @@ def test_mbarrier_transaction_count(selftest):
 
 MBAR_MISUSE = {
     "bug-tx-underflow": "tx-count underflow: 28 bytes more landed than the phase expects",
+    # a tx-count left at block end: the phase completed before its last copy landed (an expect_tx one tile
+    # short), or announced bytes never landed
+    "bug-tx-past-phase": "at tx-count -64: more bytes landed than its expect_tx announced",
+    "bug-tx-never-lands": "at tx-count 64: bytes its expect_tx announced never landed",
     "bug-arrive-none-pending": "mbarrier.arrive with no arrival pending",
     "bug-expect-tx-range": "byte count outside 0..2^20-1",
     "bug-init-count-0": "arrival count outside 1..2^20-1",
@@ -198,3 +205,13 @@ def test_named_barriers(selftest):
     assert res.returncode != 0 and "give different counts" in res.stderr
     res = selftest("bug-named-short")
     assert res.returncode != 0 and "named barrier 2 for 256 threads that never all arrive" in res.stderr
+
+
+def test_named_barrier_ping_pong_alternates_and_its_misuse_fails(selftest):
+    assert lines(selftest("pingpong", "4"))["order"] == [0, 1] * 4
+    res = selftest("bug-pingpong-no-sync", "4")
+    assert res.returncode != 0 and "a thread arrives twice at one phase of named barrier" in res.stderr, \
+        res.stderr
+    res = selftest("bug-pingpong-extra-arrive", "4")
+    assert res.returncode != 0 and "the block ends with 128 of 256 threads arrived at named barrier 2" in res.stderr, \
+        res.stderr

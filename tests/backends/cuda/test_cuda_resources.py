@@ -64,7 +64,8 @@ def test_sizes_are_what_the_launches_ask_for(emulation, smem_limit, monkeypatch)
             with pytest.raises(RuntimeError, match=f"asks for {resources.decode_smem(hd, stages)} bytes"):
                 emulation.attention_decode(q[:, :, :1], k, v, None, None, 0, 0, None, 0, 0.25, -1, -1, 1, stages)
         if hd in (64, 128):
-            with pytest.raises(RuntimeError, match=f"asks for {resources.hopper_smem(hd)} bytes"):
+            # (Lk 16: the TMA kernel's kWindow instance, 128-key tiles)
+            with pytest.raises(RuntimeError, match=f"asks for {resources.hopper_smem(hd, 128)} bytes"):
                 emulation.attention_fwd_sm90(q, k, v, *FWD_ARGS)
         # the backward through the backend (its check told the emulated device is large): the passes
         # launch in order Delta (no shared memory), dK/dV, dQ

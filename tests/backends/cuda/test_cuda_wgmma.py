@@ -10,7 +10,8 @@
   give wrong results; planted misuses of wgmma abort or read NaN;
 - the emulated Hopper forward (EFFATTN_CUDA_EMU_HOPPER=1) against the float64 oracle by the
   low-precision rule, every mask kind at head dims 64 and 128 in fp16 and bf16; its pipeline (two K and
-  V buffers, P V behind the next S) over several key tiles, bitwise equal to the mma.sync forward;
+  V buffers, P V behind the next S) over several key tiles, bitwise equal to the mma.sync forward at 64-key
+  tiles (the cp.async kernel, and the TMA kernel's kAny instance; its 128-key tiles sum in another order);
   explain says which forward runs.
 """
 import random
@@ -260,8 +261,9 @@ PIPELINE = {
 def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
     """The double-buffered, asynchronous pipeline over 4-5 key tiles (the emulation aborts where a copy
     lands in a buffer an in-flight wgmma reads, or an accumulator is read before its wait): against the
-    float64 oracle, and bitwise equal to the mma.sync forward (per row the same fp32 operations in the
-    same order: O rescaled, then P V added, tile by tile)."""
+    float64 oracle, and at 64-key tiles bitwise equal to the mma.sync forward (per row the same fp32
+    operations in the same order: O rescaled, then P V added, tile by tile): the TMA kernel's kAny
+    instance, and the cp.async kernel (EFFATTN_CUDA_HOPPER_TMA=0) where the TMA kernel runs 128-key tiles."""
     B, H, Hkv, Lq, Lk, kw = PIPELINE[case]
     q, k, v, kwargs = make_inputs((B, H, Hkv, Lq, Lk, 64, 64, kw), torch.bfloat16, seed=7)
     q, k, v, kwargs = q.cpu(), k.cpu(), v.cpu(), to_device(kwargs, "cpu")
@@ -272,6 +274,10 @@ def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
     ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
     low, _ = naive_in(torch.bfloat16, q, k, v, kwargs)
     judge(out, ref, low, 2, torch.bfloat16, "out")
+    if "kpm" not in kw:                                      # the TMA kernel's 128-key tiles: the cp.async one
+        monkeypatch.setenv("EFFATTN_CUDA_HOPPER_TMA", "0")
+        out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
+        judge(out, ref, low, 2, torch.bfloat16, "out (cp.async)")
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "0")
     out2, lse2 = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
     assert hopper.emu_stats()[1].item() > 0                  # the mma.sync forward this time

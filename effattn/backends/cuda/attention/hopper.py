@@ -9,7 +9,8 @@ span or dense bias tensors: the mma.sync forward serves those), on a GPU of comp
 an mma.sync one, or on the same devices the Hopper backward where it applies (`backward`). Under the emulation (CPU tensors, ``EFFATTN_CUDA_EMU=1``) the Hopper
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
 Two Hopper kernels: the warp-specialized one (csrc/attention/fwd_sm90_tma.cuh: a producer warpgroup loads Q,
-K and V with TMA into a two-stage mbarrier ring, two consumer warpgroups run wgmma) serves every call whose
+K and V with TMA into a two-stage mbarrier ring, two consumer warpgroups run wgmma in ping-pong turns on
+128 x 128 tiles, 128 x 64 for key padding, positions, dropout and layouts: `tma_key_tile`) serves every call whose
 tensors TMA can describe (bases and batch / head / row strides multiples of 16 bytes, as the binding aligns them); the cp.async one
 (fwd_sm90.cuh) serves calls without keys and every call with ``EFFATTN_CUDA_HOPPER_TMA=0`` (`loads` says
 which).
@@ -85,19 +86,29 @@ def tma_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[s
     return None
 
 
-def loads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """How the Hopper forward loads its tiles for these tensors, in words."""
-    why = tma_why_not(q, k, v)
+def tma_key_tile(call) -> int:
+    """The TMA kernel's key tile for a call (csrc/attention/fwd_sm90_tma.cuh: kFwdTmaKeyTile): 64 keys for its
+    kAny instance (key padding, positions, dropout, a block layout), else 128 (128 x 128 tiles)."""
+    general = (call.key_padding_mask is not None or call.positions is not None or call.dropout_p > 0
+               or call.layout is not None)
+    return 64 if general else 128
+
+
+def loads(call) -> str:
+    """How the Hopper forward loads its tiles for a call, in words."""
+    why = tma_why_not(call.q, call.k, call.v)
     if why is None:
-        return "TMA loads by a producer warpgroup into a 2-stage mbarrier ring, 2 consumer warpgroups"
-    return f"cp.async loads by both warpgroups (the TMA kernel is not used: {why})"
+        bn = tma_key_tile(call)
+        return (f"TMA loads by a producer warpgroup into a 2-stage mbarrier ring, 2 consumer warpgroups in ping-pong "
+                f"(named barriers), 128 x {bn} tiles")
+    return f"cp.async loads by both warpgroups, 128 x 64 tiles (the TMA kernel is not used: {why})"
 
 
 def describe(call, terms: bool = False) -> str:
     """Which kernels serve a call (for effattn.explain; ``terms``: as `why_not`)."""
     why = why_not(call.q, call.v, packed=call.cu_seqlens is not None, terms=terms)
     if why is None:
-        return f"forward: Hopper wgmma kernel (sm_90a), {loads(call.q, call.k, call.v)}"
+        return f"forward: Hopper wgmma kernel (sm_90a), {loads(call)}"
     return f"forward: mma.sync kernel, {mma_tile(call, terms)} (the Hopper forward is not used: {why})"
 
 

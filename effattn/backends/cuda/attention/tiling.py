@@ -9,7 +9,7 @@ from ....tiles import layout_tile_lists  # the shared tile plan (packed full/par
 from ....visibility import clamp_window
 
 BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBlockM)
-HOPPER_TILES = (128, 64)   # the Hopper forward's (query, key) tile (csrc/attention/fwd_sm90.cuh: FwdSm90Config)
+HOPPER_TILES = (128, 64)   # the Hopper forward's (query, key) tile for layouts (FwdSm90Config; the TMA kernel's kAny instance)
 BUCKETS = (32, 64, 128, 256)
 
 
