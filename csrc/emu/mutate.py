@@ -29,6 +29,8 @@ Usage (from the repository root, with g++):
                  GPU-only / error, the first failing test and its message, seconds, the load; without
                  IDs it lists the whole list, with what --log holds from earlier parts
   e.g. nice -n 10 python3 csrc/emu/mutate.py --log /tmp/mut.jsonl --resume --report csrc/emu/MUTATIONS.md
+  (a second run on the same log with --resume and the IDs in reverse order shares the work: each
+  skips what the log holds when a mutation's turn comes)
 Exit status: 0 when every mutation that is not GPU-only is caught, 1 when one survives, 2 on an
 error of the list or the harness.
 """
@@ -61,6 +63,8 @@ SHARED = (f"{ATT}::test_shared_cases_against_float64", "-k",
           "lockstep and fp16 and (gqa or kpm-B2 or causal-B1 or dense or all-gqa or dv)")
 BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",)
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
+# the forward's keep-mask against a Philox model (no Triton needed)
+PHILOX = (f"{ATT}::test_dropout_keep_mask_equals_a_philox_model_without_triton",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
 PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
                "tests/backends/cuda/test_cuda_paged_prefill.py::test_paged_prefill_against_float64_and_the_contiguous_forward",
@@ -98,9 +102,9 @@ class Mutation(NamedTuple):
 
 MUTATIONS: List[Mutation] = [
     Mutation("window-left-full-tile", "attention/common.cuh",
-             "flo = imax(r1 + p.off - p.left, 0);", "flo = imax(r1 + p.off - p.left - 1, 0);", (RESIDUES,),
+             "flo = imax(r1 + p.off - p.left, 0);", "flo = imax(r1 + p.off - p.left - 1, 0);", (ONE_SIDED,),
              "forward / dQ: the left window bound lowered by one in the full-tile test (a one-key leak at one "
-             "residue of the tile)"),
+             "residue of the tile; the coupled windows of RESIDUES give the 128-row forward no full tile)"),
     Mutation("window-right-full-tile", "attention/common.cuh",
              "fhi = imax(imin(m0 + p.off + p.right + 1, p.Lk), 0);",
              "fhi = imax(imin(m0 + p.off + p.right + 2, p.Lk), 0);", (ONE_SIDED, RESIDUES),
@@ -140,6 +144,11 @@ MUTATIONS: List[Mutation] = [
              "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;",
              "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
              "dQ: the dropout key counter one off"),
+    Mutation("dropout-counter-order", "attention/common.cuh",
+             "uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j)",
+             "uint32_t(p.drop_k0 + p.k0 + j), uint32_t(p.drop_q0 + p.q0 + i)", PHILOX,
+             "forward and backward alike: the Philox counters of row and key swapped (the backward still "
+             "regenerates the forward's mask; only the Philox model or the Triton kernels tell)"),
     Mutation("barrier-fwd-k", "attention/fwd.cuh",
              "    prim::sync_block();                                  // K ready: every thread's; every warp is done "
              "with V(t-1)\n", "", BARRIERS,
@@ -376,12 +385,14 @@ def run_one(m: Mutation, timeout: float = 1800) -> Result:
     return Result(m, CAUGHT, (hit.group(3) or "").strip()[:300], seconds, hit.group(2), load)
 
 
-def run(ids: Sequence[str], out=sys.stdout, timeout: float = 1800, on_result=None) -> List[Result]:
+def run(ids: Sequence[str], out=sys.stdout, timeout: float = 1800, on_result=None, skip=None) -> List[Result]:
     """Runs the mutations `ids` one after another, printing a line per mutation (and passing each
-    result to `on_result`). A mutation the harness cannot judge (`ListError`) is an ERROR result and
-    the run goes on to the next one."""
+    result to `on_result`; those `skip(id)` is true of when their turn comes are left out). A mutation
+    the harness cannot judge (`ListError`) is an ERROR result and the run goes on to the next one."""
     results = []
     for i in ids:
+        if skip is not None and skip(i):
+            continue
         m = BY_ID[i]
         try:
             r = run_one(m, timeout)
@@ -537,11 +548,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(args.report, "w") as f:
                 f.write(report(shown, records, sources, command))
 
-    todo = [i for i in ids if not (args.resume and i in records and records[i]["key"] == key(BY_ID[i], sources)
-                                   and records[i]["status"] != ERROR)]
-    if len(todo) < len(ids):
-        print(f"resuming: {len(ids) - len(todo)} mutations already in {args.log}", flush=True)
-    run(todo, timeout=args.timeout, on_result=on_result)
+    def done(i: str) -> bool:
+        """Whether the log holds a result of `i` for today's sources and tests (re-read before each
+        mutation: another run on the same log, e.g. one going through the list from its end, may have
+        done it meanwhile)."""
+        if not args.resume:
+            return False
+        records.update(read_log(args.log))
+        rec = records.get(i)
+        return rec is not None and rec["key"] == key(BY_ID[i], sources) and rec["status"] != ERROR
+
+    skipped = sum(map(done, ids))
+    if skipped:
+        print(f"resuming: {skipped} of the {len(ids)} mutations already in {args.log}", flush=True)
+    run(ids, timeout=args.timeout, on_result=on_result, skip=done)
+    records.update(read_log(args.log))
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(report(shown, records, sources, command))
     results = [records[i] for i in ids if i in records and records[i]["key"] == key(BY_ID[i], sources)]
     survived = [r["id"] for r in results if r["status"] == SURVIVED]
     errors = [r["id"] for r in results if r["status"] == ERROR]
