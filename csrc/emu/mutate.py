@@ -329,8 +329,9 @@ def apply(m: Mutation, csrc: str) -> None:
 
 
 def _env(csrc: str) -> dict:
+    # EFFATTN_LONG=1: a test of the long run (conftest.py's LONG_RUN) that a mutation names runs, not skips
     env = dict(os.environ, EFFATTN_CSRC=csrc, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               COLUMNS="400")                   # pytest's summary lines keep the failure's message
+               COLUMNS="400", EFFATTN_LONG="1")  # COLUMNS: pytest's summary lines keep the failure's message
     env.pop("EFFATTN_CUDA_EMU", None)
     return env
 
@@ -344,6 +345,7 @@ def build(csrc: str) -> None:
 
 
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
+_COUNTS = re.compile(r"(\d+) (passed|skipped|deselected|xfailed|xpassed)")
 CAUGHT, SURVIVED, GPU_ONLY, ERROR = "caught", "survived", "gpu-only", "error"
 
 
@@ -368,7 +370,7 @@ def run_one(m: Mutation, timeout: float = 1800) -> Result:
             return Result(m, GPU_ONLY, "pattern applies; the emulation does not compile this code",
                           time.perf_counter() - start, load=load)
         build(csrc)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "--no-header", "-p", "no:randomly", *m.tests]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfEs", "--no-header", "-p", "no:randomly", *m.tests]
         try:
             res = subprocess.run(cmd, cwd=ROOT, env=_env(csrc), capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -376,7 +378,11 @@ def run_one(m: Mutation, timeout: float = 1800) -> Result:
     seconds = time.perf_counter() - start
     out = res.stdout + res.stderr
     if res.returncode == 0:
-        return Result(m, SURVIVED, "every test passed", seconds, load=load)
+        counts = dict((w, int(n)) for n, w in _COUNTS.findall(out.strip().splitlines()[-1] if out.strip() else ""))
+        if not counts.get("passed"):
+            raise ListError(f"{m.id}: no test ran (every one skipped or deselected):\n{out[-2000:]}")
+        skipped = f", {counts['skipped']} skipped" if counts.get("skipped") else ""
+        return Result(m, SURVIVED, f"every test passed ({counts['passed']}{skipped})", seconds, load=load)
     if res.returncode != 1:     # 2: interrupted / collection error, 4: usage, 5: no tests ran, < 0: a signal
         raise ListError(f"{m.id}: pytest exited with {res.returncode} (not a test failure):\n{out[-3000:]}")
     hit = _FAILED.search(out)

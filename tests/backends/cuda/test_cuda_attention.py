@@ -320,7 +320,8 @@ def test_barrier_removal_is_caught_under_the_default_schedule(backward):
 # this head dim is 64 long). fp16 and near-uniform scores keep a leaked key (about 1/100 of a row's
 # weight) far above the rule's tolerance. The forward's query tiles are 128 rows (one tile of 100 rows
 # here): no window (28 + i, i) holds a whole key tile for all of them, so its full-tile test is only
-# reached by the one-sided windows below (mutation window-left-full-tile survives this sweep).
+# reached by the one-sided windows below (mutation window-left-full-tile survives this sweep through
+# the forward and the fused backward, CI's part of it).
 RESIDUE_SHIFTS = range(64)
 RESIDUES_ONE_SIDED = range(64)
 
