@@ -23,11 +23,13 @@ Usage (from the repository root, with g++):
   python3 csrc/emu/mutate.py --fast       the subset CI runs (tests/backends/cuda/test_cuda_mutations.py)
   python3 csrc/emu/mutate.py ID [ID ...]  the named ones; --list prints the list
   --log FILE     append each result to a JSON-lines file; --resume then skips the mutations it holds a
-                 result of (not an error) for today's kernel sources, the same mutation and unchanged
-                 test files, so a long run can be stopped and continued, or run in parts
+                 result of (not an error) for today's kernel sources, the same mutation and the same
+                 test ids, so a long run can be stopped and continued, or run in parts (a mutation whose
+                 test was fixed is rerun by naming it)
   --report PATH  a markdown report (rewritten after each mutation): per mutation caught / survived /
                  GPU-only / error, the first failing test and its message, seconds, the load; without
                  IDs it lists the whole list, with what --log holds from earlier parts
+  --report-only  write the report from --log, run nothing
   e.g. nice -n 10 python3 csrc/emu/mutate.py --log /tmp/mut.jsonl --resume --report csrc/emu/MUTATIONS.md
   (a second run on the same log with --resume and the IDs in reverse order shares the work: each
   skips what the log holds when a mutation's turn comes)
@@ -437,12 +439,9 @@ def sources_key() -> str:
 
 
 def key(m: Mutation, sources: str) -> str:
-    """What a logged result of `m` stands for: the kernel sources, the mutation itself and the test
-    files it runs (a test fixed after the run makes the logged result stale)."""
-    files = [os.path.join(ROOT, t.split("::")[0]) for t in m.tests if t.endswith(".py") or ".py::" in t]
-    digest = hashlib.sha1(repr((sources, m.file, m.old, m.new, m.tests)).encode())
-    digest.update(_digest_files(files).encode())
-    return digest.hexdigest()[:16]
+    """What a logged result of `m` stands for: the kernel sources, the mutation and the tests it names
+    (the commit of the run is logged beside it: a test file changed since shows there)."""
+    return hashlib.sha1(repr((sources, m.file, m.old, m.new, m.tests)).encode()).hexdigest()[:16]
 
 
 def read_log(path: Optional[str]) -> Dict[str, dict]:
@@ -487,7 +486,7 @@ def report(ids: Sequence[str], records: Dict[str, dict], sources: str, command: 
         secs = f"{rec['seconds']:.0f}" if rec and status != GPU_ONLY else ""
         load = f"{rec['load']:.1f}" if rec else ""
         rows.append(f"| {n} | `{i}` | `{m.file}` | {'**' + status + '**' if status in (SURVIVED, ERROR) else status} "
-                    f"| {by} | {secs} | {load} | {_cell(m.what)} |")
+                    f"| {by} | {secs} | {load} | {rec['commit'] if rec else ''} | {_cell(m.what)} |")
     judged = len(ids) - count[GPU_ONLY] - count["not run"]
     whens = sorted(r["when"] for r in recs)
     commits = sorted({r["commit"] for r in recs})
@@ -508,8 +507,8 @@ def report(ids: Sequence[str], records: Dict[str, dict], sources: str, command: 
         f"{count[ERROR]} errors of the harness; {count[GPU_ONLY]} GPU-only (pattern checked, nvcc-only code: "
         f"tests/backends/cuda/test_cuda_gpu.py on a GPU); {count['not run']} not run.",
         "",
-        "| # | mutation | file (csrc/) | result | caught by (first failing test: message) | s | load | the bug |",
-        "|---|---|---|---|---|---|---|---|",
+        "| # | mutation | file (csrc/) | result | caught by (first failing test: message) | s | load | commit | the bug |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + rows) + "\n"
 
@@ -521,8 +520,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
     ap.add_argument("--log", help="append each result to this JSON-lines file (what --resume and --report read)")
     ap.add_argument("--resume", action="store_true",
-                    help="skip the mutations --log already holds a result of for today's sources and tests")
+                    help="skip the mutations --log already holds a result of for today's sources and test ids")
     ap.add_argument("--report", help="write a markdown report of the selected mutations here (after each one)")
+    ap.add_argument("--report-only", action="store_true", help="write --report from --log and run nothing")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one mutation's tests may run (1800)")
     args = ap.parse_args(argv)
     if args.list:
@@ -533,8 +533,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         print(f"unknown mutations {unknown}; known: {sorted(BY_ID)}", file=sys.stderr)
         return 2
-    if args.resume and not args.log:
-        print("--resume needs --log", file=sys.stderr)
+    if (args.resume or args.report_only) and not args.log or args.report_only and not args.report:
+        print("--resume needs --log; --report-only needs --log and --report", file=sys.stderr)
         return 2
     ids = list(FAST) if args.fast else (args.ids or [m.id for m in MUTATIONS])
     sources = sources_key()
@@ -555,7 +555,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f.write(report(shown, records, sources, command))
 
     def done(i: str) -> bool:
-        """Whether the log holds a result of `i` for today's sources and tests (re-read before each
+        """Whether the log holds a result of `i` for today's sources and test ids (re-read before each
         mutation: another run on the same log, e.g. one going through the list from its end, may have
         done it meanwhile)."""
         if not args.resume:
@@ -567,7 +567,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     skipped = sum(map(done, ids))
     if skipped:
         print(f"resuming: {skipped} of the {len(ids)} mutations already in {args.log}", flush=True)
-    run(ids, timeout=args.timeout, on_result=on_result, skip=done)
+    if not args.report_only:
+        run(ids, timeout=args.timeout, on_result=on_result, skip=done)
     records.update(read_log(args.log))
     if args.report:
         with open(args.report, "w") as f:
