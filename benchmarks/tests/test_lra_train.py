@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -318,49 +316,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-TIMEOUT = 300       # generous: two fresh interpreters import torch on a CPU other jobs may be loading
-
-
-def torchrun(tmp_path, cache, out, *args, expect_ok=True):
-    """``python -m benchmarks.lra train`` on two gloo processes over TINY ListOps; the workers dump
-    their stacks and exit if they hang, so a failure says where."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import faulthandler, os, sys\n"
-        "if os.environ.get('LOCAL_RANK') is not None:\n"
-        f"    faulthandler.dump_traceback_later({TIMEOUT // 2}, exit=True, file=sys.stderr)\n")
-    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")      # loopback: the host name may resolve to an unusable address
-    for attempt in range(2):      # a port taken between choosing and binding it: try another
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), "-m", "benchmarks.lra", "train", "--task", "listops",
-               "--recipe", "demo", "--out", str(out), "--batch-size", "8", "--cache-dir", str(cache),
-               "--set", f"sizes={json.dumps(TINY['sizes'])}", "--set", "min_length=8", "--set", "max_length=40",
-               "--steps", "10", "--warmup", "3", "--lr", "3e-3", "--eval-every", "4", "--threads", "1", *args]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-4000:]}")
-        if (proc.returncode == 0) == expect_ok and "EADDRINUSE" not in proc.stderr:
-            return proc
-        print(f"torchrun attempt {attempt} failed:\n{proc.stderr[-4000:]}")
-    pytest.fail(f"torchrun returned {proc.returncode}:\n{proc.stderr[-3000:]}")
-
-
-def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
-    one = tmp_path / "one.pt"
-    train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, save_first_grads=str(one)), quiet=True)
-    two = tmp_path / "two.pt"
-    torchrun(tmp_path, cache, tmp_path / "ddp", "--dropout", "0", "--save-first-grads", str(two))
-    g1, g2 = torch.load(one), torch.load(two)
-    assert g1["grads"].keys() == g2["grads"].keys() and len(g1["grads"]) > 10
-    for name in g1["grads"]:
-        torch.testing.assert_close(g2["grads"][name], g1["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
-    # the logged loss is the global batch's (averaged over the processes), not rank 0's own
-    assert g2["loss"] == pytest.approx(g1["loss"], rel=1e-5)
-
-
 def _as_rank(rank: int, world: int, port: int, fn, args) -> None:
     """A forked process's body: rank ``rank`` of ``world`` (the variables torchrun sets), then ``fn(*args)``.
     The objects inherited from the parent are frozen out of the garbage collector's reach: a collection
@@ -396,6 +351,23 @@ def forked_ranks(fn, *args, world: int = 2, timeout: float = 120.0) -> list:
 
 def _train_quietly(cfg: TrainConfig) -> None:
     train(cfg, quiet=True)
+
+
+def test_two_gloo_processes_batch_8_equal_one_process_batch_16(tmp_path, cache, tiny):
+    """Two forked gloo ranks, 8 examples each, take the first step's gradients and loss of one process on
+    the 16 examples."""
+    one = tmp_path / "one.pt"
+    train(small_cfg(tmp_path / "single", cache, batch_size=16, dropout=0.0, device="cpu", save_first_grads=str(one)),
+          quiet=True)
+    two = tmp_path / "two.pt"
+    cfg = small_cfg(tmp_path / "ddp", cache, batch_size=8, dropout=0.0, device="cpu", save_first_grads=str(two))
+    assert forked_ranks(_train_quietly, cfg) == [0, 0]
+    g1, g2 = torch.load(one), torch.load(two)
+    assert g1["grads"].keys() == g2["grads"].keys() and len(g1["grads"]) > 10
+    for name in g1["grads"]:
+        torch.testing.assert_close(g2["grads"][name], g1["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+    # the logged loss is the global batch's (averaged over the processes), not rank 0's own
+    assert g2["loss"] == pytest.approx(g1["loss"], rel=1e-5)
 
 
 def test_two_gloo_processes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path, cache, tiny):

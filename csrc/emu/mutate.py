@@ -15,16 +15,33 @@ caught when a test fails; the report names the first failing test and its messag
   the emulation cannot see them. They are checked for their pattern only and reported as such;
   a GPU session runs tests/backends/cuda/test_cuda_gpu.py on them by hand.
 
+A mutation the harness cannot judge (its pattern, a compile error, tests past --timeout, pytest
+stopping for another reason than a failed test) is reported as an error and the run goes on.
+
 Usage (from the repository root, with g++):
-  python3 csrc/emu/mutate.py              every mutation (about 20-40 s each on 2 cores)
+  python3 csrc/emu/mutate.py              every mutation, one after another
   python3 csrc/emu/mutate.py --fast       the subset CI runs (tests/backends/cuda/test_cuda_mutations.py)
   python3 csrc/emu/mutate.py ID [ID ...]  the named ones; --list prints the list
-Exit status: 0 when every mutation that is not GPU-only is caught, 1 when one escapes, 2 on an
+  --log FILE     append each result to a JSON-lines file; --resume then skips the mutations it holds a
+                 result of (not an error) for today's kernel sources, the same mutation and the same
+                 test ids, so a long run can be stopped and continued, or run in parts (a mutation whose
+                 test was fixed is rerun by naming it)
+  --report PATH  a markdown report (rewritten after each mutation): per mutation caught / survived /
+                 GPU-only / error, the first failing test and its message, seconds, the load; without
+                 IDs it lists the whole list, with what --log holds from earlier parts
+  --report-only  write the report from --log, run nothing
+  e.g. nice -n 10 python3 csrc/emu/mutate.py --log /tmp/mut.jsonl --resume --report csrc/emu/MUTATIONS.md
+  (a second run on the same log with --resume and the IDs in reverse order shares the work: each
+  skips what the log holds when a mutation's turn comes)
+Exit status: 0 when every mutation that is not GPU-only is caught, 1 when one survives, 2 on an
 error of the list or the harness.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -48,6 +65,8 @@ SHARED = (f"{ATT}::test_shared_cases_against_float64", "-k",
           "lockstep and fp16 and (gqa or kpm-B2 or causal-B1 or dense or all-gqa or dv)")
 BARRIERS = (f"{ATT}::test_barrier_removal_is_caught_under_the_default_schedule",)
 DROPOUT = (f"{ATT}::test_dropout_gradients_follow_the_forwards_keep_mask",)
+# the forward's keep-mask against a Philox model (no Triton needed)
+PHILOX = (f"{ATT}::test_dropout_keep_mask_equals_a_philox_model_without_triton",)
 DECODE_CASES = (f"{DEC}::test_decode_against_float64",)
 PAGED_CASES = ("tests/backends/cuda/test_cuda_paged.py::test_paged_decode_against_float64_and_the_contiguous_kernel",
                "tests/backends/cuda/test_cuda_paged_prefill.py::test_paged_prefill_against_float64_and_the_contiguous_forward",
@@ -88,9 +107,9 @@ class Mutation(NamedTuple):
 
 MUTATIONS: List[Mutation] = [
     Mutation("window-left-full-tile", "attention/common.cuh",
-             "flo = imax(r1 + p.off - p.left, 0);", "flo = imax(r1 + p.off - p.left - 1, 0);", (RESIDUES,),
+             "flo = imax(r1 + p.off - p.left, 0);", "flo = imax(r1 + p.off - p.left - 1, 0);", (ONE_SIDED,),
              "forward / dQ: the left window bound lowered by one in the full-tile test (a one-key leak at one "
-             "residue of the tile)"),
+             "residue of the tile; the coupled windows of RESIDUES give the 128-row forward no full tile)"),
     Mutation("window-right-full-tile", "attention/common.cuh",
              "fhi = imax(imin(m0 + p.off + p.right + 1, p.Lk), 0);",
              "fhi = imax(imin(m0 + p.off + p.right + 2, p.Lk), 0);", (ONE_SIDED, RESIDUES),
@@ -130,6 +149,11 @@ MUTATIONS: List[Mutation] = [
              "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj) ? d * p.inv_keep : 0.f;",
              "if (DROP && p.dropout) d = dropout_keep(p, bh, i, kj + 1) ? d * p.inv_keep : 0.f;", DROPOUT,
              "dQ: the dropout key counter one off"),
+    Mutation("dropout-counter-order", "attention/common.cuh",
+             "uint32_t(p.drop_q0 + p.q0 + i), uint32_t(p.drop_k0 + p.k0 + j)",
+             "uint32_t(p.drop_k0 + p.k0 + j), uint32_t(p.drop_q0 + p.q0 + i)", PHILOX,
+             "forward and backward alike: the Philox counters of row and key swapped (the backward still "
+             "regenerates the forward's mask; only the Philox model or the Triton kernels tell)"),
     Mutation("barrier-fwd-k", "attention/fwd.cuh",
              "    prim::sync_block();                                  // K ready: every thread's; every warp is done "
              "with V(t-1)\n", "", BARRIERS,
@@ -341,8 +365,9 @@ def apply(m: Mutation, csrc: str) -> None:
 
 
 def _env(csrc: str) -> dict:
+    # EFFATTN_LONG=1: a test of the long run (conftest.py's LONG_RUN) that a mutation names runs, not skips
     env = dict(os.environ, EFFATTN_CSRC=csrc, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               COLUMNS="400")                   # pytest's summary lines keep the failure's message
+               COLUMNS="400", EFFATTN_LONG="1")  # COLUMNS: pytest's summary lines keep the failure's message
     env.pop("EFFATTN_CUDA_EMU", None)
     return env
 
@@ -356,26 +381,32 @@ def build(csrc: str) -> None:
 
 
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
+_COUNTS = re.compile(r"(\d+) (passed|skipped|deselected|xfailed|xpassed)")
+CAUGHT, SURVIVED, GPU_ONLY, ERROR = "caught", "survived", "gpu-only", "error"
 
 
 class Result(NamedTuple):
     mutation: Mutation
-    status: str                # "caught", "ESCAPED", "gpu-only"
-    detail: str
+    status: str                # CAUGHT, SURVIVED, GPU_ONLY or ERROR (the harness could not judge it)
+    detail: str                # the failing test's message, or why it is an error
     seconds: float
+    test: str = ""             # the first test that failed (CAUGHT)
+    load: float = -1.0         # the 1-minute load average when the mutation started
 
 
-def run_one(m: Mutation, timeout: float = 900) -> Result:
-    start = time.perf_counter()
+def run_one(m: Mutation, timeout: float = 1800) -> Result:
+    """Applies, builds and tests `m`; ListError when its pattern does not apply, its copy does not
+    compile, its tests run past `timeout` seconds or pytest stops for another reason than a failure."""
+    start, load = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix=f"effattn-mutant-{m.id}-") as tmp:
         csrc = os.path.join(tmp, "csrc")
         shutil.copytree(CSRC, csrc, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
         apply(m, csrc)
         if m.gpu_only:
-            return Result(m, "gpu-only", "pattern applies; the emulation does not compile this code",
-                          time.perf_counter() - start)
+            return Result(m, GPU_ONLY, "pattern applies; the emulation does not compile this code",
+                          time.perf_counter() - start, load=load)
         build(csrc)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "--no-header", "-p", "no:randomly", *m.tests]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfEs", "--no-header", "-p", "no:randomly", *m.tests]
         try:
             res = subprocess.run(cmd, cwd=ROOT, env=_env(csrc), capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -383,22 +414,138 @@ def run_one(m: Mutation, timeout: float = 900) -> Result:
     seconds = time.perf_counter() - start
     out = res.stdout + res.stderr
     if res.returncode == 0:
-        return Result(m, "ESCAPED", "every test passed", seconds)
-    if res.returncode != 1:     # 2: interrupted / collection error, 4: usage, 5: no tests ran
+        counts = dict((w, int(n)) for n, w in _COUNTS.findall(out.strip().splitlines()[-1] if out.strip() else ""))
+        if not counts.get("passed"):
+            raise ListError(f"{m.id}: no test ran (every one skipped or deselected):\n{out[-2000:]}")
+        skipped = f", {counts['skipped']} skipped" if counts.get("skipped") else ""
+        return Result(m, SURVIVED, f"every test passed ({counts['passed']}{skipped})", seconds, load=load)
+    if res.returncode != 1:     # 2: interrupted / collection error, 4: usage, 5: no tests ran, < 0: a signal
         raise ListError(f"{m.id}: pytest exited with {res.returncode} (not a test failure):\n{out[-3000:]}")
     hit = _FAILED.search(out)
-    detail = f"{hit.group(2)}: {(hit.group(3) or '').strip()}" if hit else out.strip().splitlines()[-1]
-    return Result(m, "caught", detail[:300], seconds)
+    if hit is None:
+        raise ListError(f"{m.id}: pytest failed without a FAILED / ERROR line:\n{out[-3000:]}")
+    return Result(m, CAUGHT, (hit.group(3) or "").strip()[:300], seconds, hit.group(2), load)
 
 
-def run(ids: Sequence[str], out=sys.stdout) -> List[Result]:
-    """Runs the mutations `ids` one after another, printing a line per mutation."""
+def run(ids: Sequence[str], out=sys.stdout, timeout: float = 1800, on_result=None, skip=None) -> List[Result]:
+    """Runs the mutations `ids` one after another, printing a line per mutation (and passing each
+    result to `on_result`; those `skip(id)` is true of when their turn comes are left out). A mutation
+    the harness cannot judge (`ListError`) is an ERROR result and the run goes on to the next one."""
     results = []
     for i in ids:
-        r = run_one(BY_ID[i])
+        if skip is not None and skip(i):
+            continue
+        m = BY_ID[i]
+        try:
+            r = run_one(m, timeout)
+        except ListError as e:
+            r = Result(m, ERROR, str(e), 0.0, load=os.getloadavg()[0])
         results.append(r)
-        print(f"{r.status:8s} {r.mutation.id:30s} {r.seconds:6.1f} s  {r.detail}", file=out, flush=True)
+        where = f"{r.test}: " if r.test else ""
+        print(f"{r.status:8s} {m.id:30s} {r.seconds:6.1f} s  load {r.load:4.1f}  {where}{r.detail.splitlines()[0]}",
+              file=out, flush=True)
+        if on_result is not None:
+            on_result(r)
     return results
+
+
+# ---- the log (resume) and the markdown report ------------------------------------------------------
+
+def _git(*args: str) -> str:
+    res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def _digest_files(paths: Sequence[str]) -> str:
+    digest = hashlib.sha1()
+    for path in sorted(set(paths)):
+        digest.update(os.path.relpath(path, ROOT).encode() + b"\0")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def sources_key() -> str:
+    """A hash of csrc/'s kernel sources (what every mutant is built from)."""
+    return _digest_files([os.path.join(d, f) for d, _, fs in os.walk(CSRC) for f in fs
+                          if f.endswith((".h", ".cuh", ".cu", ".cpp"))])
+
+
+def key(m: Mutation, sources: str) -> str:
+    """What a logged result of `m` stands for: the kernel sources, the mutation and the tests it names
+    (the commit of the run is logged beside it: a test file changed since shows there)."""
+    return hashlib.sha1(repr((sources, m.file, m.old, m.new, m.tests)).encode()).hexdigest()[:16]
+
+
+def read_log(path: Optional[str]) -> Dict[str, dict]:
+    """The latest logged record of each mutation id in the JSON-lines log at `path`."""
+    records: Dict[str, dict] = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    records[rec["id"]] = rec
+    return records
+
+
+def record(r: Result, sources: str) -> dict:
+    return {"id": r.mutation.id, "status": r.status, "test": r.test, "detail": r.detail,
+            "seconds": round(r.seconds, 1), "load": round(r.load, 2), "key": key(r.mutation, sources),
+            "commit": _git("rev-parse", "--short=12", "HEAD"),
+            "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split())
+
+
+def report(ids: Sequence[str], records: Dict[str, dict], sources: str, command: str) -> str:
+    """The markdown report of the mutations `ids` from their logged `records` (a record made from
+    other sources, or before its tests changed, counts as not run)."""
+    rows, count = [], {CAUGHT: 0, SURVIVED: 0, GPU_ONLY: 0, ERROR: 0, "not run": 0}
+    recs = []
+    for n, i in enumerate(ids, 1):
+        m = BY_ID[i]
+        rec = records.get(i)
+        if rec is None or rec["key"] != key(m, sources):
+            rec = None
+        status = rec["status"] if rec else "not run"
+        count[status] += 1
+        if rec:
+            recs.append(rec)
+        by = f"`{rec['test'].split('/')[-1]}`: {_cell(rec['detail'])[:160]}" if rec and rec["test"] else \
+            _cell(rec["detail"])[:200] if rec else ""
+        secs = f"{rec['seconds']:.0f}" if rec and status != GPU_ONLY else ""
+        load = f"{rec['load']:.1f}" if rec else ""
+        rows.append(f"| {n} | `{i}` | `{m.file}` | {'**' + status + '**' if status in (SURVIVED, ERROR) else status} "
+                    f"| {by} | {secs} | {load} | {rec['commit'] if rec else ''} | {_cell(m.what)} |")
+    judged = len(ids) - count[GPU_ONLY] - count["not run"]
+    whens = sorted(r["when"] for r in recs)
+    commits = sorted({r["commit"] for r in recs})
+    loads = [r["load"] for r in recs]
+    total = sum(r["seconds"] for r in recs)
+    head = [
+        "# Mutation run of the CUDA kernels (`csrc/emu/mutate.py`)",
+        "",
+        f"Written by `{command}` from the results its runs logged (`--log`; the list and the harness: "
+        f"csrc/README.md, \"Mutation run\").",
+        "",
+        f"- Run: {whens[0] + ' to ' + whens[-1] if whens else 'nothing run yet'}, commit(s) {', '.join(commits) or '-'}, "
+        f"kernel sources' hash `{sources}`.",
+        f"- Machine: {os.cpu_count()} cores shared with other jobs; the 1-minute load average when each mutation "
+        f"started: {min(loads):.1f} to {max(loads):.1f} (column *load*). Seconds are wall time under that load "
+        f"(copy, rebuild of the units that include the mutated file, the tests): {total / 60:.0f} min in all."
+        if loads else "- Machine: -",
+        f"- Result: {count[CAUGHT]} of {judged} emulated mutations caught, {count[SURVIVED]} survived, "
+        f"{count[ERROR]} errors of the harness; {count[GPU_ONLY]} GPU-only (pattern checked, nvcc-only code: "
+        f"tests/backends/cuda/test_cuda_gpu.py on a GPU); {count['not run']} not run.",
+        "",
+        "| # | mutation | file (csrc/) | result | caught by (first failing test: message) | s | load | commit | the bug |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows) + "\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -406,6 +553,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("ids", nargs="*", help="mutations to run (default: all)")
     ap.add_argument("--fast", action="store_true", help=f"only the CI subset {FAST}")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    ap.add_argument("--log", help="append each result to this JSON-lines file (what --resume and --report read)")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip the mutations --log already holds a result of for today's sources and test ids")
+    ap.add_argument("--report", help="write a markdown report of the selected mutations here (after each one)")
+    ap.add_argument("--report-only", action="store_true", help="write --report from --log and run nothing")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one mutation's tests may run (1800)")
     args = ap.parse_args(argv)
     if args.list:
         for m in MUTATIONS:
@@ -415,18 +568,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         print(f"unknown mutations {unknown}; known: {sorted(BY_ID)}", file=sys.stderr)
         return 2
-    ids = list(FAST) if args.fast else (args.ids or [m.id for m in MUTATIONS])
-    try:
-        results = run(ids)
-    except ListError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if (args.resume or args.report_only) and not args.log or args.report_only and not args.report:
+        print("--resume needs --log; --report-only needs --log and --report", file=sys.stderr)
         return 2
-    escaped = [r.mutation.id for r in results if r.status == "ESCAPED"]
-    caught = sum(r.status == "caught" for r in results)
-    gpu = sum(r.status == "gpu-only" for r in results)
+    ids = list(FAST) if args.fast else (args.ids or [m.id for m in MUTATIONS])
+    sources = sources_key()
+    records = read_log(args.log)
+    # the report covers the selection, or the whole list when the log holds more (a run resumed in parts)
+    shown = [m.id for m in MUTATIONS] if args.report and not args.ids and not args.fast else ids
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python3 csrc/emu/mutate.py"] + [os.path.basename(a) if os.sep in a else a for a in given])
+
+    def on_result(r: Result) -> None:
+        rec = record(r, sources)
+        records[rec["id"]] = rec
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if args.report:
+            with open(args.report, "w") as f:
+                f.write(report(shown, records, sources, command))
+
+    def done(i: str) -> bool:
+        """Whether the log holds a result of `i` for today's sources and test ids (re-read before each
+        mutation: another run on the same log, e.g. one going through the list from its end, may have
+        done it meanwhile)."""
+        if not args.resume:
+            return False
+        records.update(read_log(args.log))
+        rec = records.get(i)
+        return rec is not None and rec["key"] == key(BY_ID[i], sources) and rec["status"] != ERROR
+
+    skipped = sum(map(done, ids))
+    if skipped:
+        print(f"resuming: {skipped} of the {len(ids)} mutations already in {args.log}", flush=True)
+    if not args.report_only:
+        run(ids, timeout=args.timeout, on_result=on_result, skip=done)
+    records.update(read_log(args.log))
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(report(shown, records, sources, command))
+    results = [records[i] for i in ids if i in records and records[i]["key"] == key(BY_ID[i], sources)]
+    survived = [r["id"] for r in results if r["status"] == SURVIVED]
+    errors = [r["id"] for r in results if r["status"] == ERROR]
+    caught = sum(r["status"] == CAUGHT for r in results)
+    gpu = sum(r["status"] == GPU_ONLY for r in results)
     print(f"\n{caught} of {len(results) - gpu} caught by the emulation tests; {gpu} GPU-only; "
-          f"escaped: {', '.join(escaped) or 'none'}")
-    return 1 if escaped else 0
+          f"survived: {', '.join(survived) or 'none'}; errors: {', '.join(errors) or 'none'}")
+    return 2 if errors else 1 if survived else 0
 
 
 if __name__ == "__main__":

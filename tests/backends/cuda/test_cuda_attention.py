@@ -9,11 +9,13 @@ The emulated extension is compiled with g++ on first use (about 30 s) and cached
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import effattn
 from effattn.layouts import BlockLayout
+from effattn.numerics import draw_seed, drop_threshold, philox_key
 from effattn.testing.oracle import naive_attention
 from tests.conftest import EMU_DEFAULT_SCHEDULE
 from tests.contract.test_fuzz import draw
@@ -214,6 +216,43 @@ def test_dropout_keep_mask_equals_the_triton_kernels_bit_for_bit():
     assert torch.equal(keep_mask("cuda", torch.bfloat16, q, k), keep_mask("triton", torch.float32, q, k))
 
 
+def philox_first_word(key: int, c0, c1, c2, c3):
+    """An independent model of the counter-based generator the kernels draw from: Philox4x32 with 10
+    rounds (Salmon, Moraes, Dror, Shaw, SC'11), the first of its four output words, on numpy uint64
+    arrays of 32-bit words (a product of two fits in 64 bits). Round r keys with the 64-bit `key`'s low
+    and high words plus r times the Weyl constants."""
+    low = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32 & 0xFFFFFFFF)
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & low for c in (c0, c1, c2, c3))
+    for _ in range(10):
+        a, b = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (b >> np.uint64(32)) ^ c1 ^ k0, b & low, (a >> np.uint64(32)) ^ c3 ^ k1, a & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0
+
+
+def test_dropout_keep_mask_equals_a_philox_model_without_triton():
+    """Without Triton: the CUDA forward's keep-mask is Philox4x32-10 of the call's key (the seed tensor
+    the torch seed draws, effattn.numerics.philox_key) at counter (query row, key, b * H + h, 0), kept
+    where the first word's top 24 bits reach the threshold, on every visible pair (GQA: the query head's
+    index). A mistake the forward and the backward share (counter order, round keys, head index), which
+    the gradient test below cannot see, fails here."""
+    q, k, _ = drop_inputs()
+    B, H, _, Lq, Lk, _ = DROP_SHAPE
+    mask = keep_mask("cuda", torch.bfloat16, q, k)
+    torch.manual_seed(2024)
+    key = philox_key(draw_seed())
+    i, j = np.meshgrid(np.arange(Lq), np.arange(Lk), indexing="ij")
+    bh = np.arange(B * H).reshape(B, H, 1, 1)
+    word = philox_first_word(key, np.broadcast_to(i, (B, H, Lq, Lk)), j, bh, 0)
+    keep = torch.from_numpy((word >> np.uint64(8)).astype(np.int64) >= drop_threshold(DROP_P))
+    eye = torch.eye(Lk).expand(B, DROP_SHAPE[2], Lk, Lk).double()
+    probs, _ = naive_attention(q.double(), k.double(), eye, **DROP_KW)
+    visible = probs > 0
+    assert visible.sum() > 1000 and 0.6 < keep[visible].double().mean().item() < 0.9
+    assert torch.equal(mask, keep & visible)
+
+
 def test_dropout_gradients_follow_the_forwards_keep_mask(backward):
     """Without Triton: the keep-mask read off the CUDA forward keeps only visible pairs, about 1 - p of
     them, and the backward's gradients (dK/dV and dQ regenerate it from their own Philox counters)
@@ -279,7 +318,10 @@ def test_barrier_removal_is_caught_under_the_default_schedule(backward):
 # left edge of each query tile's last row, the right edge of its first row, and the edges of every
 # key tile seen from the backward's side at each residue modulo 64 (every tile of these kernels at
 # this head dim is 64 long). fp16 and near-uniform scores keep a leaked key (about 1/100 of a row's
-# weight) far above the rule's tolerance.
+# weight) far above the rule's tolerance. The forward's query tiles are 128 rows (one tile of 100 rows
+# here): no window (28 + i, i) holds a whole key tile for all of them, so its full-tile test is only
+# reached by the one-sided windows below (mutation window-left-full-tile survives this sweep through
+# the forward and the fused backward, CI's part of it).
 RESIDUE_SHIFTS = range(64)
 RESIDUES_ONE_SIDED = range(64)
 

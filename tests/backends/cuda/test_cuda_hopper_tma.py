@@ -16,30 +16,15 @@ into a two-stage mbarrier ring, two consumer warpgroups on wgmma in ping-pong tu
   cp.async (LDGSTS); 168 registers at launch (384 threads), no spills.
 """
 import re
-import shutil
 
 import pytest
 import torch
 
 import effattn
-from effattn.backends.cuda import _ext
 from effattn.testing.oracle import naive_attention
 from tests.backends.cuda.nvcc_units import Units, functions, needs_nvcc, ptxas_entries, sass_of
 from tests.conftest import EMU_DEFAULT_SCHEDULE
 from tests.core.test_attention import judge, make_inputs, naive_in
-
-
-@pytest.fixture(scope="module")
-def hopper():
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        mp.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
-        problem = _ext.emu_problem()
-        assert problem is None, problem
-        yield torch.ops.effattn_cuda_emu
-
 
 # (B, H, Hkv, Lq, Lk, D, Dv, mask kwargs): 5 key tiles (each stage used 3 times: the parities wrap), a
 # partial last key tile, GQA, head dim 128 (two boxes per tile), D != Dv (zero-filled columns), causal with

@@ -192,17 +192,6 @@ def test_accumulators_read_nan_until_the_wait_and_fenced_copies_pass(selftest):
 
 # ------------------------------------------------------------------ the emulated Hopper forward
 
-@pytest.fixture(scope="module")
-def hopper():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EFFATTN_CUDA_EMU", "1")
-        mp.setenv("EFFATTN_CUDA_EMU_HOPPER", "1")
-        problem = _ext.emu_problem()
-        assert problem is None, problem
-        yield torch.ops.effattn_cuda_emu
-        torch.ops.effattn_cuda_emu.emu_set_schedule(EMU_DEFAULT_SCHEDULE)
-
-
 # (B, H, Hkv, Lq, Lk, Dv - D, mask kwargs): two query tiles and two key tiles at most
 MASKS = {
     "dense": (1, 2, 2, 70, 90, 0, {}),
