@@ -137,9 +137,10 @@ def chunk_sum_kernel(Bp, b_strides, b_L, b_shift, b_F, CX, ZS, n_chunks, b_H,
     fb = pid_f * BZ + tl.arange(0, BZ)
     r = c * CH + tl.arange(0, CH) + b_shift
     bt = _rows(Bp + b.to(tl.int64) * b_sb + h.to(tl.int64) * b_sh, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)
-    cx = _row_scalars(CX + pid_bh.to(tl.int64) * b_L, r, b_L, C_X)
+    if C_X == 2:
+        bt = bt * _row_scalars(CX + pid_bh.to(tl.int64) * b_L, r, b_L, C_X)[:, None]
     zs = ZS + (pid_bh.to(tl.int64) * n_chunks + c) * b_F
-    tl.store(zs + fb, tl.sum(bt * cx[:, None], 0), mask=fb < b_F)
+    tl.store(zs + fb, tl.sum(bt, 0), mask=fb < b_F)       # (rows outside [0, L) are zero: `_rows`)
 
 
 @triton.jit
@@ -278,18 +279,20 @@ def chunk_out_kernel(
         # products, on a second plain (unpipelined: num_stages=1) load of the a tiles, so no pipelined
         # shared-memory tile that a dot reads is also reduced (see `tools.triton.linear_kernel_resources.
         # shared_tile_reductions`) and no narrow product remains
-        for k0 in tl.range(0, FA, BK, num_stages=1):
-            fa = k0 + tl.arange(0, BK)
+        dz = tl.zeros((CH, BK), dtype=tl.float32)     # the row dots' partial sums, reduced once after the loop
+        for kz in tl.range(0, FA, BK, num_stages=1):
+            fa = kz + tl.arange(0, BK)
             zf = tl.zeros((BK,), dtype=tl.float32)
             if HAS_STATE and STATE_Z:
-                for j in tl.static_range(NB):
-                    bh_b = b * Hb + (ha // GA) * NB + j
-                    stz = STZ + bh_b.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c
-                    zf += tl.load(stz + fa, mask=fa < FA, other=0.0)
+                for jz in tl.static_range(NB):            # names of their own: no loop-carried values
+                    bhz = b * Hb + (ha // GA) * NB + jz
+                    zf += tl.load(STZ + bhz.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c + fa, mask=fa < FA,
+                                  other=0.0)
             if HAS_BASE and BASE_Z:
                 zf += tl.load(BASEZ + (pid_bh // gbase).to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)
-            at = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
-            den += tl.sum(at * zf[None, :], 1)
+            a2 = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
+            dz += a2 * zf[None, :]
+        den += tl.sum(dz, 1)
     ok_a = (ra >= 0) & (ra < a_L)
     if NORMALIZE:
         den = den + eps
