@@ -67,12 +67,12 @@ _UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "x_sf", "x2_sf", "o_f", "st_f", "base_
 _NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "H2", "G", "gbase", "n_chunks", "chunks_per_block"}
 
 
-def map_once(dtype: str) -> bool:
-    """Whether the launchers map features once per token for `dtype` (``launch.MAP_ONCE``)."""
+def map_once(dtype: str, feat: int) -> bool:
+    """Whether the launchers map features once per token for `dtype` at `feat` features (``launch.MAP_ONCE``)."""
     import torch
 
     from effattn.backends.triton.linear import launch
-    return launch.MAP_ONCE[{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]]
+    return launch.map_once({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype], feat)
 
 
 def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=None):
@@ -91,7 +91,7 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=
           "map": kernels.map_kernel, "sums": kernels.chunk_sum_kernel}[kind]
     elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     consts = dict(flags)
-    if not (map_once(dtype) if once is None else once):
+    if not (map_once(dtype, feat) if once is None else once):
         consts.update(IN_PASS.get(role, {}))
     if kind == "step":
         bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
@@ -275,7 +275,7 @@ def placement_table(rows: List[dict]) -> List[str]:
                 continue
             fewer = "once" if a[0] < b[0] else "in pass"
             lines.append(f"| {dtype} | {feat} | {a[0]}, {a[1]} | {b[0]}, {b[1]} | {100 * (a[0] - b[0]) / b[0]:+.0f}% | "
-                         f"{fewer} | {'once' if map_once(dtype) else 'in pass'} |")
+                         f"{fewer} | {'once' if map_once(dtype, feat) else 'in pass'} |")
     return lines
 
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     jobs = []
     for f in args.feature_dims.split(","):
         for dt in args.dtypes.split(","):
-            once = map_once(dt)
+            once = map_once(dt, int(f))
             jobs += [(args.arch, role, int(f), dt, once, *extra) for role in roles]
             if not args.default_placement_only:       # the forward the other way: the placement model
                 jobs += [(args.arch, role, int(f), dt, not once, *extra) for role in roles if role in FORWARD]

@@ -159,23 +159,29 @@ def dv_tile(bv: int, fc: int, rows: int, n_sm: int) -> int:
 
 
 MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_90 offline, bf16 and fp16)
-# Where a feature map runs, per input dtype: True, once per token (`map_kernel`, the passes read phi(x)); False,
-# in the passes on every tile they load. From the offline model (sm_90, triton 3.9: the forward's instructions
-# per chunk of 64 positions at F = Dv = 128, state and output programs plus the map kernel's;
+# Where a feature map runs, per input dtype: once per token (`map_kernel`, the passes read phi(x)) from this
+# feature dim on (padded to a power of 2; 0: always, math.inf: never), in the passes on every tile they load
+# below it. From the offline model (sm_90, triton 3.9: the forward's instructions per chunk of 64 positions at
+# F = Dv = 64, 128, 256: chunk sums, state and output programs plus the map kernel's;
 # benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs"), which
 # tests/backends/triton/test_triton_linear.py checks against this table.
-MAP_ONCE = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
+MAP_ONCE = {torch.bfloat16: 0, torch.float16: 128, torch.float32: 128}
+
+
+def map_once(dtype: torch.dtype, F: int) -> bool:
+    """Whether a feature map of inputs of `dtype` with `F` features runs once per token (`MAP_ONCE`)."""
+    return _next_pow2(max(F, 1)) >= MAP_ONCE[dtype]
 
 
 def mapped(*rows: Rows) -> Tuple[Rows, ...]:
     """``rows`` (one or two operands of one call: q and k) with their feature map applied once per token
-    where `MAP_ONCE` says so for their dtype: ``phi(x)`` contiguous in x's dtype (O(L) memory, as the
+    where `MAP_ONCE` says so for their dtype and feature dim: ``phi(x)`` contiguous in x's dtype (O(L) memory, as the
     input), read as it is by the passes, both operands in one `map_kernel` launch. bf16 and fp32 calls lose
     nothing (their dots round each mapped tile to that dtype, or read fp32). fp16 calls run their dots at
     TF32, whose 10-bit mantissa is fp16's: a mapped feature below fp16's normal range (2^-14: elu + 1 of
     x < -9.7) keeps an absolute error under 2^-25. Identity-mapped operands, and those of a dtype whose
     map runs in the passes, are returned as they are."""
-    todo = [i for i, r in enumerate(rows) if r.fmap != FMAP_IDENTITY and MAP_ONCE[r.x.dtype] and r.x.numel()]
+    todo = [i for i, r in enumerate(rows) if r.fmap != FMAP_IDENTITY and map_once(r.x.dtype, r.F) and r.x.numel()]
     if not todo:
         return rows
     xs = [rows[i].x for i in todo]
