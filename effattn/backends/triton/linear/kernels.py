@@ -248,6 +248,8 @@ def chunk_out_kernel(
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
                             mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
                 acc += _mm(at, h.to(tl.float32), DT, DOT_PREC, INTERP_BF16)
+                if STATE_Z and Z_MODE == 1 and MAP_A != IDENTITY:   # a mapped tile: registers, a row dot here
+                    den += tl.sum(at * tl.load(stz + fa, mask=fa < FA, other=0.0)[None, :], 1)
         if HAS_STATE and STATE_Z:
             if Z_MODE == 2:
                 acc += ax[:, None] * tl.load(stz + fc, mask=fc < FC, other=0.0)[None, :]
@@ -270,15 +272,19 @@ def chunk_out_kernel(
             h = tl.load(bs + fa[:, None] * base_a + fc[None, :] * base_f,
                         mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
             acc += _mm(at, h, DT, DOT_PREC, INTERP_BF16)
+            if BASE_Z and Z_MODE == 1 and MAP_A != IDENTITY:
+                den += tl.sum(at * tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)[None, :],
+                              1)
         if BASE_Z:
             if Z_MODE == 2:
                 zc = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fc, mask=fc < FC, other=0.0)
                 acc += ax[:, None] * zc[None, :]
-    if Z_MODE == 1 and ((HAS_STATE and STATE_Z) or (HAS_BASE and BASE_Z)):
-        # the denominator's state terms a_t . (z_c + z_base): row dots in fp32 in a loop of their own, after the
-        # products, on a second plain (unpipelined: num_stages=1) load of the a tiles, so no pipelined
-        # shared-memory tile that a dot reads is also reduced (see `tools.triton.linear_kernel_resources.
-        # shared_tile_reductions`) and no narrow product remains
+    if Z_MODE == 1 and MAP_A == IDENTITY and ((HAS_STATE and STATE_Z) or (HAS_BASE and BASE_Z)):
+        # a tile fed to the dots as loaded (no map between): the denominator's state terms a_t . (z_c + z_base) as
+        # fp32 row dots in a loop of their own, after the products, on a second plain (unpipelined:
+        # num_stages=1) load of the a tiles, so no pipelined shared-memory tile that a dot reads is also reduced
+        # (`tools.triton.linear_kernel_resources.shared_tile_reductions`). A mapped tile is in registers: its
+        # row dots run in the product loops above
         dz = tl.zeros((CH, BK), dtype=tl.float32)     # the row dots' partial sums, reduced once after the loop
         for kz in tl.range(0, FA, BK, num_stages=1):
             fa = kz + tl.arange(0, BK)
