@@ -44,16 +44,18 @@ ROLES = {
     "out-dk": ("out", dict(_OUT, REVERSE=True, MAP_X=1, A_X=1, B_X=2, STATE_Z=True, Z_MODE=2)),
     "out-dv": ("out", dict(_OUT, REVERSE=True)),
     "out-noncausal": ("out", dict(_OUT, CAUSAL=False, STATE_Z=True, Z_MODE=1, WITH_DEN=True, NORMALIZE=True)),
+    "sums": ("sums", dict(C_X=1, MAP_B=0)),
+    "sums-weighted": ("sums", dict(C_X=2, MAP_B=0)),
     "step": ("step", dict(MAP=1, NORMALIZE=True)),
     "map": ("map", dict(MAP=1)),
 }
-IN_PASS = {"state-fwd": dict(MAP_B=1), "state-bwd-reverse": dict(MAP_B=1), "state-noncausal-split": dict(MAP_B=1),
+IN_PASS = {"sums": dict(MAP_B=1), "sums-weighted": dict(MAP_B=1), "state-fwd": dict(MAP_B=1), "state-bwd-reverse": dict(MAP_B=1), "state-noncausal-split": dict(MAP_B=1),
            "out-fwd-normalized": dict(MAP_A=1, MAP_B=1), "out-fwd-plain": dict(MAP_A=1, MAP_B=1),
            "out-dq": dict(MAP_C=1), "out-dk": dict(MAP_C=1), "out-dv": dict(MAP_A=1, MAP_B=1),
            "out-noncausal": dict(MAP_A=1)}
-FORWARD = ("state-fwd", "out-fwd-normalized")      # the causal forward's passes (with the map: its model)
+FORWARD = ("sums", "state-fwd", "out-fwd-normalized")   # the causal forward's passes (with the map: its model)
 _BF16_DATA = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "X2p", "Y2"}
-_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "X2p", "Y2", "ST", "CX", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
+_POINTERS = {"Ap", "Bp", "Cp", "GXp", "OUT", "Q", "K", "V", "Xp", "Y", "X2p", "Y2", "ST", "CX", "ZS", "STZ", "FIN", "FINZ", "AX", "BX", "BASE",
              "BASEZ", "DEN", "S", "Z", "S_OUT", "Z_OUT"}
 # stride tuples (kernels.py): the names of their elements
 _TUPLES = {f"{x}_strides": tuple(f"{x}_s{a}" for a in "bhlf") for x in ("a", "b", "c", "gx", "x", "x2")}
@@ -65,12 +67,12 @@ _UNIT = {"a_sf", "b_sf", "c_sf", "gx_sf", "x_sf", "x2_sf", "o_f", "st_f", "base_
 _NO_HINT = {"a_shift", "b_shift", "GA", "Ha", "Hb", "b_H", "H", "H2", "G", "gbase", "n_chunks", "chunks_per_block"}
 
 
-def map_once(dtype: str) -> bool:
-    """Whether the launchers map features once per token for `dtype` (``launch.MAP_ONCE``)."""
+def map_once(dtype: str, feat: int) -> bool:
+    """Whether the launchers map features once per token for `dtype` at `feat` features (``launch.MAP_ONCE``)."""
     import torch
 
     from effattn.backends.triton.linear import launch
-    return launch.MAP_ONCE[{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]]
+    return launch.map_once({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype], feat)
 
 
 def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=None):
@@ -86,10 +88,10 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=
     from effattn.backends.triton.linear import kernels, launch
     kind, flags = ROLES[role]
     fn = {"state": kernels.chunk_state_kernel, "out": kernels.chunk_out_kernel, "step": kernels.step_kernel,
-          "map": kernels.map_kernel}[kind]
+          "map": kernels.map_kernel, "sums": kernels.chunk_sum_kernel}[kind]
     elem = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     consts = dict(flags)
-    if not (map_once(dtype) if once is None else once):
+    if not (map_once(dtype, feat) if once is None else once):
         consts.update(IN_PASS.get(role, {}))
     if kind == "step":
         bf, bv, warps, stages = min(64, feat), min(128, feat), 4, 3
@@ -99,6 +101,10 @@ def compile_role(arch: int, role: str, feat: int, dtype: str, config=None, once=
         bl, bf, warps, stages = launch.MAP_ROWS, min(128, feat), 4, 3
         consts.update(BL=bl, BF=bf, INTERP_BF16=False)
         cfg = f"BL{bl}xBF{bf}x{warps}"
+    elif kind == "sums":
+        bz, warps, stages = min(launch.SUM_ROWS_F, feat), 4, 3
+        consts.update(CH=64, BZ=bz)
+        cfg = f"CH64xBZ{bz}x{warps}"
     else:
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         bk, bv, warps, stages = launch._fit(config or launch.candidates(kind, torch_dtype)[0], feat, feat)
@@ -215,7 +221,7 @@ def to_markdown(rows: List[dict], meta: dict) -> str:
         lines.append(f"| {r['role']} | {r['feat']} | {r['dtype']} | {r['map']} | {r['config']} | {smem} | "
                      f"{r.get('regs', '?')} | {r.get('stack', '?')} | {r.get('loop_spills', '?')}/{r.get('spills', '?')} | "
                      f"{r.get('hgmma', '?')} | {_narrow(r.get('wgmma_min_n'))} | {r.get('hmma', '?')} | "
-                     f"{'/'.join(map(str, r.get('loop_instrs', [])))} | "
+                     f"{'/'.join(map(str, r.get('loop_instrs', []))) or 'no loop: ' + str(r.get('instrs', '?'))} | "
                      f"{'/'.join(map(str, r.get('loop_barriers', [])))} | {_prefetch(r)} | "
                      f"{r.get('tile_reductions', '?')} |")
     lines += placement_table(rows)
@@ -228,19 +234,23 @@ def _cdiv(a: int, b: int) -> int:
 
 def forward_per_chunk(rows: List[dict], feat: int, dtype: str, once: bool):
     """(instructions, state chain) of the causal forward per chunk of 64 positions and key head at F = Dv =
-    `feat` with the map `once` per token or in the passes, from the compiled rows: the state programs
-    (Fb x Fc tiles) x the state loop, the output programs (Fc tiles) x their feature loop x its trips
-    (Fa / BK), and with `once` the map kernel's instructions for q and k (64 rows each); the chain is the
-    state loop (a program's chunks run one after another). None where a row is missing."""
+    `feat` with the map `once` per token or in the passes, from the compiled rows: the normalizer's chunk
+    sums (`chunk_sum_kernel`: Fb tiles x all its instructions, one tile a program), the state programs
+    (Fb x Fc tiles) x the state loop, the output programs (Fc tiles) x their feature loops (the products'
+    and the denominator's, each Fa / BK trips), and with `once` the map kernel's instructions for q and k
+    (64 rows each); the chain is the state loop (a program's chunks run one after another). None where a
+    row is missing."""
     place = "once" if once else "in pass"
     got = {r["role"]: r for r in rows if r["feat"] == feat and r["dtype"] == dtype and "error" not in r
            and r["map"] in (place, "-")}
-    if not all(role in got and got[role].get("loop_instrs") for role in FORWARD) or (once and "map" not in got):
+    loops = ("state-fwd", "out-fwd-normalized")
+    if not all(role in got for role in FORWARD) or not all(got[role].get("loop_instrs") for role in loops) \
+            or (once and "map" not in got):
         return None
-    tiles = {role: [int(x) for x in re.findall(r"B[KV](\d+)", got[role]["config"])] for role in FORWARD}
-    (sk, sv), (ok, ov) = tiles["state-fwd"], tiles["out-fwd-normalized"]
-    state = _cdiv(feat, sk) * _cdiv(feat, sv) * got["state-fwd"]["loop_instrs"][0]
-    out = _cdiv(feat, ov) * _cdiv(feat, ok) * got["out-fwd-normalized"]["loop_instrs"][0]
+    tiles = {role: [int(x) for x in re.findall(r"B[KVZ](\d+)", got[role]["config"])] for role in FORWARD}
+    (sk, sv), (ok, ov), (sz,) = tiles["state-fwd"], tiles["out-fwd-normalized"], tiles["sums"]
+    state = _cdiv(feat, sk) * _cdiv(feat, sv) * got["state-fwd"]["loop_instrs"][0] + _cdiv(feat, sz) * got["sums"]["instrs"]
+    out = _cdiv(feat, ov) * _cdiv(feat, ok) * sum(got["out-fwd-normalized"]["loop_instrs"])
     total = state + out
     if once:
         bl, bf = (int(x) for x in re.findall(r"B[LF](\d+)", got["map"]["config"]))
@@ -265,7 +275,7 @@ def placement_table(rows: List[dict]) -> List[str]:
                 continue
             fewer = "once" if a[0] < b[0] else "in pass"
             lines.append(f"| {dtype} | {feat} | {a[0]}, {a[1]} | {b[0]}, {b[1]} | {100 * (a[0] - b[0]) / b[0]:+.0f}% | "
-                         f"{fewer} | {'once' if map_once(dtype) else 'in pass'} |")
+                         f"{fewer} | {'once' if map_once(dtype, feat) else 'in pass'} |")
     return lines
 
 
@@ -292,7 +302,7 @@ def main(argv=None) -> int:
     jobs = []
     for f in args.feature_dims.split(","):
         for dt in args.dtypes.split(","):
-            once = map_once(dt)
+            once = map_once(dt, int(f))
             jobs += [(args.arch, role, int(f), dt, once, *extra) for role in roles]
             if not args.default_placement_only:       # the forward the other way: the placement model
                 jobs += [(args.arch, role, int(f), dt, not once, *extra) for role in roles if role in FORWARD]

@@ -215,7 +215,7 @@ def test_every_launch_pins_fp_fusion(monkeypatch):
         for name in [n for n in vars(mod) if n.endswith("_kernel")]:
             monkeypatch.setattr(mod, name, Recorder(name))
     q, k, v, kw = _inputs(4, features=False)
-    monkeypatch.setitem(linear_launch.MAP_ONCE, q.dtype, True)      # the map kernel too, whatever the dtype's placement
+    monkeypatch.setitem(linear_launch.MAP_ONCE, q.dtype, 0)         # the map kernel too, whatever the dtype's placement
     leaves = [t.requires_grad_() for t in (q, k, v)]
     torch.autograd.grad(effattn.attention(*leaves, backend="triton", **kw).sum(), leaves)
     torch.autograd.grad(effattn.linear_attention(*leaves, causal=True, backend="triton").sum(), leaves)

@@ -1,6 +1,8 @@
 """Tests specific to the Triton linear-attention backend: the decoding step kernel inside KVCache,
 bitwise determinism, what `explain` says, the torch.library ops, and (marked `gpu`) bf16 accuracy up
 to 64k positions. The shared accuracy suite is tests/core/test_linear_attention.py."""
+import math
+
 import pytest
 import torch
 
@@ -89,10 +91,9 @@ def test_empty_lengths_match_torch(Lq, Lk, causal):
 
 @pytest.mark.parametrize("base", [False, True], ids=["state", "state+base"])
 def test_denominator_state_terms_keep_fp32_precision(base):
-    """The denominator's state terms ``phi(q) . z`` are products on the tensor cores' operands (z as
-    bf16 hi + lo, `_pairs` in kernels.py), not reductions of the loaded tile: with bf16 features of a
-    wide range (as FAVOR+'s) the denominators match float64 to ~2^-17 relative; z rounded to bf16
-    once would leave 2^-9."""
+    """The normalizer ``z`` (per-chunk fp32 row sums, `chunk_sum_kernel`) and the denominator's state terms
+    ``phi(q) . z`` (fp32 row dots) keep fp32: with bf16 features of a wide range (as FAVOR+'s) the
+    denominators match float64 to 2^-14 relative; z or its products rounded to bf16 would leave 2^-9."""
     from effattn.backends.triton.linear.ops import triton_linear_causal_fwd
     from effattn.feature_maps import FMAP_IDENTITY
     g = torch.Generator().manual_seed(3)
@@ -232,15 +233,9 @@ def test_gpu_step_kernel_and_determinism(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_kernels_compile_for_sm90_offline():
-    """The interpreter skips Triton's compiler: compile the roles of the two linear kernels (and the
-    step and feature-map kernels) for sm_90 in the default bf16 config at F = Dv = 128, and the fp16
-    output pass (which spilled 9 registers in its loop at a 128-wide output tile), so a GPU-only
-    compile error fails CI, and check they fit, use wgmma and spill nothing inside their loops
-    (`python -m tools.triton.linear_kernel_resources` prints the table of every role and dtype).
-    No kernel reduces a pipelined shared-memory tile that a dot also reads (features fed to the
-    passes as they are): Triton 3.6 computed that reduction wrongly on an H200 (the normalizer of
-    bf16 FAVOR+ attention at L = 4096)."""
+def _offline_rows(*argsets):
+    """Rows of `python -m tools.triton.linear_kernel_resources --json` (sm_90, Triton's compiler, no GPU), one
+    subprocess per argument list: the test process may run under the interpreter, which compiles nothing."""
     import json
     import os
     import subprocess
@@ -249,25 +244,57 @@ def test_kernels_compile_for_sm90_offline():
     root = os.path.dirname(os.path.dirname(effattn.__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    # the roles whose flags are not a subset of another's (the committed table has all of them)
-    roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
-             "step", "map"]
     rows = []
-    for dtype, which in (("bf16", roles), ("fp16", ["out-fwd-normalized"])):
+    for args in argsets:
         proc = subprocess.run([sys.executable, "-m", "tools.triton.linear_kernel_resources", "--json", "--processes",
-                               "2", "--dtypes", dtype, "--roles", ",".join(which), "--default-placement-only"],
-                              cwd=root, capture_output=True,
-                              text=True, env=env, timeout=1200)
+                               "2", "--default-placement-only", *args], cwd=root, capture_output=True, text=True,
+                              env=env, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows += [json.loads(line) for line in proc.stdout.strip().splitlines()]
-    assert len(rows) == len(roles) + 1 and not [r for r in rows if "error" in r], rows
+    assert rows and not [r for r in rows if "error" in r], rows
+    return rows
+
+
+def _no_narrow_product(rows):
+    """Every pass (not the step, map or chunk-sum kernels, which have no product) runs wgmma, none
+    narrower than 64 x 32 in a loop; no loop spills; no reduction of a pipelined tile a dot reads."""
+    passes = [r for r in rows if r["role"] not in ("step", "map", "sums", "sums-weighted")]
+    assert all(r["hgmma"] > 0 for r in passes), rows
+    assert all(r["wgmma_min_n"] is not None and r["wgmma_min_n"] >= 32 for r in passes), \
+        [(r["role"], r["dtype"], r["wgmma_min_n"]) for r in passes]
     assert all(r["fits"] and r.get("loop_spills") == 0 for r in rows), rows
-    assert all(r["hgmma"] > 0 for r in rows if r["role"] not in ("step", "map")), rows
     assert all(r["tile_reductions"] == 0 for r in rows), rows
 
 
+def test_normalizer_takes_no_narrow_product_offline():
+    """The causal forward's two passes (bf16, F = Dv = 128, default configs) compiled for sm_90: the
+    normalizer's 64 x 16 products (``z`` in the state loop, the denominator in the output loop) stay out,
+    wgmma no narrower than 32 in their loops, no loop spill (the long run compiles every role)."""
+    rows = _offline_rows(["--dtypes", "bf16", "--feature-dims", "128", "--roles", "state-fwd,out-fwd-normalized"])
+    assert [r["role"] for r in rows] == ["state-fwd", "out-fwd-normalized"], rows
+    _no_narrow_product(rows)
+
+
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter skips Triton's compiler: compile the roles of the linear kernels (and the step,
+    feature-map and chunk-sum kernels) for sm_90 in the default bf16 config at F = Dv = 128, and the fp16
+    output pass (which spilled 9 registers in its loop at a 128-wide output tile), so a GPU-only compile
+    error fails CI, and check they fit, use wgmma no narrower than 64 x 32 in their loops and spill nothing
+    inside their loops (`python -m tools.triton.linear_kernel_resources` prints the table of every role and
+    dtype). No kernel reduces a pipelined shared-memory tile that a dot also reads (features fed to the
+    passes as they are): Triton 3.6 computed that reduction wrongly on an H200 (the normalizer of bf16
+    FAVOR+ attention at L = 4096)."""
+    # the roles whose flags are not a subset of another's (the committed table has all of them)
+    roles = ["state-fwd", "state-bwd-reverse", "state-noncausal-split", "out-fwd-normalized", "out-dq", "out-dk",
+             "sums-weighted", "step", "map"]
+    rows = _offline_rows(["--dtypes", "bf16", "--roles", ",".join(roles)],
+                         ["--dtypes", "fp16", "--roles", "out-fwd-normalized"])
+    assert len(rows) == len(roles) + 1, rows
+    _no_narrow_product(rows)
+
+
 def test_map_placement_follows_the_committed_offline_model():
-    """`launch.MAP_ONCE` puts each dtype's feature map where the committed offline table's model
+    """`launch.MAP_ONCE` puts each dtype's feature map (per feature dim) where the committed offline table's model
     (benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs") counts fewer
     forward instructions per chunk, at every feature dim it lists (regenerate the table after a kernel
     change; a placement against its model fails here)."""
@@ -283,7 +310,7 @@ def test_map_placement_follows_the_committed_offline_model():
     rows = re.findall(r"^\| (bf16|fp16|fp32) \| (\d+) \|.*\| (once|in pass) \| (once|in pass) \|$", section, re.M)
     assert {r[0] for r in rows} == set(names) and len(rows) >= 3, rows
     for dtype, feat, fewer, listed in rows:
-        want = launch.MAP_ONCE[names[dtype]]
+        want = launch.map_once(names[dtype], int(feat))
         assert (fewer == "once") == want and (listed == "once") == want, (dtype, feat, fewer, listed)
 
 
@@ -358,7 +385,7 @@ def test_feature_map_placements_match_float64(fmap, causal, once, map_launches, 
     from effattn.backends.triton.linear import launch
     from effattn.feature_maps import KERNEL_MAPS
     from tests.core.test_linear_attention import close_to, oracle, oracle_phi, oracle_state
-    monkeypatch.setitem(launch.MAP_ONCE, torch.float32, once)
+    monkeypatch.setitem(launch.MAP_ONCE, torch.float32, 0 if once else math.inf)
     torch.manual_seed(21)
     f64 = torch.float64
     B, H, Hkv, L, Lp, D, Dv = 1, 2, 1, 70, 9, 16, 8
@@ -403,7 +430,7 @@ def test_map_kernel_rounds_to_the_input_dtype(monkeypatch):
             return real[grid]
     monkeypatch.setattr(launch, "map_kernel", Spy())
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        monkeypatch.setitem(launch.MAP_ONCE, dtype, True)
+        monkeypatch.setitem(launch.MAP_ONCE, dtype, 0)
         xd, x2d = x.to(dtype), x2.to(dtype)
         elu, elu2 = launch.mapped(launch.Rows(xd, 0, FMAP_ELU), launch.Rows(x2d, -7, FMAP_ELU))
         relu, = launch.mapped(launch.Rows(xd, 0, FMAP_RELU))
@@ -414,7 +441,7 @@ def test_map_kernel_rounds_to_the_input_dtype(monkeypatch):
             tol = (torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps) * ref.abs()
             assert ((got.x.float() - ref).abs() <= tol + (2 ** -25 if dtype == torch.float16 else 0)).all()
         assert torch.equal(relu.x, xd.clamp_min(0))
-        monkeypatch.setitem(launch.MAP_ONCE, dtype, False)
+        monkeypatch.setitem(launch.MAP_ONCE, dtype, math.inf)
         kept = launch.Rows(xd, 0, FMAP_ELU)
         assert launch.mapped(kept) == (kept,)
     assert len(launches) == 6                                       # two launches per dtype, q and k in one

@@ -38,7 +38,7 @@ from ....numerics import compute_dtype
 from ...base import FEATURES, Capabilities, Path, register
 from ...linear_common import LinearKernels, run, run_step, step_reasons
 from ..runtime import _available, _tf32_enabled, triton
-from .launch import MAP_ONCE
+from .launch import map_once
 
 if triton is not None:
     from .ops import triton_linear_apply, triton_linear_causal_fwd, triton_linear_kv_state, triton_linear_step
@@ -75,11 +75,12 @@ def _note(call) -> str:
     if name == "identity":
         return "feature map 'identity' fused into the kernels"
     if name in ("elu", "relu"):
-        if MAP_ONCE[call.q.dtype]:
+        if map_once(call.q.dtype, call.q.shape[-1]):
             return (f"feature map {name!r} fused into the kernels: a map kernel applies it once per token (q and "
                     "k in one launch), the passes read the mapped features")
         return (f"feature map {name!r} fused into the kernels: applied in the passes to each tile they load "
-                f"(fewer instructions than a map kernel for {str(call.q.dtype)[6:]}, offline sm_90 model)")
+                f"(fewer instructions than a map kernel for {str(call.q.dtype)[6:]} at {call.q.shape[-1]} "
+                "features, offline sm_90 model)")
     what = "FAVOR+ features" if name == "favor" else "the callable feature map"
     return (f"{what} computed in torch (fp32, autograd) and fed to the kernels; the kernels fuse only "
             "'elu', 'relu' and 'identity'")

@@ -6,14 +6,16 @@ Everything is written in terms of three row operands ``a``, ``b``, ``c`` on a co
 
 - ``chunk_state_kernel`` (the chunk-state pass, fla's ``chunk_h``): for every chunk ``c`` of ``CH``
   timeline positions, the state ``S_c = sum_{t before chunk c} b_t^T c_t`` (``(Fb, Fc)``) and
-  ``z_c = sum b_t * cx_t`` (``(Fb,)``), "before" meaning earlier chunks, or later ones when
-  ``REVERSE``; and the total over all chunks (the final state). Sequential over chunks, parallel
+  ``z_c = sum b_t * cx_t`` (``(Fb,)``: the prefix sum of ``chunk_sum_kernel``'s per-chunk row sums),
+  "before" meaning earlier chunks, or later ones when ``REVERSE``; and the total over all chunks (the
+  final state). Sequential over chunks, parallel
   over heads and (Fb, Fc) tiles. Without ``STORE`` it only sums, over a range of chunks per program
   (the non-causal reduction, split over the sequence).
 - ``chunk_out_kernel`` (the output pass, fla's ``chunk_o``): for each chunk and a tile of ``Fc``,
   ``out_t = sum_{s in chunk, s <= t} (a_t . b_s + ax_t bx_s) c_s + a_t S_c + ax_t zc_c`` (``s >= t``
   when ``REVERSE``; no intra-chunk term without ``CAUSAL``), plus a fixed ``base`` state, an optional
-  denominator ``den_t = sum_s a_t . b_s + a_t . z_c`` and the feature-map derivative of the output.
+  denominator ``den_t = sum_s a_t . b_s + a_t . z_c`` (the row sums of the masked scores the numerator
+  multiplies, plus fp32 row dots in a loop after the products) and the feature-map derivative of the output.
 
 The forward is (state pass on (phi(k), v); output pass), the backward four more launches of the same
 two kernels with the operands swapped (see ``ops.py``). Feature maps (``MAP``: the codes of
@@ -23,8 +25,14 @@ launch for q and k), which writes ``phi(x)`` in the input's dtype for the passes
 the passes, on each tile right after its load, in fp32 (each operand's ``MAP_A`` / ``MAP_B`` / ``MAP_C``;
 identity for a pre-mapped or unmapped operand). The output pass also reads the raw rows of ``MAP_X`` (the
 map's derivative in the backward), the step kernel maps its one row itself.
-A loaded tile is only ever an operand of products: its weighted row sums (``z``, the denominator's state
-terms) are products too (`_pairs`), never an elementwise reduction beside a dot (see `_pairs` for why).
+The normalizer takes no matrix product: ``z``'s per-chunk row sums are reduced in `chunk_sum_kernel` (a tile
+that feeds no dot) and the denominator's state terms from a second, unpipelined load of the a tiles. No
+pipelined shared-memory tile that a dot reads is also reduced: Triton 3.6's pipeliner (3 stages, sm_90)
+read such a tile's buffer twice, in two layouts, and the reduction came out wrong on an H200 (FAVOR+
+features, a bf16 tile with no map applied: the normalizer ``z`` and the output off by up to 0.09);
+``tools.triton.linear_kernel_resources.shared_tile_reductions`` finds the pattern and a test holds it at 0.
+Before, both were products on the tensor cores against a 16-column ``(hi, lo)`` split of the fp32 vector
+(a 64 x 16 wgmma in each loop).
 
 Arguments mirror the CUDA kernels' parameter blocks (`LinStateParams`, `LinOutParams`, `LinStepParams` in
 csrc/linear/linear.h) under their names, a nested row operand ``a`` / ``b`` / ``c`` / ``gx`` (C++ `LinRows`)
@@ -33,7 +41,7 @@ strides as one tuple ``a_strides`` = (a_sb, a_sh, a_sl, a_sf), ``a_L``, ``a_shif
 other fields as they are (``FA``, ``FC``, ``Ha``, ``Hb``, ``GA``, ``n_chunks``, ``chunks_per_block``, ``st_bh``,
 ``st_c``, ``st_a``, ``st_f`` (as ``st_strides``), ``stz_strides`` = (stz_bh, stz_c), ``base_strides`` = (base_bh,
 base_a, base_f), ``basez_bh``, ``gbase``, ``o_strides`` = (o_b, o_h, o_l, o_f), ``eps``; pointers upper case:
-``CX``, ``ST``, ``STZ``, ``FIN``, ``FINZ``, ``AX``, ``BX``, ``BASE``, ``BASEZ``, ``OUT``, ``DEN``; the step's
+``CX`` (`chunk_sum_kernel`'s; the state kernel reads its sums ``ZS`` instead), ``ST``, ``STZ``, ``FIN``, ``FINZ``, ``AX``, ``BX``, ``BASE``, ``BASEZ``, ``OUT``, ``DEN``; the step's
 ``S``, ``Z``, ``S_OUT``, ``Z_OUT``). C++ int flags that select code here are constexprs (``REVERSE``,
 ``STORE``, ``CAUSAL``, ``C_X`` = cx_mode, ``A_X``, ``B_X``, ``Z_MODE``, ``MAP_A``, ``MAP_B``, ``MAP_C``,
 ``MAP_X`` = each operand's ``map``, ...).
@@ -46,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ....feature_maps import FMAP_ELU, FMAP_IDENTITY, FMAP_RELU
-from ..jit import cast, dot, round_tf32
+from ..jit import cast, dot
 
 IDENTITY: tl.constexpr = tl.constexpr(FMAP_IDENTITY)   # feature-map codes (effattn.feature_maps.KERNEL_MAPS)
 ELU: tl.constexpr = tl.constexpr(FMAP_ELU)
@@ -75,23 +83,6 @@ def _mm(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexp
     else:
         c = dot(a.to(DT), b.to(DT), DOT_PREC, INTERP_BF16)    # fp32 at TF32: rounded to nearest first
     return c
-
-
-@triton.jit
-def _pairs(x, DT: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """fp32 vector ``x (n,)`` -> ``(n, 16)`` tile: column 0 ``hi`` (``x`` at the dot's precision), column 1
-    ``lo = x - hi``, zeros elsewhere. ``_mm(t, _pairs(x)).sum(1)`` is ``t @ x`` to about 2^-17 (bf16) /
-    2^-22 (TF32) relative: the weighted row sums of a tile (``z``, the denominator) taken on the tensor
-    cores like the tile's other products. An elementwise reduction of a loaded tile that also feeds a
-    dot is not used: Triton 3.6's pipeliner (3 stages, sm_90) then reads the tile's shared-memory
-    buffer twice, in two layouts, and the reduction came out wrong on an H200 (FAVOR+ features, a
-    bf16 tile with no map applied: the normalizer ``z`` and the output off by up to 0.09)."""
-    if DOT_PREC == "tf32":
-        hi = round_tf32(x)
-    else:
-        hi = cast(x, DT, INTERP_BF16).to(tl.float32)   # fp32: x itself
-    col = tl.arange(0, 16)[None, :]
-    return tl.where(col == 0, hi[:, None], tl.where(col == 1, (x - hi)[:, None], 0.0))
 
 
 @triton.jit
@@ -134,8 +125,27 @@ def map_kernel(Xp, x_strides, Y, H, L, X2p, x2_strides, Y2, H2, L2, F, BL: tl.co
 
 
 @triton.jit
+def chunk_sum_kernel(Bp, b_strides, b_L, b_shift, b_F, CX, ZS, n_chunks, b_H,
+                     CH: tl.constexpr, BZ: tl.constexpr, C_X: tl.constexpr, MAP_B: tl.constexpr):
+    """The normalizer's per-chunk increments: ``ZS[bh, c, f] = sum_{t in chunk c} cx_t phi(b)_{t + shift, f}``
+    (fp32 ``(B * H, n_chunks, Fb)``; ``cx`` ones with C_X 1, loaded with 2), which `chunk_state_kernel` adds
+    up in its chunk order into ``z``. A column reduction of one fp32 tile per program (grid (B * H, n_chunks,
+    cdiv(Fb, BZ))): no loop, no dot, the chunks in parallel; ``z`` takes no product in the state loop."""
+    b_sb, b_sh, b_sl, b_sf = b_strides
+    pid_bh, c, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = pid_bh // b_H, pid_bh % b_H
+    fb = pid_f * BZ + tl.arange(0, BZ)
+    r = c * CH + tl.arange(0, CH) + b_shift
+    bt = _rows(Bp + b.to(tl.int64) * b_sb + h.to(tl.int64) * b_sh, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)
+    if C_X == 2:
+        bt = bt * _row_scalars(CX + pid_bh.to(tl.int64) * b_L, r, b_L, C_X)[:, None]
+    zs = ZS + (pid_bh.to(tl.int64) * n_chunks + c) * b_F
+    tl.store(zs + fb, tl.sum(bt, 0), mask=fb < b_F)       # (rows outside [0, L) are zero: `_rows`)
+
+
+@triton.jit
 def chunk_state_kernel(
-        Bp, b_strides, Cp, c_strides, b_L, b_shift, b_F, c_F, CX,
+        Bp, b_strides, Cp, c_strides, b_L, b_shift, b_F, c_F, ZS,
         ST, st_strides, STZ, stz_strides, FIN, FINZ, n_chunks, chunks_per_block, b_H,
         CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, REVERSE: tl.constexpr,
         STORE: tl.constexpr, C_X: tl.constexpr, MAP_B: tl.constexpr, MAP_C: tl.constexpr,
@@ -152,10 +162,10 @@ def chunk_state_kernel(
     fc = (pid_kv % NV) * BV + tl.arange(0, BV)
     b_base = Bp + b.to(tl.int64) * b_sb + h.to(tl.int64) * b_sh
     c_base = Cp + b.to(tl.int64) * c_sb + h.to(tl.int64) * c_sh
-    cx_base = CX + pid_bh.to(tl.int64) * b_L
-    z_ok = (fb < b_F) & ((fb * 0 + pid_kv % NV) == 0)   # one program per Fb tile writes z
+    zs_base = ZS + pid_bh.to(tl.int64) * n_chunks * b_F
+    z_ok = (fb < b_F) & ((fb * 0 + pid_kv % NV) == 0)   # one program per Fb tile sums and writes z
     state = tl.zeros((BK, BV), dtype=tl.float32)
-    z2 = tl.zeros((BK, 16), dtype=tl.float32)         # z = z2.sum(1) (see _pairs)
+    z = tl.zeros((BK,), dtype=tl.float32)
     first = pid_s * chunks_per_block
     last = tl.minimum(first + chunks_per_block, n_chunks)
     for i in range(first, last):
@@ -166,19 +176,18 @@ def chunk_state_kernel(
                      mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
             if C_X != 0:
                 stz = STZ + pid_bh.to(tl.int64) * stz_bh + c.to(tl.int64) * stz_c
-                tl.store(stz + fb, tl.sum(z2, 1), mask=z_ok)
+                tl.store(stz + fb, z, mask=z_ok)
         r = c * CH + tl.arange(0, CH) + b_shift
         bt = _rows(b_base, r, b_L, b_sl, fb, b_F, b_sf, MAP_B)            # (CH, BK)
         ct = _rows(c_base, r, b_L, c_sl, fc, c_F, c_sf, MAP_C)            # (CH, BV)
         state += _mm(tl.trans(bt), ct, DT, DOT_PREC, INTERP_BF16)
-        if C_X != 0:                                  # z += bt^T cx, a product (see _pairs)
-            cx = _pairs(_row_scalars(cx_base, r, b_L, C_X), DT, DOT_PREC, INTERP_BF16)
-            z2 += _mm(tl.trans(bt), cx, DT, DOT_PREC, INTERP_BF16)
+        if C_X != 0:                                  # chunk c's row sums (chunk_sum_kernel): a vector, no tile
+            z += tl.load(zs_base + c.to(tl.int64) * b_F + fb, mask=z_ok, other=0.0)
     fin = FIN + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F * c_F
     tl.store(fin + fb[:, None] * c_F + fc[None, :], state, mask=(fb < b_F)[:, None] & (fc < c_F)[None, :])
     if C_X != 0:
         finz = FINZ + (pid_s * tl.num_programs(0) + pid_bh).to(tl.int64) * b_F
-        tl.store(finz + fb, tl.sum(z2, 1), mask=z_ok)
+        tl.store(finz + fb, z, mask=z_ok)
 
 
 @triton.jit
@@ -213,7 +222,6 @@ def chunk_out_kernel(
     a_base = Ap + b.to(tl.int64) * a_sb + ha.to(tl.int64) * a_sh
     acc = tl.zeros((CH, BV), dtype=tl.float32)
     den = tl.zeros((CH,), dtype=tl.float32)
-    den2 = tl.zeros((CH, 16), dtype=tl.float32)       # the denominator's state terms, summed at the end
     if A_X != 0:
         ax = _row_scalars(AX + pid_bh.to(tl.int64) * a_L, ra, a_L, A_X)
     if CAUSAL:
@@ -227,7 +235,7 @@ def chunk_out_kernel(
         bh_b = b * Hb + hb
         b_base = Bp + b.to(tl.int64) * b_sb + hb.to(tl.int64) * b_sh
         st = ST + bh_b.to(tl.int64) * st_bh + pid_c.to(tl.int64) * st_c
-        stz = STZ + bh_b.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c
+        stz = STZ + bh_b.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c          # Z_MODE 2's z (Fc)
         if CAUSAL:
             s = tl.zeros((CH, CH), dtype=tl.float32)
         for k0 in range(0, FA, BK):
@@ -240,9 +248,8 @@ def chunk_out_kernel(
                 h = tl.load(st + fa[:, None] * st_a + fc[None, :] * st_f,
                             mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
                 acc += _mm(at, h.to(tl.float32), DT, DOT_PREC, INTERP_BF16)
-                if STATE_Z and Z_MODE == 1:                 # a . z_c, a product (see _pairs)
-                    zc = tl.load(stz + fa, mask=fa < FA, other=0.0)
-                    den2 += _mm(at, _pairs(zc, DT, DOT_PREC, INTERP_BF16), DT, DOT_PREC, INTERP_BF16)
+                if STATE_Z and Z_MODE == 1 and MAP_A != IDENTITY:   # a mapped tile: registers, a row dot here
+                    den += tl.sum(at * tl.load(stz + fa, mask=fa < FA, other=0.0)[None, :], 1)
         if HAS_STATE and STATE_Z:
             if Z_MODE == 2:
                 acc += ax[:, None] * tl.load(stz + fc, mask=fc < FC, other=0.0)[None, :]
@@ -265,15 +272,33 @@ def chunk_out_kernel(
             h = tl.load(bs + fa[:, None] * base_a + fc[None, :] * base_f,
                         mask=(fa < FA)[:, None] & (fc < FC)[None, :], other=0.0)
             acc += _mm(at, h, DT, DOT_PREC, INTERP_BF16)
-            if BASE_Z:
-                if Z_MODE == 1:
-                    zb = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)
-                    den2 += _mm(at, _pairs(zb, DT, DOT_PREC, INTERP_BF16), DT, DOT_PREC, INTERP_BF16)
+            if BASE_Z and Z_MODE == 1 and MAP_A != IDENTITY:
+                den += tl.sum(at * tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)[None, :],
+                              1)
         if BASE_Z:
             if Z_MODE == 2:
                 zc = tl.load(BASEZ + hbase.to(tl.int64) * basez_bh + fc, mask=fc < FC, other=0.0)
                 acc += ax[:, None] * zc[None, :]
-    den += tl.sum(den2, 1)
+    if Z_MODE == 1 and MAP_A == IDENTITY and ((HAS_STATE and STATE_Z) or (HAS_BASE and BASE_Z)):
+        # a tile fed to the dots as loaded (no map between): the denominator's state terms a_t . (z_c + z_base) as
+        # fp32 row dots in a loop of their own, after the products, on a second plain (unpipelined:
+        # num_stages=1) load of the a tiles, so no pipelined shared-memory tile that a dot reads is also reduced
+        # (`tools.triton.linear_kernel_resources.shared_tile_reductions`). A mapped tile is in registers: its
+        # row dots run in the product loops above
+        dz = tl.zeros((CH, BK), dtype=tl.float32)     # the row dots' partial sums, reduced once after the loop
+        for kz in tl.range(0, FA, BK, num_stages=1):
+            fa = kz + tl.arange(0, BK)
+            zf = tl.zeros((BK,), dtype=tl.float32)
+            if HAS_STATE and STATE_Z:
+                for jz in tl.static_range(NB):            # names of their own: no loop-carried values
+                    bhz = b * Hb + (ha // GA) * NB + jz
+                    zf += tl.load(STZ + bhz.to(tl.int64) * stz_bh + pid_c.to(tl.int64) * stz_c + fa, mask=fa < FA,
+                                  other=0.0)
+            if HAS_BASE and BASE_Z:
+                zf += tl.load(BASEZ + (pid_bh // gbase).to(tl.int64) * basez_bh + fa, mask=fa < FA, other=0.0)
+            a2 = _rows(a_base, ra, a_L, a_sl, fa, FA, a_sf, MAP_A)
+            dz += a2 * zf[None, :]
+        den += tl.sum(dz, 1)
     ok_a = (ra >= 0) & (ra < a_L)
     if NORMALIZE:
         den = den + eps

@@ -5,8 +5,8 @@ operands (TF32 on the GPU for fp16, whose 10-bit mantissa TF32 keeps, and for fp
 TF32; IEEE fp32 otherwise), because a state summed over many keys can exceed fp16's range. States
 are accumulated in fp32; the per-chunk states the output pass reads are stored in bf16 for bf16
 calls (the dot rounds them to bf16 anyway) and fp32 otherwise. Final states are fp32. The normalizer
-``z`` stays fp32 and enters the denominators as a product on the tensor cores (hi + lo, about 2^-17
-relative for bf16: ``_pairs`` in kernels.py).
+``z`` is fp32 throughout and takes no product: per-chunk row sums of the fp32 (mapped) key tiles
+(``chunk_sum_kernel``), added up in the state pass, and fp32 row dots ``a . z`` for the denominators.
 
 Configs: a chunk of ``CHUNK`` timeline positions, feature tiles ``BK`` (the contracted features)
 and ``BV`` (the output features). On the GPU the first candidate is the default
@@ -32,7 +32,7 @@ if triton is not None:
     import triton.language as tl
     from triton.testing import do_bench
 
-    from .kernels import chunk_out_kernel, chunk_state_kernel, map_kernel, step_kernel
+    from .kernels import chunk_out_kernel, chunk_state_kernel, chunk_sum_kernel, map_kernel, step_kernel
 
 CHUNK = 32 if _INTERPRET else 64
 # (BK, BV, num_warps, num_stages); the first is the untimed default. Checked offline for sm_90 by
@@ -159,23 +159,29 @@ def dv_tile(bv: int, fc: int, rows: int, n_sm: int) -> int:
 
 
 MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_90 offline, bf16 and fp16)
-# Where a feature map runs, per input dtype: True, once per token (`map_kernel`, the passes read phi(x)); False,
-# in the passes on every tile they load. From the offline model (sm_90, triton 3.9: the forward's instructions
-# per chunk of 64 positions at F = Dv = 128, state and output programs plus the map kernel's;
+# Where a feature map runs, per input dtype: once per token (`map_kernel`, the passes read phi(x)) from this
+# feature dim on (padded to a power of 2; 0: always, math.inf: never), in the passes on every tile they load
+# below it. From the offline model (sm_90, triton 3.9: the forward's instructions per chunk of 64 positions at
+# F = Dv = 64, 128, 256: chunk sums, state and output programs plus the map kernel's;
 # benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs"), which
 # tests/backends/triton/test_triton_linear.py checks against this table.
-MAP_ONCE = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
+MAP_ONCE = {torch.bfloat16: 0, torch.float16: 128, torch.float32: 128}
+
+
+def map_once(dtype: torch.dtype, F: int) -> bool:
+    """Whether a feature map of inputs of `dtype` with `F` features runs once per token (`MAP_ONCE`)."""
+    return _next_pow2(max(F, 1)) >= MAP_ONCE[dtype]
 
 
 def mapped(*rows: Rows) -> Tuple[Rows, ...]:
     """``rows`` (one or two operands of one call: q and k) with their feature map applied once per token
-    where `MAP_ONCE` says so for their dtype: ``phi(x)`` contiguous in x's dtype (O(L) memory, as the
+    where `MAP_ONCE` says so for their dtype and feature dim: ``phi(x)`` contiguous in x's dtype (O(L) memory, as the
     input), read as it is by the passes, both operands in one `map_kernel` launch. bf16 and fp32 calls lose
     nothing (their dots round each mapped tile to that dtype, or read fp32). fp16 calls run their dots at
     TF32, whose 10-bit mantissa is fp16's: a mapped feature below fp16's normal range (2^-14: elu + 1 of
     x < -9.7) keeps an absolute error under 2^-25. Identity-mapped operands, and those of a dtype whose
     map runs in the passes, are returned as they are."""
-    todo = [i for i, r in enumerate(rows) if r.fmap != FMAP_IDENTITY and MAP_ONCE[r.x.dtype] and r.x.numel()]
+    todo = [i for i, r in enumerate(rows) if r.fmap != FMAP_IDENTITY and map_once(r.x.dtype, r.F) and r.x.numel()]
     if not todo:
         return rows
     xs = [rows[i].x for i in todo]
@@ -196,12 +202,29 @@ def mapped(*rows: Rows) -> Tuple[Rows, ...]:
     return tuple(out)
 
 
-def state_args(b: Rows, c: Rows, cx: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
+SUM_ROWS_F = 128       # `chunk_sum_kernel`'s feature tile (64 rows x 128: one fp32 tile a program, no spill)
+
+
+def chunk_sums(b: Rows, cx: Optional[Tensor], n_chunks: int) -> Tensor:
+    """The normalizer's per-chunk increments ``(B*Hs, n_chunks, Fb)`` fp32: each chunk's rows of ``b`` (its
+    feature map applied) weighted by ``cx`` (fp32 ``(B*Hs, L)``; None: ones) and summed (`chunk_sum_kernel`)."""
+    B, Hs, L, FB = b.x.shape
+    zs = torch.empty(B * Hs, n_chunks, FB, dtype=torch.float32, device=b.x.device)
+    bz = 32 if _INTERPRET else min(SUM_ROWS_F, max(16, _next_pow2(FB)))
+    if zs.numel():
+        chunk_sum_kernel[(B * Hs, n_chunks, cdiv(FB, bz))](
+            Bp=b.x, b_strides=b.strides, b_L=L, b_shift=b.shift, b_F=FB, CX=cx if cx is not None else zs, ZS=zs,
+            n_chunks=n_chunks, b_H=Hs, CH=CHUNK, BZ=bz, C_X=2 if cx is not None else 1, MAP_B=b.fmap, num_warps=4,
+            enable_fp_fusion=True)
+    return zs
+
+
+def state_args(b: Rows, c: Rows, zs: Optional[Tensor], st: Optional[Tensor], stz: Optional[Tensor], fin: Tensor,
                finz: Optional[Tensor], n_chunks: int, chunks_per_block: int) -> dict:
-    """The chunk-state kernel's arguments by name (`LinStateParams`' fields, strides as tuples); an absent
-    tensor is ``fin`` (never read)."""
+    """The chunk-state kernel's arguments by name (`LinStateParams`' fields, strides as tuples; ``ZS``, the
+    per-chunk row sums of `chunk_sums`, where C++ reads ``CX``); an absent tensor is ``fin`` (never read)."""
     return dict(Bp=b.x, b_strides=b.strides, Cp=c.x, c_strides=c.strides, b_L=b.L, b_shift=b.shift, b_F=b.F, c_F=c.F,
-                CX=cx if cx is not None else fin, ST=st if st is not None else fin,
+                ZS=zs if zs is not None else fin, ST=st if st is not None else fin,
                 st_strides=tuple(st.stride()) if st is not None else (0, 0, 0, 0),
                 STZ=stz if stz is not None else fin, stz_strides=tuple(stz.stride()[:2]) if stz is not None else (0, 0),
                 FIN=fin, FINZ=finz if finz is not None else fin, n_chunks=n_chunks, chunks_per_block=chunks_per_block,
@@ -224,6 +247,7 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
     f32 = torch.float32
     st = torch.empty(B * Hs, nc, FB, FC, dtype=num.state_dtype, device=dev) if store else None
     stz = torch.empty(B * Hs, nc, FB, dtype=f32, device=dev) if store and cx_mode else None
+    zs = chunk_sums(b, cx, nc) if cx_mode else None
     res = {}
 
     def launch(cfg):
@@ -236,7 +260,7 @@ def state_pass(b: Rows, c: Rows, T: int, num: Numerics, *, reverse=False, store=
         fin = torch.empty(ns, B * Hs, FB, FC, dtype=f32, device=dev)
         finz = torch.empty(ns, B * Hs, FB, dtype=f32, device=dev) if cx_mode else None
         chunk_state_kernel[(B * Hs, cdiv(FB, bk) * nv, ns)](
-            **state_args(b, c, cx, st, stz, fin, finz, nc, cdiv(nc, ns)),
+            **state_args(b, c, zs, st, stz, fin, finz, nc, cdiv(nc, ns)),
             CH=CHUNK, BK=bk, BV=bv, NV=nv, REVERSE=reverse, STORE=store, C_X=cx_mode, MAP_B=b.fmap, MAP_C=c.fmap,
             num_warps=warps, num_stages=stages, **num.flags())
         res["fin"] = fin[0] if ns == 1 else fin.sum(0)        # a fixed order: deterministic
