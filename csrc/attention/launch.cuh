@@ -49,15 +49,32 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
 // 128-row query tiles (32 rows per warp, fwd.cuh) where fwd_wide says so; two 128-row blocks fit every
 // sm_80+ SM there, so 64-row tiles are built only for a block layout (kLayout, and kAny, which also serves
 // a call on a device with less shared memory: fwd.cu sends such calls to kAny) and at head dim 256.
+// The instances with a 128 x 64 tile besides their 128 x 32 one (fwd_long_keys picks per device): head dim 128,
+// kDense, kCausal and kWindow without dropout. nvcc 13.0 spilled it in kAny without dropout (32 bytes, sm_80) and
+// kCausal with dropout (8 bytes, sm_80), so those keep 128 x 32 (FA2 too runs 128 x 32 with dropout there).
+template <int HD, int KIND, bool DROP>
+inline constexpr bool kLongKeys = HD == 128 && !DROP && (KIND == kDense || KIND == kCausal || KIND == kWindow);
+
 template <int HD, bool BF16, int KIND, bool DROP>
 int fwd(const AttnParams& p, prim::stream_t stream) {
   constexpr bool kWide = FwdConfig<HD, 32>::kWide && KIND != kLayout;                    // a 128-row instance
   constexpr bool kNarrow = !FwdConfig<HD, 32>::kWide || KIND == kLayout || KIND == kAny;  // a 64-row one
 #if defined(EFFATTN_CUDA_EMU)
   emu_record::last_fwd = HD * 1000 + BF16 * 100 + KIND * 10 + DROP;
+  emu_record::last_fwd_keys = 0;
 #endif
   if constexpr (kWide) {
     if (!kNarrow || fwd_wide<HD>(p, device_smem_optin())) {
+      if constexpr (kLongKeys<HD, KIND, DROP>) {
+        if (fwd_long_keys<HD>(device_smem_optin()) && (KIND != kDense || p.Lk % 64 == 0)) {   // kDense: full tiles
+#if defined(EFFATTN_CUDA_EMU)
+          emu_record::last_fwd_keys = 64;
+#endif
+          using Cfg = FwdConfig<HD, 32, 64>;
+          return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP, 32, StridedRows, 64>,
+                        cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, p);
+        }
+      }
       using Cfg = FwdConfig<HD, 32>;
       return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP, 32>, cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
                     1, Cfg::kSmemBytes, stream, p);

@@ -51,15 +51,22 @@ class Need(NamedTuple):
 
 # ----------------------------------------------------------------------- the kernels' shared memory
 
-def fwd_key_tile(hd: int, rows: int = 64) -> int:
+def fwd_key_tile(hd: int, rows: int = 64, limits: Optional["Limits"] = None, long_keys: bool = False) -> int:
     """The mma.sync forward's key tile (FwdConfig::BN): 64 keys, 32 at head dim 256 and at 128 with 128-row
-    query tiles."""
-    return 32 if hd >= 256 or (rows == 128 and hd >= 128) else 64
+    query tiles, except the 128 x 64 tile there (two softmax steps of 32 keys; csrc/attention/launch.cuh
+    `kLongKeys`, fwd.cuh `fwd_long_keys`): a call of the kinds kDense (Lk a multiple of 64), kCausal or kWindow
+    without dropout (`long_keys`) on a device whose SM holds two such blocks (`limits`)."""
+    if hd >= 256:
+        return 32
+    if rows == 128 and hd >= 128:
+        fits = limits is not None and 2 * (fwd_smem(hd, 128, 64) + 1024) <= limits.smem_per_block + 1024
+        return 64 if long_keys and fits else 32
+    return 64
 
 
-def fwd_smem(hd: int, rows: int = 64) -> int:
-    """The mma.sync forward (FwdConfig): Q (`rows` rows), K and V tiles (`fwd_key_tile` keys)."""
-    return (rows + 2 * fwd_key_tile(hd, rows)) * hd * 2
+def fwd_smem(hd: int, rows: int = 64, keys: int = 0) -> int:
+    """The mma.sync forward (FwdConfig): Q (`rows` rows), K and V tiles (`keys`, 0: `fwd_key_tile`'s default)."""
+    return (rows + 2 * (keys or fwd_key_tile(hd, rows))) * hd * 2
 
 
 WIDE_BUCKETS = (32, 64, 128)   # the mma.sync forward's buckets with 128-row tiles (FwdConfig::kWide)
