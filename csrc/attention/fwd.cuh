@@ -64,20 +64,6 @@ inline int device_smem_optin() {
 }
 #endif
 
-// Whether a plain forward call (no bias tensors or relative keys) runs the 128-row instance (WM = 32) of
-// head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
-// it (FwdConfig::kWide), the call has no block layout (the host builds a layout's tile lists for the 64-row
-// query tiles the dQ pass shares), and two such blocks fit an SM (each takes its tiles + the 1 KB the
-// driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 / sm_120
-// 100 KB, which hold two at every such bucket: 48 KB at head dim 128). effattn/backends/cuda/resources.py
-// (`fwd_rows`) makes the same choice for explain.
-template <int HD>
-inline bool fwd_wide(const AttnParams& p, int smem_optin) {
-  using Wide = FwdConfig<HD, 32>;
-  if (!Wide::kWide || p.lists || p.layout || p.lay_check) return false;
-  return 2 * (Wide::kSmemBytes + 1024) <= smem_optin + 1024;
-}
-
 // Whether a 128-row call (fwd_wide) of an instance that has it runs the 128 x 64 tile (FwdConfig<HD, 32, 64>:
 // head dim 128, key tiles of 64 in two softmax steps of 32; mask kinds kDense, kCausal, kWindow without dropout,
 // the instances where it has no spills) instead of 128 x 32: two such blocks (64 KB of tiles at head dim 128)
@@ -86,6 +72,34 @@ inline bool fwd_wide(const AttnParams& p, int smem_optin) {
 template <int HD>
 inline bool fwd_long_keys(int smem_optin) {
   return 2 * (FwdConfig<HD, 32, 64>::kSmemBytes + 1024) <= smem_optin + 1024;
+}
+
+// Whether a call with a block layout can run 128-row tiles. Its tile lists are built on the host for the 64-row
+// query tiles the dQ pass shares; both 64-row halves of a 128-row tile have the same list (the same key tiles,
+// the same full ones) when the layout's blocks are a multiple of 128 rows (both halves in one block row, and
+// tiles nest in blocks: no per-element layout test, lay_check 0) and there is no window (its edges differ
+// between the halves): the 128-row tile mt then reads list row 2 mt. Smaller blocks or a window: 64 rows.
+inline bool fwd_layout_wide(const AttnParams& p) {
+  return p.lists && !p.lay_check && p.lay_bs % 128 == 0 && p.left < 0 && p.right < 0;
+}
+
+// Whether a plain forward call (no bias tensors or relative keys) runs the 128-row instance (WM = 32) of
+// head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
+// it (FwdConfig::kWide), a block layout only where fwd_layout_wide says so, and two such blocks fit an SM
+// (each takes its tiles + the 1 KB the driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB,
+// sm_90 228 KB, sm_86 / sm_89 / sm_120 100 KB, which hold two at every such bucket: 48 KB at head dim 128).
+// A layout at head dim 128 runs the 128 x 64 tile (its lists' key tiles are 64): kLayout's without dropout (not
+// kAny's: key padding or positions keep 64 rows, and so does dropout), where two of those fit (fwd_long_keys).
+// effattn/backends/cuda/resources.py (`fwd_rows`) makes the same choice for explain.
+template <int HD>
+inline bool fwd_wide(const AttnParams& p, int smem_optin) {
+  using Wide = FwdConfig<HD, 32>;
+  if (!Wide::kWide) return false;
+  if (p.lists || p.layout || p.lay_check) {
+    if (!fwd_layout_wide(p)) return false;
+    if (HD >= 128) return !p.kpm && !p.q_pos && !p.dropout && fwd_long_keys<HD>(smem_optin);
+  }
+  return 2 * (Wide::kSmemBytes + 1024) <= smem_optin + 1024;
 }
 
 // RELK: the row of r for distance d (attention.h).
@@ -383,7 +397,8 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   const uint8_t *kpm = KIND == kAny ? fb.kpm : nullptr, *lay = fb.lay;
   const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
 
-  const Schedule sched = key_schedule(p, h, mt, BM, BN);
+  // a layout's lists are per 64-row tile: a 128-row tile reads its first half's (fwd_layout_wide)
+  const Schedule sched = key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);
   const int n_tiles = sched.count();
 
   load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);

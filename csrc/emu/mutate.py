@@ -65,6 +65,9 @@ TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_again
             "-k", "dense-5-tiles or causal-kpm")
 # the 128 x 64 forward tile at head dim 128 (the record, bitwise its 128 x 32 and the general instance, float64)
 LONG_KEYS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_head_dim_128_on_128_x_64_tiles", "-k", "causal")
+# a layout of 128-row blocks on 128-row forward tiles (its 64-row tile lists, bitwise the 64-row tiles, float64)
+LAYOUT_ROWS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_layout_tiles_of_128_rows_where_blocks_allow", "-k",
+               "bs128-d64")
 # head dim 256 (64 x 32 tiles, TileCopy's two swizzles a thread's copies alternate) and a layout against float64
 D256 = "tests/backends/cuda/test_cuda_fwd_rows.py::test_layouts_and_head_dim_256_keep_64_rows"
 # the forward's generated instances: which one a call runs, bitwise against the general one
@@ -153,6 +156,9 @@ MUTATIONS: List[Mutation] = [
              "mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, nl / 16 + kk, p.Dv);",
              "mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);", (LONG_KEYS,),
              "forward, 128 x 64 tile: the second step's P times the first 32 rows of V"),
+    Mutation("fwd-layout-list-row", "attention/fwd.cuh",
+             "key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);", "key_schedule(p, h, mt, BM, BN);",
+             (LAYOUT_ROWS,), "forward, a layout on 128-row tiles: tile mt reads the lists of 64-row tile mt"),
     Mutation("fwd-copy-step", "common/tiles.cuh",
              "const int64_t step = int64_t(RS) * ld;", "const int64_t step = int64_t(RS + 1) * ld;", SHARED,
              "forward K / V copies (TileCopy): a thread's later copies from the wrong rows"),

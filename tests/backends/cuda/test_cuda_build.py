@@ -44,16 +44,19 @@ INSTANCES = tuple(f"attention/inst/fwd_128_bf16_{k}_{d}.cu" for k in KIND_NAMES 
     "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu")
 
 
-def instance_wms(hd, kind, drop):
-    """The rows per warp of the kernels a generated forward unit holds (launch.cuh `fwd`): 32 (128-row tiles)
-    up to head dim 128 except for a block layout, 16 (64-row tiles) for a layout, at head dim 256, and as
-    kAny's second instance up to head dim 128; at head dim 128 the dense, causal and window units without
-    dropout hold two 128-row instances (128 x 32 and 128 x 64, launch.cuh kLongKeys)."""
-    if hd > 128 or kind == "layout":
-        return [16]
+def instance_shapes(hd, kind, drop):
+    """The (rows per warp, key tile argument KT) of the kernels a generated forward unit holds (launch.cuh `fwd`),
+    sorted: 32 (128-row tiles) up to head dim 128, 16 (64-row tiles) at head dim 256 and as the second instance
+    of kAny and kLayout up to head dim 128; at head dim 128 the dense, causal and window units without dropout
+    hold 128 x 32 and 128 x 64 (KT 64, launch.cuh kLongKeys), the layout unit without dropout 128 x 64 as its
+    128-row one, the layout unit with dropout none."""
+    if hd > 128:
+        return [(16, 0)]
     if hd == 128 and kind in ("dense", "causal", "window") and drop == "nodrop":
-        return [32, 32]
-    return [16, 32] if kind == "any" else [32]
+        return [(32, 0), (32, 64)]
+    if hd == 128 and kind == "layout":
+        return [(16, 0)] if drop == "drop" else [(16, 0), (32, 64)]
+    return [(16, 0), (32, 0)] if kind in ("any", "layout") else [(32, 0)]
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
 # (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
@@ -101,12 +104,11 @@ def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
     for src in INSTANCES:
         _, hd, dtype, kind, drop = os.path.basename(src)[:-3].split("_")
         entries = ptxas_entries(compiled[src][0])
-        wms = instance_wms(int(hd), kind, drop)
-        assert sorted(e[0] for e in entries) == sorted(ARCHS * len(wms)), (src, entries)
+        shapes = instance_shapes(int(hd), kind, drop)
+        assert sorted(e[0] for e in entries) == sorted(ARCHS * len(shapes)), (src, entries)
         for arch in ARCHS:
-            assert sorted(instance_args(e[1])[6] for e in entries if e[0] == arch) == wms, (src, arch, entries)
-            keys = sorted(instance_keys(e[1]) for e in entries if e[0] == arch)
-            assert keys == ([0, 64] if wms == [32, 32] else [0] * len(wms)), (src, arch, keys)
+            got = sorted((instance_args(e[1])[6], instance_keys(e[1])) for e in entries if e[0] == arch)
+            assert got == shapes, (src, arch, got)
         for e in entries:
             assert instance_args(e[1])[:6] == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
                                                int(drop == "drop")), (src, e[1])
@@ -118,7 +120,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
         for src in INSTANCES:
             _, hd, _, kind, drop = os.path.basename(src)[:-3].split("_")
             bodies = functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")
-            assert len(bodies) == len(instance_wms(int(hd), kind, drop)), (arch, src, len(bodies))
+            assert len(bodies) == len(instance_shapes(int(hd), kind, drop)), (arch, src, len(bodies))
             for body in bodies:
                 for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS", "LDSM.16.MT88.4"):   # MT88: V's .trans loads
                     assert op in body, (arch, src, op)
