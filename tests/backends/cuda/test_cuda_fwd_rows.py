@@ -220,11 +220,11 @@ LAYOUT_TILES = {
 def test_layout_tiles_of_128_rows_where_blocks_allow(case_id, emulation, smem_limit):
     """A block layout's forward on 128-row tiles where both 64-row halves of a tile share a tile list, 64 rows
     otherwise (the block count and the key tile record say which ran); bitwise equal to the 64-row tiles (a device
-    that holds one 128-row block per SM) where the key tiles are the same (head dim 64), against float64."""
+    that holds one 128-row block per SM) where the key tiles are the same (head dim 64), else against float64."""
     D, bs, kw, (rows, keys) = LAYOUT_TILES[case_id]
     from effattn.layouts import BlockLayout
     g = torch.Generator().manual_seed(13)
-    Lq, Lk = 300, 400                                      # ragged last query and key tiles
+    Lq, Lk = 260, 300                                      # ragged last query and key tiles
     kw = dict(kw)
     kw["layout"] = BlockLayout(torch.rand(2, -(-Lq // bs), -(-Lk // bs), generator=g) < 0.6, bs)
     q = torch.randn(1, 2, Lq, D, generator=g).half()
@@ -239,5 +239,5 @@ def test_layout_tiles_of_128_rows_where_blocks_allow(case_id, emulation, smem_li
         smem_limit(before)
         assert narrow[2] == 2 * -(-Lq // 64)
         assert torch.equal(out, narrow[0]) and torch.equal(lse, narrow[1])
-    if case_id in ("bs128-d64-kpm", "bs256-d128"):
+    if case_id == "bs256-d128":                             # (head dim 64: bitwise the 64-row tiles above)
         check_against_oracle(q, k, v, kw, torch.float16, "cuda")
