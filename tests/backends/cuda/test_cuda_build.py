@@ -37,11 +37,12 @@ from tests.backends.cuda.nvcc_units import (
 
 MASK_KINDS = 3               # Hopper forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
 # the mma.sync forward: one generated unit per (bucket, dtype, mask kind, dropout) (attention/inst/); compiled
-# here: every (kind, dropout) at head dim 128 bf16, the biggest (head dim 256, kAny with dropout) and the
-# smallest (head dim 32 fp16, kDense without)
+# here: every (kind, dropout) at head dim 128 bf16, the biggest (head dim 256, kAny with dropout), the
+# smallest (head dim 32 fp16, kDense without) and kLayout's 128-row instance at head dim 64
 KIND_NAMES = ("dense", "window", "any", "causal", "layout")        # MaskKind 0..4
 INSTANCES = tuple(f"attention/inst/fwd_128_bf16_{k}_{d}.cu" for k in KIND_NAMES for d in ("nodrop", "drop")) + (
-    "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu")
+    "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu",
+    "attention/inst/fwd_64_bf16_layout_nodrop.cu")
 
 
 def instance_shapes(hd, kind, drop):
