@@ -54,5 +54,6 @@ int attention_fwd(const AttnParams& p, bool bf16, void* stream_ptr) {
 
 #if defined(EFFATTN_CUDA_EMU)
 extern "C" int effattn_emu_last_fwd_instance() { return effattn::emu_record::last_fwd; }
+extern "C" int effattn_emu_last_fwd_keys() { return effattn::emu_record::last_fwd_keys; }
 extern "C" void effattn_emu_set_fwd_general(int on) { effattn::emu_record::fwd_general = on; }
 #endif

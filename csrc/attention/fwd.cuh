@@ -9,7 +9,9 @@
 // buffer per operand, two barriers per key tile (FA-2's placement): "K(t) ready" (which also ends every
 // warp's P V(t-1), so V(t) is then issued into its buffer and lands while S(t) is computed), and
 // "V(t) ready" (which also ends every warp's S(t), so K(t+1) is then issued and lands while the softmax
-// and P V(t) run).
+// and P V(t) run). The 128 x 64 tile (head dim 128, FwdConfig<128, 32, 64>) runs two softmax steps of 32 keys
+// per key tile: S of the first half, its softmax, S of the second half, "V ready", P V of the first half, the
+// second half's softmax and P V (two barriers per 64 keys, where 128 x 32 tiles take four).
 #pragma once
 
 #include <atomic>
@@ -20,16 +22,21 @@
 namespace effattn {
 
 // WM: query rows per warp (16 or 32; `kWide` says whether a head-dim bucket has the 32-row instance: at
-// 256, 32 rows' output accumulators alone would take 256 registers per thread).
-template <int HD, int WM = 16>
+// 256, 32 rows' output accumulators alone would take 256 registers per thread). KT: the key tile, 0 for the
+// default below; 64 with WM = 32 at head dim 128 is the 128 x 64 tile (fwd_long_keys).
+template <int HD, int WM = 16, int KT = 0>
 struct FwdConfig {
   static_assert(WM == 16 || WM == 32, "a warp owns one or two m16 row blocks");
   static constexpr bool kWide = HD <= 128;
   static constexpr int MB = WM / 16;             // m16 row blocks per warp
   static constexpr int BM = 4 * WM;              // kBlockM (64) for WM = 16
-  // key tiles of 32 at head dim 256, and at 128 with 32 rows per warp: with 64 keys the two row blocks' S (64
-  // fp32) next to their O (128 fp32) took ptxas past 255 registers with spills (nvcc 13.0, sm_80 / sm_90a)
-  static constexpr int BN = HD >= 256 || (WM == 32 && HD >= 128) ? 32 : 64;
+  // key tiles of 32 at head dim 256, and by default at 128 with 32 rows per warp
+  static constexpr int BN = KT ? KT : (HD >= 256 || (WM == 32 && HD >= 128) ? 32 : 64);
+  // keys per softmax step: 32 with 32 rows per warp at head dim 128, so that a 64-key tile runs two steps
+  // (with the whole tile's S, 64 fp32 for two row blocks next to their O, 128 fp32, ptxas went past 255
+  // registers with 20-96 bytes of spills in every mask kind: nvcc 13.0, sm_80 / sm_90a); the tile, else
+  static constexpr int KS = WM == 32 && HD >= 128 ? 32 : BN;
+  static_assert(BN == KS || (BN == 2 * KS && WM == 32), "one softmax step per key tile, or two of a 128 x 64 tile");
   static constexpr int kSmemBytes = (BM + 2 * BN) * HD * 2;   // Q, K, V tiles
   // RELK: the band of r rows one (query tile, key tile) pair reads (BM + BN - 1 distances, one spare
   // row), the term's query tile, and each warp's fp32 products with its 16 + BN band rows
@@ -57,17 +64,41 @@ inline int device_smem_optin() {
 }
 #endif
 
+// Whether a 128-row call (fwd_wide) of an instance that has it runs the 128 x 64 tile (FwdConfig<HD, 32, 64>:
+// head dim 128, key tiles of 64 in two softmax steps of 32; mask kinds kDense, kCausal, kWindow without dropout,
+// the instances where it has no spills) instead of 128 x 32: two such blocks (64 KB of tiles at head dim 128)
+// fit an SM: sm_80 (164 KB per SM) and sm_90 / sm_100 (228 KB), not the 100 KB of sm_86 / sm_89 / sm_120.
+// effattn/backends/cuda/resources.py (`fwd_key_tile`) makes the same choice for explain.
+template <int HD>
+inline bool fwd_long_keys(int smem_optin) {
+  return 2 * (FwdConfig<HD, 32, 64>::kSmemBytes + 1024) <= smem_optin + 1024;
+}
+
+// Whether a call with a block layout can run 128-row tiles. Its tile lists are built on the host for the 64-row
+// query tiles the dQ pass shares; both 64-row halves of a 128-row tile have the same list (the same key tiles,
+// the same full ones) when the layout's blocks are a multiple of 128 rows (both halves in one block row, and
+// tiles nest in blocks: no per-element layout test, lay_check 0) and there is no window (its edges differ
+// between the halves): the 128-row tile mt then reads list row 2 mt. Smaller blocks or a window: 64 rows.
+inline bool fwd_layout_wide(const AttnParams& p) {
+  return p.lists && !p.lay_check && p.lay_bs % 128 == 0 && p.left < 0 && p.right < 0;
+}
+
 // Whether a plain forward call (no bias tensors or relative keys) runs the 128-row instance (WM = 32) of
 // head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
-// it (FwdConfig::kWide), the call has no block layout (the host builds a layout's tile lists for the 64-row
-// query tiles the dQ pass shares), and two such blocks fit an SM (each takes its tiles + the 1 KB the
-// driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 / sm_120
-// 100 KB, which hold two at every such bucket: 48 KB at head dim 128). effattn/backends/cuda/resources.py
-// (`fwd_rows`) makes the same choice for explain.
+// it (FwdConfig::kWide), a block layout only where fwd_layout_wide says so, and two such blocks fit an SM
+// (each takes its tiles + the 1 KB the driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB,
+// sm_90 228 KB, sm_86 / sm_89 / sm_120 100 KB, which hold two at every such bucket: 48 KB at head dim 128).
+// A layout at head dim 128 runs the 128 x 64 tile (its lists' key tiles are 64): kLayout's without dropout (not
+// kAny's: key padding or positions keep 64 rows, and so does dropout), where two of those fit (fwd_long_keys).
+// effattn/backends/cuda/resources.py (`fwd_rows`) makes the same choice for explain.
 template <int HD>
 inline bool fwd_wide(const AttnParams& p, int smem_optin) {
   using Wide = FwdConfig<HD, 32>;
-  if (!Wide::kWide || p.lists || p.layout || p.lay_check) return false;
+  if (!Wide::kWide) return false;
+  if (p.lists || p.layout || p.lay_check) {
+    if (!fwd_layout_wide(p)) return false;
+    if (HD >= 128) return !p.kpm && !p.q_pos && !p.dropout && fwd_long_keys<HD>(smem_optin);
+  }
   return 2 * (Wide::kSmemBytes + 1024) <= smem_optin + 1024;
 }
 
@@ -335,14 +366,16 @@ EFFATTN_DEVICE void mma_a_rows_mb(float (&acc)[MB][NA][4], const uint32_t (&a)[M
 // compiled in (attention/inst/: an instance per mask kind and DROP). WM: query rows per warp (FwdConfig); the
 // TERMS and RELK instances keep 16 (their per-warp band products and shared-memory blocks are for 16 rows).
 // ROWS: where key / value rows are read (key_rows.cuh: the strided tensors, or pages through a block table).
+// KT: the key tile (FwdConfig; 0: the default).
 template <int HD, bool BF16, int KIND, bool TERMS = false, bool RELK = false, bool DROP = KIND == kAny, int WM = 16,
-          class ROWS = StridedRows>
+          class ROWS = StridedRows, int KT = 0>
 EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   const AttnParams& params = ROWS::attn(kparams);
-  using Cfg = FwdConfig<HD, WM>;
+  using Cfg = FwdConfig<HD, WM, KT>;
   static_assert(WM == 16 || (Cfg::kWide && !TERMS && !RELK), "32 rows per warp: head dims up to 128, no terms");
   constexpr int BM = Cfg::BM, BN = Cfg::BN, MB = Cfg::MB;
-  constexpr int NS = BN / 8;        // 8-wide key subtiles of S
+  constexpr int KS = Cfg::KS, NSUB = BN / KS;   // keys per softmax step, steps per key tile
+  constexpr int NS = KS / 8;        // 8-wide key subtiles of S
   constexpr int ND = HD / 8;        // 8-wide column subtiles of O
   EFFATTN_SMEM(smem);
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
@@ -364,14 +397,17 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   const uint8_t *kpm = KIND == kAny ? fb.kpm : nullptr, *lay = fb.lay;
   const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
 
-  const Schedule sched = key_schedule(p, h, mt, BM, BN);
+  // a layout's lists are per 64-row tile: a 128-row tile reads its first half's (fwd_layout_wide)
+  const Schedule sched = key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);
   const int n_tiles = sched.count();
 
   load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);
   if (RELK && p.relkq)
     load_tile<HD, BM>(sQr, static_cast<const uint16_t*>(p.relkq) + b * p.relkq_b + h * p.relkq_h, p.relkq_l, m0, p.Lq, p.D);
   [[maybe_unused]] const uint16_t* sQt = RELK && p.relkq ? sQr : sQ;   // RELK: the query of the position term
-  if (n_tiles > 0) ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
+  const TileCopy<HD, BN> kv_map;                         // this thread's K / V copies (computed once)
+  if (n_tiles > 0)
+    ROWS::template load<HD, BN, false>(kparams, b, kv_map, sK, kb, p.k_l, sched.tile(0) * BN, p.Lk, p.D);
   prim::cp_async_commit();
 
   float acc[MB][ND][4];
@@ -389,15 +425,33 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
     const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full
     prim::cp_async_wait<0>();                            // Q and K(t): this thread's copies have landed
     prim::sync_block();                                  // K ready: every thread's; every warp is done with V(t-1)
-    ROWS::template load<HD, BN, true>(kparams, b, sV, vb, p.v_l, n0, p.Lk, p.Dv);   // V(t) lands during S(t)
+    ROWS::template load<HD, BN, true>(kparams, b, kv_map, sV, vb, p.v_l, n0, p.Lk, p.Dv);   // V(t) lands during S(t)
     prim::cp_async_commit();
 
-    // S = Q K^T for this warp's WM rows and the BN keys
+    // S = Q K^T for this warp's WM rows and the first KS keys of the tile (all of them, NSUB = 1)
     float s[MB][NS][4];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) zero_acc(s[mb]);
-    mma_rows_rows_mb<HD, BN, BF16, MB>(s, sQ, warp * WM, sK, kd);
+    mma_rows_rows_mb<HD, KS, BF16, MB>(s, sQ, warp * WM, sK, kd);
     if constexpr (RELK) relk_add<HD, BM, BN, BF16>(p, h, m0, n0, sR, sQt, sPR, kd, s[0]);
+
+    float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
+    const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
+    // P, packed to 16 bits as soon as a row block's softmax is done (half the registers of fp32 S): its
+    // accumulator layout is the A-operand layout of the P V mma
+    uint32_t pa[KS / 16][MB][4];
+    if constexpr (NSUB == 2) {                           // 128 x 64: the first step's softmax, then S of the second
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0 + 16 * mb, n0, masked, slope, s[mb], acc[mb], m_i[mb],
+                                        l_i[mb], br, cfast, cb);
+#pragma unroll
+        for (int kk = 0; kk < KS / 16; ++kk) acc_to_a<BF16>(pa[kk][mb], s[mb], kk);
+      }
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) zero_acc(s[mb]);
+      mma_rows_rows_mb<HD, KS, BF16, MB>(s, sQ, warp * WM, sK + KS * HD, kd);   // rows KS.. keep their swizzle
+    }
 
     prim::cp_async_wait<0>();                            // V(t): this thread's copies have landed
     if (masked || kpm)                                   // keys no row sees: zero values (NaN-safe), each thread
@@ -406,24 +460,24 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
       });
     prim::sync_block();                                  // V ready: every thread's; every warp is done with K(t)
     if (it + 1 < n_tiles)
-      ROWS::template load<HD, BN, false>(kparams, b, sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
+      ROWS::template load<HD, BN, false>(kparams, b, kv_map, sK, kb, p.k_l, sched.tile(it + 1) * BN, p.Lk, p.D);
     prim::cp_async_commit();                             // K(t+1) lands during the softmax and P V(t)
 
-    float cb = 0.f;                                      // TERMS: a constant tile's bias (log2 units)
-    const bool cfast = TERMS && const_bias(p, br, m0, BM, n0, BN, cb);
-    // P, packed to 16 bits as soon as a row block's softmax is done (half the registers of fp32 S): its
-    // accumulator layout is the A-operand layout of the P V mma
-    uint32_t pa[BN / 16][MB][4];
+    if constexpr (NSUB == 2) {                           // O += P V of the first step, before the second's rescale
+#pragma unroll
+      for (int kk = 0; kk < KS / 16; ++kk) mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);
+    }
+    constexpr int nl = BN - KS;                          // the last step's first key in the tile
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-      softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0 + 16 * mb, n0, masked, slope, s[mb], acc[mb], m_i[mb],
-                                l_i[mb], br, cfast, cb);
+      softmax_step<KIND, TERMS, DROP>(p, lay, kpm, bh, row0 + 16 * mb, n0 + nl, masked, slope, s[mb], acc[mb],
+                                      m_i[mb], l_i[mb], br, cfast, cb);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) acc_to_a<BF16>(pa[kk][mb], s[mb], kk);
+      for (int kk = 0; kk < KS / 16; ++kk) acc_to_a<BF16>(pa[kk][mb], s[mb], kk);
     }
     // O += P V
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);
+    for (int kk = 0; kk < KS / 16; ++kk) mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, nl / 16 + kk, p.Dv);
   }
   prim::cp_async_wait<0>();
 

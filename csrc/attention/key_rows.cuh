@@ -14,11 +14,12 @@ struct StridedRows {
   EFFATTN_DEVICE static const AttnParams& attn(const Params& kp) { return kp; }
   // The params of batch entry b (after block_view): unchanged.
   EFFATTN_DEVICE static void view(const Params&, AttnParams&, int) {}
-  // Rows [t0, t0 + ROWS) of batch entry b's keys (V: values) at base + t * ld (load_tile).
+  // Rows [t0, t0 + ROWS) of batch entry b's keys (V: values) at base + t * ld: load_tile through the block's
+  // per-thread copy plan `map`.
   template <int HD, int ROWS, bool V>
-  EFFATTN_DEVICE static void load(const Params&, int, uint16_t* tile, const uint16_t* base, int64_t ld, int t0, int L,
-                                  int width) {
-    load_tile<HD, ROWS>(tile, base, ld, t0, L, width);
+  EFFATTN_DEVICE static void load(const Params&, int, const TileCopy<HD, ROWS>& map, uint16_t* tile,
+                                  const uint16_t* base, int64_t ld, int t0, int L, int width) {
+    map.load(tile, base, ld, t0, L, width);
   }
 };
 

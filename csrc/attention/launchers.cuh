@@ -40,6 +40,7 @@ namespace emu_record {
 // (the specialized instances must give its bits). The tests read and set them through fwd.cu's
 // extern "C" accessors (ctypes on the kernels' library).
 inline int last_fwd = -1;
+inline int last_fwd_keys = 0;   // 64: it ran the 128 x 64 tile (fwd_long_keys), else 0
 inline int fwd_general = 0;
 // ... and the same for the backward (last_bwd; bwd_general: bwd.cu runs kAny with dropout for every call)
 inline int last_bwd = -1;

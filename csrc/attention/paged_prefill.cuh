@@ -17,9 +17,10 @@ struct PagedRows {
   EFFATTN_DEVICE static const AttnParams& attn(const Params& kp) { return kp.a; }
   EFFATTN_DEVICE static void view(const Params& kp, AttnParams& p, int b) { paged_view(p, kp.kv, b); }
   // base: the pool's first element of the block's KV head (fwd_block: k_b = 0, k0 = 0)
+  // (the strided policy's copy plan does not apply: a row's address goes through the table)
   template <int HD, int ROWS, bool V>
-  EFFATTN_DEVICE static void load(const Params& kp, int b, uint16_t* tile, const uint16_t* base, int64_t ld, int t0,
-                                  int L, int width) {
+  EFFATTN_DEVICE static void load(const Params& kp, int b, const TileCopy<HD, ROWS>&, uint16_t* tile,
+                                  const uint16_t* base, int64_t ld, int t0, int L, int width) {
     load_paged<HD, ROWS>(tile, base, paged_row(kp.kv, b), kp.kv.page_size, V ? kp.kv.v_page : kp.kv.k_page, ld, t0,
                          L, width);
   }

@@ -52,6 +52,48 @@ EFFATTN_DEVICE void load_tile(uint16_t* tile, const uint16_t* base, int64_t ld, 
   }
 }
 
+// load_tile's copies with each thread's part computed once per block: a block that loads many ROWS-row tiles
+// (the forward's K and V per key tile) keeps its thread's first row, column and shared-memory offsets, and a
+// tile's load is then one address and one row limit per tile, and per copy a 64-bit add, a compare and the
+// cp.async (load_tile recomputes row, column, swizzle and the 64-bit address for every 16-byte copy). The
+// same thread-to-chunk map as load_tile (chunk idx = tid + NT k: row idx / C, column chunk idx % C), so
+// zero_unseen still walks it. Tile<HD> layout.
+template <int HD, int ROWS, int NT = 128>
+struct TileCopy {
+  static constexpr int C = HD / 8;               // 16-byte chunks per row
+  static constexpr int RS = NT / C;              // rows between a thread's copies
+  static constexpr int N = ROWS * C / NT;        // copies per thread and tile
+  static_assert(NT % C == 0 && (ROWS * C) % NT == 0, "every thread copies the same column of N rows");
+  // the swizzle of rows RS apart repeats after kPeriod copies (one at every bucket but 256, whose 4-row steps
+  // flip chunk bit 2 every other copy)
+  static constexpr int kLine = (Tile<HD>::kXorMask + 1) * Tile<HD>::kRowsPerLine;   // rows per swizzle cycle
+  static constexpr int kPeriod = RS % kLine == 0 ? 1 : (kLine % RS == 0 ? kLine / RS : 0);
+  static_assert(kPeriod >= 1 && kPeriod <= 2, "the swizzle of a thread's rows cycles in one or two copies");
+  int row, col;                                  // the thread's first row in a tile, its first column
+  int dst[kPeriod];                              // shared-memory offsets of copies k (< kPeriod) less RS k rows
+
+  EFFATTN_DEVICE TileCopy() {
+    const int t = prim::thread_x();
+    row = t / C;
+    col = (t % C) * 8;
+#pragma unroll
+    for (int k = 0; k < kPeriod; ++k) dst[k] = Tile<HD>::offset(row + k * RS, t % C) - k * RS * HD;
+  }
+
+  // load_tile(tile, base, ld, r0, L, width): rows >= L and columns >= width zero-filled (a copy of 0 source
+  // bytes, which reads nothing: its address, the row's own, is never dereferenced). All NT threads.
+  EFFATTN_DEVICE void load(uint16_t* tile, const uint16_t* base, int64_t ld, int r0, int L, int width) const {
+    const int lim = col < width ? L - r0 - row : 0;   // copy k holds data iff RS k < lim
+    const uint16_t* src = base + int64_t(r0 + row) * ld + col;
+    const int64_t step = int64_t(RS) * ld;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const bool ok = k * RS < lim;
+      prim::cp_async_16(tile + dst[k % kPeriod] + k * RS * HD, src + k * step, ok ? 16 : 0);
+    }
+  }
+};
+
 // Warp-level products on m16n8k16 tensor cores. Fragment order follows the PTX ISA: an x4
 // ldmatrix of a 16 x 16 A block gives a0..a3 (rows 0-7 / 8-15 x columns 0-7 / 8-15); the A
 // operand of a product whose left side comes from accumulators reuses their layout (P in P V).

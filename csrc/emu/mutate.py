@@ -85,6 +85,13 @@ TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_again
 # the Hopper backward against float64 (head dim 64: the warpgroups' dQ partials over their keys; GQA, causal)
 HOPPER_BWD = ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_against_float64", "-k",
               "causal-gqa and bf16")
+# the 128 x 64 forward tile at head dim 128 (the record, bitwise its 128 x 32 and the general instance, float64)
+LONG_KEYS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_head_dim_128_on_128_x_64_tiles", "-k", "causal")
+# a layout of 128-row blocks on 128-row forward tiles (its 64-row tile lists, bitwise the 64-row tiles, float64)
+LAYOUT_ROWS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_layout_tiles_of_128_rows_where_blocks_allow", "-k",
+               "bs128-d64")
+# head dim 256 (64 x 32 tiles, TileCopy's two swizzles a thread's copies alternate) and a layout against float64
+D256 = "tests/backends/cuda/test_cuda_fwd_rows.py::test_layouts_and_head_dim_256_keep_64_rows"
 # the forward's generated instances: which one a call runs, bitwise against the general one
 INSTANCES = "tests/backends/cuda/test_cuda_instances.py::test_each_call_runs_its_instance_with_the_general_instances_bits"
 # ... and the backward's (fused and two passes)
@@ -168,6 +175,23 @@ MUTATIONS: List[Mutation] = [
              "prim::cp_async_wait<0>();                            // V(t): this thread's copies have landed",
              "prim::cp_async_wait<1>();                            // V(t): this thread's copies have landed",
              BARRIERS, "forward: V(t) not waited for before the \"V ready\" barrier (reads the tile in flight)"),
+    Mutation("fwd-long-keys-second-half", "attention/fwd.cuh",
+             "mma_rows_rows_mb<HD, KS, BF16, MB>(s, sQ, warp * WM, sK + KS * HD, kd);",
+             "mma_rows_rows_mb<HD, KS, BF16, MB>(s, sQ, warp * WM, sK, kd);", LONG_KEYS,
+             "forward, 128 x 64 tile: the second softmax step's S from the first 32 keys of K"),
+    Mutation("fwd-long-keys-pv-rows", "attention/fwd.cuh",
+             "mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, nl / 16 + kk, p.Dv);",
+             "mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);", LONG_KEYS,
+             "forward, 128 x 64 tile: the second step's P times the first 32 rows of V"),
+    Mutation("fwd-layout-list-row", "attention/fwd.cuh",
+             "key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);", "key_schedule(p, h, mt, BM, BN);",
+             LAYOUT_ROWS, "forward, a layout on 128-row tiles: tile mt reads the lists of 64-row tile mt"),
+    Mutation("fwd-copy-step", "common/tiles.cuh",
+             "const int64_t step = int64_t(RS) * ld;", "const int64_t step = int64_t(RS + 1) * ld;", SHARED,
+             "forward K / V copies (TileCopy): a thread's later copies from the wrong rows"),
+    Mutation("fwd-copy-swizzle", "common/tiles.cuh",
+             "prim::cp_async_16(tile + dst[k % kPeriod] + k * RS * HD,", "prim::cp_async_16(tile + dst[0] + k * RS * HD,",
+             (D256,), "forward K / V copies (TileCopy) at head dim 256: odd copies at the even ones' swizzle"),
     Mutation("barrier-dkdv", "attention/bwd.cuh",
              "      prim::sync_block();                                // every warp is done with sQ, sdO, stats\n",
              "", BARRIERS, "dK/dV: no barrier before the next query tile overwrites Q, dO and the row statistics"),

@@ -51,24 +51,39 @@ class Need(NamedTuple):
 
 # ----------------------------------------------------------------------- the kernels' shared memory
 
-def fwd_key_tile(hd: int, rows: int = 64) -> int:
+def fwd_key_tile(hd: int, rows: int = 64, limits: Optional["Limits"] = None, long_keys: bool = False) -> int:
     """The mma.sync forward's key tile (FwdConfig::BN): 64 keys, 32 at head dim 256 and at 128 with 128-row
-    query tiles."""
-    return 32 if hd >= 256 or (rows == 128 and hd >= 128) else 64
+    query tiles, except the 128 x 64 tile there (two softmax steps of 32 keys; csrc/attention/launch.cuh
+    `kLongKeys`, fwd.cuh `fwd_long_keys`): a call of the kinds kDense (Lk a multiple of 64), kCausal or kWindow
+    without dropout (`long_keys`) on a device whose SM holds two such blocks (`limits`)."""
+    if hd >= 256:
+        return 32
+    if rows == 128 and hd >= 128:
+        fits = limits is not None and 2 * (fwd_smem(hd, 128, 64) + 1024) <= limits.smem_per_block + 1024
+        return 64 if long_keys and fits else 32
+    return 64
 
 
-def fwd_smem(hd: int, rows: int = 64) -> int:
-    """The mma.sync forward (FwdConfig): Q (`rows` rows), K and V tiles (`fwd_key_tile` keys)."""
-    return (rows + 2 * fwd_key_tile(hd, rows)) * hd * 2
+def fwd_smem(hd: int, rows: int = 64, keys: int = 0) -> int:
+    """The mma.sync forward (FwdConfig): Q (`rows` rows), K and V tiles (`keys`, 0: `fwd_key_tile`'s default)."""
+    return (rows + 2 * (keys or fwd_key_tile(hd, rows))) * hd * 2
 
 
 WIDE_BUCKETS = (32, 64, 128)   # the mma.sync forward's buckets with 128-row tiles (FwdConfig::kWide)
 
 
+def layout_wide(layout_block: int, left: int, right: int) -> bool:
+    """Whether a block layout's call can take the forward's 128-row tiles (csrc/attention/fwd.cuh
+    `fwd_layout_wide`): blocks of a multiple of 128 rows and no window, so that both 64-row halves of a tile have
+    the same tile list (the lists are built for the 64-row tiles the dQ pass shares)."""
+    return layout_block % 128 == 0 and left < 0 and right < 0
+
+
 def fwd_rows(hd: int, limits: "Limits", layout: bool = False, terms: bool = False) -> int:
     """The query tile of the mma.sync forward on a device (csrc/attention/fwd.cuh `fwd_wide`, which the
     launcher runs with the device's opt-in shared memory): 128 rows (4 warps of 32) where the bucket has
-    them, the call has no block layout (its tile lists are built for 64-row tiles), no bias tensors or
+    them, the call has no block layout that keeps 64 rows (`layout`: its tile lists, built for 64-row tiles,
+    differ between a 128-row tile's halves; `layout_wide`), no bias tensors or
     relative keys (`terms`: those instances keep 16 rows per warp), and two blocks fit an SM (an SM has
     the opt-in shared memory per block + 1 KB; each block its tiles + 1 KB: every sm_80+ GPU, 99 KB and
     up, holds two at each of these buckets); else 64 rows."""

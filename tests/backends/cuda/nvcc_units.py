@@ -25,7 +25,8 @@ ARCHS = tuple(f.rsplit("code=", 1)[1] for f in GENCODE)
 assert ARCHS == ("sm_80", "sm_90a"), ARCHS
 MAX_REGISTERS = 255          # the hardware limit per thread; spills are checked separately
 KERNEL_BUDGET = 32           # per .cu and arch; attention/inst/fwd_*.cu: 1 or 2 each (kAny up to bucket
-                             # 128: the 128-row and the 64-row instance), inst/bwd_*.cu: 3 to 5 (Delta,
+                             # 128: the 128-row and the 64-row instance; kDense / kCausal / kWindow without
+                             # dropout at 128: 128 x 32 and 128 x 64), inst/bwd_*.cu: 3 to 5 (Delta,
                              # dK/dV, dQ; the fused backward and its dQ conversion up to bucket 128);
                              # attention/fwd.cu and bwd.cu dispatch to them and hold none; terms.cu: 26
 NVCC = shutil.which("nvcc")

@@ -395,6 +395,7 @@ VISITS = {
     "layout-bs64-window": (256, 200, 32, 60, 10, (64, 0.6)),
     "layout-bs128-D256": (128, 256, 256, -1, -1, (128, 0.5)),
     "causal-D128-q100-k160": (100, 160, 128, -1, 0, None),
+    "layout-bs128-D64": (300, 260, 64, -1, -1, (128, 0.6)),
 }
 
 
@@ -427,8 +428,12 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
     def pairs(by_key, forward=False):
         bm, bn = tiles(D, D, by_key)
         if forward:                                           # the forward's tiles on this device
-            bm = resources.fwd_rows(bucket(D, D), resources.device_limits(q.device), layout is not None)
-            bn = resources.fwd_key_tile(bucket(D, D), bm)
+            # a layout of 128-row blocks without a window on 128-row tiles (fwd.cuh fwd_layout_wide)
+            wide = layout is not None and resources.layout_wide(layout.block_size, left, right)
+            bm = resources.fwd_rows(bucket(D, D), resources.device_limits(q.device), layout is not None and not wide)
+            # 128 x 64 at head dim 128 (kDense: full key tiles of 64; launch.cuh kLongKeys)
+            long_keys = wide or (layout is None and not (left < 0 and right < 0 and Lk % 64 == 32))
+            bn = resources.fwd_key_tile(bucket(D, D), bm, resources.device_limits(q.device), long_keys)
         full, part = visited_tiles(Lq, Lk, bm, bn, left, right, layout.mask if layout else None,
                                    layout.block_size if layout else 0)
         return (full + part) * (1 if layout is not None else H), bm, bn

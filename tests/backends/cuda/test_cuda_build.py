@@ -37,20 +37,27 @@ from tests.backends.cuda.nvcc_units import (
 
 MASK_KINDS = 3               # Hopper forward instances per bucket and dtype: kDense, kWindow, kAny (common.cuh)
 # the mma.sync forward: one generated unit per (bucket, dtype, mask kind, dropout) (attention/inst/); compiled
-# here: every (kind, dropout) at head dim 128 bf16, the biggest (head dim 256, kAny with dropout) and the
-# smallest (head dim 32 fp16, kDense without)
+# here: every (kind, dropout) at head dim 128 bf16, the biggest (head dim 256, kAny with dropout), the
+# smallest (head dim 32 fp16, kDense without) and kLayout's 128-row instance at head dim 64
 KIND_NAMES = ("dense", "window", "any", "causal", "layout")        # MaskKind 0..4
 INSTANCES = tuple(f"attention/inst/fwd_128_bf16_{k}_{d}.cu" for k in KIND_NAMES for d in ("nodrop", "drop")) + (
-    "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu")
+    "attention/inst/fwd_256_bf16_any_drop.cu", "attention/inst/fwd_32_fp16_dense_nodrop.cu",
+    "attention/inst/fwd_64_bf16_layout_nodrop.cu")
 
 
-def instance_wms(hd, kind):
-    """The rows per warp of the kernels a generated forward unit holds (launch.cuh `fwd`): 32 (128-row tiles)
-    up to head dim 128 except for a block layout, 16 (64-row tiles) for a layout, at head dim 256, and as
-    kAny's second instance up to head dim 128."""
-    if hd > 128 or kind == "layout":
-        return [16]
-    return [16, 32] if kind == "any" else [32]
+def instance_shapes(hd, kind, drop):
+    """The (rows per warp, key tile argument KT) of the kernels a generated forward unit holds (launch.cuh `fwd`),
+    sorted: 32 (128-row tiles) up to head dim 128, 16 (64-row tiles) at head dim 256 and as the second instance
+    of kAny and kLayout up to head dim 128; at head dim 128 the dense, causal and window units without dropout
+    hold 128 x 32 and 128 x 64 (KT 64, launch.cuh kLongKeys), the layout unit without dropout 128 x 64 as its
+    128-row one, the layout unit with dropout none."""
+    if hd > 128:
+        return [(16, 0)]
+    if hd == 128 and kind in ("dense", "causal", "window") and drop == "nodrop":
+        return [(32, 0), (32, 64)]
+    if hd == 128 and kind == "layout":
+        return [(16, 0)] if drop == "drop" else [(16, 0), (32, 64)]
+    return [(16, 0), (32, 0)] if kind in ("any", "layout") else [(32, 0)]
 # attention/fwd_sm90.cu: the Hopper forward, head dims 64 and 128 x 2 dtypes, per arch (outside sm_90a
 # empty stubs the launcher never starts); two warpgroups and one block per SM, so up to 255 registers
 # (181 at head dim 128 for kDense, 2026-11-27, nvcc 13.0)
@@ -77,6 +84,13 @@ def test_forward_dispatch_unit_holds_no_kernel(compiled):
     assert ptxas_entries(compiled["attention/fwd.cu"][0]) == []
 
 
+def instance_keys(name):
+    """The key tile template argument (KT) of a mangled attn_fwd_kernel name: 64 for the 128 x 64 tile, 0 for
+    the default (FwdConfig)."""
+    m = re.search(r"attn_fwd_kernelILi\d+E.*NS_11StridedRowsELi(\d+)E", name)
+    return int(m.group(1)) if m else 0
+
+
 def instance_args(name):
     """(head dim, bf16, mask kind, TERMS, RELK, dropout, rows per warp) of a mangled attn_fwd_kernel name."""
     m = re.search(r"attn_fwd_kernelILi(\d+)ELb([01])ELi(\d)ELb([01])ELb([01])ELb([01])ELi(16|32)E", name)
@@ -91,10 +105,11 @@ def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
     for src in INSTANCES:
         _, hd, dtype, kind, drop = os.path.basename(src)[:-3].split("_")
         entries = ptxas_entries(compiled[src][0])
-        wms = instance_wms(int(hd), kind)
-        assert sorted(e[0] for e in entries) == sorted(ARCHS * len(wms)), (src, entries)
+        shapes = instance_shapes(int(hd), kind, drop)
+        assert sorted(e[0] for e in entries) == sorted(ARCHS * len(shapes)), (src, entries)
         for arch in ARCHS:
-            assert sorted(instance_args(e[1])[6] for e in entries if e[0] == arch) == wms, (src, arch, entries)
+            got = sorted((instance_args(e[1])[6], instance_keys(e[1])) for e in entries if e[0] == arch)
+            assert got == shapes, (src, arch, got)
         for e in entries:
             assert instance_args(e[1])[:6] == (int(hd), int(dtype == "bf16"), KIND_NAMES.index(kind), 0, 0,
                                                int(drop == "drop")), (src, e[1])
@@ -104,9 +119,9 @@ def test_each_instance_unit_builds_its_own_kernel_without_bias_terms(compiled):
 def test_sass_uses_tensor_cores_ldmatrix_and_async_copies(compiled):
     for arch in ARCHS:
         for src in INSTANCES:
-            _, hd, _, kind, _ = os.path.basename(src)[:-3].split("_")
+            _, hd, _, kind, drop = os.path.basename(src)[:-3].split("_")
             bodies = functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")
-            assert len(bodies) == len(instance_wms(int(hd), kind)), (arch, src, len(bodies))
+            assert len(bodies) == len(instance_shapes(int(hd), kind, drop)), (arch, src, len(bodies))
             for body in bodies:
                 for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDGSTS", "LDSM.16.MT88.4"):   # MT88: V's .trans loads
                     assert op in body, (arch, src, op)
@@ -160,7 +175,9 @@ def test_mma_sync_forward_two_barriers_per_key_tile(compiled):
     """The mma.sync forward's key-tile loop (SASS, both archs): two block barriers per tile in every
     instance (FA-2's "K ready" and "V ready"; the unseen V rows are zeroed before the second by the
     threads that copied them), and the tile's HMMA: per warp, MB row blocks x (Q K^T + P V) over the
-    bucket's 16-wide steps and the key tile."""
+    bucket's 16-wide steps and the key tile. The K and V copies are straight-line (TileCopy, common/tiles.cuh:
+    each thread's addresses computed once per block): one LDGSTS per 16-byte copy of the tile's K and V, and
+    kDense's loop holds no inner loop (load_tile's copy loops were two, each unrolled 4 times plus the rest)."""
     for arch in ARCHS:
         for body in (b for src in INSTANCES for b in functions(sass_of(compiled[src][1], arch), "attn_fwd_kernel")):
             name = body.split("\n", 1)[0]
@@ -169,8 +186,11 @@ def test_mma_sync_forward_two_barriers_per_key_tile(compiled):
             loop = tile_loop(body, mma="HMMA")
             assert loop is not None, name
             assert loop["barriers"] == 2, (arch, name, loop["barriers"])
-            bn = resources.fwd_key_tile(hd, 4 * wm)
+            bn = instance_keys(name) or resources.fwd_key_tile(hd, 4 * wm)
             assert len(loop["mma"]) == (wm // 16) * 2 * (hd // 16) * (bn // 16) * 2, (arch, name, len(loop["mma"]))
+            assert loop["ldgsts"] == 2 * bn * hd // 8 // 128, (arch, name, loop["ldgsts"])
+            if args[2] == 0:                               # kDense: no masked tile, no zero_unseen loop
+                assert loop["inner_loops"] == 0, (arch, name, loop["inner_loops"])
 
 
 def test_only_dropout_instances_carry_dropout_code_and_dense_is_short(compiled):
@@ -231,9 +251,9 @@ def dynamic_smem(kernel):
     hd = int(m.group(1)) if m else 0
     if "attn_decode_split_kernel" in kernel:
         return resources.decode_smem(hd, int(re.search(r"ILi\d+ELb[01]ELi(\d)E", kernel).group(1)))
-    wide = re.search(r"attn_fwd_kernelILi\d+E.*ELi32EEEv", kernel)
-    if wide:                                               # the 128-row instances (32 rows per warp)
-        return resources.fwd_smem(hd, 128)
+    wide = re.search(r"attn_fwd_kernelILi\d+E.*ELi32ENS_11StridedRowsELi(\d+)E", kernel)
+    if wide:                                               # the 128-row instances (32 rows per warp; key tile)
+        return resources.fwd_smem(hd, 128, int(wide.group(1)))
     for name, size in (("attn_fwd_sm90_kernel", resources.hopper_smem), ("attn_fwd_kernel", resources.fwd_smem),
                        ("attn_dkdv_kernel", resources.dkdv_smem), ("attn_dq_kernel", resources.dq_smem)):
         if name in kernel:

@@ -135,7 +135,7 @@ def test_bias_tensor_instances_live_in_their_own_unit(compiled, arch):
     assert len(names) == TERMS_KERNELS, (arch, len(names))
     for hd in (32, 64, 128, 256):
         for bf16 in (0, 1):
-            for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1ELb0ELb1ELi16ENS_11StridedRowsEEEv"), ("attn_dkdv_kernel", "ELb1ELi2ELb1EEEv"),
+            for kernel, tail in (("attn_fwd_kernel", "ELi2ELb1ELb0ELb1ELi16ENS_11StridedRowsELi0EEEv"), ("attn_dkdv_kernel", "ELb1ELi2ELb1EEEv"),
                                  ("attn_dq_terms_kernel", "EEEv")):
                 want = f"{kernel}ILi{hd}ELb{bf16}{tail}"
                 assert sum(want in n for n in names) == 1, (arch, want)

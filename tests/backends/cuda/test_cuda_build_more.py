@@ -124,7 +124,7 @@ def test_relative_keys_forward_lives_in_its_own_unit(compiled, arch):
     assert len(names) == RELK_KERNELS, (arch, len(names))
     for hd in (32, 64, 128, 256):
         for bf16 in (0, 1):
-            assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1ELb1ELi16ENS_11StridedRowsEEEv" in n for n in names) == 1, (arch, hd, bf16)
+            assert sum(f"attn_fwd_kernelILi{hd}ELb{bf16}ELi2ELb0ELb1ELb1ELi16ENS_11StridedRowsELi0EEEv" in n for n in names) == 1, (arch, hd, bf16)
     bodies = sass_of(obj, arch).split("Function : ")[1:]
     assert bodies
     for body in bodies:

@@ -108,8 +108,8 @@ def test_head_dim_128_keep_mask_same_on_both_shapes(emulation, smem_limit):
 
 
 def test_layouts_and_head_dim_256_keep_64_rows(emulation):
-    """A block layout (its tile lists are built for 64-row tiles) and head dim 256 run the 64-row tiles,
-    against float64."""
+    """A block layout of 32-row blocks (its tile lists are built for 64-row tiles: the halves of a 128-row tile
+    differ) and head dim 256 run the 64-row tiles, against float64."""
     from effattn.layouts import BlockLayout
     g = torch.Generator().manual_seed(5)
     for D, Lq, kw in ((32, 192, dict(layout=BlockLayout(torch.rand(2, 6, 6, generator=g) < 0.6, 32))),
@@ -122,7 +122,25 @@ def test_layouts_and_head_dim_256_keep_64_rows(emulation):
 
 def test_explain_names_the_tile(smem_limit):
     q = torch.randn(1, 2, 100, 128).half()
+    assert ("query tiles of 128 rows (4 warps x 32), key tiles of 64 (two softmax steps of 32)"
+            in str(effattn.explain(q, q, q, backend="cuda")))
+    for kw in (dict(dropout_p=0.1), dict(key_padding_mask=torch.zeros(1, 100, dtype=torch.bool))):
+        assert "query tiles of 128 rows (4 warps x 32), key tiles of 32" in str(effattn.explain(q, q, q, backend="cuda",
+                                                                                                  **kw))
+    q96 = torch.randn(1, 2, 96, 128).half()                # kDense with key tiles of 32 (96 % 64 == 32)
+    assert "key tiles of 32" in str(effattn.explain(q96, q96, q96, backend="cuda"))
+    from effattn.layouts import BlockLayout
+    for D, bs, kw, words in ((64, 128, {}, "query tiles of 128 rows (4 warps x 32), key tiles of 64"),
+                             (64, 64, {}, "query tiles of 64 rows"), (64, 128, dict(causal=True), "query tiles of 64 rows"),
+                             (128, 128, {}, "query tiles of 128 rows (4 warps x 32), key tiles of 64 (two softmax"),
+                             (128, 128, dict(dropout_p=0.1), "query tiles of 64 rows")):
+        x = torch.randn(1, 1, 200, D).half()
+        lay = BlockLayout(torch.ones(1, 2, 2, dtype=torch.bool), bs) if bs == 128 else BlockLayout(
+            torch.ones(1, 4, 4, dtype=torch.bool), bs)
+        assert words in str(effattn.explain(x, x, x, layout=lay, backend="cuda", **kw)), (D, bs, kw)
+    before = smem_limit(99 * 1024)                         # sm_86 / sm_89 / sm_120: two 128 x 64 blocks do not fit
     assert "query tiles of 128 rows (4 warps x 32), key tiles of 32" in str(effattn.explain(q, q, q, backend="cuda"))
+    smem_limit(before)
     before = smem_limit(MID_SM)
     assert "query tiles of 64 rows (4 warps x 16), key tiles of 64" in str(effattn.explain(q, q, q, backend="cuda"))
     q64 = torch.randn(1, 2, 100, 64).half()
@@ -134,3 +152,92 @@ def test_explain_names_the_tile(smem_limit):
         assert resources.fwd_rows(64, limits, layout=True) == resources.fwd_rows(64, limits, terms=True) == 64
     mid = resources.Limits("x", MID_SM, 65536)
     assert [resources.fwd_rows(hd, mid) for hd in (32, 64, 128, 256)] == [128, 128, 64, 64]
+
+
+def last_fwd_keys():
+    """The emulation's record of the key tile the last forward ran (64: the 128 x 64 tile; 0: the instance's
+    default), through the kernels' library (csrc/attention/launchers.cuh)."""
+    import ctypes
+
+    from effattn.backends.cuda import _ext
+    return ctypes.CDLL(_ext.build_kernels()).effattn_emu_last_fwd_keys()
+
+
+# id -> (Lq, Lk, kwargs, key tile of the call on a 227 KB device): kDense (Lk a multiple of 64, or of 32 only:
+# kDense's full 32-key tiles), kCausal, kWindow (ragged Lk)
+LONG_KEYS = {
+    "dense": (130, 192, {}, 64),
+    "dense-lk-96": (70, 96, {}, 0),
+    "causal": (150, 200, dict(causal=True), 64),
+    "window-ragged": (130, 170, dict(window=(40, 30)), 64),
+}
+
+
+@pytest.mark.parametrize("case_id", list(LONG_KEYS))
+def test_head_dim_128_on_128_x_64_tiles(case_id, emulation, smem_limit):
+    """Head dim 128 without dropout or key padding runs the 128 x 64 tile (two softmax steps of 32 keys per tile)
+    where two such blocks fit an SM (the emulated H100), the 128 x 32 one on a 99 KB device: the record says which
+    ran, and the two (and the general instance, kAny with dropout on 128 x 32) give the same bits: the softmax
+    steps are the 32-key tiles' in the same order. Against float64 on the 128 x 64 tile."""
+    from tests.backends.cuda.test_cuda_instances import kernels_record
+    Lq, Lk, kw, keys = LONG_KEYS[case_id]
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 1, Lq, 128, generator=g).half()
+    k, v = (torch.randn(1, 1, Lk, 128, generator=g).half() for _ in range(2))
+    out, lse, blocks = forward_blocks(emulation, q, k, v, **kw)
+    assert (blocks, last_fwd_keys()) == (-(-Lq // 128), keys), (blocks, last_fwd_keys())
+    before = smem_limit(99 * 1024)
+    narrow = forward_blocks(emulation, q, k, v, **kw)
+    smem_limit(before)
+    assert (narrow[2], last_fwd_keys()) == (-(-Lq // 128), 0)
+    _, general = kernels_record("fwd")
+    general(1)
+    try:
+        ref = forward_blocks(emulation, q, k, v, **kw)
+    finally:
+        general(0)
+    for o, l, _ in (narrow, ref):
+        assert torch.equal(out, o) and torch.equal(lse, l)
+    if case_id in ("causal", "window-ragged"):
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+        assert last_fwd_keys() == 64
+
+
+# id -> (D, layout block, kwargs, (rows, key tile record) on the emulated H100): a layout takes 128-row tiles where
+# its blocks are a multiple of 128 rows and there is no window (fwd.cuh fwd_layout_wide), at head dim 128 on the
+# 128 x 64 tile and without key padding (kLayout)
+LAYOUT_TILES = {
+    "bs128-d64": (64, 128, {}, (128, 0)),
+    "bs128-d64-kpm": (64, 128, dict(kpm=0.3), (128, 0)),
+    "bs256-d128": (128, 256, {}, (128, 64)),
+    "bs128-d128-kpm": (128, 128, dict(kpm=0.3), (64, 0)),
+    "bs128-d64-causal": (64, 128, dict(causal=True), (64, 0)),
+    "bs64-d64": (64, 64, {}, (64, 0)),
+}
+
+
+@pytest.mark.parametrize("case_id", list(LAYOUT_TILES))
+def test_layout_tiles_of_128_rows_where_blocks_allow(case_id, emulation, smem_limit):
+    """A block layout's forward on 128-row tiles where both 64-row halves of a tile share a tile list, 64 rows
+    otherwise (the block count and the key tile record say which ran); bitwise equal to the 64-row tiles (a device
+    that holds one 128-row block per SM) where the key tiles are the same (head dim 64), else against float64."""
+    D, bs, kw, (rows, keys) = LAYOUT_TILES[case_id]
+    from effattn.layouts import BlockLayout
+    g = torch.Generator().manual_seed(13)
+    Lq, Lk = 260, 300                                      # ragged last query and key tiles
+    kw = dict(kw)
+    kw["layout"] = BlockLayout(torch.rand(2, -(-Lq // bs), -(-Lk // bs), generator=g) < 0.6, bs)
+    q = torch.randn(1, 2, Lq, D, generator=g).half()
+    k, v = (torch.randn(1, 2, Lk, D, generator=g).half() for _ in range(2))
+    if "kpm" in kw:
+        kw["key_padding_mask"] = torch.rand(1, Lk, generator=g) < kw.pop("kpm")
+    out, lse, blocks = forward_blocks(emulation, q, k, v, **kw)
+    assert (blocks, last_fwd_keys()) == (2 * -(-Lq // rows), keys), (blocks, last_fwd_keys())
+    if D == 64 and rows == 128:
+        before = smem_limit(SMALL_SM)
+        narrow = forward_blocks(emulation, q, k, v, **kw)
+        smem_limit(before)
+        assert narrow[2] == 2 * -(-Lq // 64)
+        assert torch.equal(out, narrow[0]) and torch.equal(lse, narrow[1])
+    if case_id == "bs256-d128":                             # (head dim 64: bitwise the 64-row tiles above)
+        check_against_oracle(q, k, v, kw, torch.float16, "cuda")

@@ -59,6 +59,7 @@ def run_kernels(ops, q, k, v, qp, kp, mask, block, causal, scale, dout, dlse, fu
 KERNEL_CASES = {   # id -> (D, layout chunk or None, causal)
     "layout-cl32-causal-d48": (48, 32, True),
     "layout-cl64-d64": (64, 64, False),
+    "layout-cl128-causal-d64": (64, 128, True),    # 128-row forward tiles (csrc/attention/fwd.cuh fwd_layout_wide)
     "nolayout-causal-d64": (64, None, True),
     "nolayout-d96": (96, None, False),
 }

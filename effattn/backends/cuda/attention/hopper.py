@@ -115,5 +115,21 @@ def describe(call, terms: bool = False) -> str:
 def mma_tile(call, terms: bool = False) -> str:
     """The mma.sync forward's tile for a call on its device (resources.fwd_rows), in words."""
     hd = bucket(call.q.shape[-1], call.v.shape[-1])
-    rows = resources.fwd_rows(hd, resources.device_limits(call.q.device), call.layout is not None, terms)
-    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {resources.fwd_key_tile(hd, rows)}"
+    limits = resources.device_limits(call.q.device)
+    no_window = call.window_left < 0 and call.window_right < 0
+    lay = call.layout
+    # a layout takes 128 rows where both 64-row halves of a tile share a tile list (fwd.cuh fwd_layout_wide); at
+    # head dim 128 on the 128 x 64 tile (its lists' key tiles), kLayout's without dropout (no key padding), where
+    # it fits
+    lay_wide = (lay is not None and resources.layout_wide(lay.block_size, call.window_left, call.window_right)
+                and (hd < 128 or (call.key_padding_mask is None and not call.dropout_p
+                                  and resources.fwd_key_tile(hd, 128, limits, True) == 64)))
+    rows = resources.fwd_rows(hd, limits, lay is not None and not lay_wide, terms)
+    # the kinds kDense (Lk a multiple of 64; at Lk % 64 == 32 kDense's key tiles of 32 are full, 64 would not be),
+    # kCausal and kWindow (a ragged Lk too) without dropout or key padding, and kLayout (launch.cuh kLongKeys)
+    dense = no_window and call.cu_seqlens is None
+    long_keys = lay_wide or (not call.dropout_p and call.key_padding_mask is None and lay is None and not terms
+                             and not (dense and call.k.shape[2] % 64 == 32))
+    keys = resources.fwd_key_tile(hd, rows, limits, long_keys)
+    steps = " (two softmax steps of 32)" if rows == 128 and hd == 128 and keys == 64 else ""
+    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {keys}{steps}"
