@@ -157,17 +157,63 @@ def loops_of(body: str):
     return instrs, loops
 
 
+def _op(text: str) -> str:
+    """The opcode of a SASS instruction's text, without its predicate."""
+    parts = text.split()
+    return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
+
+
+def shortest_trip(instrs, lo: int, hi: int, mma: str) -> Tuple[int, int]:
+    """(instructions, `mma` instructions) of one trip of the loop from its head `lo` to its backward branch at
+    `hi`: among the paths through the loop body (a predicated branch may go either way, an unpredicated one is
+    taken; nested loops run once: their backward branches are not followed) those with the most `mma`
+    instructions, the one with the fewest instructions. A full tile's trip without the mask and edge code its
+    branches skip: what one trip issues at the least, where the loop's static count is the most."""
+    at = {a: i for i, (a, _) in enumerate(instrs)}
+    start, goal = at[lo], at[hi]
+    best = {start: (int(mma in instrs[start][1]), -1)}
+    for i in range(start, goal):
+        if i not in best:
+            continue
+        addr, text = instrs[i]
+        m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        predicated = text.startswith("@") and not text.startswith("@PT")
+        succ = []
+        if m and addr < int(m.group(1), 16) <= hi:
+            succ.append(at[int(m.group(1), 16)])
+        if not ((m or _op(text) in ("EXIT", "RET", "BRX", "JMX")) and not predicated):
+            succ.append(i + 1)
+        for j in succ:
+            got = (best[i][0] + (mma in instrs[j][1]), best[i][1] - 1)
+            if j not in best or got > best[j]:
+                best[j] = got
+    if goal not in best:
+        return 0, 0
+    return -best[goal][1], best[goal][0]
+
+
 def tile_loop(body: str, mma: str = "HGMMA"):
     """The main loop of one SASS function (`functions`): the outermost loop (a backward branch and its
-    target) that holds `mma` instructions. A dict: its instructions (static count), block barriers
-    (BAR.SYNC), loops nested in it, the `mma`, LDGSTS and WARPGROUP.DEPBAR lines in it; None without one."""
+    target) that holds `mma` instructions and that a trip runs through (`shortest_trip`). A dict: its instructions (static count), block barriers
+    (BAR.SYNC), loops nested in it, the `mma`, LDGSTS and WARPGROUP.DEPBAR lines in it, and its shortest trip
+    (`shortest_trip`: instructions, `mma` on it); None without one."""
     instrs, loops = loops_of(body)
     hits = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and mma in t for a, t in instrs)]
     if not hits:
         return None
-    lo, hi = max(hits, key=lambda span: span[1] - span[0])
+    # the widest such loop that a trip runs through (a path from its head to its backward branch): a backward
+    # branch behind the kernel's last EXIT spans code no trip runs (the warp-specialized Hopper forward's)
+    hits.sort(key=lambda span: span[0] - span[1])
+    trips = {}
+    for lo, hi in hits:
+        trips[(lo, hi)] = shortest_trip(instrs, lo, hi, mma)
+        if trips[(lo, hi)][0]:
+            break
+    else:
+        lo, hi = hits[0]
     inside = [t for a, t in instrs if lo <= a <= hi]
-    return dict(instrs=len(inside), barriers=sum(bool(re.search(r"\bBAR\.SYNC", t)) for t in inside),
+    trip, trip_mma = trips[(lo, hi)]
+    return dict(trip=trip, trip_mma=trip_mma, instrs=len(inside), barriers=sum(bool(re.search(r"\bBAR\.SYNC", t)) for t in inside),
                 inner_loops=sum(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops),
                 mma=[t.split()[0] if not t.startswith("@") else t.split()[1] for t in inside if mma in t],
                 ldgsts=sum("LDGSTS" in t for t in inside),
