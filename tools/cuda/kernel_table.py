@@ -277,8 +277,8 @@ def predictions(rows: List[Dict[str, str]]) -> List[str]:
             out.append(f"- PREDICTION {title}: not in this table (unit not compiled).")
             continue
         d = int(re.match(r"D(\d+)", row["instance"]).group(1))
-        rows = re.search(r"(\d+) rows", row["instance"])
-        m, n, warps = TRIP[kernel](d, int(rows.group(1)) if rows else 0)
+        tile = re.search(r"(\d+) rows", row["instance"])
+        m, n, warps = TRIP[kernel](d, int(tile.group(1)) if tile else 0)
         flops = 2 * products * m * n * d
         rate = RATE[arch] * (2 / 3 if arch == "sm_90a" and kernel in ("attn_fwd_kernel", "attn_bwd_fused_kernel")
                              else 1)
