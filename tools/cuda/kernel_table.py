@@ -301,7 +301,8 @@ FLOPs / the SM's dense bf16 rate (A100: 312 TFLOP/s over 108 SMs at 1.41 GHz = 2
 TFLOP/s over 132 SMs at 1.83 GHz = 4096; mma.sync on H100 assumed at 2/3 of that); utilization = tensor /
 max(issue, tensor). FA2 / cuDNN are not measured here: their utilizations are published figures (FlashAttention-2
 paper: forward up to 73% of peak on A100; FlashAttention-3 paper: FlashAttention-2 about 35% on H100,
-FlashAttention-3 up to 75%, cuDNN taken at that level on H100 and at FA2's on A100)."""
+FlashAttention-3 up to 75%, cuDNN taken at that level on H100 and at FA2's on A100; the backward cases
+are set against the same forward figures, which overstates their ratios)."""
 
 
 def write(rows: List[Dict[str, str]], units: List[str], out_dir: str, command: str) -> str:
