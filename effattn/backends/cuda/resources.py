@@ -27,12 +27,47 @@ import torch
 THREADS = 128            # the attention kernels' block (csrc/attention/launch.cuh, decode.cu), but the Hopper forward's
 MAX_REGISTERS = 255      # per thread: ptxas's cap (tests/backends/cuda/test_cuda_build.py checks each kernel)
 
+KB = 1024
+
+
+class Arch(NamedTuple):
+    """What one SM of a compute capability holds (CUDA C++ Programming Guide, "Technical Specifications per
+    Compute Capability"): the occupancy limits the offline table (tools/cuda/kernel_table.py) and the tests'
+    architecture sweep read."""
+    smem_per_sm: int          # bytes of shared memory per SM (blocks' dynamic + static + 1 KB reserved each)
+    smem_per_block: int       # bytes of shared memory per block, opt-in
+    threads_per_sm: int
+    blocks_per_sm: int
+    regs_per_sm: int = 65536  # 32-bit registers per SM (every capability here)
+
+
+ARCHS = {(8, 0): Arch(164 * KB, 163 * KB, 2048, 32), (8, 6): Arch(100 * KB, 99 * KB, 1536, 16),
+         (8, 7): Arch(164 * KB, 163 * KB, 2048, 16), (8, 9): Arch(100 * KB, 99 * KB, 1536, 24),
+         (9, 0): Arch(228 * KB, 227 * KB, 2048, 32), (10, 0): Arch(228 * KB, 227 * KB, 2048, 32),
+         (10, 3): Arch(228 * KB, 227 * KB, 2048, 32), (12, 0): Arch(128 * KB, 99 * KB, 1536, 32)}
+RESERVED_SMEM = 1024      # bytes of shared memory the system takes per resident block (sm_80 and newer)
+REG_UNIT = 256            # registers are given to warps in units of 256 (per-thread counts rounded up to 8)
+
 # Opt-in shared memory per block by compute capability, for a torch whose device properties lack
-# shared_memory_per_block_optin (CUDA C++ Programming Guide, "Technical Specifications per Compute
-# Capability"); other capabilities: 99 KB, the smallest of sm_80 and newer
-_OPTIN_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
-                        (10, 3): 227 * 1024}
-_OPTIN_DEFAULT = 99 * 1024
+# shared_memory_per_block_optin; other capabilities: 99 KB, the smallest of sm_80 and newer
+_OPTIN_BY_CAPABILITY = {cc: a.smem_per_block for cc, a in ARCHS.items()}
+_OPTIN_DEFAULT = 99 * KB
+
+
+def ctas_per_sm(regs: int, smem: int, threads: int, arch: Arch) -> Tuple[int, str]:
+    """(blocks of a kernel resident on one SM of `arch`, the limit that decides it: "regs", "smem",
+    "threads" or "blocks"); 0 when one block does not launch. `regs` per thread, `smem` the block's dynamic +
+    static shared memory in bytes (the 1 KB the system reserves per block is added here)."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    if smem > arch.smem_per_block or regs_per_warp * warps > arch.regs_per_sm or threads > arch.threads_per_sm:
+        return 0, ("smem" if smem > arch.smem_per_block else
+                   "regs" if regs_per_warp * warps > arch.regs_per_sm else "threads")
+    by = {"regs": arch.regs_per_sm // (regs_per_warp * warps),
+          "smem": arch.smem_per_sm // (-(-smem // 128) * 128 + RESERVED_SMEM),
+          "threads": arch.threads_per_sm // threads, "blocks": arch.blocks_per_sm}
+    limit = min(by, key=lambda k: by[k])
+    return by[limit], limit
 
 
 class Limits(NamedTuple):
@@ -47,6 +82,7 @@ class Need(NamedTuple):
     kernel: str
     smem: int                 # bytes of dynamic shared memory per block
     threads: int = THREADS
+    regs: int = MAX_REGISTERS  # registers per thread at most: ptxas's cap, or the one its __launch_bounds__ sets
 
 
 # ----------------------------------------------------------------------- the kernels' shared memory
@@ -139,6 +175,8 @@ def fused_bwd_needs(hd: int) -> List["Need"]:
 
 
 HOPPER_THREADS = 256     # the Hopper forward's block: two warpgroups (FwdSm90Config::kThreads)
+HOPPER_TMA_THREADS = 384  # the warp-specialized one's: a producer and two consumer warpgroups (FwdTmaConfig)
+HOPPER_TMA_REGS = 168     # its __launch_bounds__(384, 1): 65536 / 384 registers, rounded down to 8
 
 
 def hopper_bwd_smem(hd: int) -> int:
@@ -202,8 +240,8 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
         if n.smem > limits.smem_per_block:
             why.append(f"the {n.kernel} kernel needs {n.smem} bytes of shared memory per block, {limits.name} "
                        f"allows {limits.smem_per_block}")
-        if n.threads * MAX_REGISTERS > limits.regs_per_sm:
-            why.append(f"the {n.kernel} kernel may need {n.threads} x {MAX_REGISTERS} registers per block, "
+        if n.threads * n.regs > limits.regs_per_sm:
+            why.append(f"the {n.kernel} kernel may need {n.threads} x {n.regs} registers per block, "
                        f"{limits.name} has {limits.regs_per_sm} per SM")
     return why
 
@@ -211,10 +249,11 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
 def prefill_needs(hd: int, hopper: bool, backward: bool, fused: bool = False) -> List[Need]:
     """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
     forward; with `backward`, the fused backward when `fused`, else the two backward passes)."""
-    # the Hopper forward: the shared memory of its TMA kernel at 128-key tiles, the most it launches with (the
-    # TMA kernel's 384 threads are bounded at 168 registers each by __launch_bounds__: the 256 x 255 check holds)
-    needs = ([Need("Hopper forward", hopper_smem(hd, 128), HOPPER_THREADS)] if hopper
-             else [Need("forward", fwd_smem(hd))])
+    # the Hopper forwards: the cp.async kernel (64-key tiles) and the TMA kernel at its largest, 128-key tiles
+    # (384 threads bounded at 168 registers each by __launch_bounds__)
+    needs = ([Need("Hopper forward", hopper_smem(hd), HOPPER_THREADS),
+              Need("Hopper TMA forward", hopper_smem(hd, 128), HOPPER_TMA_THREADS, HOPPER_TMA_REGS)]
+             if hopper else [Need("forward", fwd_smem(hd))])
     if backward and fused:
         needs += fused_bwd_needs(hd)
     elif backward:

@@ -94,6 +94,8 @@ def test_every_kernel_fits_each_architecture(arch):
     """sm_80 .. sm_120: each prefill kernel (forward, on sm_90 the Hopper forward at 64 / 128, both backward passes)
     launches at every head-dim bucket; decode keeps two stages except at head dim 256 on 99 KB GPUs."""
     limits = resources.Limits(arch, ARCH_SMEM[arch], 65536)
+    cc = (int(arch[3:-1]), int(arch[-1]))
+    assert resources.ARCHS[cc].smem_per_block == ARCH_SMEM[arch]     # the table the offline tool counts CTAs with
     for hd in BUCKETS:
         for hopper in ((False, True) if hd in (64, 128) and arch == "sm_90" else (False,)):   # sm_90a code
             assert resources.refusals(resources.prefill_needs(hd, hopper, backward=True), limits) == [], (arch, hd)
@@ -162,15 +164,20 @@ def test_device_limits_come_from_the_device_properties(monkeypatch):
     """Opt-in shared memory per block and registers per SM from torch.cuda.get_device_properties; a
     torch whose properties lack them: the capability's documented opt-in size, 64 K registers."""
     table = {0: props(8, 6, "NVIDIA RTX A6000", shared_memory_per_block_optin=101376, regs_per_multiprocessor=65536),
-             1: props(9, 0, "NVIDIA H100"), 2: props(8, 9, "NVIDIA L4"), 3: props(12, 0, "RTX 5090")}
+             1: props(9, 0, "NVIDIA H100"), 2: props(8, 9, "NVIDIA L4"), 3: props(12, 0, "RTX 5090"),
+             4: props(10, 0, "NVIDIA B200")}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: table[device.index])
     monkeypatch.setattr(resources, "_LIMITS", {})
     got = {i: resources.device_limits(torch.device("cuda", i)) for i in table}
     assert got[0] == resources.Limits("NVIDIA RTX A6000 (sm_86)", 101376, 65536)
     assert got[1] == resources.Limits("NVIDIA H100 (sm_90)", 227 * KB, 65536)
     assert got[2].smem_per_block == 99 * KB and got[3].smem_per_block == 99 * KB
-    # decode at head dim 256: one stage on the 99 KB GPUs, two on the H100
-    assert [resources.decode_stages(256, got[i])[0] for i in table] == [1, 2, 1, 1]
+    assert got[4] == resources.Limits("NVIDIA B200 (sm_100)", 227 * KB, 65536)
+    # decode at head dim 256: one stage on the 99 KB GPUs, two on the H100 and the B200
+    assert [resources.decode_stages(256, got[i])[0] for i in table] == [1, 2, 1, 1, 2]
+    # the fused backward at head dim 128 (145 KB): on the H100 and the B200 only; the two passes elsewhere
+    assert [resources.refusals(resources.fused_bwd_needs(128), got[i]) == [] for i in table] == [
+        False, True, False, False, True]
 
 
 def test_emulator_failure_inside_a_call_is_a_runtime_error(smem_limit):
