@@ -165,7 +165,7 @@ MAP_ROWS = 32          # rows per program of `map_kernel` (64 x 128 spilled: sm_
 # F = Dv = 64, 128, 256: chunk sums, state and output programs plus the map kernel's;
 # benchmarks/results/offline-sm90/linear_resources.md, "Where the feature map runs"), which
 # tests/backends/triton/test_triton_linear.py checks against this table.
-MAP_ONCE = {torch.bfloat16: 0, torch.float16: 128, torch.float32: 128}
+MAP_ONCE = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 128}
 
 
 def map_once(dtype: torch.dtype, F: int) -> bool:
