@@ -560,7 +560,8 @@ def report(ids: Sequence[str], records: Dict[str, dict], sources: str, command: 
         f"kernel sources' hash `{sources}`.",
         f"- Machine: {os.cpu_count()} cores shared with other jobs; the 1-minute load average when each mutation "
         f"started: {min(loads):.1f} to {max(loads):.1f} (column *load*). Seconds are wall time under that load "
-        f"(copy, rebuild of the units that include the mutated file, the tests): {total / 60:.0f} min in all."
+        f"(copy, rebuild of the units that include the mutated file, the tests): {total / 60:.0f} min summed over the "
+        f"mutations (runs sharing a log go side by side)."
         if loads else "- Machine: -",
         f"- Result: {count[CAUGHT]} of {judged} emulated mutations caught, {count[SURVIVED]} survived, "
         f"{count[ERROR]} errors of the harness; {count[GPU_ONLY]} GPU-only (pattern checked, nvcc-only code: "
