@@ -1,6 +1,7 @@
 """The mma.sync forward's tile shapes (csrc/attention/fwd.cuh, FwdConfig): 128-row query tiles (4 warps of
-32 rows, two m16 row blocks each) at head-dim buckets 32, 64, 128, 64-row tiles (16 rows per warp) at 256,
-with a layout, and where two 128-row blocks do not fit an SM's shared memory; two barriers per key tile.
+32 rows, two m16 row blocks each) at head-dim buckets 32, 64, 128 (128 x 64 or 128 x 32 at 128), 64-row tiles
+(16 rows per warp) at 256, with a layout whose 128-row tiles' halves have different tile lists, and where two
+128-row blocks do not fit an SM's shared memory; two barriers per key tile.
 Run through the emulation against the float64 oracle, and bit for bit against the 64-row instance where the
 key tiles are the same (each output element sums the same products in the same order; dropout draws per
 element, so its keep-mask is the same at every tile shape)."""
