@@ -29,19 +29,25 @@ from ...base import FEATURES, Capabilities, Path, register
 from .reference import DTYPES
 
 # ------------------------------------------------------------------------------ the speed rule
-# Measured 2026-11-27 23:40-00:05 UTC on this repository's 2-core AMD EPYC (Zen 5, AVX-512) VM, shared
-# with other jobs (load 12-22: each time below is the median of 15-21 interleaved runs; 1 thread:
-# the thread's CPU time, which the load does not stretch; 2 threads: wall time), torch 2.13, B=1,
-# H=8, D=64, float32, elu, ms (fwd / fwd+bwd); command and full tables in
+# Measured 2026-11-27 23:40-00:20 UTC on this repository's 2-core AMD EPYC (Zen 5, AVX-512) VM, shared
+# with other jobs (1-minute load 12-22), torch 2.13, B=1, H=8, D=64, float32, elu, one thread: the
+# thread's CPU time (time.thread_time, which the load does not stretch as it does wall time), median
+# of 15-21 interleaved runs, ms (fwd / fwd+bwd); commands and tables in
 # benchmarks/results/cpu/linear_cpu_chunks.md:
 #   1 thread     SDPA causal   chunked ref.   quadratic      C = 16        C = 32        C = 64
 #   L = 256      1.69 / 5.98   2.49 / 6.14    2.11 / 10.08   2.05 / 7.12   1.31 / 4.23   1.34 / 4.70
 #   L = 512      6.41 / 22.45  5.03 / 12.22   8.10 / 41.66   3.76 / 15.33  2.97 / 9.18   2.82 / 10.26
 #   L = 2048     59.7 / 207.7  21.95 / 46.42  166.8 / 642.7  27.34 / 73.13 15.22 / 42.44 14.10 / 38.65
 #   L = 4096     208.0 / 759.0 38.71 / 97.61  671.1 / 2705   93.75 / 210.0 35.66 / 97.08 29.08 / 84.68
-# so chunks of 32 up to L = 512, of 64 above. MAX_L: the longest L this path takes, by thread count
-# (more threads: the largest count listed at or below), against the slice path (its chunked
-# reference on one thread per slice of key/value heads); see the 2-thread table in the same file.
+# (instructions at L = 256, callgrind, one thread, per call, fwd / fwd+bwd: SDPA causal 20.6 M / 70.9 M,
+# the quadratic form 23.8 M / 73.0 M, the chunked reference 22.7 M / 52.9 M). So chunks of 32 up to
+# L = 512, of 64 above, and this path before the chunked reference at every length.
+# MAX_L: the longest L this path takes, by torch's thread count (more threads: the largest count
+# listed at or below). At 2 threads the ops run on both intra-op threads where the slice path runs the
+# chunked reference on one thread per slice; wall times at 2 threads could not be measured on the
+# loaded machine (SDPA itself took 20x its idle time), so MAX_L[2] rests on the 1-thread work above
+# (PREDICTION: at least as fast as the slice path at 2 threads on an idle machine); setting it to 0
+# sends 2-thread calls back to the slice path.
 CHUNK_SHORT, CHUNK_LONG, SHORT_L = 32, 64, 512
 MAX_L: Dict[int, int] = {1: 1 << 62, 2: 1 << 62}
 
@@ -73,8 +79,7 @@ def _admits(call) -> List[str]:
         return ["an empty shape"]
     threads, L = torch.get_num_threads(), call.q.shape[2]
     if L > max_l(threads):
-        return [f"L = {L} > {max_l(threads)} at {threads} thread(s): measured slower than the slice path there "
-                f"(rule cpu_chunks.MAX_L)"]
+        return [f"L = {L} > {max_l(threads)} at {threads} thread(s): the slice path's there (rule cpu_chunks.MAX_L)"]
     return []
 
 
@@ -145,9 +150,11 @@ def _run(call):
 
 def _describe(call) -> str:
     threads, L = torch.get_num_threads(), call.q.shape[2]
+    limit = max_l(threads)
+    bound = "no length limit" if limit >= 1 << 62 else f"L = {L} <= {limit}"
     return (f"chunked form as batched ops on all threads, chunks of {min(chunk_size(L), L)} (rule cpu_chunks.CHUNK_*: "
-            f"{CHUNK_SHORT} up to L = {SHORT_L}, else {CHUNK_LONG}); L = {L} <= {max_l(threads)} at {threads} "
-            f"thread(s) (rule cpu_chunks.MAX_L: measured faster than the slice path there)")
+            f"{CHUNK_SHORT} up to L = {SHORT_L}, else {CHUNK_LONG}); {bound} at {threads} thread(s) "
+            f"(rule cpu_chunks.MAX_L)")
 
 
 PATH = register(Path(
