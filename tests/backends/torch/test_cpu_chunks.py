@@ -60,12 +60,24 @@ def test_rows_that_see_nothing_give_zero():
     torch.testing.assert_close(cpu_chunks.chunked(call, 16), ref, atol=1e-9, rtol=1e-9)
 
 
+def _with_threads(n, fn):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_the_rule_is_in_explain(monkeypatch):
-    """The chunk length follows `chunk_size`; `MAX_L` sends longer calls to the slice path, with the
+    """The chunk length follows `chunk_size`; from `SLICED_FROM` threads the ops run on slices; `MAX_L` sends longer calls to the slice path, with the
     rule named in the reason; non-causal calls, Lq != Lk and states are left to the other rows."""
     assert (cpu_chunks.chunk_size(cpu_chunks.SHORT_L), cpu_chunks.chunk_size(cpu_chunks.SHORT_L + 1)) == \
         (cpu_chunks.CHUNK_SHORT, cpu_chunks.CHUNK_LONG)
     q, k, v = _qkv(1, 2, 2, 64, 8, 8, torch.float32)
+    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert "on slices" in two.paths["torch"] and "on all threads" in one.paths["torch"]
     monkeypatch.setattr(cpu_chunks, "MAX_L", {1: 32, 2: 32})
     ex = effattn.explain(q, k, v, op="linear_attention", causal=True)
     assert ex.chosen_path != "torch/linear-cpu-chunks"

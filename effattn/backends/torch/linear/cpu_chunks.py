@@ -1,7 +1,7 @@
 """The torch backend's path ``torch/linear-cpu-chunks``: causal linear attention in the chunked form
 (chunks of C positions: a masked C x C product inside a chunk, the prefix state across chunks, as the
-reference), written as a dozen batched ops over every chunk of every head at once, each on all of
-torch's intra-op threads:
+reference), written as a dozen batched ops over every chunk of every head at once (at one thread; at
+more, `SLICED_FROM`, on slices of key/value heads, one intra-op thread per slice, as the slice path):
 
     A    = tril(phi(Q_c) phi(K_c)^T)                one bmm, one in-place mask
     num  = A [V_c | 1]                              one bmm (the denominator as a column of ones)
@@ -13,11 +13,13 @@ torch's intra-op threads:
 With C = L it is the quadratic form (one chunk, no state); measured, C = 32 or 64 is faster at every
 length (the quadratic form does twice the work of C = 64 at L = 256, and its backward more). The
 chunked reference computes the same sums with ~25 ops (G query heads interleaved, a state einsum,
-where-guards), and the slice path runs those on one thread per slice. The gradients are autograd's
-through the same ops. `CHUNK` and `MAX_L` are the rule, measured on the CPU (see there).
+where-guards). The gradients are autograd's through the same ops (on slices: each slice's forward
+recomputed and differentiated in its worker, `cpu_slices`). `CHUNK_*`, `MAX_L` and `SLICED_FROM` are
+the rule, measured on the CPU (see there).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import torch
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from ...._call import LINEAR, linear_features
 from ....numerics import compute_dtype
 from ...base import FEATURES, Capabilities, Path, register
+from . import cpu_slices
 from .reference import DTYPES
 
 # ------------------------------------------------------------------------------ the speed rule
@@ -50,6 +53,13 @@ from .reference import DTYPES
 # sends 2-thread calls back to the slice path.
 CHUNK_SHORT, CHUNK_LONG, SHORT_L = 32, 64, 512
 MAX_L: Dict[int, int] = {1: 1 << 62, 2: 1 << 62}
+# From this many threads the ops run on slices of key/value heads (or batch entries), one intra-op
+# thread per slice, as the slice path does (threads.py: every op's barrier waits for a descheduled
+# thread). Measured 2026-11-28 00:18 UTC, `python3 -m benchmarks.cpu_vs_sdpa --lengths 256 512 --cases
+# "causal linear elu" --runs 7`, 2 threads, wall ms forward (fwd+bwd), load 8-10: all ops on both
+# intra-op threads 220 (633) at L = 256 and 201 (646) at L = 512; on slices 40 (144) and 48 (168); SDPA
+# 16 (144-160). Idle, the intra-op form may be the faster one (not measured: set SLICED_FROM = None).
+SLICED_FROM = 2
 
 # Feature maps whose features are never negative: with eps > 0 the denominator phi(q) . z + eps is
 # then > 0 and the division needs no guard.
@@ -144,15 +154,30 @@ def chunked(call, C: int):
     return out.to(call.q.dtype)
 
 
+def _slice(call, q, k, v, S0, z0):
+    """One slice's output (`cpu_slices.run_slices`' math; no state)."""
+    return chunked(dataclasses.replace(call, q=q, k=k, v=v), chunk_size(q.shape[2])), None, None
+
+
 def _run(call):
+    if _sliced(call):
+        return cpu_slices.run_slices(call, _slice)[0], None
     return chunked(call, chunk_size(call.q.shape[2])), None
+
+
+def _sliced(call) -> bool:
+    """Whether the call runs on slices, one intra-op thread each (`SLICED_FROM`)."""
+    return SLICED_FROM is not None and torch.get_num_threads() >= max(2, SLICED_FROM) and \
+        max(call.k.shape[0], call.k.shape[1]) > 1
 
 
 def _describe(call) -> str:
     threads, L = torch.get_num_threads(), call.q.shape[2]
+    how = ("on slices of key/value heads (or batch entries) in parallel, one thread each (rule cpu_chunks.SLICED_FROM)"
+           if _sliced(call) else "on all threads")
     limit = max_l(threads)
     bound = "no length limit" if limit >= 1 << 62 else f"L = {L} <= {limit}"
-    return (f"chunked form as batched ops on all threads, chunks of {min(chunk_size(L), L)} (rule cpu_chunks.CHUNK_*: "
+    return (f"chunked form as batched ops {how}, chunks of {min(chunk_size(L), L)} (rule cpu_chunks.CHUNK_*: "
             f"{CHUNK_SHORT} up to L = {SHORT_L}, else {CHUNK_LONG}); {bound} at {threads} thread(s) "
             f"(rule cpu_chunks.MAX_L)")
 
