@@ -10,6 +10,7 @@ from effattn._call import make_linear_call
 from effattn.backends.torch.attention import cpu_flash, cpu_masked
 from effattn.backends.torch.linear import cpu_chunks
 from effattn.testing.oracle import chunked_linear_attention, feature_map
+from tests.backends.torch.test_cpu_paths import _with_threads
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -58,15 +59,6 @@ def test_rows_that_see_nothing_give_zero():
     call = make_linear_call(q, k, v, causal=True, feature_map="identity", eps=0.0)
     ref = effattn.backends.torch.linear.reference.PATH.run(call)[0]
     torch.testing.assert_close(cpu_chunks.chunked(call, 16), ref, atol=1e-9, rtol=1e-9)
-
-
-def _with_threads(n, fn):
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(prev)
 
 
 def test_the_rule_is_in_explain(monkeypatch):
