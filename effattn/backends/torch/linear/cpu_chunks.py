@@ -46,11 +46,11 @@ from .reference import DTYPES
 # the quadratic form 23.8 M / 73.0 M, the chunked reference 22.7 M / 52.9 M). So chunks of 32 up to
 # L = 512, of 64 above, and this path before the chunked reference at every length.
 # MAX_L: the longest L this path takes, by torch's thread count (more threads: the largest count
-# listed at or below). At 2 threads the ops run on both intra-op threads where the slice path runs the
-# chunked reference on one thread per slice; wall times at 2 threads could not be measured on the
-# loaded machine (SDPA itself took 20x its idle time), so MAX_L[2] rests on the 1-thread work above
-# (PREDICTION: at least as fast as the slice path at 2 threads on an idle machine); setting it to 0
-# sends 2-thread calls back to the slice path.
+# listed at or below). At 2 threads both paths run on slices, one thread each (`SLICED_FROM`), this
+# one doing the per-slice work measured above at one thread, less than the chunked reference's; idle
+# 2-thread wall times could not be measured on the loaded machine (SDPA itself took 20x its idle
+# time), so MAX_L[2] rests on that 1-thread work (PREDICTION: at least as fast as the slice path at 2
+# threads on an idle machine); setting it to 0 sends 2-thread calls back to the slice path.
 CHUNK_SHORT, CHUNK_LONG, SHORT_L = 32, 64, 512
 MAX_L: Dict[int, int] = {1: 1 << 62, 2: 1 << 62}
 # From this many threads the ops run on slices of key/value heads (or batch entries), one intra-op
