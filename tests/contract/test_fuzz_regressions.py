@@ -21,7 +21,13 @@ def _call(unit, fn, *args, **kw):
         return fn(*args, backend=unit.backend, **kw)
 
 
-@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if not p.values[0].name.endswith("-step")])
+def _serves_states(unit) -> bool:
+    """Whether the unit's row declares states (the one-token step rows and torch/linear-cpu-chunks do not)."""
+    row = next(p for p in base.rows("linear_attention") if p.name == unit.name)
+    return not unit.name.endswith("-step") and "state" in row.caps.features
+
+
+@pytest.mark.parametrize("unit", [p for p in _units("linear_attention") if _serves_states(p.values[0])])
 def test_linear_backward_with_initial_state_noncausal_h_eq_hkv(unit):
     """Triton / CUDA: the non-causal output pass's backward returned the gradients of the keys' state
     and of initial_state as two views of one tensor when H == Hkv; torch's custom-op wrapper refused."""

@@ -123,12 +123,13 @@ def test_results_do_not_depend_on_the_thread_count(op, masked, monkeypatch):
 
 
 def test_linear_cpu_path_reports_and_keeps_parameter_gradients():
-    """Named feature maps take the slice-parallel path; a callable with parameters stays on the
+    """Named feature maps take the slice-parallel path (causal calls without a state take the
+    chunked batched ops first: test_cpu_chunks.py); a callable with parameters stays on the
     reference so that its parameters get gradients."""
     q, k, v = qkv()
-    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=False))
     assert two.chosen_path == "torch/linear-cpu-slices" and "in parallel" in two.paths["torch"]
-    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=False))
     assert one.chosen_path == "torch/linear-chunked"
     assert "one thread" in one.row("torch/linear-cpu-slices").reasons[0]
     lin = torch.nn.Linear(16, 8)

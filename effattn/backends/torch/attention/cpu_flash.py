@@ -109,9 +109,19 @@ def _run(call):
     q, k, v = call.q, call.k, call.v
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q, k, v))
-    elif not call.return_lse and not needs_grad(q, k, v) and direct(q, k, v):
-        # an eager forward that returns no lse: the kernel alone, as `_CALL`'s forward would run it
-        return _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
+    elif not call.return_lse and direct(q, k, v):
+        if not needs_grad(q, k, v):
+            # an eager forward that returns no lse: the kernel alone, as `_CALL`'s forward would run it
+            return _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
+        # an eager call wanting gradients of out only: the kernel under torch's own autograd node
+        # (the one SDPA records: C++, no Python autograd.Function on either pass), whose backward is
+        # `_FLASH_BWD` on the same saved tensors, so the gradients are bitwise `_CALL`'s. Taken only
+        # when that backward is exact for this lse (`kernel_backward_exact`, read here in the
+        # forward); else the forward runs again through `_CALL`, whose backward then takes the
+        # blocks path (|lse| > 2**-10 / eps: scores far outside any trained model's range)
+        out, lse = _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
+        if kernel_backward_exact(lse.detach()):
+            return out, lse
     return _CALL(q, k, v, call.causal, call.scale)
 
 

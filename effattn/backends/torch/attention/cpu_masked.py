@@ -30,8 +30,10 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ...._call import needs_grad
 from ....numerics import compute_dtype
 from ....visibility import Rule
+from ...autograd import direct
 from ...base import Capabilities, Path, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
 from .cpu_flash import _FLASH_BWD, _FLASH_FN, kernel_backward_exact, unit_stride
@@ -303,7 +305,35 @@ def sdpa_mask_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
 
 cpu_sdpa_mask_bwd = torch.library.custom_op("effattn::cpu_sdpa_mask_bwd", mutates_args=())(sdpa_mask_backward)
 
+_PAIR = masked_op_pair(cpu_sdpa_mask_fwd, cpu_sdpa_mask_bwd, sdpa_mask_forward, sdpa_mask_backward)
+
+
+def _native_autograd(call):
+    """``(out, lse)`` of an eager call that wants gradients of out only, with the kernel under torch's
+    own autograd node (SDPA's: C++, its backward `_FLASH_BWD` with the same mask on the same saved
+    tensors, so the gradients are bitwise the op pair's), or None where the op pair's backward must
+    run (float16, an lse too large for the kernel's backward: `sdpa_mask_backward`). The kernel's lse
+    of a row that sees no key stays 0 (what its backward needs; no lse is returned); zeroed copies of
+    K and V, where taken, pass autograd's zero gradient to the keys no query sees."""
+    a = call.op_args()
+    m = _masks(a.q, a.k, a.layout_mask, a.layout_block, a.key_padding_mask, a.window_left, a.window_right)
+    q, k, v = unit_stride(a.q, a.k, a.v)
+    if m.unseen is not None and not masked_keys_harmless(q, k, v, a.scale):
+        k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
+    out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=a.scale)
+    return (out, lse) if kernel_backward_exact(lse.detach()) else None
+
+
+def _run(call):
+    if not call.return_lse and call.q.dtype not in BLOCKS_BACKWARD and needs_grad(call.q, call.k, call.v) and \
+            direct(call.q, call.k, call.v, call.key_padding_mask, call.layout.mask if call.layout is not None else None):
+        got = _native_autograd(call)
+        if got is not None:
+            return got
+    return _PAIR(call)
+
+
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-sdpa-mask", priority=92,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
-    run=masked_op_pair(cpu_sdpa_mask_fwd, cpu_sdpa_mask_bwd, sdpa_mask_forward, sdpa_mask_backward), admits=_admits, describe=_describe))
+    run=_run, admits=_admits, describe=_describe))

@@ -56,17 +56,17 @@ def _parts(by_heads, a, b, G, q, k, v, S0, z0):
 
 
 class _SliceParallel(torch.autograd.Function):
+    """``math(call, q, k, v, S0, z0) -> (out, S or None, z or None)`` on each slice in parallel."""
     @staticmethod
-    def forward(ctx, call, q, k, v, S0, z0):
+    def forward(ctx, call, math, q, k, v, S0, z0):
         B, Hkv = k.shape[0], k.shape[1]
         G = q.shape[1] // Hkv
         by_heads = Hkv >= B
         slices = threads.ranges(Hkv if by_heads else B, torch.get_num_threads())
-        res = threads.run_slices(lambda a, b: _slice_math(call, *_parts(by_heads, a, b, G, q, k, v, S0, z0)),
-                                 slices)
+        res = threads.run_slices(lambda a, b: math(call, *_parts(by_heads, a, b, G, q, k, v, S0, z0)), slices)
         dim = 1 if by_heads else 0
-        out, S, z = (torch.cat([r[i] for r in res], dim) for i in range(3))
-        ctx.call, ctx.by_heads, ctx.slices, ctx.G = call, by_heads, slices, G
+        out, S, z = (None if res[0][i] is None else torch.cat([r[i] for r in res], dim) for i in range(3))
+        ctx.call, ctx.math, ctx.by_heads, ctx.slices, ctx.G = call, math, by_heads, slices, G
         ctx.save_for_backward(q, k, v, S0, z0)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), S, z
@@ -80,7 +80,7 @@ class _SliceParallel(torch.autograd.Function):
         def one(a, b):
             leaves = [None if t is None else t.detach().requires_grad_(w)
                       for t, w in zip(_parts(by_heads, a, b, G, q, k, v, S0, z0), want)]
-            outs = _slice_math(call, *leaves)
+            outs = ctx.math(call, *leaves)
             grads_in = _parts(by_heads, a, b, G, g_out, None, None, g_S, g_z)
             pairs = [(o, g) for o, g in zip(outs, (grads_in[0], grads_in[3], grads_in[4])) if g is not None]
             inputs = [t for t, w in zip(leaves, want) if w]
@@ -100,13 +100,18 @@ class _SliceParallel(torch.autograd.Function):
             gs = [r[i] if r[i] is not None else torch.zeros_like(p) for r, p in
                   zip(res, [_parts(by_heads, a, b, G, q, k, v, S0, z0)[i] for a, b in ctx.slices])]
             grads.append(torch.cat(gs, dim).to(t.dtype))
-        return (None, *grads)
+        return (None, None, *grads)
+
+
+def run_slices(call, math=_slice_math):
+    """``(out, S, z)`` of a call, ``math`` (`_SliceParallel`'s) run on its slices in parallel."""
+    S0, z0 = call.initial_state if call.initial_state is not None else (None, None)
+    return _SliceParallel.apply(call, math, call.q, call.k, call.v, S0, z0)
 
 
 def run(call):
     """(out, (S, z) or None) of a LinearCall this path admits."""
-    S0, z0 = call.initial_state if call.initial_state is not None else (None, None)
-    out, S, z = _SliceParallel.apply(call, call.q, call.k, call.v, S0, z0)
+    out, S, z = run_slices(call)
     return out, ((S, z) if call.return_state else None)
 
 
