@@ -96,6 +96,16 @@ def _poison(t):
 
 
 @pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Each test starts with the thread count the one before it found: a test (or a benchmark it calls) that
+    sets one thread would otherwise change which CPU rows serve the next tests of the same worker."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real["empty"](*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real["empty_like"](*a, **k)))
