@@ -118,7 +118,7 @@ def test_key_padding_reads_finite_keys_in_place(monkeypatch):
     assert copies == []
     monkeypatch.setattr(cpu_masked, "masked_keys_harmless", lambda *a: False)
     slow = run()
-    assert copies == [1] * 4                          # K and V, forward and backward
+    assert copies == [1] * 2                          # K and V in the backward (the forward's output was finite)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     out, lse, dq, dk, dv = fast
     assert torch.all(out[1] == 0) and torch.all(lse[1] == -float("inf")) and torch.all(dk[1] == 0)
@@ -139,3 +139,26 @@ def test_key_padding_reads_finite_keys_in_place(monkeypatch):
         assert not cpu_masked.masked_keys_harmless(x, y, x, 0.5), bad
         assert not cpu_masked.masked_keys_harmless(y, x, x, 0.5), bad
         assert bad == 1e38 or not cpu_masked.masked_keys_harmless(x, x, y, 0.5), bad
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_key_padding_forward_reruns_on_zeroed_copies_when_its_output_is_not_finite(bad, monkeypatch):
+    """torch/cpu-sdpa-mask's forward reads K and V in place and checks its output: a NaN or inf at a padded
+    key (a NaN score, inf - inf, or 0 * inf) makes it run again on zeroed copies, whose result is bitwise that
+    of the call with clean padded keys; a clean call makes no copy."""
+    from effattn.backends.torch.attention import cpu_masked
+    q, k, v = _qkv(B=2, L=24, grad=False)
+    pad = torch.zeros(2, 24, dtype=torch.bool)
+    pad[:, 19:] = True
+    copies = []
+    real = cpu_masked._seen_only
+    monkeypatch.setattr(cpu_masked, "_seen_only", lambda x, u: copies.append(1) or real(x, u))
+    clean = effattn.attention(q, k, v, key_padding_mask=pad)
+    assert effattn.explain(q, k, v, key_padding_mask=pad).chosen_path == "torch/cpu-sdpa-mask"
+    assert copies == []
+    for i in range(2):
+        dirty = (k, v)[i].clone()
+        dirty[0, 1, 20, 3] = bad
+        out = effattn.attention(q, *((dirty, v) if i == 0 else (k, dirty)), key_padding_mask=pad)
+        assert torch.equal(out, clean), (i, (out - clean).abs().max())
+        assert copies == [1] * (2 * i + 2)              # the rerun's K and V copies

@@ -9,11 +9,12 @@ What the kernel does not give exactly is fixed around it:
 
 - a row that sees no key: the kernel writes output 0 and log-sum-exp 0; effattn's lse there is
   -inf (the kernel's 0 is what its own backward needs, so the backward maps -inf back to 0);
-- keys no query sees (padding, outside every window, in no visible layout block): the kernel reads
-  K and V as they are when every entry and score is finite (`masked_keys_harmless`: three
-  reductions, no copies; a masked score is then -inf, its probability exactly 0, its keys'
-  gradients 0); otherwise their K and V rows are zeroed first (copies), so a NaN / inf there cannot
-  reach a row as 0 * NaN;
+- keys no query sees (padding, outside every window, in no visible layout block): the forward reads
+  K and V as they are and checks its output (one reduction): a NaN / inf there reaches a row only as
+  a non-finite output, and then the forward runs again with their K and V rows zeroed (copies), so
+  it cannot reach a row as 0 * NaN; a backward reads them as they are when every entry and score is
+  finite (`masked_keys_harmless`: three reductions before the kernel; a masked score is then -inf,
+  its probability exactly 0, its keys' gradients 0), else the zeroed copies;
 - an lse gradient: the kernel's backward has none; the blocks path's backward takes it (and every
   float16 backward: the kernel's is slow there; and huge scores, see `kernel_backward_exact`).
 
@@ -172,8 +173,8 @@ def _describe(call) -> str:
     size = entries * call.q.element_size()
     return (f"torch's fused flash-attention CPU kernel, mask materialized ({entries} entries, "
             f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path; "
-            f"K and V read in place when they and the scores are finite (min/max of q, k, v checked per call), "
-            f"else copied with the keys no query sees zeroed")
+            f"K and V read in place when they and the scores are finite (the forward checks its output, a backward "
+            f"min/max of q, k, v), else copied with the keys no query sees zeroed")
 
 
 # ------------------------------------------------------------------------------------ the masks
@@ -264,9 +265,15 @@ def sdpa_mask_forward(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Ten
                       window_right: int) -> Tuple[Tensor, Tensor]:
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
     q, k, v = unit_stride(q, k, v)
-    if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
-        k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
     out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
+    if m.unseen is not None and not bool(torch.isfinite(out).all()):
+        # K and V read as they are: a NaN / inf at a key no query sees (or a score overflowing next to
+        # one) reaches a row only as a NaN / inf output, so a finite output is exact (those keys' weights
+        # were exactly 0) and one reduction of the output checks it; else again on zeroed copies, which
+        # gives what the call's visible keys give (`masked_keys_harmless` decides before the run where a
+        # backward reads the same K and V)
+        k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
+        out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
     if m.empty is not None:                  # the kernel's lse there is 0; effattn's -inf
         lse = lse.masked_fill(m.empty.expand(lse.shape), -math.inf)
     return out, lse.contiguous()
