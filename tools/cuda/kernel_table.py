@@ -2,7 +2,7 @@
 from nvcc's output without a GPU (the CUDA counterpart of tools/triton/kernel_resources.py).
 
 Each translation unit is compiled as setup.py compiles it (tools/cuda/nvcc.py: GENCODE, sm_80 and sm_90a; the
-Hopper forward's unit for sm_90a only) and read per kernel and architecture:
+Hopper forward's unit and the Hopper backward's, bwd_sm90_<hd>_<dtype>.cu, for sm_90a only) and read per kernel and architecture:
 
 - registers, spill stores / loads (ptxas -v), static shared memory (cuobjdump -res-usage), threads per block
   (the ELF's EIATTR_MAX_THREADS: every kernel has __launch_bounds__);
@@ -22,7 +22,8 @@ Hopper forward's unit for sm_90a only) and read per kernel and architecture:
     python3 -m tools.cuda.kernel_table --units all          # every unit the dispatch launches
     python3 -m tools.cuda.kernel_table --units attention/inst/fwd_64_bf16_causal_nodrop.cu --out DIR
 
-The unit list comes from csrc/generate_instances.py (forward and backward instances) and `EXTRA_UNITS`: a new
+The unit list comes from csrc/generate_instances.py (forward and backward instances, the Hopper backward's
+units) and `EXTRA_UNITS`: a new
 generated instance is picked up by the next run; a new hand-written unit is one line in EXTRA_UNITS.
 """
 from __future__ import annotations
@@ -74,15 +75,30 @@ def mask_kinds() -> Dict[int, str]:
     return {int(v): names[k] for k, v in re.findall(r"(k\w+) = (\d+)", enum)}
 
 
-def instance_units() -> List[str]:
-    """Every generated forward and backward unit (csrc/attention/inst), in the generator's order."""
+def hopper_backward_units() -> List[str]:
+    """The Hopper backward's generated units (bwd_sm90_<hd>_<dtype>.cu: one per head-dim bucket and dtype, its
+    mask kinds inside), in the generator's order."""
     gen = generator()
-    return [f"attention/inst/{name}" for name, _ in gen.forward_instances() + gen.backward_instances()]
+    return [f"attention/inst/bwd_sm90_{hd}_{dtype}.cu" for hd in gen.HOPPER_HEAD_DIMS for dtype, _ in gen.DTYPES]
+
+
+def instance_units() -> List[str]:
+    """Every generated unit (csrc/attention/inst): the forward and backward instances in the generator's order,
+    then the Hopper backward's."""
+    gen = generator()
+    return ([f"attention/inst/{name}" for name, _ in gen.forward_instances() + gen.backward_instances()]
+            + hopper_backward_units())
 
 
 def representative_units() -> List[str]:
+    """The forward and backward instances at REP_HEAD_DIMS (the backward at REP_BWD_KINDS), every Hopper
+    backward unit, then EXTRA_UNITS."""
     out = []
+    hopper = hopper_backward_units()
     for unit in instance_units():
+        if unit in hopper:
+            out.append(unit)
+            continue
         prefix, hd, _, kind, _ = os.path.basename(unit)[:-3].split("_")
         if int(hd) in REP_HEAD_DIMS and (prefix == "fwd" or kind in REP_BWD_KINDS):
             out.append(unit)
@@ -90,6 +106,10 @@ def representative_units() -> List[str]:
 
 
 def archs_of(unit: str) -> Tuple[str, ...]:
+    """The Hopper backward units are read for sm_90a only: their sm_80 code holds Delta, dq's conversion and an
+    empty attn_bwd_sm90_kernel (its body is sm_90a code), which the dispatch never launches on sm_80."""
+    if os.path.basename(unit).startswith("bwd_sm90_"):
+        return ("sm_90a",)
     return EXTRA_UNITS.get(unit, nvcc.ARCHS)
 
 
@@ -119,18 +139,37 @@ def _lin_smem(base: str, np_: int) -> Optional[int]:
             "lin_step_kernel": 2 * 128 * 4}.get(base)
 
 
+def tma_key_tile(kind: str) -> int:
+    """The TMA Hopper forward's key tile of mask kind `kind` (a generator name), read from kFwdTmaKeyTile in
+    csrc/attention/fwd_sm90_tma.cuh ("KIND == kX ? a : b")."""
+    with open(os.path.join(nvcc.CSRC, "attention", "fwd_sm90_tma.cuh"), encoding="utf-8") as f:
+        m = re.search(r"kFwdTmaKeyTile = KIND == k(\w+) \? (\d+) : (\d+);", f.read())
+    if m is None:
+        raise RuntimeError("kFwdTmaKeyTile's rule not found in fwd_sm90_tma.cuh")
+    return int(m.group(2) if kind == m.group(1).lower() else m.group(3))
+
+
 def describe(demangled: str, kinds: Dict[int, str]) -> Tuple[str, str, Optional[int]]:
     """(kernel, instance in words, dynamic shared memory in bytes or None when unknown) of one kernel."""
     base, a = template_args(demangled)
     dtype = lambda flag: "bf16" if flag == "true" else "fp16"          # noqa: E731
     drop = lambda flag: "dropout" if flag == "true" else "no dropout"  # noqa: E731
-    if base == "attn_fwd_kernel":                  # HD, BF16, KIND, TERMS, RELK, DROP, WM, ROWS
-        hd, rows = int(a[0]), 4 * int(a[6])
-        smem = resources.relk_smem(hd) if a[4] == "true" else resources.fwd_smem(hd, rows)
+    if base == "attn_fwd_kernel":                  # HD, BF16, KIND, TERMS, RELK, DROP, WM, ROWS (a class), KT
+        hd, rows, kt = int(a[0]), 4 * int(a[6]), int(a[8]) if len(a) > 8 else 0
+        keys = kt or resources.fwd_key_tile(hd, rows)                  # KT 0: FwdConfig's default key tile
+        smem = resources.relk_smem(hd) if a[4] == "true" else resources.fwd_smem(hd, rows, kt)
         extra = (", bias terms" if a[3] == "true" else "") + (", relative keys" if a[4] == "true" else "")
-        return base, f"D{hd} {dtype(a[1])} {kinds[int(a[2])]} {drop(a[5])}, {rows} rows{extra}", smem
-    if base in ("attn_fwd_sm90_kernel", "attn_fwd_sm90_tma_kernel"):   # HD, BF16, KIND
-        return base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout", resources.hopper_smem(int(a[0]))
+        return base, f"D{hd} {dtype(a[1])} {kinds[int(a[2])]} {drop(a[5])}, {rows} x {keys} tile{extra}", smem
+    if base == "attn_fwd_sm90_kernel":                                 # HD, BF16, KIND: 128 x 64 tiles
+        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x 64 tile",
+                resources.hopper_smem(int(a[0])))
+    if base == "attn_fwd_sm90_tma_kernel":                             # HD, BF16, KIND: kFwdTmaKeyTile<KIND>
+        keys = tma_key_tile(kinds[int(a[2])])
+        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x {keys} tile",
+                resources.hopper_smem(int(a[0]), keys))
+    if base == "attn_bwd_sm90_kernel":                                 # HD, BF16, KIND: 128 keys x 64 rows
+        hd = int(a[0])
+        return base, f"D{hd} {dtype(a[1])} {kinds[int(a[2])]} no dropout", resources.hopper_bwd_smem(hd)
     if base in ("attn_dkdv_kernel", "attn_dq_kernel"):                 # HD, BF16, TERMS, KIND, DROP
         hd = int(a[0])
         smem = resources.dkdv_smem(hd) if base == "attn_dkdv_kernel" else resources.dq_smem(hd)
@@ -240,57 +279,75 @@ def _row(rows, unit, arch, kernel):
 
 # the PREDICTION paragraphs: the model is _MODEL (below); the rates and published figures it uses
 RATE = {"sm_80": 2048, "sm_90a": 4096}
-PUBLISHED = {"sm_80": {"FA2": 0.73, "cuDNN": 0.73}, "sm_90a": {"FA2": 0.35, "cuDNN": 0.75}}
-CASES = (  # (title, unit, arch, kernel, FLOPs of one trip from (rows, keys, D), products per trip, warps issuing)
-    ("forward D128 bf16 causal, mma.sync, A100", "attention/inst/fwd_128_bf16_causal_nodrop.cu", "sm_80",
-     "attn_fwd_kernel", 2, None),
+PUBLISHED = {"sm_80": {"FA2": 0.73, "cuDNN": 0.73, "name": "cuDNN"},
+             "sm_90a": {"FA2": 0.35, "cuDNN": 0.75, "name": "FA3 / cuDNN"}}
+CASES = (  # (title, unit, arch, kernel, products per trip, the instance's start (None: the unit's only one), the
+    #         title of an earlier case to set it against (None: none))
+    ("forward D128 bf16 causal, mma.sync 128 x 64, A100", "attention/inst/fwd_128_bf16_causal_nodrop.cu", "sm_80",
+     "attn_fwd_kernel", 2, "D128 bf16 causal no dropout, 128 x 64", None),
+    ("forward D128 bf16 causal, mma.sync 128 x 32, A100", "attention/inst/fwd_128_bf16_causal_nodrop.cu", "sm_80",
+     "attn_fwd_kernel", 2, "D128 bf16 causal no dropout, 128 x 32", "forward D128 bf16 causal, mma.sync 128 x 64, A100"),
     ("forward D64 bf16 causal, mma.sync, A100", "attention/inst/fwd_64_bf16_causal_nodrop.cu", "sm_80",
-     "attn_fwd_kernel", 2, None),
-    ("forward D128 bf16 causal (kWindow), Hopper TMA, H100", "attention/fwd_sm90.cu", "sm_90a",
-     "attn_fwd_sm90_tma_kernel", 2, "D128 bf16 window"),
-    ("forward D64 bf16 causal (kWindow), Hopper TMA, H100", "attention/fwd_sm90.cu", "sm_90a",
-     "attn_fwd_sm90_tma_kernel", 2, "D64 bf16 window"),
-    ("forward D128 bf16 causal (kWindow), Hopper cp.async, H100", "attention/fwd_sm90.cu", "sm_90a",
-     "attn_fwd_sm90_kernel", 2, "D128 bf16 window"),
-    ("forward D128 bf16 causal, mma.sync on H100", "attention/inst/fwd_128_bf16_causal_nodrop.cu", "sm_90a",
-     "attn_fwd_kernel", 2, None),
+     "attn_fwd_kernel", 2, None, None),
+    ("forward D128 bf16 causal (kWindow), Hopper TMA 128 x 128 ping-pong, H100", "attention/fwd_sm90.cu", "sm_90a",
+     "attn_fwd_sm90_tma_kernel", 2, "D128 bf16 window", None),
+    ("forward D64 bf16 causal (kWindow), Hopper TMA 128 x 128 ping-pong, H100", "attention/fwd_sm90.cu", "sm_90a",
+     "attn_fwd_sm90_tma_kernel", 2, "D64 bf16 window", None),
+    ("forward D128 bf16 kAny, Hopper TMA 128 x 64, H100", "attention/fwd_sm90.cu", "sm_90a",
+     "attn_fwd_sm90_tma_kernel", 2, "D128 bf16 any", "forward D128 bf16 causal (kWindow), Hopper TMA 128 x 128 "
+     "ping-pong, H100"),
+    ("forward D128 bf16 causal (kWindow), Hopper cp.async 128 x 64, H100", "attention/fwd_sm90.cu", "sm_90a",
+     "attn_fwd_sm90_kernel", 2, "D128 bf16 window", None),
+    ("forward D128 bf16 causal, mma.sync 128 x 64 on H100", "attention/inst/fwd_128_bf16_causal_nodrop.cu", "sm_90a",
+     "attn_fwd_kernel", 2, "D128 bf16 causal no dropout, 128 x 64", None),
     ("fused backward D128 bf16 causal, A100", "attention/inst/bwd_128_bf16_causal_nodrop.cu", "sm_80",
-     "attn_bwd_fused_kernel", 5, None),
+     "attn_bwd_fused_kernel", 5, None, None),
     ("fused backward D128 bf16 causal, H100 (mma.sync)", "attention/inst/bwd_128_bf16_causal_nodrop.cu", "sm_90a",
-     "attn_bwd_fused_kernel", 5, None),
+     "attn_bwd_fused_kernel", 5, None, None),
+    ("Hopper backward D128 bf16 causal, H100 (wgmma)", "attention/inst/bwd_sm90_128_bf16.cu", "sm_90a",
+     "attn_bwd_sm90_kernel", 5, "D128 bf16 causal", "fused backward D128 bf16 causal, H100 (mma.sync)"),
+    ("Hopper backward D64 bf16 causal, H100 (wgmma)", "attention/inst/bwd_sm90_64_bf16.cu", "sm_90a",
+     "attn_bwd_sm90_kernel", 5, "D64 bf16 causal", None),
 )
-# one trip's (query rows, keys, warps issuing the loop) per kernel at head dim D and the instance's query rows
-# (csrc/attention: FwdConfig, its key tile resources.fwd_key_tile; FwdSm90Config / FwdTmaConfig: 128 x 64, 8
-# consumer warps; BwdFusedConfig: 128 keys x 64 query rows per trip, 8 warps)
-TRIP = {"attn_fwd_kernel": lambda d, rows: (rows, resources.fwd_key_tile(d, rows), 4),
-        "attn_fwd_sm90_kernel": lambda d, rows: (128, 64, 8), "attn_fwd_sm90_tma_kernel": lambda d, rows: (128, 64, 8),
-        "attn_bwd_fused_kernel": lambda d, rows: (64, 128, 8)}
+# one trip's (query rows, keys) where the instance does not name its tile ("M x N tile"), and the warps issuing
+# the loop (csrc/attention: FwdConfig, 4 warps; FwdSm90Config / FwdTmaConfig, 8 consumer warps in two
+# warpgroups; BwdFusedConfig and BwdSm90Config: 128 keys x 64 query rows per trip, 8 warps)
+TRIP = {"attn_fwd_kernel": 4, "attn_fwd_sm90_kernel": 8, "attn_fwd_sm90_tma_kernel": 8,
+        "attn_bwd_fused_kernel": 8, "attn_bwd_sm90_kernel": 8}
+BWD_TILE = (64, 128)
+# the kernels on mma.sync (HMMA): on H100 at 2/3 of the wgmma rate (the model's assumption)
+MMA_SYNC = ("attn_fwd_kernel", "attn_bwd_fused_kernel")
 
 
 def predictions(rows: List[Dict[str, str]]) -> List[str]:
     out = ["## PREDICTION (offline model, not a measurement)", "",
            "Model: " + " ".join(line.lstrip("# ") for line in _MODEL.splitlines()), ""]
-    for title, unit, arch, kernel, products, inst in CASES:
+    util = {}
+    for title, unit, arch, kernel, products, inst, versus in CASES:
         row = next((r for r in rows if r["unit"] == unit and r["arch"] == arch and r["kernel"] == kernel
                     and (inst is None or r["instance"].startswith(inst))), None)
         if row is None or row["trip"] == "-":
             out.append(f"- PREDICTION {title}: not in this table (unit not compiled).")
             continue
         d = int(re.match(r"D(\d+)", row["instance"]).group(1))
-        tile = re.search(r"(\d+) rows", row["instance"])
-        m, n, warps = TRIP[kernel](d, int(tile.group(1)) if tile else 0)
+        tile = re.search(r"(\d+) x (\d+) tile", row["instance"])
+        m, n = (int(tile.group(1)), int(tile.group(2))) if tile else BWD_TILE
+        warps = TRIP[kernel]
         flops = 2 * products * m * n * d
-        rate = RATE[arch] * (2 / 3 if arch == "sm_90a" and kernel in ("attn_fwd_kernel", "attn_bwd_fused_kernel")
-                             else 1)
+        slow = arch == "sm_90a" and kernel in MMA_SYNC
+        rate = RATE[arch] * (2 / 3 if slow else 1)
         tensor, issue = flops / rate, int(row["trip"]) * warps / 4
-        util = tensor / max(tensor, issue)
-        peak = util * (2 / 3 if rate < RATE[arch] else 1)
+        peak = tensor / max(tensor, issue) * (2 / 3 if slow else 1)
+        util[title] = peak
         pub = PUBLISHED[arch]
-        out.append(f"- PREDICTION {title}: one trip {m} x {n} at D{d}, {products} products = {flops / 1e6:.2f} MFLOP "
-                   f"-> tensor {tensor:.0f} cycles; issue {row['trip']} instrs x {warps} warps / 4 = "
-                   f"{issue:.0f} cycles; {'issue' if issue > tensor else 'tensor'}-bound, {100 * peak:.0f}% of the "
-                   f"dense bf16 peak at best; ratio to FA2 {peak / pub['FA2']:.2f}, to cuDNN {peak / pub['cuDNN']:.2f} "
-                   f"({row['CTAs/SM']} CTAs/SM).")
+        line = (f"- PREDICTION {title}: one trip {m} x {n} at D{d}, {products} products = {flops / 1e6:.2f} MFLOP "
+                f"-> tensor {tensor:.0f} cycles; issue {row['trip']} instrs x {warps} warps / 4 = "
+                f"{issue:.0f} cycles; {'issue' if issue > tensor else 'tensor'}-bound, {100 * peak:.0f}% of the "
+                f"dense bf16 peak at best; ratio to FA2 {peak / pub['FA2']:.2f}, to {pub['name']} "
+                f"{peak / pub['cuDNN']:.2f} ({row['CTAs/SM']} CTAs/SM)")
+        if versus in util:
+            line += f"; {peak / util[versus]:.2f} x the prediction for the {versus}"
+        out.append(line + ".")
     return out
 
 
@@ -302,7 +359,11 @@ TFLOP/s over 132 SMs at 1.83 GHz = 4096; mma.sync on H100 assumed at 2/3 of that
 max(issue, tensor). FA2 / cuDNN are not measured here: their utilizations are published figures (FlashAttention-2
 paper: forward up to 73% of peak on A100; FlashAttention-3 paper: FlashAttention-2 about 35% on H100,
 FlashAttention-3 up to 75%, cuDNN taken at that level on H100 and at FA2's on A100; the backward cases
-are set against the same forward figures, which overstates their ratios)."""
+are set against the same forward figures, which overstates their ratios). The TMA forward's two consumer
+warpgroups take turns on the tensor cores (ping-pong named barriers: one warpgroup's softmax under the other's
+wgmma), which is what the full overlap assumes there; a trip of the Hopper and the fused backward is one 64-row
+query step of a 128-key block (five products). "x the prediction for" is the ratio of two of this model's
+utilizations, not a measured speedup."""
 
 
 def write(rows: List[Dict[str, str]], units: List[str], out_dir: str, command: str) -> str:
