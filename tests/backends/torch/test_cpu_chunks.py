@@ -67,6 +67,10 @@ def test_the_rule_is_in_explain(monkeypatch):
     assert (cpu_chunks.chunk_size(cpu_chunks.SHORT_L), cpu_chunks.chunk_size(cpu_chunks.SHORT_L + 1)) == \
         (cpu_chunks.CHUNK_SHORT, cpu_chunks.CHUNK_LONG)
     q, k, v = _qkv(1, 2, 2, 64, 8, 8, torch.float32)
+    assert cpu_chunks.SLICED_FROM is None           # measured idle: the intra-op form is faster at 2 threads
+    two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
+    assert "on all threads" in two.paths["torch"]
+    monkeypatch.setattr(cpu_chunks, "SLICED_FROM", 2)
     two = _with_threads(2, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
     one = _with_threads(1, lambda: effattn.explain(q, k, v, op="linear_attention", causal=True))
     assert "on slices" in two.paths["torch"] and "on all threads" in one.paths["torch"]

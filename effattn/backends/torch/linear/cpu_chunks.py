@@ -20,7 +20,7 @@ the rule, measured on the CPU (see there).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,12 @@ MAX_L: Dict[int, int] = {1: 1 << 62, 2: 1 << 62}
 # thread). Measured 2026-11-28 00:18 UTC, `python3 -m benchmarks.cpu_vs_sdpa --lengths 256 512 --cases
 # "causal linear elu" --runs 7`, 2 threads, wall ms forward (fwd+bwd), load 8-10: all ops on both
 # intra-op threads 220 (633) at L = 256 and 201 (646) at L = 512; on slices 40 (144) and 48 (168); SDPA
-# 16 (144-160). Idle, the intra-op form may be the faster one (not measured: set SLICED_FROM = None).
-SLICED_FROM = 2
+# 16 (144-160). Idle (load 0.9-1.0, 2026-11-28 00:58 UTC, the same command at L = 256..4096, --runs 5-9)
+# the intra-op form is the faster one at every length: 0.6 (2.0) ms at L = 256 against the slices' 1.6
+# (6.5) and SDPA's 0.8 (2.8); 1.4 (4.0) at 512 against 3.3 (12.3); ratio to SDPA 0.72 / 0.44 / 0.34 /
+# 0.26 / 0.15 forward from L = 256 to 4096. None: never on slices (a number turns them on from that many
+# threads, for a machine whose threads are often descheduled).
+SLICED_FROM: Optional[int] = None
 
 # Feature maps whose features are never negative: with eps > 0 the denominator phi(q) . z + eps is
 # then > 0 and the division needs no guard.
