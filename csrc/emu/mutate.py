@@ -227,8 +227,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("bwd-dense-drops-masks", "attention/bwd.cuh",
              "const bool masked = KIND != kDense && sched.masked(it);   // kDense: every tile is full",
              "const bool masked = KIND == kAny && sched.masked(it);   // kDense: every tile is full",
-             ("tests/backends/cuda/test_cuda_fused_bwd.py::test_two_pass_fallback_against_float64", "-k", "causal"),
-             "dK/dV pass: the causal, window and layout instances take every query tile as full"),
+             (BWD_INSTANCES, "-k", "layout"),
+             "dK/dV pass: the layout instance (the only kind but kAny with its own two passes: dense, causal and "
+             "window calls take kAny's) takes every query tile as full"),
     Mutation("fused-stage-wait", "attention/bwd_fused.cuh",
              "prim::cp_async_wait<1>();                // step u's group (and K, V) landed",
              "prim::cp_async_wait<2>();                // step u's group (and K, V) landed", FUSED,
