@@ -38,6 +38,25 @@ struct BwdFusedConfig {
   static constexpr int kSmem = (2 * BN + 2 * kStages * BM) * HD * 2 + BM * BN * 2 + 2 * kStages * BM * 4;
 };
 
+// Adds a warp's dQ fragment (rows i0 and i0 + 8 of an m16 tile; NQ groups of 8 columns from c0, a thread's 2
+// of each at 2 * t4) to the fp32 dq_accum: the fused backward's and the Hopper backward's dQ turn
+template <int NQ>
+EFFATTN_DEVICE void add_dq_fragment(const AttnParams& p, int b, int h, int i0, int c0, int t4, const float (&dq)[NQ][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + 8 * r;
+    if (i >= p.Lq) continue;
+    float* row = p.dq_accum + q_row(p, b, h, i) * p.D;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = c0 + 8 * j + 2 * t4 + e;
+        if (c < p.D) prim::add_global(row + c, dq[j][2 * r + e]);
+      }
+  }
+}
+
 template <int HD, bool BF16, int KIND = kAny, bool DROP = true>
 EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   using Cfg = BwdFusedConfig<HD>;
@@ -183,19 +202,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
       prim::ldmatrix_x4(a, sdS + Tile<BN>::offset(r0 + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * kk + (lane >> 4)));
       mma_a_rows<HD, NQ, BF16>(dq, a, sK, kk, c0 / 8, p.D);
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = m0 + r0 + g + 8 * r;
-      if (i >= p.Lq) continue;
-      float* row = p.dq_accum + q_row(p, b, h, i) * p.D;
-#pragma unroll
-      for (int j = 0; j < NQ; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = c0 + 8 * j + 2 * t4 + e;
-          if (c < p.D) prim::add_global(row + c, dq[j][2 * r + e]);
-        }
-    }
+    add_dq_fragment<NQ>(p, b, h, m0 + r0 + g, c0, t4, dq);
     prim::fence_gpu();                       // the adds are visible before the turn is passed on
     held = sem;
     held_turn = turn;

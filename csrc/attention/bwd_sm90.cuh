@@ -220,19 +220,7 @@ EFFATTN_KERNEL_WG2 attn_bwd_sm90_kernel(const AttnParams params) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[j][e] += mine[(j * 4 + e) * 128];
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = m0 + 16 * (warp & 3) + g + 8 * r;
-      if (i >= p.Lq) continue;
-      float* row = p.dq_accum + q_row(p, b, h, i) * p.D;
-#pragma unroll
-      for (int j = 0; j < NQ; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = c0 + 8 * j + 2 * t4 + e;
-          if (c < p.D) prim::add_global(row + c, dq[j][2 * r + e]);
-        }
-    }
+    add_dq_fragment<NQ>(p, b, h, m0 + 16 * (warp & 3) + g, c0, t4, dq);
     prim::fence_gpu();                       // the adds are visible before the turn is passed on
     held = sem;
     held_turn = turn;

@@ -204,7 +204,7 @@ MUTATIONS: List[Mutation] = [
              "fused backward: no barrier between the dS tile's writes and dQ = dS K (and before the next step's "
              "copies overwrite Q, dO)"),
     Mutation("fused-dq-partial-rows", "attention/bwd_fused.cuh",
-             "const int i = m0 + r0 + g + 8 * r;", "const int i = m0 + g + 8 * r;", FUSED,
+             "add_dq_fragment<NQ>(p, b, h, m0 + r0 + g, c0, t4, dq);", "add_dq_fragment<NQ>(p, b, h, m0 + g, c0, t4, dq);", FUSED,
              "fused backward: every warp adds its dQ partial into the first warp's rows of the accumulator"),
     Mutation("fused-semaphore-index", "attention/bwd_fused.cuh",
              "int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt + mt;",
