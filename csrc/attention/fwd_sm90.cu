@@ -52,7 +52,7 @@ bool tma_turned_off() {
 // launch's status); false when the maps do not encode (the cp.async kernel serves).
 template <int HD, bool BF16, int KIND>
 bool fwd_sm90_tma(const AttnParams& p, prim::stream_t stream, int& rc) {
-  using Cfg = FwdTmaConfig<HD, kFwdTmaKeyTile<KIND>>;
+  using Cfg = FwdTmaConfig<HD>;
   FwdTmaParams tp;
   if (!tma_maps<HD, Cfg::BN>(p, tp)) return false;
   rc = detail::launch(attn_fwd_sm90_tma_kernel<HD, BF16, KIND>, detail::cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H),
@@ -64,15 +64,18 @@ template <int HD, bool BF16>
 int fwd_sm90(const AttnParams& p, prim::stream_t stream) {
   using Cfg = FwdSm90Config<HD>;
   if (!tma_turned_off()) {
-    // the kinds at the TMA kernel's 128-key tiles (kDense needs Lk a multiple of 128); kAny runs 64-key tiles
+    // the kinds at the TMA kernel's 128-key tiles (kDense needs Lk a multiple of 128)
     int rc = 0;
     bool ran;
-    switch (coarse_kind(mask_kind(p, kFwdTmaKeyTile<kDense>), p.dropout != 0)) {
+    switch (coarse_kind(mask_kind(p, kFwdTmaKeyTile), p.dropout != 0)) {
       case kDense: ran = fwd_sm90_tma<HD, BF16, kDense>(p, stream, rc); break;
       case kWindow: ran = fwd_sm90_tma<HD, BF16, kWindow>(p, stream, rc); break;
       default: ran = fwd_sm90_tma<HD, BF16, kAny>(p, stream, rc); break;
     }
     if (ran) return rc;
+    // the host built a layout's lists for the TMA kernel's 128-key tiles (hopper.tma_why_not: it serves); the
+    // cp.async kernel would read them as 64-key ones: refuse rather than run on the wrong plan
+    if (p.lists) return -3;
   }
   const int kind = coarse_kind(mask_kind(p, Cfg::BN), p.dropout != 0);
   return detail::launch_by_kind<Sm90Kernel<HD, BF16>::template Of>(

@@ -5,7 +5,7 @@
 // are the consumers of fwd_sm90.cuh's kernel (its consume_key_tiles: rows [64 w, 64 w + 64), the same
 // products, online softmax, masks and epilogue, S(t) issued with P V(t - 1) behind it), here in
 // ping-pong turns (PingPong: one warpgroup's wgmmas run while the other's softmax does) on key tiles of
-// 128 (kFwdTmaKeyTile; 64 in the kAny instance); warpgroup 2 is the producer: its register count drops
+// 128 (kFwdTmaKeyTile, every instance); warpgroup 2 is the producer: its register count drops
 // to 24 (setmaxnreg.dec) and the consumers' rises to 240 (setmaxnreg.inc), and one of its threads
 // issues every copy. Q, K and V arrive as 64-column boxes of 4-D tensor maps
 // (D, L, heads, batch) in the 128-byte swizzle wgmma reads (Sw128Tile): rows past L and columns past
@@ -40,15 +40,15 @@ struct FwdTmaParams {
   AttnParams p;
 };
 
-// The key tile of the TMA kernel's instance of mask kind KIND (coarse_kind: kDense, kWindow, kAny): 128 keys
-// (128 x 128 tiles) for kDense and kWindow; 64 for kAny (key padding, positions, dropout, layouts: the
-// layout lists of effattn/backends/cuda/attention/tiling.py are built for 64-key tiles, and dropout's
-// keep-mask code is the register pressure of the kAny instance), which then runs the arithmetic of the
-// cp.async kernel in its order.
-template <int KIND>
-constexpr int kFwdTmaKeyTile = KIND == kAny ? 64 : 128;
+// The TMA kernel's key tile, every instance (kDense, kWindow, kAny): 128 keys, 128 x 128 tiles. kAny (key
+// padding, positions, dropout, layouts) too: its layout lists are built on the host for 128-key tiles
+// (effattn/backends/cuda/attention/tiling.py HOPPER_TMA_TILES; a tile over two 64-key layout blocks is full
+// only if both are, and partial tiles read the layout per element, lay_check), and its dropout keep-mask is
+// drawn per (row, key) as in every kernel. Offline sm_90a (nvcc 13.0): the kAny instance's consumers use up
+// to R218 of the 240 registers setmaxnreg gives them at D128, no spills (benchmarks/results/offline-sm90).
+constexpr int kFwdTmaKeyTile = 128;
 
-template <int HD, int BN_ = 64>
+template <int HD, int BN_ = kFwdTmaKeyTile>
 struct FwdTmaConfig {
   static constexpr int kThreads = 384;           // consumers: warpgroups 0, 1; producer: warpgroup 2
   static constexpr int kConsumers = 256;
@@ -68,7 +68,7 @@ struct FwdTmaConfig {
 template <int HD, bool BF16, int KIND>
 EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaParams tp) {
 #if EFFATTN_SM90A
-  using Cfg = FwdTmaConfig<HD, kFwdTmaKeyTile<KIND>>;
+  using Cfg = FwdTmaConfig<HD>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NC = Cfg::kConsumers;
   constexpr int NP = HD / Cfg::kBoxCols;
   using TKV = Sw128Tile<HD, BN>;

@@ -80,8 +80,12 @@ LSH_POSITIONS = ("tests/backends/cuda/test_cuda_lsh.py::test_positions_against_f
 # the Hopper forward's pipeline over several key tiles (the TMA kernel; TMA_RING also runs the cp.async one)
 PIPELINE = "tests/backends/cuda/test_cuda_wgmma.py::test_hopper_pipeline_over_many_key_tiles"
 # the warp-specialized Hopper forward (TMA, mbarrier ring) against float64 and bitwise its cp.async kernel
-TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_against_float64_and_bitwise_the_cp_async_kernel",
+TMA_RING = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_tma_forward_and_the_cp_async_kernel_against_float64",
             "-k", "dense-5-tiles or causal-kpm")
+# the TMA Hopper forward's kAny instance at 128-key tiles: layouts of blocks 64 (two per key tile) and 96 (with key
+# padding, NaN values at the padded keys)
+TMA_ANY = ("tests/backends/cuda/test_cuda_hopper_tma.py::test_kany_at_128_key_tiles_against_float64", "-k",
+           "bs64 or bs96")
 # the Hopper backward against float64 (head dim 64: the warpgroups' dQ partials over their keys; GQA, causal)
 HOPPER_BWD = ("tests/backends/cuda/test_cuda_hopper_bwd.py::test_hopper_backward_against_float64", "-k",
               "causal-gqa and bf16")
@@ -355,6 +359,13 @@ MUTATIONS: List[Mutation] = [
              "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, Cfg::BN)",
              "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, 64)", TMA_RING,
              "TMA Hopper forward: K's box of 64 rows under 128-key tiles (half of K(t) never lands)"),
+    Mutation("hopper-tma-any-key-tile", "attention/fwd_sm90_tma.cuh",
+             "constexpr int kFwdTmaKeyTile = 128;", "constexpr int kFwdTmaKeyTile = 64;", TMA_ANY,
+             "TMA Hopper forward: the kernel (and its maps) at 64-key tiles while the host builds a layout's lists "
+             "for 128-key tiles (kAny reads the wrong key tiles)"),
+    Mutation("hopper-tma-unseen-keys", "attention/fwd_sm90_tma.cuh",
+             "if (it > 0 && (KIND != kDense && sched.masked(it - 1) || kpm)) {", "if (false) {", TMA_ANY,
+             "TMA Hopper forward: V rows of keys no row sees not zeroed (P V adds 0 * NaN at padded keys)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
              "the real launcher asks for opt-in shared memory only above 96 KB: kernels of 48-96 KB fail to "

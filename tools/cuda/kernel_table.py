@@ -139,14 +139,14 @@ def _lin_smem(base: str, np_: int) -> Optional[int]:
             "lin_step_kernel": 2 * 128 * 4}.get(base)
 
 
-def tma_key_tile(kind: str) -> int:
-    """The TMA Hopper forward's key tile of mask kind `kind` (a generator name), read from kFwdTmaKeyTile in
-    csrc/attention/fwd_sm90_tma.cuh ("KIND == kX ? a : b")."""
+def tma_key_tile() -> int:
+    """The TMA Hopper forward's key tile (every instance), read from kFwdTmaKeyTile in
+    csrc/attention/fwd_sm90_tma.cuh."""
     with open(os.path.join(nvcc.CSRC, "attention", "fwd_sm90_tma.cuh"), encoding="utf-8") as f:
-        m = re.search(r"kFwdTmaKeyTile = KIND == k(\w+) \? (\d+) : (\d+);", f.read())
+        m = re.search(r"constexpr int kFwdTmaKeyTile = (\d+);", f.read())
     if m is None:
-        raise RuntimeError("kFwdTmaKeyTile's rule not found in fwd_sm90_tma.cuh")
-    return int(m.group(2) if kind == m.group(1).lower() else m.group(3))
+        raise RuntimeError("kFwdTmaKeyTile not found in fwd_sm90_tma.cuh")
+    return int(m.group(1))
 
 
 def describe(demangled: str, kinds: Dict[int, str]) -> Tuple[str, str, Optional[int]]:
@@ -163,8 +163,8 @@ def describe(demangled: str, kinds: Dict[int, str]) -> Tuple[str, str, Optional[
     if base == "attn_fwd_sm90_kernel":                                 # HD, BF16, KIND: 128 x 64 tiles
         return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x 64 tile",
                 resources.hopper_smem(int(a[0])))
-    if base == "attn_fwd_sm90_tma_kernel":                             # HD, BF16, KIND: kFwdTmaKeyTile<KIND>
-        keys = tma_key_tile(kinds[int(a[2])])
+    if base == "attn_fwd_sm90_tma_kernel":                             # HD, BF16, KIND: kFwdTmaKeyTile
+        keys = tma_key_tile()
         return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x {keys} tile",
                 resources.hopper_smem(int(a[0]), keys))
     if base == "attn_bwd_sm90_kernel":                                 # HD, BF16, KIND: 128 keys x 64 rows
@@ -293,7 +293,7 @@ CASES = (  # (title, unit, arch, kernel, products per trip, the instance's start
      "attn_fwd_sm90_tma_kernel", 2, "D128 bf16 window", None),
     ("forward D64 bf16 causal (kWindow), Hopper TMA 128 x 128 ping-pong, H100", "attention/fwd_sm90.cu", "sm_90a",
      "attn_fwd_sm90_tma_kernel", 2, "D64 bf16 window", None),
-    ("forward D128 bf16 kAny, Hopper TMA 128 x 64, H100", "attention/fwd_sm90.cu", "sm_90a",
+    ("forward D128 bf16 kAny, Hopper TMA 128 x 128, H100", "attention/fwd_sm90.cu", "sm_90a",
      "attn_fwd_sm90_tma_kernel", 2, "D128 bf16 any", "forward D128 bf16 causal (kWindow), Hopper TMA 128 x 128 "
      "ping-pong, H100"),
     ("forward D128 bf16 causal (kWindow), Hopper cp.async 128 x 64, H100", "attention/fwd_sm90.cu", "sm_90a",

@@ -249,7 +249,7 @@ def refusals(needs: Sequence[Need], limits: Limits) -> List[str]:
 def prefill_needs(hd: int, hopper: bool, backward: bool, fused: bool = False) -> List[Need]:
     """The kernels a prefill call at head-dim bucket `hd` launches (the Hopper or the mma.sync
     forward; with `backward`, the fused backward when `fused`, else the two backward passes)."""
-    # the Hopper forwards: the cp.async kernel (64-key tiles) and the TMA kernel at its largest, 128-key tiles
+    # the Hopper forwards: the cp.async kernel (64-key tiles) and the TMA kernel (128-key tiles, every mask kind)
     # (384 threads bounded at 168 registers each by __launch_bounds__)
     needs = ([Need("Hopper forward", hopper_smem(hd), HOPPER_THREADS),
               Need("Hopper TMA forward", hopper_smem(hd, 128), HOPPER_TMA_THREADS, HOPPER_TMA_REGS)]

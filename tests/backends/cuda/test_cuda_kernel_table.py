@@ -84,8 +84,8 @@ def test_table_lists_every_dispatched_unit_and_has_no_spills():
             elif unit == "attention/fwd_sm90.cu":
                 assert len(got) == 24 and {k for k, _ in got} == {"attn_fwd_sm90_kernel", "attn_fwd_sm90_tma_kernel"}
                 assert all(int(r["HGMMA"]) > 0 for r in rows_of(unit, arch))
-                for r in rows_of(unit, arch):      # kFwdTmaKeyTile: 128 keys, 64 in kAny; the cp.async kernel 64
-                    keys = 128 if r["kernel"] == "attn_fwd_sm90_tma_kernel" and " any " not in r["instance"] else 64
+                for r in rows_of(unit, arch):      # kFwdTmaKeyTile: 128 keys, every kind; the cp.async kernel 64
+                    keys = 128 if r["kernel"] == "attn_fwd_sm90_tma_kernel" else 64
                     assert r["instance"].endswith(f", 128 x {keys} tile"), r
                     assert r["smem dynamic"] == str(resources.hopper_smem(int(r["instance"][1:].split()[0]), keys)), r
                 assert all(int(r["UTMALDG"]) > 0 and int(r["SYNCS"]) > 0 and r["LDGSTS"] == "0"

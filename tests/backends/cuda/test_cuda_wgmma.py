@@ -11,7 +11,7 @@
 - the emulated Hopper forward (EFFATTN_CUDA_EMU_HOPPER=1) against the float64 oracle by the
   low-precision rule, every mask kind at head dims 64 and 128 in fp16 and bf16; its pipeline (two K and
   V buffers, P V behind the next S) over several key tiles, bitwise equal to the mma.sync forward at 64-key
-  tiles (the cp.async kernel, and the TMA kernel's kAny instance; its 128-key tiles sum in another order);
+  tiles (the cp.async kernel; the TMA kernel's 128-key tiles, every mask kind, sum in another order);
   explain says which forward runs.
 """
 import random
@@ -250,9 +250,9 @@ PIPELINE = {
 def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
     """The double-buffered, asynchronous pipeline over 4-5 key tiles (the emulation aborts where a copy
     lands in a buffer an in-flight wgmma reads, or an accumulator is read before its wait): against the
-    float64 oracle, and at 64-key tiles bitwise equal to the mma.sync forward (per row the same fp32
-    operations in the same order: O rescaled, then P V added, tile by tile): the TMA kernel's kAny
-    instance, and the cp.async kernel (EFFATTN_CUDA_HOPPER_TMA=0) where the TMA kernel runs 128-key tiles."""
+    float64 oracle (the TMA kernel, 128-key tiles, every mask kind), and the cp.async kernel
+    (EFFATTN_CUDA_HOPPER_TMA=0, 64-key tiles) against it and bitwise equal to the mma.sync forward (per row the
+    same fp32 operations in the same order: O rescaled, then P V added, tile by tile)."""
     B, H, Hkv, Lq, Lk, kw = PIPELINE[case]
     q, k, v, kwargs = make_inputs((B, H, Hkv, Lq, Lk, 64, 64, kw), torch.bfloat16, seed=7)
     q, k, v, kwargs = q.cpu(), k.cpu(), v.cpu(), to_device(kwargs, "cpu")
@@ -263,10 +263,9 @@ def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
     ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
     low, _ = naive_in(torch.bfloat16, q, k, v, kwargs)
     judge(out, ref, low, 2, torch.bfloat16, "out")
-    if "kpm" not in kw:                                      # the TMA kernel's 128-key tiles: the cp.async one
-        monkeypatch.setenv("EFFATTN_CUDA_HOPPER_TMA", "0")
-        out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
-        judge(out, ref, low, 2, torch.bfloat16, "out (cp.async)")
+    monkeypatch.setenv("EFFATTN_CUDA_HOPPER_TMA", "0")       # the TMA kernel's 128-key tiles: the cp.async one
+    out, lse = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
+    judge(out, ref, low, 2, torch.bfloat16, "out (cp.async)")
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "0")
     out2, lse2 = effattn.attention(q, k, v, return_lse=True, backend="cuda", **kwargs)
     assert hopper.emu_stats()[1].item() > 0                  # the mma.sync forward this time
@@ -274,8 +273,9 @@ def test_hopper_pipeline_over_many_key_tiles(hopper, case, monkeypatch):
 
 
 def test_hopper_forward_same_under_warp_serial_schedules_and_with_dropout(hopper, monkeypatch):
-    """Results bitwise equal across schedules; with dropout, the Hopper forward's output equals the
-    mma.sync forward's (the same Philox keep-mask, the same fp32 sums in the emulation)."""
+    """Results bitwise equal across schedules; with dropout, the cp.async Hopper forward's output equals the
+    mma.sync forward's (the same Philox keep-mask, the same fp32 sums in the emulation; the TMA kernel's keep-mask
+    at 128-key tiles: test_cuda_hopper_tma.py)."""
     q, k, v, kwargs = forward_case("dv<d-all", 64, torch.bfloat16)
     outs = []
     for s in (0, 1, 2):
@@ -285,6 +285,7 @@ def test_hopper_forward_same_under_warp_serial_schedules_and_with_dropout(hopper
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     # head dim 64: both forwards run key tiles of 64 there (the mma.sync forward's 128-row tiles take 32 at 128)
     q, k, v, kwargs = forward_case("causal", 64, torch.float16)
+    monkeypatch.setenv("EFFATTN_CUDA_HOPPER_TMA", "0")
     torch.manual_seed(3)
     a = effattn.attention(q, k, v, backend="cuda", dropout_p=0.3, **kwargs)
     monkeypatch.setenv("EFFATTN_CUDA_EMU_HOPPER", "0")

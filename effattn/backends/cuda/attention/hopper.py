@@ -10,10 +10,10 @@ an mma.sync one, or on the same devices the Hopper backward where it applies (`b
 forward runs when ``EFFATTN_CUDA_EMU_HOPPER=1``, as a compute-capability 9.0 device would run it.
 Two Hopper kernels: the warp-specialized one (csrc/attention/fwd_sm90_tma.cuh: a producer warpgroup loads Q,
 K and V with TMA into a two-stage mbarrier ring, two consumer warpgroups run wgmma in ping-pong turns on
-128 x 128 tiles, 128 x 64 for key padding, positions, dropout and layouts: `tma_key_tile`) serves every call whose
-tensors TMA can describe (bases and batch / head / row strides multiples of 16 bytes, as the binding aligns them); the cp.async one
-(fwd_sm90.cuh) serves calls without keys and every call with ``EFFATTN_CUDA_HOPPER_TMA=0`` (`loads` says
-which).
+128 x 128 tiles, every mask kind: key padding, positions, dropout and layouts too, a layout's tile lists built
+for its 128-key tiles) serves every call whose tensors TMA can describe (bases and batch / head / row strides
+multiples of 16 bytes, as the binding aligns them); the cp.async one (fwd_sm90.cuh, 128 x 64 tiles) serves calls
+without keys and every call with ``EFFATTN_CUDA_HOPPER_TMA=0`` (`loads` says which).
 ``EFFATTN_CUDA_HOPPER=0`` turns the Hopper forward off everywhere (the mma.sync forward serves: for
 timing one against the other on the same GPU, or to step around it).
 """
@@ -78,7 +78,8 @@ def device_why_not(device: torch.device) -> Optional[str]:
 def tma_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
     """None if the Hopper forward's TMA kernel serves these tensors, else why its cp.async kernel does. The
     launcher (csrc/attention/fwd_sm90.cu) takes the TMA kernel when the tensor maps encode: bases and strides
-    multiples of 16 bytes, which the binding's row alignment (a padded copy otherwise) already gives."""
+    multiples of 16 bytes, which the binding's row alignment (a padded copy otherwise) already gives. A layout's
+    lists follow this answer (128-key tiles when None); the launcher refuses a call with lists whose maps fail."""
     if os.environ.get("EFFATTN_CUDA_HOPPER_TMA") == "0":
         return "EFFATTN_CUDA_HOPPER_TMA=0"
     if k.shape[2] == 0:
@@ -86,21 +87,12 @@ def tma_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[s
     return None
 
 
-def tma_key_tile(call) -> int:
-    """The TMA kernel's key tile for a call (csrc/attention/fwd_sm90_tma.cuh: kFwdTmaKeyTile): 64 keys for its
-    kAny instance (key padding, positions, dropout, a block layout), else 128 (128 x 128 tiles)."""
-    general = (call.key_padding_mask is not None or call.positions is not None or call.dropout_p > 0
-               or call.layout is not None)
-    return 64 if general else 128
-
-
 def loads(call) -> str:
     """How the Hopper forward loads its tiles for a call, in words."""
     why = tma_why_not(call.q, call.k, call.v)
     if why is None:
-        bn = tma_key_tile(call)
-        return (f"TMA loads by a producer warpgroup into a 2-stage mbarrier ring, 2 consumer warpgroups in ping-pong "
-                f"(named barriers), 128 x {bn} tiles")
+        return ("TMA loads by a producer warpgroup into a 2-stage mbarrier ring, 2 consumer warpgroups in ping-pong "
+                "(named barriers), 128 x 128 tiles")
     return f"cp.async loads by both warpgroups, 128 x 64 tiles (the TMA kernel is not used: {why})"
 
 

@@ -41,9 +41,9 @@ def cuda_attention_fwd(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Te
                        q_offset: Optional[int] = None, out_fp32: bool = False,
                        drop_at: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     sm90 = hopper.why_not(q, v, packed=cu_seqlens_q is not None) is None
-    # the Hopper forward reads the plan of its own tiles (128 query rows, 64 keys)
+    # the Hopper forward reads the plan of its own tiles (128 query rows; 128 keys in the TMA kernel, else 64)
     lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, window_left, window_right, by_key=False,
-                                    hopper=sm90)
+                                    hopper=sm90, tma=sm90 and hopper.tma_why_not(q, k, v) is None)
     kops = kernels(q.device)
     fwd = kops.attention_fwd_sm90 if sm90 else kops.attention_fwd
     return fwd(q, k, v, key_padding_mask, layout_mask, layout_block, check, lists, wf, seed, scale, dropout_p,

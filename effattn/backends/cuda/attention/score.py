@@ -103,7 +103,8 @@ def _args(q, k, v, layout_mask, layout_block, kpm, seed, scale, dropout_p, left,
     ``drop_at``: where dropout draws (`AttnCall.drop_at`); ``sm90``: the forward's plan for the Hopper kernel's
     tiles."""
     left = span_left(left, score)                 # keys beyond every head's span: tiles skipped
-    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False, hopper=sm90)
+    lists, wf, check = layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key=False, hopper=sm90,
+                                    tma=sm90 and hopper.tma_why_not(q, k, v) is None)
     q_offset = None if segments is None else segments[0][4]
     window_left, window_right = clamp_window(left, right, q.shape[2], k.shape[2], q_offset)
     args = dict(key_padding_mask=kpm, layout=layout_mask, layout_block=layout_block, layout_check=check, lists=lists,

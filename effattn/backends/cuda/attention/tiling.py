@@ -9,7 +9,8 @@ from ....tiles import layout_tile_lists  # the shared tile plan (packed full/par
 from ....visibility import clamp_window
 
 BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBlockM)
-HOPPER_TILES = (128, 64)   # the Hopper forward's (query, key) tile for layouts (FwdSm90Config; the TMA kernel's kAny instance)
+HOPPER_TILES = (128, 64)   # the Hopper forward's (query, key) tile for layouts: the cp.async kernel's (FwdSm90Config)
+HOPPER_TMA_TILES = (128, 128)   # the TMA kernel's, every instance (FwdTmaConfig, kFwdTmaKeyTile)
 BUCKETS = (32, 64, 128, 256)
 
 
@@ -28,14 +29,15 @@ def tiles(D: int, Dv: int, by_key: bool) -> Tuple[int, int]:
     return BLOCK_M, (32 if hd >= 256 else 64)
 
 
-def layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key, hopper=False):
+def layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key, hopper=False, tma=False):
     """(lists, wf, layout_check) for a layout; (None, 0, 0) without one. ``hopper``: for the Hopper
-    forward's tiles (HOPPER_TILES)."""
+    forward's tiles (HOPPER_TILES; with ``tma``, its TMA kernel's HOPPER_TMA_TILES: a 128-key tile over two
+    64-key layout blocks is full only if both are, partial if either is)."""
     if layout_mask is None:
         return None, 0, 0
     Lq, Lk = q.shape[2], k.shape[2]
     left, right = clamp_window(left, right, Lq, Lk)
-    bm, bn = HOPPER_TILES if hopper else tiles(q.shape[3], v.shape[3], by_key)
+    bm, bn = (HOPPER_TMA_TILES if tma else HOPPER_TILES) if hopper else tiles(q.shape[3], v.shape[3], by_key)
     lists, wf = layout_tile_lists(layout_mask, layout_block, Lq, Lk, bm, bn, left, right, by_key)
     # partial tiles read the layout per element unless every pass's tiles nest in its blocks
     return lists, wf, int(layout_block % (HOPPER_TILES[0] if hopper else BLOCK_M) != 0)
