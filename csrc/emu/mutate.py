@@ -352,8 +352,8 @@ MUTATIONS: List[Mutation] = [
              "TMA Hopper forward: warpgroup 1 passes the turn after its last issue too (an arrival no bar.sync "
              "consumes)"),
     Mutation("hopper-tma-key-box", "attention/fwd_sm90.cu",
-             "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, Cfg::BN)",
-             "map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, 64)", TMA_RING,
+             "head_rows_map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, p.B, Cfg::BN)",
+             "head_rows_map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, p.B, 64)", TMA_RING,
              "TMA Hopper forward: K's box of 64 rows under 128-key tiles (half of K(t) never lands)"),
     Mutation("launch-optin-threshold", "attention/launch.cuh",
              "if (smem > 48 * 1024) {", "if (smem > 96 * 1024) {", (),
