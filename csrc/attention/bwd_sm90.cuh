@@ -165,12 +165,11 @@ EFFATTN_KERNEL_WG3 attn_bwd_sm90_kernel(const EFFATTN_GRID_CONSTANT BwdTmaParams
   const int kk0 = kSplitKeys ? wg * (BN / 32) : 0;   // ... and its 16-key steps of the reduction
   prim::mbar_wait(kv_full, 0);
   // Keys no query row sees (past the window of every row) may hold anything, NaN included: zero their K
-  // rows, so that dQ = dS K adds 0 * 0 for them (as bwd_fused.cuh; rows past Lk land as zeros). The fence
-  // and the loop's first barrier publish the zeros to wgmma.
-  if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {
+  // rows, so that dQ = dS K adds 0 * 0 for them (as bwd_fused.cuh; rows past Lk land as zeros). The first
+  // step's fence.proxy.async after its dS stores (later in each thread's program order) and the barrier before
+  // dQ publish the zeros to wgmma; S^T = K Q^T may still read the old rows, whose scores are masked (selects).
+  if (KIND != kDense && (p.left >= 0 || p.right >= 0))
     zero_unseen<HD, BN, TK, NC>(sK, n0, [&](int j) { return key_seen(p, nullptr, nullptr, 0, p.Lq, j); });
-    prim::fence_proxy_async();               // the zeros visible to wgmma's async proxy
-  }
 
   float dk[NA][4], dv[NA][4], st[NS][4], dpt[NS][4], dq[NQ][4];
   zero_acc(dk);
@@ -226,7 +225,7 @@ EFFATTN_KERNEL_WG3 attn_bwd_sm90_kernel(const EFFATTN_GRID_CONSTANT BwdTmaParams
       acc_to_a<BF16>(pa[kk], st, kk);
       acc_to_a<BF16>(dsa[kk], dpt, kk);
     }
-    prim::fence_proxy_async();               // this thread's dS stores visible to wgmma (after the barrier)
+    prim::fence_proxy_async();               // this thread's dS stores (and K's zeros) visible to wgmma
     prim::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) prim::wgmma_rs<HD, BF16, true>(dv, pa[kk], TQ::desc_mn(adOs, kk), true);
