@@ -68,10 +68,12 @@ EFFATTN_KERNEL attn_delta_kernel(const AttnParams params) {
 }
 
 // The saved lse of query rows [m0, m0 + rows) in log2 units, +inf for rows past Lq or that saw no
-// key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory. All NT threads.
+// key (so that P = exp2(S - lse) = 0 there), and their Delta, into shared memory. NT threads (t: the
+// caller's index among them, its thread index by default).
 template <int NT = 128>
-EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int b, int h, int m0, int rows) {
-  for (int r = prim::thread_x(); r < rows; r += NT) {
+EFFATTN_DEVICE void load_row_stats(const AttnParams& p, float* s_lse, float* s_delta, int b, int h, int m0, int rows,
+                                   int t = prim::thread_x()) {
+  for (int r = t; r < rows; r += NT) {
     const int i = m0 + r;
     float l = INFINITY, d = 0.f;
     if (i < p.Lq) {

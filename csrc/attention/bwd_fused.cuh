@@ -57,6 +57,40 @@ EFFATTN_DEVICE void add_dq_fragment(const AttnParams& p, int b, int h, int i0, i
   }
 }
 
+// The ordered hand-over of dq_accum between key tiles (the fused and the Hopper backward): query tile mt's
+// semaphore (dq_sem, per (segment, head, query tile); n_mt tiles a head) counts the turns taken, and key tile
+// nt's turn is its place among the key tiles mt sees (nt - t0 of mt's key_schedule). Per step: wait (thread 0
+// spins until the turn is this block's; the caller's barrier after it makes it the block's), the adds, added
+// (every thread fences its adds and holds the turn), then after the caller's next barrier pass_on (thread 0
+// releases turn + 1: every thread's adds are fenced by then). finish passes a turn still held at the end.
+struct DqTurn {
+  int* sem = nullptr;                        // this step's semaphore and this block's turn on it
+  int turn = 0;
+  int* held = nullptr;                       // the semaphore whose turn this block holds (uniform)
+  int held_turn = 0;
+  EFFATTN_DEVICE void wait(const AttnParams& p, int seg, int h, int mt, int n_mt, int nt, int BM, int BN, int tid) {
+    sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt + mt;
+    turn = nt - key_schedule(p, h, mt, BM, BN).t0;
+    if (tid == 0) prim::sem_wait(sem, turn);
+  }
+  EFFATTN_DEVICE void added() {
+    prim::fence_gpu();                       // the adds are visible before the turn is passed on
+    held = sem;
+    held_turn = turn;
+  }
+  EFFATTN_DEVICE void pass_on(int tid) {
+    if (held && tid == 0) prim::sem_release(held, held_turn + 1);
+    held = nullptr;
+  }
+  template <class Barrier>
+  EFFATTN_DEVICE void finish(int tid, Barrier barrier) {
+    if (held) {
+      barrier();
+      pass_on(tid);
+    }
+  }
+};
+
 template <int HD, bool BF16, int KIND = kAny, bool DROP = true>
 EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   using Cfg = BwdFusedConfig<HD>;
@@ -127,8 +161,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
   zero_acc(dv);
   const int key0 = n0 + warp * 16 + g;       // this thread's keys: key0, key0 + 8
   const int r0 = 16 * (warp & 3), c0 = (warp >> 2) * (HD / 2);   // this warp's block of dQ
-  int* held = nullptr;                       // the semaphore whose turn this block holds (uniform)
-  int held_turn = 0;
+  DqTurn dqt;                                // dq_accum's turns
 
   for (int u = 0; u < total; ++u) {
     const int stage = u & 1;
@@ -138,9 +171,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
     prim::cp_async_commit();
     prim::cp_async_wait<1>();                // step u's group (and K, V) landed
     prim::sync_block();
-    // the previous step's dQ adds are done and fenced by every thread: pass its turn on
-    if (held && tid == 0) prim::sem_release(held, held_turn + 1);
-    held = nullptr;
+    dqt.pass_on(tid);                        // the previous step's dQ adds are done and fenced by every thread
     const uint16_t* q_s = sQ + stage * BM * HD;
     const uint16_t* do_s = sdO + stage * BM * HD;
     const float* lse_s = s_lse + stage * BM;
@@ -188,10 +219,7 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
       }
     }
 
-    // this key tile's place among the key tiles query tile mt sees: its turn to add into dQ
-    int* sem = p.dq_sem + (int64_t(seg) * p.H + h) * n_mt + mt;
-    const int turn = nt - key_schedule(p, h, mt, BM, BN).t0;
-    if (tid == 0) prim::sem_wait(sem, turn);
+    dqt.wait(p, seg, h, mt, n_mt, nt, BM, BN, tid);
     prim::sync_block();                      // dS is whole, this stage's Q and dO are read, the turn is ours
 
     float dq[NQ][4];
@@ -203,15 +231,10 @@ EFFATTN_KERNEL_256 attn_bwd_fused_kernel(const AttnParams params) {
       mma_a_rows<HD, NQ, BF16>(dq, a, sK, kk, c0 / 8, p.D);
     }
     add_dq_fragment<NQ>(p, b, h, m0 + r0 + g, c0, t4, dq);
-    prim::fence_gpu();                       // the adds are visible before the turn is passed on
-    held = sem;
-    held_turn = turn;
+    dqt.added();
   }
   prim::cp_async_wait<0>();                  // K, V (and the empty last group)
-  if (held) {
-    prim::sync_block();
-    if (tid == 0) prim::sem_release(held, held_turn + 1);
-  }
+  dqt.finish(tid, [] { prim::sync_block(); });
 
   store_dkdv<NA, BF16>(p, dk, dv, b, hk, key0, 0);
 }

@@ -28,19 +28,11 @@ struct Sm90Kernel {
 template <int HD, int BN>
 bool tma_maps(const AttnParams& p, FwdTmaParams& tp) {
   using Cfg = FwdTmaConfig<HD, BN>;
-  auto map = [&](prim::TensorMap& m, const void* base, int64_t l, int64_t h, int64_t b, int64_t row0, int width, int L,
-                 int heads, int rows) {
-    const uint64_t dims[4] = {uint64_t(width), uint64_t(L), uint64_t(heads), uint64_t(p.B)};
-    const uint64_t strides[3] = {uint64_t(l) * 2, uint64_t(h) * 2, uint64_t(b) * 2};
-    const uint32_t box[4] = {uint32_t(Cfg::kBoxCols), uint32_t(rows), 1, 1};
-    if (l < 0 || h < 0 || b < 0 || L < 1) return false;
-    return !prim::make_tensor_map(m, static_cast<const uint16_t*>(base) + row0 * l, 2, 4, dims, strides, box, 128);
-  };
   const int hkv = p.H / p.G;
   tp.p = p;
-  return map(tp.q, p.q, p.q_l, p.q_h, p.q_b, p.q0, p.D, p.Lq, p.H, Cfg::BM) &&
-         map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, Cfg::BN) &&
-         map(tp.v, p.v, p.v_l, p.v_h, p.v_b, p.k0, p.Dv, p.Lk, hkv, Cfg::BN);
+  return head_rows_map(tp.q, p.q, p.q_l, p.q_h, p.q_b, p.q0, p.D, p.Lq, p.H, p.B, Cfg::BM) &&
+         head_rows_map(tp.k, p.k, p.k_l, p.k_h, p.k_b, p.k0, p.D, p.Lk, hkv, p.B, Cfg::BN) &&
+         head_rows_map(tp.v, p.v, p.v_l, p.v_h, p.v_b, p.k0, p.Dv, p.Lk, hkv, p.B, Cfg::BN);
 }
 
 bool tma_turned_off() {

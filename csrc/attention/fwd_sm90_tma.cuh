@@ -48,6 +48,9 @@ struct FwdTmaParams {
 // to R218 of the 240 registers setmaxnreg gives them at D128, no spills (benchmarks/results/offline-sm90).
 constexpr int kFwdTmaKeyTile = 128;
 
+// the box of one TMA copy: 64 columns (128 bytes, the swizzle width) of a tile's rows of one head
+constexpr int kTmaBoxCols = 64;
+
 template <int HD, int BN_ = kFwdTmaKeyTile>
 struct FwdTmaConfig {
   static constexpr int kThreads = 384;           // consumers: warpgroups 0, 1; producer: warpgroup 2
@@ -61,9 +64,22 @@ struct FwdTmaConfig {
   // HD 128, BN 128: 32 KB of Q + 2 x (32 + 32) KB of K, V + 1 KB = 161 KB of sm_90's 227 KB opt-in
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "FwdTmaConfig: past sm_90's 227 KB of opt-in shared memory");
-  // the box of one copy: 64 columns (128 bytes, the swizzle width) of ROWS rows of one head
-  static constexpr int kBoxCols = 64;
+  static constexpr int kBoxCols = kTmaBoxCols;
 };
+
+// Host: the tensor map of a 16-bit (batch, heads, L, width) tensor (element strides l, h, b; its rows from
+// row0) for the Hopper TMA kernels (this forward, bwd_sm90.cuh's backward): dimensions (width, L, heads,
+// batch), boxes of 64 columns x `rows` rows of one head in wgmma's 128-byte swizzle (Sw128Tile); rows past L
+// and columns past width land as zeros. False when it does not encode (a base or stride not a multiple of
+// 16 bytes, a negative stride, L < 1).
+inline bool head_rows_map(prim::TensorMap& m, const void* base, int64_t l, int64_t h, int64_t b, int64_t row0,
+                          int width, int L, int heads, int batch, int rows) {
+  const uint64_t dims[4] = {uint64_t(width), uint64_t(L), uint64_t(heads), uint64_t(batch)};
+  const uint64_t strides[3] = {uint64_t(l) * 2, uint64_t(h) * 2, uint64_t(b) * 2};
+  const uint32_t box[4] = {uint32_t(kTmaBoxCols), uint32_t(rows), 1, 1};
+  if (l < 0 || h < 0 || b < 0 || L < 1) return false;
+  return !prim::make_tensor_map(m, static_cast<const uint16_t*>(base) + row0 * l, 2, 4, dims, strides, box, 128);
+}
 
 template <int HD, bool BF16, int KIND>
 EFFATTN_KERNEL_WG3 attn_fwd_sm90_tma_kernel(const EFFATTN_GRID_CONSTANT FwdTmaParams tp) {

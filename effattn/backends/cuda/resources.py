@@ -181,8 +181,15 @@ HOPPER_TMA_REGS = 168     # its __launch_bounds__(384, 1): 65536 / 384 registers
 
 def hopper_bwd_smem(hd: int) -> int:
     """The Hopper backward (BwdSm90Config::kSmemBytes): the fused backward's tiles (`bwd_fused_smem`), at head
-    dim 64 one warpgroup's fp32 dQ partial (64 x 64), and 1 KB to align them to wgmma's swizzle pattern."""
+    dim 64 one warpgroup's fp32 dQ partial (64 x 64), and 1 KB to align them to wgmma's swizzle pattern (its
+    mbarriers in it)."""
     return bwd_fused_smem(hd) + (64 * 64 * 4 if hd == 64 else 0) + 1024
+
+
+def hopper_bwd_needs(hd: int) -> List["Need"]:
+    """The Hopper backward's launch requirements (BwdSm90Config: a producer and two consumer warpgroups, 384
+    threads bounded at 168 registers each by __launch_bounds__, as the TMA forward)."""
+    return [Need("Hopper backward", hopper_bwd_smem(hd), HOPPER_TMA_THREADS, HOPPER_TMA_REGS)]
 
 
 def hopper_smem(hd: int, key_tile: int = 64) -> int:

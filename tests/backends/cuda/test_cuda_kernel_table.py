@@ -66,7 +66,7 @@ def test_table_lists_every_dispatched_unit_and_has_no_spills():
                 assert got == sorted(want), (unit, got)
                 for r in rows_of(unit, arch, "attn_bwd_sm90_kernel"):
                     assert int(r["HGMMA"]) > 0 and r["loop MMA"].endswith("HGMMA") and int(r["trip"]) > 0, r
-                    assert r["smem dynamic"] == str(resources.hopper_bwd_smem(int(hd))) and r["threads"] == "256", r
+                    assert r["smem dynamic"] == str(resources.hopper_bwd_smem(int(hd))) and r["threads"] == "384", r
             elif "/inst/" in unit:
                 prefix, hd, dtype, kind, drop = base.split("_")
                 assert kind in kinds
@@ -171,9 +171,7 @@ def test_capability_check_ranks_only_kernels_the_table_says_launch(cc):
                     assert table_fits(r, cc) >= 1, r
                     checked += 1
             # the Hopper backward (backward.py's check: its shared memory) at every mask kind it serves
-            assert resources.refusals([resources.Need("Hopper backward", resources.hopper_bwd_smem(hd),
-                                                     resources.HOPPER_THREADS)],
-                                      limits) == []
+            assert resources.refusals(resources.hopper_bwd_needs(hd), limits) == []
             hop = rows_of(f"attention/inst/bwd_sm90_{hd}_bf16.cu", code, "attn_bwd_sm90_kernel")
             assert len(hop) == 3 and all(table_fits(r, cc) >= 1 for r in hop), hop
             checked += 3

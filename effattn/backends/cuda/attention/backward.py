@@ -11,7 +11,8 @@ turns it off (for timing one against the other on the same GPU, or to step aroun
 
 On a device that runs the Hopper forward (compute capability 9.0 with sm_90a code; the emulation with
 ``EFFATTN_CUDA_EMU_HOPPER=1``) the Hopper backward (csrc/attention/bwd_sm90.cuh: the fused kernel's tiles,
-schedule and dQ semaphores with its five products on wgmma, two warpgroups of 64 keys) replaces the fused
+schedule and dQ semaphores with its five products on wgmma, two consumer warpgroups of 64 keys, a producer
+warp loading K, V, Q and dO with TMA into an mbarrier ring) replaces the fused
 kernel where it applies (`hopper_why_not`): head-dim buckets 64 and 128, no mask or a causal / window one,
 without key padding, dropout, packed sequences or score terms. ``EFFATTN_CUDA_HOPPER_BWD=0`` turns it off.
 """
@@ -66,16 +67,16 @@ def hopper_why_not(q: torch.Tensor, v: torch.Tensor, key_padding: bool, dropout_
         if flag:
             return f"serves no mask, causal and windows without key padding, dropout, packed sequences or score " \
                    f"terms; this call has {what}"
-    why = resources.refusals([resources.Need("Hopper backward", resources.hopper_bwd_smem(hd),
-                                             resources.HOPPER_THREADS)], resources.device_limits(q.device))
+    why = resources.refusals(resources.hopper_bwd_needs(hd), resources.device_limits(q.device))
     return why[0] if why else None
 
 
 def describe(why: Optional[str], hopper_why: Optional[str] = "") -> str:
     """The backward a call gets, from `why_not`'s and `hopper_why_not`'s answers (for effattn.explain)."""
     if why is None and hopper_why is None:
-        return ("backward: Hopper wgmma kernel (sm_90a; five products on wgmma, two warpgroups of 64 keys, "
-                "64 x 128 tiles, dQ in key-tile order)")
+        return ("backward: Hopper wgmma kernel (sm_90a; five products on wgmma, two consumer warpgroups of 64 keys, "
+                "64 x 128 tiles, dQ in key-tile order; a producer warp loads K, V and a 2-stage mbarrier ring of Q, "
+                "dO with TMA)")
     if why is None:
         tail = f" (the Hopper backward is not used: {hopper_why})" if hopper_why else ""
         return ("backward: fused dK/dV/dQ kernel (five products, 64 x 128 tiles, 8 warps, dQ in key-tile order)"
