@@ -78,9 +78,10 @@ inline bool fwd_long_keys(int smem_optin) {
 // 64-row ones (list_rows; effattn/tiles.py `layout_tile_lists`, `wide_m`), which the host builds for every layout
 // of the mma.sync forward. A 128-row tile's list is the union of its two 64-row halves' lists: a key tile is full
 // for it only where it is full for both halves (every element visible, window and layout blocks), partial where it
-// is visible to either. So any block size and any window take 128-row tiles (fwd_wide_lists).
+// is visible to either. So any block size and any window take 128-row tiles (fwd_wide_lists). (Packed sequences,
+// which the API does not combine with a layout, would need lists per segment: 64 rows.)
 inline bool fwd_layout_wide(const AttnParams& p) {
-  return p.lists && p.list_rows >= int((p.Lq + 63) / 64 + (p.Lq + 127) / 128);
+  return p.lists && !p.cu_q && p.list_rows == int((p.Lq + 63) / 64 + (p.Lq + 127) / 128);
 }
 
 // The parameters of a 128-row call with a layout (fwd_layout_wide): the lists from the 128-row tiles' first row,

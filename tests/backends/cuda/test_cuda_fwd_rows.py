@@ -325,6 +325,8 @@ def test_layout_of_64_row_blocks_with_dropout_on_128_row_tiles(emulation, smem_l
             cols.append(out != 0)
             blocks.append(n)
         masks.append((torch.cat(cols, -1), blocks[0]))
+        words = "do not fit an SM of this device" if limit else "each tile's key list is the union"
+        assert words in str(effattn.explain(q, k, v, layout=lay, dropout_p=p, backend="cuda"))
         if before:
             smem_limit(before)
     assert [b for _, b in masks] == [H * 2, H * 3]

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from ....tiles import visited_tiles
+from ....visibility import clamp_window
 from .. import _ext, resources
 from .tiling import bucket
 
@@ -141,8 +143,12 @@ def _layout_why(call, hd: int, rows: int, terms: bool) -> str:
     if rows == 128:
         how = ("both 64-row halves in one block row" if lay.block_size % 128 == 0 else
                "partial tiles read the layout per element")
+        Lq, Lk = call.q.shape[2], call.k.shape[2]
+        left, right = clamp_window(call.window_left, call.window_right, Lq, Lk)
+        pairs = [sum(visited_tiles(Lq, Lk, m, 64, left, right, lay.mask, lay.block_size)) for m in (64, 128)]
+        more = f"{2 * pairs[1] / pairs[0] - 1:.0%}" if pairs[0] else "0%"
         return (f"; layout of {lay.block_size}-row blocks on 128-row tiles: each tile's key list is the union of "
-                f"its two 64-row halves' lists ({how})")
+                f"its two 64-row halves' lists ({how}; {more} more rows x keys computed than on 64-row tiles)")
     if hd not in resources.WIDE_BUCKETS:
         why = f"head dim {hd} has no 128-row instance"
     elif terms:
