@@ -176,16 +176,23 @@ def layout_plan(mask: Tensor) -> LayoutPlan:
 
 
 def layout_tile_lists(mask: Tensor, layout_block: int, Lq: int, Lk: int, block_m: int, block_n: int,
-                      left: int = -1, right: int = -1, by_key: bool = False) -> TileLists:
+                      left: int = -1, right: int = -1, by_key: bool = False, wide_m: int = 0) -> TileLists:
     """`TileLists` of the visible key tiles per query tile, or with ``by_key`` of the visible query
-    tiles per key tile (the dK/dV pass), for a layout's ``mask`` (on its device). Cached per layout."""
+    tiles per key tile (the dK/dV pass), for a layout's ``mask`` (on its device). Cached per layout.
+    ``wide_m`` (not with ``by_key``): after the ``ceil(Lq / block_m)`` rows, ``ceil(Lq / wide_m)`` rows
+    for query tiles of ``wide_m`` rows against the same key tiles (one packing, so one ``full_slots``):
+    a wide tile's key tile is full where it is full for every ``block_m`` tile in it, listed where
+    any of them lists it."""
     plan = layout_plan(mask)
-    key = (layout_block, Lq, Lk, block_m, block_n, left, right, by_key)
+    key = (layout_block, Lq, Lk, block_m, block_n, left, right, by_key, wide_m)
     got = plan.lists.get(key)
     if got is None:
         visible, full = tile_pairs(Lq, Lk, block_m, block_n, left, right, mask, layout_block, mask.device)
         if by_key:
             visible, full = visible.transpose(1, 2), full.transpose(1, 2)
+        elif wide_m:
+            wv, wfull = tile_pairs(Lq, Lk, wide_m, block_n, left, right, mask, layout_block, mask.device)
+            visible, full = torch.cat([visible, wv], 1), torch.cat([full, wfull], 1)
         got = plan.lists[key] = pack_lists(visible, full)
     return got
 

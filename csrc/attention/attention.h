@@ -45,6 +45,9 @@ struct AttnParams {
   const int32_t* lists;          // packed tile lists [n_full, n_partial, full..., partial...] per row
   int64_t list_h, list_t;
   int list_wf;
+  // rows of `lists`: the forward's 64-row tiles' lists, then, where the host built them (rows = ceil(Lq / 64) +
+  // ceil(Lq / 128)), the 128-row tiles' (the mma.sync forward's wide instances: fwd.cuh fwd_wide_lists)
+  int list_rows;
   const int32_t* lists_by_key;   // the transposed lists (query tiles per key tile) for the dK/dV pass
   int64_t listk_h, listk_t;
   int listk_wf;

@@ -74,23 +74,37 @@ inline bool fwd_long_keys(int smem_optin) {
   return 2 * (FwdConfig<HD, 32, 64>::kSmemBytes + 1024) <= smem_optin + 1024;
 }
 
-// Whether a call with a block layout can run 128-row tiles. Its tile lists are built on the host for the 64-row
-// query tiles the dQ pass shares; both 64-row halves of a 128-row tile have the same list (the same key tiles,
-// the same full ones) when the layout's blocks are a multiple of 128 rows (both halves in one block row, and
-// tiles nest in blocks: no per-element layout test, lay_check 0) and there is no window (its edges differ
-// between the halves): the 128-row tile mt then reads list row 2 mt. Smaller blocks or a window: 64 rows.
+// Whether a call with a block layout can run 128-row tiles: its tile lists hold the 128-row tiles' rows after the
+// 64-row ones (list_rows; effattn/tiles.py `layout_tile_lists`, `wide_m`), which the host builds for every layout
+// of the mma.sync forward. A 128-row tile's list is the union of its two 64-row halves' lists: a key tile is full
+// for it only where it is full for both halves (every element visible, window and layout blocks), partial where it
+// is visible to either. So any block size and any window take 128-row tiles (fwd_wide_lists). (Packed sequences,
+// which the API does not combine with a layout, would need lists per segment: 64 rows.)
 inline bool fwd_layout_wide(const AttnParams& p) {
-  return p.lists && !p.lay_check && p.lay_bs % 128 == 0 && p.left < 0 && p.right < 0;
+  return p.lists && !p.cu_q && p.list_rows == int((p.Lq + 63) / 64 + (p.Lq + 127) / 128);
+}
+
+// The parameters of a 128-row call with a layout (fwd_layout_wide): the lists from the 128-row tiles' first row,
+// so that tile mt reads row mt, and partial tiles read the layout per element unless the tiles nest in its blocks
+// (blocks of a multiple of 128 rows: a 128-row tile lies in one block row; the lists' 64-key tiles nest in them).
+// Without lists: p unchanged.
+inline AttnParams fwd_wide_lists(const AttnParams& p) {
+  AttnParams w = p;
+  if (!p.lists) return w;
+  w.lists = p.lists + int64_t((p.Lq + 63) / 64) * p.list_t;
+  w.lay_check = p.lay_check || p.lay_bs % 128 != 0;
+  return w;
 }
 
 // Whether a plain forward call (no bias tensors or relative keys) runs the 128-row instance (WM = 32) of
 // head-dim bucket HD on a device with `smem_optin` bytes of opt-in shared memory per block: the bucket has
-// it (FwdConfig::kWide), a block layout only where fwd_layout_wide says so, and two such blocks fit an SM
-// (each takes its tiles + the 1 KB the driver reserves per block; an SM has smem_optin + 1 KB: sm_80 164 KB,
-// sm_90 228 KB, sm_86 / sm_89 / sm_120 100 KB, which hold two at every such bucket: 48 KB at head dim 128).
-// A layout at head dim 128 runs the 128 x 64 tile (its lists' key tiles are 64): kLayout's without dropout (not
-// kAny's: key padding or positions keep 64 rows, and so does dropout), where two of those fit (fwd_long_keys).
-// effattn/backends/cuda/resources.py (`fwd_rows`) makes the same choice for explain.
+// it (FwdConfig::kWide), a block layout where its lists have the 128-row tiles' rows (fwd_layout_wide), and two
+// such blocks fit an SM (each takes its tiles + the 1 KB the driver reserves per block; an SM has smem_optin +
+// 1 KB: sm_80 164 KB, sm_90 228 KB, sm_86 / sm_89 / sm_120 100 KB, which hold two at every such bucket: 48 KB at
+// head dim 128). A layout at head dim 128 runs the 128 x 64 tile (its lists' key tiles are 64): kLayout's without
+// dropout (not kAny's: key padding or positions keep 64 rows, and so does dropout), where two of those fit
+// (fwd_long_keys: not on the 99 KB GPUs). effattn/backends/cuda/resources.py (`fwd_rows`) makes the same choice
+// for explain.
 template <int HD>
 inline bool fwd_wide(const AttnParams& p, int smem_optin) {
   using Wide = FwdConfig<HD, 32>;
@@ -397,8 +411,8 @@ EFFATTN_FWD_KERNEL attn_fwd_kernel(const typename ROWS::Params kparams) {
   const uint8_t *kpm = KIND == kAny ? fb.kpm : nullptr, *lay = fb.lay;
   const int kd = (p.D + 15) / 16;                       // 16-wide steps of Q K^T that hold data
 
-  // a layout's lists are per 64-row tile: a 128-row tile reads its first half's (fwd_layout_wide)
-  const Schedule sched = key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);
+  // a layout's lists: the 128-row tiles' where WM = 32 (the launcher passes fwd_wide_lists' view)
+  const Schedule sched = key_schedule(p, h, mt, BM, BN);
   const int n_tiles = sched.count();
 
   load_tile<HD, BM>(sQ, qb, p.q_l, m0, p.Lq, p.D);

@@ -47,10 +47,12 @@ int launch_by_kind(int kind, unsigned grid, int smem, prim::stream_t stream, con
 // The mma.sync forward (declared in launchers.cuh; attention/inst/ instantiates it per head-dim bucket,
 // dtype, mask kind and dropout flag, and fwd.cu picks one per call). Up to head dim 128 the instances take
 // 128-row query tiles (32 rows per warp, fwd.cuh) where fwd_wide says so; two 128-row blocks fit every
-// sm_80+ SM there, so 64-row tiles are built only for block layouts (kLayout: layouts fwd_layout_wide
-// refuses, and kAny, which also serves a call on a device with less shared memory: fwd.cu sends such calls
-// to kAny) and at head dim 256. kLayout's 128-row instance at head dim 128 is the 128 x 64 one only (its
-// lists' key tiles).
+// sm_80+ SM there, so 64-row tiles are built only for block layouts (kLayout: layouts fwd_wide refuses,
+// i.e. lists without the 128-row tiles' rows, or at head dim 128 a device that does not hold two 128 x 64 blocks
+// per SM (the 99 KB GPUs) or dropout; and kAny, which also serves a call on a device with less shared memory:
+// fwd.cu sends such calls to kAny) and at head dim 256. A layout's 128-row instances read the 128-row tiles'
+// lists (fwd_wide_lists: the union of the two 64-row halves' lists; any block size, any window). kLayout's
+// 128-row instance at head dim 128 is the 128 x 64 one only (its lists' key tiles).
 // The instances with a 128 x 64 tile (head dim 128, no dropout): kDense, kCausal and kWindow besides their
 // 128 x 32 one (fwd_long_keys picks per device), and kLayout (its only 128-row one). nvcc 13.0 spilled it in kAny
 // without dropout (32 bytes, sm_80), kCausal with dropout (8 bytes) and kLayout with dropout (24 bytes), so those
@@ -79,13 +81,13 @@ int fwd(const AttnParams& p, prim::stream_t stream) {
 #endif
           using Cfg = FwdConfig<HD, 32, 64>;
           return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP, 32, StridedRows, 64>,
-                        cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, p);
+                        cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, fwd_wide_lists(p));
         }
       }
       if constexpr (!(KIND == kLayout && HD >= 128)) {   // kLayout: fwd_wide asked for the 128 x 64 tile's room
         using Cfg = FwdConfig<HD, 32>;
         return launch(attn_fwd_kernel<HD, BF16, KIND, false, false, DROP, 32>,
-                      cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, p);
+                      cdiv(p.Lq, Cfg::BM) * unsigned(p.B * p.H), 1, Cfg::kSmemBytes, stream, fwd_wide_lists(p));
       }
     }
   }

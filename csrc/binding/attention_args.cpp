@@ -119,6 +119,7 @@ Prepared prepare(const Tensor& q0, const Tensor& k0, const Tensor& v0, const opt
     p.list_h = r.lists.size(0) > 1 ? r.lists.stride(0) : 0;
     p.list_t = r.lists.stride(1);
     p.list_wf = int(list_wf);
+    p.list_rows = int(r.lists.size(1));
   }
   if (lists_by_key.has_value()) {
     r.lists_by_key = lists_by_key->contiguous();

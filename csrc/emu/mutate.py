@@ -94,6 +94,9 @@ LONG_KEYS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_head_dim_128_on_12
 # a layout of 128-row blocks on 128-row forward tiles (its 64-row tile lists, bitwise the 64-row tiles, float64)
 LAYOUT_ROWS = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_layout_tiles_of_128_rows_where_blocks_allow", "-k",
                "bs128-d64")
+# layouts of 64-row blocks on 128-row forward tiles (their union lists; partial tiles read the layout per element)
+LAYOUT64 = ("tests/backends/cuda/test_cuda_fwd_rows.py::test_layouts_of_64_row_blocks_on_128_row_tiles", "-k",
+            "fixed or empty")
 # head dim 256 (64 x 32 tiles, TileCopy's two swizzles a thread's copies alternate) and a layout against float64
 D256 = "tests/backends/cuda/test_cuda_fwd_rows.py::test_layouts_and_head_dim_256_keep_64_rows"
 # the forward's generated instances: which one a call runs, bitwise against the general one
@@ -188,8 +191,15 @@ MUTATIONS: List[Mutation] = [
              "mma_a_rows_mb<HD, ND, BF16, MB>(acc, pa[kk], sV, kk, p.Dv);", LONG_KEYS,
              "forward, 128 x 64 tile: the second step's P times the first 32 rows of V"),
     Mutation("fwd-layout-list-row", "attention/fwd.cuh",
-             "key_schedule(p, h, WM == 32 && p.lists ? 2 * mt : mt, BM, BN);", "key_schedule(p, h, mt, BM, BN);",
+             "w.lists = p.lists + int64_t((p.Lq + 63) / 64) * p.list_t;", "w.lists = p.lists;",
              LAYOUT_ROWS, "forward, a layout on 128-row tiles: tile mt reads the lists of 64-row tile mt"),
+    Mutation("fwd-layout-wide-check", "attention/fwd.cuh",
+             "w.lay_check = p.lay_check || p.lay_bs % 128 != 0;", "w.lay_check = p.lay_check;", LAYOUT64,
+             "forward, 64-row blocks on 128-row tiles: partial tiles do not read the layout per element"),
+    Mutation("fwd-layout-wide-half", "attention/fwd.cuh",
+             "return key_seen(p, lay, kpm, m0, m0 + BM, j);", "return key_seen(p, lay, kpm, m0, m0 + 64, j);", LAYOUT64,
+             "forward, 64-row blocks on 128-row tiles: the keys a tile sees from its first 64-row half only (V rows "
+             "only the second half sees zeroed)"),
     Mutation("fwd-copy-step", "common/tiles.cuh",
              "const int64_t step = int64_t(RS) * ld;", "const int64_t step = int64_t(RS + 1) * ld;", SHARED,
              "forward K / V copies (TileCopy): a thread's later copies from the wrong rows"),

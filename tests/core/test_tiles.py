@@ -119,3 +119,27 @@ def test_layout_plan_cache_is_weak_and_keyed_on_everything():
     del layout
     gc.collect()
     assert len(tiles._LAYOUT_PLANS) == before - 1
+
+
+@pytest.mark.parametrize("Lq,Lk,bs,left,right", [(320, 300, 64, -1, -1), (192, 250, 64, -1, 0), (200, 200, 32, 90, 40)],
+                         ids=lambda x: str(x))
+def test_wide_rows_are_the_union_of_their_halves(Lq, Lk, bs, left, right):
+    """``wide_m`` rows (the CUDA forward's 128-row tiles) after the 64-row ones, in one packing: each wide
+    tile's key tiles are those either 64-row half lists, full only where both halves' lists have them full (a
+    half past Lq counts as full), and the 64-row rows are unchanged; brute force for the wide ones too."""
+    layout = rand_layout(2, Lq, Lk, bs, 0.45, seed=Lq)
+    lists = tiles.layout_tile_lists(layout.mask, bs, Lq, Lk, 64, 64, left, right, False, wide_m=128)
+    n64, n128 = -(-Lq // 64), -(-Lq // 128)
+    assert lists.packed.shape[1] == n64 + n128
+    vis128, full128 = brute_force(Lq, Lk, 128, 64, left, right, layout)
+    for h in range(2):
+        for r in range(n64):
+            assert lists.row(h, r) == tiles.layout_tile_lists(layout.mask, bs, Lq, Lk, 64, 64, left, right).row(h, r)
+        for mt in range(n128):
+            halves = [lists.row(h, r) for r in (2 * mt, 2 * mt + 1) if r < n64]
+            want_full = sorted(set.intersection(*(set(f) for f, _ in halves)))
+            want_all = set().union(*(set(f) | set(p) for f, p in halves))
+            want = (want_full, sorted(want_all - set(want_full)))
+            assert lists.row(h, n64 + mt) == want, (h, mt)
+            assert want == (torch.nonzero(full128[h, mt]).flatten().tolist(),
+                            torch.nonzero(vis128[h, mt] & ~full128[h, mt]).flatten().tolist())

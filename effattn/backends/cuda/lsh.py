@@ -10,7 +10,8 @@ from query i where it is padding (position -1) or, causal, later than i; a query
 ``SELF_SCORE`` (no gradient to q or k through it). Padding also goes to the kernels as the key padding mask, so
 a padded key's values never reach a product (NaN-safe).
 
-Forward: the 64-row kAny instance (layouts take 64-row tiles). Backward: the two passes (dK/dV over the layout's
+Forward: the kAny instance (128-row tiles at head dims up to 64 through the layout's 128-row lists, 64 rows at
+128). Backward: the two passes (dK/dV over the layout's
 by-key lists, dQ over its lists; no atomics, bitwise repeatable); the fused backward takes neither layouts nor
 positions.
 fp16 / bf16, head dims 33..128, any ``chunk_len``; dropout is refused (``triton/lsh`` and ``torch/lsh`` serve

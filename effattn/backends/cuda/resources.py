@@ -108,18 +108,20 @@ def fwd_smem(hd: int, rows: int = 64, keys: int = 0) -> int:
 WIDE_BUCKETS = (32, 64, 128)   # the mma.sync forward's buckets with 128-row tiles (FwdConfig::kWide)
 
 
-def layout_wide(layout_block: int, left: int, right: int) -> bool:
-    """Whether a block layout's call can take the forward's 128-row tiles (csrc/attention/fwd.cuh
-    `fwd_layout_wide`): blocks of a multiple of 128 rows and no window, so that both 64-row halves of a tile have
-    the same tile list (the lists are built for the 64-row tiles the dQ pass shares)."""
-    return layout_block % 128 == 0 and left < 0 and right < 0
+def layout_wide(hd: int, limits: "Limits", key_padding: bool, dropout: bool) -> bool:
+    """Whether a block layout's call takes the forward's 128-row tiles (csrc/attention/fwd.cuh `fwd_wide`): its
+    tile lists hold the 128-row tiles' rows (the union of their two 64-row halves' lists; any block size, any
+    window), and at head dim 128 only kLayout's 128 x 64 instance reads them: no key padding or dropout, on a
+    device whose SM holds two such blocks (sm_80, sm_90 / sm_100; not the 99 KB GPUs)."""
+    if hd not in WIDE_BUCKETS:
+        return False
+    return hd < 128 or (not key_padding and not dropout and fwd_key_tile(hd, 128, limits, True) == 64)
 
 
 def fwd_rows(hd: int, limits: "Limits", layout: bool = False, terms: bool = False) -> int:
     """The query tile of the mma.sync forward on a device (csrc/attention/fwd.cuh `fwd_wide`, which the
     launcher runs with the device's opt-in shared memory): 128 rows (4 warps of 32) where the bucket has
-    them, the call has no block layout that keeps 64 rows (`layout`: its tile lists, built for 64-row tiles,
-    differ between a 128-row tile's halves; `layout_wide`), no bias tensors or
+    them, the call has no block layout that keeps 64 rows (`layout`: `layout_wide` refuses it), no bias tensors or
     relative keys (`terms`: those instances keep 16 rows per warp), and two blocks fit an SM (an SM has
     the opt-in shared memory per block + 1 KB; each block its tiles + 1 KB: every sm_80+ GPU, 99 KB and
     up, holds two at each of these buckets); else 64 rows."""

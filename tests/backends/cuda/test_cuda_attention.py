@@ -428,8 +428,9 @@ def test_kernels_visit_exactly_the_planned_tiles(case_id, emulation, monkeypatch
     def pairs(by_key, forward=False):
         bm, bn = tiles(D, D, by_key)
         if forward:                                           # the forward's tiles on this device
-            # a layout of 128-row blocks without a window on 128-row tiles (fwd.cuh fwd_layout_wide)
-            wide = layout is not None and resources.layout_wide(layout.block_size, left, right)
+            # a layout on 128-row tiles through its lists' 128-row rows (fwd.cuh fwd_layout_wide)
+            wide = layout is not None and resources.layout_wide(bucket(D, D), resources.device_limits(q.device),
+                                                                False, False)
             bm = resources.fwd_rows(bucket(D, D), resources.device_limits(q.device), layout is not None and not wide)
             # 128 x 64 at head dim 128 (kDense: full key tiles of 64; launch.cuh kLongKeys)
             long_keys = wide or (layout is None and not (left < 0 and right < 0 and Lk % 64 == 32))

@@ -1,6 +1,6 @@
 """The mma.sync forward's tile shapes (csrc/attention/fwd.cuh, FwdConfig): 128-row query tiles (4 warps of
 32 rows, two m16 row blocks each) at head-dim buckets 32, 64, 128 (128 x 64 or 128 x 32 at 128), 64-row tiles
-(16 rows per warp) at 256, with a layout whose 128-row tiles' halves have different tile lists, and where two
+(16 rows per warp) at 256, with a layout at head dim 128 with key padding or dropout, and where two
 128-row blocks do not fit an SM's shared memory; two barriers per key tile.
 Run through the emulation against the float64 oracle, and bit for bit against the 64-row instance where the
 key tiles are the same (each output element sums the same products in the same order; dropout draws per
@@ -109,11 +109,12 @@ def test_head_dim_128_keep_mask_same_on_both_shapes(emulation, smem_limit):
 
 
 def test_layouts_and_head_dim_256_keep_64_rows(emulation):
-    """A block layout of 32-row blocks (its tile lists are built for 64-row tiles: the halves of a 128-row tile
-    differ) and head dim 256 run the 64-row tiles, against float64."""
+    """A block layout of 32-row blocks with key padding at head dim 128 (kAny: its 128 x 32 tile reads no lists) and
+    head dim 256 run the 64-row tiles, against float64."""
     from effattn.layouts import BlockLayout
     g = torch.Generator().manual_seed(5)
-    for D, Lq, kw in ((32, 192, dict(layout=BlockLayout(torch.rand(2, 6, 6, generator=g) < 0.6, 32))),
+    kpm = torch.rand(1, 130, generator=g) < 0.2
+    for D, Lq, kw in ((128, 130, dict(layout=BlockLayout(torch.rand(2, 5, 5, generator=g) < 0.6, 32), key_padding_mask=kpm)),
                       (256, 130, dict(causal=True))):
         q, k, v = (torch.randn(1, 2, Lq, D, generator=g).half() for _ in range(3))
         _, _, blocks = forward_blocks(emulation, q, k, v, **kw)
@@ -132,7 +133,7 @@ def test_explain_names_the_tile(smem_limit):
     assert "key tiles of 32" in str(effattn.explain(q96, q96, q96, backend="cuda"))
     from effattn.layouts import BlockLayout
     for D, bs, kw, words in ((64, 128, {}, "query tiles of 128 rows (4 warps x 32), key tiles of 64"),
-                             (64, 64, {}, "query tiles of 64 rows"), (64, 128, dict(causal=True), "query tiles of 64 rows"),
+                             (64, 64, {}, "query tiles of 128 rows"), (64, 128, dict(causal=True), "query tiles of 128 rows"),
                              (128, 128, {}, "query tiles of 128 rows (4 warps x 32), key tiles of 64 (two softmax"),
                              (128, 128, dict(dropout_p=0.1), "query tiles of 64 rows")):
         x = torch.randn(1, 1, 200, D).half()
@@ -204,24 +205,24 @@ def test_head_dim_128_on_128_x_64_tiles(case_id, emulation, smem_limit):
         assert last_fwd_keys() == 64
 
 
-# id -> (D, layout block, kwargs, (rows, key tile record) on the emulated H100): a layout takes 128-row tiles where
-# its blocks are a multiple of 128 rows and there is no window (fwd.cuh fwd_layout_wide), at head dim 128 on the
+# id -> (D, layout block, kwargs, (rows, key tile record) on the emulated H100): a layout takes 128-row tiles through
+# its lists' 128-row tiles' rows (fwd.cuh fwd_layout_wide: any block size, any window), at head dim 128 on the
 # 128 x 64 tile and without key padding (kLayout)
 LAYOUT_TILES = {
     "bs128-d64": (64, 128, {}, (128, 0)),
     "bs128-d64-kpm": (64, 128, dict(kpm=0.3), (128, 0)),
     "bs256-d128": (128, 256, {}, (128, 64)),
     "bs128-d128-kpm": (128, 128, dict(kpm=0.3), (64, 0)),
-    "bs128-d64-causal": (64, 128, dict(causal=True), (64, 0)),
-    "bs64-d64": (64, 64, {}, (64, 0)),
+    "bs128-d64-causal": (64, 128, dict(causal=True), (128, 0)),
 }
 
 
 @pytest.mark.parametrize("case_id", list(LAYOUT_TILES))
 def test_layout_tiles_of_128_rows_where_blocks_allow(case_id, emulation, smem_limit):
-    """A block layout's forward on 128-row tiles where both 64-row halves of a tile share a tile list, 64 rows
-    otherwise (the block count and the key tile record say which ran); bitwise equal to the 64-row tiles (a device
-    that holds one 128-row block per SM) where the key tiles are the same (head dim 64), else against float64."""
+    """A block layout's forward on 128-row tiles, 64 rows at head dim 128 with key padding (the block count and the
+    key tile record say which ran); bitwise equal to the 64-row tiles (a device that holds one 128-row block per SM)
+    where the key tiles and their order are the same (head dim 64, blocks of 128 rows, no window: both halves' lists
+    are the tile's), else against float64."""
     D, bs, kw, (rows, keys) = LAYOUT_TILES[case_id]
     from effattn.layouts import BlockLayout
     g = torch.Generator().manual_seed(13)
@@ -234,11 +235,105 @@ def test_layout_tiles_of_128_rows_where_blocks_allow(case_id, emulation, smem_li
         kw["key_padding_mask"] = torch.rand(1, Lk, generator=g) < kw.pop("kpm")
     out, lse, blocks = forward_blocks(emulation, q, k, v, **kw)
     assert (blocks, last_fwd_keys()) == (2 * -(-Lq // rows), keys), (blocks, last_fwd_keys())
-    if D == 64 and rows == 128:
+    if D == 64 and rows == 128 and bs % 128 == 0 and "causal" not in kw:
         before = smem_limit(SMALL_SM)
         narrow = forward_blocks(emulation, q, k, v, **kw)
         smem_limit(before)
         assert narrow[2] == 2 * -(-Lq // 64)
         assert torch.equal(out, narrow[0]) and torch.equal(lse, narrow[1])
-    if case_id == "bs256-d128":                             # (head dim 64: bitwise the 64-row tiles above)
+    else:                                                  # (bitwise the 64-row tiles above)
         check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
+def _random_layout(H, Lq, Lk, bs, seed, empty_row=None):
+    from effattn.layouts import BlockLayout
+    m = torch.rand(H, -(-Lq // bs), -(-Lk // bs), generator=torch.Generator().manual_seed(seed)) < 0.5
+    if empty_row is not None:
+        m[:, empty_row] = False                            # its rows see no key: 0 and lse -inf
+    return BlockLayout(m, bs)
+
+
+def _builder(name, H, Lq, Lk):
+    from effattn import layouts
+    if name == "fixed":
+        return layouts.fixed((Lq, Lk), 64, stride=3, summary=1, causal=True, num_heads=H, vary_heads=True)
+    if name == "bigbird":
+        return layouts.bigbird((Lq, Lk), 64, num_window_blocks=3, num_global_blocks=1, num_random_blocks=1, seed=2,
+                               num_heads=H)
+    return layouts.longformer((Lq, Lk), 64, window_blocks=1, global_blocks=(1,))
+
+
+# id -> (B, H, Hkv, Lq, Lk, D, layout, kwargs, (rows, key tile record) on the emulated H100): layouts of 64-row
+# (and 32-row) blocks on 128-row tiles through the union lists (fwd.cuh fwd_wide_lists): the Sparse Transformer /
+# BigBird / Longformer builders, Lq = 64 x odd (a last 128-row tile with one live half), GQA, key padding (kAny's
+# 128-row instance; batch 1 wholly padded: rows with no key), a window, a block row with no key, head dim 128 (the
+# 128 x 64 tile, kLayout); key padding at head dim 128 keeps 64 rows (test_layouts_and_head_dim_256_keep_64_rows)
+LAYOUT64 = {
+    "fixed-gqa-d64": (1, 4, 2, 192, 192, 64, "fixed", {}, (128, 0)),
+    "bigbird-kpm-d32": (2, 2, 2, 192, 230, 32, "bigbird", dict(kpm=0.3), (128, 0)),
+    "longformer-window-d128": (1, 2, 2, 192, 192, 128, "longformer", dict(window=(90, 40)), (128, 64)),
+    "bs64-empty-row-causal-d64": (1, 2, 1, 320, 250, 64, "empty", dict(causal=True), (128, 0)),
+    "bs32-d64": (1, 2, 2, 192, 200, 64, "bs32", {}, (128, 0)),
+}
+
+
+@pytest.mark.parametrize("case_id", list(LAYOUT64))
+def test_layouts_of_64_row_blocks_on_128_row_tiles(case_id, emulation):
+    """Against float64 (outputs NaN-poisoned under the emulation; gradients too), on the tile the block count
+    and the key-tile record say ran, and explain names it."""
+    B, H, Hkv, Lq, Lk, D, name, kw, (rows, keys) = LAYOUT64[case_id]
+    g = torch.Generator().manual_seed(17)
+    kw = dict(kw)
+    if name in ("empty", "bs32"):
+        kw["layout"] = _random_layout(H, Lq, Lk, 64 if name == "empty" else 32, 3, 1 if name == "empty" else None)
+    else:
+        kw["layout"] = _builder(name, H, Lq, Lk)
+    q = torch.randn(B, H, Lq, D, generator=g).half()
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=g).half() for _ in range(2))
+    if "kpm" in kw:
+        kw["key_padding_mask"] = torch.rand(B, Lk, generator=g) < kw.pop("kpm")
+        if B > 1:
+            kw["key_padding_mask"][B - 1] = True           # the last batch entry sees no key at all
+    out, lse, blocks = forward_blocks(emulation, q, k, v, **kw)
+    assert (blocks, last_fwd_keys()) == (B * H * -(-Lq // rows), keys), (blocks, last_fwd_keys())
+    words = "each tile's key list is the union" if rows == 128 else "layout on 64-row tiles"
+    assert words in str(effattn.explain(q, k, v, backend="cuda", **kw))
+    from effattn.testing.oracle import naive_attention
+    ref, ref_lse = naive_attention(q, k, v, **kw)
+    seen = torch.isfinite(ref_lse)
+    assert not seen.all() or name != "empty"               # the case has rows with no key
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen])) and torch.isinf(lse[~seen]).all()
+    check_against_oracle(q, k, v, kw, torch.float16, "cuda")
+
+
+def test_layout_of_64_row_blocks_with_dropout_on_128_row_tiles(emulation, smem_limit):
+    """Dropout (kLayout's 128-row instance with dropout, head dim 64) on a Sparse Transformer layout: the keep-mask,
+    read off the output with V = identity, is the 64-row tiles' bit for bit, and the output is float64's with it."""
+    from effattn.testing.oracle import naive_attention
+    g = torch.Generator().manual_seed(19)
+    H, Lq, Lk, D, p = 2, 192, 192, 64, 0.25
+    lay = _builder("fixed", H, Lq, Lk)
+    q, k, v = (torch.randn(1, H, L, D, generator=g).half() for L in (Lq, Lk, Lk))
+    eye = torch.eye(Lk).expand(1, H, Lk, Lk).half()
+    masks = []
+    for limit in (None, SMALL_SM):
+        before = smem_limit(limit) if limit else None
+        cols, blocks = [], []
+        for c in range(0, Lk, D):                          # identity columns c.. c + 64: the same head-dim bucket
+            torch.manual_seed(5)
+            out, _, n = forward_blocks(emulation, q, k, eye[..., c:c + D].contiguous(), layout=lay, dropout_p=p)
+            cols.append(out != 0)
+            blocks.append(n)
+        masks.append((torch.cat(cols, -1), blocks[0]))
+        words = "do not fit an SM of this device" if limit else "each tile's key list is the union"
+        assert words in str(effattn.explain(q, k, v, layout=lay, dropout_p=p, backend="cuda"))
+        if before:
+            smem_limit(before)
+    assert [b for _, b in masks] == [H * 2, H * 3]
+    keep = masks[0][0]
+    assert torch.equal(keep, masks[1][0]) and keep.any()
+    torch.manual_seed(5)
+    out = effattn.attention(q, k, v, layout=lay, dropout_p=p, backend="cuda")
+    # the keep-mask where a probability is 0 (invisible) reads as dropped: the same product
+    ref, _ = naive_attention(q, k, v, layout=lay, dropout_keep=keep, dropout_p=p)
+    assert (out.double() - ref).abs().max().item() < 2e-2

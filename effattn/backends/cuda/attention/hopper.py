@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from ....tiles import visited_tiles
+from ....visibility import clamp_window
 from .. import _ext, resources
 from .tiling import bucket
 
@@ -110,12 +112,10 @@ def mma_tile(call, terms: bool = False) -> str:
     limits = resources.device_limits(call.q.device)
     no_window = call.window_left < 0 and call.window_right < 0
     lay = call.layout
-    # a layout takes 128 rows where both 64-row halves of a tile share a tile list (fwd.cuh fwd_layout_wide); at
-    # head dim 128 on the 128 x 64 tile (its lists' key tiles), kLayout's without dropout (no key padding), where
-    # it fits
-    lay_wide = (lay is not None and resources.layout_wide(lay.block_size, call.window_left, call.window_right)
-                and (hd < 128 or (call.key_padding_mask is None and not call.dropout_p
-                                  and resources.fwd_key_tile(hd, 128, limits, True) == 64)))
+    # a layout takes 128 rows through its lists' 128-row tiles' rows (fwd.cuh fwd_layout_wide); at head dim 128 on
+    # the 128 x 64 tile (its lists' key tiles), kLayout's without dropout (no key padding), where it fits
+    lay_wide = lay is not None and resources.layout_wide(hd, limits, call.key_padding_mask is not None,
+                                                         bool(call.dropout_p))
     rows = resources.fwd_rows(hd, limits, lay is not None and not lay_wide, terms)
     # the kinds kDense (Lk a multiple of 64; at Lk % 64 == 32 kDense's key tiles of 32 are full, 64 would not be),
     # kCausal and kWindow (a ragged Lk too) without dropout or key padding, and kLayout (launch.cuh kLongKeys)
@@ -124,4 +124,29 @@ def mma_tile(call, terms: bool = False) -> str:
                              and not (dense and call.k.shape[2] % 64 == 32))
     keys = resources.fwd_key_tile(hd, rows, limits, long_keys)
     steps = " (two softmax steps of 32)" if rows == 128 and hd == 128 and keys == 64 else ""
-    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {keys}{steps}"
+    return f"query tiles of {rows} rows (4 warps x {rows // 4}), key tiles of {keys}{steps}{_layout_why(call, hd, rows, terms)}"
+
+
+def _layout_why(call, hd: int, rows: int, terms: bool) -> str:
+    """Why a block layout's call runs the query tile it runs (fwd.cuh fwd_wide), in words ('' without a layout)."""
+    lay = call.layout
+    if lay is None:
+        return ""
+    if rows == 128:
+        how = ("both 64-row halves in one block row" if lay.block_size % 128 == 0 else
+               "partial tiles read the layout per element")
+        Lq, Lk = call.q.shape[2], call.k.shape[2]
+        left, right = clamp_window(call.window_left, call.window_right, Lq, Lk)
+        pairs = [sum(visited_tiles(Lq, Lk, m, 64, left, right, lay.mask, lay.block_size)) for m in (64, 128)]
+        more = f"{2 * pairs[1] / pairs[0] - 1:.0%}" if pairs[0] else "0%"
+        return (f"; layout of {lay.block_size}-row blocks on 128-row tiles: each tile's key list is the union of "
+                f"its two 64-row halves' lists ({how}; {more} more rows x keys computed than on 64-row tiles)")
+    if hd not in resources.WIDE_BUCKETS:
+        why = f"head dim {hd} has no 128-row instance"
+    elif terms:
+        why = "the instance with bias tensors has 64-row tiles only"
+    elif hd >= 128 and (call.key_padding_mask is not None or call.dropout_p):
+        why = "at head dim 128 only the 128 x 64 tile without key padding or dropout reads a layout's 128-row lists"
+    else:
+        why = f"two 128-row blocks ({'128 x 64 ' if hd >= 128 else ''}tiles) do not fit an SM of this device"
+    return f"; layout on 64-row tiles: {why}"

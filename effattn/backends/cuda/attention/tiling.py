@@ -12,6 +12,7 @@ BLOCK_M = 64          # query rows per tile, every pass (csrc/attention.h: kBloc
 HOPPER_TILES = (128, 64)   # the Hopper forward's (query, key) tile for layouts: the cp.async kernel's (FwdSm90Config)
 HOPPER_TMA_TILES = (128, 128)   # the TMA kernel's, every instance (FwdTmaConfig, kFwdTmaKeyTile)
 BUCKETS = (32, 64, 128, 256)
+WIDE_ROWS = 128      # the mma.sync forward's 128-row query tiles (FwdConfig<HD, 32>): rows of their own in the lists
 
 
 def bucket(D: int, Dv: int) -> int:
@@ -38,6 +39,8 @@ def layout_lists(q, k, v, layout_mask, layout_block, left, right, by_key, hopper
     Lq, Lk = q.shape[2], k.shape[2]
     left, right = clamp_window(left, right, Lq, Lk)
     bm, bn = (HOPPER_TMA_TILES if tma else HOPPER_TILES) if hopper else tiles(q.shape[3], v.shape[3], by_key)
-    lists, wf = layout_tile_lists(layout_mask, layout_block, Lq, Lk, bm, bn, left, right, by_key)
+    # the mma.sync forward's 128-row tiles' rows after the 64-row ones (csrc/attention/fwd.cuh fwd_layout_wide)
+    wide = 0 if by_key or hopper else WIDE_ROWS
+    lists, wf = layout_tile_lists(layout_mask, layout_block, Lq, Lk, bm, bn, left, right, by_key, wide)
     # partial tiles read the layout per element unless every pass's tiles nest in its blocks
     return lists, wf, int(layout_block % (HOPPER_TILES[0] if hopper else BLOCK_M) != 0)
