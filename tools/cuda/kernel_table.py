@@ -160,12 +160,14 @@ def describe(demangled: str, kinds: Dict[int, str]) -> Tuple[str, str, Optional[
         smem = resources.relk_smem(hd) if a[4] == "true" else resources.fwd_smem(hd, rows, kt)
         extra = (", bias terms" if a[3] == "true" else "") + (", relative keys" if a[4] == "true" else "")
         return base, f"D{hd} {dtype(a[1])} {kinds[int(a[2])]} {drop(a[5])}, {rows} x {keys} tile{extra}", smem
+    # the Hopper forwards' kAny instance carries dropout (a run-time flag); their other kinds have none
+    hdrop = lambda k: "with run-time dropout" if kinds[int(k)] == "any" else "no dropout"  # noqa: E731
     if base == "attn_fwd_sm90_kernel":                                 # HD, BF16, KIND: 128 x 64 tiles
-        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x 64 tile",
+        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} {hdrop(a[2])}, 128 x 64 tile",
                 resources.hopper_smem(int(a[0])))
     if base == "attn_fwd_sm90_tma_kernel":                             # HD, BF16, KIND: kFwdTmaKeyTile
         keys = tma_key_tile()
-        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} no dropout, 128 x {keys} tile",
+        return (base, f"D{a[0]} {dtype(a[1])} {kinds[int(a[2])]} {hdrop(a[2])}, 128 x {keys} tile",
                 resources.hopper_smem(int(a[0]), keys))
     if base == "attn_bwd_sm90_kernel":                                 # HD, BF16, KIND: 128 keys x 64 rows
         hd = int(a[0])
