@@ -165,11 +165,13 @@ EFFATTN_KERNEL_WG3 attn_bwd_sm90_kernel(const EFFATTN_GRID_CONSTANT BwdTmaParams
   const int kk0 = kSplitKeys ? wg * (BN / 32) : 0;   // ... and its 16-key steps of the reduction
   prim::mbar_wait(kv_full, 0);
   // Keys no query row sees (past the window of every row) may hold anything, NaN included: zero their K
-  // rows, so that dQ = dS K adds 0 * 0 for them (as bwd_fused.cuh; rows past Lk land as zeros). The first
-  // step's fence.proxy.async after its dS stores (later in each thread's program order) and the barrier before
-  // dQ publish the zeros to wgmma; S^T = K Q^T may still read the old rows, whose scores are masked (selects).
-  if (KIND != kDense && (p.left >= 0 || p.right >= 0))
+  // rows, so that dQ = dS K adds 0 * 0 for them (as bwd_fused.cuh; rows past Lk land as zeros). Each thread
+  // fences its zeros for wgmma's async proxy at once (S^T = K Q^T reads K next; it may see a row old or zeroed,
+  // the row's scores are masked by selects either way), and the first step's barrier before dQ publishes them.
+  if (KIND != kDense && (p.left >= 0 || p.right >= 0)) {
     zero_unseen<HD, BN, TK, NC>(sK, n0, [&](int j) { return key_seen(p, nullptr, nullptr, 0, p.Lq, j); });
+    prim::fence_proxy_async();
+  }
 
   float dk[NA][4], dv[NA][4], st[NS][4], dpt[NS][4], dq[NQ][4];
   zero_acc(dk);
@@ -217,7 +219,7 @@ EFFATTN_KERNEL_WG3 attn_bwd_sm90_kernel(const EFFATTN_GRID_CONSTANT BwdTmaParams
         st[j][e] = r.pd;
         dpt[j][e] = r.ds;
         const int kr = kj - n0;
-        sdS[TS::offset(qr, kr >> 3) + (kr & 7)] = prim::from_float<BF16>(r.ds);
+        prim::st_shared(sdS + TS::offset(qr, kr >> 3) + (kr & 7), prim::from_float<BF16>(r.ds));
       }
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];     // P^T and dS^T as wgmma A fragments
 #pragma unroll
@@ -225,7 +227,7 @@ EFFATTN_KERNEL_WG3 attn_bwd_sm90_kernel(const EFFATTN_GRID_CONSTANT BwdTmaParams
       acc_to_a<BF16>(pa[kk], st, kk);
       acc_to_a<BF16>(dsa[kk], dpt, kk);
     }
-    prim::fence_proxy_async();               // this thread's dS stores (and K's zeros) visible to wgmma
+    prim::fence_proxy_async();               // this thread's dS stores visible to wgmma
     prim::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) prim::wgmma_rs<HD, BF16, true>(dv, pa[kk], TQ::desc_mn(adOs, kk), true);

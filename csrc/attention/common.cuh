@@ -239,7 +239,7 @@ EFFATTN_DEVICE void zero_unseen(uint16_t* tile, int n0, const Seen& seen) {
     if (seen(n0 + r)) continue;
     uint16_t* dst = tile + Lay::offset(r, c);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) dst[e] = 0;
+    for (int e = 0; e < 8; ++e) prim::st_shared(dst + e, uint16_t(0));   // (wgmma reads them after a fence)
   }
 }
 

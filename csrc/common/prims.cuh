@@ -10,6 +10,8 @@
 //   mma_16816<BF16>          mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.f32, D += A B
 //   cp_async_16              cp.async.cg.shared.global, 16 bytes, zero-fill past src_bytes
 //   cp_async_commit / _wait  cp.async.commit_group / cp.async.wait_group N
+//   st_shared(p, v)          a plain store to shared memory (*p = v) that a wgmma may later read: the
+//                            emulation records the writer for the proxy rule (fence.proxy.async, prims_sm90.cuh)
 //   exp2                     ex2.approx.ftz.f32
 //   pack2 / to_float / from_float   fp32 <-> bf16 / fp16, round to nearest even
 //   sem_wait / sem_release   ld.acquire.gpu spin until a global int holds a turn / st.release.gpu of the next
@@ -68,6 +70,8 @@ EFFATTN_DEVICE void cp_async_16(void* smem, const void* gmem, int src_bytes) {
   emu::cp_async_16(smem, gmem, src_bytes);
 }
 EFFATTN_DEVICE void cp_async_commit() { emu::cp_async_commit(); }
+template <class T>
+EFFATTN_DEVICE void st_shared(T* p, T v) { emu::st_shared(p, v); }
 template <int N>
 EFFATTN_DEVICE void cp_async_wait() { emu::cp_async_wait(N); }
 EFFATTN_DEVICE float exp2(float x) { return std::exp2(x); }
@@ -129,6 +133,8 @@ EFFATTN_DEVICE void cp_async_16(void* smem, const void* gmem, int src_bytes) {
                "r"(src_bytes));
 }
 EFFATTN_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <class T>
+EFFATTN_DEVICE void st_shared(T* p, T v) { *p = v; }
 template <int N>
 EFFATTN_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 EFFATTN_DEVICE float exp2(float x) {

@@ -166,8 +166,8 @@ struct Block {
   char* smem = nullptr;
   size_t smem_bytes = 0;
   int bar_arrived = 0;
-  // per 16-byte chunk of shared memory: 1 + the thread whose cp.async wrote it since that thread's
-  // last fence.proxy.async, else 0 (wgmma reads through the async proxy: emu/wgmma.h)
+  // per 16-byte chunk of shared memory: 1 + the thread whose cp.async or st.shared (prim::st_shared) last
+  // wrote it, until that thread's fence.proxy.async, else 0 (wgmma reads through the async proxy: emu/wgmma.h)
   std::vector<int> proxy_owner;
   AsyncState async;
   int current = -1;
@@ -447,6 +447,20 @@ inline void cp_async_wait(int n) {
     }
     t.committed.pop_front();
   }
+}
+
+// ---------------------------------------------------------------------------- st.shared (generic proxy)
+
+// A plain shared-memory store by this thread (prim::st_shared): a generic-proxy write, so the 16-byte
+// chunks it touches need this thread's fence.proxy.async before a wgmma reads them (proxy_owner, as
+// cp.async's retired copies).
+template <class T>
+inline void st_shared(T* p, T v) {
+  check_smem(p, sizeof(T), "st.shared outside the block's shared memory");
+  std::memcpy(p, &v, sizeof(T));
+  Block* b = cur_block();
+  const size_t off = size_t(reinterpret_cast<char*>(p) - b->smem);
+  for (size_t k = off / 16; k <= (off + sizeof(T) - 1) / 16; ++k) b->proxy_owner[k] = self_tid() + 1;
 }
 
 // ---------------------------------------------------------------------------- ordered turns in global memory

@@ -342,12 +342,10 @@ MUTATIONS: List[Mutation] = [
              "    prim::wgmma_wait<0>();\n    keep_all(st);", "    prim::wgmma_wait<1>();\n    keep_all(st);", HOPPER_BWD,
              "Hopper backward: P^T and dS^T computed before the wgmma of dP^T retired"),
     Mutation("hopper-bwd-proxy-fence", "attention/bwd_sm90.cuh",
-             "    prim::fence_proxy_async();               // this thread's dS stores (and K's zeros) visible to wgmma\n",
-             "", (),
-             "Hopper backward: dQ's wgmma reads the dS tile (plain st.shared) without fence.proxy.async; the "
-             "emulation applies the proxy rule to cp.async writes only (emu/wgmma.h), and since the TMA loads this "
-             "kernel has none: a GPU run (test_real_hopper_backward_against_float64_bitwise_on_repeat) must show it",
-             gpu_only=True),
+             "    prim::fence_proxy_async();               // this thread's dS stores visible to wgmma\n",
+             "", HOPPER_BWD,
+             "Hopper backward: dQ's wgmma reads the dS tile (plain st.shared through prim::st_shared) without "
+             "fence.proxy.async; the emulation's proxy rule (emu/wgmma.h) aborts the run"),
     Mutation("hopper-bwd-sem-turn", "attention/bwd_fused.cuh",
              "if (held && tid == 0) prim::sem_release(held, held_turn + 1);",
              "if (held && tid == 0) prim::sem_release(held, held_turn);", HOPPER_BWD,

@@ -156,6 +156,9 @@ int planted(const std::string& which) {
       prim::cp_async_commit();
       prim::cp_async_wait<0>();
       if (which == "proxy-fenced") prim::fence_proxy_async();
+    } else if (which == "bug-no-proxy-fence-st" || which == "proxy-fenced-st") {   // plain st.shared writes
+      for (int i = tid; i < 2 * 64 * 64; i += 128) prim::st_shared(sA + i, uint16_t(0));
+      if (which == "proxy-fenced-st") prim::fence_proxy_async();
     } else {
       for (int i = tid; i < 2 * 64 * 64; i += 128) sA[i] = 0;
     }
@@ -182,7 +185,7 @@ int planted(const std::string& which) {
       prim::cp_async_wait<0>();
     }
   });
-  if (which == "bug-read-before-wait" || which == "proxy-fenced") {
+  if (which == "bug-read-before-wait" || which == "proxy-fenced" || which == "proxy-fenced-st") {
     std::printf("nan_reads %d\n", nan);
     return 0;
   }

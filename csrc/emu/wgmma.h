@@ -153,7 +153,8 @@ inline float read_operand(const SmemDesc& d, bool mn_major, int mn, int k, bool 
   const uint32_t addr = operand_address(d, mn_major, mn, k);
   if (addr + 2 > b->smem_bytes) fail_here("wgmma operand outside the block's shared memory");
   if (b->proxy_owner[addr / 16])
-    fail_here("wgmma reads shared memory written by cp.async before its writer's fence.proxy.async");
+    fail_here("wgmma reads shared memory written through the generic proxy (cp.async or st.shared) "
+              "before its writer's fence.proxy.async");
   uint16_t h;
   std::memcpy(&h, b->smem + addr, 2);
   snap.addr.push_back(addr);
@@ -275,7 +276,7 @@ inline void wgmma_wait(int n) {
 }
 
 // fence.proxy.async.shared::cta: this thread's earlier generic-proxy writes (here: its retired
-// cp.async copies) become visible to the async proxy.
+// cp.async copies and its prim::st_shared stores) become visible to the async proxy.
 inline void fence_proxy_async() {
   const int me = self_tid() + 1;
   for (int& o : cur_block()->proxy_owner)

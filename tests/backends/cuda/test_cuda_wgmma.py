@@ -170,6 +170,7 @@ MISUSE = {
     "bug-no-fence": "without a wgmma.fence",
     "bug-overwrite-before-wait": "overwritten before its wait_group",
     "bug-no-proxy-fence": "before its writer's fence.proxy.async",
+    "bug-no-proxy-fence-st": "before its writer's fence.proxy.async",
     "bug-a-registers-modified": "A registers of an in-flight wgmma were modified",
     "bug-divergent-descriptor": "different shapes, types, flags or descriptors",
     "bug-unwaited": "never waited for",
@@ -186,8 +187,9 @@ def test_planted_wgmma_misuse_aborts(selftest, scenario):
 def test_accumulators_read_nan_until_the_wait_and_fenced_copies_pass(selftest):
     res = selftest("bug-read-before-wait")
     assert res.returncode == 0 and int(res.stdout.split()[1]) == 128 * 32, res.stdout + res.stderr
-    res = selftest("proxy-fenced")
-    assert res.returncode == 0 and int(res.stdout.split()[1]) == 0, res.stdout + res.stderr
+    for fenced in ("proxy-fenced", "proxy-fenced-st"):     # cp.async copies; plain st.shared stores
+        res = selftest(fenced)
+        assert res.returncode == 0 and int(res.stdout.split()[1]) == 0, res.stdout + res.stderr
 
 
 # ------------------------------------------------------------------ the emulated Hopper forward
