@@ -162,3 +162,65 @@ def test_key_padding_forward_reruns_on_zeroed_copies_when_its_output_is_not_fini
         out = effattn.attention(q, *((dirty, v) if i == 0 else (k, dirty)), key_padding_mask=pad)
         assert torch.equal(out, clean), (i, (out - clean).abs().max())
         assert copies == [1] * (2 * i + 2)              # the rerun's K and V copies
+
+
+def _ops_of(fn):
+    """The aten ops ``fn()`` runs, in order (a dispatch mode sees every one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ops = []
+    with Log():
+        got = fn()
+    return ops, got
+
+
+def test_masked_keys_check_reads_each_input_with_amax_and_amin_only():
+    """`masked_keys_harmless` runs once per forward+backward of a key padding call: its six reductions
+    are ``amax`` / ``amin`` (callgrind: ``aminmax`` ran more instructions than both), one stack and one
+    host sync; no copy, no abs of a full tensor; and on inputs that require grad it records no
+    autograd node (the aminmax check recorded ten per call, saving 12 tensors, q, k, v among them)."""
+    from effattn.backends.torch.attention import cpu_masked
+    q, k, v = _qkv(B=1, H=2, L=16, D=8, grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ops, ok = _ops_of(lambda: cpu_masked.masked_keys_harmless(q, k, v, 0.25))
+    assert ok is True and saved == []
+    assert sorted(ops) == sorted(["amax", "amin"] * 3 + ["stack"]), ops
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = q.detach().to(dtype)
+        assert cpu_masked.masked_keys_harmless(x, x, x, 0.25), dtype
+        y = x.clone()
+        y[0, 1, 5, 3] = float("nan")
+        assert not cpu_masked.masked_keys_harmless(x, x, y, 0.25), dtype
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_gradient_call_saves_what_sdpa_saves(pad):
+    """An eager dense / key padding call wanting gradients records SDPA's own autograd node with the
+    same saved tensors (count, shapes, strides, dtypes) and returns bitwise SDPA's output and gradients,
+    with SDPA's strides (no extra copy in autograd's accumulation)."""
+    import torch.nn.functional as F
+    q, k, v = _qkv(B=1, H=4, L=64, D=16, grad=True)
+    d = torch.randn(1, 4, 64, 16, generator=torch.Generator().manual_seed(1))
+    kpm = (torch.arange(64) >= 48)[None] if pad else None
+    runs = {"effattn": lambda: effattn.attention(q, k, v, key_padding_mask=kpm),
+            "sdpa": lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if kpm is None else
+                torch.zeros(1, 1, 1, 64).masked_fill_(kpm[:, None, None, :], -float("inf")))}
+    got = {}
+    for name, f in runs.items():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = f()
+        grads = torch.autograd.grad(out, (q, k, v), d)
+        got[name] = (type(out.grad_fn).__name__, [(t.shape, t.stride(), t.dtype) for t in saved],
+                     [out.detach(), *grads], [(t.stride(), t.is_contiguous()) for t in (out, *grads)])
+    (n1, s1, t1, st1), (n2, s2, t2, st2) = got["effattn"], got["sdpa"]
+    assert n1 == n2 == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert s1 == s2 and st1 == st2
+    assert all(torch.equal(a, b) for a, b in zip(t1, t2))
