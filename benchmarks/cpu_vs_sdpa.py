@@ -9,8 +9,11 @@ SDPA gets the same problem in its best CPU form: ``is_causal`` for causal attent
 a boolean ``(B, 1, 1, L)`` mask for key padding (``(B, 1, L, L)`` with causal), causal softmax
 attention for causal linear attention (the quadratic computation linear attention replaces). Masks
 are built outside the timing. A ratio below 1 means effattn is faster. Each time is the median of
---runs runs after one warm-up run, effattn's and SDPA's runs interleaved; the "load" column is the
-machine's 1-minute load average when the row was measured.
+at least --runs rounds after one warm-up run (more until a row's mode took --min-seconds: short calls
+get many rounds), effattn's and SDPA's runs interleaved in each round; each ratio comes with its 95%
+interval, a bootstrap over the rounds resampled as pairs: an interval that reaches 1.0 means the two
+are not told apart at this noise. The "load" column is the machine's 1-minute load average when the
+row was measured.
 """
 from __future__ import annotations
 
@@ -73,15 +76,40 @@ def masks_for(name: str, L: int, batch: int = 1):
 def median_ms(fns, runs: int):
     """Median time of each function, their runs interleaved so that a change in the machine's load
     affects all of them alike."""
+    return [statistics.median(t) for t in interleaved_ms(fns, runs)]
+
+
+def interleaved_ms(fns, runs: int, min_seconds: float = 0.0):
+    """Each function's times (ms), their runs interleaved: at least ``runs`` rounds, more until the
+    rounds took ``min_seconds`` (a short call gets many rounds, so its ratio's interval is narrow)."""
+    t_warm = time.perf_counter()
     for fn in fns:
         fn()                                                       # warm-up
+    per_round = max(time.perf_counter() - t_warm, 1e-6)
+    rounds = max(runs, min(int(min_seconds / per_round) + 1, 20 * max(runs, 1)))
     times = [[] for _ in fns]
-    for _ in range(runs):
+    for _ in range(rounds):
         for fn, t in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             t.append((time.perf_counter() - t0) * 1e3)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def ratio_interval(a, b, level: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """The ratio median(a) / median(b) and its ``level`` bootstrap interval, the rounds resampled as
+    pairs (a round ran both; a change of load between rounds moves both). An interval reaching 1.0
+    means the two are not told apart at this noise."""
+    import random
+    rng = random.Random(seed)
+    n = len(a)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(statistics.median(a[i] for i in idx) / statistics.median(b[i] for i in idx))
+    ratios.sort()
+    lo, hi = ratios[int((1 - level) / 2 * resamples)], ratios[int((1 + level) / 2 * resamples) - 1]
+    return statistics.median(a) / statistics.median(b), lo, hi
 
 
 def measure(name: str, L: int, args, threads: int):
@@ -106,7 +134,10 @@ def measure(name: str, L: int, args, threads: int):
         return fn
 
     for mode in ("fwd", "fwd+bwd"):
-        row[("effattn", mode)], row[("sdpa", mode)] = median_ms([timed(ours, mode), timed(sdpa, mode)], args.runs)
+        a, b = interleaved_ms([timed(ours, mode), timed(sdpa, mode)], args.runs, args.min_seconds)
+        row[("effattn", mode)], row[("sdpa", mode)] = statistics.median(a), statistics.median(b)
+        row[("ratio", mode)] = ratio_interval(a, b)
+        row[("rounds", mode)] = len(a)
     return row
 
 
@@ -116,7 +147,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="at least this many interleaved rounds per row and mode")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="more rounds until a row's mode took this long (short calls: many rounds)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
     p.add_argument("--out", help="also write the table (markdown) to this file")
     p.add_argument("--default-threads", type=int, default=None,
@@ -125,12 +158,13 @@ def main(argv=None):
     default = args.default_threads or torch.get_num_threads()
     header = (f"effattn {effattn.__version__} vs SDPA on CPU: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} CPUs, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, fp32, "
-              f"B={args.batch}, H={args.heads}, D={args.head_dim}, median of {args.runs}; torch's default thread "
-              f"count here: {default}")
+              f"B={args.batch}, H={args.heads}, D={args.head_dim}, medians of at least {args.runs} interleaved "
+              f"rounds (more until {args.min_seconds:g} s per row and mode); the ratio's 95% interval is a paired "
+              f"bootstrap over the rounds; torch's default thread count here: {default}")
     lines = [header, "",
-             "| case | SDPA form | L | threads | effattn fwd ms | SDPA fwd ms | fwd ratio | effattn fwd+bwd ms "
-             "| SDPA fwd+bwd ms | fwd+bwd ratio | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | SDPA form | L | threads | effattn fwd ms | SDPA fwd ms | fwd ratio | fwd 95% | effattn fwd+bwd ms "
+             "| SDPA fwd+bwd ms | fwd+bwd ratio | fwd+bwd 95% | rounds | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
     for L in args.lengths:
         for name in args.cases:
@@ -139,7 +173,9 @@ def main(argv=None):
                 cells = [name, CASES[name][2], str(L), str(threads)]
                 for mode in ("fwd", "fwd+bwd"):
                     a, b = r[("effattn", mode)], r[("sdpa", mode)]
-                    cells += [f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}"]
+                    ratio, lo, hi = r[("ratio", mode)]
+                    cells += [f"{a:.1f}", f"{b:.1f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"]
+                cells.append(f"{r[('rounds', 'fwd')]}/{r[('rounds', 'fwd+bwd')]}")
                 cells.append(f"{os.getloadavg()[0]:.1f}")
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)

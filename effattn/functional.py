@@ -1,6 +1,7 @@
 """The public softmax-attention function and `explain`: validate, pick a backend, run."""
 from __future__ import annotations
 
+from . import plans
 from ._call import ATTENTION_KEYWORDS, LINEAR_KEYWORDS, check_keywords, make_attn_call, make_linear_call
 from .backends import base
 from .bias import RelativeKeys
@@ -96,11 +97,21 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         return relative_attention(q, k, v, bias.r, query=bias.query, max_distance=bias.max_distance, causal=causal,
                                   window=window, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                                   return_lse=return_lse, backend=backend)
+    key = None
+    if bias is None and softcap is None and sinks is None and cu_seqlens is None and max_seqlen is None and \
+            positions is None and out_dtype is None:    # a call a dispatch plan may serve (effattn.plans)
+        key = plans.key(q, k, v, causal, window, layout, key_padding_mask, scale, dropout_p, return_lse, backend)
+        planned = plans.find(key, q, k, v, key_padding_mask)
+        if planned is not None:
+            out, lse = planned[0].run(planned[1])
+            return (out, lse) if return_lse else out
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,
                           max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
-    out, lse = base.select("attention", call, backend).run(call)
+    path = base.select("attention", call, backend)
+    plans.store(key, path, call, key_padding_mask)
+    out, lse = path.run(call)
     return (out, lse) if return_lse else out
 
 

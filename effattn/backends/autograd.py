@@ -56,11 +56,13 @@ def direct(*tensors) -> bool:
     """Whether a call may skip the torch.library layer: eager (not traced by torch.compile, export
     or torch.jit.trace), no torch function or dispatch mode, no functorch transform, no profiler,
     and every tensor a plain one (None allowed). Anything else sees the ops."""
+    for t in tensors:                   # a loop, not all(generator): this runs on every eager call
+        if t is not None and type(t) not in _PLAIN:
+            return False
     return (not torch.compiler.is_compiling() and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled() and torch._C._functorch.peek_interpreter_stack() is None
-            and not torch._C._autograd._profiler_enabled()
-            and all(t is None or type(t) in _PLAIN for t in tensors))
+            and not torch._C._autograd._profiler_enabled())
 
 
 def eager_op_pair(fwd_op, bwd_op, fwd_fn: Callable, bwd_fn: Callable,

@@ -89,6 +89,10 @@ class Path:
     # detail inside the path for a call it serves (number of splits, which forward kernel), or None
     describe: Callable = lambda call: None
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        _VERSION[0] += 1                # a row changed (a test patching `reasons`): plans and row order rebuilt
+
     def rank(self, call=None) -> int:
         """The path's priority for this call; a priority function gets None when asked without a call."""
         return int(self.priority(call)) if callable(self.priority) else self.priority
@@ -225,6 +229,23 @@ def rows(op: str, call=None) -> List[Path]:
 # (tests patch those).
 _ROWS: Dict[str, tuple] = {}
 _VERSION = [0]
+
+# zero-argument functions returning what a row's admission check reads besides the call (module
+# switches, a fork guard): `dispatch_state` is part of every dispatch plan's key (effattn.plans)
+_STATE: List[Callable[[], object]] = []
+
+
+def reads_state(fn: Callable[[], object]) -> Callable[[], object]:
+    """Declares ``fn()`` as state a row's admission check reads besides the call (a path module's
+    switches): a dispatch plan is kept only while it returns the same."""
+    _STATE.append(fn)
+    return fn
+
+
+def dispatch_state() -> tuple:
+    """The registry's version and every declared state (`reads_state`): what, besides the call,
+    decides which row serves it."""
+    return (_VERSION[0], *[f() for f in _STATE])
 
 
 def _rows_entry(op: str) -> tuple:

@@ -47,7 +47,10 @@ def kernel_backward_exact(lse: Tensor) -> bool:
 def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
     """The tensors with stride 1 along the head dim: the kernel reads a strided last dim wrongly
     (torch 2.13: a ``[..., ::2]`` view gives errors of order 1)."""
-    if all(t.stride(-1) == 1 for t in ts):
+    for t in ts:
+        if t.stride(-1) != 1:
+            break
+    else:
         return ts
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 

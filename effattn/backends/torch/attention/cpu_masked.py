@@ -35,7 +35,7 @@ from ...._call import needs_grad
 from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...autograd import direct
-from ...base import Capabilities, Path, register
+from ...base import Capabilities, Path, reads_state, register
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
 from .cpu_flash import _FLASH_BWD, _FLASH_FN, kernel_backward_exact, unit_stride
 from .cpu_flash import FEATURES as _FLASH_FEATURES
@@ -80,6 +80,8 @@ class Admit(NamedTuple):
     min_fraction: dict
     min_fraction_wide: float    # the same for head dims above 64 (the larger of the two applies)
 
+    __hash__ = object.__hash__  # by identity (it holds dicts): the dispatch state below holds the rule itself
+
 
 ADMIT = Admit(small_pairs=256 * 256, mid_pairs=1024 * 1024,
               min_fraction_mid={torch.float32: 0.2, torch.bfloat16: 0.2, torch.float64: 0.3, torch.float16: 0.36},
@@ -108,6 +110,9 @@ ENABLED = True
 # rebuilt in a child. So in a forked child with more than one thread the blocks path takes the call.
 _FORKED = [False]
 os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
+
+# what `_admits` reads besides the call (dispatch plans key on it)
+reads_state(lambda: (ENABLED, ADMIT, MASK_BUDGET, _FORKED[0] and torch.get_num_threads() > 1))
 
 
 def visible_fraction(call) -> float:
@@ -247,25 +252,24 @@ def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
 
 
 def masked_keys_harmless(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
-    """Whether the kernel may read K and V as they are at the keys no query sees: every entry finite
-    and every score ``q . k * scale`` finite, so a masked score is ``finite + (-inf) = -inf`` and its
-    probability exactly 0 (no ``inf - inf`` or ``0 * inf``). Six full reductions (``amax`` and ``amin`` of
-    q, k, v: both propagate NaN, and are exact in every dtype) and one host sync, in place of copying K
-    and V with those rows zeroed (two full copies). ``torch.aminmax`` gives the same two values in one
-    call but ran more instructions than the two (`EXTREMES`; callgrind, three (1, 8, 256, 64) float32
-    tensors: 663 against 486 thousand per check); each forward+backward of a key padding call runs
+    """Whether the kernel may read K and V as they are at the keys no query sees: every entry of k and
+    v finite and every score ``q . k * scale`` finite, so a masked score is ``finite + (-inf) = -inf``
+    and its probability exactly 0 (no ``inf - inf`` or ``0 * inf``). Three passes, one per tensor, and
+    one host sync, in place of copying K and V with those rows zeroed (two full copies): the Frobenius
+    norms of q and k (finite only when every entry is; by Cauchy-Schwarz every score is at most
+    ``|q|_F |k|_F |scale|``, and so is every partial sum of the kernel's dot products) and the sum of v
+    (finite only when every entry is), accumulated in float32 (float64 for float64 inputs). A sum or
+    norm that overflows on finite entries only sends the call to the copies. Six reductions (``amax``
+    and ``amin`` of each) read twice as much: 1.5-2% of a forward+backward at L = 256 once the kernel
+    has pushed q, k, v out of the nearest caches. Each forward+backward of a key padding call runs
     this once. False sends the call to the copies (`_seen_only`)."""
-    with torch.no_grad():       # on inputs that require grad each op would record an autograd node saving them
-        ext = torch.stack([f(t) for t in (q, k, v) for f in EXTREMES]).tolist()  # max, min of q, of k, of v
-    if not all(math.isfinite(x) for x in ext):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # detached: on inputs that require grad each op would record an autograd node saving them
+    qn, kn, vs = torch.stack([torch.linalg.vector_norm(q.detach(), dtype=acc),
+                              torch.linalg.vector_norm(k.detach(), dtype=acc), v.detach().sum(dtype=acc)]).tolist()
+    if not (math.isfinite(qn) and math.isfinite(kn) and math.isfinite(vs)):
         return False
-    qmax, kmax = max(abs(ext[0]), abs(ext[1])), max(abs(ext[2]), abs(ext[3]))
-    bound = torch.finfo(compute_dtype(q.dtype)).max / 4
-    return qmax * kmax * q.shape[-1] * abs(scale) < bound
-
-
-# the reductions `masked_keys_harmless` runs on each of q, k, v (tests/backends/torch/test_cpu_host_cost.py counts them)
-EXTREMES = (torch.amax, torch.amin)
+    return qn * kn * abs(scale) < torch.finfo(acc).max / 4
 
 
 # ---------------------------------------------------------------------------------- custom ops
