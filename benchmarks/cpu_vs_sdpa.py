@@ -134,10 +134,13 @@ def measure(name: str, L: int, args, threads: int):
         return fn
 
     for mode in ("fwd", "fwd+bwd"):
-        a, b = interleaved_ms([timed(ours, mode), timed(sdpa, mode)], args.runs, args.min_seconds)
+        fns = [timed(ours, mode), timed(sdpa, mode)] + ([timed(sdpa, mode)] if args.control else [])
+        a, b, *c = interleaved_ms(fns, args.runs, args.min_seconds)
         row[("effattn", mode)], row[("sdpa", mode)] = statistics.median(a), statistics.median(b)
         row[("ratio", mode)] = ratio_interval(a, b)
         row[("rounds", mode)] = len(a)
+        if c:                       # SDPA against itself, third in each round: the noise of a ratio
+            row[("control", mode)] = ratio_interval(c[0], b)
     return row
 
 
@@ -150,6 +153,8 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5, help="at least this many interleaved rounds per row and mode")
     p.add_argument("--min-seconds", type=float, default=1.0,
                    help="more rounds until a row's mode took this long (short calls: many rounds)")
+    p.add_argument("--control", action="store_true",
+                   help="also time SDPA a second time in each round and report SDPA / SDPA (the noise)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
     p.add_argument("--out", help="also write the table (markdown) to this file")
     p.add_argument("--default-threads", type=int, default=None,
@@ -161,10 +166,11 @@ def main(argv=None):
               f"B={args.batch}, H={args.heads}, D={args.head_dim}, medians of at least {args.runs} interleaved "
               f"rounds (more until {args.min_seconds:g} s per row and mode); the ratio's 95% interval is a paired "
               f"bootstrap over the rounds; torch's default thread count here: {default}")
+    control = " | SDPA/SDPA fwd (95%) | SDPA/SDPA fwd+bwd (95%)" if args.control else ""
     lines = [header, "",
              "| case | SDPA form | L | threads | effattn fwd ms | SDPA fwd ms | fwd ratio | fwd 95% | effattn fwd+bwd ms "
-             "| SDPA fwd+bwd ms | fwd+bwd ratio | fwd+bwd 95% | rounds | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| SDPA fwd+bwd ms | fwd+bwd ratio | fwd+bwd 95% | rounds" + control + " | load |",
+             "|---" * (14 + 2 * args.control) + "|"]
     print(header, flush=True)
     for L in args.lengths:
         for name in args.cases:
@@ -176,6 +182,8 @@ def main(argv=None):
                     ratio, lo, hi = r[("ratio", mode)]
                     cells += [f"{a:.1f}", f"{b:.1f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"]
                 cells.append(f"{r[('rounds', 'fwd')]}/{r[('rounds', 'fwd+bwd')]}")
+                if args.control:
+                    cells += ["{:.3f} ({:.3f}-{:.3f})".format(*r[("control", mode)]) for mode in ("fwd", "fwd+bwd")]
                 cells.append(f"{os.getloadavg()[0]:.1f}")
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)

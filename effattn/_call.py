@@ -28,7 +28,11 @@ MAX_HEAD_DIM = 256
 
 def needs_grad(*ts) -> bool:
     """Whether autograd will want gradients of any of the tensors ``ts`` (None entries ignored)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+    if torch.is_grad_enabled():
+        for t in ts:                     # a loop, not any(generator): this runs on every eager call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def forward_only_reason(call) -> Optional[str]:

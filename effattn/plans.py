@@ -53,34 +53,28 @@ class Plan(NamedTuple):
 _PLANS: dict = {}
 
 
-def key(q, k, v, causal, window, layout, kpm, scale, dropout_p, return_lse, backend) -> Optional[tuple]:
-    """The plan key of an ``attention`` call without score terms, packing, positions or an fp32
-    output, or None when the call takes the full path every time."""
+def lookup(q, k, v, causal, window, layout, kpm, scale, dropout_p, return_lse, backend):
+    """For an ``attention`` call without score terms, packing, positions or an fp32 output:
+    ``(row, call)`` from a stored plan, else ``(None, key)`` (key None: the call takes the full path
+    every time). One function, not two: on a short call each Python frame costs microseconds."""
     if not ENABLED or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or \
             not (q.is_cpu and k.is_cpu and v.is_cpu) or torch.compiler.is_compiling():
-        return None
+        return None, None
     if (causal is not True and causal is not False) or type(return_lse) is not bool or \
             type(dropout_p) not in _NUMBER or dropout_p != 0 or (scale is not None and type(scale) not in _NUMBER) or \
             (backend != "auto" and backend != "torch") or type(backend) is not str:
-        return None
+        return None, None
     if window is not None and type(window) is not int and not (
             type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int):
-        return None
-    if layout is not None and type(layout) is not BlockLayout:
-        return None
-    if kpm is not None and type(kpm) is not Tensor:
-        return None
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, window, layout,
-            (id(kpm), kpm._version) if kpm is not None else None, scale, return_lse, backend, base.dispatch_state())
-
-
-def find(plan_key: Optional[tuple], q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor]):
-    """(the row, the call) of a stored plan for this key, or None."""
-    if plan_key is None:
-        return None
+        return None, None
+    if (layout is not None and type(layout) is not BlockLayout) or (kpm is not None and type(kpm) is not Tensor):
+        return None, None
+    plan_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, window, layout,
+                (id(kpm), kpm._version) if kpm is not None else None, scale, return_lse, backend,
+                base.dispatch_state())
     plan = _PLANS.get(plan_key)
     if plan is None or plan.kpm is not kpm or plan.entry is not base._rows_entry("attention"):
-        return None
+        return None, plan_key
     call = object.__new__(AttnCall)
     d = call.__dict__
     d.update(plan.fields)

@@ -21,10 +21,10 @@ def _qkv(B=2, H=4, Hkv=4, Lq=32, Lk=32, D=16, dtype=torch.float32, grad=False, s
 def _planned(q, k, v, **kw):
     """The (row name, call) a stored plan gives for this call, or None."""
     kpm = kw.get("key_padding_mask")
-    key = plans.key(q, k, v, kw.get("causal", False), kw.get("window"), kw.get("layout"), kpm, kw.get("scale"),
-                    kw.get("dropout_p", 0.0), kw.get("return_lse", False), kw.get("backend", "auto"))
-    got = plans.find(key, q, k, v, kpm)
-    return None if got is None else (got[0].name, got[1])
+    path, call = plans.lookup(q, k, v, kw.get("causal", False), kw.get("window"), kw.get("layout"), kpm,
+                              kw.get("scale"), kw.get("dropout_p", 0.0), kw.get("return_lse", False),
+                              kw.get("backend", "auto"))
+    return None if path is None else (path.name, call)
 
 
 @pytest.fixture(autouse=True)
@@ -149,8 +149,8 @@ def test_what_takes_the_full_path_every_time():
     for kw in (dict(dropout_p=0.1), dict(softcap=5.0), dict(out_dtype=torch.float32), dict(positions=(3, 0)),
                dict(window=[2, 0])):
         effattn.attention(q, k, v, **kw)
-        assert plans.key(q, k, v, False, kw.get("window"), None, None, None, kw.get("dropout_p", 0.0), False,
-                         "auto") is None or not plans._PLANS, kw
+        assert plans.lookup(q, k, v, False, kw.get("window"), None, None, None, kw.get("dropout_p", 0.0), False,
+                            "auto") == (None, None) or not plans._PLANS, kw
     assert not plans._PLANS
     sub = torch.nn.Parameter(q.detach())                      # a tensor subclass
     effattn.attention(sub, k, v)
