@@ -7,6 +7,8 @@ from typing import Callable, List
 import torch
 from torch import Tensor
 
+from .._call import needs_grad
+
 
 def op_arg_names(op) -> List[str]:
     """The parameter names of a ``torch.library.custom_op``, in its schema's order (the order in
@@ -98,9 +100,10 @@ def eager_op_pair(fwd_op, bwd_op, fwd_fn: Callable, bwd_fn: Callable,
             return fn_backward(ctx, grad_out, grad_lse)
 
     def call(*args):
-        if not direct(*(args[i] for i in at)):
+        ts = [args[i] for i in at]       # the tensor arguments, read once (torch.compile traces this too)
+        if not direct(*ts):
             return fwd_op(*args)
-        if torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in at):
+        if needs_grad(*ts):
             return Eager.apply(*args)
         return fwd_fn(*args)
     return call
