@@ -254,25 +254,27 @@ def _seen_only(x: Tensor, unseen: Optional[Tensor]) -> Tensor:
 def masked_keys_harmless(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
     """Whether the kernel may read K and V as they are at the keys no query sees: every entry of k and
     v finite and every score ``q . k * scale`` finite, so a masked score is ``finite + (-inf) = -inf``
-    and its probability exactly 0 (no ``inf - inf`` or ``0 * inf``). Three passes, one per tensor, and
-    three scalar reads, in place of copying K and V with those rows zeroed (two full copies): the Frobenius
-    norms of q and k (finite only when every entry is; by Cauchy-Schwarz every score is at most
-    ``|q|_F |k|_F |scale|``, and so is every partial sum of the kernel's dot products) and the sum of v
-    (finite only when every entry is), accumulated in float32 (float64 for float64 inputs). A sum or
-    norm that overflows on finite entries only sends the call to the copies. Six reductions (``amax``
-    and ``amin`` of each) read twice as much: 1.5-2% of a forward+backward at L = 256 once the kernel
-    has pushed q, k, v out of the nearest caches. Each forward+backward of a key padding call runs
-    this once. False sends the call to the copies (`_seen_only`)."""
+    and its probability exactly 0 (no ``inf - inf`` or ``0 * inf``). One pass per tensor, in place of
+    copying K and V with those rows zeroed (two full copies): the Frobenius norms of q, k and v in one
+    op (``_foreach_norm``, accumulated in float32, float64 for float64 inputs), finite only when every
+    entry is; by Cauchy-Schwarz every score is at most ``|q|_F |k|_F |scale|``, and so is every partial
+    sum of the kernel's dot products. A norm that overflows on finite entries only sends the call to the
+    copies. Six reductions (``amax`` and ``amin`` of each) read twice as much, and after a kernel of a
+    few milliseconds each dispatched op costs ~10 us of cold host code: 1.5-2% of a forward+backward at
+    L = 256 against 0.5-1% now. Each forward+backward of a key padding call runs this once. False
+    sends the call to the copies (`_seen_only`)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # on `.data` (no dispatched detach): on inputs that require grad each op would record an autograd node
-    # saving them; three item() reads, not a stack and a tolist (after a long kernel each dispatched op
-    # costs ~10 us of cold host code: 58 against 98 us per check, measured)
-    qn = torch.linalg.vector_norm(q.data, dtype=acc).item()
-    kn = torch.linalg.vector_norm(k.data, dtype=acc).item()
-    vs = v.data.sum(dtype=acc).item()
-    if not (math.isfinite(qn) and math.isfinite(kn) and math.isfinite(vs)):
+    # on `.data`: on inputs that require grad each op would record an autograd node saving them
+    n = torch._foreach_norm([q.data, k.data, v.data], 2, dtype=None if q.dtype == acc else acc)
+    qn, kn, vn = n[0].item(), n[1].item(), n[2].item()
+    if not (math.isfinite(qn) and math.isfinite(kn) and math.isfinite(vn)):
         return False
-    return qn * kn * abs(scale) < torch.finfo(acc).max / 4
+    return qn * kn * abs(scale) < _SCORE_BOUND[acc]
+
+
+# the largest |q . k * scale| `masked_keys_harmless` admits, per accumulation dtype (a margin of 4 for
+# the kernel's rounding)
+_SCORE_BOUND = {t: torch.finfo(t).max / 4 for t in (torch.float32, torch.float64)}
 
 
 # ---------------------------------------------------------------------------------- custom ops
