@@ -210,7 +210,10 @@ def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
     """The call's masks: the rule's built once per shape and kept (key padding, per call, added)."""
     Lq, Lk, H, Hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     key = (Lq, Lk, wl, wr, layout_block, H, Hkv, q.dtype)
-    cache = _RULE_MASKS if layout_mask is None else _LAYOUT_MASKS.setdefault(layout_mask, {})
+    if kpm is None and layout_mask is not None:     # the last layout's masks first (the weak dictionary costs frames)
+        return _last_padding(layout_mask, key, lambda: _layout_masks(layout_mask, key, layout_block, H, Hkv, q.dtype),
+                             _LAST_LAYOUT)
+    cache = _RULE_MASKS
     if kpm is None and key in cache:
         return cache[key]
     if kpm is not None:                  # the last key padding's masks are kept (one call's: memory)
@@ -220,6 +223,18 @@ def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
     if len(cache) > 32:
         cache.clear()
     cache[key] = _build(vis, H, Hkv, q.dtype)
+    return cache[key]
+
+
+def _layout_masks(layout_mask: Tensor, key, layout_block: int, H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
+    """The masks of a layout call, kept per layout mask (weakly) and rule."""
+    cache = _LAYOUT_MASKS.setdefault(layout_mask, {})
+    if key not in cache:
+        Lq, Lk, wl, wr = key[:4]
+        vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
+        if len(cache) > 32:
+            cache.clear()
+        cache[key] = _build(vis, H, Hkv, dtype)
     return cache[key]
 
 
@@ -233,6 +248,7 @@ def _padded(rule: Rule, kpm: Tensor, H: int, Hkv: int, dtype: torch.dtype) -> _M
 # so a thread reading it sees one call's entry
 _LAST_PADDING: list = [None]
 _LAST_SHARE: list = [None]
+_LAST_LAYOUT: list = [None]          # (the same for a layout mask without key padding: `_masks`)
 
 
 def _last_padding(kpm: Tensor, key, build, slot: list = _LAST_PADDING):
