@@ -96,8 +96,9 @@ def stages(call: int) -> List[Stage]:
     if call == 2:
         return [
             env, install, build,
-            Stage("suite", SUITE + " --time-limit 2.3 --sections anchors-d64,gqa,sparse-long,host --budget precompile=30,"
-                  "explore=0,anchors-d64=30,gqa=20,sparse-long=35,host=10,recheck=10,checks=0", 140, wait_for="cuda-build"),
+            Stage("suite", SUITE + " --time-limit 2.3 --sections anchors-d64,hopper,gqa,sparse-long,host --budget "
+                  "precompile=30,explore=0,anchors-d64=30,hopper=10,gqa=15,sparse-long=30,host=10,recheck=10,checks=0",
+                  140, wait_for="cuda-build"),
             Stage("sanitizer", " && ".join(SANITIZE.format(tool=t) for t in ("racecheck", "synccheck")), 45),
         ]
     if call == 3:

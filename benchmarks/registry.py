@@ -7,8 +7,10 @@ IMPLS with a `build(case)` that returns a `Bench` (or raises `Unsupported(reason
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -206,9 +208,29 @@ class Case:
 @dataclass
 class Bench:
     """What the runner times: ``fn()`` returns the output ``(B, H, L, Dv)``; ``leaves`` are the tensors
-    whose gradients fwd+bwd computes (reset between runs)."""
+    whose gradients fwd+bwd computes (reset between runs); ``env``: environment variables set while a
+    step runs, its backward included (`environment`)."""
     fn: Callable[[], torch.Tensor]
     leaves: Sequence[torch.Tensor]
+    env: Optional[Dict[str, str]] = None
+
+
+@contextlib.contextmanager
+def environment(env: Optional[Dict[str, str]]):
+    """``env`` set in os.environ inside the block, the earlier values restored after it."""
+    if not env:
+        yield
+        return
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for n, x in old.items():
+            if x is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = x
 
 
 # ------------------------------------------------------------------------------------ implementations
@@ -225,10 +247,11 @@ class Impl:
     cpu_default: bool = True
 
 
-def _effattn(backend: str, op: str) -> Callable[[Case], Bench]:
+def _effattn(backend: str, op: str, env: Optional[Dict[str, str]] = None) -> Callable[[Case], Bench]:
     def build(case: Case) -> Bench:
         kw = case.attention_kwargs() if op == "attention" else case.linear_kwargs()
-        ex = effattn.explain(case.q, case.k, case.v, op=op, **kw)
+        with environment(env):
+            ex = effattn.explain(case.q, case.k, case.v, op=op, **kw)
         why = ex.reasons.get(backend, ["unknown backend"])
         if why:
             raise Unsupported("; ".join(why))
@@ -237,8 +260,13 @@ def _effattn(backend: str, op: str) -> Callable[[Case], Bench]:
             raise Unsupported(f"{ex.notes[backend]} (interpreter; not benchmarked)")
         fn = effattn.attention if op == "attention" else effattn.linear_attention
         q, k, v = case.q, case.k, case.v
-        return Bench(lambda: fn(q, k, v, backend=backend, **kw), (q, k, v))
+        return Bench(lambda: fn(q, k, v, backend=backend, **kw), (q, k, v), env)
     return build
+
+
+# The CUDA backend with the Hopper TMA forward and the Hopper backward switched off: the cp.async wgmma
+# forward and the fused mma.sync backward, what those two kernels are measured against in one run
+EARLIER_CUDA = {"EFFATTN_CUDA_HOPPER_TMA": "0", "EFFATTN_CUDA_HOPPER_BWD": "0"}
 
 
 def naive_attention(q, k, v, mask: Optional[torch.Tensor]):
@@ -425,6 +453,8 @@ IMPLS: Tuple[Impl, ...] = tuple(
 ) + (
     Impl("naive", "baseline", "attention", _naive, score_bytes=_naive_bytes),
     Impl("naive", "baseline", "linear_attention", _naive, score_bytes=_naive_bytes),
+    Impl("effattn-cuda-earlier", "baseline", "attention", _effattn("cuda", "attention", EARLIER_CUDA),
+         cpu_default=False),
     Impl("sdpa-math", "baseline", "attention", _sdpa("MATH"), score_bytes=_naive_bytes),
     Impl("sdpa-flash", "baseline", "attention", _sdpa("FLASH_ATTENTION")),
     Impl("sdpa-efficient", "baseline", "attention", _sdpa("EFFICIENT_ATTENTION"), cpu_default=False),

@@ -98,11 +98,12 @@ def base_row(variant: Variant, impl: Impl, mode: str, s: Settings, L: int) -> di
 def _step(bench: registry.Bench, mode: str, dout: torch.Tensor):
     if mode == "fwd":
         def step():
-            with torch.no_grad():
+            with torch.no_grad(), registry.environment(bench.env):
                 return bench.fn()
     else:
         def step():
-            bench.fn().backward(dout)
+            with registry.environment(bench.env):             # the backward too reads it
+                bench.fn().backward(dout)
     return step
 
 

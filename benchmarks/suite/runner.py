@@ -49,8 +49,9 @@ _UNTIMED = ("precompile", "explore", "recheck", "checks")   # sections whose row
 
 def _outputs(bench: registry.Bench, dout: torch.Tensor):
     measure.reset_grads(bench.leaves)
-    out = bench.fn()
-    return [out.detach()] + list(torch.autograd.grad(out, list(bench.leaves), dout))
+    with registry.environment(bench.env):
+        out = bench.fn()
+        return [out.detach()] + list(torch.autograd.grad(out, list(bench.leaves), dout))
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,6 +9,10 @@ compile checks). The shapes are those of docs/benchmarks.md:
 - ``anchors-d128`` / ``anchors-d64``: bf16, 16k tokens per batch (B = 16384 / L), H*D = 2048 (H = 16
   or 32), L = 4k and 16k, dense and causal, against SDPA flash, SDPA cuDNN and compiled
   flex_attention.
+- ``hopper``: the anchors' dense and causal calls at 16k, D=128, with the CUDA backend as it ships
+  (on an H100 / H200: the TMA forward and the TMA backward) against ``effattn-cuda-earlier``, the same
+  backend with ``EFFATTN_CUDA_HOPPER_TMA=0`` and ``EFFATTN_CUDA_HOPPER_BWD=0`` (the cp.async wgmma
+  forward and the fused mma.sync backward), in one run.
 - ``sparse-long``: B=1, H=16, D=128, the causal sliding window (1024 keys to the left) and the
   block-sparse ``fixed`` layout (``sliding_and_summary(L, 128, 4, 16)``) at 16k and 64k, against
   flex_attention with the same mask.
@@ -113,6 +117,8 @@ SUITES: Dict[str, Tuple[Section, ...]] = {
         Section("host", ("host",), (256,), 64, ("sdpa-flash",), budget_s=15, batch=1, heads=8),
         Section("packed", ("packed",), (4096,), 128, (), budget_s=30, batch=8, heads=16),
         Section("anchors-d64", ("dense", "causal"), (4096, 16384), 64, _SOFTMAX_BASELINES, budget_s=150),
+        # the Hopper TMA forward and backward against the kernels they replace (their switches off)
+        Section("hopper", ("dense", "causal"), (16384,), 128, ("effattn-cuda-earlier",), budget_s=30),
         Section("score", ("softcap", "alibi", "sinks", "t5", "span", "span-max", "relkeys"), (4096, 16384), 128,
                 ("flex",), budget_s=100),
     ),
