@@ -100,11 +100,12 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
     key = None
     if bias is None and softcap is None and sinks is None and cu_seqlens is None and max_seqlen is None and \
             positions is None and out_dtype is None:    # a call a dispatch plan may serve (effattn.plans)
-        path, key = plans.lookup(q, k, v, causal, window, layout, key_padding_mask, scale, dropout_p, return_lse,
+        path, got = plans.lookup(q, k, v, causal, window, layout, key_padding_mask, scale, dropout_p, return_lse,
                                  backend)
-        if path is not None:                     # `key` is the call built from the plan
-            out, lse = path.run(key)
+        if path is not None:                     # `got`: the call built from the plan
+            out, lse = path.run(got)
             return (out, lse) if return_lse else out
+        key = got                                # the key to keep this call's plan under, or None
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,

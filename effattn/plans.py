@@ -24,7 +24,7 @@ A key is stored only after its call validated and a row admitted it, so a bad ar
 the full checks and their errors. Calls with dropout (a fresh seed each call), score terms, packed
 sequences, positions or an fp32 output, tensor subclasses, other devices and calls under
 torch.compile take the full path every time. ``effattn.explain`` asks every row afresh; it names the
-row a plan runs (tests/test_plans.py checks both agree). ``ENABLED = False`` turns plans off.
+row a plan runs (tests/core/test_plans.py checks both agree). ``ENABLED = False`` turns plans off.
 """
 from __future__ import annotations
 
