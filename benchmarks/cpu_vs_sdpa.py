@@ -21,6 +21,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -100,7 +101,6 @@ def ratio_interval(a, b, level: float = 0.95, resamples: int = 2000, seed: int =
     """The ratio median(a) / median(b) and its ``level`` bootstrap interval, the rounds resampled as
     pairs (a round ran both; a change of load between rounds moves both). An interval reaching 1.0
     means the two are not told apart at this noise."""
-    import random
     rng = random.Random(seed)
     n = len(a)
     ratios = []

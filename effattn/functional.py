@@ -111,7 +111,7 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
                           return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,
                           max_seqlen=max_seqlen, positions=positions, out_dtype=out_dtype)
     path = base.select("attention", call, backend)
-    plans.store(key, path, call, key_padding_mask)
+    plans.store(key, path, call)
     out, lse = path.run(call)
     return (out, lse) if return_lse else out
 

@@ -47,7 +47,6 @@ class Plan(NamedTuple):
     path: base.Path             # the row the first call took
     fields: dict                # the validated call's fields (the template)
     entry: tuple                # the registry entry it was chosen from (`base._rows_entry`)
-    kpm: Optional[Tensor]       # the key padding mask of the key (kept: its id is in the key)
 
 
 _PLANS: dict = {}
@@ -73,23 +72,24 @@ def lookup(q, k, v, causal, window, layout, kpm, scale, dropout_p, return_lse, b
                 (id(kpm), kpm._version) if kpm is not None else None, scale, return_lse, backend,
                 base.dispatch_state())
     plan = _PLANS.get(plan_key)
-    if plan is None or plan.kpm is not kpm or plan.entry is not base._rows_entry("attention"):
+    # the template holds the key's padding mask itself (so its id in the key cannot be reused)
+    if plan is None or plan.fields["key_padding_mask"] is not kpm or plan.entry is not base._rows_entry("attention"):
         return None, plan_key
     call = object.__new__(AttnCall)
     d = call.__dict__
     d.update(plan.fields)
-    d["q"], d["k"], d["v"], d["key_padding_mask"] = q, k, v, kpm
+    d["q"], d["k"], d["v"] = q, k, v
     return plan.path, call
 
 
-def store(plan_key: Optional[tuple], path: base.Path, call, kpm: Optional[Tensor]) -> None:
+def store(plan_key: Optional[tuple], path: base.Path, call) -> None:
     """Keeps the plan of a call the full path validated and `select` gave ``path``."""
     if plan_key is None:
         return
     if len(_PLANS) >= LIMIT:
         _PLANS.clear()
     fields = {n: x for n, x in call.__dict__.items() if n not in _PER_CALL}
-    _PLANS[plan_key] = Plan(path, fields, base._rows_entry("attention"), kpm)
+    _PLANS[plan_key] = Plan(path, fields, base._rows_entry("attention"))
 
 
 def clear() -> None:
@@ -98,4 +98,4 @@ def clear() -> None:
 
 
 # the fields each call brings itself (the template holds the rest)
-_PER_CALL = ("q", "k", "v", "key_padding_mask")
+_PER_CALL = ("q", "k", "v")

@@ -149,8 +149,7 @@ def test_what_takes_the_full_path_every_time():
     for kw in (dict(dropout_p=0.1), dict(softcap=5.0), dict(out_dtype=torch.float32), dict(positions=(3, 0)),
                dict(window=[2, 0])):
         effattn.attention(q, k, v, **kw)
-        assert plans.lookup(q, k, v, False, kw.get("window"), None, None, None, kw.get("dropout_p", 0.0), False,
-                            "auto") == (None, None) or not plans._PLANS, kw
+        assert not plans._PLANS, kw
     assert not plans._PLANS
     sub = torch.nn.Parameter(q.detach())                      # a tensor subclass
     effattn.attention(sub, k, v)

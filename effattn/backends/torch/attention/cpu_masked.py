@@ -210,32 +210,26 @@ def _masks(q, k, layout_mask, layout_block, kpm, wl, wr) -> _Mask:
     """The call's masks: the rule's built once per shape and kept (key padding, per call, added)."""
     Lq, Lk, H, Hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     key = (Lq, Lk, wl, wr, layout_block, H, Hkv, q.dtype)
-    if kpm is None and layout_mask is not None:     # the last layout's masks first (the weak dictionary costs frames)
-        return _last_padding(layout_mask, key, lambda: _layout_masks(layout_mask, key, layout_block, H, Hkv, q.dtype),
-                             _LAST_LAYOUT)
-    cache = _RULE_MASKS
-    if kpm is None and key in cache:
-        return cache[key]
     if kpm is not None:                  # the last key padding's masks are kept (one call's: memory)
         return _last_padding(kpm, key, lambda: _padded(Rule(Lq, Lk, wl, wr, layout_mask, layout_block), kpm,
                                                        H, Hkv, q.dtype))
-    vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
-    if len(cache) > 32:
-        cache.clear()
-    cache[key] = _build(vis, H, Hkv, q.dtype)
-    return cache[key]
+    if layout_mask is None:
+        return _kept(_RULE_MASKS, key, None, H, Hkv)
+    # a layout's: the last layout's first (the weak per-layout dictionary costs Python frames)
+    return _last_padding(layout_mask, key, lambda: _kept(_LAYOUT_MASKS.setdefault(layout_mask, {}), key, layout_mask,
+                                                         H, Hkv), _LAST_LAYOUT)
 
 
-def _layout_masks(layout_mask: Tensor, key, layout_block: int, H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
-    """The masks of a layout call, kept per layout mask (weakly) and rule."""
-    cache = _LAYOUT_MASKS.setdefault(layout_mask, {})
-    if key not in cache:
-        Lq, Lk, wl, wr = key[:4]
-        vis = Rule(Lq, Lk, wl, wr, layout_mask, layout_block).materialize(device="cpu")
+def _kept(cache: dict, key, layout_mask: Optional[Tensor], H: int, Hkv: int) -> _Mask:
+    """The masks of the rule ``key`` (and ``layout_mask``) from ``cache``, built and kept on a miss."""
+    m = cache.get(key)
+    if m is None:
+        Lq, Lk, wl, wr, bs, _, _, dtype = key
+        vis = Rule(Lq, Lk, wl, wr, layout_mask, bs).materialize(device="cpu")
         if len(cache) > 32:
             cache.clear()
-        cache[key] = _build(vis, H, Hkv, dtype)
-    return cache[key]
+        m = cache[key] = _build(vis, H, Hkv, dtype)
+    return m
 
 
 def _padded(rule: Rule, kpm: Tensor, H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
