@@ -81,6 +81,14 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         >>> q, k, v = (torch.randn(2, 8, 1024, 64) for _ in range(3))
         >>> out = effattn.attention(q, k, v, causal=True, window=256)
     """
+    key = None
+    if bias is None and softcap is None and sinks is None and cu_seqlens is None and max_seqlen is None and \
+            positions is None and out_dtype is None and block_table is None and seqlens is None and not unknown:
+        # a call a dispatch plan may serve (effattn.plans): first, as a short call's host time counts
+        got, key = plans.lookup(q, k, v, causal, window, layout, key_padding_mask, scale, dropout_p, return_lse,
+                                backend)
+        if got is not None:                      # a plan served it; else `key`: to keep its plan under, or None
+            return got if return_lse else got[0]
     if unknown:
         check_keywords("attention", unknown, ATTENTION_KEYWORDS)
     paged = block_table is not None or seqlens is not None
@@ -97,15 +105,6 @@ def attention(q, k, v, *, causal=False, window=None, layout=None, key_padding_ma
         return relative_attention(q, k, v, bias.r, query=bias.query, max_distance=bias.max_distance, causal=causal,
                                   window=window, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                                   return_lse=return_lse, backend=backend)
-    key = None
-    if bias is None and softcap is None and sinks is None and cu_seqlens is None and max_seqlen is None and \
-            positions is None and out_dtype is None:    # a call a dispatch plan may serve (effattn.plans)
-        path, got = plans.lookup(q, k, v, causal, window, layout, key_padding_mask, scale, dropout_p, return_lse,
-                                 backend)
-        if path is not None:                     # `got`: the call built from the plan
-            out, lse = path.run(got)
-            return (out, lse) if return_lse else out
-        key = got                                # the key to keep this call's plan under, or None
     call = make_attn_call(q, k, v, causal=causal, window=window, layout=layout,
                           key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p,
                           return_lse=return_lse, softcap=softcap, sinks=sinks, bias=bias, cu_seqlens=cu_seqlens,

@@ -6,6 +6,8 @@ reasons it cannot serve a call. Dispatch, `effattn.explain` and error messages a
 """
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
@@ -88,6 +90,10 @@ class Path:
     notes: Callable = _NO_REASONS
     # detail inside the path for a call it serves (number of splits, which forward kernel), or None
     describe: Callable = lambda call: None
+    # planned(call) -> a runner for a dispatch plan (effattn.plans) whose calls are ``call`` but for
+    # q, k, v: ``runner(q, k, v)`` serves such a call, eager and on plain tensors, exactly as
+    # ``run`` would (bitwise, same autograd), or returns None and leaves it to ``run``. None: ``run``.
+    planned: Optional[Callable] = None
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -230,22 +236,44 @@ def rows(op: str, call=None) -> List[Path]:
 _ROWS: Dict[str, tuple] = {}
 _VERSION = [0]
 
-# zero-argument functions returning what a row's admission check reads besides the call (module
-# switches, a fork guard): `dispatch_state` is part of every dispatch plan's key (effattn.plans)
+# zero-argument functions returning what a row's admission check reads besides the call and the
+# module switches (`switches`) and that changes without a hook (a thread count): `dispatch_state` is
+# part of a dispatch plan's key (effattn.plans) whenever one is declared
 _STATE: List[Callable[[], object]] = []
 
 
 def reads_state(fn: Callable[[], object]) -> Callable[[], object]:
-    """Declares ``fn()`` as state a row's admission check reads besides the call (a path module's
-    switches): a dispatch plan is kept only while it returns the same."""
+    """Declares ``fn()`` as state a row's admission check reads besides the call: a dispatch plan is
+    kept only while it returns the same. Read on every planned call: module switches are cheaper
+    declared with `switches`."""
     _STATE.append(fn)
+    _VERSION[0] += 1
     return fn
 
 
 def dispatch_state() -> tuple:
-    """The registry's version and every declared state (`reads_state`): what, besides the call,
-    decides which row serves it."""
-    return (_VERSION[0], *[f() for f in _STATE])
+    """Every declared state (`reads_state`): what, besides the call, the registry's version and the
+    module switches, decides which row serves it."""
+    return tuple([f() for f in _STATE])
+
+
+class _Switched(types.ModuleType):
+    """A path module with switches (`switches`): setting one moves the registry's version."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in self.__dict__.get("_SWITCHES", ()):
+            _VERSION[0] += 1            # dispatch plans made before are not used again
+
+
+def switches(module: str, *names: str) -> None:
+    """Declares module ``module``'s attributes ``names`` (``ENABLED``, a rule) as read by a row's
+    admission check: setting one (a user, a test's monkeypatch) moves the registry's version, so no
+    dispatch plan made before is used again."""
+    m = sys.modules[module]
+    m._SWITCHES = frozenset(names) | m.__dict__.get("_SWITCHES", frozenset())
+    if type(m) is types.ModuleType:
+        m.__class__ = _Switched
 
 
 def _rows_entry(op: str) -> tuple:
@@ -330,3 +358,7 @@ def missing_reason(op: str, name: str) -> str:
 
 def _describe(table) -> str:
     return "; ".join(f"{n}: {'ok' if not w else ', '.join(w)}" for n, w in table.items())
+
+
+# the registry and the backend list replaced (tests do) is a new registry for dispatch plans
+switches(__name__, "_REGISTRY", "BACKENDS")

@@ -23,7 +23,7 @@ def _planned(q, k, v, **kw):
     kpm = kw.get("key_padding_mask")
     path, call = plans.lookup(q, k, v, kw.get("causal", False), kw.get("window"), kw.get("layout"), kpm,
                               kw.get("scale"), kw.get("dropout_p", 0.0), kw.get("return_lse", False),
-                              kw.get("backend", "auto"))
+                              kw.get("backend", "auto"), peek=True)
     return None if path is None else (path.name, call)
 
 
@@ -163,3 +163,81 @@ def test_the_table_is_bounded():
     for i in range(plans.LIMIT + 5):
         effattn.attention(q, k, v, scale=0.1 + i)
     assert 0 < len(plans._PLANS) <= plans.LIMIT
+
+
+def _plan():
+    (plan,) = plans._PLANS.values()
+    return plan
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_rows_runner_serves_the_plan_without_a_call(grad, monkeypatch):
+    """The flash row's runner (`Path.planned`) serves a repeated eager call on its q, k, v alone: no
+    call is built and the row's ``run`` is not asked."""
+    q, k, v = _qkv(grad=grad)
+    effattn.attention(q, k, v, causal=True)
+    plan = _plan()
+    assert plan.path.name == "torch/cpu-flash" and plan.runner is not None
+    monkeypatch.setattr(plans, "_call", lambda *a: pytest.fail("the plan built a call"))
+    q2, k2, v2 = _qkv(grad=grad, seed=3)
+    out = effattn.attention(q2, k2, v2, causal=True)
+    assert out.requires_grad == grad
+    monkeypatch.undo()
+    plans.ENABLED = False
+    try:
+        ref = effattn.attention(q2, k2, v2, causal=True)
+    finally:
+        plans.ENABLED = True
+    assert torch.equal(out, ref)
+
+
+def test_the_runner_leaves_huge_scores_and_strided_inputs_to_the_row():
+    """Scores past the flash backward's exact range (|lse| > 8192 in float32) and a strided last
+    dimension: the runner declines and the row's ``run`` takes the call (finite gradients, the
+    copies), as the full path would."""
+    q, k, v = _qkv(grad=True)
+    effattn.attention(q, k, v)
+    assert _plan().runner is not None
+    g = torch.Generator().manual_seed(5)
+    big = [(torch.randn(2, 4, 32, 16, generator=g) * 300).requires_grad_() for _ in range(3)]
+    wide = [torch.randn(2, 4, 32, 32, generator=g)[..., ::2].requires_grad_() for _ in range(3)]
+    for args in (big, wide):
+        assert _plan().runner(*args) is None
+        out = effattn.attention(*args)
+        grads = torch.autograd.grad(out.sum(), args)
+        assert all(torch.isfinite(x).all() for x in grads)
+        plans.ENABLED = False
+        try:
+            ref = torch.autograd.grad(effattn.attention(*args).sum(), args)
+        finally:
+            plans.ENABLED = True
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+
+
+def test_the_runner_is_not_used_under_a_mode_or_a_trace():
+    """Under a dispatch mode (and the other states `direct` refuses) a plan runs the row, which calls
+    the op effattn registers: the mode sees effattn's op, not the kernel underneath."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    effattn.attention(q, k, v)
+    with Log():
+        effattn.attention(q, k, v)
+    assert any("effattn" in name for name in seen), seen
+
+
+def test_a_replaced_registry_is_a_new_plan(monkeypatch):
+    q, k, v = _qkv()
+    effattn.attention(q, k, v)
+    assert _planned(q, k, v) is not None
+    monkeypatch.setattr(base, "_REGISTRY", {op: dict(t) for op, t in base._REGISTRY.items()})
+    assert _planned(q, k, v) is None
+    monkeypatch.undo()
+    assert _planned(q, k, v) is None                    # undone: a new version again

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...autograd import eager_op_pair
-from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, reads_state, register
+from ...base import FEATURES, PACKED_FEATURES, SCORE_FEATURES, Capabilities, Path, register, switches
 from .. import threads
 
 BLOCK = 64               # query/key block of the blocks path when the call has no layout
@@ -33,7 +33,7 @@ GROUP_BUDGET = 1 << 22   # score elements (B x H x rows x keys) of the groups co
 
 # Set to False to send every CPU call to the chunked reference (tests compare the paths).
 ENABLED = True
-reads_state(lambda: ENABLED)
+switches(__name__, "ENABLED")
 CPU_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 

@@ -131,6 +131,28 @@ def _run(call):
     return _CALL(q, k, v, call.causal, call.scale)
 
 
+def _planned(call):
+    """The runner of a dispatch plan of `call` (effattn.plans): `_run`'s eager branches for the
+    plan's later calls, on their q, k, v alone (no call built, no frame but its own). None when the
+    call returns the lse (`_CALL`'s autograd node)."""
+    if call.return_lse:
+        return None
+    causal, scale = call.causal, call.scale
+    bound = 2.0 ** -10 / torch.finfo(compute_dtype(call.q.dtype)).eps      # `kernel_backward_exact`'s
+
+    def runner(q, k, v):
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return None
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return _FLASH_FN(q, k, v, 0.0, causal, scale=scale)
+        out, lse = _FLASH_FN(q, k, v, 0.0, causal, scale=scale)
+        lo, hi = lse.data.aminmax()
+        if -bound <= lo.item() and hi.item() <= bound:       # else `run` (`kernel_backward_exact` in full)
+            return out, lse
+        return None
+    return runner
+
+
 def _describe(call) -> str:
     copied = _copied(call)
     return ("torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
@@ -140,4 +162,4 @@ def _describe(call) -> str:
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-flash", priority=90,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
-    run=_run, admits=_admits, describe=_describe))
+    run=_run, admits=_admits, describe=_describe, planned=_planned))

@@ -35,7 +35,7 @@ from ...._call import needs_grad
 from ....numerics import compute_dtype
 from ....visibility import Rule
 from ...autograd import direct
-from ...base import Capabilities, Path, reads_state, register
+from ...base import Capabilities, Path, reads_state, register, switches
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons, masked_op_pair
 from .cpu_flash import _FLASH_BWD, _FLASH_FN, kernel_backward_exact, unit_stride
 from .cpu_flash import FEATURES as _FLASH_FEATURES
@@ -80,8 +80,6 @@ class Admit(NamedTuple):
     min_fraction: dict
     min_fraction_wide: float    # the same for head dims above 64 (the larger of the two applies)
 
-    __hash__ = object.__hash__  # by identity (it holds dicts): the dispatch state below holds the rule itself
-
 
 ADMIT = Admit(small_pairs=256 * 256, mid_pairs=1024 * 1024,
               min_fraction_mid={torch.float32: 0.2, torch.bfloat16: 0.2, torch.float64: 0.3, torch.float16: 0.36},
@@ -109,10 +107,18 @@ ENABLED = True
 # in its first parallel region when the parent had started them); the blocks path's slice pool is
 # rebuilt in a child. So in a forked child with more than one thread the blocks path takes the call.
 _FORKED = [False]
-os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
 
-# what `_admits` reads besides the call (dispatch plans key on it)
-reads_state(lambda: (ENABLED, ADMIT, MASK_BUDGET, _FORKED[0] and torch.get_num_threads() > 1))
+
+def _after_fork_in_child() -> None:
+    if not _FORKED[0]:
+        _FORKED[0] = True
+        reads_state(lambda: torch.get_num_threads() > 1)      # what `_admits` now reads (dispatch plans key on it)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# the switches `_admits` reads (setting one makes dispatch plans afresh)
+switches(__name__, "ENABLED", "ADMIT", "MASK_BUDGET")
 
 
 def visible_fraction(call) -> float:
