@@ -3,6 +3,7 @@ kernel with a materialized mask) against ``torch/cpu-blocks`` (visible key block
 directly on the same call, forward and forward+backward, at 1 and 2 threads.
 
     python3 -m benchmarks.cpu_sdpa_mask --out benchmarks/results/cpu/cpu_sdpa_mask.md
+    python3 -m benchmarks.cpu_sdpa_mask --compact        # the padding-skip rule (`cpu_masked.COMPACT`)
 
 A ratio below 1 means the masked kernel is faster. The last column is what the rule
 (`effattn.backends.torch.attention.cpu_masked.ADMIT`) decides for the call. Each time is the median
@@ -59,6 +60,49 @@ def measure(name, L, args, threads):
     return row, frac, "mask" if not rule else "blocks"
 
 
+def compact_rows(args):
+    """The masked row with its key padding skipped (K and V gathered at the kept keys) against the
+    same row reading every key under the mask, B=1, one thread: per length, padded keys and query
+    rows. Each mode's runs in blocks (the masks are kept for one padding tensor at a time), the blocks
+    alternated three times; the median of each mode's runs."""
+    lines = ["| Lk | padded keys | Lq | skip fwd ms | read all fwd ms | fwd ratio | skip fwd+bwd ms "
+             "| read all fwd+bwd ms | fwd+bwd ratio | rule |", "|---" * 10 + "|"]
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    never, always = cpu_masked.Compact(pairs_per_key=1 << 62), cpu_masked.Compact(pairs_per_key=0)
+    default = cpu_masked.COMPACT
+    for L in args.lengths:
+        for padded in sorted({2, 8, 16, L // 32, L // 4}):
+            for Lq in sorted({1, 8, 64, L}):
+                q = torch.randn(1, args.heads, Lq, args.head_dim, generator=g).requires_grad_()
+                k, v = (torch.randn(1, args.heads, L, args.head_dim, generator=g).requires_grad_() for _ in range(2))
+                dout = torch.randn(1, args.heads, Lq, args.head_dim, generator=g)
+                # one padding tensor per mode: the row keeps the masks of a tensor, built under the rule then
+                calls = {rule: make_attn_call(q, k, v, key_padding_mask=torch.arange(L)[None] >= L - padded)
+                         for rule in (always, never)}
+                times = {}
+                for mode in ("fwd", "fwd+bwd"):
+                    for rule in (always, never) * 3:
+                        def fn(call=calls[rule]):
+                            if mode == "fwd":
+                                with torch.no_grad():
+                                    cpu_masked.PATH.run(call)
+                            else:
+                                q.grad = k.grad = v.grad = None
+                                cpu_masked.PATH.run(call)[0].backward(dout)
+                        cpu_masked.COMPACT = rule
+                        times.setdefault((mode, rule), []).append(median_ms([fn], args.runs)[0])
+                cpu_masked.COMPACT = default
+                decides = "skip" if cpu_masked._compacts(Lq, L, L - padded) else "read all"
+                cells = [str(L), str(padded), str(Lq)]
+                for mode in ("fwd", "fwd+bwd"):
+                    a, b = (sorted(times[(mode, r)])[1] for r in (always, never))
+                    cells += [f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}"]
+                lines.append("| " + " | ".join(cells + [decides]) + " |")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
@@ -69,8 +113,20 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
     p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.add_argument("--compact", action="store_true",
+                   help="time the key padding skip against reading every key instead (one thread, B=1)")
     args = p.parse_args(argv)
     default = torch.get_num_threads()
+    if args.compact:
+        header = (f"torch/cpu-sdpa-mask, key padding skipped vs every key read (effattn {effattn.__version__}): torch "
+                  f"{torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
+                  f"average {os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, "
+                  f"float32, B=1, H={args.heads}, D={args.head_dim}, 1 thread, median of 3 blocks of {args.runs} runs")
+        print(header, flush=True)
+        lines = [header, ""] + compact_rows(args)
+        torch.set_num_threads(default)
+        write_table(lines + ["", f"load average at end {os.getloadavg()[0]:.1f}"], args.out)
+        return
     header = (f"torch/cpu-sdpa-mask vs torch/cpu-blocks (effattn {effattn.__version__}): torch {torch.__version__}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {args.dtype}, "

@@ -113,17 +113,19 @@ def test_a_module_switch_or_a_patched_row_is_a_new_plan(monkeypatch):
 
 
 def test_a_padding_mask_changed_in_place_is_a_new_plan():
-    """Past 256 x 256 pairs the masked row reads the padding share: a mask changed in place (its
-    version moves) is judged again, and the row follows explain."""
+    """The masked row reads the padding (its share, the keys it keeps): a mask changed in place (its
+    version moves) is judged again, and the plan follows explain."""
     q, k, v = _qkv(B=1, H=1, Hkv=1, Lq=512, Lk=512, D=8)
-    pad = _pad(1, 512, 384)                          # a quarter padding: the masked kernel
+    pad = _pad(1, 512, 384)                          # a quarter padding: skipped, 384 keys read
     effattn.attention(q, k, v, key_padding_mask=pad)
     assert _planned(q, k, v, key_padding_mask=pad)[0] == "torch/cpu-sdpa-mask"
-    pad[:, 40:] = True                               # 92% padding: the blocks path is faster there
+    assert "384 of 512 keys" in effattn.explain(q, k, v, key_padding_mask=pad).paths["torch"]
+    pad[:, 40:] = True                               # 92% padding: 40 keys read
     assert _planned(q, k, v, key_padding_mask=pad) is None
-    effattn.attention(q, k, v, key_padding_mask=pad)
-    assert _planned(q, k, v, key_padding_mask=pad)[0] == "torch/cpu-blocks" == \
-        effattn.explain(q, k, v, key_padding_mask=pad).chosen_path
+    out = effattn.attention(q, k, v, key_padding_mask=pad)
+    assert _planned(q, k, v, key_padding_mask=pad)[0] == "torch/cpu-sdpa-mask"
+    assert "40 of 512 keys" in effattn.explain(q, k, v, key_padding_mask=pad).paths["torch"]
+    torch.testing.assert_close(out, effattn.attention(q, k[:, :, :40], v[:, :, :40]))
     other = _pad(1, 512, 384)                        # an equal mask, another tensor: its own plan
     assert _planned(q, k, v, key_padding_mask=other) is None
 
@@ -170,25 +172,39 @@ def _plan():
     return plan
 
 
+RUNNERS = {
+    "torch/cpu-flash": (dict(), dict(causal=True)),
+    "torch/cpu-sdpa-mask": (dict(B=1, Lq=64, Lk=64), dict(key_padding_mask=_pad(1, 64, 40))),   # padding skipped
+    "torch/cpu-sdpa-mask, rule": (dict(), dict(causal=True, window=(5, 0), key_padding_mask=_pad(2, 32, 30))),
+    "torch/cpu-sdpa-mask, layout": (dict(), dict(layout=BlockLayout(torch.eye(4, dtype=torch.bool), 8))),
+}
+
+
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_rows_runner_serves_the_plan_without_a_call(grad, monkeypatch):
-    """The flash row's runner (`Path.planned`) serves a repeated eager call on its q, k, v alone: no
-    call is built and the row's ``run`` is not asked."""
-    q, k, v = _qkv(grad=grad)
-    effattn.attention(q, k, v, causal=True)
+@pytest.mark.parametrize("row", list(RUNNERS))
+def test_a_rows_runner_serves_the_plan_without_a_call(row, grad, monkeypatch):
+    """The rows' runners (`Path.planned`) serve a repeated eager call on its q, k, v alone: no call is
+    built and the row's ``run`` is not asked; output and gradients are bitwise the full path's."""
+    shape, kw = RUNNERS[row]
+    q, k, v = _qkv(**shape, grad=grad)
+    effattn.attention(q, k, v, **kw)
     plan = _plan()
-    assert plan.path.name == "torch/cpu-flash" and plan.runner is not None
+    assert plan.path.name == row.split(",")[0] and plan.runner is not None
     monkeypatch.setattr(plans, "_call", lambda *a: pytest.fail("the plan built a call"))
-    q2, k2, v2 = _qkv(grad=grad, seed=3)
-    out = effattn.attention(q2, k2, v2, causal=True)
+    q2, k2, v2 = _qkv(**shape, grad=grad, seed=3)
+    out = effattn.attention(q2, k2, v2, **kw)
     assert out.requires_grad == grad
     monkeypatch.undo()
     plans.ENABLED = False
     try:
-        ref = effattn.attention(q2, k2, v2, causal=True)
+        ref = effattn.attention(q2, k2, v2, **kw)
     finally:
         plans.ENABLED = True
     assert torch.equal(out, ref)
+    if grad:
+        d = torch.randn_like(out)
+        ga, gr = (torch.autograd.grad(o, (q2, k2, v2), d) for o in (out, ref))
+        assert all(torch.equal(a, b) for a, b in zip(ga, gr))
 
 
 def test_the_runner_leaves_huge_scores_and_strided_inputs_to_the_row():

@@ -16,6 +16,7 @@ from effattn._call import make_attn_call
 from effattn.backends.torch.attention import cpu_masked
 from effattn.layouts import BlockLayout
 from effattn.testing.oracle import naive_attention
+from effattn.visibility import Rule
 from tests.contract import test_fuzz, test_paths
 
 ROW = "torch/cpu-sdpa-mask"
@@ -57,7 +58,12 @@ def test_explain_shows_the_rule_on_both_sides(dtype):
     ex = effattn.explain(x, x, x, key_padding_mask=pad)
     assert ex.chosen_path == ROW, str(ex)                      # visible fraction 0.9
     pad[:, : long - 4] = True
-    ex = effattn.explain(x, x, x, key_padding_mask=pad)       # almost all padding: the blocks path
+    ex = effattn.explain(x, x, x, key_padding_mask=pad)       # almost all padding: skipped, 4 keys read
+    assert ex.chosen_path == ROW and f"the 4 of {long} keys" in ex.paths["torch"], str(ex)
+    xb = x.expand(8, -1, -1, -1)
+    pad = pad.expand(8, -1).clone()
+    pad[0] = False              # one entry keeps every key, seven almost none: nothing skipped, fraction 0.13
+    ex = effattn.explain(xb, xb, xb, key_padding_mask=pad)
     assert ex.chosen_path == "torch/cpu-blocks" and "visible fraction" in ex.row(ROW).reasons[0], str(ex)
 
 
@@ -320,3 +326,100 @@ def test_dropout_never_takes_torchs_kernel():
     assert ex.chosen_path == "torch/reference", str(ex)
     for row in (ROW, "torch/cpu-flash", "torch/cpu-blocks"):
         assert any("dropout" in w for w in ex.row(row).reasons), (row, ex.row(row).reasons)
+
+
+def _skipped_padding(B=3, Lk=40, seed=6):
+    """Key padding the row skips: entry 0 keeps 30 scattered keys, entry 1 none, entry 2 the first 20
+    (at most 30 kept of 40: 10 skipped, past COMPACT's thresholds)."""
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.zeros(B, Lk, dtype=torch.bool)
+    pad[0, torch.randperm(Lk, generator=g)[:10]] = True
+    pad[1] = True
+    pad[2, 20:] = True
+    return pad
+
+
+def _layout():
+    lay = torch.rand(4, 3, 5, generator=torch.Generator().manual_seed(7)) < 0.6
+    lay[:, :, 1] = False                        # keys 8..15: seen by no query head
+    return lay
+
+
+SKIP_CASES = {
+    "padding": dict(),
+    "padding, causal": dict(causal=True),
+    "padding, window (6, 2)": dict(window=(6, 2)),
+    "padding, per-head layout": dict(layout=BlockLayout(_layout(), 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_skipped_padding_against_the_oracle(case, dtype, monkeypatch):
+    """Key padding skipped (K and V gathered at the kept keys, gradients spread back; slots past an
+    entry's keys zeroed): output, lse and gradients (with and without an lse gradient, through torch's
+    autograd node and through the op pair) against the float64 oracle, the padded keys poisoned with
+    NaN; their gradients are exactly 0."""
+    B, H, Hkv, Lq, Lk, D = 3, 4, 2, 24, 40, 16
+    monkeypatch.setattr(cpu_masked, "COMPACT", cpu_masked.Compact(pairs_per_key=6))   # 10 * 24 >= 6 * 40
+    pad = _skipped_padding(B, Lk)
+    kw = dict(key_padding_mask=pad, **SKIP_CASES[case])
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, h, Lq if h == H else Lk, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    # poisoned: the padded keys, and the kept keys no query sees (a window's first keys, a layout's)
+    rule = {n: x for n, x in kw.items() if n != "key_padding_mask"}
+    vis = Rule.of(Lq, Lk, **rule).materialize(key_padding_mask=pad)
+    unseen = pad if vis is None else ~vis.any(2).any(1)
+    assert case in ("padding", "padding, causal") or bool((unseen & ~pad).any())
+    k, v = (x.masked_fill(unseen[:, None, :, None], float("nan")) for x in (k, v))
+    call = make_attn_call(q, k, v, **kw)
+    assert cpu_masked.PATH.reasons(call) == [] and cpu_masked.read_keys(call) == 30
+    m = cpu_masked._masks(q, k, *call.op_args()[3:6], call.rule.left, call.rule.right)
+    assert m.keys is not None and m.keys.shape == (B, 30) and m.fill is not None
+    assert "the 30 of 40 keys" in effattn.explain(q, k, v, **kw).paths["torch"]
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    clean = [x.masked_fill(unseen[:, None, :, None], 0.0).double().requires_grad_() if x is not q
+             else x.double().requires_grad_() for x in (q, k, v)]
+    gen = torch.Generator().manual_seed(2)
+    for return_lse in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        got = effattn.attention(*leaves, return_lse=return_lse, **kw)
+        out, lse = got if return_lse else (got, None)
+        ref, ref_lse = naive_attention(*clean, **kw)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        go = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        loss, ref_loss = (out.double() * go).sum(), (ref * go).sum()
+        if return_lse:
+            empty = torch.isneginf(ref_lse)
+            assert torch.equal(torch.isneginf(lse), empty) and bool((out[empty] == 0).all())
+            gl = torch.randn(lse.shape, generator=gen, dtype=torch.float64).masked_fill(empty, 0.0)
+            loss = loss + (lse.masked_fill(empty, 0.0).double() * gl).sum()
+            ref_loss = ref_loss + (ref_lse.masked_fill(empty, 0.0) * gl).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        want = torch.autograd.grad(ref_loss, clean)
+        for name, a, b in zip("qkv", grads, want):
+            assert not a.isnan().any(), name
+            torch.testing.assert_close(a.double(), b, atol=tol * 3, rtol=tol * 3, msg=lambda s: f"d{name}: {s}")
+        for a in grads[1:]:
+            assert bool((a.masked_select(unseen[:, None, :, None].expand(a.shape)) == 0).all())
+
+
+def test_skipped_padding_one_key_set_and_the_threshold(monkeypatch):
+    """A batch whose entries keep the same keys reads them with one index (no slots to zero), the
+    output equals the call on the kept keys alone; the rule skips from COMPACT.pairs_per_key skipped
+    pairs per key (here 22 padded keys of 64 with 64 queries: 22 per key), and explain says so."""
+    B, H, L, D = 2, 2, 64, 8
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    keep = torch.tensor([i % 3 != 0 for i in range(L)])
+    pads = [(~keep)[None].expand(B, L).clone() for _ in range(3)]      # one tensor per rule (masks are per tensor)
+    for pad, per_key, skips in zip(pads, (22, 23, 16), (True, False, True)):
+        monkeypatch.setattr(cpu_masked, "COMPACT", cpu_masked.Compact(pairs_per_key=per_key))
+        m = cpu_masked._masks(q, k, None, 0, pad, -1, -1)
+        assert (m.keys is not None) == skips, per_key
+        assert ("the 42 of 64 keys" in effattn.explain(q, k, v, key_padding_mask=pad).paths["torch"]) == skips
+        if skips:
+            assert m.keys.dim() == 1 and m.fill is None and m.add is None and m.unseen is None
+        out = effattn.attention(q, k, v, key_padding_mask=pad)
+        torch.testing.assert_close(out, effattn.attention(q, k[:, :, keep], v[:, :, keep]), atol=1e-6, rtol=1e-6)

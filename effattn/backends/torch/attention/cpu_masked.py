@@ -118,7 +118,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # the switches `_admits` reads (setting one makes dispatch plans afresh)
-switches(__name__, "ENABLED", "ADMIT", "MASK_BUDGET")
+switches(__name__, "ENABLED", "ADMIT", "MASK_BUDGET", "COMPACT")
 
 
 def visible_fraction(call) -> float:
@@ -141,28 +141,49 @@ def _padding_share(kpm: Tensor) -> float:
     return _last_padding(kpm, "share", lambda: kpm.sum().item() / kpm.numel(), _LAST_SHARE)
 
 
+def read_keys(call) -> int:
+    """The keys the masked kernel reads per query row: Lk, or the most any batch entry keeps when
+    its key padding is skipped (`_compacts`)."""
+    kpm = call.key_padding_mask
+    if kpm is None:
+        return call.Lk
+    n = _kept_keys(kpm)
+    return n if _compacts(call.Lq, call.Lk, n) else call.Lk
+
+
 def mask_entries(call) -> int:
-    """The entries of the call's materialized mask (`_masks`): Lq * Lk, per batch entry with key
-    padding and per head with a per-head layout; key padding alone is a (B, 1, 1, Lk) mask."""
+    """The entries of the call's materialized mask (`_masks`): Lq * the keys read (`read_keys`), per
+    batch entry with key padding and per head with a per-head layout; key padding alone is a
+    (B, 1, 1, keys) mask (none when skipped: a compacted call reads no padding)."""
     lay = call.layout.mask if call.layout is not None else None
     rows = call.Lq if call.rule.has_window or lay is not None else 1
-    return rows * call.Lk * (call.B if call.key_padding_mask is not None else 1) * \
+    return rows * read_keys(call) * (call.B if call.key_padding_mask is not None else 1) * \
         (lay.shape[0] if lay is not None else 1)
 
 
 def _rule(call) -> List[str]:
-    """[] when the masked kernel is measured faster than the blocks path for this call, else why not."""
-    pairs = call.Lq * call.Lk
+    """[] when the masked kernel is measured faster than the blocks path for this call, else why not.
+    Its time follows the pairs it reads (Lq * `read_keys`), the blocks path's the visible ones."""
+    pairs = call.Lq * read_keys(call)
     entries = mask_entries(call)
     if entries > MASK_BUDGET:
         return [f"the mask would hold {entries} entries > {MASK_BUDGET} (memory)"]
     if pairs <= ADMIT.small_pairs:
         return []
-    frac, fmin = visible_fraction(call), min_fraction(call.q.dtype, call.D, pairs)
+    frac, fmin = _read_fraction(call), min_fraction(call.q.dtype, call.D, pairs)
     if frac < fmin:
-        return [f"Lq * Lk = {pairs} > {ADMIT.small_pairs} with visible fraction {frac:.3f} < {fmin} "
+        return [f"{_pairs_name(call)} = {pairs} > {ADMIT.small_pairs} with visible fraction {frac:.3f} < {fmin} "
                 f"(measured: the blocks path is faster there)"]
     return []
+
+
+def _pairs_name(call) -> str:
+    return "Lq * Lk" if read_keys(call) == call.Lk else "Lq * keys read"
+
+
+def _read_fraction(call) -> float:
+    """The visible share of the pairs the masked kernel reads."""
+    return visible_fraction(call) * call.Lk / read_keys(call)
 
 
 def _admits(call) -> List[str]:
@@ -177,12 +198,15 @@ def _admits(call) -> List[str]:
 
 
 def _describe(call) -> str:
-    pairs = call.Lq * call.Lk
-    why = (f"Lq * Lk = {pairs} <= {ADMIT.small_pairs}" if pairs <= ADMIT.small_pairs else
-           f"visible fraction {visible_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D, pairs)}")
+    pairs = call.Lq * read_keys(call)
+    why = (f"{_pairs_name(call)} = {pairs} <= {ADMIT.small_pairs}" if pairs <= ADMIT.small_pairs else
+           f"visible fraction {_read_fraction(call):.3f} >= {min_fraction(call.q.dtype, call.D, pairs)}")
     entries = mask_entries(call)
     size = entries * call.q.element_size()
-    return (f"torch's fused flash-attention CPU kernel, mask materialized ({entries} entries, "
+    n = read_keys(call)
+    skipped = (f"key padding skipped: K and V gathered at the {n} of {call.Lk} keys a batch entry keeps at most; "
+               if n < call.Lk else "")
+    return (f"torch's fused flash-attention CPU kernel, {skipped}mask materialized ({'at most ' * (n < call.Lk)}{entries} entries, "
             f"{size / 2 ** 20:.1f} MiB; at most {MASK_BUDGET}); {why}: measured faster than the blocks path; "
             f"K and V read in place when they and the scores are finite (the forward checks its output, a backward "
             f"min/max of q, k, v), else copied with the keys no query sees zeroed")
@@ -194,6 +218,11 @@ class _Mask(NamedTuple):
     add: Optional[Tensor]     # additive mask (1 or B, 1 or H, Lq, Lk) in q's dtype (0 / -inf), or None
     empty: Optional[Tensor]   # bool (1 or B, 1 or H, Lq): rows that see no key, or None when none
     unseen: Optional[Tensor]  # bool (1 or B, 1 or Hkv, Lk, 1): keys no query sees, or None when none
+    # key padding skipped (`_compacts`): the keys the kernel reads, int64 (n,) when every batch entry
+    # keeps the same ones, else (B, n), each entry's kept keys first in order; the masks above are
+    # then over those n slots. None: every key is read
+    keys: Optional[Tensor] = None
+    fill: Optional[Tensor] = None   # bool (B, 1, n, 1): slots past a batch entry's kept keys (K, V zeroed there)
 
 
 _RULE_MASKS: dict = {}                          # (Lq, Lk, wl, wr, bs, H, Hkv, dtype) -> _Mask; and fractions
@@ -240,8 +269,73 @@ def _kept(cache: dict, key, layout_mask: Optional[Tensor], H: int, Hkv: int) -> 
 
 def _padded(rule: Rule, kpm: Tensor, H: int, Hkv: int, dtype: torch.dtype) -> _Mask:
     vis = rule.materialize(device="cpu")
-    keep = ~kpm[:, None, None, :]
-    return _build(keep if vis is None else vis & keep, H, Hkv, dtype)
+    n = _kept_keys(kpm)
+    if not _compacts(rule.Lq, rule.Lk, n):
+        keep = ~kpm[:, None, None, :]
+        return _build(keep if vis is None else vis & keep, H, Hkv, dtype)
+    # the kernel reads each batch entry's kept keys only, n slots (the most any entry keeps)
+    B = kpm.shape[0]
+    order = torch.sort(kpm.to(torch.uint8), dim=1, stable=True).indices[:, :n]     # kept keys first, in order
+    slot = ~kpm.gather(1, order)                                 # (B, n): False past an entry's kept keys
+    keys = order[0] if bool((order == order[:1]).all()) else order
+    fill = None if bool(slot.all()) else ~slot[:, None, :, None]
+    vis_c = slot[:, None, None, :]
+    if vis is not None:                                          # the rule at the kept keys' positions
+        vis = vis.expand(B, *vis.shape[1:])
+        vis_c = vis_c & vis.gather(3, order[:, None, None, :].expand(*vis.shape[:3], n))
+    if vis is None and fill is None:                             # nothing masked among the slots
+        return _Mask(None, None, None, keys, None)
+    m = _build(vis_c, H, Hkv, dtype)
+    unseen = m.unseen
+    if unseen is not None and fill is not None:                  # the slots past the keys are zeroed: harmless
+        unseen = unseen & ~fill
+        unseen = unseen if bool(unseen.any()) else None
+    return m._replace(unseen=unseen, keys=keys, fill=fill)
+
+
+def _compacts(Lq: int, Lk: int, n: int) -> bool:
+    """Whether a key padding call reads only the n keys its batch entries keep (at most; copies of K
+    and V gathered there, their gradients spread back) rather than all Lk under a mask: when the
+    pairs it skips, ``(Lk - n) * Lq``, reach ``COMPACT.pairs_per_key`` per key. Measured on the CPU
+    (``python3 -m benchmarks.cpu_sdpa_mask --compact``, benchmarks/results/cpu/cpu_sdpa_mask.md): the
+    copies and their fixed cost (~40 us) are paid back from about 8-16 skipped pairs per key (B = 1,
+    H = 8, D = 64, one thread; skipping 16 of 256 keys with 256 queries: 0.95x the time, 64 of 256:
+    0.78x; 64 of 256 with 8 queries: 1.19x; a single query: 1.8-3x)."""
+    return (Lk - n) * Lq >= COMPACT.pairs_per_key * Lk and n < Lk
+
+
+class Compact(NamedTuple):
+    pairs_per_key: int          # skipped (query, key) pairs per key of Lk from which padding is skipped
+
+
+COMPACT = Compact(pairs_per_key=16)
+
+
+def _kept_keys(kpm: Tensor) -> int:
+    """The most keys any batch entry keeps (counted once per tensor and version, `_last_padding`)."""
+    return _last_padding(kpm, "kept", lambda: int((~kpm).sum(1).max()) if kpm.shape[0] else 0, _LAST_KEPT)
+
+
+def _compact(x: Tensor, m: _Mask) -> Tensor:
+    """K or V at the slots the kernel reads (`_Mask.keys`), zero past a batch entry's kept keys."""
+    if m.keys is None:
+        return x
+    if m.keys.dim() == 1:
+        y = x.index_select(2, m.keys)
+    else:
+        y = x.gather(2, m.keys[:, None, :, None].expand(x.shape[0], x.shape[1], m.keys.shape[1], x.shape[3]))
+    return y if m.fill is None else y.masked_fill(m.fill, 0.0)
+
+
+def _spread(grad: Tensor, x: Tensor, m: _Mask) -> Tensor:
+    """The gradient of `_compact`'s K or V on all of x's keys: 0 at the keys not read (a slot past a
+    batch entry's keys has probability 0 everywhere, so its gradient is 0 as well)."""
+    if m.keys is None:
+        return grad
+    out = grad.new_zeros(x.shape)
+    if m.keys.dim() == 1:
+        return out.index_copy_(2, m.keys, grad)
+    return out.scatter_(2, m.keys[:, None, :, None].expand(grad.shape), grad)
 
 
 # one entry each, (weak reference to the key padding tensor, (key, its version), value): replaced whole,
@@ -249,6 +343,7 @@ def _padded(rule: Rule, kpm: Tensor, H: int, Hkv: int, dtype: torch.dtype) -> _M
 _LAST_PADDING: list = [None]
 _LAST_SHARE: list = [None]
 _LAST_LAYOUT: list = [None]          # (the same for a layout mask without key padding: `_masks`)
+_LAST_KEPT: list = [None]
 
 
 def _last_padding(kpm: Tensor, key, build, slot: list = _LAST_PADDING):
@@ -298,8 +393,13 @@ _SCORE_BOUND = {t: torch.finfo(t).max / 4 for t in (torch.float32, torch.float64
 def sdpa_mask_forward(q: Tensor, k: Tensor, v: Tensor, layout_mask: Optional[Tensor], layout_block: int,
                       key_padding_mask: Optional[Tensor], scale: float, window_left: int,
                       window_right: int) -> Tuple[Tensor, Tensor]:
-    m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
-    q, k, v = unit_stride(q, k, v)
+    return _forward(q, k, v, _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right),
+                    scale)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, m: _Mask, scale: float) -> Tuple[Tensor, Tensor]:
+    """`sdpa_mask_forward` given the call's masks."""
+    q, k, v = unit_stride(q, _compact(k, m), _compact(v, m))
     out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
     if m.unseen is not None and not math.isfinite(float(out.sum())):
         # K and V read as they are: a NaN / inf at a key no query sees (or a score overflowing next to
@@ -338,13 +438,12 @@ def sdpa_mask_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, 
     m = _masks(q, k, layout_mask, layout_block, key_padding_mask, window_left, window_right)
     if m.empty is not None:
         lse = lse.masked_fill(torch.isinf(lse), 0.0)     # the kernel's own lse of rows seeing no key
-    grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
-    kk, vv = k, v
-    if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
-        kk, vv = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
+    grad_out, q, kk, vv, out = unit_stride(grad_out, q, _compact(k, m), _compact(v, m), out)
+    if m.unseen is not None and not masked_keys_harmless(q, kk, vv, scale):
+        kk, vv = _seen_only(kk, m.unseen), _seen_only(vv, m.unseen)
     # the keys no query sees get gradient 0 either way: their probabilities are exactly 0
     dq, dk, dv = _FLASH_BWD(grad_out, q, kk, vv, out, lse, 0.0, False, attn_mask=m.add, scale=scale)
-    return dq, dk, dv
+    return dq, _spread(dk, k, m), _spread(dv, v, m)
 
 
 cpu_sdpa_mask_bwd = torch.library.custom_op("effattn::cpu_sdpa_mask_bwd", mutates_args=())(sdpa_mask_backward)
@@ -361,10 +460,15 @@ def _native_autograd(call):
     K and V, where taken, pass autograd's zero gradient to the keys no query sees."""
     a = call.op_args()
     m = _masks(a.q, a.k, a.layout_mask, a.layout_block, a.key_padding_mask, a.window_left, a.window_right)
-    q, k, v = unit_stride(a.q, a.k, a.v)
-    if m.unseen is not None and not masked_keys_harmless(q, k, v, a.scale):
+    return _native(a.q, a.k, a.v, m, a.scale)
+
+
+def _native(q: Tensor, k: Tensor, v: Tensor, m: _Mask, scale: float) -> Optional[Tuple[Tensor, Tensor]]:
+    """`_native_autograd` given the call's masks."""
+    q, k, v = unit_stride(q, _compact(k, m), _compact(v, m))      # (autograd spreads their gradients)
+    if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
         k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
-    out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=a.scale)
+    out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
     return (out, lse) if kernel_backward_exact(lse.data) else None
 
 
@@ -377,7 +481,26 @@ def _run(call):
     return _PAIR(call)
 
 
+def _planned(call):
+    """The runner of a dispatch plan of `call` (effattn.plans): `_run`'s eager branches on a later
+    call's q, k, v (the plan's rule and padding mask: the masks from the same caches); None when the
+    call returns the lse (the op pair's autograd)."""
+    if call.return_lse:
+        return None
+    a = call.op_args()
+    lm, lb, kpm, wl, wr, scale = a.layout_mask, a.layout_block, a.key_padding_mask, a.window_left, a.window_right, \
+        a.scale
+    half = call.q.dtype in BLOCKS_BACKWARD
+
+    def runner(q, k, v):
+        m = _masks(q, k, lm, lb, kpm, wl, wr)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None if half else _native(q, k, v, m, scale)     # None: `run` (the op pair's backward)
+        return _forward(q, k, v, m, scale)
+    return runner
+
+
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-sdpa-mask", priority=92,
     caps=Capabilities(devices=frozenset({"cpu"}), dtypes=CPU_DTYPES, features=FEATURES),
-    run=_run, admits=_admits, describe=_describe))
+    run=_run, admits=_admits, describe=_describe, planned=_planned))
