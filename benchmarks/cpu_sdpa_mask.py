@@ -4,6 +4,7 @@ directly on the same call, forward and forward+backward, at 1 and 2 threads.
 
     python3 -m benchmarks.cpu_sdpa_mask --out benchmarks/results/cpu/cpu_sdpa_mask.md
     python3 -m benchmarks.cpu_sdpa_mask --compact        # the padding-skip rule (`cpu_masked.COMPACT`)
+    python3 -m benchmarks.cpu_sdpa_mask --causal-blocks  # causal calls in query blocks (`cpu_flash.SPLIT`)
 
 A ratio below 1 means the masked kernel is faster. The last column is what the rule
 (`effattn.backends.torch.attention.cpu_masked.ADMIT`) decides for the call. Each time is the median
@@ -20,7 +21,7 @@ import torch
 
 import effattn
 from effattn._call import make_attn_call
-from effattn.backends.torch.attention import cpu_blocks, cpu_masked
+from effattn.backends.torch.attention import cpu_blocks, cpu_flash, cpu_masked
 
 from .cpu_vs_sdpa import median_ms, write_table
 from .registry import variant
@@ -103,6 +104,44 @@ def compact_rows(args):
     return lines
 
 
+def causal_block_rows(args):
+    """``torch/cpu-flash`` on causal calls cut in 2 and 4 query blocks (each against the keys up to
+    its end) against one causal kernel call, B=1, float32, at each thread count; the row's ``run``
+    timed, its modes interleaved (`cpu_flash.SPLIT` set around each)."""
+    lines = ["| L | threads | 1 block fwd ms | 2 blocks fwd | 4 blocks fwd | 1 block fwd+bwd ms | 2 blocks fwd+bwd "
+             "| 4 blocks fwd+bwd | rule |", "|---" * 9 + "|"]
+    default = cpu_flash.SPLIT
+    modes = [default._replace(min_len=1, max_len=1 << 62, pieces=p) for p in (1, 2, 4)]
+    for L in args.lengths:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(1, args.heads, L, args.head_dim, generator=g).requires_grad_() for _ in range(3))
+            dout = torch.randn(1, args.heads, L, args.head_dim, generator=g)
+            call = make_attn_call(q, k, v, causal=True)
+            cells = [str(L), str(threads)]
+            for mode in ("fwd", "fwd+bwd"):
+                def timed(split):
+                    def fn():
+                        cpu_flash.SPLIT = split
+                        if mode == "fwd":
+                            with torch.no_grad():
+                                cpu_flash.PATH.run(call)
+                        else:
+                            q.grad = k.grad = v.grad = None
+                            cpu_flash.PATH.run(call)[0].backward(dout)
+                    return fn
+                try:
+                    one, two, four = median_ms([timed(m) for m in modes], args.runs)
+                finally:
+                    cpu_flash.SPLIT = default
+                cells += [f"{one:.3f}", f"{two / one:.2f}x", f"{four / one:.2f}x"]
+            rule = cpu_flash._blocks(q, k, True)
+            lines.append("| " + " | ".join(cells + [f"{len(rule)} blocks" if rule else "1 call"]) + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
@@ -113,10 +152,22 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
     p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.add_argument("--causal-blocks", action="store_true",
+                   help="time causal calls cut in query blocks against one kernel call (torch/cpu-flash)")
     p.add_argument("--compact", action="store_true",
                    help="time the key padding skip against reading every key instead (one thread, B=1)")
     args = p.parse_args(argv)
     default = torch.get_num_threads()
+    if args.causal_blocks:
+        header = (f"torch/cpu-flash, causal calls in query blocks vs one call (effattn {effattn.__version__}): torch "
+                  f"{torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
+                  f"average {os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, "
+                  f"float32, B=1, H={args.heads}, D={args.head_dim}, median of {args.runs} interleaved runs")
+        print(header, flush=True)
+        lines = [header, ""] + causal_block_rows(args)
+        torch.set_num_threads(default)
+        write_table(lines + ["", f"load average at end {os.getloadavg()[0]:.1f}"], args.out)
+        return
     if args.compact:
         header = (f"torch/cpu-sdpa-mask, key padding skipped vs every key read (effattn {effattn.__version__}): torch "
                   f"{torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "

@@ -7,7 +7,8 @@ no masks (``torch/cpu-blocks`` and ``torch/reference`` serve those).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import math
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -15,7 +16,7 @@ from torch import Tensor
 from ...._call import needs_grad
 from ....numerics import compute_dtype
 from ...autograd import direct, eager_op_pair
-from ...base import Capabilities, Path, register
+from ...base import Capabilities, Path, register, switches
 from .cpu_blocks import CPU_DTYPES, blocks_backward, cpu_reasons
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -58,9 +59,65 @@ def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
+# ------------------------------------------------------------------ causal calls in query blocks
+# Below L = 768 torch's kernel reads every (query, key) pair of a causal call, those above the
+# diagonal too (a causal call costs what a dense one does there; from L = 768 its larger query
+# blocks skip part of them). Cut into `SPLIT.pieces` query blocks, block i against the keys up to its
+# end (block 0 causal, the others with their diagonal masked), the pairs read fall to (p + 1) / (2p)
+# of L^2. Measured with ``python3 -m benchmarks.cpu_sdpa_mask --causal-blocks``
+# (benchmarks/results/cpu/cpu_sdpa_mask.md; float32, B = 1, H = 8, D = 64), 4 blocks against one call,
+# forward / forward+backward:
+#   1 thread:  L = 128 0.76 / 0.78, 256 0.72 / 0.73, 512 0.70 / 0.68, 768 0.89 / 0.83, 1024 0.92 / 0.85,
+#              1280 1.02 / 0.99, 2048 1.12 / 1.04
+#   2 threads: L = 128 0.86 / 0.89, 256 0.82 / 0.82, 512 0.76 / 0.72, 768 0.92 / 0.87, 1024 0.95 / 0.97,
+#              1280 1.04 / 1.00, 2048 1.13 / 1.10
+# (2 blocks: 0.79-0.95 up to L = 640, 1.06-1.15 from 768). Float32 only (the rule's measurements); the
+# op pair's backward sums the blocks' dK, dV in a fixed order (last block first): reproducible.
+
+
+class Split(NamedTuple):
+    min_len: int                # causal calls with Lq == Lk from this length
+    max_len: int                # up to this one
+    pieces: int                 # query blocks
+    dtypes: frozenset
+
+
+SPLIT = Split(min_len=128, max_len=1024, pieces=4, dtypes=frozenset({torch.float32}))
+_SPLIT_MASKS: dict = {}         # (L, pieces, dtype) -> the blocks (`_blocks`)
+
+
+def _blocks(q: Tensor, k: Tensor, causal: bool) -> Optional[tuple]:
+    """The query blocks of a causal call `SPLIT` cuts: ``((i0, i1, mask or None), ...)``, block i
+    queries i0..i1-1 against keys 0..i1-1 (mask: additive, its diagonal block's upper part -inf;
+    None: the kernel's own causal mask, the first block); None when the call is not cut."""
+    L = q.shape[2]
+    if not causal or not SPLIT.min_len <= L <= SPLIT.max_len or q.dtype not in SPLIT.dtypes or k.shape[2] != L:
+        return None
+    key = (L, SPLIT.pieces, q.dtype)
+    got = _SPLIT_MASKS.get(key)
+    if got is None:
+        cuts = [round(i * L / SPLIT.pieces) for i in range(SPLIT.pieces + 1)]
+        got = tuple((i0, i1, None if i0 == 0 else torch.zeros(i1 - i0, i1, dtype=q.dtype).masked_fill_(
+                    torch.arange(i1)[None, :] > torch.arange(i0, i1)[:, None], -math.inf))
+                    for i0, i1 in zip(cuts, cuts[1:]))
+        if len(_SPLIT_MASKS) > 16:
+            _SPLIT_MASKS.clear()
+        _SPLIT_MASKS[key] = got
+    return got
+
+
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _FLASH_FN(*unit_stride(q, k, v), 0.0, causal, scale=scale)
-    return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+    q, k, v = unit_stride(q, k, v)
+    blocks = _blocks(q, k, causal)
+    if blocks is None:
+        out, lse = _FLASH_FN(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.contiguous()       # out as the kernel writes it: (B, Lq, H, D) memory, as SDPA's
+    outs, lses = [], []
+    for i0, i1, mask in blocks:
+        o, l = _FLASH_FN(q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1], 0.0, mask is None, attn_mask=mask, scale=scale)
+        outs.append(o.transpose(1, 2))     # (B, rows, H, D) memory, as the kernel writes it
+        lses.append(l)
+    return torch.cat(outs, 1).transpose(1, 2), torch.cat(lses, 2)
 
 
 cpu_flash_fwd = torch.library.custom_op("effattn::cpu_flash_fwd", mutates_args=())(flash_forward)
@@ -81,8 +138,23 @@ def flash_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: T
         # path's backward computes the same gradients from the same out and lse (causal: Lq == Lk)
         return blocks_backward(grad_out, grad_lse, q, k, v, out, lse, None, 0, None, scale, -1,
                                0 if causal else -1)
-    dq, dk, dv = _FLASH_BWD(*unit_stride(grad_out, q, k, v, out), lse, 0.0, causal, scale=scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    grad_out, q, k, v, out = unit_stride(grad_out, q, k, v, out)
+    blocks = _blocks(q, k, causal)
+    if blocks is None:
+        dq, dk, dv = _FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dqs, dk, dv = [], None, None
+    for i0, i1, mask in reversed(blocks):          # the last block reads every key: its dK, dV start the sums
+        r = slice(i0, i1)
+        dq_i, dk_i, dv_i = _FLASH_BWD(grad_out[:, :, r], q[:, :, r], k[:, :, :i1], v[:, :, :i1], out[:, :, r],
+                                      lse[:, :, r].contiguous(), 0.0, mask is None, attn_mask=mask, scale=scale)
+        dqs.append(dq_i)
+        if dk is None:
+            dk, dv = dk_i.contiguous(), dv_i.contiguous()
+        else:
+            dk[:, :, :i1] += dk_i
+            dv[:, :, :i1] += dv_i
+    return torch.cat(dqs[::-1], 2), dk, dv
 
 
 cpu_flash_bwd = torch.library.custom_op("effattn::cpu_flash_bwd", mutates_args=())(flash_backward)
@@ -116,6 +188,9 @@ def _run(call):
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q, k, v))
     elif not call.return_lse and direct(q, k, v):
+        if _blocks(q, k, call.causal) is not None:       # cut in query blocks: the op pair's bodies
+            return flash_forward(q, k, v, True, call.scale) if not needs_grad(q, k, v) else \
+                _CALL(q, k, v, True, call.scale)
         if not needs_grad(q, k, v):
             # an eager forward that returns no lse: the kernel alone, as `_CALL`'s forward would run it
             return _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
@@ -126,7 +201,7 @@ def _run(call):
         # forward); else the forward runs again through `_CALL`, whose backward then takes the
         # blocks path (|lse| > 2**-10 / eps: scores far outside any trained model's range)
         out, lse = _FLASH_FN(q, k, v, 0.0, call.causal, scale=call.scale)
-        if kernel_backward_exact(lse.data):
+        if kernel_backward_exact(lse):           # (the kernel's lse needs no gradient: no autograd record)
             return out, lse
     return _CALL(q, k, v, call.causal, call.scale)
 
@@ -140,13 +215,20 @@ def _planned(call):
     causal, scale = call.causal, call.scale
     bound = 2.0 ** -10 / torch.finfo(compute_dtype(call.q.dtype)).eps      # `kernel_backward_exact`'s
 
+    if _blocks(call.q, call.k, causal) is not None:      # the plan's shapes are cut in query blocks
+        def blocks_runner(q, k, v):
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return _CALL(q, k, v, True, scale)
+            return flash_forward(q, k, v, True, scale)
+        return blocks_runner
+
     def runner(q, k, v):
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             return None
         if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             return _FLASH_FN(q, k, v, 0.0, causal, scale=scale)
         out, lse = _FLASH_FN(q, k, v, 0.0, causal, scale=scale)
-        lo, hi = lse.data.aminmax()
+        lo, hi = lse.aminmax()
         if -bound <= lo.item() and hi.item() <= bound:       # else `run` (`kernel_backward_exact` in full)
             return out, lse
         return None
@@ -155,9 +237,14 @@ def _planned(call):
 
 def _describe(call) -> str:
     copied = _copied(call)
+    blocks = _blocks(call.q, call.k, call.causal)
     return ("torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+            + (f"; causal in {len(blocks)} query blocks, each against the keys up to its end (measured faster "
+               f"than one causal call from L = {SPLIT.min_len} to {SPLIT.max_len})" if blocks else "")
             + (f"; {', '.join(copied)} copied (last dimension not contiguous)" if copied else ""))
 
+
+switches(__name__, "SPLIT")              # (the cut decides which ops a call runs: dispatch plans key on it)
 
 PATH = register(Path(
     backend="torch", op="attention", name="torch/cpu-flash", priority=90,

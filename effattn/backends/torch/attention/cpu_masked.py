@@ -469,7 +469,7 @@ def _native(q: Tensor, k: Tensor, v: Tensor, m: _Mask, scale: float) -> Optional
     if m.unseen is not None and not masked_keys_harmless(q, k, v, scale):
         k, v = _seen_only(k, m.unseen), _seen_only(v, m.unseen)
     out, lse = _FLASH_FN(q, k, v, 0.0, False, attn_mask=m.add, scale=scale)
-    return (out, lse) if kernel_backward_exact(lse.data) else None
+    return (out, lse) if kernel_backward_exact(lse) else None
 
 
 def _run(call):
