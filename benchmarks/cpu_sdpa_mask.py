@@ -158,23 +158,17 @@ def main(argv=None):
                    help="time the key padding skip against reading every key instead (one thread, B=1)")
     args = p.parse_args(argv)
     default = torch.get_num_threads()
-    if args.causal_blocks:
-        header = (f"torch/cpu-flash, causal calls in query blocks vs one call (effattn {effattn.__version__}): torch "
-                  f"{torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
-                  f"average {os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, "
-                  f"float32, B=1, H={args.heads}, D={args.head_dim}, median of {args.runs} interleaved runs")
+    if args.causal_blocks or args.compact:
+        what, rows, timing = (("torch/cpu-flash, causal calls in query blocks vs one call", causal_block_rows,
+                               f"median of {args.runs} interleaved runs") if args.causal_blocks else
+                              ("torch/cpu-sdpa-mask, key padding skipped vs every key read", compact_rows,
+                               f"1 thread, median of 3 blocks of {args.runs} runs"))
+        header = (f"{what} (effattn {effattn.__version__}): torch {torch.__version__}, "
+                  f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
+                  f"{os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, float32, B=1, "
+                  f"H={args.heads}, D={args.head_dim}, {timing}")
         print(header, flush=True)
-        lines = [header, ""] + causal_block_rows(args)
-        torch.set_num_threads(default)
-        write_table(lines + ["", f"load average at end {os.getloadavg()[0]:.1f}"], args.out)
-        return
-    if args.compact:
-        header = (f"torch/cpu-sdpa-mask, key padding skipped vs every key read (effattn {effattn.__version__}): torch "
-                  f"{torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
-                  f"average {os.getloadavg()[0]:.1f} at start, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, "
-                  f"float32, B=1, H={args.heads}, D={args.head_dim}, 1 thread, median of 3 blocks of {args.runs} runs")
-        print(header, flush=True)
-        lines = [header, ""] + compact_rows(args)
+        lines = [header, ""] + rows(args)
         torch.set_num_threads(default)
         write_table(lines + ["", f"load average at end {os.getloadavg()[0]:.1f}"], args.out)
         return

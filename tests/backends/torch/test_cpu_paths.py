@@ -31,7 +31,11 @@ PATHS = {
     "noncausal-Lq<Lk": (dict(Lq=9), {}, "flash"),
     "causal-Lq<Lk": (dict(Lq=9), dict(causal=True), "masked"),
     "window": (dict(), dict(causal=True, window=8), "masked"),
-    "layout": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "masked"),
+    "layout": (dict(), dict(layout=BlockLayout(~torch.eye(3, dtype=torch.bool)[None].flip(2), 16)), "masked"),
+    # a layout that cuts no pair of the call: the plain (causal) call
+    "layout, cuts nothing": (dict(), dict(layout=BlockLayout(torch.ones(1, 3, 3, dtype=torch.bool), 16)), "flash"),
+    "layout, cuts nothing causal": (dict(), dict(causal=True, layout=BlockLayout(
+        torch.tril(torch.ones(3, 3, dtype=torch.bool)), 16)), "flash"),
     "padding": (dict(), dict(key_padding_mask=torch.zeros(1, 40, dtype=torch.bool)), "masked"),
     "window-long": (dict(Lq=600, Lk=600), dict(causal=True, window=8), "blocks"),
     "dv!=d": (dict(Dv=8), {}, "blocks"),
@@ -42,7 +46,7 @@ ROW = {"flash": "torch/cpu-flash", "masked": "torch/cpu-sdpa-mask", "blocks": "t
 # why the faster CPU rows leave the call (on their lines in explain)
 WHY_NOT = {"causal-Lq<Lk": ("torch/cpu-flash", "causal with Lq != Lk"),
            "window": ("torch/cpu-flash", "does not support window"),
-           "layout": ("torch/cpu-flash", "does not support layout"),
+           "layout": ("torch/cpu-flash", "a layout that cuts pairs"),
            "padding": ("torch/cpu-flash", "does not support key_padding_mask"),
            "window-long": ("torch/cpu-sdpa-mask", "the blocks path is faster there"),
            "dv!=d": ("torch/cpu-flash", "does not support dv_ne_d"),
@@ -249,3 +253,28 @@ def test_causal_query_blocks_follow_the_rule(monkeypatch):
     assert "query blocks" not in effattn.explain(q, k, v, causal=True).paths["torch"]
     effattn.attention(q, k, v, causal=True)
     assert len(plans._PLANS) == n + 1                      # judged again under the new rule
+
+
+def test_a_layout_that_cuts_nothing_runs_the_plain_call():
+    """A layout keeping every tile the causal mask reaches (here: lower-triangular blocks, the last one
+    partial) is the plain causal call: the flash row takes it, against the oracle with the layout,
+    forward and backward; one head's tile dropped and it cuts pairs again."""
+    from effattn._call import make_attn_call
+    from effattn.backends.torch.attention import cpu_flash
+    L, bs = 300, 64                                           # 5 blocks, the last one partial (L = 128..1024: query blocks too)
+    lay = torch.tril(torch.ones(2, 5, 5, dtype=torch.bool))
+    q, k, v = (t.requires_grad_() for t in qkv(H=2, Hkv=2, Lq=L, Lk=L))
+    kw = dict(causal=True, layout=BlockLayout(lay, bs))
+    assert effattn.explain(q, k, v, **kw).chosen_path == "torch/cpu-flash"
+    out = effattn.attention(q, k, v, **kw)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive_attention(*refs, **kw)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, refs, go.double())):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+    cut = lay.clone()
+    cut[1, 3, 0] = False                                      # head 1, query block 3 no longer sees key block 0
+    call = make_attn_call(q, k, v, causal=True, layout=BlockLayout(cut, bs))
+    assert not cpu_flash.layout_cuts_nothing(call)
+    assert effattn.explain(q, k, v, causal=True, layout=BlockLayout(cut, bs)).chosen_path != "torch/cpu-flash"

@@ -8,6 +8,7 @@ no masks (``torch/cpu-blocks`` and ``torch/reference`` serve those).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -28,7 +29,32 @@ _FLASH_FN = getattr(torch._C._VariableFunctions, "_scaled_dot_product_flash_atte
 # The flash CPU kernel reads fewer key/value heads than query heads since torch 2.5 (SDPA's
 # enable_gqa); only torch 2.13 is tested here, so older versions send GQA to the blocks path.
 _FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-FEATURES = frozenset({"causal", "lq_ne_lk", "return_lse"} | ({"gqa"} if _FLASH_GQA else set()))
+FEATURES = frozenset({"causal", "lq_ne_lk", "return_lse", "layout"} | ({"gqa"} if _FLASH_GQA else set()))
+# ("layout": a block layout that cuts no pair the call's causal mask keeps, `layout_cuts_nothing`)
+
+_NO_CUT = weakref.WeakKeyDictionary()     # BlockLayout -> {(Lq, Lk, causal): whether it cuts no pair}
+
+
+def layout_cuts_nothing(call) -> bool:
+    """Whether the call's block layout keeps every (query block, key block) tile holding a pair its
+    causal mask (or, without one, every pair) keeps: then the layout changes nothing, and the call is
+    the plain causal (dense) one, as the fixed layout at L <= 4 x 128 is (kept per layout: a
+    layout is immutable)."""
+    lay = call.layout
+    key = (call.Lq, call.Lk, call.causal)
+    seen = _NO_CUT.setdefault(lay, {})
+    got = seen.get(key)
+    if got is None:
+        bs = lay.block_size
+        nq, nk = -(-call.Lq // bs), -(-call.Lk // bs)
+        m = lay.mask[:, :nq, :nk]
+        if call.causal:                   # (Lq == Lk here) query block i holds pairs with key blocks 0..i
+            need = torch.ones(nq, nk, dtype=torch.bool).tril()
+            got = bool(m[:, need].all())
+        else:
+            got = bool(m.all())
+        seen[key] = got
+    return got
 
 
 def kernel_backward_exact(lse: Tensor) -> bool:
@@ -174,6 +200,8 @@ def _admits(call) -> List[str]:
         why.append("causal with Lq != Lk (its causal mask is top-left, effattn's bottom-right)")
     if not why and call.causal and call.scale <= 0:
         why.append("causal with scale <= 0 (its causal mask then gives NaN)")
+    if not why and call.layout is not None and not layout_cuts_nothing(call):
+        why.append("a layout that cuts pairs (the kernel has no block mask)")
     return why
 
 
@@ -239,6 +267,7 @@ def _describe(call) -> str:
     copied = _copied(call)
     blocks = _blocks(call.q, call.k, call.causal)
     return ("torch's fused flash-attention CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu)"
+            + ("; the layout cuts no pair of this call: run without it" if call.layout is not None else "")
             + (f"; causal in {len(blocks)} query blocks, each against the keys up to its end (measured faster "
                f"than one causal call from L = {SPLIT.min_len} to {SPLIT.max_len})" if blocks else "")
             + (f"; {', '.join(copied)} copied (last dimension not contiguous)" if copied else ""))
