@@ -3,7 +3,9 @@
 calls it computes exactly: it returns the log-sum-exp, reads GQA key/value heads without expanding
 them, accumulates half types in float32 and float64 in float64. Its causal mask is aligned
 top-left, so it serves causal calls only when ``Lq == Lk``; it has no dropout, no ``Dv != D`` and
-no masks (``torch/cpu-blocks`` and ``torch/reference`` serve those).
+no masks (``torch/cpu-sdpa-mask``, ``torch/cpu-blocks`` and ``torch/reference`` serve those), but takes
+a block layout that cuts no pair of the call (`layout_cuts_nothing`). Float32 causal calls of
+moderate length run in query blocks (`SPLIT`): the kernel reads the pairs above the diagonal there.
 """
 from __future__ import annotations
 
@@ -97,8 +99,10 @@ def unit_stride(*ts: Tensor) -> Tuple[Tensor, ...]:
 #              1280 1.02 / 0.99, 2048 1.12 / 1.04
 #   2 threads: L = 128 0.86 / 0.89, 256 0.82 / 0.82, 512 0.76 / 0.72, 768 0.92 / 0.87, 1024 0.95 / 0.97,
 #              1280 1.04 / 1.00, 2048 1.13 / 1.10
-# (2 blocks: 0.79-0.95 up to L = 640, 1.06-1.15 from 768). Float32 only (the rule's measurements); the
-# op pair's backward sums the blocks' dK, dV in a fixed order (last block first): reproducible.
+# (2 blocks: 0.79-0.95 up to L = 640, 1.06-1.15 from 768). Up to L = 768: at 1024 the gain was small
+# and did not hold at 2 threads in the side-by-side run with SDPA (1.09x forward). Float32 only (the
+# rule's measurements); the op pair's backward sums the blocks' dK, dV in a fixed order (last block
+# first): reproducible.
 
 
 class Split(NamedTuple):
@@ -108,7 +112,7 @@ class Split(NamedTuple):
     dtypes: frozenset
 
 
-SPLIT = Split(min_len=128, max_len=1024, pieces=4, dtypes=frozenset({torch.float32}))
+SPLIT = Split(min_len=128, max_len=768, pieces=4, dtypes=frozenset({torch.float32}))
 _SPLIT_MASKS: dict = {}         # (L, pieces, dtype) -> the blocks (`_blocks`)
 
 
@@ -122,7 +126,7 @@ def _blocks(q: Tensor, k: Tensor, causal: bool) -> Optional[tuple]:
     key = (L, SPLIT.pieces, q.dtype)
     got = _SPLIT_MASKS.get(key)
     if got is None:
-        cuts = [round(i * L / SPLIT.pieces) for i in range(SPLIT.pieces + 1)]
+        cuts = sorted({round(i * L / SPLIT.pieces) for i in range(SPLIT.pieces + 1)})   # (no empty block)
         got = tuple((i0, i1, None if i0 == 0 else torch.zeros(i1 - i0, i1, dtype=q.dtype).masked_fill_(
                     torch.arange(i1)[None, :] > torch.arange(i0, i1)[:, None], -math.inf))
                     for i0, i1 in zip(cuts, cuts[1:]))
