@@ -423,3 +423,16 @@ def test_skipped_padding_one_key_set_and_the_threshold(monkeypatch):
             assert m.keys.dim() == 1 and m.fill is None and m.add is None and m.unseen is None
         out = effattn.attention(q, k, v, key_padding_mask=pad)
         torch.testing.assert_close(out, effattn.attention(q, k[:, :, keep], v[:, :, keep]), atol=1e-6, rtol=1e-6)
+
+
+def test_padding_everywhere_is_not_skipped():
+    """Every key of every entry padded: nothing to gather (no empty key range reaches the kernel);
+    every row sees no key: output 0, lse -inf, gradients 0, as the oracle."""
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=torch.Generator().manual_seed(9)).requires_grad_() for _ in range(3))
+    pad = torch.ones(2, 32, dtype=torch.bool)
+    assert cpu_masked.read_keys(make_attn_call(q, k, v, key_padding_mask=pad)) == 32
+    out, lse = effattn.attention(q, k, v, key_padding_mask=pad, return_lse=True)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(bool((g == 0).all()) for g in grads)
+

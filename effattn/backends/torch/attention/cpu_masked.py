@@ -299,9 +299,10 @@ def _compacts(Lq: int, Lk: int, n: int) -> bool:
     pairs it skips, ``(Lk - n) * Lq``, reach ``COMPACT.pairs_per_key`` per key. Measured on the CPU
     (``python3 -m benchmarks.cpu_sdpa_mask --compact``, benchmarks/results/cpu/cpu_sdpa_mask.md): the
     copies and their fixed cost (~40 us) are paid back from about 8-16 skipped pairs per key (B = 1,
-    H = 8, D = 64, one thread; skipping 16 of 256 keys with 256 queries: 0.95x the time, 64 of 256:
-    0.78x; 64 of 256 with 8 queries: 1.19x; a single query: 1.8-3x)."""
-    return (Lk - n) * Lq >= COMPACT.pairs_per_key * Lk and n < Lk
+    H = 8, D = 64, one thread; skipping 16 of 256 keys with 256 queries: 0.94x the time, 64 of 256:
+    0.82x; 64 of 256 with 8 queries: 1.29x; a single query: 1.8-3.3x). Not when no entry keeps a key
+    (n = 0: the kernel takes no empty key range; the mask gives those rows 0)."""
+    return (Lk - n) * Lq >= COMPACT.pairs_per_key * Lk and 0 < n < Lk
 
 
 class Compact(NamedTuple):
