@@ -37,6 +37,20 @@ CASES = {
 }
 
 
+def step(path, call, mode: str, dout, before=lambda: None):
+    """One timed step of a row on a call: its forward without autograd ("fwd"), or forward and
+    backward ("fwd+bwd", the inputs' gradients cleared first); ``before()`` runs first (a rule set)."""
+    def fn():
+        before()
+        if mode == "fwd":
+            with torch.no_grad():
+                path.run(call)
+        else:
+            call.q.grad = call.k.grad = call.v.grad = None
+            path.run(call)[0].backward(dout)
+    return fn
+
+
 def measure(name, L, args, threads):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -46,16 +60,8 @@ def measure(name, L, args, threads):
     call = make_attn_call(q, k, v, **CASES[name](L))
     row = {}
     for mode in ("fwd", "fwd+bwd"):
-        def timed(path):
-            def fn():
-                if mode == "fwd":
-                    with torch.no_grad():
-                        path.run(call)
-                else:
-                    q.grad = k.grad = v.grad = None
-                    path.run(call)[0].backward(dout)
-            return fn
-        row[mode] = median_ms([timed(cpu_masked.PATH), timed(cpu_blocks.PATH)], args.runs)
+        row[mode] = median_ms([step(cpu_masked.PATH, call, mode, dout), step(cpu_blocks.PATH, call, mode, dout)],
+                              args.runs)
     frac = cpu_masked.visible_fraction(call)
     rule = cpu_masked._rule(call)
     return row, frac, "mask" if not rule else "blocks"
@@ -84,14 +90,8 @@ def compact_rows(args):
                 times = {}
                 for mode in ("fwd", "fwd+bwd"):
                     for rule in (always, never) * 3:
-                        def fn(call=calls[rule]):
-                            if mode == "fwd":
-                                with torch.no_grad():
-                                    cpu_masked.PATH.run(call)
-                            else:
-                                q.grad = k.grad = v.grad = None
-                                cpu_masked.PATH.run(call)[0].backward(dout)
                         cpu_masked.COMPACT = rule
+                        fn = step(cpu_masked.PATH, calls[rule], mode, dout)
                         times.setdefault((mode, rule), []).append(median_ms([fn], args.runs)[0])
                 cpu_masked.COMPACT = default
                 decides = "skip" if cpu_masked._compacts(Lq, L, L - padded) else "read all"
@@ -121,18 +121,11 @@ def causal_block_rows(args):
             call = make_attn_call(q, k, v, causal=True)
             cells = [str(L), str(threads)]
             for mode in ("fwd", "fwd+bwd"):
-                def timed(split):
-                    def fn():
-                        cpu_flash.SPLIT = split
-                        if mode == "fwd":
-                            with torch.no_grad():
-                                cpu_flash.PATH.run(call)
-                        else:
-                            q.grad = k.grad = v.grad = None
-                            cpu_flash.PATH.run(call)[0].backward(dout)
-                    return fn
+                def use(split):
+                    return lambda: setattr(cpu_flash, "SPLIT", split)
                 try:
-                    one, two, four = median_ms([timed(m) for m in modes], args.runs)
+                    one, two, four = median_ms([step(cpu_flash.PATH, call, mode, dout, use(m)) for m in modes],
+                                               args.runs)
                 finally:
                     cpu_flash.SPLIT = default
                 cells += [f"{one:.3f}", f"{two / one:.2f}x", f"{four / one:.2f}x"]

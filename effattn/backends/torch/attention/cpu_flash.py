@@ -59,6 +59,11 @@ def layout_cuts_nothing(call) -> bool:
     return got
 
 
+def exact_bound(lse_dtype: torch.dtype) -> float:
+    """The largest |lse| the kernel's backward takes exactly (`kernel_backward_exact`)."""
+    return 2.0 ** -10 / torch.finfo(lse_dtype).eps
+
+
 def kernel_backward_exact(lse: Tensor) -> bool:
     """Whether the kernel's own backward may take a call with this saved lse. It recomputes the
     scores in another order than its forward, so they round differently: by up to a few ulps of
@@ -66,7 +71,7 @@ def kernel_backward_exact(lse: Tensor) -> bool:
     compute dtype (8192 in float32) that factor is no longer ~1 (scores of 1e10 in float32 gave
     P = inf and NaN gradients from finite input); the blocks path's backward, whose P never
     exceeds 1, takes those calls."""
-    bound = 2.0 ** -10 / torch.finfo(lse.dtype).eps
+    bound = exact_bound(lse.dtype)
     if not lse.numel():
         return True
     lo, hi = lse.aminmax()              # one reduction where every row sees a key (abs + max: two, and a copy)
@@ -245,7 +250,7 @@ def _planned(call):
     if call.return_lse:
         return None
     causal, scale = call.causal, call.scale
-    bound = 2.0 ** -10 / torch.finfo(compute_dtype(call.q.dtype)).eps      # `kernel_backward_exact`'s
+    bound = exact_bound(compute_dtype(call.q.dtype))
 
     if _blocks(call.q, call.k, causal) is not None:      # the plan's shapes are cut in query blocks
         def blocks_runner(q, k, v):
